@@ -1,0 +1,46 @@
+"""Tests of the Triton kernels (triton_kernels/, installed as sglang_ddtree.triton_kernels).
+
+:func:`load_kernels` imports the kernel files straight from the repository under a private package
+name. Triton decides interpreter vs compiled mode when a kernel is *decorated*, so CPU tests need a
+copy imported with ``TRITON_INTERPRET=1`` while GPU tests in the same pytest process need compiled
+ones; two private copies keep the modes apart and need no installed package.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+_KERNEL_DIR = Path(__file__).resolve().parents[2] / "triton_kernels"
+
+
+def load_kernels(interpret: bool) -> types.SimpleNamespace:
+    """Return ``tree_attention``, ``tree_attention_mla`` and ``reference`` modules.
+
+    ``interpret=True`` gives a copy whose kernels run in Triton's CPU interpreter.
+    """
+    name = "_ddtree_kernels_interp" if interpret else "_ddtree_kernels_compiled"
+    if name not in sys.modules:
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+        try:
+            spec = importlib.util.spec_from_file_location(
+                name, _KERNEL_DIR / "__init__.py", submodule_search_locations=[str(_KERNEL_DIR)])
+            pkg = importlib.util.module_from_spec(spec)
+            sys.modules[name] = pkg
+            spec.loader.exec_module(pkg)
+            for sub in ("tree_attention", "tree_attention_mla", "reference"):
+                importlib.import_module(f"{name}.{sub}")
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+    return types.SimpleNamespace(
+        tree_attention=sys.modules[f"{name}.tree_attention"],
+        tree_attention_mla=sys.modules[f"{name}.tree_attention_mla"],
+        reference=sys.modules[f"{name}.reference"],
+    )

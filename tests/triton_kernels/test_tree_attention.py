@@ -1,0 +1,209 @@
+"""CPU tests (Triton interpreter) of the tree-verify attention kernels against the fp32 reference.
+
+Tolerance: max |kernel - reference| / max |reference| below 1e-2 for bf16 outputs and 2e-3 for
+fp16 (under the interpreter the dots run in fp32, so the error is the output rounding: 2^-8 and
+2^-11 relative). Outputs and split partials are poisoned with NaN and every KV slot that belongs to
+no request is NaN, so an unwritten output element or a read outside a request's keys fails.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.triton_kernels import load_kernels
+
+K = load_kernels(interpret=True)
+TA, MLA, REF = K.tree_attention, K.tree_attention_mla, K.reference
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    # the interpreter consults TRITON_INTERPRET at launch too (lazy imports inside triton)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def poison_unused(cache: torch.Tensor, layout) -> torch.Tensor:
+    """NaN into every slot no request owns (page 0, spare pages, page tails)."""
+    used = torch.zeros(cache.shape[0], dtype=torch.bool)
+    for b in range(layout.seq_lens.numel()):
+        used[layout.req_to_token[layout.req_pool_indices[b]].long()] = True
+    used[layout.out_cache_loc] = True
+    used[0] = False  # req_to_token rows are zero-padded: slot 0 is nobody's
+    cache = cache.clone()
+    if cache.dtype in (torch.float8_e4m3fn, torch.uint8):
+        cache.view(torch.uint8)[~used] = 0x7F  # e4m3 NaN
+    else:
+        cache[~used] = float("nan")
+    return cache
+
+
+def make_layout(seq_lens, n, page_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    layout = REF.random_paged_layout(seq_lens, n, page_size, g)
+    mask = REF.random_tree_mask(len(seq_lens), n, g)
+    return g, layout, mask
+
+
+MHA_CASES = [
+    # (name, seq_lens, N, Hq, Hkv, D, page, splits, mode, dtype, cap)
+    ("page1_prefix1", [1, 23], 5, 4, 2, 32, 1, 1, "table", torch.bfloat16, 0.0),
+    ("page4_ragged_odd_group", [17, 1, 40], 3, 3, 1, 24, 4, 3, "indptr", torch.bfloat16, 0.0),
+    ("budget1_mha", [9], 2, 1, 1, 16, 1, None, "table", torch.float16, 0.0),
+    ("gqa8_multi_mblock", [33, 2], 9, 8, 1, 16, 16, 2, "table", torch.bfloat16, 0.0),
+    ("wide_tree_splits", [3, 50], 20, 2, 2, 16, 2, 4, "indptr", torch.float16, 0.0),
+    ("odd_heads_cap", [30], 6, 5, 5, 16, 8, 1, "table", torch.float16, 5.0),
+    ("many_splits_short", [5, 7], 4, 4, 2, 16, 1, 8, "table", torch.bfloat16, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", MHA_CASES, ids=[c[0] for c in MHA_CASES])
+def test_mha_matches_reference(case):
+    name, seq_lens, n, hq, hkv, d, page, splits, mode, dtype, cap = case
+    g, layout, mask = make_layout(seq_lens, n, page, seed=sum(map(ord, name)))
+    bs = len(seq_lens)
+    k = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).to(dtype)
+    v = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).to(dtype)
+    q = (torch.randn(bs * n, hq, d, generator=g) * (4.0 if cap else 1.0)).to(dtype)
+    kv = layout.table_kwargs() if mode == "table" else layout.indptr_kwargs()
+    attn = TA.TreeAttention.plan(max_batch_size=bs + 1, num_tree_tokens=n, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=d, max_context_len=64,
+                                 device="cpu", logit_cap=cap, num_kv_splits=splits)
+    attn.part_o.fill_(float("nan"))
+    attn.part_lse.fill_(float("nan"))
+    out = torch.full((bs * n, hq, d), float("nan"), dtype=dtype)
+    attn.run(q, k, v, layout.out_cache_loc, mask, out=out, **kv)
+    ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask, logit_cap=cap, **kv)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+
+
+def test_mha_fp8_kv_with_scales():
+    g, layout, mask = make_layout([13, 26], 4, 4, seed=3)
+    k32 = torch.randn(layout.num_slots, 2, 32, generator=g)
+    v32 = torch.randn(layout.num_slots, 2, 32, generator=g)
+    k_scale, v_scale = 0.25, 2.0
+    k8 = poison_unused((k32 / k_scale).to(torch.float8_e4m3fn), layout)
+    v8 = poison_unused((v32 / v_scale).to(torch.float8_e4m3fn), layout).view(torch.uint8)
+    q = torch.randn(8, 4, 32, generator=g).bfloat16()
+    kv = layout.table_kwargs()
+    out = TA.tree_attention(q, k8, v8, layout.out_cache_loc, mask, num_kv_splits=2,
+                            k_scale=k_scale, v_scale=v_scale, **kv)
+    ref = REF.tree_attention_reference(q, k8, v8, layout.out_cache_loc, mask, k_scale=k_scale,
+                                       v_scale=v_scale, **kv)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_plan_is_data_independent():
+    """One plan serves different prefix lengths and trees (what a replayed graph needs)."""
+    attn = TA.TreeAttention.plan(max_batch_size=2, num_tree_tokens=3, num_q_heads=2,
+                                 num_kv_heads=1, head_dim=16, max_context_len=128,
+                                 device="cpu", num_kv_splits=3)
+    for seed, seq_lens in ((0, [40, 2]), (1, [1, 70])):
+        g, layout, mask = make_layout(seq_lens, 3, 2, seed)
+        k = torch.randn(layout.num_slots, 1, 16, generator=g).half()
+        v = torch.randn(layout.num_slots, 1, 16, generator=g).half()
+        q = torch.randn(6, 2, 16, generator=g).half()
+        out = attn.run(q, k, v, layout.out_cache_loc, mask, **layout.table_kwargs())
+        ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask,
+                                           **layout.table_kwargs())
+        assert rel_err(out, ref) < TOL[torch.float16]
+
+
+def test_auto_splits_shrink_with_batch():
+    attn = TA.TreeAttention.plan(max_batch_size=32, num_tree_tokens=9, num_q_heads=8,
+                                 num_kv_heads=2, head_dim=16, max_context_len=4096,
+                                 device="cpu")
+    splits = [attn.num_splits(bs) for bs in (1, 2, 8, 32)]
+    assert splits == sorted(splits, reverse=True) and splits[0] > 1 and splits[-1] == 1
+    assert attn.max_splits == splits[0]
+
+
+def test_validation_names_tensor():
+    attn = TA.TreeAttention.plan(max_batch_size=2, num_tree_tokens=3, num_q_heads=2,
+                                 num_kv_heads=1, head_dim=16, max_context_len=16, device="cpu")
+    g, layout, mask = make_layout([4, 5], 3, 1, 0)
+    k = torch.randn(layout.num_slots, 1, 16).half()
+    with pytest.raises(ValueError, match=r"q shape: expected \[bs\*3, 2, 16\]"):
+        attn.run(torch.zeros(6, 2, 8).half(), k, k, layout.out_cache_loc, mask,
+                 **layout.table_kwargs())
+    with pytest.raises(ValueError, match="tree_mask shape"):
+        attn.run(torch.zeros(6, 2, 16).half(), k, k, layout.out_cache_loc, mask[:, :2],
+                 **layout.table_kwargs())
+    with pytest.raises(ValueError, match="kv index mode"):
+        attn.run(torch.zeros(6, 2, 16).half(), k, k, layout.out_cache_loc, mask)
+
+
+def test_reference_chain_equals_causal_sdpa():
+    """A chain tree over a contiguous cache is plain causal attention over prefix + chain."""
+    g, layout, _ = make_layout([7], 5, 1, 1)
+    mask = torch.tril(torch.ones(1, 5, 5, dtype=torch.bool))
+    k = torch.randn(layout.num_slots, 2, 16, generator=g)
+    v = torch.randn(layout.num_slots, 2, 16, generator=g)
+    q = torch.randn(5, 4, 16, generator=g)
+    ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask,
+                                       **layout.table_kwargs())
+    slots = layout.req_to_token[layout.req_pool_indices[0], :12].long()
+    kk = k[slots].repeat_interleave(2, 1).transpose(0, 1)    # [Hq, 12, D]
+    vv = v[slots].repeat_interleave(2, 1).transpose(0, 1)
+    allowed = torch.ones(5, 12, dtype=torch.bool).tril(diagonal=7)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kk, vv, attn_mask=allowed).transpose(0, 1)
+    torch.testing.assert_close(ref, sdpa, atol=1e-5, rtol=1e-5)
+
+
+MLA_CASES = [
+    # (name, seq_lens, N, H, rank, rope, page, splits, kv dtype, scale)
+    ("bf16_page1_nosplit", [5, 40], 4, 3, 64, 16, 1, 1, torch.bfloat16, 1.0),
+    ("bf16_page1_split", [5, 40], 4, 3, 64, 16, 1, 4, torch.bfloat16, 1.0),
+    ("fp8_page8_budget8", [1, 19], 9, 2, 64, 16, 8, None, torch.float8_e4m3fn, 0.5),
+    ("fp8_uint8_storage", [12], 3, 5, 32, 16, 4, 2, torch.uint8, 2.0),
+    ("kimi_dims", [20], 2, 2, 512, 64, 16, 2, torch.bfloat16, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_matches_reference(case):
+    name, seq_lens, n, h, rank, rope, page, splits, kv_dtype, scale = case
+    g, layout, mask = make_layout(seq_lens, n, page, seed=sum(map(ord, name)))
+    bs = len(seq_lens)
+    latent = torch.randn(layout.num_slots, 1, rank + rope, generator=g)
+    if kv_dtype == torch.bfloat16:
+        cache = poison_unused(latent, layout).bfloat16()
+    else:
+        cache = poison_unused((latent / scale).to(torch.float8_e4m3fn), layout)
+        if kv_dtype == torch.uint8:
+            cache = cache.view(torch.uint8)
+    q = torch.randn(bs * n, h, rank + rope, generator=g).bfloat16()
+    sm_scale = 1.0 / math.sqrt(192)
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
+                                     max_context_len=64, device="cpu", sm_scale=sm_scale,
+                                     kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits)
+    attn.part_o.fill_(float("nan"))
+    out = torch.full((bs * n, h, rank), float("nan"), dtype=torch.bfloat16)
+    attn.run(q, cache, layout.out_cache_loc, mask, kv_scale=scale, out=out,
+             **layout.table_kwargs())
+    ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=rank, sm_scale=sm_scale,
+                                           kv_scale=scale, **layout.table_kwargs())
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+
+
+def test_mla_one_shot_indptr():
+    g, layout, mask = make_layout([3, 11], 3, 2, seed=9)
+    cache = poison_unused(torch.randn(layout.num_slots, 1, 48, generator=g), layout).bfloat16()
+    q = torch.randn(6, 4, 48, generator=g).bfloat16()
+    out = MLA.tree_attention_mla(q, cache, layout.out_cache_loc, mask, sm_scale=0.2,
+                                 kv_lora_rank=32, num_kv_splits=2, **layout.indptr_kwargs())
+    ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask, kv_lora_rank=32,
+                                           sm_scale=0.2, **layout.indptr_kwargs())
+    assert out.shape == (6, 4, 32)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]

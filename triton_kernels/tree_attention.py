@@ -1,0 +1,607 @@
+"""Tree-verify attention over SGLang's paged KV cache (MHA / GQA), with split-K and a reduction.
+
+DDTree verifies ``N = budget + 1`` tree tokens per request in one target forward (node 0 is the
+root, i.e. the bonus token). Query ``i`` of request ``b`` attends to
+
+- every token of the request's prefix (``seq_lens[b]`` tokens already in the KV cache), and
+- the tree tokens ``j`` with ``tree_mask[b, i, j]`` (``j`` is ``i`` or an ancestor of ``i``; see
+  ``/work/notes/tree_contract.md``: the ``ancestor_mask`` of a ``DraftTree``).
+
+The tree tokens' own K/V were already written to the cache at ``out_cache_loc`` (SGLang saves KV
+before calling the backend), so the kernel reads everything by *slot index*: prefix slots from a
+``req_to_token`` row (or a flat ``kv_indices`` / ``kv_indptr`` pair as SGLang's triton backend
+builds) and tree slots from ``out_cache_loc``. Slots are token-granular for any page size, so the
+same kernel serves page_size 1 and > 1.
+
+Work split. One program owns one (request, KV head, block of query rows, prefix split). Its rows are
+``(tree token, q head of the KV head's group)`` pairs, so a KV tile is loaded once for all ``G`` query
+heads of a GQA group and all tree tokens in the block (SGLang's extend kernel re-reads KV once per
+query head). With ``S > 1`` splits, split ``s`` covers one contiguous chunk of the prefix, the last
+split also covers the tree tokens, and each split writes a normalised partial output plus its
+log2-sum-exp; :func:`_tree_attn_reduce_kernel` merges them.
+
+Capture safety. :meth:`TreeAttention.plan` sizes every buffer from (max batch, N, heads, dims, max
+context) once; :meth:`TreeAttention.run` only launches kernels whose grids depend on static shapes
+(batch size, N, heads) and never reads device data on the host, so it can be captured in a CUDA graph
+and replayed with new inputs. Split chunk bounds are computed inside the kernel from ``seq_lens``;
+empty chunks just write an empty partial.
+
+The MLA (absorbed, latent KV) variant lives in ``tree_attention_mla.py`` and reuses these kernels.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, used by CI) mis-evaluates tl.dot on bf16 tiles
+# (it multiplies raw bit patterns) and rejects tensor loop bounds in range() under numpy >= 2, so
+# under the interpreter every dot runs in fp32 and loops are while loops (INTERPRET flag).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_LOG2E = 1.4426950408889634
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh on every backend; 2*sigmoid(2x) - 1 is exact enough in fp32.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i,            # running output [BM, BDV] fp32, max [BM] and sum [BM] (log2 domain)
+    q, q_pe,                  # [BM, BDK] and [BM, D_PE] query tiles (q_pe unused when D_PE == 0)
+    k_ptr, v_ptr,             # cache base pointers already offset to this KV head
+    slots,                    # [BN] int64 slot of each key in the tile
+    allowed,                  # [BM, BN] bool: which (row, key) pairs may attend
+    key_ok,                   # [BN] bool: key exists (guards every cache read)
+    stride_kt, stride_vt,
+    qk_scale, logit_cap,
+    DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SHARED_KV: tl.constexpr, HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    offs_dk = tl.arange(0, BLOCK_DK)
+    k = tl.load(
+        k_ptr + slots[:, None] * stride_kt + offs_dk[None, :],
+        mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0,
+    )  # [BN, BDK]
+    if INTERPRET:
+        kd = k.to(tl.float32)
+    else:
+        kd = k.to(q.dtype)  # fp8 caches are upcast; the scale is folded into qk_scale / v_scale
+    s = tl.dot(q, tl.trans(kd))
+    if D_PE > 0:
+        offs_pe = DK + tl.arange(0, D_PE)
+        k_pe = tl.load(k_ptr + slots[:, None] * stride_kt + offs_pe[None, :],
+                       mask=key_ok[:, None], other=0.0)
+        if INTERPRET:
+            k_pe = k_pe.to(tl.float32)
+        else:
+            k_pe = k_pe.to(q_pe.dtype)
+        s += tl.dot(q_pe, tl.trans(k_pe))
+    if HAS_CAP:
+        # logit soft cap as SGLang applies it: cap * tanh(scaled / cap), then to log2 domain
+        s = logit_cap * _tanh(s * qk_scale / logit_cap) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at zero
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if SHARED_KV:
+        v = kd  # absorbed MLA: V is the first DV (= DK) latent dims of the same row
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(
+            v_ptr + slots[:, None] * stride_vt + offs_dv[None, :],
+            mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+        )
+        if INTERPRET:
+            v = v.to(tl.float32)
+        else:
+            v = v.to(q.dtype)
+    if INTERPRET:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefix_tile(n0, end, acc, m_i, l_i, q, q_pe, k_base, v_base, kv_table_ptr, row_base, row_ok,
+                 stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N: tl.constexpr,
+                 DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
+                 DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_KV: tl.constexpr,
+                 HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr):
+    # prefix keys [n0, n0 + BLOCK_N) clipped to the split's end: every row may see them
+    pos = n0 + tl.arange(0, BLOCK_N)
+    key_ok = pos < end
+    slots = tl.load(kv_table_ptr + row_base + pos, mask=key_ok, other=0).to(tl.int64)
+    allowed = row_ok[:, None] & key_ok[None, :]
+    return _attend_tile(acc, m_i, l_i, q, q_pe, k_base, v_base, slots, allowed, key_ok,
+                        stride_kt, stride_vt, qk_scale, logit_cap,
+                        DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+
+
+@triton.jit
+def _tree_tile(j0, N, acc, m_i, l_i, q, q_pe, k_base, v_base, loc_row, mask_row, row_ok,
+               stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N: tl.constexpr,
+               DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
+               DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_KV: tl.constexpr,
+               HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr):
+    # tree keys [j0, j0 + BLOCK_N): a row sees key j iff tree_mask[b, row's token, j]
+    j = j0 + tl.arange(0, BLOCK_N)
+    key_ok = j < N
+    slots = tl.load(loc_row + j, mask=key_ok, other=0).to(tl.int64)
+    anc = tl.load(mask_row[:, None] + j[None, :], mask=row_ok[:, None] & key_ok[None, :],
+                  other=0)
+    return _attend_tile(acc, m_i, l_i, q, q_pe, k_base, v_base, slots, anc != 0, key_ok,
+                        stride_kt, stride_vt, qk_scale, logit_cap,
+                        DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+
+
+@triton.jit
+def _tree_attn_fwd_kernel(
+    q_ptr,            # [T, Hq, DK + D_PE] queries, T = bs * N (request-major, node order)
+    k_ptr,            # [num_slots, Hkv, DK + D_PE] key cache (bf16/fp16/fp8)
+    v_ptr,            # [num_slots, Hkv, DV] value cache (unused when SHARED_KV)
+    o_ptr,            # [T, Hq, DV] output, written directly when NUM_SPLITS == 1
+    part_o_ptr,       # [T, Hq, NUM_SPLITS, DV] fp32 normalised split outputs (NUM_SPLITS > 1)
+    part_lse_ptr,     # [T, Hq, NUM_SPLITS] fp32 split log2-sum-exp (NUM_SPLITS > 1)
+    kv_table_ptr,     # [pool, max_ctx] req_to_token, or [total] kv_indices when USE_INDPTR
+    kv_row_ptr,       # [bs] req_pool_indices, or [bs + 1] kv_indptr when USE_INDPTR
+    seq_lens_ptr,     # [bs] prefix lengths (unused when USE_INDPTR)
+    tree_loc_ptr,     # [T] out_cache_loc: cache slot of each tree token
+    tree_mask_ptr,    # [bs, N, N] uint8 ancestor-or-self mask
+    N,                # tree tokens per request (budget + 1)
+    qk_scale,         # sm_scale * k_scale (* log2 e unless HAS_CAP)
+    v_scale,
+    logit_cap,
+    stride_qt, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_ot, stride_oh,
+    stride_table,     # row stride of req_to_token
+    stride_mb, stride_mi,
+    G: tl.constexpr,  # query heads per KV head
+    DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_INDPTR: tl.constexpr, SHARED_KV: tl.constexpr, HAS_CAP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
+    pid_hs = tl.program_id(1)       # kv_head * NUM_SPLITS + split
+    b = tl.program_id(2)
+    kvh = pid_hs // NUM_SPLITS
+    split = pid_hs % NUM_SPLITS
+    Hq = tl.num_programs(1) // NUM_SPLITS * G
+
+    # rows of this block: r = token * G + head-in-group
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N * G
+    tok = rows // G
+    head = kvh * G + rows % G
+    t_glob = (b * N + tok).to(tl.int64)
+
+    offs_dk = tl.arange(0, BLOCK_DK)
+    q = tl.load(
+        q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0,
+    )
+    if D_PE > 0:
+        offs_pe = DK + tl.arange(0, D_PE)
+        q_pe = tl.load(
+            q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_pe[None, :],
+            mask=row_ok[:, None], other=0.0,
+        )
+    else:
+        q_pe = q
+    if INTERPRET:
+        q = q.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    if USE_INDPTR:
+        row_base = tl.load(kv_row_ptr + b).to(tl.int64)
+        prefix_len = (tl.load(kv_row_ptr + b + 1) - row_base).to(tl.int32)
+    else:
+        row_base = tl.load(kv_row_ptr + b).to(tl.int64) * stride_table
+        prefix_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+
+    # this split's prefix chunk, BLOCK_N-aligned so only the last tile of the prefix is ragged
+    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, prefix_len)
+
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # the interpreter walks the same tiles with a while loop; compiled code keeps range(),
+    # which Triton software-pipelines
+    if INTERPRET:
+        n0 = start
+        while n0 < end:
+            acc, m_i, l_i = _prefix_tile(
+                n0, end, acc, m_i, l_i, q, q_pe, k_base, v_base, kv_table_ptr, row_base,
+                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
+                DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _prefix_tile(
+                n0, end, acc, m_i, l_i, q, q_pe, k_base, v_base, kv_table_ptr, row_base,
+                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
+                DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+
+    if split == NUM_SPLITS - 1:
+        # tree tokens: a row only sees ancestors, which precede it in node order, so keys past
+        # the block's last token are never needed (a bound that depends on pid alone)
+        last_tok = tl.minimum((pid_m + 1) * BLOCK_M - 1, N * G - 1) // G
+        mask_row = tree_mask_ptr + b.to(tl.int64) * stride_mb + tok * stride_mi
+        loc_row = tree_loc_ptr + b.to(tl.int64) * N
+        if INTERPRET:
+            j0 = 0
+            while j0 <= last_tok:
+                acc, m_i, l_i = _tree_tile(
+                    j0, N, acc, m_i, l_i, q, q_pe, k_base, v_base, loc_row, mask_row, row_ok,
+                    stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
+                    DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+                j0 += BLOCK_N
+        else:
+            for j0 in range(0, last_tok + 1, BLOCK_N):
+                acc, m_i, l_i = _tree_tile(
+                    j0, N, acc, m_i, l_i, q, q_pe, k_base, v_base, loc_row, mask_row, row_ok,
+                    stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
+                    DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        out = out * v_scale
+        o_off = t_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    else:
+        # partial layout is contiguous [T, Hq, NUM_SPLITS, DV]
+        ph = (t_glob * Hq + head) * NUM_SPLITS + split
+        tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + ph, lse, mask=row_ok)
+
+
+@triton.jit
+def _tree_attn_reduce_kernel(
+    part_o_ptr,       # [T, Hq, NUM_SPLITS, DV] fp32
+    part_lse_ptr,     # [T, Hq, NUM_SPLITS] fp32 (log2 domain, -inf for empty splits)
+    o_ptr,            # [T, Hq, DV]
+    v_scale,
+    stride_ot, stride_oh,
+    Hq,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ph = (t * Hq + h) * NUM_SPLITS
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(part_lse_ptr + ph + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the last split always holds the query's own (diagonal) key
+    w = tl.exp2(lse - m)
+    w = w / tl.sum(w, 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), 0)
+        part = tl.load(part_o_ptr + (ph + s) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+        acc += w_s * part
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_dv,
+             (acc * v_scale).to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: planning (allocates, not graph-safe) and running (launch-only, graph-safe)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options of the forward kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _default_config(dk: int, d_pe: int, dv: int, device: torch.device) -> KernelConfig:
+    if device.type != "cuda":
+        return KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if dk + d_pe > 256 or dv > 256:  # MLA latent rows (512 + 64): keep the fp32 accumulator small
+        return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a small "machine" so that auto splitting is exercised in tests
+
+
+def _check(cond: bool, what: str, expected, actual) -> None:
+    if not cond:
+        raise ValueError(f"tree attention: {what}: expected {expected}, got {actual}")
+
+
+class TreeAttention:
+    """Tree-verify attention (MHA / GQA) over a paged KV cache.
+
+    Use :meth:`plan` once (at model init or before CUDA-graph capture) and :meth:`run` per layer
+    per step. ``plan`` allocates and sizes everything; it is NOT graph-safe. ``run`` only launches
+    kernels with grids fixed by the batch size and the planned sizes: it is CUDA-graph safe (no host
+    syncs, no data-dependent grids, no allocations when ``out`` is given).
+
+    Attributes
+    ----------
+    num_tree_tokens : int
+        N = budget + 1 query tokens per request.
+    max_splits : int
+        Upper bound on prefix splits; the split count for a batch size is :meth:`num_splits`.
+    """
+
+    def __init__(self, *, max_batch_size: int, num_tree_tokens: int, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, v_head_dim: int, rope_dim: int,
+                 max_context_len: int, device, sm_scale: float, logit_cap: float,
+                 num_kv_splits: Optional[int], config: Optional[KernelConfig],
+                 shared_kv: bool):
+        self.device = torch.device(device)
+        self.max_batch_size = int(max_batch_size)
+        self.num_tree_tokens = int(num_tree_tokens)
+        self.num_q_heads = int(num_q_heads)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)            # DK: dims of the dot product besides rope_dim
+        self.rope_dim = int(rope_dim)            # D_PE: MLA rope dims stored after head_dim
+        self.v_head_dim = int(v_head_dim)
+        self.max_context_len = int(max_context_len)
+        self.sm_scale = float(sm_scale)
+        self.logit_cap = float(logit_cap)
+        self.shared_kv = shared_kv
+        _check(self.num_q_heads % self.num_kv_heads == 0, "num_q_heads % num_kv_heads",
+               0, self.num_q_heads % self.num_kv_heads)
+        _check(self.num_tree_tokens >= 1, "num_tree_tokens", ">= 1", self.num_tree_tokens)
+        _check(self.rope_dim in (0, 16, 32, 64, 128), "rope_dim", "0 or a power of two >= 16",
+               self.rope_dim)
+        self.group = self.num_q_heads // self.num_kv_heads
+        self.config = config or _default_config(self.head_dim, self.rope_dim, self.v_head_dim,
+                                                self.device)
+        self._fixed_splits = num_kv_splits
+        self._num_sms = _num_sms(self.device)
+        self.max_splits = max(self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
+        # partial buffers hold bs * N * Hq * S rows; S shrinks as bs grows, so size for the max
+        rows = max(bs * self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
+        rows = rows * self.num_tree_tokens * self.num_q_heads if self.max_splits > 1 else 1
+        self.part_o = torch.empty(rows * self.v_head_dim, dtype=torch.float32, device=self.device)
+        self.part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+
+    @classmethod
+    def plan(cls, *, max_batch_size: int, num_tree_tokens: int, num_q_heads: int,
+             num_kv_heads: int, head_dim: int, max_context_len: int, device,
+             v_head_dim: Optional[int] = None, sm_scale: Optional[float] = None,
+             logit_cap: float = 0.0, num_kv_splits: Optional[int] = None,
+             config: Optional[KernelConfig] = None) -> "TreeAttention":
+        """Size and allocate everything for MHA/GQA tree verify (not graph-safe).
+
+        Parameters
+        ----------
+        max_batch_size : int
+            Largest batch ``run`` will see (the largest captured batch size).
+        num_tree_tokens : int
+            N = budget + 1.
+        num_q_heads, num_kv_heads, head_dim : int
+            Per-rank head counts and the q/k head dim; ``v_head_dim`` defaults to ``head_dim``.
+        max_context_len : int
+            Longest prefix; bounds the split count (chunks of at least 256 keys).
+        sm_scale : float, optional
+            Softmax scale, default ``head_dim ** -0.5``. ``logit_cap`` > 0 enables
+            ``cap * tanh(s / cap)`` on the scaled logits.
+        num_kv_splits : int, optional
+            Fixed prefix split count (1 disables split-K); default picks per batch size.
+        """
+        return cls(max_batch_size=max_batch_size, num_tree_tokens=num_tree_tokens,
+                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   v_head_dim=v_head_dim or head_dim, rope_dim=0,
+                   max_context_len=max_context_len, device=device,
+                   sm_scale=sm_scale if sm_scale is not None else head_dim ** -0.5,
+                   logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config,
+                   shared_kv=False)
+
+    def num_blocks_m(self) -> int:
+        return triton.cdiv(self.num_tree_tokens * self.group, self.config.block_m)
+
+    def num_splits(self, batch_size: int) -> int:
+        """Prefix splits used for ``batch_size`` requests (a pure function of static sizes)."""
+        if self._fixed_splits is not None:
+            return max(1, int(self._fixed_splits))
+        programs = batch_size * self.num_kv_heads * self.num_blocks_m()
+        want = triton.cdiv(2 * self._num_sms, programs)  # about two waves of programs
+        cap = max(1, self.max_context_len // 256)
+        return int(max(1, min(want, cap, 64)))
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,
+            req_to_token: Optional[torch.Tensor] = None,
+            req_pool_indices: Optional[torch.Tensor] = None,
+            seq_lens: Optional[torch.Tensor] = None,
+            kv_indptr: Optional[torch.Tensor] = None,
+            kv_indices: Optional[torch.Tensor] = None,
+            k_scale: float = 1.0, v_scale: float = 1.0,
+            out: Optional[torch.Tensor] = None, validate: bool = True) -> torch.Tensor:
+        """Tree-verify attention for one layer. CUDA-graph safe.
+
+        Parameters
+        ----------
+        q : [bs * N, Hq, head_dim] bf16/fp16
+            Queries, request-major in node order. Last dim contiguous.
+        k_cache, v_cache : [num_slots, Hkv, head_dim] / [num_slots, Hkv, v_head_dim]
+            The layer's KV cache (bf16/fp16, or fp8 e4m3/e5m2 with ``k_scale``/``v_scale``).
+        out_cache_loc : [bs * N] int32/int64
+            Cache slots holding the tree tokens' K/V (already written).
+        tree_mask : [bs, N, N] bool/uint8
+            Ancestor-or-self mask: row i may attend tree token j iff ``tree_mask[b, i, j]``.
+        req_to_token, req_pool_indices, seq_lens : optional
+            Table mode: ``[pool, max_ctx]`` int32 slot table, ``[bs]`` rows, ``[bs]`` prefix
+            lengths (tokens before the tree, as SGLang's TARGET_VERIFY ``seq_lens``).
+        kv_indptr, kv_indices : optional
+            Flat mode instead of the table: ``[bs + 1]`` offsets into ``[total]`` prefix slots.
+        out : [bs * N, Hq, v_head_dim], optional
+            Written in place (pass a preallocated buffer inside graphs).
+
+        Returns
+        -------
+        out : [bs * N, Hq, v_head_dim], dtype of ``q``.
+        """
+        if validate:
+            self._validate(q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
+                           req_pool_indices, seq_lens, kv_indptr, kv_indices, out)
+        return self._launch(q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
+                            req_pool_indices, seq_lens, kv_indptr, kv_indices, k_scale,
+                            v_scale, out)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _validate(self, q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
+                  req_pool_indices, seq_lens, kv_indptr, kv_indices, out) -> None:
+        n, hq = self.num_tree_tokens, self.num_q_heads
+        dq = self.head_dim + self.rope_dim
+        _check(q.dim() == 3 and q.shape[1:] == (hq, dq) and q.shape[0] % n == 0, "q shape",
+               f"[bs*{n}, {hq}, {dq}]", tuple(q.shape))
+        bs = q.shape[0] // n
+        _check(1 <= bs <= self.max_batch_size, "batch size", f"1..{self.max_batch_size}", bs)
+        _check(q.dtype in (torch.bfloat16, torch.float16), "q dtype", "bf16/fp16", q.dtype)
+        _check(q.stride(-1) == 1, "q last-dim stride", 1, q.stride(-1))
+        _check(k_cache.dim() == 3 and k_cache.shape[1:] == (self.num_kv_heads, dq),
+               "k_cache shape", f"[slots, {self.num_kv_heads}, {dq}]", tuple(k_cache.shape))
+        _check(k_cache.stride(-1) == 1, "k_cache last-dim stride", 1, k_cache.stride(-1))
+        if not self.shared_kv:
+            _check(v_cache.dim() == 3 and v_cache.shape[1] == self.num_kv_heads
+                   and v_cache.shape[2] == self.v_head_dim, "v_cache shape",
+                   f"[slots, {self.num_kv_heads}, {self.v_head_dim}]", tuple(v_cache.shape))
+            _check(v_cache.stride(-1) == 1, "v_cache last-dim stride", 1, v_cache.stride(-1))
+        ok_kv = (q.dtype, torch.uint8) + _FP8_DTYPES
+        _check(k_cache.dtype in ok_kv, "k_cache dtype", ok_kv, k_cache.dtype)
+        _check(tuple(out_cache_loc.shape) == (bs * n,), "out_cache_loc shape", (bs * n,),
+               tuple(out_cache_loc.shape))
+        _check(tuple(tree_mask.shape) == (bs, n, n) and tree_mask.stride(-1) == 1,
+               "tree_mask shape", f"({bs}, {n}, {n}) with last-dim stride 1",
+               tuple(tree_mask.shape))
+        _check(tree_mask.dtype in (torch.bool, torch.uint8), "tree_mask dtype", "bool/uint8",
+               tree_mask.dtype)
+        if kv_indptr is not None:
+            _check(req_to_token is None, "kv index mode", "either kv_indptr or req_to_token",
+                   "both")
+            _check(tuple(kv_indptr.shape) == (bs + 1,), "kv_indptr shape", (bs + 1,),
+                   tuple(kv_indptr.shape))
+            _check(kv_indices is not None, "kv_indices", "a tensor with kv_indptr", None)
+        else:
+            _check(req_to_token is not None and req_pool_indices is not None
+                   and seq_lens is not None, "kv index mode",
+                   "req_to_token + req_pool_indices + seq_lens, or kv_indptr + kv_indices",
+                   "neither complete")
+            _check(tuple(req_pool_indices.shape) == (bs,), "req_pool_indices shape", (bs,),
+                   tuple(req_pool_indices.shape))
+            _check(tuple(seq_lens.shape) == (bs,), "seq_lens shape", (bs,),
+                   tuple(seq_lens.shape))
+            _check(req_to_token.stride(-1) == 1, "req_to_token last-dim stride", 1,
+                   req_to_token.stride(-1))
+        if out is not None:
+            _check(tuple(out.shape) == (bs * n, hq, self.v_head_dim) and out.stride(-1) == 1,
+                   "out shape", (bs * n, hq, self.v_head_dim), tuple(out.shape))
+            _check(out.dtype == q.dtype, "out dtype", q.dtype, out.dtype)
+        for name, t in (("q", q), ("k_cache", k_cache), ("out_cache_loc", out_cache_loc),
+                        ("tree_mask", tree_mask)):
+            _check(t.device == self.device or self.device.type == t.device.type,
+                   f"{name} device", self.device, t.device)
+
+    def _launch(self, q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
+                req_pool_indices, seq_lens, kv_indptr, kv_indices, k_scale, v_scale, out):
+        n = self.num_tree_tokens
+        bs = q.shape[0] // n
+        if out is None:
+            out = torch.empty((q.shape[0], self.num_q_heads, self.v_head_dim), dtype=q.dtype,
+                              device=q.device)
+        if k_cache.dtype == torch.uint8:  # SGLang stores fp8 caches as uint8
+            k_cache = k_cache.view(torch.float8_e4m3fn)
+        if self.shared_kv:
+            v_cache = k_cache
+        elif v_cache.dtype == torch.uint8:
+            v_cache = v_cache.view(torch.float8_e4m3fn)
+        if tree_mask.dtype == torch.bool:
+            tree_mask = tree_mask.view(torch.uint8)
+        use_indptr = kv_indptr is not None
+        if use_indptr:
+            table, rows, lens, stride_table = kv_indices, kv_indptr, kv_indptr, 0
+        else:
+            table, rows, lens = req_to_token, req_pool_indices, seq_lens
+            stride_table = req_to_token.stride(0)
+        splits = self.num_splits(bs)
+        cfg = self.config
+        has_cap = self.logit_cap > 0.0
+        qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
+        part_o, part_lse = self.part_o, self.part_lse
+        grid = (self.num_blocks_m(), self.num_kv_heads * splits, bs)
+        _tree_attn_fwd_kernel[grid](
+            q, k_cache, v_cache, out, part_o, part_lse,
+            table, rows, lens, out_cache_loc, tree_mask,
+            n, qk_scale, float(v_scale), self.logit_cap,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            stride_table, tree_mask.stride(0), tree_mask.stride(1),
+            G=self.group, DK=self.head_dim, BLOCK_DK=triton.next_power_of_2(self.head_dim),
+            D_PE=self.rope_dim, DV=self.v_head_dim,
+            BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+            USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
+            INTERPRET=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](
+                part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
+                self.num_q_heads, NUM_SPLITS=splits,
+                BLOCK_S=triton.next_power_of_2(splits), DV=self.v_head_dim,
+                BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
+                num_warps=4 if q.is_cuda else 1,
+            )
+        return out
+
+
+def tree_attention(q, k_cache, v_cache, out_cache_loc, tree_mask, *, num_kv_splits=None,
+                   sm_scale=None, logit_cap=0.0, config=None, **kv) -> torch.Tensor:
+    """One-shot MHA/GQA tree attention (plans then runs; allocates, so NOT graph-safe).
+
+    Shapes as :meth:`TreeAttention.run`; ``kv`` holds the KV index tensors and scales.
+    """
+    n = tree_mask.shape[-1]
+    bs = q.shape[0] // n
+    max_ctx = int(kv["kv_indptr"].diff().max()) if kv.get("kv_indptr") is not None else \
+        int(kv["seq_lens"].max())
+    attn = TreeAttention.plan(
+        max_batch_size=bs, num_tree_tokens=n, num_q_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], v_head_dim=v_cache.shape[2],
+        max_context_len=max(max_ctx, 1), device=q.device, sm_scale=sm_scale,
+        logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config)
+    return attn.run(q, k_cache, v_cache, out_cache_loc, tree_mask, **kv)
