@@ -1,0 +1,114 @@
+"""``sglang-ddtree`` command: info, patch, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def collect_info() -> dict:
+    """Everything `sglang-ddtree info` prints, as a dict (also used by tests and benchmarks)."""
+    from . import __version__, config
+    from . import compat
+
+    info = {
+        "sglang_ddtree": __version__,
+        "sglang": _version("sglang"),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "supported_sglang": list(compat.SUPPORTED_VERSIONS),
+        "gpu": None,
+        "gpu_arch": None,
+        "ddtree_registers": False,
+        "registration_error": None,
+        "tree_verify_backends": {},
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            major, minor = torch.cuda.get_device_capability(0)
+            info["gpu_arch"] = f"sm_{major}{minor}"
+    except ImportError:
+        pass
+    try:
+        from . import plugin
+
+        plugin.register()
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        info["ddtree_registers"] = (
+            SpeculativeAlgorithm.from_string(config.ALGORITHM_NAME).name == config.ALGORITHM_NAME
+        )
+    except Exception as e:  # reported, not hidden: this is a diagnostic command
+        info["registration_error"] = f"{type(e).__name__}: {e}"
+    info["tree_verify_backends"] = installed_tree_backends()
+    return info
+
+
+_BACKEND_MODULES = {
+    "triton": "sglang.srt.layers.attention.triton_backend",
+    "flashinfer": "flashinfer",
+}
+
+
+def installed_tree_backends() -> dict:
+    """Tree-capable target attention backends per attention arch, with whether each imports."""
+    from .config import TREE_VERIFY_BACKENDS
+
+    out = {}
+    for arch, names in TREE_VERIFY_BACKENDS.items():
+        out[arch] = {}
+        for name in names:
+            try:
+                importlib.import_module(_BACKEND_MODULES[name])
+                out[arch][name] = "available"
+            except Exception as e:
+                out[arch][name] = f"not importable ({type(e).__name__})"
+    return out
+
+
+def _cmd_info(args) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:22s} {value}")
+    return 0 if info["ddtree_registers"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang-ddtree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions, GPU arch, DDTREE registration, tree backends")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_info)
+    for name in ("patcher", "doctor"):
+        try:
+            mod = importlib.import_module(f"sglang_ddtree.{name}")
+        except ImportError:
+            continue
+        mod.add_subparser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""After the accept walk: emitted tokens, new lengths, KV relocation and drafter context rows.
+
+All on the GPU, fixed shapes, no host sync. Shapes: ``bs`` requests, ``N`` verify tokens,
+``B`` = drafter block size (the accepted path has at most B nodes: the root + B-1 depths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepCommit:
+    out_tokens: torch.Tensor  # [bs, B] int64: path tokens 1..k, then the bonus at column k, then 0
+    commit_lens: torch.Tensor  # [bs] int32: k + 1 tokens emitted (accepted drafts + bonus)
+    new_seq_lens: torch.Tensor  # [bs] int64: prefix + commit_len
+    path_nodes: torch.Tensor  # [bs, B] int64: node index at each path position, root (0) padded
+    bonus: torch.Tensor  # [bs] int64: next step's root token
+
+
+def commit_from_path(
+    tokens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    accept_len: torch.Tensor,
+    bonus: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> StepCommit:
+    """Turn an accepted path into the step's outputs.
+
+    tokens: [bs, N] node tokens; accepted_nodes: [bs, B] node indices (root at column 0, -1 pad);
+    accept_len: [bs] accepted draft nodes k; bonus: [bs]; seq_lens: [bs] prefix lengths.
+    """
+    bs, width = accepted_nodes.shape
+    path_nodes = torch.where(accepted_nodes < 0, torch.zeros_like(accepted_nodes), accepted_nodes)
+    path_tokens = torch.gather(tokens, 1, path_nodes)  # [bs, B], column 0 = root
+    cols = torch.arange(width, device=tokens.device)[None, :]
+    k = accept_len.to(torch.int64)[:, None]
+    # out[j] = token of path position j+1 for j < k, bonus at j == k, 0 after
+    shifted = torch.cat([path_tokens[:, 1:], torch.zeros_like(path_tokens[:, :1])], dim=1)
+    out = torch.where(cols < k, shifted, torch.zeros_like(shifted))
+    out = torch.where(cols == k, bonus.to(torch.int64)[:, None], out)
+    commit_lens = (accept_len + 1).to(torch.int32)
+    return StepCommit(
+        out_tokens=out,
+        commit_lens=commit_lens,
+        new_seq_lens=seq_lens.to(torch.int64) + commit_lens.to(torch.int64),
+        path_nodes=path_nodes,
+        bonus=bonus.to(torch.int64),
+    )
+
+
+def kv_moves(slots: torch.Tensor, path_nodes: torch.Tensor, accept_len: torch.Tensor):
+    """(dst, src) KV slots [bs, B-1] that make the accepted path contiguous after the prefix.
+
+    Path position j (1..k) must end at slot ``slots[b, j]`` (position prefix + j); its KV was
+    written at ``slots[b, path_nodes[b, j]]``. Positions past k copy a slot onto itself.
+    Because node indices on a path strictly increase, path_nodes[b, j] >= j: applying the
+    columns in order j = 1, 2, ... never reads a slot an earlier column overwrote.
+    """
+    width = path_nodes.shape[1]
+    j = torch.arange(1, width, device=slots.device)[None, :]
+    dst = slots[:, 1:width]
+    src = torch.gather(slots, 1, path_nodes[:, 1:])
+    live = j <= accept_len.to(torch.int64)[:, None]
+    return dst, torch.where(live, src, dst)
+
+
+def move_accepted_kv(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Apply :func:`kv_moves` to an SGLang KV pool, column by column (see ordering note).
+
+    Within one column the batch's slots are disjoint (requests own disjoint slots), so each
+    column is one ``move_kv_cache`` call over all layers.
+    """
+    for j in range(dst.shape[1]):
+        pool.move_kv_cache(dst[:, j].contiguous(), src[:, j].contiguous())
+
+
+def path_hidden(hidden: torch.Tensor, path_nodes: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[bs * B, H] target hidden rows of the accepted path, in path order (root first).
+
+    hidden: [bs * N, H] verify-forward hidden states (aux layers concatenated).
+    """
+    bs, width = path_nodes.shape
+    base = torch.arange(bs, device=hidden.device, dtype=torch.int64)[:, None] * num_tokens
+    return hidden.index_select(0, (base + path_nodes).reshape(-1))

@@ -1,0 +1,138 @@
+"""SGLang 0.5.17: every SGLang internal the plugin touches, in one place.
+
+Module-level imports are the light, CPU-importable ones (plugin registration runs in every
+process, including the launcher); the worker's GPU-side imports are resolved lazily through
+``__getattr__`` so that ``import sglang_ddtree.compat.v0_5_17`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: F401
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo  # noqa: F401
+from sglang.srt.speculative.spec_registry import get_spec as get_registered_spec  # noqa: F401
+
+VERSION = "0.5.17"
+
+# name -> (module, attribute), imported on first use
+_LAZY = {
+    "DFlashWorkerV2": ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2"),
+    "DFlashVerifyInput": ("sglang.srt.speculative.dflash_info", "DFlashVerifyInput"),
+    "CaptureHiddenMode": ("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
+    "ForwardBatch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"),
+    "ForwardMode": ("sglang.srt.model_executor.forward_batch_info", "ForwardMode"),
+    "GenerationBatchResult": ("sglang.srt.managers.scheduler", "GenerationBatchResult"),
+    "parse_dflash_draft_config": (
+        "sglang.srt.speculative.dflash_utils", "parse_dflash_draft_config"),
+    "build_block_pos_offsets": (
+        "sglang.srt.speculative.draft_worker_common", "build_block_pos_offsets"),
+    "make_draft_block_spec_info": (
+        "sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
+    "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
+    "get_tp_group": ("sglang.srt.distributed", "get_tp_group"),
+    "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+}
+
+
+def __getattr__(name):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(name) from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def builtin_algorithm_names() -> set:
+    return {a.name for a in SpeculativeAlgorithm}
+
+
+def handle_dflash_server_args(server_args) -> None:
+    from sglang.srt.arg_groups.speculative_hook import _handle_dflash
+
+    _handle_dflash(server_args)
+
+
+def is_hybrid_linear_target(model_config) -> bool:
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return mambaish_config(model_config) is not None
+
+
+def is_mla(model_config) -> bool:
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return model_config.attention_arch == AttentionArch.MLA
+
+
+_BACKEND_NAMES = {
+    "TritonAttnBackend": "triton",
+    "FlashInferAttnBackend": "flashinfer",
+    "FlashInferMLAAttnBackend": "flashinfer_mla",
+    "FlashAttentionBackend": "fa3",
+}
+
+
+def attention_backend_name(model_runner) -> str:
+    """The CLI name of the backend that runs the target's TARGET_VERIFY forward."""
+    backend = model_runner.attn_backend
+    for _ in range(4):  # hybrid wrappers hold the full-attention backend inside
+        inner = getattr(backend, "full_attn_backend", None) or getattr(
+            backend, "decode_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    name = type(backend).__name__
+    return _BACKEND_NAMES.get(name, name)
+
+
+def max_capture_bs() -> int:
+    from sglang.srt.runtime_context import get_exec
+
+    return max(get_exec().graph.cuda_graph_config.decode.bs)
+
+
+def max_running_requests(worker) -> int:
+    return int(worker.model_runner.req_to_token_pool.size)
+
+
+def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:
+    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+    apply_dflash_verify_logits_adjustments(
+        next_token_logits=logits, sampling_info=sampling_info, draft_token_num=num_tokens
+    )
+
+
+def tree_greedy_walk(tree, predicted, path_width: int):
+    """SGLang's ``verify_tree_greedy`` kernel over our tree: (accept_len, accepted_nodes, bonus).
+
+    accepted_nodes: [bs, path_width] node indices (root at column 0, -1 padding).
+    """
+    import torch
+    from sglang.srt.speculative.eagle_utils import verify_tree_greedy_func
+
+    bs, n = tree.tokens.shape
+    dev = tree.tokens.device
+    accept_index = torch.full((bs, path_width), -1, dtype=torch.int32, device=dev)
+    accept_num = torch.zeros((bs,), dtype=torch.int32, device=dev)
+    predicts = torch.zeros((bs * n,), dtype=torch.int32, device=dev)
+    verify_tree_greedy_func(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_num,
+        candidates=tree.tokens,
+        retrieve_index=tree.retrive_index,
+        retrieve_next_token=tree.retrive_next_token,
+        retrieve_next_sibling=tree.retrive_next_sibling,
+        target_predict=predicted,
+    )
+    flat = accept_index.to(torch.int64)
+    base = torch.arange(bs, device=dev, dtype=torch.int64)[:, None] * n
+    nodes = torch.where(flat < 0, flat, flat - base)
+    last = torch.gather(flat, 1, accept_num.to(torch.int64)[:, None])  # flat index of last node
+    bonus = predicted.reshape(-1).index_select(0, last.view(-1))
+    return accept_num.to(torch.int64), nodes, bonus

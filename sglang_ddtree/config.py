@@ -1,0 +1,124 @@
+"""DDTree settings: where they come from, what is valid, and the verify width they imply.
+
+One source of truth across SGLang's processes: environment variables. The launcher's CLI flags
+(``--speculative-ddtree-budget``, ``--speculative-ddtree-topk``) are copied into them before
+``ServerArgs`` is built (see :mod:`sglang_ddtree.hooks`), scheduler processes inherit them, and
+``sglang.Engine(...)`` users set them directly.
+
+Widths, for a drafter of block size B (one bonus token + B-1 drafted depths):
+
+- ``budget``: draft nodes in the tree (excluding the root), 1..1024.
+- verify width ``N = budget + 1``: tokens per request in the target's verify forward.
+- ``speculative_num_draft_tokens`` (SGLang's own knob) is set to ``max(N, B)``: SGLang sizes
+  per-request buffers (custom masks, KV index buffers) and the per-step KV reservation from it, so
+  it must cover both the verify forward (N tokens) and the draft forward (B tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+ENV_BUDGET = "SGLANG_DDTREE_BUDGET"
+ENV_TOPK = "SGLANG_DDTREE_TOPK"
+ENV_ORACLE = "SGLANG_DDTREE_TEST_ORACLE"  # test-only oracle draft mode (see sglang_ddtree.oracle)
+ENV_TIMERS = "SGLANG_DDTREE_TIMERS"
+ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
+
+MIN_BUDGET = 1
+MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
+DEFAULT_BUDGET = 32
+
+ALGORITHM_NAME = "DDTREE"
+
+# Target attention backends whose TARGET_VERIFY honours a FULL_MASK custom mask, by attention
+# architecture. fa3 needs speculative_eagle_topk > 1 to take the mask; not wired yet.
+TREE_VERIFY_BACKENDS = {
+    "mha": ("triton", "flashinfer"),
+    "mla": ("triton",),
+}
+# Drafter attention backends we pin to (the drafter runs a block-causal TARGET_VERIFY forward).
+DRAFT_BACKENDS = ("triton", "flashinfer")
+
+
+class DDTreeConfigError(ValueError):
+    """A DDTree setting is invalid; the message names the setting and the fix."""
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise DDTreeConfigError(f"{name}={raw!r} is not an integer.") from None
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    budget: int  # draft nodes per tree, excluding the root
+    topk: int  # per-depth candidates K (<= vocab)
+    block_size: int  # drafter block size B: depths 1..B-1
+
+    @property
+    def verify_width(self) -> int:
+        """N = budget + 1 tokens per request in the target verify forward."""
+        return self.budget + 1
+
+    @property
+    def max_depth(self) -> int:
+        """D = B - 1 drafted depths."""
+        return self.block_size - 1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Value for SGLang's ``speculative_num_draft_tokens``: covers verify and draft widths."""
+        return max(self.verify_width, self.block_size)
+
+
+def validate_budget(budget: int) -> int:
+    if not MIN_BUDGET <= budget <= MAX_BUDGET:
+        raise DDTreeConfigError(
+            f"--speculative-ddtree-budget must be in [{MIN_BUDGET}, {MAX_BUDGET}], got {budget}. "
+            f"Pick e.g. {DEFAULT_BUDGET} (set the flag, or {ENV_BUDGET} for sglang.Engine)."
+        )
+    return budget
+
+
+def read_budget(environ=os.environ) -> int:
+    raw = environ.get(ENV_BUDGET)
+    if raw is None or raw == "":
+        return DEFAULT_BUDGET
+    return validate_budget(_parse_int(ENV_BUDGET, raw))
+
+
+def read_topk(environ=os.environ) -> Optional[int]:
+    raw = environ.get(ENV_TOPK)
+    if raw is None or raw == "":
+        return None
+    topk = _parse_int(ENV_TOPK, raw)
+    if topk < 1:
+        raise DDTreeConfigError(f"--speculative-ddtree-topk must be >= 1, got {topk}.")
+    return topk
+
+
+def resolve(block_size: int, vocab_size: int, environ=os.environ) -> DDTreeConfig:
+    """Build the config from the environment plus the drafter's block size and the vocab size."""
+    if block_size < 2:
+        raise DDTreeConfigError(
+            f"DDTREE needs a drafter block_size >= 2 (one bonus + at least one drafted depth), "
+            f"got {block_size}. Check block_size in the drafter's config.json."
+        )
+    budget = read_budget(environ)
+    topk = read_topk(environ)
+    # K beyond the budget can never be used: a depth-1 node of rank >= budget has at least budget
+    # better-ranked siblings.
+    k = min(budget, vocab_size) if topk is None else min(topk, budget, vocab_size)
+    return DDTreeConfig(budget=budget, topk=k, block_size=block_size)
+
+
+def oracle_enabled(environ=os.environ) -> bool:
+    return environ.get(ENV_ORACLE, "") not in ("", "0")
+
+
+def timers_enabled(environ=os.environ) -> bool:
+    return environ.get(ENV_TIMERS, "") not in ("", "0")

@@ -1,0 +1,132 @@
+"""The few places where DDTREE changes SGLang's behaviour, as hook functions.
+
+Each hook is a plain function taking the original first (HookRegistry AROUND convention), so it
+can be tested without SGLang. :func:`register_all` installs them through SGLang's HookRegistry.
+
+1. CLI: ``--speculative-ddtree-budget`` / ``--speculative-ddtree-topk`` in SGLang's speculative
+   argument group; ``from_cli_args`` copies them into the environment (the one source of truth,
+   inherited by scheduler processes) before ``ServerArgs`` resolves the algorithm.
+2. CUDA graphs: for an unknown (plugin) algorithm SGLang builds no dummy verify input, and for the
+   DFLASH family it builds one *without* a custom mask on triton/flashinfer. Either way the target
+   verify graph would be captured causal and silently ignore the tree at replay. For DDTREE's
+   target runner we hand back a verify input that carries the runner's custom-mask buffer and the
+   verify width, so the mask path is what gets captured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from . import config as cfg
+
+logger = logging.getLogger(__name__)
+
+def _is_ddtree(spec_algorithm) -> bool:
+    return getattr(spec_algorithm, "name", None) == cfg.ALGORITHM_NAME
+
+
+def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the DDTree flags, inside SGLang's speculative-decoding group when it has one."""
+    group = parser
+    for g in getattr(parser, "_action_groups", []):  # the group holding SGLang's spec flags
+        if any("--speculative-algorithm" in a.option_strings for a in g._group_actions):
+            group = g
+            break
+    group.add_argument(
+        "--speculative-ddtree-budget",
+        type=int,
+        default=None,
+        help=f"DDTREE: draft-tree nodes verified per step ({cfg.MIN_BUDGET}..{cfg.MAX_BUDGET}, "
+        f"default {cfg.DEFAULT_BUDGET}; env {cfg.ENV_BUDGET}).",
+    )
+    group.add_argument(
+        "--speculative-ddtree-topk",
+        type=int,
+        default=None,
+        help="DDTREE: candidates per depth K (default min(budget, vocab); env "
+        f"{cfg.ENV_TOPK}).",
+    )
+    if group is not parser:
+        _place_after_speculative_flags(group)
+
+
+def _place_after_speculative_flags(group) -> None:
+    """List our flags right after SGLang's last ``--speculative-*`` flag in ``--help``.
+
+    SGLang 0.5.17 puts every flag in one argparse group, so "under the speculative options"
+    means next to them in the listing.
+    """
+    actions = group._group_actions
+    ours = [a for a in actions if any(o.startswith("--speculative-ddtree") for o in a.option_strings)]
+    rest = [a for a in actions if a not in ours]
+    is_spec = lambda a: any(o.startswith("--speculative-") for o in a.option_strings)  # noqa
+    first = next((i for i, a in enumerate(rest) if "--speculative-algorithm" in a.option_strings),
+                 None)
+    if first is None:
+        return
+    last = first
+    while last + 1 < len(rest) and is_spec(rest[last + 1]):
+        last += 1
+    actions[:] = rest[: last + 1] + ours + rest[last + 1:]
+
+
+def add_cli_args_hook(original, parser, *args, **kwargs):
+    result = original(parser, *args, **kwargs)
+    add_ddtree_cli_args(parser)
+    return result
+
+
+def export_cli_args(args: argparse.Namespace, environ=os.environ) -> None:
+    """Copy parsed DDTree flags into the environment (validated here: fail before model load)."""
+    budget = getattr(args, "speculative_ddtree_budget", None)
+    if budget is not None:
+        environ[cfg.ENV_BUDGET] = str(cfg.validate_budget(int(budget)))
+    topk = getattr(args, "speculative_ddtree_topk", None)
+    if topk is not None:
+        if topk < 1:
+            raise cfg.DDTreeConfigError(f"--speculative-ddtree-topk must be >= 1, got {topk}.")
+        environ[cfg.ENV_TOPK] = str(int(topk))
+
+
+def from_cli_args_hook(original, cls, args, *rest, **kwargs):
+    export_cli_args(args)
+    return original(cls, args, *rest, **kwargs)
+
+
+def make_get_spec_info_hook(verify_input_cls, capture_full):
+    """Hook for ``DecodeCudaGraphRunner.get_spec_info(self, num_tokens)``."""
+
+    def get_spec_info_hook(original, runner, num_tokens, *args, **kwargs):
+        mr = runner.model_runner
+        if not _is_ddtree(mr.spec_algorithm) or mr.is_draft_worker:
+            return original(runner, num_tokens, *args, **kwargs)
+        return verify_input_cls(
+            draft_token=None,
+            positions=None,
+            draft_token_num=runner.captured_req_width,
+            custom_mask=runner.buffers.custom_mask,
+            capture_hidden_mode=capture_full,
+        )
+
+    return get_spec_info_hook
+
+
+def make_dummy_verify_input_hook(verify_input_cls, capture_full, capture_null):
+    """Hook for ``create_dummy_verify_input(algo, server_args, custom_mask, n, is_draft)``."""
+
+    def dummy_verify_input_hook(original, spec_algorithm, server_args, custom_mask,
+                                num_tokens_per_req, is_draft_worker, *args, **kwargs):
+        if not _is_ddtree(spec_algorithm):
+            return original(spec_algorithm, server_args, custom_mask, num_tokens_per_req,
+                            is_draft_worker, *args, **kwargs)
+        return verify_input_cls(
+            draft_token=None,
+            positions=None,
+            draft_token_num=num_tokens_per_req,
+            custom_mask=None if is_draft_worker else custom_mask,
+            capture_hidden_mode=capture_null if is_draft_worker else capture_full,
+        )
+
+    return dummy_verify_input_hook

@@ -1,0 +1,98 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``): registers DDTREE and its hooks.
+
+SGLang runs this in every process and swallows exceptions raised by plugins, so a failure here is
+logged at error level with its fix, and :func:`registration_error` keeps it for ``sglang-ddtree
+info`` and for the refusal raised when DDTREE is requested anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import config as cfg
+
+logger = logging.getLogger(__name__)
+
+_state = {"registered": False, "error": None}
+
+HOOK_TARGETS = {
+    "add_cli_args": "sglang.srt.server_args.ServerArgs.add_cli_args",
+    "from_cli_args": "sglang.srt.server_args.ServerArgs.from_cli_args",
+    "get_spec_info": (
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+        ".get_spec_info"
+    ),
+    "dummy_verify_input": "sglang.srt.speculative.spec_info.create_dummy_verify_input",
+}
+
+
+def registration_error() -> str | None:
+    return _state["error"]
+
+
+def is_registered() -> bool:
+    return _state["registered"]
+
+
+def register() -> None:
+    """Entry point. Idempotent per process."""
+    if _state["registered"]:
+        return
+    try:
+        _register()
+    except Exception as e:  # SGLang would swallow it: keep it and say it loudly
+        _state["error"] = f"{type(e).__name__}: {e}"
+        logger.error("sglang-ddtree: DDTREE is NOT available: %s", _state["error"])
+        raise
+    _state["registered"] = True
+
+
+def _register() -> None:
+    from . import compat
+
+    sgl = compat.load()
+    from . import hooks
+    from .spec_algo import make_spec_class
+
+    spec_class = make_spec_class(sgl.CustomSpecAlgo, sgl.handle_dflash_server_args)
+    existing = sgl.get_registered_spec(cfg.ALGORITHM_NAME)
+    if existing is not None or cfg.ALGORITHM_NAME in sgl.builtin_algorithm_names():
+        raise RuntimeError(
+            f"an algorithm named {cfg.ALGORITHM_NAME} is already known to SGLang "
+            f"({existing!r}); this SGLang build may ship its own DDTREE, or another plugin "
+            "registered it. Uninstall one of them (pip uninstall sglang-ddtree) or set "
+            "SGLANG_PLUGINS to choose."
+        )
+
+    @sgl.SpeculativeAlgorithm.register(
+        cfg.ALGORITHM_NAME, supports_overlap=True, spec_class=spec_class
+    )
+    def _worker_factory(server_args):
+        from .worker import get_worker_class
+
+        return get_worker_class()
+
+    reg, around = sgl.HookRegistry.register, sgl.HookType.AROUND
+    reg(HOOK_TARGETS["add_cli_args"], hooks.add_cli_args_hook, around)
+    reg(HOOK_TARGETS["from_cli_args"], hooks.from_cli_args_hook, around)
+    reg(
+        HOOK_TARGETS["get_spec_info"],
+        hooks.make_get_spec_info_hook(sgl.DFlashVerifyInput, sgl.CaptureHiddenMode.FULL),
+        around,
+    )
+    reg(
+        HOOK_TARGETS["dummy_verify_input"],
+        hooks.make_dummy_verify_input_hook(
+            sgl.DFlashVerifyInput, sgl.CaptureHiddenMode.FULL, sgl.CaptureHiddenMode.NULL
+        ),
+        around,
+    )
+    logger.info("sglang-ddtree: registered speculative algorithm %s", cfg.ALGORITHM_NAME)
+
+
+def check_hooks_applied() -> list:
+    """Hook targets SGLang's HookRegistry failed to patch (it logs and continues)."""
+    from . import compat
+
+    sgl = compat.load()
+    return [t for t in HOOK_TARGETS.values() if t not in sgl.HookRegistry._patched]

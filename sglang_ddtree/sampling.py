@@ -1,0 +1,68 @@
+"""Temperature > 0: one token per tree node, drawn from the target's processed distribution.
+
+Walking the tree with these tokens (the same walk as greedy) emits, at every position, a sample
+of the target's own conditional given the accepted prefix -- lossless without rejection
+sampling, and without any draft probabilities. Sampling is an exponential race
+(argmax p / E, E ~ Exp(1)), which needs no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                 min_ps: Optional[torch.Tensor]) -> torch.Tensor:
+    """Zero what top-k / top-p / min-p exclude (SGLang's semantics); rows: [R, V] fp32.
+
+    top_ks: [R] int (>= vocab means off); top_ps: [R] float (1.0 off); min_ps: [R] or None.
+    """
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    keep = ranks < top_ks.view(-1, 1)
+    cum_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep &= cum_before <= top_ps.view(-1, 1)
+    if min_ps is not None:
+        keep &= sorted_p >= (sorted_p[:, :1] * min_ps.view(-1, 1))
+    keep[:, 0] = True  # the top token always survives
+    out = torch.zeros_like(probs)
+    out.scatter_(1, idx, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
+    return out
+
+
+def exponential_race(probs: torch.Tensor, generator: Optional[torch.Generator] = None):
+    """One sample per row of (unnormalised) probs: argmax p / E with E ~ Exp(1)."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.argmax(probs / noise, dim=-1)
+
+
+def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
+                    positions: Optional[torch.Tensor] = None, seeded_sampler=None,
+                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """[bs * N] int64 tokens: node rows of request b use request b's sampling params.
+
+    logits: [bs * N, V] after SGLang's logit adjustments (penalties, bias) for the verify rows.
+    Greedy requests in a mixed batch (top_k == 1) get their argmax. With per-request seeds
+    (``sampling_info.sampling_seed``), ``seeded_sampler(logprobs, seeds, positions)`` draws the
+    token from (seed, position) alone -- SGLang's own deterministic sampler, so a node at
+    position p samples exactly as plain decoding at p would.
+    """
+    rep = lambda t: t.repeat_interleave(num_tokens, dim=0)  # noqa: E731
+    temps = rep(sampling_info.temperatures.view(-1, 1).float())
+    probs = torch.softmax(logits.float() / temps, dim=-1)
+    top_ks = rep(sampling_info.top_ks.view(-1))
+    if (sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling
+            or sampling_info.need_min_p_sampling):
+        probs = filter_probs(
+            probs, top_ks, rep(sampling_info.top_ps.view(-1)),
+            rep(sampling_info.min_ps.view(-1)) if sampling_info.need_min_p_sampling else None,
+        )
+    seeds = getattr(sampling_info, "sampling_seed", None)
+    if seeds is not None and seeded_sampler is not None and positions is not None:
+        sampled = seeded_sampler(probs.double().log(), rep(seeds.view(-1)), positions).view(-1)
+    else:
+        sampled = exponential_race(probs, generator)
+    greedy = torch.argmax(logits, dim=-1)
+    return torch.where(top_ks == 1, greedy, sampled)

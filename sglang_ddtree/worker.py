@@ -1,0 +1,326 @@
+"""The DDTREE spec-v2 worker: draft, build tree, verify, accept, commit -- one GPU step.
+
+Reuses SGLang's DFlash worker for what is identical (drafter loading, prefill, drafter-KV
+materialisation from target hidden states, idle batches) and replaces the decode step. Nothing
+in the step reads a GPU value on the host: the tree is built with fixed shapes, the accept walk
+is SGLang's ``verify_tree_greedy`` kernel, and new lengths reach the scheduler via
+``on_publish`` as device tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import config as cfg
+from .accept import accept_walk
+from .commit import commit_from_path, kv_moves, move_accepted_kv, path_hidden
+from .draft_topk import DraftTopKHead
+from .sampling import sample_per_node
+from .tree import build_tree
+from .verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
+
+logger = logging.getLogger(__name__)
+
+_WORKER_CLASS = None
+
+
+def get_worker_class():
+    """Build the worker class once per process against the installed SGLang."""
+    global _WORKER_CLASS
+    if _WORKER_CLASS is None:
+        from . import compat
+
+        _WORKER_CLASS = _make_worker_class(compat.load())
+    return _WORKER_CLASS
+
+
+def _make_worker_class(sgl):
+    class DDTreeWorker(sgl.DFlashWorkerV2):
+        def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+            self._check_target(server_args, target_worker)
+            super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
+            draft_cfg = sgl.parse_dflash_draft_config(
+                draft_hf_config=self.draft_model_runner.model_config.hf_config
+            )
+            block = draft_cfg.resolve_block_size(default=None)
+            if block is None:
+                raise cfg.DDTreeConfigError("DDTREE: the drafter config has no block_size.")
+            vocab = int(self.model_runner.model_config.vocab_size)
+            self.tree_cfg = cfg.resolve(int(block), vocab)
+            if self.tree_cfg.num_draft_tokens != int(server_args.speculative_num_draft_tokens):
+                raise cfg.DDTreeConfigError(
+                    "DDTREE: speculative_num_draft_tokens="
+                    f"{server_args.speculative_num_draft_tokens} disagrees with budget "
+                    f"{self.tree_cfg.budget} / block {block}; was {cfg.ENV_BUDGET} changed "
+                    "after startup?"
+                )
+            # DFlash's constructor sized its block state from speculative_num_draft_tokens
+            # (our wider max(budget+1, block)); the drafter block is the config's.
+            self.block_size = int(block)
+            self.speculative_num_draft_tokens = int(block)
+            self._block_pos_offsets = sgl.build_block_pos_offsets(length=int(block),
+                                                                  device=self.device)
+            self._draft_block_spec_info = sgl.make_draft_block_spec_info(
+                draft_token_num=int(block), device=self.device
+            )
+            self._draft_head = None
+            self._eager_head = None
+            self._oracle = None
+            if cfg.oracle_enabled():
+                from .oracle import OracleDraft
+
+                self._oracle = OracleDraft.from_env()
+            self._timers = StepTimers(enabled=cfg.timers_enabled())
+            if self.ps.tp_rank == 0:
+                logger.info(
+                    "DDTREE worker ready: budget=%d topk=%d block=%d verify_width=%d oracle=%s",
+                    self.tree_cfg.budget, self.tree_cfg.topk, block,
+                    self.tree_cfg.verify_width, self._oracle is not None,
+                )
+
+        @staticmethod
+        def _check_target(server_args, target_worker):
+            from .plugin import check_hooks_applied
+
+            missing = check_hooks_applied()
+            if missing:
+                raise RuntimeError(
+                    "DDTREE: SGLang's HookRegistry did not apply "
+                    f"{missing}; the verify CUDA graph would run without the tree mask. See the "
+                    "log lines above from sglang.srt.plugins.hook_registry."
+                )
+            mr = target_worker.model_runner
+            if sgl.is_hybrid_linear_target(mr.model_config):
+                raise cfg.DDTreeConfigError(
+                    "DDTREE does not support mamba / hybrid-linear-attention targets (their "
+                    "recurrent state cannot branch over a tree). Use DFLASH for this model."
+                )
+            if server_args.speculative_draft_window_size is not None:
+                raise cfg.DDTreeConfigError(
+                    "DDTREE does not support --speculative-draft-window-size yet; remove it."
+                )
+            arch = "mla" if sgl.is_mla(mr.model_config) else "mha"
+            backend = sgl.attention_backend_name(mr)
+            allowed = cfg.TREE_VERIFY_BACKENDS[arch]
+            if backend not in allowed:
+                raise cfg.DDTreeConfigError(
+                    f"DDTREE: the target's attention backend '{backend}' cannot verify a tree "
+                    f"for an {arch.upper()} model. Use --attention-backend "
+                    f"{' or '.join(allowed)}."
+                )
+
+        # --- drafter head (folded into the drafter's CUDA graph) ---------------------------
+        def _maybe_build_draft_sampler(self):
+            self._draft_head = self._build_head(max_bs=sgl.max_capture_bs())
+            return self._draft_head
+
+        def _build_head(self, max_bs):
+            lm_head = self.model_runner.model.lm_head
+            tp_group = sgl.get_tp_group()
+            shard = getattr(lm_head, "shard_indices", None)
+            if shard is None:
+                if tp_group.world_size != 1:
+                    raise RuntimeError("DDTREE: tp>1 needs a vocab-parallel lm_head with shards.")
+                num_org, start = int(lm_head.weight.shape[0]), 0
+            else:
+                if int(shard.num_added_elements) != 0:
+                    raise RuntimeError("DDTREE: lm_head with added vocab is not supported.")
+                num_org, start = int(shard.num_org_elements), int(shard.org_vocab_start_index)
+            if not torch.is_floating_point(lm_head.weight):
+                raise RuntimeError("DDTREE: quantized lm_head is not supported by the draft head.")
+            return DraftTopKHead(
+                weight=lm_head.weight, block_size=self.block_size, topk=self.tree_cfg.topk,
+                num_org=num_org, org_vocab_start=start, max_bs=max_bs,
+                tp_group=tp_group if tp_group.world_size > 1 else None,
+            )
+
+        # --- one decode step ------------------------------------------------------------------
+        def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+            if (batch.forward_mode.is_extend() or batch.is_extend_in_batch
+                    or batch.forward_mode.is_idle() or batch.spec_info is None):
+                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            if batch.has_grammar:
+                raise RuntimeError("DDTREE does not support grammar-constrained decoding yet.")
+            t = self._timers
+            t.start()
+            batch.seq_lens.record_stream(torch.cuda.current_stream())
+            bs = len(batch.seq_lens)
+            tc = self.tree_cfg
+            n, block = tc.verify_width, self.block_size
+            width = tc.num_draft_tokens
+            prefix = batch.seq_lens
+            draft_input = batch.spec_info
+            req_to_token = self.model_runner.req_to_token_pool.req_to_token
+            slots = gather_slots(req_to_token, batch.req_pool_indices, prefix, width)
+
+            # 1) draft: one block [root, MASK x (B-1)] through the drafter
+            topk_logp, topk_ids = self._draft(batch, draft_input.bonus_tokens, prefix,
+                                              slots[:, :block], bs)
+            if self._oracle is not None:
+                self._oracle.plant(batch, topk_logp, topk_ids)
+            t.mark("draft")
+
+            # 2) tree: the budget best nodes, prefix-closed, static shapes
+            tree = build_tree(draft_input.bonus_tokens.to(torch.int64), topk_logp, topk_ids,
+                              tc.budget)
+            t.mark("tree")
+
+            # 3) verify all N tokens in one target forward with the ancestor mask
+            positions = tree_positions(tree.depths, prefix)
+            seq_bound = self._host_seq_bound(batch, draft_input, width)
+            mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
+            write_full_mask(tree.ancestor_mask, prefix, mask)
+            verify_input = sgl.DFlashVerifyInput(
+                draft_token=tree.tokens.reshape(-1),
+                positions=positions.reshape(-1),
+                draft_token_num=n,
+                custom_mask=mask,
+                capture_hidden_mode=sgl.CaptureHiddenMode.FULL,
+            )
+            batch.out_cache_loc = slots[:, :n].reshape(-1)
+            backup = (batch.seq_lens_cpu, batch.seq_lens_sum)
+            if seq_bound[0] is not None:
+                batch.seq_lens_cpu, batch.seq_lens_sum = seq_bound
+            verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = backup
+            target_out = self.target_worker.forward_batch_generation(
+                batch=None, forward_batch=verify_batch, is_verify=True,
+                skip_attn_backend_init=True,
+            )
+            logits_output = target_out.logits_output
+            t.mark("verify")
+
+            # 4) accept: the target's token at every node, then walk the tree
+            logits = logits_output.next_token_logits  # [bs * N, V]
+            sampling_info = batch.sampling_info
+            if sampling_info is not None:
+                sgl.apply_verify_logits_adjustments(logits, sampling_info, n)
+            if sampling_info is None or sampling_info.is_all_greedy:
+                predicted = torch.argmax(logits, dim=-1).view(bs, n)
+            else:
+                predicted = sample_per_node(
+                    logits, sampling_info, n, positions=positions.reshape(-1),
+                    seeded_sampler=sgl.multinomial_with_seed,
+                ).view(bs, n)
+            accept_len, accepted_nodes, bonus = sgl.tree_greedy_walk(tree, predicted, block)
+            step = commit_from_path(tree.tokens, accepted_nodes, accept_len, bonus, prefix)
+            t.mark("accept")
+
+            # 5) commit: accepted KV contiguous, publish lengths, drafter KV from target hidden
+            dst, src = kv_moves(slots, step.path_nodes, accept_len)
+            move_accepted_kv(self.model_runner.token_to_kv_pool, dst, src)
+            if on_publish is not None:
+                on_publish(step.new_seq_lens)
+            hidden = path_hidden(logits_output.hidden_states, step.path_nodes, n)
+            draft_pos = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
+            self._append_target_hidden_to_draft_kv_by_loc(
+                target_hidden=hidden,
+                cache_loc=slots[:, :block].reshape(-1),
+                cache_loc_2d=slots[:, :block],
+                positions=draft_pos.reshape(-1),
+                commit_lens=step.commit_lens,
+            )
+            logits_output.hidden_states = None
+            t.mark("commit")
+            t.finish(bs)
+
+            return sgl.GenerationBatchResult(
+                logits_output=logits_output,
+                next_token_ids=step.out_tokens.reshape(-1),
+                accept_lens=step.commit_lens,
+                can_run_cuda_graph=target_out.can_run_cuda_graph,
+                next_draft_input=sgl.make_draft_input_v2(
+                    bonus_tokens=step.bonus, new_seq_lens=step.new_seq_lens
+                ),
+                speculative_num_draft_tokens=block,
+                new_seq_lens=step.new_seq_lens,
+            )
+
+        def _host_seq_bound(self, batch, draft_input, width):
+            """(host seq_lens upper bound, its sum): the CPU view lags the GPU by one step."""
+            if batch.seq_lens_cpu is not None:
+                bound = batch.seq_lens_cpu + self.block_size
+                return bound, int(bound.sum())
+            if draft_input.reserved_seq_lens_cpu is not None:
+                return draft_input.reserved_seq_lens_cpu, int(draft_input.reserved_seq_lens_sum)
+            return None, int(len(batch.seq_lens) * self.model_runner.model_config.context_len)
+
+        def _mask_buffer(self, numel):
+            buf = getattr(self, "_mask_buf", None)
+            if buf is None or buf.numel() < numel:
+                # grows to the largest step seen; reused afterwards (no per-step allocation)
+                self._mask_buf = buf = torch.empty(max(numel, 1 << 20), dtype=torch.bool,
+                                                   device=self.device)
+            return buf[:numel]
+
+        def _draft(self, batch, bonus, prefix, block_slots, bs):
+            """Run the drafter on [root, MASK x (B-1)]; return per-depth top-K log-probs/ids."""
+            block = self.block_size
+            block_ids = torch.full((bs, block), int(self._mask_token_id), dtype=torch.int64,
+                                   device=self.device)
+            block_ids[:, 0].copy_(bonus)
+            positions = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
+            embed = self.model_runner.model.get_input_embeddings()(block_ids)
+            seq_lens_cpu, seq_sum = self._host_seq_bound(batch, batch.spec_info, block)
+            if seq_lens_cpu is None:
+                seq_lens_cpu = prefix.cpu()  # only without any host length: not in overlap mode
+            forward_batch = sgl.ForwardBatch(
+                forward_mode=sgl.ForwardMode.TARGET_VERIFY,
+                batch_size=bs,
+                input_ids=block_ids.reshape(-1),
+                req_pool_indices=batch.req_pool_indices,
+                seq_lens=prefix,
+                out_cache_loc=block_slots.reshape(-1),
+                seq_lens_sum=seq_sum,
+                seq_lens_cpu=seq_lens_cpu.to(torch.int32),
+                positions=positions.reshape(-1),
+                input_embeds=embed.view(-1, embed.shape[-1]),
+                spec_algorithm=self.model_runner.spec_algorithm,
+                spec_info=self._draft_block_spec_info,
+                capture_hidden_mode=sgl.CaptureHiddenMode.NULL,
+            )
+            with torch.inference_mode():
+                draft_out = self.draft_model_runner.forward(forward_batch)
+            if self._draft_head is not None and draft_out.can_run_graph:
+                return self._draft_head.read(bs)
+            if self._eager_head is None:
+                self._eager_head = self._build_head(max_bs=sgl.max_running_requests(self))
+            self._eager_head(draft_out.logits_output.hidden_states)
+            return self._eager_head.read(bs)
+
+    DDTreeWorker.__qualname__ = DDTreeWorker.__name__ = "DDTreeWorker"
+    return DDTreeWorker
+
+
+class StepTimers:
+    """Per-stage wall time of the step (off by default: it synchronizes the GPU per stage)."""
+
+    STAGES = ("draft", "tree", "verify", "accept", "commit")
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.totals = {s: 0.0 for s in self.STAGES}
+        self.steps = 0
+
+    def start(self):
+        if self.enabled:
+            torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+    def mark(self, stage):
+        if self.enabled:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.totals[stage] += now - self._t
+            self._t = now
+
+    def finish(self, bs):
+        if not self.enabled:
+            return
+        self.steps += 1
+        if self.steps % 200 == 0:
+            per = {s: round(1e3 * v / self.steps, 3) for s, v in self.totals.items()}
+            logger.info("DDTREE stage ms/step over %d steps (last bs=%d): %s", self.steps, bs, per)
