@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .accept import emitted_tokens
+from .tree import DraftTree
+
 
 @dataclass
 class StepCommit:
@@ -21,7 +24,7 @@ class StepCommit:
 
 
 def commit_from_path(
-    tokens: torch.Tensor,
+    tree: DraftTree,
     accepted_nodes: torch.Tensor,
     accept_len: torch.Tensor,
     bonus: torch.Tensor,
@@ -29,18 +32,13 @@ def commit_from_path(
 ) -> StepCommit:
     """Turn an accepted path into the step's outputs.
 
-    tokens: [bs, N] node tokens; accepted_nodes: [bs, B] node indices (root at column 0, -1 pad);
+    tree: the step's DraftTree; accepted_nodes: [bs, B] node indices (root at column 0, -1 pad);
     accept_len: [bs] accepted draft nodes k; bonus: [bs]; seq_lens: [bs] prefix lengths.
     """
-    bs, width = accepted_nodes.shape
     path_nodes = torch.where(accepted_nodes < 0, torch.zeros_like(accepted_nodes), accepted_nodes)
-    path_tokens = torch.gather(tokens, 1, path_nodes)  # [bs, B], column 0 = root
-    cols = torch.arange(width, device=tokens.device)[None, :]
-    k = accept_len.to(torch.int64)[:, None]
-    # out[j] = token of path position j+1 for j < k, bonus at j == k, 0 after
-    shifted = torch.cat([path_tokens[:, 1:], torch.zeros_like(path_tokens[:, :1])], dim=1)
-    out = torch.where(cols < k, shifted, torch.zeros_like(shifted))
-    out = torch.where(cols == k, bonus.to(torch.int64)[:, None], out)
+    # SGLang reads only the first commit_len columns; pad with 0 like DFLASH does
+    out = emitted_tokens(tree, accept_len.to(torch.int64), accepted_nodes,
+                         bonus.to(torch.int64)).clamp(min=0)
     commit_lens = (accept_len + 1).to(torch.int32)
     return StepCommit(
         out_tokens=out,

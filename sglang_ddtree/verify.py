@@ -59,9 +59,11 @@ if triton is not None:
         row_len = s + N
         row_start = tl.load(offsets_ptr + b) + row * row_len
         # prefix columns: all True; loop bound is data-dependent, the grid is not
-        for c0 in range(0, s, BLOCK_COLS):
+        c0 = s * 0
+        while c0 < s:
             cols = c0 + tl.arange(0, BLOCK_COLS)
             tl.store(out_ptr + row_start + cols, tl.full([BLOCK_COLS], 1, tl.int8), mask=cols < s)
+            c0 += BLOCK_COLS
         # tree columns: the ancestor row
         for c0 in range(0, N, BLOCK_COLS):
             cols = c0 + tl.arange(0, BLOCK_COLS)
@@ -94,13 +96,18 @@ def write_full_mask(
         raise ValueError(f"write_full_mask: out must be 1-D bool, got {out.dtype} {tuple(out.shape)}")
     if bs == 0:
         return
+    if triton is None or not out.is_cuda:
+        ref = full_mask_reference(ancestor_mask, seq_lens)
+        out[: ref.numel()].copy_(ref.to(out.device))
+        return
+    _launch_full_mask(ancestor_mask, seq_lens, out)
+
+
+def _launch_full_mask(ancestor_mask, seq_lens, out) -> None:
+    bs, n, _ = ancestor_mask.shape
     lens = seq_lens.to(torch.int64)
     sizes = n * (lens + n)
     offsets = torch.cumsum(sizes, 0) - sizes
-    if triton is None or not out.is_cuda:
-        ref = full_mask_reference(ancestor_mask, lens)
-        out[: ref.numel()].copy_(ref.to(out.device))
-        return
     _full_mask_kernel[(bs, n)](
         ancestor_mask.view(torch.int8),
         lens,

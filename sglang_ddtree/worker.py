@@ -15,7 +15,6 @@ import time
 import torch
 
 from . import config as cfg
-from .accept import accept_walk
 from .commit import commit_from_path, kv_moves, move_accepted_kv, path_hidden
 from .draft_topk import DraftTopKHead
 from .sampling import sample_per_node
@@ -206,7 +205,7 @@ def _make_worker_class(sgl):
                     seeded_sampler=sgl.multinomial_with_seed,
                 ).view(bs, n)
             accept_len, accepted_nodes, bonus = sgl.tree_greedy_walk(tree, predicted, block)
-            step = commit_from_path(tree.tokens, accepted_nodes, accept_len, bonus, prefix)
+            step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
             t.mark("accept")
 
             # 5) commit: accepted KV contiguous, publish lengths, drafter KV from target hidden
