@@ -454,11 +454,6 @@ def _write_links(tree: DraftTree, n_levels: int) -> None:
 # Verify-side layouts.
 
 
-def tree_positions(tree: DraftTree, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Positions of the N tree tokens: seq_lens[b] + depth. seq_lens [bs] int -> [bs, N] int64."""
-    return seq_lens.to(torch.int64).unsqueeze(1) + tree.depths
-
-
 def full_mask_offsets(seq_lens: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """Start of each request's block in the FULL_MASK flat buffer, on device, no sync.
 

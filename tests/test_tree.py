@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sglang_ddtree.tree import (DraftTree, build_tree, build_tree_reference, full_mask_layout,
-                                full_mask_offsets, tree_positions)
+                                full_mask_offsets)
 from tests._tree_inputs import NEG_INF, brute_force_paths, random_inputs
 
 FIELDS = ["tokens", "parents", "depths", "valid", "scores", "ancestor_mask", "retrive_index",
@@ -247,7 +247,6 @@ def test_full_mask_layout():
         expected.append(block.reshape(-1))
     assert torch.equal(out[:total], torch.cat(expected))
     assert offsets.tolist() == [0, n * (2 + n), n * (2 + n) + n * n]
-    assert torch.equal(tree_positions(t, seq), seq[:, None] + t.depths)
 
 
 def test_make_dummy_is_a_valid_root_only_tree():
