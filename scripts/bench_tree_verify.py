@@ -1,0 +1,348 @@
+#!/usr/bin/env python
+"""Benchmark tree-verify attention on one GPU: ours vs SGLang's triton extend kernel vs fa3.
+
+Grid (issue 4): batch 1, 8, 32 x budget 8, 16, 32, 64 x context 2k, 16k, 64k, for
+- MHA with Qwen3-8B shapes per layer (32 q heads, 8 KV heads, head dim 128, bf16), and
+- absorbed MLA with Kimi K2.6 TP8-rank shapes (8 heads, latent 512 + rope 64, bf16 cache).
+
+Every point uses one random tree per request (N = budget + 1 nodes, ancestor mask), random prefix
+slots scattered over pages of 16 tokens, and times one layer's attention as a replayed CUDA graph
+(median of ``--iters`` replays, L2 flushed before each with a 256 MB write, CUDA events).
+
+Columns
+- ``ours_us``: :class:`TreeAttention` / :class:`TreeAttentionMLA` ``run()``.
+- ``sglang_triton_us``: SGLang's ``extend_attention_fwd`` with the same tree as a FULL_MASK custom
+  mask (what SGLang's triton backend runs in TARGET_VERIFY); ``not available`` when SGLang's kernel
+  cannot be imported (``--sglang-src DIR`` loads it from a directory holding
+  extend_attention.py, decode_attention.py, prefill_attention.py and score_mod.py of SGLang).
+- ``fa3_us``: sgl_kernel's FA3 as SGLang's fa3 backend verifies a tree (topk > 1): one pass over
+  the prefix, one pass per query over its sorted ancestor slots, merge_state_v2; ``not available``
+  without sgl_kernel or off Hopper. Its metadata build is not timed.
+- ``kv_GBps`` = kv_bytes / ours_us, kv_bytes = sum over requests of (prefix + N) x bytes per token
+  (MHA: 2 x kv_heads x 128 x 2 B; MLA: 576 x 2 B); ``frac_copy_bw`` = kv_GBps / copy bandwidth,
+  the copy bandwidth being (bytes read + bytes written) / time of a 2 GiB device-to-device copy.
+- ``*_rel_diff``: max |other - ours| / max |ours| on the same inputs (same semantics check).
+
+Writes JSON (command, versions, GPU, date, results) to ``--out`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_ours():
+    try:
+        from sglang_ddtree.triton_kernels import reference, tree_attention, tree_attention_mla
+    except ImportError:  # running from a checkout without the package installed
+        sys.path.insert(0, str(ROOT))
+        from tests.triton_kernels import load_kernels
+        k = load_kernels(interpret=False)
+        reference, tree_attention, tree_attention_mla = k.reference, k.tree_attention, \
+            k.tree_attention_mla
+    return reference, tree_attention, tree_attention_mla
+
+
+def load_sglang_extend(src_dir):
+    """SGLang's extend_attention_fwd, or (None, reason)."""
+    for mod in ("sglang.kernels.ops.attention.extend_attention",
+                "sglang.srt.layers.attention.triton_ops.extend_attention"):
+        try:
+            return importlib.import_module(mod).extend_attention_fwd, mod
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON
+            reason = f"{mod}: {type(exc).__name__}: {exc}"
+    if not src_dir:
+        return None, reason
+    # Minimal namespace so SGLang's own kernel files import without the rest of SGLang.
+    src = str(Path(src_dir).resolve())
+    for name in list(sys.modules):
+        if name == "sglang" or name.startswith("sglang."):
+            del sys.modules[name]
+    for name in ("sglang", "sglang.srt", "sglang.kernels", "sglang.kernels.ops",
+                 "sglang.kernels.ops.attention"):
+        m = types.ModuleType(name)
+        m.__path__ = [src] if name.endswith("attention") else []
+        sys.modules[name] = m
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.is_cuda = lambda: torch.version.cuda is not None
+    utils.is_hip = lambda: torch.version.hip is not None
+    utils.is_gfx95_supported = lambda: False
+    sys.modules["sglang.srt.utils"] = utils
+    try:
+        mod = importlib.import_module("sglang.kernels.ops.attention.extend_attention")
+        return mod.extend_attention_fwd, f"files in {src}"
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{src}: {type(exc).__name__}: {exc}"
+
+
+def load_fa3():
+    try:
+        from sgl_kernel import merge_state_v2
+        from sgl_kernel.flash_attn import flash_attn_with_kvcache
+    except Exception as exc:  # noqa: BLE001
+        return None, f"sgl_kernel: {type(exc).__name__}: {exc}"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return None, "fa3 runs on sm90 only"
+    return (flash_attn_with_kvcache, merge_state_v2), "sgl_kernel"
+
+
+def copy_bandwidth_gbps(nbytes=2 << 30, iters=10):
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    sec = s.elapsed_time(e) / 1e3 / iters
+    return 2 * nbytes / sec / 1e9
+
+
+def time_graph(fn, iters, flush):
+    """Median microseconds of a replayed CUDA graph of fn (eager if capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    mode = "graph"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - some baselines are not capturable: time them eagerly
+        torch.cuda.synchronize()
+        run, mode = fn, "eager"
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        run()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    times.sort()
+    return times[len(times) // 2], mode
+
+
+def rel_diff(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+class Point:
+    """Inputs of one grid point, on the GPU."""
+
+    def __init__(self, ref, kind, bs, budget, ctx, caches, gen):
+        self.kind, self.bs, self.n, self.ctx = kind, bs, budget + 1, ctx
+        lens = [ctx] * bs
+        self.layout = ref.random_paged_layout(lens, self.n, 16, gen).to("cuda")
+        self.mask = ref.random_tree_mask(bs, self.n, gen, n_valid=torch.full((bs,), self.n))
+        self.mask = self.mask.cuda()
+        self.k_cache, self.v_cache = caches
+        hq, dq = (32, 128) if kind == "mha" else (8, 576)
+        self.q = torch.randn(bs * self.n, hq, dq, device="cuda", dtype=torch.bfloat16)
+        self.sm_scale = 128 ** -0.5 if kind == "mha" else 192 ** -0.5
+        tok_bytes = 2 * 8 * 128 * 2 if kind == "mha" else 576 * 2
+        self.kv_bytes = bs * (ctx + self.n) * tok_bytes
+
+
+def bench_ours(ta, mla, p, iters, flush, config):
+    if p.kind == "mha":
+        attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=32,
+                                     num_kv_heads=8, head_dim=128, max_context_len=p.ctx,
+                                     device="cuda", config=config)
+        out = torch.empty(p.q.shape[0], 32, 128, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: attn.run(p.q, p.k_cache, p.v_cache, p.layout.out_cache_loc, p.mask,  # noqa
+                              out=out, validate=False, **p.layout.table_kwargs())
+    else:
+        attn = mla.TreeAttentionMLA.plan(max_batch_size=p.bs, num_tree_tokens=p.n,
+                                         num_heads=8, max_context_len=p.ctx, device="cuda",
+                                         sm_scale=p.sm_scale, config=config)
+        out = torch.empty(p.q.shape[0], 8, 512, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: attn.run(p.q, p.k_cache, p.layout.out_cache_loc, p.mask, out=out,  # noqa
+                              validate=False, **p.layout.table_kwargs())
+    us, _ = time_graph(fn, iters, flush)
+    return us, out.clone(), attn.num_splits(p.bs)
+
+
+def bench_sglang(extend, p, iters, flush):
+    n, bs, lay = p.n, p.bs, p.layout
+    loc = lay.out_cache_loc
+    if p.kind == "mha":
+        k_buf, v_buf = p.k_cache, p.v_cache
+        hq, dv = 32, 128
+    else:
+        k_buf, v_buf = p.k_cache, p.k_cache[..., :512]
+        hq, dv = 8, 512
+    k_ext, v_ext = k_buf[loc].contiguous(), v_buf[loc].contiguous()
+    qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device="cuda")
+    kv_indptr = lay.kv_indptr.to(torch.int32)
+    kv_indices = lay.kv_indices.to(torch.int64)
+    rows = [torch.cat([torch.ones(n, int(lay.seq_lens[b]), dtype=torch.bool, device="cuda"),
+                       p.mask[b]], 1).flatten() for b in range(bs)]
+    custom_mask = torch.cat(rows)
+    mask_indptr = torch.zeros(bs + 1, dtype=torch.int64, device="cuda")
+    mask_indptr[1:] = torch.cumsum(n * (lay.seq_lens + n), 0)
+    out = torch.empty(bs * n, hq, dv, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: extend(p.q, k_ext, v_ext, out, k_buf, v_buf, qo_indptr, kv_indptr,  # noqa
+                        kv_indices, custom_mask, True, mask_indptr, n, 1.0, 1.0,
+                        sm_scale=p.sm_scale)
+    us, mode = time_graph(fn, iters, flush)
+    return us, out.clone(), mode
+
+
+def bench_fa3(fa3, p, iters, flush):
+    attn_kv, merge = fa3
+    n, bs, lay = p.n, p.bs, p.layout
+    page_table = lay.req_to_token[lay.req_pool_indices].to(torch.int32)
+    cache_seqlens = lay.seq_lens.to(torch.int32)
+    cu_q = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device="cuda")
+    # expand pass: every query alone, over its ancestors' slots sorted first (as SGLang builds)
+    col = torch.arange(n, device="cuda").expand(bs * n, n)
+    m = p.mask.reshape(bs * n, n)
+    order = torch.sort(torch.where(m, col, col + n), dim=1).indices
+    loc_rows = lay.out_cache_loc.view(bs, n).repeat_interleave(n, 0)
+    exp_table = torch.gather(loc_rows, 1, order).to(torch.int32)
+    exp_lens = m.sum(1).to(torch.int32)
+    cu_exp = torch.arange(0, bs * n + 1, dtype=torch.int32, device="cuda")
+    if p.kind == "mha":
+        kc = p.k_cache.view(-1, 1, 8, 128)
+        vc = p.v_cache.view(-1, 1, 8, 128)
+        q, qv, extra = p.q, None, {}
+    else:
+        kc = p.k_cache[..., 512:].view(-1, 1, 1, 64)
+        vc = p.k_cache[..., :512].view(-1, 1, 1, 512)
+        q, qv = p.q[..., 512:].contiguous(), p.q[..., :512].contiguous()
+        extra = {"qv": qv}
+
+    def fn():
+        o, lse, *_ = attn_kv(q=q, k_cache=kc, v_cache=vc, page_table=page_table,
+                             cache_seqlens=cache_seqlens, cu_seqlens_q=cu_q, max_seqlen_q=n,
+                             softmax_scale=p.sm_scale, causal=False, return_softmax_lse=True,
+                             **extra)
+        o2, lse2, *_ = attn_kv(q=q, k_cache=kc, v_cache=vc, page_table=exp_table,
+                               cache_seqlens=exp_lens, cu_seqlens_q=cu_exp, max_seqlen_q=1,
+                               softmax_scale=p.sm_scale, causal=False,
+                               return_softmax_lse=True, **extra)
+        return merge(o, lse.T.contiguous(), o2, lse2.T.contiguous())[0]
+
+    out = fn()
+    us, mode = time_graph(fn, iters, flush)
+    return us, out, mode
+
+
+def parse_ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench_results" / "tree_verify_h200.json"))
+    ap.add_argument("--kinds", default="mha,mla")
+    ap.add_argument("--batch-sizes", type=parse_ints, default=[1, 8, 32])
+    ap.add_argument("--budgets", type=parse_ints, default=[8, 16, 32, 64])
+    ap.add_argument("--contexts", type=parse_ints, default=[2048, 16384, 65536])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sglang-src", default=None, help="dir with SGLang's attention kernel files")
+    ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
+    ap.add_argument("--config", default=None,
+                    help="override our tile config: block_m,block_n,num_warps,num_stages")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_tree_verify needs a CUDA GPU")
+        return 2
+
+    ref, ta, mla = _import_ours()
+    config = ta.KernelConfig(*parse_ints(args.config)) if args.config else None
+    extend, extend_src = (None, "skipped") if args.no_baselines else \
+        load_sglang_extend(args.sglang_src)
+    fa3, fa3_src = (None, "skipped") if args.no_baselines else load_fa3()
+    print(f"sglang triton extend: {'available' if extend else 'not available'} ({extend_src})")
+    print(f"fa3: {'available' if fa3 else 'not available'} ({fa3_src})")
+    copy_bw = copy_bandwidth_gbps()
+    print(f"device copy bandwidth (read + write): {copy_bw:.0f} GB/s")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    kinds = args.kinds.split(",")
+    max_tokens = max(args.batch_sizes) * (max(args.contexts) + max(args.budgets) + 1 + 32) + 64
+    results = []
+    for kind in kinds:
+        if kind == "mha":
+            caches = (torch.randn(max_tokens, 8, 128, device="cuda", dtype=torch.bfloat16),
+                      torch.randn(max_tokens, 8, 128, device="cuda", dtype=torch.bfloat16))
+        else:
+            caches = (torch.randn(max_tokens, 1, 576, device="cuda", dtype=torch.bfloat16),
+                      None)
+        for ctx in args.contexts:
+            for bs in args.batch_sizes:
+                for budget in args.budgets:
+                    p = Point(ref, kind, bs, budget, ctx, caches, gen)
+                    assert p.layout.num_slots <= max_tokens
+                    r = dict(kind=kind, batch=bs, budget=budget, context=ctx,
+                             kv_bytes=p.kv_bytes)
+                    us, ours, splits = bench_ours(ta, mla, p, args.iters, flush, config)
+                    r.update(ours_us=round(us, 2), num_splits=splits,
+                             kv_GBps=round(p.kv_bytes / us / 1e3, 1))
+                    r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
+                    for name, avail, fn in (("sglang_triton", extend, bench_sglang),
+                                            ("fa3", fa3, bench_fa3)):
+                        if not avail:
+                            r[f"{name}_us"] = "not available"
+                            continue
+                        try:
+                            t, o, mode = fn(avail, p, max(3, args.iters // 4), flush)
+                            r[f"{name}_us"] = round(t, 2)
+                            r[f"{name}_timing"] = mode
+                            r[f"{name}_rel_diff"] = round(rel_diff(o, ours), 5)
+                            r[f"speedup_vs_{name}"] = round(t / us, 2)
+                        except Exception as exc:  # noqa: BLE001 - recorded per point
+                            r[f"{name}_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                    results.append(r)
+                    print(_row(r), flush=True)
+                    del p
+                    torch.cuda.empty_cache()
+        del caches
+        torch.cuda.empty_cache()
+
+    meta = dict(command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=__import__("triton").__version__,
+                python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
+                sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
+                timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
+                shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
+                            mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
+                config=args.config or "default")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _fmt(v):
+    return f"{v:9.1f}" if isinstance(v, (int, float)) else f"{str(v)[:9]:>9s}"
+
+
+def _row(r):
+    return (f"{r['kind']:3s} ctx {r['context']:6d} bs {r['batch']:2d} budget {r['budget']:3d} "
+            f"splits {r['num_splits']:2d} | ours {r['ours_us']:9.1f} us "
+            f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) | "
+            f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
