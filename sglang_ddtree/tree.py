@@ -321,9 +321,11 @@ def _select_depth(s, order, lp, pairs, budget):
     bs, b = s.shape
     pj, pr = pairs
     slots = torch.arange(b, device=s.device)
-    # tau = score of the B-th best child. Child (j-th best parent, rank r) has at least
-    # (j + 1) * (r + 1) - 1 others scoring >= it (fp32 rounding is monotone), so the B best *scores*
-    # all lie on the harmonic pairs: a few x B candidates instead of B x Kc.
+    # tau = score of the B-th best child, found on the "harmonic" pairs (j-th best parent, rank r)
+    # with (j + 1) * (r + 1) <= B: about B ln B candidates instead of B x Kc. Exact because the
+    # children scoring >= tau form a down-set of the (j, r) grid (scores fall weakly in j and in r:
+    # rows are sorted and fp32 rounding is monotone), and a down-set of >= B cells contains B cells
+    # whose rectangle [0..j] x [0..r] has <= B cells, i.e. B harmonic pairs scoring >= tau.
     cand = s.gather(1, order)[:, pj] + lp[:, pr]  # [bs, M]
     tau = cand.topk(b, dim=1).values[:, b - 1:b]  # [bs, 1]
     # Exact per-parent counts over all B x Kc children. Which equal-score children are kept is
@@ -349,7 +351,8 @@ def build_tree(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.
     """Batched tree builder: equals ``build_tree_reference`` exactly, on any device.
 
     Static shapes, no host synchronisation, no data-dependent shapes: safe inside CUDA-graph
-    capture (after one eager call with the same (budget, K) on the device warms a small cache).
+    capture. An eager call caches a small index table per (budget, K, device); during capture it
+    is rebuilt inside the graph instead (a few extra tiny kernels).
 
     Parameters
     ----------
@@ -487,5 +490,5 @@ def full_mask_layout(ancestor_mask: torch.Tensor, seq_lens: torch.Tensor, out_fl
     i = torch.arange(n, device=ancestor_mask.device)
     row_start = mask_offsets.to(torch.int64)[:, None] + i * (seq + n)[:, None] + seq[:, None]
     out_flat.fill_(True)
-    out_flat[(row_start[:, :, None] + i).reshape(-1)] = ancestor_mask.reshape(-1)
+    out_flat.scatter_(0, (row_start[:, :, None] + i).reshape(-1), ancestor_mask.reshape(-1))
     return out_flat

@@ -113,5 +113,6 @@ def test_errors_name_the_tensor():
         shard_topk(torch.zeros(2, 3, dtype=torch.int64), 2, 0)
     with pytest.raises(ValueError, match="merge_vocab_parallel"):
         merge_vocab_parallel(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4).long(), torch.zeros(2), 2)
+    vals, ids = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match="R\\*k'"):
-        merge_vocab_parallel(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4).long(), torch.zeros(2, 3), 9)
+        merge_vocab_parallel(vals, ids, torch.zeros(2, 3), 9)

@@ -258,7 +258,8 @@ def test_make_dummy_is_a_valid_root_only_tree():
 
 
 def test_errors_name_the_tensor():
-    lp, ids, r = torch.zeros(1, 2, 3), torch.zeros(1, 2, 3, dtype=torch.int64), torch.zeros(1).long()
+    lp, r = torch.zeros(1, 2, 3), torch.zeros(1, dtype=torch.int64)
+    ids = torch.zeros(1, 2, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="budget"):
         build_tree(r, lp, ids, 0)
     with pytest.raises(ValueError, match="budget"):
