@@ -291,13 +291,14 @@ _PAIRS_CACHE: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 def _harmonic_pairs(budget: int, kc: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """All (j, r) with j < B, r < kc, (j + 1) * (r + 1) <= B, j-major: two [M] int64 tensors.
 
-    Built with device ops only (no host->device copy), so it may run inside graph capture; cached
-    outside capture (a tensor made during capture holds nothing until the graph replays).
+    Built with device ops only (no host->device copy), so it may run inside graph capture. Cached
+    only when made outside capture: a tensor made during capture holds nothing until the graph
+    replays, while a cached eager one is valid inside any graph.
     """
-    key = (budget, kc, str(device))
-    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not capturing and key in _PAIRS_CACHE:
+    key = (budget, kc, str(torch.device(device)))
+    if key in _PAIRS_CACHE:
         return _PAIRS_CACHE[key]
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     m = sum(min(kc, budget // (j + 1)) for j in range(budget))
     j = torch.arange(budget, device=device)
     count = torch.clamp(budget // (j + 1), max=kc)
@@ -351,8 +352,8 @@ def build_tree(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.
     """Batched tree builder: equals ``build_tree_reference`` exactly, on any device.
 
     Static shapes, no host synchronisation, no data-dependent shapes: safe inside CUDA-graph
-    capture. An eager call caches a small index table per (budget, K, device); during capture it
-    is rebuilt inside the graph instead (a few extra tiny kernels).
+    capture. An eager call caches a small index table per (budget, K, device); capture without
+    a prior eager call rebuilds it inside the graph (a few extra tiny kernels per replay).
 
     Parameters
     ----------
