@@ -1,0 +1,539 @@
+"""Fused W4A16 MoE (int4 weights, group 32, symmetric; bf16 activations) for verify-sized batches.
+
+A tree verify sends batch x (budget + 1) tokens through every MoE layer: tens to a few thousand
+tokens, a regime bound by reading expert weights. This module reads each touched expert's packed
+weights once per step, dequantizes them in registers and fuses the rest around two GEMMs:
+
+1. ``_moe_align_kernel``: group the ``T = M * topk`` (token, slot) pairs by expert into blocks of
+   ``BLOCK_M`` rows (padding with the sentinel ``T``), one launch, static sizes, deterministic
+   (pairs keep flat order inside an expert), CUDA-graph safe.
+2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
+   fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
+3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot).
+4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
+   (deterministic, unlike an atomic-add combine).
+
+Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
+``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
+``w13_scale [E, H // 32, 2 I] bf16``, ``w2_packed [E, I // 8, H] int32``, ``w2_scale [E, I // 32, H]``.
+
+Two layout tricks make that layout cheap to consume:
+
+* Nibble planes. The 8 nibbles of one int32 are 8 consecutive input rows ``k = 8 r + j``. Rather
+  than interleaving them back (a register shuffle), a K tile is summed as 8 dots of depth
+  ``BLOCK_K / 8``: plane ``j`` pairs nibble ``j`` of every word ``r`` with activation column
+  ``8 r + j`` (a strided load that hits L1). Each weight plane is then an elementwise function of
+  the loaded int32 tile, so dequantization needs no data movement.
+* Swap AB. The dots compute ``acc^T [BLOCK_N, BLOCK_M] = W^T @ x^T``: the weight tile is the MMA's
+  M side (>= 64 rows keeps tensor cores busy) and the few tokens of an expert block are the N side,
+  which may be as small as 16.
+
+On the GPU the nibble -> bf16 conversion is inline PTX (two values per instruction: OR into the
+mantissa of 128.0, subtract 136, multiply by the scale, each ``bf16x2``), exact up to the single
+bf16 rounding of ``q * scale``. The ``PORTABLE`` path (``TRITON_INTERPRET=1``, CPU, pre-Ampere)
+computes ``q * scale`` in fp32 and dots in fp32 instead.
+
+Accuracy (fp32 accumulation everywhere): bf16 weights after scaling, bf16 ``h``, bf16 per-slot
+outputs ``y`` and a bf16 result; the same rounding points as SGLang's Marlin and Triton paths.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+PACK_FACTOR = 8
+GROUP_SIZE = 32
+_CONFIG_PATH = os.path.join(os.path.dirname(__file__), "moe_w4a16_configs.json")
+
+
+# --------------------------------------------------------------------------------------------
+# 1. token alignment
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
+    sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
+    block_expert_ptr,  # [max_blocks] int32 out: expert of each BLOCK_M block, -1 past the end
+    T,
+    max_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,  # next power of two >= NUM_EXPERTS
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NUM_T_BLOCKS: tl.constexpr,  # cdiv(T, BLOCK_T); constexpr loop bounds also suit the interpreter
+    BLOCK_B: tl.constexpr,  # NUM_EXPERTS * BLOCK_B >= max_blocks
+):
+    # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
+    # expert's output offset needs no second launch and no grid-wide barrier.
+    e = tl.program_id(0)
+    bins = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for i in range(NUM_T_BLOCKS):
+        offs = i * BLOCK_T + tl.arange(0, BLOCK_T)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < T, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD, mask=offs < T)
+    padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    start = tl.sum(tl.where(bins == e, ends - padded, 0))
+    n_pad = tl.sum(tl.where(bins == e, padded, 0))
+    total = tl.sum(padded)
+
+    # This expert's pairs in flat order: rank = number of earlier pairs routed to e.
+    run = 0
+    for i in range(NUM_T_BLOCKS):
+        offs = i * BLOCK_T + tl.arange(0, BLOCK_T)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
+        hit = (ids == e).to(tl.int32)
+        rank = run + tl.cumsum(hit, 0) - 1
+        tl.store(sorted_ids_ptr + start + rank, offs, mask=hit != 0)
+        run += tl.sum(hit)
+    pad = run + tl.arange(0, BLOCK_M)  # fewer than BLOCK_M padding slots per expert
+    tl.store(sorted_ids_ptr + start + pad, T, mask=pad < n_pad)
+
+    # Program e also labels blocks e * BLOCK_B + [0, BLOCK_B): the expert of block j is the number
+    # of experts whose padded range ends at or before row j * BLOCK_M; -1 past the last block.
+    j = e * BLOCK_B + tl.arange(0, BLOCK_B)
+    ends_live = tl.where(bins < NUM_EXPERTS, ends, total + 1)
+    owner = tl.sum((ends_live[None, :] <= j[:, None] * BLOCK_M).to(tl.int32), axis=1)
+    owner = tl.where(j * BLOCK_M < total, owner, -1)
+    tl.store(block_expert_ptr + j, owner, mask=j < max_blocks)
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on padded rows: each non-empty expert adds < BLOCK_M padding rows."""
+    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
+
+    Parameters
+    ----------
+    topk_ids : torch.Tensor
+        ``[M, topk]`` int32 or int64 expert ids in ``[0, num_experts)`` (not checked: a device
+        sync would break CUDA graphs).
+    num_experts : int
+    block_m : int
+
+    Returns
+    -------
+    sorted_ids : torch.Tensor
+        ``[max_padded] int32``: pair ids ``token * topk + slot`` grouped by expert (ascending pair id
+        inside an expert), padding slots hold ``T = M * topk``; entries past the last used block
+        are unspecified.
+    block_expert : torch.Tensor
+        ``[max_padded // block_m] int32``: expert of each block, ``-1`` for unused blocks.
+    """
+    t = topk_ids.numel()
+    max_padded = max_padded_rows(t, num_experts, block_m)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=topk_ids.device)
+    max_blocks = max_padded // block_m
+    block_t = 1024
+    _moe_align_kernel[(num_experts,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, t, max_blocks,
+        NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+        BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
+        BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
+    )
+    return sorted_ids, block_expert
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces: nibble planes of a packed weight tile and the matching activation columns
+# --------------------------------------------------------------------------------------------
+# bf16 magic: 0x4300 | n is 128 + n for a nibble n, so (0x4300 | n) - 136 = n - 8 exactly; the
+# scale multiply then rounds once, like (q * s).to(bf16). lop3 0xEA computes (a & b) | c.
+_DEQUANT_PTX = """
+{
+.reg .b32 t, m, k, one, bias, nz, s2;
+mov.b32 m, 0x000F000F;
+mov.b32 k, 0x43004300;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+mov.b32 s2, {$9, $9};
+lop3.b32 t, $8, m, k, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$0, $4}, t;
+shr.u32 t, $8, 4;
+lop3.b32 t, t, m, k, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$1, $5}, t;
+shr.u32 t, $8, 8;
+lop3.b32 t, t, m, k, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$2, $6}, t;
+shr.u32 t, $8, 12;
+lop3.b32 t, t, m, k, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 t, t, s2, nz;
+mov.b32 {$3, $7}, t;
+}
+"""
+
+
+@triton.jit
+def _dequant8(w, s, PORTABLE: tl.constexpr):
+    """Packed int32 tile + bf16 scale tile (same shape) -> 8 bf16 planes, plane j = nibble j."""
+    if not PORTABLE:
+        return tl.inline_asm_elementwise(
+            _DEQUANT_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+    else:
+        # fp32 planes: exact q * s (the interpreter's fp32 -> bf16 cast truncates instead of rounding).
+        sf = s.to(tl.float32)
+        return (((((w >> 0) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 4) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 8) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 12) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 16) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 20) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 24) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> 28) & 15) - 8).to(tl.float32) * sf))
+
+
+@triton.jit
+def _dot(w, a, acc, PORTABLE: tl.constexpr):
+    if PORTABLE:
+        # The interpreter's bf16 dot is wrong (triton 3.6 + numpy 2.4): use fp32 operands (the bf16
+        # activations exactly) and "ieee" products.
+        return tl.dot(w, a.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(w, a, acc)
+
+
+@triton.jit
+def _plane(acc, acc2, w, w2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.constexpr):
+    """One nibble plane: load its [KP, BM] activation columns once, feed one or two dots."""
+    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    acc = _dot(w, a, acc, PORTABLE)
+    if TWO:
+        acc2 = _dot(w2, a, acc2, PORTABLE)
+    return acc, acc2
+
+
+@triton.jit
+def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.constexpr):
+    """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (and acc2 with W2).
+
+    ``w``/``s``: [BN, KP] packed words and their scales; ``a_ptrs``: [KP, BM] pointers to activation
+    column ``8 r`` of each row (plane j reads column ``8 r + j``, matching nibble j of word r). The
+    plane loads hit L1 after the first one: together they read one contiguous [BM, 8 KP] tile.
+    With ``TWO`` (gate and up), a second weight tile shares the activation loads.
+    """
+    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
+    q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
+    if TWO:
+        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p4, q4, a_ptrs + 4, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p5, q5, a_ptrs + 5, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p6, q6, a_ptrs + 6, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p7, q7, a_ptrs + 7, a_mask, TWO, PORTABLE)
+    return acc, acc2
+
+
+# --------------------------------------------------------------------------------------------
+# 2. gate-up GEMM + SiLU-and-multiply
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [M, K] bf16, row stride stride_xm
+    w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
+    s_ptr,  # [E, K // 32, 2 * I] bf16
+    sorted_ids_ptr,  # [max_padded] int32
+    block_expert_ptr,  # [max_blocks] int32
+    h_ptr,  # [max_padded, I] bf16 out, row = padded position
+    T,
+    stride_xm,
+    K: tl.constexpr,
+    I: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
+):
+    NUM_N: tl.constexpr = I // BLOCK_N
+    KP: tl.constexpr = BLOCK_K // PACK_FACTOR
+    N2: tl.constexpr = 2 * I
+    pid = tl.program_id(0)
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < T
+    tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, KP)
+    e64 = e.to(tl.int64)
+    # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
+    w_ptrs = w_ptr + e64 * (K // PACK_FACTOR * N2) + offs_r[None, :] * N2 + offs_n[:, None]
+    s_ptrs = s_ptr + e64 * (K // GROUP_SIZE * N2) + (offs_r[None, :] // 4) * N2 + offs_n[:, None]
+    x_ptrs = x_ptr + tok[None, :] * stride_xm + offs_r[:, None] * PACK_FACTOR  # [KP, BLOCK_M]
+    x_mask = row_ok[None, :]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for _ in range(0, K // BLOCK_K):
+        acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
+                             tl.load(s_ptrs + I), x_ptrs, x_mask, True, PORTABLE)
+        x_ptrs += BLOCK_K
+        w_ptrs += KP * N2
+        s_ptrs += (BLOCK_K // GROUP_SIZE) * N2
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_n[:, None]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. down GEMM (times the routing weight)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _down_kernel(
+    h_ptr,  # [max_padded, I] bf16
+    w_ptr,  # [E, I // 8, N] int32
+    s_ptr,  # [E, I // 32, N] bf16
+    sorted_ids_ptr,  # [max_padded] int32
+    block_expert_ptr,  # [max_blocks] int32
+    topk_w_ptr,  # [T] fp32/bf16 routing weight of pair t
+    y_ptr,  # [T, N] bf16 out, row = pair id
+    T,
+    N: tl.constexpr,
+    I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
+):
+    NUM_N: tl.constexpr = N // BLOCK_N
+    KP: tl.constexpr = BLOCK_K // PACK_FACTOR
+    pid = tl.program_id(0)
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, KP)
+    e64 = e.to(tl.int64)
+    w_ptrs = w_ptr + e64 * (I // PACK_FACTOR * N) + offs_r[None, :] * N + offs_n[:, None]
+    s_ptrs = s_ptr + e64 * (I // GROUP_SIZE * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None] * PACK_FACTOR
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for _ in range(0, I // BLOCK_K):
+        w = tl.load(w_ptrs)
+        acc, unused = _mma8(acc, acc, w, tl.load(s_ptrs), w, w, h_ptrs, row_ok[None, :], False,
+                            PORTABLE)
+        h_ptrs += BLOCK_K
+        w_ptrs += KP * N
+        s_ptrs += (BLOCK_K // GROUP_SIZE) * N
+    wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    y = acc * wt[None, :]
+    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# 4. weighted top-k combine
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _combine_kernel(
+    y_ptr,  # [M * TOPK, N] bf16
+    out_ptr,  # [M, N] bf16, row stride stride_om
+    scale,
+    stride_om,
+    N: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOPK):  # fixed order: deterministic sum
+        acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# configs and the wrapper
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of one GEMM launch (BLOCK_K counts unpacked input rows)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch configuration for one M band; ``block_m`` is shared by both GEMMs (same alignment)."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+@functools.lru_cache(maxsize=None)
+def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
+    with open(path) as f:
+        raw = json.load(f)
+    table = []
+    for band in raw["bands"]:
+        table.append((int(band["max_m"]), MoeConfig(
+            block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
+            down=GemmConfig(**band["down"]))))
+    return tuple(sorted(table, key=lambda b: b[0]))
+
+
+def select_config(m: int) -> MoeConfig:
+    """Config of the smallest M band holding ``m`` (the largest band for bigger ``m``).
+
+    The table is ``moe_w4a16_configs.json`` beside this module, or the file named by the env
+    variable ``SGLANG_DDTREE_MOE_CONFIG`` (for tuning runs).
+    """
+    table = _config_table(os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH))
+    for max_m, cfg in table:
+        if m <= max_m:
+            return cfg
+    return table[-1][1]
+
+
+def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
+    """Shrink tiles that exceed a small problem (tests use tiny hidden / FFN sizes)."""
+    block_n = min(cfg.block_n, n)
+    block_k = min(cfg.block_k, k)
+    return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages)
+
+
+def _portable(device: torch.device) -> bool:
+    """True where the inline-PTX dequant (bf16x2 FMA, sm_80+) and bf16 dots cannot be used."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 0)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
+        raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
+                         f"{t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def fused_moe_w4a16(
+    hidden_states: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    routed_scaling_factor: float = 1.0,
+    out: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
+
+    Parameters
+    ----------
+    hidden_states : torch.Tensor
+        ``[M, H]`` bf16 (row stride may exceed H).
+    w13_packed : torch.Tensor
+        ``[E, H // 8, 2 I]`` int32; gate columns ``[0, I)``, up columns ``[I, 2I)``.
+    w13_scale : torch.Tensor
+        ``[E, H // 32, 2 I]`` bf16.
+    w2_packed : torch.Tensor
+        ``[E, I // 8, H]`` int32.
+    w2_scale : torch.Tensor
+        ``[E, I // 32, H]`` bf16.
+    topk_weights : torch.Tensor
+        ``[M, topk]`` float32 (or bf16) routing weights.
+    topk_ids : torch.Tensor
+        ``[M, topk]`` int32 / int64 expert ids in ``[0, E)``.
+    routed_scaling_factor : float
+        Multiplies the top-k sum (as SGLang's ``moe_sum_reduce`` does).
+    out : torch.Tensor, optional
+        ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
+    config : MoeConfig, optional
+        Overrides the tuned table (``moe_w4a16_configs.json``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[M, H]`` bf16.
+    """
+    m, hidden = hidden_states.shape
+    num_experts = w13_packed.shape[0]
+    inter = w2_packed.shape[1] * PACK_FACTOR
+    topk = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
+    if hidden_states.dtype != torch.bfloat16 or hidden_states.stride(1) != 1:
+        raise ValueError(f"hidden_states: expected bf16 with unit column stride, got "
+                         f"{hidden_states.dtype} strides {hidden_states.stride()}")
+    if hidden % 128 or inter % 128:
+        raise ValueError(f"hidden {hidden} and intermediate {inter} must be multiples of 128")
+    _check("w13_packed", w13_packed, (num_experts, hidden // 8, 2 * inter), torch.int32)
+    _check("w13_scale", w13_scale, (num_experts, hidden // GROUP_SIZE, 2 * inter), torch.bfloat16)
+    _check("w2_packed", w2_packed, (num_experts, inter // 8, hidden), torch.int32)
+    _check("w2_scale", w2_scale, (num_experts, inter // GROUP_SIZE, hidden), torch.bfloat16)
+    _check("topk_ids", topk_ids, (m, topk))
+    _check("topk_weights", topk_weights, (m, topk))
+    if out is None:
+        out = torch.empty(m, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    elif tuple(out.shape) != (m, hidden) or out.stride(1) != 1 or out.dtype != torch.bfloat16:
+        raise ValueError(f"out: expected [{m}, {hidden}] bf16, got {tuple(out.shape)} {out.dtype}")
+    if m == 0:
+        return out
+
+    cfg = config or select_config(m)
+    gu = _fit(cfg.gate_up, inter, hidden)
+    dn = _fit(cfg.down, hidden, inter)
+    bm = cfg.block_m
+    if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
+            or gu.block_k % 128 or dn.block_k % 128 or bm < 16):
+        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum.
+        raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
+    portable = _portable(hidden_states.device)
+    t = m * topk
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm)
+    max_padded = sorted_ids.numel()
+    h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=hidden_states.device)
+    y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
+    n_blocks = max_padded // bm
+
+    _gate_up_kernel[(n_blocks * (inter // gu.block_n),)](
+        hidden_states, w13_packed, w13_scale, sorted_ids, block_expert, h, t,
+        hidden_states.stride(0), K=hidden, I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n,
+        BLOCK_K=gu.block_k, PORTABLE=portable, num_warps=gu.num_warps, num_stages=gu.num_stages)
+    _down_kernel[(n_blocks * (hidden // dn.block_n),)](
+        h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden, I=inter,
+        BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
+        num_warps=dn.num_warps, num_stages=dn.num_stages)
+    block_c = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(m, triton.cdiv(hidden, block_c))](
+        y, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk, BLOCK_N=block_c)
+    return out
