@@ -21,6 +21,8 @@ Columns
 - ``kv_GBps`` = kv_bytes / ours_us, kv_bytes = sum over requests of (prefix + N) x bytes per token
   (MHA: 2 x kv_heads x 128 x 2 B; MLA: 576 x 2 B); ``frac_copy_bw`` = kv_GBps / copy bandwidth,
   the copy bandwidth being (bytes read + bytes written) / time of a 2 GiB device-to-device copy.
+- ``TFLOPs`` = 2 x bs x N x q_heads x prefix x (Dqk + Dv) / ours_us (prefix work only): MLA and
+  large MHA budgets are compute-bound (arithmetic intensity above the card's ~200 FLOP/B).
 - ``*_rel_diff``: max |other - ours| / max |ours| on the same inputs (same semantics check).
 
 Writes JSON (command, versions, GPU, date, results) to ``--out`` and prints a table.
@@ -157,6 +159,8 @@ class Point:
         self.sm_scale = 128 ** -0.5 if kind == "mha" else 192 ** -0.5
         tok_bytes = 2 * 8 * 128 * 2 if kind == "mha" else 576 * 2
         self.kv_bytes = bs * (ctx + self.n) * tok_bytes
+        # useful matmul work: every query row against every prefix key, QK^T and PV
+        self.flops = 2 * bs * self.n * hq * ctx * ((128 + 128) if kind == "mha" else (576 + 512))
 
 
 def bench_ours(ta, mla, p, iters, flush, config):
@@ -295,7 +299,8 @@ def main(argv=None):
                              kv_bytes=p.kv_bytes)
                     us, ours, splits = bench_ours(ta, mla, p, args.iters, flush, config)
                     r.update(ours_us=round(us, 2), num_splits=splits,
-                             kv_GBps=round(p.kv_bytes / us / 1e3, 1))
+                             kv_GBps=round(p.kv_bytes / us / 1e3, 1),
+                             TFLOPs=round(p.flops / us / 1e6, 1))
                     r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
@@ -340,7 +345,7 @@ def _fmt(v):
 def _row(r):
     return (f"{r['kind']:3s} ctx {r['context']:6d} bs {r['batch']:2d} budget {r['budget']:3d} "
             f"splits {r['num_splits']:2d} | ours {r['ours_us']:9.1f} us "
-            f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) | "
+            f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) {r['TFLOPs']:5.0f} TF/s | "
             f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}")
 
 

@@ -156,15 +156,16 @@ def _tree_attn_fwd_kernel(
     q_ptr,            # [T, Hq, DK + D_PE] queries, T = bs * N (request-major, node order)
     k_ptr,            # [num_slots, Hkv, DK + D_PE] key cache (bf16/fp16/fp8)
     v_ptr,            # [num_slots, Hkv, DV] value cache (unused when SHARED_KV)
-    o_ptr,            # [T, Hq, DV] output, written directly when NUM_SPLITS == 1
-    part_o_ptr,       # [T, Hq, NUM_SPLITS, DV] fp32 normalised split outputs (NUM_SPLITS > 1)
-    part_lse_ptr,     # [T, Hq, NUM_SPLITS] fp32 split log2-sum-exp (NUM_SPLITS > 1)
+    o_ptr,            # [T, Hq, DV] output, written directly unless SPLIT
+    part_o_ptr,       # [T, Hq, num_splits, DV] fp32 normalised split outputs (SPLIT)
+    part_lse_ptr,     # [T, Hq, num_splits] fp32 split log2-sum-exp (SPLIT)
     kv_table_ptr,     # [pool, max_ctx] req_to_token, or [total] kv_indices when USE_INDPTR
     kv_row_ptr,       # [bs] req_pool_indices, or [bs + 1] kv_indptr when USE_INDPTR
     seq_lens_ptr,     # [bs] prefix lengths (unused when USE_INDPTR)
     tree_loc_ptr,     # [T] out_cache_loc: cache slot of each tree token
     tree_mask_ptr,    # [bs, N, N] uint8 ancestor-or-self mask
     N,                # tree tokens per request (budget + 1)
+    num_splits,       # prefix splits (runtime, so batch sizes share one compiled kernel)
     qk_scale,         # sm_scale * k_scale (* log2 e unless HAS_CAP)
     v_scale,
     logit_cap,
@@ -178,16 +179,16 @@ def _tree_attn_fwd_kernel(
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     USE_INDPTR: tl.constexpr, SHARED_KV: tl.constexpr, HAS_CAP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
-    pid_hs = tl.program_id(1)       # kv_head * NUM_SPLITS + split
+    pid_hs = tl.program_id(1)       # kv_head * num_splits + split
     b = tl.program_id(2)
-    kvh = pid_hs // NUM_SPLITS
-    split = pid_hs % NUM_SPLITS
-    Hq = tl.num_programs(1) // NUM_SPLITS * G
+    kvh = pid_hs // num_splits
+    split = pid_hs % num_splits
+    Hq = tl.num_programs(1) // num_splits * G
 
     # rows of this block: r = token * G + head-in-group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -221,7 +222,7 @@ def _tree_attn_fwd_kernel(
         prefix_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
     # this split's prefix chunk, BLOCK_N-aligned so only the last tile of the prefix is ragged
-    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, prefix_len)
 
@@ -248,7 +249,7 @@ def _tree_attn_fwd_kernel(
                 row_ok, stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
                 DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
 
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         # tree tokens: a row only sees ancestors, which precede it in node order, so keys past
         # the block's last token are never needed (a bound that depends on pid alone)
         last_tok = tl.minimum((pid_m + 1) * BLOCK_M - 1, N * G - 1) // G
@@ -272,14 +273,14 @@ def _tree_attn_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = out * v_scale
         o_off = t_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     else:
-        # partial layout is contiguous [T, Hq, NUM_SPLITS, DV]
-        ph = (t_glob * Hq + head) * NUM_SPLITS + split
+        # partial layout is contiguous [T, Hq, num_splits, DV]
+        ph = (t_glob * Hq + head) * num_splits + split
         tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -287,30 +288,46 @@ def _tree_attn_fwd_kernel(
 
 
 @triton.jit
+def _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV: tl.constexpr):
+    # split s's partial output times its softmax weight
+    w_s = tl.sum(tl.where(offs_s == s, w, 0.0), 0)
+    part = tl.load(part_o_ptr + (ph + s) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+    return w_s * part
+
+
+@triton.jit
 def _tree_attn_reduce_kernel(
-    part_o_ptr,       # [T, Hq, NUM_SPLITS, DV] fp32
-    part_lse_ptr,     # [T, Hq, NUM_SPLITS] fp32 (log2 domain, -inf for empty splits)
+    part_o_ptr,       # [T, Hq, num_splits, DV] fp32
+    part_lse_ptr,     # [T, Hq, num_splits] fp32 (log2 domain, -inf for empty splits)
     o_ptr,            # [T, Hq, DV]
     v_scale,
     stride_ot, stride_oh,
-    Hq,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Hq, num_splits,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    ph = (t * Hq + h) * NUM_SPLITS
+    ph = (t * Hq + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(part_lse_ptr + ph + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: the last split always holds the query's own (diagonal) key
+    lse = tl.load(part_lse_ptr + ph + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    # m is finite whenever the row saw any key; rows that saw none (a padded request with an
+    # empty prefix and an all-false mask row) get zeros rather than NaN
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
-    w = w / tl.sum(w, 0)
+    w_sum = tl.sum(w, 0)
+    w = w / tl.where(w_sum == 0.0, 1.0, w_sum)
     offs_dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), 0)
-        part = tl.load(part_o_ptr + (ph + s) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
-        acc += w_s * part
+    if INTERPRET:
+        s = 0
+        while s < num_splits:
+            acc += _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV)
+            s += 1
+    else:
+        for s in range(num_splits):
+            acc += _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_dv,
              (acc * v_scale).to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
 
@@ -567,23 +584,23 @@ class TreeAttention:
         _tree_attn_fwd_kernel[grid](
             q, k_cache, v_cache, out, part_o, part_lse,
             table, rows, lens, out_cache_loc, tree_mask,
-            n, qk_scale, float(v_scale), self.logit_cap,
+            n, splits, qk_scale, float(v_scale), self.logit_cap,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
             stride_table, tree_mask.stride(0), tree_mask.stride(1),
             G=self.group, DK=self.head_dim, BLOCK_DK=triton.next_power_of_2(self.head_dim),
             D_PE=self.rope_dim, DV=self.v_head_dim,
             BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=splits,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](
                 part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
-                self.num_q_heads, NUM_SPLITS=splits,
-                BLOCK_S=triton.next_power_of_2(splits), DV=self.v_head_dim,
-                BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
+                self.num_q_heads, splits, BLOCK_S=triton.next_power_of_2(self.max_splits),
+                DV=self.v_head_dim, BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
+                INTERPRET=_INTERPRET,
                 num_warps=4 if q.is_cuda else 1,
             )
         return out

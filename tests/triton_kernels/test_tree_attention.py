@@ -207,3 +207,19 @@ def test_mla_one_shot_indptr():
                                            sm_scale=0.2, **layout.indptr_kwargs())
     assert out.shape == (6, 4, 32)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_padded_request_gives_zeros_not_nan(splits):
+    """CUDA-graph padding: a request with no prefix and an all-false mask row must not NaN."""
+    g, layout, mask = make_layout([6, 0], 3, 1, seed=5)
+    mask[1] = False
+    k = torch.randn(layout.num_slots, 1, 16, generator=g).half()
+    q = torch.randn(6, 2, 16, generator=g).half()
+    out = TA.tree_attention(q, k, k, layout.out_cache_loc, mask, num_kv_splits=splits,
+                            **layout.table_kwargs())
+    assert not out.isnan().any()
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    ref = REF.tree_attention_reference(q, k, k, layout.out_cache_loc, mask,
+                                       **layout.table_kwargs())
+    assert rel_err(out[:3], ref[:3]) < TOL[torch.float16]
