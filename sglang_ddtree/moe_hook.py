@@ -1,0 +1,218 @@
+"""Opt-in: run SGLang's compressed-tensors WNA16 MoE layers on our fused W4A16 Triton kernel.
+
+Switch: ``SGLANG_DDTREE_FUSED_MOE=1`` (``maybe_install``); ``install`` does it unconditionally. It
+must run in every process that builds the model (the plugin's ``register`` does, before weights
+load), because it changes what happens at weight-loading time.
+
+What SGLang 0.5.17 loads (``CompressedTensorsWNA16MoE.create_weights`` +
+``FusedMoE._weight_loader_impl``, which transposes every ``weight_packed`` / ``weight_scale`` of these
+classes with ``loaded_weight.t()``). A compressed-tensors ``pack-quantized`` checkpoint stores a
+projection ``[out, in]`` as ``weight_packed [out, in // 8] int32`` (8 little-endian nibbles along
+``in``, each ``q + 8`` for ``q`` in ``[-8, 7]``) and ``weight_scale [out, in // 32]``. After the
+transpose and the gate/up merge the layer holds, for E local experts, hidden H and per-rank
+intermediate I:
+
+* ``w13_weight_packed [E, H // 8, 2 I] int32``: columns ``[0, I)`` gate (w1), ``[I, 2I)`` up (w3);
+* ``w13_weight_scale  [E, H // 32, 2 I]`` params dtype (bf16 for Kimi K2);
+* ``w2_weight_packed  [E, I // 8, H] int32`` and ``w2_weight_scale [E, I // 32, H]``;
+* ``w13/w2_weight_g_idx`` and ``*_g_idx_sort_indices`` (act-order only; unused for Kimi).
+
+Stock SGLang then repacks the weights into Marlin tiles (``gptq_marlin_moe_repack`` +
+``marlin_moe_permute_scales``, in place) and runs ``fused_marlin_moe``. With the switch on, the
+patched ``process_weights_after_loading`` skips that repack and keeps the loaded layout, which the
+kernel reads directly: no repack, zero extra memory and no load-time cost (it only drops the unused
+act-order index tensors, as SGLang's own path does). The patched ``apply_weights`` calls
+``fused_moe_w4a16`` with the same semantics as the Marlin path (SiLU-and-multiply, top-k weights
+applied per slot, ``routed_scaling_factor`` on the sum, output into SGLang's zero-copy MoE buffer
+when one is published).
+
+Supported: int4, group size 32, symmetric, no act-order, bf16 params, SiLU, no expert-parallel
+map. Anything else raises at weight-processing or first-forward time with what was found; nothing
+falls back silently.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "SGLANG_DDTREE_FUSED_MOE"
+_SCHEME_MODULE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe"
+_MARLIN_CLASS = "CompressedTensorsWNA16MoE"
+_TRITON_CLASS = "CompressedTensorsWNA16TritonMoE"
+# Fragments of SGLang 0.5.17's source that the layout above depends on.
+_CREATE_WEIGHTS_FRAGMENTS = (
+    '"w13_weight_packed"', '"w2_weight_packed"', '"w13_weight_scale"', '"w2_weight_scale"',
+    "hidden_size // self.packed_factor", "2 * intermediate_size_per_partition",
+    "intermediate_size_per_partition // self.packed_factor", '"is_transposed": True',
+)
+_LOADER_FRAGMENTS = ('"CompressedTensorsWNA16MoE"', "loaded_weight.t()")
+_PATCHED = ("process_weights_after_loading", "apply_weights")
+
+
+class FusedMoeHookError(RuntimeError):
+    """SGLang's internals differ from what the fused-MoE hook was written against."""
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise FusedMoeHookError(
+            f"{ENV_SWITCH}=1: SGLang internals are not as expected ({what}); this hook was written "
+            "against SGLang 0.5.17's compressed-tensors WNA16 MoE scheme. Unset the switch to use "
+            "SGLang's own MoE path.")
+
+
+def find_classes():
+    """Import the WNA16 MoE scheme classes and check the layout contract; return (marlin, triton)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(_SCHEME_MODULE)
+    except ImportError as exc:
+        raise FusedMoeHookError(f"{ENV_SWITCH}=1: cannot import {_SCHEME_MODULE}: {exc!r}") from exc
+    marlin = getattr(mod, _MARLIN_CLASS, None)
+    triton_cls = getattr(mod, _TRITON_CLASS, None)
+    _require(inspect.isclass(marlin), f"{_SCHEME_MODULE}.{_MARLIN_CLASS} missing")
+    _require(inspect.isclass(triton_cls) and issubclass(triton_cls, marlin),
+             f"{_TRITON_CLASS} missing or not a subclass of {_MARLIN_CLASS}")
+    for cls in (marlin, triton_cls):
+        for name, params in (("process_weights_after_loading", ["self", "layer"]),
+                             ("apply_weights", ["self", "layer", "dispatch_output"])):
+            fn = cls.__dict__.get(name) or getattr(cls, name, None)
+            _require(callable(fn), f"{cls.__name__}.{name} missing")
+            found = list(inspect.signature(fn).parameters)
+            _require(found == params, f"{cls.__name__}.{name} takes {found}, expected {params}")
+    src = inspect.getsource(marlin.create_weights)
+    missing = [f for f in _CREATE_WEIGHTS_FRAGMENTS if f not in src]
+    _require(not missing, f"{_MARLIN_CLASS}.create_weights lacks {missing}")
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    loader = getattr(FusedMoE, "_weight_loader_impl", None)
+    _require(callable(loader), "FusedMoE._weight_loader_impl missing")
+    loader_src = inspect.getsource(loader)
+    missing = [f for f in _LOADER_FRAGMENTS if f not in loader_src]
+    _require(not missing, f"FusedMoE._weight_loader_impl lacks {missing} (transposed WNA16 loading)")
+    return marlin, triton_cls
+
+
+def _process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    """Keep the loaded pack-quantized layout (no Marlin repack); check it fits the kernel."""
+    if getattr(layer, "_ddtree_fused_moe_ready", False):
+        return
+    if (self.num_bits, self.group_size, self.sym) != (4, 32, True) or self.actorder not in (
+            None, "static") or self.strategy != "group":
+        raise NotImplementedError(
+            f"{ENV_SWITCH}=1 supports int4 group-32 symmetric experts without act-order; this "
+            f"layer has num_bits={self.num_bits} group_size={self.group_size} sym={self.sym} "
+            f"actorder={self.actorder!r} strategy={self.strategy!r}")
+    w13, s13 = layer.w13_weight_packed, layer.w13_weight_scale
+    w2, s2 = layer.w2_weight_packed, layer.w2_weight_scale
+    e, hp, n2 = w13.shape
+    hidden, inter = hp * 8, n2 // 2
+    expected = {
+        "w13_weight_packed": ((e, hidden // 8, 2 * inter), torch.int32),
+        "w13_weight_scale": ((e, hidden // 32, 2 * inter), torch.bfloat16),
+        "w2_weight_packed": ((e, inter // 8, hidden), torch.int32),
+        "w2_weight_scale": ((e, inter // 32, hidden), torch.bfloat16),
+    }
+    for name, t in (("w13_weight_packed", w13), ("w13_weight_scale", s13),
+                    ("w2_weight_packed", w2), ("w2_weight_scale", s2)):
+        shape, dtype = expected[name]
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise NotImplementedError(
+                f"{ENV_SWITCH}=1: layer.{name} is {tuple(t.shape)} {t.dtype} "
+                f"(contiguous={t.is_contiguous()}), expected {shape} {dtype} contiguous")
+    # The act-order index tensors are empty placeholders without act-order; free them as SGLang
+    # does (each is E x hidden int32, ~11 MB per layer for Kimi).
+    for name in ("w13_weight_g_idx", "w2_weight_g_idx", "w13_g_idx_sort_indices",
+                 "w2_g_idx_sort_indices"):
+        setattr(layer, name, torch.nn.Parameter(
+            torch.empty((e, 0), dtype=torch.int32, device=w13.device), requires_grad=False))
+    layer._ddtree_fused_moe_ready = True
+
+
+def _apply_weights(self, layer: torch.nn.Module, dispatch_output):
+    """Same contract as ``CompressedTensorsWNA16MoE.apply_weights``, on the fused Triton kernel."""
+    from sglang.srt.layers import zero_copy_context
+    from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+    from .triton_kernels.moe_w4a16 import fused_moe_w4a16
+
+    cfg = self.moe_runner_config
+    unsupported = {
+        "activation": (cfg.activation, "silu"), "is_gated": (cfg.is_gated, True),
+        "gemm1_alpha": (cfg.gemm1_alpha, None), "gemm1_clamp_limit": (cfg.gemm1_clamp_limit, None),
+        "swiglu_limit": (cfg.swiglu_limit, None),
+        "apply_router_weight_on_input": (cfg.apply_router_weight_on_input, False),
+        "no_combine": (cfg.no_combine, False),
+    }
+    bad = {k: v for k, (v, want) in unsupported.items() if v != want}
+    if bad:
+        raise NotImplementedError(f"{ENV_SWITCH}=1: unsupported MoE runner settings {bad}")
+    if getattr(getattr(layer, "dispatcher", None), "local_expert_mapping", None) is not None:
+        raise NotImplementedError(f"{ENV_SWITCH}=1: expert-parallel expert maps are not supported")
+    if not getattr(layer, "_ddtree_fused_moe_ready", False):
+        raise FusedMoeHookError(f"{ENV_SWITCH}=1: layer weights were not processed by the hook "
+                                "(was it installed after the model loaded?)")
+    x = dispatch_output.hidden_states
+    topk_weights, topk_ids, _ = dispatch_output.topk_output
+    out = fused_moe_w4a16(
+        x, layer.w13_weight_packed, layer.w13_weight_scale, layer.w2_weight_packed,
+        layer.w2_weight_scale, topk_weights.contiguous(), topk_ids.contiguous(),
+        routed_scaling_factor=1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor,
+        out=zero_copy_context.get_moe_output(x))
+    return StandardCombineInput(hidden_states=out)
+
+
+def install(hook_registry=None) -> list[str]:
+    """Patch both WNA16 MoE scheme classes (plain attribute replacement; idempotent).
+
+    ``hook_registry`` is accepted for a uniform plugin call and not used: SGLang's HookRegistry
+    does not patch functions stored as class attributes. Returns the patched qualified names.
+    Raises :class:`FusedMoeHookError` when SGLang's classes or layout are not as expected.
+    """
+    del hook_registry
+    patched = []
+    for cls in find_classes():
+        for name in _PATCHED:
+            current = cls.__dict__.get(name)
+            ours = globals()[f"_{name}"]
+            if current is ours:
+                continue
+            setattr(cls, f"_ddtree_original_{name}", current)  # None when inherited
+            setattr(cls, name, ours)
+            patched.append(f"{cls.__name__}.{name}")
+    if patched:
+        logger.info("fused W4A16 MoE kernel installed on %s", ", ".join(patched))
+    return patched
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    for cls in find_classes():
+        for name in _PATCHED:
+            key = f"_ddtree_original_{name}"
+            if key in cls.__dict__:
+                original = cls.__dict__[key]
+                if original is None:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, original)
+                delattr(cls, key)
+
+
+def enabled(environ=os.environ) -> bool:
+    """Whether the env switch asks for the fused kernel ("1"/"true"/"yes", case-insensitive)."""
+    return environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "yes")
+
+
+def maybe_install(hook_registry=None, environ=os.environ) -> bool:
+    """Install when ``SGLANG_DDTREE_FUSED_MOE`` is on; return whether it did."""
+    if not enabled(environ):
+        return False
+    install(hook_registry)
+    return True

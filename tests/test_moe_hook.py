@@ -1,0 +1,152 @@
+"""CPU tests of the opt-in fused-MoE hook against the real SGLang 0.5.17 package in the venv.
+
+* ``install`` finds and patches both compressed-tensors WNA16 MoE classes, is idempotent and
+  reversible, and raises a clear :class:`FusedMoeHookError` when the classes or the layout
+  contract (``create_weights`` shapes, transposed loading) are not what it was written against.
+* End to end on CPU (a subprocess, so the kernel module is imported in Triton interpreter mode):
+  SGLang's own ``create_weights`` builds the layer's parameters, the patched
+  ``process_weights_after_loading`` keeps the layout, the patched ``apply_weights`` matches the
+  fp32 reference (relative Frobenius error <= 2e-2, see tests/triton_kernels/test_moe_w4a16.py).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+from sglang_ddtree import moe_hook  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def classes():
+    marlin, triton_cls = moe_hook.find_classes()
+    yield marlin, triton_cls
+    moe_hook.uninstall()
+
+
+def test_install_patches_both_classes_and_uninstalls(classes):
+    marlin, triton_cls = classes
+    originals = {(c, n): c.__dict__[n] for c in classes for n in moe_hook._PATCHED}
+    patched = moe_hook.install(None)
+    assert sorted(patched) == sorted(f"{c.__name__}.{n}" for c in classes for n in moe_hook._PATCHED)
+    assert marlin.apply_weights is moe_hook._apply_weights
+    assert triton_cls.process_weights_after_loading is moe_hook._process_weights_after_loading
+    assert moe_hook.install(None) == []  # idempotent
+    moe_hook.uninstall()
+    for (c, n), fn in originals.items():
+        assert c.__dict__[n] is fn
+
+
+def test_maybe_install_follows_env(classes):
+    marlin, _ = classes
+    original = marlin.__dict__["apply_weights"]
+    assert not moe_hook.maybe_install(None, environ={})
+    assert marlin.__dict__["apply_weights"] is original
+    assert moe_hook.maybe_install(None, environ={moe_hook.ENV_SWITCH: "1"})
+    assert marlin.__dict__["apply_weights"] is moe_hook._apply_weights
+
+
+def test_missing_class_is_a_clear_error(monkeypatch):
+    import importlib
+
+    mod = importlib.import_module(moe_hook._SCHEME_MODULE)
+    monkeypatch.delattr(mod, moe_hook._TRITON_CLASS)
+    with pytest.raises(moe_hook.FusedMoeHookError, match="CompressedTensorsWNA16TritonMoE missing"):
+        moe_hook.install(None)
+
+
+def test_changed_layout_is_a_clear_error(monkeypatch):
+    marlin, _ = moe_hook.find_classes()
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra):  # a layout the hook does not know
+        layer.register_parameter("w13_weight", None)
+
+    monkeypatch.setattr(marlin, "create_weights", create_weights)
+    with pytest.raises(moe_hook.FusedMoeHookError, match="create_weights lacks"):
+        moe_hook.install(None)
+    monkeypatch.undo()
+    marlin2, _ = moe_hook.find_classes()
+
+    def apply_weights(self, layer, x, topk):  # a signature the hook does not know
+        return None
+
+    monkeypatch.setattr(marlin2, "apply_weights", apply_weights)
+    with pytest.raises(moe_hook.FusedMoeHookError, match="apply_weights takes"):
+        moe_hook.install(None)
+
+
+_E2E = textwrap.dedent("""
+    import os, types, torch
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    from sglang_ddtree import moe_hook
+    from sglang_ddtree.triton_kernels.moe_reference import make_random_moe, moe_w4a16_reference
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.moe.token_dispatcher.standard import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    marlin, _ = moe_hook.find_classes()
+    moe_hook.install(None)
+    E, H, I, TOPK, M = 6, 256, 128, 2, 5
+
+    def scheme(group_size=32, sym=True):
+        wq = types.SimpleNamespace(num_bits=4, strategy="group", group_size=group_size,
+                                   actorder=None, symmetric=sym)
+        return marlin(types.SimpleNamespace(quant_format="pack-quantized"), wq)
+
+    s = scheme()
+    layer = torch.nn.Module()
+    layer.moe_tp_size = 1
+    s.create_weights(layer, E, H, I, torch.bfloat16)  # SGLang's own parameter shapes
+    w = make_random_moe(E, H, I, seed=3)
+    for name, key in (("w13_weight_packed", "w13_packed"), ("w13_weight_scale", "w13_scale"),
+                      ("w2_weight_packed", "w2_packed"), ("w2_weight_scale", "w2_scale")):
+        getattr(layer, name).data.copy_(w[key])  # copy_ also checks the shapes match
+    s.process_weights_after_loading(layer)
+    assert layer.w13_weight_packed.shape == (E, H // 8, 2 * I)  # no Marlin repack
+    assert layer.w13_weight_g_idx.shape == (E, 0)
+    s.moe_runner_config = MoeRunnerConfig(num_experts=E, top_k=TOPK, activation="silu",
+                                          routed_scaling_factor=2.5)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, H, generator=g).bfloat16()
+    logits = torch.randn(M, E, generator=g)
+    tw, ti = torch.topk(logits.softmax(-1), TOPK)
+    ti = ti.to(torch.int32)
+    out = s.apply_weights(layer, StandardDispatchOutput(
+        hidden_states=x, hidden_states_scale=None, topk_output=StandardTopKOutput(tw, ti, logits)))
+    ref = moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
+                              tw, ti, 2.5)
+    rel = ((out.hidden_states.float() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel
+
+    s.moe_runner_config = MoeRunnerConfig(activation="gelu")
+    try:
+        s.apply_weights(layer, None)
+        raise SystemExit("gelu accepted")
+    except NotImplementedError as exc:
+        assert "activation" in str(exc), exc
+    other = torch.nn.Module()
+    other.moe_tp_size = 1
+    s128 = scheme(group_size=128)
+    s128.create_weights(other, E, H, I, torch.bfloat16)
+    try:
+        s128.process_weights_after_loading(other)
+        raise SystemExit("group 128 accepted")
+    except NotImplementedError as exc:
+        assert "group_size=128" in str(exc), exc
+    print("E2E_OK", rel)
+""")
+
+
+def test_end_to_end_layer_on_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _E2E], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "E2E_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
