@@ -1,0 +1,516 @@
+// DDTree draft-tree build: one CUDA thread block per request, one launch per decode step.
+//
+// Semantics (bit-exact with sglang_ddtree.tree.build_tree_reference; /work/notes/tree_contract.md):
+// a node is a rank path (r1..rd), its score the fp32 sum ((lp1[r1] + lp2[r2]) + ...) added in
+// depth order (parent score + child log-prob), and the tree is the first min(B, #finite) nodes of
+// the total order "score desc, depth asc, rank path lexicographic asc".
+//
+// Algorithm (level-wise, exact even when fp32 rounding creates ties):
+//   G   = the best <= B nodes found so far (an unordered set kept in shared memory),
+//   C_d = the depth-d members of G right after level d (kept in rank-path lexicographic order).
+//   For d = 1..D: candidates are the children p.r of C_{d-1} (r < min(K, B): a node of rank >= B
+//   has B better siblings) whose score beats thr = worst score in G once |G| == B (a deeper node
+//   ties a shallower one only to lose the depth tie-break). G := best B of G u candidates, by a
+//   block-wide 8-bit radix select over a 64-bit key that encodes the total order. Every node of
+//   the final tree survives each step (fewer than B nodes precede it anywhere) and every set
+//   stays closed under "parent of", so at the end G is the tree.
+// Children of one parent are monotone in r (lp is sorted descending and fp32 addition is
+// monotone), so "score > thr" keeps a prefix of each parent's ranks and lexicographic order of
+// the candidates is the order of a flat index c = offset[parent] + r.
+//
+// This header has no torch dependency: tree_build.cu launches it, and a host-side emulation can
+// include it for CPU testing.
+#pragma once
+
+#include <cstdint>
+
+namespace ddtree {
+
+constexpr int kMaxBudget = 1024;       // lex positions, ranks and output indices fit 16 bits
+constexpr int kMaxDepth = 63;          // the depth field of the key has 6 bits
+constexpr int kLexBits = 20;           // flat candidate index c < B * min(K, B) <= 2^20
+constexpr uint32_t kLexMask = (1u << kLexBits) - 1u;
+constexpr uint16_t kNoPos = 0xFFFFu;
+constexpr unsigned kFullWarp = 0xFFFFFFFFu;
+
+struct TreeBuildParams {
+  const float* logp;      // [bs, D, K] float32, last dim contiguous, sorted descending
+  int64_t logp_sb, logp_sd;
+  const int64_t* ids;     // [bs, D, K] int64, last dim contiguous
+  int64_t ids_sb, ids_sd;
+  const int64_t* root_ids;  // [bs] int64
+  int D;                  // depths 1..D (the launcher passes min(D, B): deeper nodes cannot fit)
+  int Kp;                 // min(K, B): ranks that can ever be selected
+  int B;                  // budget; N = B + 1 verify tokens per request
+  // DraftTree outputs, all contiguous
+  int64_t* tokens;        // [bs, N]
+  int64_t* parents;       // [bs, N]
+  int64_t* depths;        // [bs, N]
+  bool* valid;            // [bs, N]
+  float* scores;          // [bs, N]
+  bool* ancestor_mask;    // [bs, N, N]
+  int64_t* retrive_index;         // [bs, N]
+  int64_t* retrive_next_token;    // [bs, N]
+  int64_t* retrive_next_sibling;  // [bs, N]
+  // Optional verify layout (seq_lens == nullptr: skipped)
+  const int64_t* seq_lens;  // [bs] int64 prefix lengths
+  int64_t* positions;       // [bs, N] int64 or nullptr
+  bool* full_mask;          // flat FULL_MASK bool or nullptr
+};
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory layout (host and device compute the same byte offsets).
+
+__host__ __device__ inline int64_t ddtree_align16(int64_t x) { return (x + 15) & ~int64_t(15); }
+
+struct SmemLayout {
+  int64_t lp, off, gscore, gmeta, gpar, keys, posanc, lvl_cnt, hist, wbuf, ctrl;
+  int64_t p_parent, p_depth, p_sib, first_child, total;
+};
+
+// Stage every depth's log-probs at once (one global-memory latency instead of one per depth)
+// when they take at most 32 KB.
+__host__ __device__ inline bool preload_rows(int Kp, int D) { return int64_t(Kp) * D <= 8192; }
+
+__host__ __device__ inline SmemLayout make_smem_layout(int B, int Kp, int D) {
+  const int64_t N = B + 1;
+  const int64_t lp_rows = preload_rows(Kp, D) ? D : 1;
+  SmemLayout L;
+  int64_t o = 0;
+  L.lp = o;          o = ddtree_align16(o + 4 * lp_rows * Kp);       // float[rows][Kp]: log-probs
+  L.off = o;         o = ddtree_align16(o + 4 * int64_t(B + 1));     // int[B+1]: candidate offsets
+  L.gscore = o;      o = ddtree_align16(o + 4 * 2 * int64_t(B));     // float[2][B]: G (double buffer)
+  L.gmeta = o;       o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: depth<<16 | lex
+  L.gpar = o;        o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: parent lex<<16 | rank
+  L.keys = o;        o = ddtree_align16(o + 8 * int64_t(B));         // u64[B]: final sort keys
+  // u16: pos_of[D][B] (output index of (depth, lex)) during the build, then the ancestor table
+  // anc[N][D+1] (ancestor of node q at depth k) for the masks.
+  const int64_t pos_n = int64_t(D) * B, anc_n = N * (D + 1);
+  L.posanc = o;      o = ddtree_align16(o + 2 * (pos_n > anc_n ? pos_n : anc_n));
+  L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
+  L.hist = o;        o = ddtree_align16(o + 4 * 256);                // int[256]: radix histogram
+  L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
+  L.ctrl = o;        o = ddtree_align16(o + 4 * 8);                  // int[8]: radix decisions
+  L.p_parent = o;    o = ddtree_align16(o + 4 * N);                  // int[N] per output index
+  L.p_depth = o;     o = ddtree_align16(o + 4 * N);                  // int[N], -1 = padding
+  L.p_sib = o;       o = ddtree_align16(o + 4 * N);                  // int[N]
+  L.first_child = o; o = ddtree_align16(o + 4 * N);                  // int[N]
+  L.total = o;
+  return L;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys: a larger key comes earlier in the total order.
+
+// Monotone float -> uint32 map (a < b  =>  bits(a) < bits(b)); -0 is folded onto +0 so that
+// equal scores give equal bits.
+__device__ __forceinline__ uint32_t ordered_bits(float s) {
+  uint32_t u = __float_as_uint(s);
+  if (u == 0x80000000u) u = 0u;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// score desc, then depth asc, then lex asc (lex = position in the depth's rank-path order).
+__device__ __forceinline__ uint64_t node_key(float score, int depth, uint32_t lex) {
+  return (uint64_t(ordered_bits(score)) << 32) |
+         (uint64_t(uint32_t(kMaxDepth - depth)) << kLexBits) | uint64_t(kLexMask - lex);
+}
+
+// Number of ranks r < Kp with parent_score + lp[r] > thr; a prefix because lp is descending.
+__device__ __forceinline__ int count_above(float parent_score, const float* lp, int Kp, float thr) {
+  int lo = 0, hi = Kp;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (parent_score + lp[mid] > thr) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Largest i in [0, m) with off[i] <= c (off[0] == 0 <= c).
+__device__ __forceinline__ int find_parent(const int* off, int m, int c) {
+  int lo = 0, hi = m;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= c) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-wide helpers. blockDim.x is a multiple of 32; every thread must call them.
+
+template <typename T>
+__device__ __forceinline__ T block_exclusive_sum(T v, T* wbuf, T& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  T x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(kFullWarp, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) wbuf[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    T w = lane < nw ? wbuf[lane] : T(0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const T y = __shfl_up_sync(kFullWarp, w, o);
+      if (lane >= o) w += y;
+    }
+    wbuf[lane] = w;  // inclusive prefix over warps
+  }
+  __syncthreads();
+  total = wbuf[nw - 1];
+  const T res = (warp ? wbuf[warp - 1] : T(0)) + x - v;
+  __syncthreads();  // wbuf may be reused right after
+  return res;
+}
+
+__device__ __forceinline__ float block_min(float v, float* wbuf) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(kFullWarp, v, o));
+  if (lane == 0) wbuf[warp] = v;
+  __syncthreads();
+  float r = wbuf[0];
+  for (int w = 1; w < nw; ++w) r = fminf(r, wbuf[w]);
+  __syncthreads();
+  return r;
+}
+
+// Warp 0: walk the 256-bin histogram from the top bin down and find the bin holding the krem-th
+// largest key. ctrl[0] = bin, ctrl[1] = keys still to take inside it, ctrl[2] = keys in it.
+__device__ __forceinline__ void radix_pick_bin(const int* hist, int krem, int* ctrl) {
+  const int lane = threadIdx.x & 31;
+  int cnt[8];
+  int local = 0;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    cnt[q] = hist[255 - (lane * 8 + q)];
+    local += cnt[q];
+  }
+  int incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullWarp, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const int excl = incl - local;
+  if (excl < krem && krem <= incl) {  // exactly one lane
+    int acc = excl;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      if (acc < krem && acc + cnt[q] >= krem) {
+        ctrl[0] = 255 - (lane * 8 + q);
+        ctrl[1] = krem - acc;
+        ctrl[2] = cnt[q];
+      }
+      acc += cnt[q];
+    }
+  }
+}
+
+// Warp-wide fill of len bytes with 1 (true): 16-byte stores on the aligned middle part.
+__device__ __forceinline__ void warp_fill_true(bool* dst, int64_t len, int lane) {
+  unsigned char* p = reinterpret_cast<unsigned char*>(dst);
+  int64_t head = int64_t((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15);
+  if (head > len) head = len;
+  if (lane < head) p[lane] = 1;
+  const int64_t nvec = (len - head) >> 4;
+  uint4* v = reinterpret_cast<uint4*>(p + head);
+  const uint4 ones = make_uint4(0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u);
+  for (int64_t k = lane; k < nvec; k += 32) v[k] = ones;
+  for (int64_t k = head + (nvec << 4) + lane; k < len; k += 32) p[k] = 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1, A = D + 1;
+  const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = T >> 5;
+  const int64_t b = blockIdx.x;
+  const SmemLayout L = make_smem_layout(B, Kp, D);
+  const bool preload = preload_rows(Kp, D);
+
+  float* const lp_base = reinterpret_cast<float*>(smem + L.lp);
+  int* off = reinterpret_cast<int*>(smem + L.off);
+  float* gscore = reinterpret_cast<float*>(smem + L.gscore);
+  uint32_t* gmeta = reinterpret_cast<uint32_t*>(smem + L.gmeta);
+  uint32_t* gpar = reinterpret_cast<uint32_t*>(smem + L.gpar);
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys);
+  uint16_t* pos_of = reinterpret_cast<uint16_t*>(smem + L.posanc);
+  uint16_t* anc = pos_of;  // reused once pos_of is dead
+  int* lvl_cnt = reinterpret_cast<int*>(smem + L.lvl_cnt);
+  int* hist = reinterpret_cast<int*>(smem + L.hist);
+  int* wbuf_i = reinterpret_cast<int*>(smem + L.wbuf);
+  float* wbuf_f = reinterpret_cast<float*>(smem + L.wbuf);
+  long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
+  int* ctrl = reinterpret_cast<int*>(smem + L.ctrl);
+  int* p_parent = reinterpret_cast<int*>(smem + L.p_parent);
+  int* p_depth = reinterpret_cast<int*>(smem + L.p_depth);
+  int* p_sib = reinterpret_cast<int*>(smem + L.p_sib);
+  int* first_child = reinterpret_cast<int*>(smem + L.first_child);
+
+  const float* logp_b = p.logp + b * p.logp_sb;
+  // Same normalisation as tree._normalize_logp: NaN -> -inf (unreachable), log-probs > 0
+  // (misuse) -> 0, -0 -> +0.
+  auto load_rows = [&](int d_first, int rows, float* dst) {
+    for (int e = tid; e < rows * Kp; e += T) {
+      const int rr = e / Kp, r = e - rr * Kp;
+      const float v = logp_b[int64_t(d_first + rr - 1) * p.logp_sd + r];
+      dst[e] = v <= 0.0f ? v + 0.0f : (v > 0.0f ? 0.0f : -INFINITY);
+    }
+  };
+  if (preload) load_rows(1, D, lp_base);  // made visible by the barrier inside the first level
+
+  // Block-uniform state (every thread holds the same values).
+  int cur = 0;        // G lives in buffer `cur`
+  int g_size = 0;     // |G|
+  int c_begin = 0;    // C_{d-1} = G[c_begin, c_begin + c_size), lexicographic order
+  int c_size = 1;     // level 0 is the root alone
+  float thr = -INFINITY;
+
+  for (int d = 1; d <= D; ++d) {
+    const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
+    if (!preload) load_rows(d, 1, lp_base);
+    __syncthreads();
+
+    const float* gs_old = gscore + cur * B;
+    const uint32_t* gm_old = gmeta + cur * B;
+    const uint32_t* gp_old = gpar + cur * B;
+    float* gs_new = gscore + (cur ^ 1) * B;
+    uint32_t* gm_new = gmeta + (cur ^ 1) * B;
+    uint32_t* gp_new = gpar + (cur ^ 1) * B;
+    const int m = c_size;
+    const int cb = c_begin;
+    auto parent_score = [&](int i) -> float { return d == 1 ? 0.0f : gs_old[cb + i]; };
+
+    // Candidate offsets: parent i owns flat indices [off[i], off[i+1]); contiguous parent ranges
+    // per thread so that the flat order is the lexicographic order.
+    const int per = (m + T - 1) / T;
+    const int i0 = min(m, tid * per), i1 = min(m, i0 + per);
+    int nloc = 0;
+    for (int i = i0; i < i1; ++i) {
+      const int cnt = count_above(parent_score(i), lp, Kp, thr);
+      off[i] = cnt;  // own slots only: turned into offsets below by the same thread
+      nloc += cnt;
+    }
+    int M = 0;
+    int run = block_exclusive_sum(nloc, wbuf_i, M);
+    for (int i = i0; i < i1; ++i) {
+      const int cnt = off[i];
+      off[i] = run;
+      run += cnt;
+    }
+    if (tid == 0) off[m] = M;
+    __syncthreads();
+    if (M == 0) break;  // no depth-d node can enter the tree, hence none deeper either
+
+    const int cper = (M + T - 1) / T;
+    const int c0 = min(M, tid * cper), c1 = min(M, c0 + cper);
+    const int i_first = c0 < c1 ? find_parent(off, m, c0) : 0;
+    // Visit every item (old G members, then this thread's candidate range) with its key.
+    auto visit = [&](auto&& fn) {
+      for (int j = tid; j < g_size; j += T) {
+        const uint32_t meta = gm_old[j];
+        fn(node_key(gs_old[j], int(meta >> 16), meta & 0xFFFFu), true, j, 0, 0, 0.0f);
+      }
+      if (c0 < c1) {
+        int i = i_first;
+        for (int c = c0; c < c1; ++c) {
+          while (off[i + 1] <= c) ++i;
+          const int r = c - off[i];
+          const float s = parent_score(i) + lp[r];
+          fn(node_key(s, d, uint32_t(c)), false, c, i, r, s);
+        }
+      }
+    };
+
+    // Threshold key: the B-th largest key of G u candidates (0 = keep everything).
+    uint64_t thr_key = 0;
+    if (g_size + M > B) {
+      uint64_t prefix = 0;
+      int krem = B;
+      bool done = false;
+      for (int shift = 56; shift >= 0 && !done; shift -= 8) {
+        const uint64_t himask = shift == 56 ? 0ull : (~0ull << (shift + 8));
+        for (int q = tid; q < 256; q += T) hist[q] = 0;
+        __syncthreads();
+        visit([&](uint64_t key, bool, int, int, int, float) {
+          if ((key & himask) == prefix) atomicAdd(&hist[int((key >> shift) & 0xFFu)], 1);
+        });
+        __syncthreads();
+        if (warp == 0) radix_pick_bin(hist, krem, ctrl);
+        __syncthreads();
+        const int bin = ctrl[0];
+        krem = ctrl[1];
+        prefix |= uint64_t(bin) << shift;
+        done = ctrl[2] == krem;  // every key of this bin is taken: keys >= prefix are the top B
+      }
+      thr_key = prefix;
+    }
+
+    // Compaction into the other buffer: survivors of G, then the selected candidates in
+    // lexicographic order (they form C_d). Both counts are <= B < 2^16: one packed scan.
+    int n_surv = 0, n_sel = 0;
+    visit([&](uint64_t key, bool is_g, int, int, int, float) {
+      if (key >= thr_key) { if (is_g) ++n_surv; else ++n_sel; }
+    });
+    int packed_total = 0;
+    const int packed = block_exclusive_sum((n_surv << 16) | n_sel, wbuf_i, packed_total);
+    const int surv_total = packed_total >> 16, sel_total = packed_total & 0xFFFF;
+    int ws = packed >> 16;
+    int wc = packed & 0xFFFF;
+    float my_min = INFINITY;
+    visit([&](uint64_t key, bool is_g, int idx, int i, int r, float s) {
+      if (key < thr_key) return;
+      if (is_g) {
+        gs_new[ws] = gs_old[idx];
+        gm_new[ws] = gm_old[idx];
+        gp_new[ws] = gp_old[idx];
+        my_min = fminf(my_min, gs_old[idx]);
+        ++ws;
+      } else {
+        const int lex = wc++;
+        const int slot = surv_total + lex;
+        gs_new[slot] = s;
+        gm_new[slot] = (uint32_t(d) << 16) | uint32_t(lex);
+        gp_new[slot] = (uint32_t(i) << 16) | uint32_t(r);
+        pos_of[(d - 1) * B + lex] = kNoPos;
+        my_min = fminf(my_min, s);
+      }
+    });
+    if (tid == 0) lvl_cnt[d] = sel_total;
+    g_size = surv_total + sel_total;
+    c_begin = surv_total;
+    c_size = sel_total;
+    cur ^= 1;
+    // Once G is full, a deeper node must score strictly above G's worst to get in.
+    const float g_min = block_min(my_min, wbuf_f);  // also the end-of-level barrier
+    if (g_size == B) thr = g_min;
+    if (sel_total == 0) break;
+  }
+  __syncthreads();
+
+  // ---- Final order: output index of each member of G = 1 + number of better members.
+  const int n = g_size;
+  const float* gs = gscore + cur * B;
+  const uint32_t* gm = gmeta + cur * B;
+  const uint32_t* gp = gpar + cur * B;
+  for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
+  for (int q = tid; q < N; q += T) {
+    p_parent[q] = -1;
+    p_depth[q] = q == 0 ? 0 : -1;
+    p_sib[q] = -1;
+    first_child[q] = -1;
+  }
+  __syncthreads();
+  for (int j = tid; j < n; j += T) {
+    const uint64_t kj = keys[j];
+    int better = 0;
+    for (int k = 0; k < n; ++k) better += keys[k] > kj ? 1 : 0;
+    pos_of[(int(gm[j] >> 16) - 1) * B + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
+  }
+  __syncthreads();
+
+  int64_t* tokens = p.tokens + b * N;
+  int64_t* parents = p.parents + b * N;
+  int64_t* depths = p.depths + b * N;
+  bool* valid = p.valid + b * N;
+  float* scores = p.scores + b * N;
+  const int64_t* ids_b = p.ids + b * p.ids_sb;
+  for (int j = tid; j < n; j += T) {
+    const int dj = int(gm[j] >> 16), lex = int(gm[j] & 0xFFFFu);
+    const int plex = int(gp[j] >> 16), r = int(gp[j] & 0xFFFFu);
+    const int pos = pos_of[(dj - 1) * B + lex];
+    const int par = dj == 1 ? 0 : int(pos_of[(dj - 2) * B + plex]);  // parents are in the tree
+    p_parent[pos] = par;
+    p_depth[pos] = dj;
+    if (r == 0) first_child[par] = pos;  // rank 0 is the best, hence first, child
+    tokens[pos] = ids_b[int64_t(dj - 1) * p.ids_sd + r];
+    parents[pos] = par;
+    depths[pos] = dj;
+    valid[pos] = true;
+    scores[pos] = gs[j];
+  }
+  __syncthreads();
+  // Next sibling of p.r is p.(r+1) if it is in the tree: siblings in the tree are a rank prefix,
+  // and p.(r+1) directly follows p.r in its depth's lexicographic order.
+  for (int j = tid; j < n; j += T) {
+    const int dj = int(gm[j] >> 16), lex = int(gm[j] & 0xFFFFu);
+    const int pos = pos_of[(dj - 1) * B + lex];
+    if (lex + 1 < lvl_cnt[dj]) {
+      const int q = pos_of[(dj - 1) * B + lex + 1];
+      if (q != kNoPos && p_parent[q] == p_parent[pos]) p_sib[pos] = q;
+    }
+  }
+  __syncthreads();
+
+  // pos_of is dead: build anc[q][k] = ancestor of q at depth k (k <= depth of q).
+  const int64_t seq_len = p.seq_lens != nullptr ? p.seq_lens[b] : 0;
+  for (int q = tid; q < N; q += T) {
+    const int dq = p_depth[q];
+    int x = q;
+    for (int k = dq; k >= 0; --k) {
+      anc[q * A + k] = uint16_t(x);
+      x = p_parent[x];
+    }
+    if (q == 0) {
+      tokens[0] = p.root_ids[b];
+      parents[0] = -1;
+      depths[0] = 0;
+      valid[0] = true;
+      scores[0] = 0.0f;
+    } else if (q > n) {
+      tokens[q] = 0;
+      parents[q] = -1;
+      depths[q] = 0;
+      valid[q] = false;
+      scores[q] = -INFINITY;
+    }
+    p.retrive_index[b * N + q] = b * N + q;
+    p.retrive_next_token[b * N + q] = first_child[q];
+    p.retrive_next_sibling[b * N + q] = p_sib[q];
+    if (p.positions != nullptr) p.positions[b * N + q] = seq_len + (dq > 0 ? dq : 0);
+  }
+
+  // FULL_MASK block of this request starts at N * (sum_{b' < b} seq_lens[b'] + b * N).
+  int64_t full_base = 0;
+  if (p.full_mask != nullptr) {
+    long long part = 0;
+    for (int64_t t = tid; t < b; t += T) part += p.seq_lens[t];
+    long long before = 0;
+    block_exclusive_sum(part, wbuf_ll, before);  // includes a barrier
+    full_base = int64_t(N) * (int64_t(before) + b * N);
+  } else {
+    __syncthreads();
+  }
+
+  // Masks, one warp per row: j is visible from i iff j is i or an ancestor of i; padding rows
+  // see only themselves.
+  for (int i = warp; i < N; i += nwarps) {
+    const int di = p_depth[i];
+    bool* arow = p.ancestor_mask + (b * N + i) * int64_t(N);
+    bool* frow = nullptr;
+    if (p.full_mask != nullptr) {
+      frow = p.full_mask + full_base + int64_t(i) * (seq_len + N);
+      warp_fill_true(frow, seq_len, lane);
+      frow += seq_len;
+    }
+    for (int j = lane; j < N; j += 32) {
+      bool v;
+      if (di < 0) {
+        v = j == i;
+      } else {
+        const int dj = p_depth[j];
+        v = dj >= 0 && dj <= di && int(anc[i * A + dj]) == j;
+      }
+      arow[j] = v;
+      if (frow != nullptr) frow[j] = v;
+    }
+  }
+}
+
+}  // namespace ddtree

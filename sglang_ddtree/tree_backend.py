@@ -1,0 +1,142 @@
+"""Which draft-tree builder a step uses: the fused CUDA kernel or the torch-op ``build_tree``.
+
+Both take ``(root_ids, topk_logp, topk_ids, budget, out=None)`` and return the same
+:class:`~sglang_ddtree.tree.DraftTree` bit for bit (contract: ``tree.py``). The CUDA kernel
+(``cuda_ext/tree_build.cu``) does a whole step in one launch, one thread block per request;
+``build_tree`` needs dozens of small kernels per depth.
+
+:func:`get_tree_builder` decides once per process from ``SGLANG_DDTREE_TREE_BACKEND``
+(auto|cuda|torch, default auto) and logs the choice once. Building the extension happens on that
+first call, never at import. In ``auto`` mode calls the kernel cannot serve (CPU tensors,
+min(D, budget) > 63, more shared memory than the GPU has) go to ``build_tree``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from .tree import DraftTree, _check_inputs, build_tree
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
+
+TreeBuilder = Callable[..., DraftTree]
+
+
+def _loader():
+    """``sglang_ddtree.cuda_ext.loader``; in a source checkout without install, the same file."""
+    try:
+        from sglang_ddtree.cuda_ext import loader
+        return loader
+    except ModuleNotFoundError:
+        name = "_sglang_ddtree_cuda_ext_loader"
+        if name not in sys.modules:
+            path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "cuda_ext", "loader.py")
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        return sys.modules[name]
+
+
+def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.Tensor,
+                    budget: int, out: Optional[DraftTree] = None, *,
+                    seq_lens: Optional[torch.Tensor] = None,
+                    positions: Optional[torch.Tensor] = None,
+                    full_mask: Optional[torch.Tensor] = None, threads: int = 0) -> DraftTree:
+    """``build_tree`` in one CUDA launch (one thread block per request). Graph-safe.
+
+    No host synchronisation and no allocation when ``out`` is given, so it can be captured in a
+    CUDA graph and replayed. Builds the extension on first use (raises ExtensionUnavailable if
+    it cannot).
+
+    Parameters
+    ----------
+    root_ids : [bs] int64 (contiguous); topk_logp : [bs, D, K] float32, rows sorted descending,
+        contiguous along K; topk_ids : [bs, D, K] int64; budget : python int, 1..1024, with
+        min(D, budget) <= 63. All on one CUDA device.
+    out : optional ``DraftTree.empty(bs, budget, device)``; every element is written.
+    seq_lens : optional [bs] int64 prefix lengths; with it the kernel also writes
+    positions : optional [bs, N] int64, ``seq_lens[b] + depths[b, i]``, and
+    full_mask : optional 1-D bool buffer of at least ``sum_b N * (seq_lens[b] + N)`` elements
+        (not checked: that needs a sync), the FULL_MASK layout of ``tree.full_mask_layout``;
+        elements past the used length are left untouched.
+    threads : threads per block, a multiple of 32 up to 1024 (0 = by budget: 128..1024).
+    """
+    bs, depth, _ = _check_inputs(root_ids, topk_logp, topk_ids, budget)
+    if not topk_logp.is_cuda:
+        raise ValueError(f"build_tree_cuda: topk_logp must be a CUDA tensor, got {topk_logp.device}")
+    ext = _loader().load_tree_build_ext(required=True)
+    if out is None:
+        out = DraftTree.empty(bs, budget, topk_logp.device)
+    ext.tree_build(root_ids, topk_logp, topk_ids, budget, out.tokens, out.parents, out.depths,
+                   out.valid, out.scores, out.ancestor_mask, out.retrive_index,
+                   out.retrive_next_token, out.retrive_next_sibling, seq_lens, positions,
+                   full_mask, threads)
+    out.max_depth = depth
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_fits(budget: int, k: int, depth: int, device_index: int) -> bool:
+    if min(depth, budget) > KERNEL_MAX_DEPTH:
+        return False
+    need = _loader().load_tree_build_ext(required=True).smem_bytes(budget, k, depth)
+    props = torch.cuda.get_device_properties(device_index)
+    have = getattr(props, "shared_memory_per_block_optin", None)
+    return have is None or need <= have
+
+
+def build_tree_auto(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.Tensor,
+                    budget: int, out: Optional[DraftTree] = None) -> DraftTree:
+    """The CUDA kernel where it can serve the call, else ``build_tree`` (decided on shapes only)."""
+    if topk_logp.is_cuda and topk_logp.dim() == 3 and isinstance(budget, int) and 1 <= budget:
+        _, depth, k = topk_logp.shape
+        if _kernel_fits(budget, k, depth, topk_logp.device.index or 0):
+            return build_tree_cuda(root_ids, topk_logp, topk_ids, budget, out)
+    return build_tree(root_ids, topk_logp, topk_ids, budget, out)
+
+
+_choice_lock = threading.Lock()
+_choice: dict = {"builder": None}
+
+
+def get_tree_builder() -> TreeBuilder:
+    """The tree builder this process uses (decided and logged once).
+
+    ``SGLANG_DDTREE_TREE_BACKEND``: ``torch`` -> ``build_tree``; ``cuda`` -> ``build_tree_cuda``,
+    raising ExtensionUnavailable with the reason if the kernel cannot be built; ``auto`` ->
+    ``build_tree_auto`` if the kernel builds, else ``build_tree`` (the loader logs why).
+    """
+    with _choice_lock:
+        if _choice["builder"] is None:
+            loader = _loader()
+            mode = loader.backend_from_env()
+            if mode == "torch":
+                builder, why = build_tree, f"{loader.ENV_BACKEND}=torch"
+            elif mode == "cuda":
+                loader.load_tree_build_ext(required=True)
+                builder, why = build_tree_cuda, f"{loader.ENV_BACKEND}=cuda"
+            elif loader.load_tree_build_ext() is not None:
+                builder, why = build_tree_auto, "auto: fused CUDA kernel built"
+            else:
+                builder, why = build_tree, f"auto: {loader.unavailable_reason()}"
+            logger.info("sglang_ddtree: tree builder = %s (%s)", builder.__name__, why)
+            _choice["builder"] = builder
+        return _choice["builder"]
+
+
+def _reset_for_tests() -> None:
+    with _choice_lock:
+        _choice["builder"] = None
+    _kernel_fits.cache_clear()
+    _loader()._reset_for_tests()
