@@ -14,6 +14,7 @@ import py_compile
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -54,15 +55,18 @@ def fetch_wheel(package: str, version: str) -> Path:
     if hits:
         return hits[0]
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.11", "--implementation", "cp",
-           "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
-           "--platform", "manylinux_2_27_x86_64", "-d", str(cache), f"{package}=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    hits = sorted(cache.glob(f"{package}-{version}-*.whl"))
-    if proc.returncode != 0 or not hits:
-        pytest.fail(f"could not download {package}=={version}:\n{proc.stdout}\n{proc.stderr}")
-    return hits[0]
+    # Download into a private dir, then rename: a concurrent run never sees a partial wheel.
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.11", "--implementation", "cp",
+               "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
+               "--platform", "manylinux_2_27_x86_64", "-d", tmp, f"{package}=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = sorted(Path(tmp).glob(f"{package}-{version}-*.whl"))
+        if proc.returncode != 0 or not got:
+            pytest.fail(f"could not download {package}=={version}:\n{proc.stdout}\n{proc.stderr}")
+        os.replace(got[0], cache / got[0].name)
+    return cache / got[0].name
 
 
 def wheel_bytes(package: str, version: str, member: str) -> bytes:
@@ -72,9 +76,10 @@ def wheel_bytes(package: str, version: str, member: str) -> bytes:
 
 def make_site(root: Path, package: str, version: str, *, members: list[str] | None = None,
               siblings: bool = False, claim_version: str | None = None) -> Path:
-    """A site-packages dir holding ``members`` of the wheel (default: every file the manifest
-    lists for that release; ``siblings`` adds the other files of their directories; ``None``-ish
-    ``members=["*"]`` unpacks the whole package) and a dist-info claiming ``claim_version``."""
+    """A site-packages dir holding ``members`` of the wheel and a dist-info claiming
+    ``claim_version`` (default: the real one). ``members`` defaults to every file the manifest
+    lists for that release, ``["*"]`` unpacks the whole package; ``siblings`` adds the other
+    files of the members' directories."""
     if members is None:
         members = manifest_files(package, version)
     site = root / "site-packages"
@@ -119,6 +124,12 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def test_a_failed_download_fails_instead_of_skipping(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_DDTREE_WHEEL_CACHE", str(tmp_path))
+    with pytest.raises(pytest.fail.Exception, match="could not download"):
+        fetch_wheel("sglang", "0.0.0.dev424242")
 
 
 # ------------------------------------------------------------------------------------------------
