@@ -101,6 +101,11 @@ def _make_worker_class(sgl):
                 raise cfg.DDTreeConfigError(
                     "DDTREE does not support --speculative-draft-window-size yet; remove it."
                 )
+
+        def init_attention_backends(self):
+            super().init_attention_backends()
+            # the target's backends exist from here on (SGLang builds them after the spec worker)
+            mr = self.model_runner
             arch = "mla" if sgl.is_mla(mr.model_config) else "mha"
             backend = sgl.attention_backend_name(mr)
             allowed = cfg.TREE_VERIFY_BACKENDS[arch]
@@ -277,7 +282,7 @@ def _make_worker_class(sgl):
                 seq_lens_cpu=seq_lens_cpu.to(torch.int32),
                 positions=positions.reshape(-1),
                 input_embeds=embed.view(-1, embed.shape[-1]),
-                spec_algorithm=self.model_runner.spec_algorithm,
+                spec_algorithm=sgl.SpeculativeAlgorithm.DFLASH,  # the drafter runs DFLASH's block
                 spec_info=self._draft_block_spec_info,
                 capture_hidden_mode=sgl.CaptureHiddenMode.NULL,
             )
