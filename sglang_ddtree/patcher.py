@@ -271,7 +271,8 @@ def _normalize(name: str) -> str:
 
 
 def _version_key(version: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"[.+-]", version))
+    # Numeric parts compare as numbers (3.10 after 3.9); anything else as text, after numbers.
+    return tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in re.split(r"[.+-]", version))
 
 
 # ------------------------------------------------------------------------------------------------
