@@ -148,16 +148,18 @@ def make_random_moe(
         ``w13_packed [E, H//8, 2I] int32``, ``w13_scale [E, H//32, 2I] dtype``,
         ``w2_packed [E, I//8, H] int32``, ``w2_scale [E, I//32, H] dtype``.
     """
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)  # deterministic per device type
 
     def one(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Draw packed words directly (every bit pattern is a valid set of 8 nibbles): cheap even for
         # Kimi's 384 x 7168 x 512 shapes, where materializing int8 values would take gigabytes.
         words = torch.randint(-(2**31), 2**31, (num_experts, k // PACK_FACTOR, n), generator=g,
-                              dtype=torch.int64).to(torch.int32)
+                              dtype=torch.int64, device=device).to(torch.int32)
         base = 1.0 / (4.6 * k**0.5)  # E[q^2] = 21.5 for uniform q in [-8, 7]
-        scale = base * (0.5 + torch.rand(num_experts, k // GROUP_SIZE, n, generator=g))
-        return words.to(device), scale.to(dtype).to(device)
+        scale = base * (0.5 + torch.rand(num_experts, k // GROUP_SIZE, n, generator=g,
+                                         device=device))
+        return words, scale.to(dtype)
 
     w13_packed, w13_scale = one(hidden, 2 * inter)
     w2_packed, w2_scale = one(inter, hidden)

@@ -1,0 +1,378 @@
+"""Benchmark the fused W4A16 MoE kernel against SGLang 0.5.17's paths for the same format.
+
+Shapes: Kimi K2 per TP8 rank (hidden 7168, expert FFN 2048 / 8 = 256, 384 experts, top-8, int4
+group 32 symmetric). Routing: uniform random top-8 per token (the worst case for distinct experts).
+
+Timing: ``--layers`` distinct weight sets (each ~1.2 GB, so together several times the 50 MB L2)
+run back to back inside one CUDA graph, each with its own routing; a call's time is the graph's
+time divided by the layer count. This is how a decode/verify step sees MoE layers: no weight reuse
+across consecutive calls.
+
+Baselines (each used when importable, named in the JSON):
+* ``sglang_marlin``: ``fused_marlin_moe`` on Marlin-repacked weights, what SGLang 0.5.17 runs for
+  compressed-tensors WNA16 MoE on CUDA by default (``CompressedTensorsWNA16MoE``).
+* ``sglang_triton``: ``fused_experts(..., use_int4_w4a16=True)``, what it runs with
+  ``--moe-runner-backend triton`` (``CompressedTensorsWNA16TritonMoE``; no tuned config ships for
+  these shapes, so SGLang's default config is used).
+
+Bytes moved per call = touched experts x (packed w13 + w2 + their scales) + x read + out written.
+Bandwidth is compared with a measured device-to-device copy (bytes read + written).
+
+Run: ``python scripts/bench_fused_moe.py`` (add ``--check`` to compare with the fp32 reference).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from sglang_ddtree.triton_kernels import moe_w4a16 as mw
+from sglang_ddtree.triton_kernels.moe_reference import make_random_moe, moe_w4a16_reference
+
+DEFAULT_MS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - t0) / 1e9
+
+
+def graph_time_us(fn, iters: int, device: torch.device = torch.device("cuda")) -> float:
+    """Mean time of ``fn`` in microseconds: CUDA-graph replays on a GPU, eager calls elsewhere."""
+    if device.type != "cuda":  # CPU smoke runs of this script (Triton interpreter)
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / iters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile + allocate outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def expert_bytes(hidden: int, inter: int) -> int:
+    """Packed weights + bf16 scales of one expert (gate-up and down)."""
+    w = hidden // 8 * 2 * inter * 4 + inter // 8 * hidden * 4
+    s = hidden // 32 * 2 * inter * 2 + inter // 32 * hidden * 2
+    return w + s
+
+
+def sglang_baselines(layers, args):
+    """Build SGLang callables; returns {name: (prepared_layers, fn(x, layer, tw, ti, logits))}."""
+    out, errors = {}, {}
+    try:
+        # Through the scheme module: importing gptq_kernels first hits a circular import.
+        from sglang.srt.layers.quantization.compressed_tensors.schemes import (
+            compressed_tensors_wNa16_moe as wna16)
+        from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
+
+        gptq_marlin_moe_repack = wna16.gptq_marlin_moe_repack
+        marlin_moe_permute_scales = wna16.marlin_moe_permute_scales
+        marlin_make_workspace = wna16.marlin_make_workspace
+
+        dev = layers[0]["w13_packed"].device
+        e = args.experts
+        empty = torch.empty((e, 0), dtype=torch.int32, device=dev)
+        workspace = marlin_make_workspace(dev, 4)
+        prepared = []
+        for lw in layers:  # the same repack as CompressedTensorsWNA16MoE.process_weights_after_loading
+            prepared.append(dict(
+                w1=gptq_marlin_moe_repack(lw["w13_packed"], empty, args.hidden, 2 * args.inter, 4),
+                w2=gptq_marlin_moe_repack(lw["w2_packed"], empty, args.inter, args.hidden, 4),
+                s1=marlin_moe_permute_scales(lw["w13_scale"], args.hidden, 2 * args.inter, 32),
+                s2=marlin_moe_permute_scales(lw["w2_scale"], args.inter, args.hidden, 32)))
+
+        def marlin(x, lw, tw, ti, logits):
+            return fused_marlin_moe(
+                x, lw["w1"], lw["w2"], lw["s1"], lw["s2"], logits, tw, ti, g_idx1=empty,
+                g_idx2=empty, sort_indices1=empty, sort_indices2=empty, num_bits=4, is_k_full=True,
+                workspace=workspace, routed_scaling_factor=args.routed_scaling)
+
+        out["sglang_marlin"] = (prepared, marlin)
+    except Exception as exc:  # report, never hide: the JSON records why a baseline is missing
+        errors["sglang_marlin"] = repr(exc)
+    try:
+        from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+        from sglang.srt.layers.moe.moe_runner.triton_utils import fused_experts
+        from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+        cfg = MoeRunnerConfig(
+            num_experts=args.experts, num_local_experts=args.experts, hidden_size=args.hidden,
+            intermediate_size_per_partition=args.inter, top_k=args.topk,
+            params_dtype=torch.bfloat16, activation="silu", inplace=False,
+            routed_scaling_factor=args.routed_scaling)
+        prepared = []
+        for lw in layers:  # CompressedTensorsWNA16TritonMoE.process_weights_after_loading
+            prepared.append(dict(
+                w1=lw["w13_packed"].transpose(1, 2).contiguous().view(torch.uint8),
+                w2=lw["w2_packed"].transpose(1, 2).contiguous().view(torch.uint8),
+                s1=lw["w13_scale"].transpose(1, 2).contiguous(),
+                s2=lw["w2_scale"].transpose(1, 2).contiguous()))
+
+        def triton_int4(x, lw, tw, ti, logits):
+            return fused_experts(x, lw["w1"], lw["w2"], StandardTopKOutput(tw, ti, logits), cfg,
+                                 use_int4_w4a16=True, w1_scale=lw["s1"], w2_scale=lw["s2"],
+                                 block_shape=[0, 32])
+
+        out["sglang_triton"] = (prepared, triton_int4)
+    except Exception as exc:
+        errors["sglang_triton"] = repr(exc)
+    return out, errors
+
+
+# Tuning candidates: (block_n, block_k, num_warps, num_stages). block_m per M: tokens per expert
+# average M * topk / experts (M / 48 for Kimi), so small M wants the smallest MMA N side.
+GATE_UP_CANDIDATES = [(64, 256, 4, 3), (64, 256, 4, 4), (32, 256, 4, 4), (64, 512, 4, 2),
+                      (128, 256, 4, 3), (128, 128, 8, 4)]
+DOWN_CANDIDATES = [(128, 256, 4, 2), (64, 256, 4, 2), (128, 128, 4, 3), (256, 256, 8, 2),
+                   (32, 256, 4, 2)]
+
+
+def block_m_candidates(m: int) -> list[int]:
+    if m <= 64:
+        return [16]
+    if m <= 256:
+        return [16, 32]
+    if m <= 1024:
+        return [32, 64]
+    return [64, 128]
+
+
+def tune(args, layers, make_inputs, dev) -> dict:
+    """Greedy per-M search: per block_m, best gate-up tiles (down fixed), then best down tiles."""
+    def gemm(c):
+        return mw.GemmConfig(*c)
+
+    bands, log = [], []
+    for m in args.ms:
+        xs, tws, tis, _ = make_inputs(m)
+
+        def timed(cfg):
+            def run():
+                for i, lw in enumerate(layers):
+                    mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                                       lw["w2_scale"], tws[i], tis[i], config=cfg)
+            try:
+                return graph_time_us(run, args.iters, dev) / len(layers)
+            except Exception as exc:  # e.g. out of shared memory for a tile: skip the candidate
+                log.append({"m": m, "config": repr(cfg), "error": repr(exc)[:300]})
+                return float("inf")
+
+        best = (float("inf"), None)
+        for bm in block_m_candidates(m):
+            gu = min(GATE_UP_CANDIDATES, key=lambda c: timed(mw.MoeConfig(
+                bm, gemm(c), gemm(DOWN_CANDIDATES[0]))))
+            for dn in DOWN_CANDIDATES:
+                cfg = mw.MoeConfig(bm, gemm(gu), gemm(dn))
+                best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
+        us, cfg = best
+        print(f"tuned M={m}: {us:.1f} us {cfg}", flush=True)
+        bands.append({"max_m": m, "block_m": cfg.block_m, "gate_up": dataclasses.asdict(cfg.gate_up),
+                      "down": dataclasses.asdict(cfg.down), "us": round(us, 2)})
+    return {"bands": bands, "errors": log}
+
+
+def write_table(path: str, tuned: dict, meta: dict) -> None:
+    """Merge tuned bands into the config table at ``path`` (bands with other max_m are kept)."""
+    old = {"bands": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    new_ms = {b["max_m"] for b in tuned["bands"]}
+    bands = [b for b in old["bands"] if b["max_m"] not in new_ms] + tuned["bands"]
+    table = {"note": old.get("note", ""), "tuned": meta,
+             "bands": sorted(bands, key=lambda b: b["max_m"])}
+    lines = ["{", f' "note": {json.dumps(table["note"])},', f' "tuned": {json.dumps(meta)},',
+             ' "bands": [']
+    lines += [f"  {json.dumps(b)}," for b in table["bands"]]
+    lines[-1] = lines[-1].rstrip(",")
+    with open(path, "w") as f:
+        f.write("\n".join(lines + [" ]", "}"]) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_results/fused_moe_h200.json")
+    ap.add_argument("--ms", type=int, nargs="+", default=DEFAULT_MS)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4, help="distinct weight sets per graph")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--routed-scaling", type=float, default=2.827)
+    ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    ap.add_argument("--check", action="store_true", help="also compare outputs with the reference")
+    ap.add_argument("--config", default=None, help="alternative config JSON for our kernel")
+    ap.add_argument("--tune", action="store_true",
+                    help="search launch configs per M instead of benchmarking (see --tune-out)")
+    ap.add_argument("--tune-out", default="bench_results/fused_moe_tuned_configs.json",
+                    help="config table to write/merge the tuned bands into")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    if args.config:
+        os.environ["SGLANG_DDTREE_MOE_CONFIG"] = os.path.abspath(args.config)
+
+    layers = [make_random_moe(args.experts, args.hidden, args.inter, device=dev, seed=i)
+              for i in range(args.layers)]
+
+    def make_inputs(m):
+        g = torch.Generator(device=dev).manual_seed(m)
+        xs = [torch.randn(m, args.hidden, device=dev, generator=g, dtype=torch.bfloat16)
+              for _ in layers]
+        logits = [torch.randn(m, args.experts, device=dev, generator=g) for _ in layers]
+        routes = [torch.topk(lg.softmax(-1), args.topk) for lg in logits]
+        return (xs, [r.values.float().contiguous() for r in routes],
+                [r.indices.to(torch.int32).contiguous() for r in routes], logits)
+
+    if args.tune:
+        tuned = tune(args, layers, make_inputs, dev)
+        meta = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "triton": __import__("triton").__version__, "git": _git_rev()}
+        os.makedirs(os.path.dirname(os.path.abspath(args.tune_out)), exist_ok=True)
+        write_table(args.tune_out, tuned, meta)
+        for err in tuned["errors"]:
+            print("skipped:", err)
+        print(f"wrote {args.tune_out}")
+        return 0
+    baselines, baseline_errors = ({}, {"all": "--no-sglang"}) if args.no_sglang else \
+        sglang_baselines(layers, args)
+    copy_gbs = copy_bandwidth_gbs(dev, nbytes=(2 << 30) if dev.type == "cuda" else (16 << 20))
+    per_expert = expert_bytes(args.hidden, args.inter)
+    rows = []
+    for m in args.ms:
+        xs, tws, tis, logits = make_inputs(m)
+        touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
+        nbytes = touched * per_expert + 2 * m * args.hidden * 2
+        row = {"m": m, "touched_experts": touched, "bytes": nbytes, "us": {}, "gbs": {}}
+
+        def ours():
+            for i, lw in enumerate(layers):
+                mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                                   lw["w2_scale"], tws[i], tis[i],
+                                   routed_scaling_factor=args.routed_scaling)
+
+        impls = {"ours": ours}
+        for name, (prep, fn) in baselines.items():
+            impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
+                                                     for i in range(len(layers))])
+        for name, fn in impls.items():
+            try:
+                us = graph_time_us(fn, args.iters, dev) / len(layers)
+                row["us"][name] = us
+                row["gbs"][name] = nbytes / (us * 1e-6) / 1e9
+            except Exception as exc:
+                row["us"][name] = None
+                row.setdefault("errors", {})[name] = repr(exc)
+        if args.check:
+            lw = layers[0]
+            got = mw.fused_moe_w4a16(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                                     lw["w2_scale"], tws[0], tis[0],
+                                     routed_scaling_factor=args.routed_scaling).float()
+            ref = moe_w4a16_reference(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                                      lw["w2_scale"], tws[0], tis[0], args.routed_scaling)
+            row["rel_err_vs_ref"] = float((got - ref).norm() / ref.norm())
+            for name, (prep, fn) in baselines.items():
+                if row["us"].get(name) is None:
+                    continue  # failed to run: the error is in row["errors"]
+                other = fn(xs[0], prep[0], tws[0], tis[0], logits[0]).float()
+                row[f"rel_err_{name}_vs_ref"] = float((other - ref).norm() / ref.norm())
+        base = [v for k, v in row["us"].items() if k != "ours" and v]
+        if base and row["us"].get("ours"):
+            row["best_sglang"] = min((v, k) for k, v in row["us"].items() if k != "ours" and v)[1]
+            row["speedup_vs_best_sglang"] = min(base) / row["us"]["ours"]
+        rows.append(row)
+
+    result = {
+        "command": " ".join([sys.executable] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "gpu": _device_name(dev),
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "python": platform.python_version(), "sglang": _sglang_version()},
+        "git": _git_rev(),
+        "shapes": {"experts": args.experts, "topk": args.topk, "hidden": args.hidden,
+                   "inter": args.inter, "group": 32, "layers_per_graph": args.layers},
+        "copy_bandwidth_gbs": copy_gbs,
+        "bytes_formula": "touched_experts * (packed w13 + w2 + bf16 scales) + 2 * M * hidden * 2",
+        "baseline_errors": baseline_errors,
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    names = ["ours"] + list(baselines)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
+    print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)
+          + f" {'ours GB/s':>9} {'%copy':>6} {'speedup':>7}")
+    for r in rows:
+        cells = " ".join(f"{(r['us'].get(n) or float('nan')):18.1f}" for n in names)
+        gbs = r["gbs"].get("ours") or float("nan")
+        print(f"{r['m']:5d} {r['touched_experts']:7.1f} {cells} {gbs:9.0f} "
+              f"{100 * gbs / copy_gbs:5.0f}% {r.get('speedup_vs_best_sglang', float('nan')):7.2f}"
+              + (f" err {r['rel_err_vs_ref']:.2e}" if "rel_err_vs_ref" in r else ""))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+
+
+def _sglang_version():
+    try:
+        import sglang
+        return sglang.__version__
+    except Exception as exc:
+        return f"unavailable: {exc!r}"
+
+
+def _git_rev():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
