@@ -73,7 +73,8 @@ def render_model_card(r: dict) -> str:
         f"{dc['dflash_config']['target_layer_ids']} of {dc['num_target_layers']}, mask token id "
         f"{dc['dflash_config']['mask_token_id']}",
         f"- data: {dr['generated_sequences']:,} greedy continuations by the saved target "
-        f"({a['gen_prompt']}-token prompt windows from the training files + {a['gen_len']} "
+        f"({a['gen_prompt_min']}-{a['gen_prompt_max']}-token prompt windows from the training files, "
+        f"one length per generation batch, + {a['gen_len']} "
         "generated tokens); context = the target's own hidden states",
         f"- training: {dr['steps']:,} steps of {a['draft_batch']} sequences x "
         f"{dr['anchors_per_seq']} blocks in {dr['seconds']} s, AdamW lr {a['draft_lr']} cosine, "

@@ -13,7 +13,7 @@ byte-level BPE tokenizer, train the target with a time budget, greedy-generate c
 the saved (bf16) target, train the drafter on the target's own hidden states and continuations,
 then estimate greedy DFlash accept length offline on the held-out prompts.
 
-H200 (one GPU, ~6 min wall):  python3 scripts/train_tiny_pair.py --copy-to "$OUT/tiny-code"
+H200 (one GPU, ~6 min wall):  python3 scripts/train_tiny_pair.py --copy-to "$OUT"
 CPU smoke test (< 2 min on 2 cores):  python scripts/train_tiny_pair.py --smoke --out /tmp/tiny
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ from tiny_pair_card import write_model_card  # noqa: E402
 
 SMOKE = dict(vocab_size=512, hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, head_dim=16,
              draft_layers=1, draft_intermediate=128, seq_len=128, batch=8, target_steps=20,
-             draft_steps=20, gen_prompt=32, gen_len=48, gen_seqs=32, draft_batch=8, anchors=4,
+             draft_steps=20, gen_prompt_min=24, gen_prompt_max=40, gen_len=48, gen_seqs=32,
+             gen_batch=16, draft_batch=8, anchors=4,
              eval_prompts=4, prompt_tokens=40, eval_gen=32, max_train_files=40, eval_batches=2)
 LOG_EVERY = 25  # steps per logged training-loss window (the mean over the window is logged)
 
@@ -51,7 +52,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--out", default="bench_assets/tiny-code")
-    a("--copy-to", default=None, help="also copy the finished --out tree here (e.g. $OUT/tiny-code)")
+    a("--copy-to", default=None,
+      help="also write <out-name>.tar.gz + train_log.json + README.md here (e.g. $OUT)")
     a("--smoke", action="store_true", help="toy sizes and fixed small step counts (CPU test)")
     a("--max-minutes", type=float, default=5.5, help="wall budget for the whole run")
     a("--device", default="auto")
@@ -79,8 +81,10 @@ def parse_args(argv=None):
     a("--draft-intermediate", type=int, default=256)
     a("--block-size", type=int, default=16)
     a("--target-layer-ids", default=None, help="comma list; default evenly spaced in [0, L-2]")
-    a("--gen-prompt", type=int, default=128)
-    a("--gen-len", type=int, default=192)
+    a("--gen-prompt-min", type=int, default=64, help="prompt windows of the drafter's data: their")
+    a("--gen-prompt-max", type=int, default=256, help="length varies per generation batch, so that "
+      "the drafter sees contexts as long as the benchmark's prompts + outputs")
+    a("--gen-len", type=int, default=256)
     a("--gen-seqs", type=int, default=8192, help="cap on generated training sequences")
     a("--gen-batch", type=int, default=512)
     a("--draft-batch", type=int, default=64)
@@ -179,17 +183,21 @@ def stream_loss(model, stream: np.ndarray, args, device) -> float:
     return round(sum(losses) / max(n_win, 1), 4)
 
 
-def generate_draft_data(model, stream: np.ndarray, args, device, seconds: float, rng) -> torch.Tensor:
-    """Greedy continuations of random training windows: ``[S, gen_prompt + gen_len]`` int64."""
+def generate_draft_data(model, stream: np.ndarray, args, device, seconds: float, rng):
+    """Greedy continuations of random training windows, one prompt length per batch.
+
+    Returns a list of ``(seqs int64 [n, P + gen_len], P)``, one entry per generation batch.
+    """
     out, t0, done = [], time.time(), 0
     while done < args.gen_seqs and (done == 0 or time.time() - t0 < seconds):
         n = min(args.gen_batch, args.gen_seqs - done)
-        starts = rng.integers(0, len(stream) - args.gen_prompt, size=n)
-        prompts = torch.from_numpy(np.stack([stream[s: s + args.gen_prompt] for s in starts]).astype(np.int64))
+        p_len = int(rng.integers(args.gen_prompt_min, args.gen_prompt_max + 1))
+        starts = rng.integers(0, len(stream) - p_len, size=n)
+        prompts = torch.from_numpy(np.stack([stream[s: s + p_len] for s in starts]).astype(np.int64))
         with autocast(device):
-            out.append(tgt.greedy_generate_equal(model, prompts.to(device), args.gen_len))
+            out.append((tgt.greedy_generate_equal(model, prompts.to(device), args.gen_len), p_len))
         done += n
-    return torch.cat(out)
+    return out
 
 
 def draft_loss(drafter, embed_w, feats, seqs, anchors, args, weights):
@@ -212,19 +220,22 @@ def sample_anchors(n, m, lo, hi, device, gen):
     return scores.topk(m, dim=1).indices + lo
 
 
-def train_drafter(drafter, feat_fn, embed_w, seqs, args, device, seconds: float) -> dict:
+def train_drafter(drafter, feat_fn, embed_w, groups, args, device, seconds: float) -> dict:
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.01,
                             **({"fused": True} if device.type == "cuda" else {}))
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     weights = position_weights(args.block_size, args.gamma, device)
-    lo, hi = args.gen_prompt, seqs.shape[1] - args.block_size
-    m = min(args.anchors, hi - lo + 1)
+    m = min(args.anchors, args.gen_len - args.block_size + 1)  # anchors in [P, P + gen_len - B]
+    sizes = np.array([g[0].shape[0] for g in groups], dtype=np.float64)
+    pick = np.random.default_rng(args.seed + 3)
     t0, step, curve, window, window_acc = time.time(), 0, [], [], []
     drafter.train()
     while step < args.draft_steps and time.time() - t0 < seconds:
         progress = max(step / args.draft_steps, (time.time() - t0) / seconds)
         for g in opt.param_groups:
             g["lr"] = tgt.lr_at(progress, args.draft_lr)
+        seqs, p_len = groups[int(pick.choice(len(groups), p=sizes / sizes.sum()))]
+        lo, hi = p_len, seqs.shape[1] - args.block_size
         rows = torch.randint(0, seqs.shape[0], (args.draft_batch,), device=device, generator=gen)
         batch = seqs[rows]
         with torch.no_grad(), autocast(device):
@@ -301,8 +312,9 @@ def main(argv=None) -> dict:
         f"held-out loss {tstats['heldout_loss']}; {clock.elapsed():.1f}s")
 
     budget = max(1.0, clock.left() - reserve)
-    seqs = generate_draft_data(target, train_stream, args, device, 0.15 * budget, rng)
-    log(f"[gen] {seqs.shape[0]} greedy sequences of {args.gen_prompt}+{args.gen_len} tokens; "
+    groups = generate_draft_data(target, train_stream, args, device, 0.15 * budget, rng)
+    n_gen = sum(g[0].shape[0] for g in groups)
+    log(f"[gen] {n_gen} greedy sequences of {args.gen_prompt_min}-{args.gen_prompt_max}+{args.gen_len} tokens; "
         f"{clock.elapsed():.1f}s")
 
     shape = DraftShape(args.hidden, args.draft_intermediate, args.draft_layers, args.heads, args.kv_heads,
@@ -316,7 +328,7 @@ def main(argv=None) -> dict:
     embed_w = target.model.embed_tokens.weight
     budget = max(1.0, clock.left() - reserve)
     log(f"[draft] {n_draft / 1e6:.2f}M params, layers {args.target_layer_ids}; budget {budget:.0f}s")
-    dstats = train_drafter(drafter, features.feats, embed_w, seqs, args, device, budget)
+    dstats = train_drafter(drafter, features.feats, embed_w, groups, args, device, budget)
     dcfg = tgt.drafter_config(args, vocab)
     tgt.save_model_dir(ddir, dcfg, drafter_state_dict_for_sglang(drafter))
 
@@ -358,8 +370,8 @@ def main(argv=None) -> dict:
                  "vocab_size": vocab, "eval_prompts": len(prompts),
                  "heldout_sources": sorted({f.relpath for f in corpus.eval})},
         "target": {"params": n_target, "config": tcfg, **tstats},
-        "drafter": {"params": n_draft, "config": dcfg, "generated_sequences": int(seqs.shape[0]),
-                    "generated_seq_len": int(seqs.shape[1]), **dstats},
+        "drafter": {"params": n_draft, "config": dcfg, "generated_sequences": n_gen,
+                    "generated_prompt_lengths": sorted({g[1] for g in groups}), **dstats},
         "offline_accept_estimate": {"what": "this script's own PyTorch replay of greedy DFlash block "
                                     "drafting vs the target's greedy output (fp32, saved bf16 weights); "
                                     "tokens per draft step = accepted drafts + 1",
@@ -375,9 +387,25 @@ def main(argv=None) -> dict:
         log(f"[warn] asset is {total / 1e6:.2f} MB, above the 10 MB limit: {sizes}")
     report["total_bytes"] = total
     if args.copy_to:
-        shutil.copytree(out, args.copy_to, dirs_exist_ok=True)
-        log(f"[done] copied to {args.copy_to}")
+        export_results(out, pathlib.Path(args.copy_to))
     return report
+
+
+def export_results(out: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """Copy the run to ``dest`` as few files: ``<name>.tar.gz`` of the whole tree, plus
+    ``train_log.json`` and ``README.md`` to read without unpacking (the device tool returns at
+    most 8 files from $OUT, and the tree has 13)."""
+    import tarfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = dest / f"{out.resolve().name}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(out, arcname=out.resolve().name)
+    for name in ("train_log.json", "README.md"):
+        shutil.copy2(out / name, dest / name)
+    log(f"[done] {archive} ({archive.stat().st_size / 1e6:.2f} MB); unpack with: "
+        f"tar -xzf {archive.name} -C bench_assets/")
+    return archive
 
 
 if __name__ == "__main__":
