@@ -57,6 +57,7 @@ MHA = [
     ([16001], 33, 28, 4, 128, 1, torch.float16, 5),                      # G = 7, forced splits
     ([123] * 8, 17, 40, 40, 64, 32, torch.float16, 1),                   # MHA, no split
     ([999, 3], 65, 16, 2, 96, 8, torch.bfloat16, None),                  # head dim 96
+    ([300, 5], 9, 8, 4, 256, 16, torch.bfloat16, None),                  # head dim 256
 ]
 
 
