@@ -40,14 +40,15 @@ def exponential_race(probs: torch.Tensor, generator: Optional[torch.Generator] =
 
 def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
                     positions: Optional[torch.Tensor] = None, seeded_sampler=None,
+                    request_seeds: Optional[torch.Tensor] = None,
                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """[bs * N] int64 tokens: node rows of request b use request b's sampling params.
 
     logits: [bs * N, V] after SGLang's logit adjustments (penalties, bias) for the verify rows.
-    Greedy requests in a mixed batch (top_k == 1) get their argmax. With per-request seeds
-    (``sampling_info.sampling_seed``), ``seeded_sampler(logprobs, seeds, positions)`` draws the
-    token from (seed, position) alone -- SGLang's own deterministic sampler, so a node at
-    position p samples exactly as plain decoding at p would.
+    Greedy requests in a mixed batch (top_k == 1) get their argmax. Rows of requests with a seed
+    (``request_seeds`` >= 0, or SGLang's deterministic-mode ``sampling_info.sampling_seed``) use
+    ``seeded_sampler(logprobs, seeds, positions)``, SGLang's hash-based sampler: the token
+    depends only on (seed, position, distribution), so a seeded request is reproducible.
     """
     rep = lambda t: t.repeat_interleave(num_tokens, dim=0)  # noqa: E731
     temps = rep(sampling_info.temperatures.view(-1, 1).float())
@@ -59,10 +60,13 @@ def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
             probs, top_ks, rep(sampling_info.top_ps.view(-1)),
             rep(sampling_info.min_ps.view(-1)) if sampling_info.need_min_p_sampling else None,
         )
+    sampled = exponential_race(probs, generator)
     seeds = getattr(sampling_info, "sampling_seed", None)
+    if seeds is None:
+        seeds = request_seeds
     if seeds is not None and seeded_sampler is not None and positions is not None:
-        sampled = seeded_sampler(probs.double().log(), rep(seeds.view(-1)), positions).view(-1)
-    else:
-        sampled = exponential_race(probs, generator)
+        row_seeds = rep(seeds.view(-1))
+        seeded = seeded_sampler(probs.double().log(), row_seeds.clamp(min=0), positions).view(-1)
+        sampled = torch.where(row_seeds >= 0, seeded, sampled)
     greedy = torch.argmax(logits, dim=-1)
     return torch.where(top_ks == 1, greedy, sampled)

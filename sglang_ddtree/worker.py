@@ -18,7 +18,7 @@ from . import config as cfg
 from .commit import commit_from_path, kv_moves, move_accepted_kv, path_hidden
 from .draft_topk import DraftTopKHead
 from .sampling import sample_per_node
-from .tree import build_tree
+from .tree_graph import TreeBuildGraphs
 from .verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,11 @@ def _make_worker_class(sgl):
             )
             self._draft_head = None
             self._eager_head = None
+            self._tree_builder = TreeBuildGraphs(
+                self.tree_cfg.budget, self.tree_cfg.max_depth, self.tree_cfg.topk, self.device,
+                builder=_tree_builder(),
+                use_graphs=not server_args.disable_cuda_graph,
+            )
             self._oracle = None
             if cfg.oracle_enabled():
                 from .oracle import OracleDraft
@@ -168,8 +173,8 @@ def _make_worker_class(sgl):
             t.mark("draft")
 
             # 2) tree: the budget best nodes, prefix-closed, static shapes
-            tree = build_tree(draft_input.bonus_tokens.to(torch.int64), topk_logp, topk_ids,
-                              tc.budget)
+            tree = self._tree_builder(draft_input.bonus_tokens.to(torch.int64), topk_logp,
+                                      topk_ids)
             t.mark("tree")
 
             # 3) verify all N tokens in one target forward with the ancestor mask
@@ -208,6 +213,7 @@ def _make_worker_class(sgl):
                 predicted = sample_per_node(
                     logits, sampling_info, n, positions=positions.reshape(-1),
                     seeded_sampler=sgl.multinomial_with_seed,
+                    request_seeds=self._request_seeds(batch),
                 ).view(bs, n)
             accept_len, accepted_nodes, bonus = sgl.tree_greedy_walk(tree, predicted, block)
             step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
@@ -242,6 +248,15 @@ def _make_worker_class(sgl):
                 speculative_num_draft_tokens=block,
                 new_seq_lens=step.new_seq_lens,
             )
+
+        def _request_seeds(self, batch):
+            """[bs] int64 per-request ``sampling_seed`` (-1: none), copied without a sync."""
+            seeds = [r.sampling_params.sampling_seed for r in batch.reqs]
+            if all(s is None for s in seeds):
+                return None
+            host = torch.tensor([-1 if s is None else int(s) for s in seeds], dtype=torch.int64,
+                                pin_memory=True)
+            return host.to(self.device, non_blocking=True)
 
         def _host_seq_bound(self, batch, draft_input, width):
             """(host seq_lens upper bound, its sum): the CPU view lags the GPU by one step."""
@@ -297,6 +312,19 @@ def _make_worker_class(sgl):
 
     DDTreeWorker.__qualname__ = DDTreeWorker.__name__ = "DDTreeWorker"
     return DDTreeWorker
+
+
+def _tree_builder():
+    """torch-op ``build_tree`` (graph-captured) unless SGLANG_DDTREE_TREE_BACKEND picks another."""
+    import os
+
+    from .tree import build_tree
+
+    if os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "torch") == "torch":
+        return build_tree
+    from .tree_backend import get_tree_builder
+
+    return get_tree_builder()
 
 
 class StepTimers:

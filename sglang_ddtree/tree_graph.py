@@ -1,0 +1,69 @@
+"""The tree build, replayed from one CUDA graph per batch size.
+
+``build_tree`` in torch ops is a few dozen small kernels per depth: fine inside a graph, slow as
+eager launches (about a thousand per step at D = 15). This wrapper captures it once per batch
+size on first use (static input/output buffers, the builder's ``out=`` path) and afterwards only
+copies the step's inputs in and replays. Capturing synchronizes the device once per new batch
+size; replays never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+import torch
+
+from .tree import DraftTree, build_tree
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    root: torch.Tensor  # [bs] int64
+    logp: torch.Tensor  # [bs, D, K] float32
+    ids: torch.Tensor  # [bs, D, K] int64
+    out: DraftTree
+
+
+class TreeBuildGraphs:
+    def __init__(self, budget: int, depth: int, topk: int, device, builder: Callable = build_tree,
+                 use_graphs: bool = True):
+        self.budget, self.depth, self.topk = budget, depth, topk
+        self.device = torch.device(device)
+        self.builder = builder
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._entries: Dict[int, _Entry] = {}
+
+    def __call__(self, root_ids: torch.Tensor, topk_logp: torch.Tensor,
+                 topk_ids: torch.Tensor) -> DraftTree:
+        if not self.use_graphs:
+            return self.builder(root_ids, topk_logp, topk_ids, self.budget)
+        bs = root_ids.shape[0]
+        e = self._entries.get(bs)
+        if e is None:
+            e = self._entries[bs] = self._capture(bs)
+        e.root.copy_(root_ids)
+        e.logp.copy_(topk_logp)
+        e.ids.copy_(topk_ids)
+        e.graph.replay()
+        return e.out
+
+    def _capture(self, bs: int) -> _Entry:
+        dev = self.device
+        root = torch.zeros(bs, dtype=torch.int64, device=dev)
+        # valid placeholder input: sorted log-probs, distinct ids per row
+        logp = (-torch.arange(self.topk, device=dev, dtype=torch.float32)).expand(
+            bs, self.depth, self.topk).contiguous()
+        ids = torch.arange(self.topk, device=dev, dtype=torch.int64).expand(
+            bs, self.depth, self.topk).contiguous()
+        out = DraftTree.empty(bs, self.budget, dev, max_depth=self.depth)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: caches index tables, compiles nothing later
+            self.builder(root, logp, ids, self.budget, out=out)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.builder(root, logp, ids, self.budget, out=out)
+        return _Entry(graph, root, logp, ids, out)
