@@ -64,6 +64,7 @@ class TreeBuildGraphs:
             self.builder(root, logp, ids, self.budget, out=out)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: SGLang has other threads issuing CUDA work while we capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.builder(root, logp, ids, self.budget, out=out)
         return _Entry(graph, root, logp, ids, out)
