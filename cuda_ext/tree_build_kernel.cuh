@@ -88,7 +88,7 @@ __host__ __device__ inline SmemLayout make_smem_layout(int B, int Kp, int D) {
   const int64_t pos_n = int64_t(D) * B, anc_n = N * (D + 1);
   L.posanc = o;      o = ddtree_align16(o + 2 * (pos_n > anc_n ? pos_n : anc_n));
   L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
-  L.hist = o;        o = ddtree_align16(o + 4 * 256);                // int[256]: radix histogram
+  L.hist = o;        o = ddtree_align16(o + 4 * 2 * 256);            // int[2][256]: radix histograms
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
   L.ctrl = o;        o = ddtree_align16(o + 4 * 8);                  // int[8]: radix decisions
   L.p_parent = o;    o = ddtree_align16(o + 4 * N);                  // int[N] per output index
@@ -108,6 +108,12 @@ __device__ __forceinline__ uint32_t ordered_bits(float s) {
   uint32_t u = __float_as_uint(s);
   if (u == 0x80000000u) u = 0u;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A lower bound of every score whose ordered bits are >= o (-inf if o is at or below -inf's).
+__device__ __forceinline__ float score_lower_bound(uint32_t o) {
+  if (o <= 0x007FFFFFu) return -INFINITY;  // ordered_bits(-inf) == 0x007FFFFF
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
 }
 
 // score desc, then depth asc, then lex asc (lex = position in the depth's rank-path order).
@@ -289,23 +295,41 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
 
     // Candidate offsets: parent i owns flat indices [off[i], off[i+1]); contiguous parent ranges
     // per thread so that the flat order is the lexicographic order.
-    const int per = (m + T - 1) / T;
-    const int i0 = min(m, tid * per), i1 = min(m, i0 + per);
-    int nloc = 0;
-    for (int i = i0; i < i1; ++i) {
-      const int cnt = count_above(parent_score(i), lp, Kp, thr);
-      off[i] = cnt;  // own slots only: turned into offsets below by the same thread
-      nloc += cnt;
-    }
+    for (int q = tid; q < 256; q += T) hist[q] = 0;  // first radix pass's histogram
     int M = 0;
-    int run = block_exclusive_sum(nloc, wbuf_i, M);
-    for (int i = i0; i < i1; ++i) {
-      const int cnt = off[i];
-      off[i] = run;
-      run += cnt;
+    if (m <= 32) {
+      // Narrow level (typical of deep trees): one warp scans, no block-wide scan.
+      if (warp == 0) {
+        const int cnt = lane < m ? count_above(parent_score(lane), lp, Kp, thr) : 0;
+        int incl = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(kFullWarp, incl, o);
+          if (lane >= o) incl += y;
+        }
+        if (lane < m) off[lane] = incl - cnt;
+        if (lane == 31) off[m] = incl;  // lanes >= m count 0: lane 31 holds the total
+      }
+      __syncthreads();
+      M = off[m];
+    } else {
+      const int per = (m + T - 1) / T;
+      const int i0 = min(m, tid * per), i1 = min(m, i0 + per);
+      int nloc = 0;
+      for (int i = i0; i < i1; ++i) {
+        const int cnt = count_above(parent_score(i), lp, Kp, thr);
+        off[i] = cnt;  // own slots only: turned into offsets below by the same thread
+        nloc += cnt;
+      }
+      int run = block_exclusive_sum(nloc, wbuf_i, M);
+      for (int i = i0; i < i1; ++i) {
+        const int cnt = off[i];
+        off[i] = run;
+        run += cnt;
+      }
+      if (tid == 0) off[m] = M;
+      __syncthreads();
     }
-    if (tid == 0) off[m] = M;
-    __syncthreads();
     if (M == 0) break;  // no depth-d node can enter the tree, hence none deeper either
 
     const int cper = (M + T - 1) / T;
@@ -330,24 +354,27 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
 
     // Threshold key: the B-th largest key of G u candidates (0 = keep everything).
     uint64_t thr_key = 0;
-    if (g_size + M > B) {
+    const bool select = g_size + M > B;
+    if (select) {
       uint64_t prefix = 0;
       int krem = B;
       bool done = false;
+      int* h = hist;             // zeroed before the last barrier
+      int* h_next = hist + 256;  // zeroed during this pass, used by the next one
       for (int shift = 56; shift >= 0 && !done; shift -= 8) {
         const uint64_t himask = shift == 56 ? 0ull : (~0ull << (shift + 8));
-        for (int q = tid; q < 256; q += T) hist[q] = 0;
-        __syncthreads();
+        for (int q = tid; q < 256; q += T) h_next[q] = 0;
         visit([&](uint64_t key, bool, int, int, int, float) {
-          if ((key & himask) == prefix) atomicAdd(&hist[int((key >> shift) & 0xFFu)], 1);
+          if ((key & himask) == prefix) atomicAdd(&h[int((key >> shift) & 0xFFu)], 1);
         });
         __syncthreads();
-        if (warp == 0) radix_pick_bin(hist, krem, ctrl);
+        if (warp == 0) radix_pick_bin(h, krem, ctrl);
         __syncthreads();
         const int bin = ctrl[0];
         krem = ctrl[1];
         prefix |= uint64_t(bin) << shift;
         done = ctrl[2] == krem;  // every key of this bin is taken: keys >= prefix are the top B
+        int* t = h; h = h_next; h_next = t;
       }
       thr_key = prefix;
     }
@@ -387,9 +414,16 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     c_begin = surv_total;
     c_size = sel_total;
     cur ^= 1;
-    // Once G is full, a deeper node must score strictly above G's worst to get in.
-    const float g_min = block_min(my_min, wbuf_f);  // also the end-of-level barrier
-    if (g_size == B) thr = g_min;
+    // Once G is full, a deeper node must score strictly above G's worst to get in. After a
+    // selection every member's key is >= thr_key, whose top half bounds the worst score from
+    // below (a looser threshold only lets through candidates that the selection then drops).
+    if (select) {
+      __syncthreads();  // end of level
+      thr = fmaxf(thr, score_lower_bound(uint32_t(thr_key >> 32)));
+    } else {
+      const float g_min = block_min(my_min, wbuf_f);  // also the end-of-level barrier
+      if (g_size == B) thr = g_min;
+    }
     if (sel_total == 0) break;
   }
   __syncthreads();
