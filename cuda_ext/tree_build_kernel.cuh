@@ -1,6 +1,6 @@
 // DDTree draft-tree build: one CUDA thread block per request, one launch per decode step.
 //
-// Semantics (bit-exact with sglang_ddtree.tree.build_tree_reference; /work/notes/tree_contract.md):
+// Semantics (bit-exact with sglang_ddtree.tree.build_tree_reference; see sglang_ddtree/tree.py):
 // a node is a rank path (r1..rd), its score the fp32 sum ((lp1[r1] + lp2[r2]) + ...) added in
 // depth order (parent score + child log-prob), and the tree is the first min(B, #finite) nodes of
 // the total order "score desc, depth asc, rank path lexicographic asc".
@@ -9,9 +9,11 @@
 //   G   = the best <= B nodes found so far (an unordered set kept in shared memory),
 //   C_d = the depth-d members of G right after level d (kept in rank-path lexicographic order).
 //   For d = 1..D: candidates are the children p.r of C_{d-1} (r < min(K, B): a node of rank >= B
-//   has B better siblings) whose score beats thr = worst score in G once |G| == B (a deeper node
-//   ties a shallower one only to lose the depth tie-break). G := best B of G u candidates, by a
-//   block-wide 8-bit radix select over a 64-bit key that encodes the total order. Every node of
+//   has B better siblings) whose score beats thr = worst score in G once |G| == B, or a lower
+//   bound of it (a deeper node ties a shallower one only to lose the depth tie-break).
+//   G := best B of G u candidates, by a block-wide 8-bit radix select (most significant digit
+//   first, stopping as soon as the cut is exact) over a 64-bit key that encodes the total order
+//   (ordered score bits | 63 - depth | 2^20 - 1 - lexicographic index). Every node of
 //   the final tree survives each step (fewer than B nodes precede it anywhere) and every set
 //   stays closed under "parent of", so at the end G is the tree.
 // Children of one parent are monotone in r (lp is sorted descending and fp32 addition is

@@ -1,0 +1,77 @@
+// Host emulation of the few CUDA features cuda_ext/tree_build_kernel.cuh uses, so that the
+// kernel's logic runs on a CPU in CI: one std::thread per CUDA thread, std::barrier for
+// __syncthreads and for the warp shuffles, blocks run one after another. Correctness only (no
+// timing, no warp-synchronous behaviour is modelled: the kernel relies on none).
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+struct EmuDim3 { unsigned x = 0, y = 0, z = 0; };
+inline thread_local EmuDim3 threadIdx;
+inline EmuDim3 blockIdx;
+inline EmuDim3 blockDim;
+
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+
+inline std::unique_ptr<std::barrier<>> g_emu_block_bar;
+inline std::vector<std::unique_ptr<std::barrier<>>> g_emu_warp_bar;
+inline std::vector<std::vector<uint64_t>> g_emu_warp_buf;
+
+inline void __syncthreads() { g_emu_block_bar->arrive_and_wait(); }
+
+enum class EmuShfl { kUp, kXor };
+
+template <typename T>
+inline T emu_shfl(T v, EmuShfl kind, int arg) {
+  static_assert(sizeof(T) <= 8, "64-bit values at most");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint64_t raw = 0;
+  std::memcpy(&raw, &v, sizeof(T));
+  g_emu_warp_buf[warp][lane] = raw;
+  g_emu_warp_bar[warp]->arrive_and_wait();
+  const int src = kind == EmuShfl::kUp ? (lane >= arg ? lane - arg : lane) : (lane ^ arg);
+  const uint64_t got = g_emu_warp_buf[warp][src];
+  g_emu_warp_bar[warp]->arrive_and_wait();
+  T out;
+  std::memcpy(&out, &got, sizeof(T));
+  return out;
+}
+template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kUp, d); }
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kXor, d); }
+
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+using std::fminf;
+using std::min;
+
+template <typename Kernel, typename Params>
+inline void emu_launch(Kernel kernel, int grid, int threads, const Params& params) {
+  const int nw = threads / 32;
+  for (int bidx = 0; bidx < grid; ++bidx) {
+    blockIdx.x = bidx;
+    blockDim.x = threads;
+    g_emu_block_bar = std::make_unique<std::barrier<>>(threads);
+    g_emu_warp_bar.clear();
+    g_emu_warp_buf.assign(nw, std::vector<uint64_t>(32));
+    for (int w = 0; w < nw; ++w) g_emu_warp_bar.push_back(std::make_unique<std::barrier<>>(32));
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] { threadIdx.x = t; kernel(params); });
+    for (auto& th : ts) th.join();
+  }
+}
