@@ -24,8 +24,18 @@ void check_out(const at::Tensor& t, const char* name, at::ScalarType dtype,
   TORCH_CHECK(t.is_contiguous(), "tree_build: ", name, " must be contiguous");
 }
 
-// Largest dynamic shared memory already granted to the kernel, per device.
+// Per device: largest dynamic shared memory already granted to the kernel, and the opt-in limit
+// (0 = not queried yet).
 std::atomic<int64_t> g_smem_granted[64];
+std::atomic<int> g_smem_optin[64];
+
+int smem_optin_limit(int dev) {
+  if (dev >= 0 && dev < 64 && g_smem_optin[dev].load() > 0) return g_smem_optin[dev].load();
+  int limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (dev >= 0 && dev < 64) g_smem_optin[dev].store(limit);
+  return limit;
+}
 
 int default_threads(int budget) {
   if (budget <= 128) return 128;
@@ -105,15 +115,16 @@ void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
   const ddtree::SmemLayout layout = ddtree::make_smem_layout(B, Kp, static_cast<int>(d_eff));
   const int64_t smem = layout.total;
   const int dev = device.index();
-  int max_optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  const int max_optin = smem_optin_limit(dev);
   TORCH_CHECK(smem <= max_optin, "tree_build: budget ", B, " x depth ", d_eff, " needs ", smem,
               " bytes of shared memory per block; this GPU allows ", max_optin);
-  if (smem > 48 * 1024 && dev >= 0 && dev < 64 && g_smem_granted[dev].load() < smem) {
+  const bool tracked = dev >= 0 && dev < 64;
+  if (smem > 48 * 1024 && (!tracked || g_smem_granted[dev].load() < smem)) {
+    // Not a stream operation: allowed while a CUDA graph is being captured.
     C10_CUDA_CHECK(cudaFuncSetAttribute(ddtree::tree_build_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
-    g_smem_granted[dev].store(smem);
+    if (tracked) g_smem_granted[dev].store(smem);
   }
 
   ddtree::TreeBuildParams p{};
