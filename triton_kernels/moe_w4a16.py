@@ -4,9 +4,10 @@ A tree verify sends batch x (budget + 1) tokens through every MoE layer: tens to
 tokens, a regime bound by reading expert weights. This module reads each touched expert's packed
 weights once per step, dequantizes them in registers and fuses the rest around two GEMMs:
 
-1. ``_moe_align_kernel``: group the ``T = M * topk`` (token, slot) pairs by expert into blocks of
-   ``BLOCK_M`` rows (padding with the sentinel ``T``), one launch, static sizes, deterministic
-   (pairs keep flat order inside an expert), CUDA-graph safe.
+1. ``_prologue_kernel`` (one launch, two jobs): group the ``T = M * topk`` (token, slot) pairs by
+   expert into blocks of ``BLOCK_M`` rows (padding with the sentinel ``T``; static sizes,
+   deterministic: pairs keep flat order inside an expert; CUDA-graph safe), and copy ``x`` into
+   the plane-major order described below.
 2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
    fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot).
@@ -17,21 +18,24 @@ Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtre
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
 ``w13_scale [E, H // 32, 2 I] bf16``, ``w2_packed [E, I // 8, H] int32``, ``w2_scale [E, I // 32, H]``.
 
-Two layout tricks make that layout cheap to consume:
+How that layout is consumed without shuffling weights:
 
-* Nibble planes. The 8 nibbles of one int32 are 8 consecutive input rows ``k = 8 r + j``. Rather
-  than interleaving them back (a register shuffle), a K tile is summed as 8 dots of depth
-  ``BLOCK_K / 8``: plane ``j`` pairs nibble ``j`` of every word ``r`` with activation column
-  ``8 r + j`` (a strided load that hits L1). Each weight plane is then an elementwise function of
-  the loaded int32 tile, so dequantization needs no data movement.
+* Nibble planes. The 8 nibbles of one int32 are 8 consecutive input rows ``k = 8 r + j``. A K tile
+  of ``BLOCK_K`` rows (``KP = BLOCK_K / 8`` words) is summed as 8 dots of depth ``KP``: plane ``j``
+  pairs nibble ``j`` of every word ``r`` with input column ``8 r + j``. Every weight plane is an
+  elementwise function of the loaded int32 tile, so Triton keeps the packed tile in the MMA operand
+  layout and dequantizes in registers (checked in the sm_90 TTGIR: cp.async -> shared ->
+  ``local_load`` into the wgmma A-operand layout -> inline PTX -> wgmma).
+* Plane-major activations. For contiguous, pipelined activation loads, the activations are stored
+  so that inside each K tile column ``j * KP + r`` holds input column ``8 r + j`` (``x`` by the
+  prologue, ``h`` directly by the gate-up epilogue); plane ``j`` is then a contiguous slice.
 * Swap AB. The dots compute ``acc^T [BLOCK_N, BLOCK_M] = W^T @ x^T``: the weight tile is the MMA's
-  M side (>= 64 rows keeps tensor cores busy) and the few tokens of an expert block are the N side,
-  which may be as small as 16.
+  M side (64 rows per warpgroup) and the few tokens of an expert block are the N side (>= 16).
 
-On the GPU the nibble -> bf16 conversion is inline PTX (two values per instruction: OR into the
-mantissa of 128.0, subtract 136, multiply by the scale, each ``bf16x2``), exact up to the single
-bf16 rounding of ``q * scale``. The ``PORTABLE`` path (``TRITON_INTERPRET=1``, CPU, pre-Ampere)
-computes ``q * scale`` in fp32 and dots in fp32 instead.
+On the GPU the nibble -> bf16 conversion is inline PTX on pairs of words (bf16x2: OR into the
+mantissa of 128.0, subtract 136, multiply by the scale), exact up to the single bf16 rounding of
+``q * scale``. The ``PORTABLE`` path (``TRITON_INTERPRET=1``, CPU, pre-Ampere) computes
+``q * scale`` in fp32 and dots in fp32 instead.
 
 Accuracy (fp32 accumulation everywhere): bf16 weights after scaling, bf16 ``h``, bf16 per-slot
 outputs ``y`` and a bf16 result; the same rounding points as SGLang's Marlin and Triton paths.
@@ -47,31 +51,56 @@ import torch
 import triton
 import triton.language as tl
 
-PACK_FACTOR = 8
-GROUP_SIZE = 32
+PACK_FACTOR = 8  # int4 values per int32 word
+GROUP_SIZE = 32  # input rows per scale
+# The same numbers as Triton globals (kernels may only read constexpr globals).
+_PACK = tl.constexpr(PACK_FACTOR)
+_GROUP = tl.constexpr(GROUP_SIZE)
 _CONFIG_PATH = os.path.join(os.path.dirname(__file__), "moe_w4a16_configs.json")
 
 
 # --------------------------------------------------------------------------------------------
-# 1. token alignment
+# 1. prologue: token alignment + plane-major copy of x
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _moe_align_kernel(
+def _plane_major_cols(c, BLOCK_K: tl.constexpr):
+    """Stored column of logical column ``c``: inside each BLOCK_K tile, 8 r + j -> j * KP + r."""
+    KP: tl.constexpr = BLOCK_K // _PACK
+    within = c % BLOCK_K
+    return c - within + (within % _PACK) * KP + within // _PACK
+
+
+@triton.jit
+def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
     block_expert_ptr,  # [max_blocks] int32 out: expert of each BLOCK_M block, -1 past the end
+    x_ptr,  # [M, K] bf16, row stride stride_xm (read by programs >= NUM_EXPERTS only)
+    xp_ptr,  # [M, K] bf16 out: x in plane-major order for BLOCK_K tiles
     T,
     max_blocks,
+    stride_xm,
     NUM_EXPERTS: tl.constexpr,
     E_PAD: tl.constexpr,  # next power of two >= NUM_EXPERTS
     BLOCK_M: tl.constexpr,
     BLOCK_T: tl.constexpr,
     NUM_T_BLOCKS: tl.constexpr,  # cdiv(T, BLOCK_T); constexpr loop bounds also suit the interpreter
     BLOCK_B: tl.constexpr,  # NUM_EXPERTS * BLOCK_B >= max_blocks
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    if pid >= NUM_EXPERTS:
+        # Programs past the experts copy one row of x each (one launch instead of two).
+        m = (pid - NUM_EXPERTS).to(tl.int64)
+        for k0 in range(0, K, 1024):
+            c = k0 + tl.arange(0, 1024)
+            v = tl.load(x_ptr + m * stride_xm + c, mask=c < K)
+            tl.store(xp_ptr + m * K + _plane_major_cols(c, BLOCK_K), v, mask=c < K)
+        return
     # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
     # expert's output offset needs no second launch and no grid-wide barrier.
-    e = tl.program_id(0)
+    e = pid
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for i in range(NUM_T_BLOCKS):
@@ -111,7 +140,8 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              x: torch.Tensor | None = None, block_k: int = 128):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -119,8 +149,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     topk_ids : torch.Tensor
         ``[M, topk]`` int32 or int64 expert ids in ``[0, num_experts)`` (not checked: a device
         sync would break CUDA graphs).
-    num_experts : int
-    block_m : int
+    num_experts, block_m : int
+    x : torch.Tensor, optional
+        ``[M, K]`` bf16 activations to copy into plane-major order for ``block_k`` tiles in the
+        same launch.
 
     Returns
     -------
@@ -130,66 +162,63 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         are unspecified.
     block_expert : torch.Tensor
         ``[max_padded // block_m] int32``: expert of each block, ``-1`` for unused blocks.
+    xp : torch.Tensor or None
+        ``[M, K]`` plane-major copy of ``x`` (contiguous).
     """
     t = topk_ids.numel()
     max_padded = max_padded_rows(t, num_experts, block_m)
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=topk_ids.device)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
     max_blocks = max_padded // block_m
+    xp = None if x is None else torch.empty(x.shape, dtype=x.dtype, device=dev)
+    rows = 0 if x is None else x.shape[0]
     block_t = 1024
-    _moe_align_kernel[(num_experts,)](
-        topk_ids.reshape(-1), sorted_ids, block_expert, t, max_blocks,
+    _prologue_kernel[(num_experts + rows,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
+        sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
         NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
+        K=0 if x is None else x.shape[1], BLOCK_K=block_k,
     )
-    return sorted_ids, block_expert
+    return sorted_ids, block_expert, xp
 
 
 # --------------------------------------------------------------------------------------------
-# shared pieces: nibble planes of a packed weight tile and the matching activation columns
+# shared pieces: nibble planes of a packed weight tile and the matching activation planes
 # --------------------------------------------------------------------------------------------
-# bf16 magic: 0x4300 | n is 128 + n for a nibble n, so (0x4300 | n) - 136 = n - 8 exactly; the
-# scale multiply then rounds once, like (q * s).to(bf16). lop3 0xEA computes (a & b) | c.
-_DEQUANT_PTX = """
-{
-.reg .b32 t, m, k, one, bias, nz, s2;
-mov.b32 m, 0x000F000F;
-mov.b32 k, 0x43004300;
-mov.b32 one, 0x3F803F80;
-mov.b32 bias, 0xC308C308;
-mov.b32 nz, 0x80008000;
-mov.b32 s2, {$9, $9};
-lop3.b32 t, $8, m, k, 0xEA;
-fma.rn.bf16x2 t, t, one, bias;
-fma.rn.bf16x2 t, t, s2, nz;
-mov.b32 {$0, $4}, t;
-shr.u32 t, $8, 4;
-lop3.b32 t, t, m, k, 0xEA;
-fma.rn.bf16x2 t, t, one, bias;
-fma.rn.bf16x2 t, t, s2, nz;
-mov.b32 {$1, $5}, t;
-shr.u32 t, $8, 8;
-lop3.b32 t, t, m, k, 0xEA;
-fma.rn.bf16x2 t, t, one, bias;
-fma.rn.bf16x2 t, t, s2, nz;
-mov.b32 {$2, $6}, t;
-shr.u32 t, $8, 12;
-lop3.b32 t, t, m, k, 0xEA;
-fma.rn.bf16x2 t, t, one, bias;
-fma.rn.bf16x2 t, t, s2, nz;
-mov.b32 {$3, $7}, t;
-}
-"""
+def _dequant_ptx() -> str:
+    """PTX for two packed words ``$8, $9`` and their scales ``$10`` (bf16x2) -> 8 bf16x2 planes.
+
+    Output ``$j`` = (nibble j of ``$8``, nibble j of ``$9``), the pair order of bf16 MMA operands.
+    Byte t of both words goes into the two halves of one register (prmt); then ``0x4300 | n`` is
+    bf16 ``128 + n``, minus 136 is ``n - 8 = q`` exactly, and the multiply by the scales rounds
+    once, like ``(q * s).to(bf16)``. ``lop3`` with 0xEA computes ``(a & b) | c``.
+    """
+    lines = [".reg .b32 d, t, m, k, one, bias, nz;", "mov.b32 m, 0x000F000F;",
+             "mov.b32 k, 0x43004300;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;",
+             "mov.b32 nz, 0x80008000;"]
+    for t in range(4):
+        lines.append(f"prmt.b32 d, $8, $9, 0x{0x0400 + 0x0101 * t:04X};")
+        for j, src in ((2 * t, "d"), (2 * t + 1, "t")):
+            if src == "t":
+                lines.append("shr.u32 t, d, 4;")
+            lines += [f"lop3.b32 t, {src}, m, k, 0xEA;", "fma.rn.bf16x2 t, t, one, bias;",
+                      f"fma.rn.bf16x2 ${j}, t, $10, nz;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_DEQUANT_PTX = tl.constexpr(_dequant_ptx())
 
 
 @triton.jit
 def _dequant8(w, s, PORTABLE: tl.constexpr):
-    """Packed int32 tile + bf16 scale tile (same shape) -> 8 bf16 planes, plane j = nibble j."""
+    """Packed int32 tile + bf16 scale tile (same shape) -> 8 planes, plane j = q_j * s."""
     if not PORTABLE:
         return tl.inline_asm_elementwise(
-            _DEQUANT_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, s], dtype=(tl.bfloat16,) * 8,
-            is_pure=True, pack=1)
+            _DEQUANT_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [w, s], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=2)
     else:
         # fp32 planes: exact q * s (the interpreter's fp32 -> bf16 cast truncates instead of rounding).
         sf = s.to(tl.float32)
@@ -215,7 +244,7 @@ def _dot(w, a, acc, PORTABLE: tl.constexpr):
 
 @triton.jit
 def _plane(acc, acc2, w, w2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.constexpr):
-    """One nibble plane: load its [KP, BM] activation columns once, feed one or two dots."""
+    """One nibble plane: load its [KP, BM] activations once, feed one or two dots."""
     a = tl.load(a_ptrs, mask=a_mask, other=0.0)
     acc = _dot(w, a, acc, PORTABLE)
     if TWO:
@@ -224,26 +253,27 @@ def _plane(acc, acc2, w, w2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.con
 
 
 @triton.jit
-def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.constexpr):
-    """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (and acc2 with W2).
+def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.constexpr,
+          PORTABLE: tl.constexpr):
+    """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (acc2 with W2).
 
-    ``w``/``s``: [BN, KP] packed words and their scales; ``a_ptrs``: [KP, BM] pointers to activation
-    column ``8 r`` of each row (plane j reads column ``8 r + j``, matching nibble j of word r). The
-    plane loads hit L1 after the first one: together they read one contiguous [BM, 8 KP] tile.
-    With ``TWO`` (gate and up), a second weight tile shares the activation loads.
+    ``w``/``s``: [BN, KP] packed words and their scales; ``a_ptrs``: [KP, BM] pointers to the
+    plane-major activation tile, plane j at ``a_ptrs + j * KP`` (input column ``8 r + j``, the
+    rows nibble j of word r holds). With ``TWO`` (gate and up) a second weight tile shares the
+    activation loads.
     """
     p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
     q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
     if TWO:
         q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p4, q4, a_ptrs + 4, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p5, q5, a_ptrs + 5, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p6, q6, a_ptrs + 6, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p7, q7, a_ptrs + 7, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p4, q4, a_ptrs + 4 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p5, q5, a_ptrs + 5 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p6, q6, a_ptrs + 6 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p7, q7, a_ptrs + 7 * KP, a_mask, TWO, PORTABLE)
     return acc, acc2
 
 
@@ -252,24 +282,24 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: 
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [M, K] bf16, row stride stride_xm
+    xp_ptr,  # [M, K] bf16, plane-major for BLOCK_K tiles (see _prologue_kernel)
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
     s_ptr,  # [E, K // 32, 2 * I] bf16
     sorted_ids_ptr,  # [max_padded] int32
     block_expert_ptr,  # [max_blocks] int32
-    h_ptr,  # [max_padded, I] bf16 out, row = padded position
+    h_ptr,  # [max_padded, I] bf16 out, row = padded position, plane-major for DOWN_BLOCK_K tiles
     T,
-    stride_xm,
     K: tl.constexpr,
     I: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOWN_BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
-    KP: tl.constexpr = BLOCK_K // PACK_FACTOR
+    KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
@@ -285,20 +315,21 @@ def _gate_up_kernel(
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
     # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
-    w_ptrs = w_ptr + e64 * (K // PACK_FACTOR * N2) + offs_r[None, :] * N2 + offs_n[:, None]
-    s_ptrs = s_ptr + e64 * (K // GROUP_SIZE * N2) + (offs_r[None, :] // 4) * N2 + offs_n[:, None]
-    x_ptrs = x_ptr + tok[None, :] * stride_xm + offs_r[:, None] * PACK_FACTOR  # [KP, BLOCK_M]
+    w_ptrs = w_ptr + e64 * (K // _PACK * N2) + offs_r[None, :] * N2 + offs_n[:, None]
+    s_ptrs = s_ptr + e64 * (K // _GROUP * N2) + (offs_r[None, :] // 4) * N2 + offs_n[:, None]
+    x_ptrs = xp_ptr + tok[None, :] * K + offs_r[:, None]  # [KP, BLOCK_M], plane 0 of tile 0
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for _ in range(0, K // BLOCK_K):
         acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
-                             tl.load(s_ptrs + I), x_ptrs, x_mask, True, PORTABLE)
+                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE)
         x_ptrs += BLOCK_K
         w_ptrs += KP * N2
-        s_ptrs += (BLOCK_K // GROUP_SIZE) * N2
+        s_ptrs += (BLOCK_K // _GROUP) * N2
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_n[:, None]
+    h_cols = _plane_major_cols(offs_n, DOWN_BLOCK_K)
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + h_cols[:, None]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
 
 
@@ -307,7 +338,7 @@ def _gate_up_kernel(
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _down_kernel(
-    h_ptr,  # [max_padded, I] bf16
+    h_ptr,  # [max_padded, I] bf16, plane-major for BLOCK_K tiles
     w_ptr,  # [E, I // 8, N] int32
     s_ptr,  # [E, I // 32, N] bf16
     sorted_ids_ptr,  # [max_padded] int32
@@ -323,7 +354,7 @@ def _down_kernel(
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
 ):
     NUM_N: tl.constexpr = N // BLOCK_N
-    KP: tl.constexpr = BLOCK_K // PACK_FACTOR
+    KP: tl.constexpr = BLOCK_K // _PACK
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
@@ -336,17 +367,17 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
-    w_ptrs = w_ptr + e64 * (I // PACK_FACTOR * N) + offs_r[None, :] * N + offs_n[:, None]
-    s_ptrs = s_ptr + e64 * (I // GROUP_SIZE * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
-    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None] * PACK_FACTOR
+    w_ptrs = w_ptr + e64 * (I // _PACK * N) + offs_r[None, :] * N + offs_n[:, None]
+    s_ptrs = s_ptr + e64 * (I // _GROUP * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for _ in range(0, I // BLOCK_K):
         w = tl.load(w_ptrs)
-        acc, unused = _mma8(acc, acc, w, tl.load(s_ptrs), w, w, h_ptrs, row_ok[None, :], False,
-                            PORTABLE)
+        acc, unused = _mma8(acc, acc, w, tl.load(s_ptrs), w, w, h_ptrs, row_ok[None, :], KP,
+                            False, PORTABLE)
         h_ptrs += BLOCK_K
         w_ptrs += KP * N
-        s_ptrs += (BLOCK_K // GROUP_SIZE) * N
+        s_ptrs += (BLOCK_K // _GROUP) * N
     wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     y = acc * wt[None, :]
     y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]
@@ -519,16 +550,16 @@ def fused_moe_w4a16(
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable = _portable(hidden_states.device)
     t = m * topk
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts, bm)
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
     max_padded = sorted_ids.numel()
     h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=hidden_states.device)
     y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
     n_blocks = max_padded // bm
 
     _gate_up_kernel[(n_blocks * (inter // gu.block_n),)](
-        hidden_states, w13_packed, w13_scale, sorted_ids, block_expert, h, t,
-        hidden_states.stride(0), K=hidden, I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, PORTABLE=portable, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, t, K=hidden, I=inter, TOPK=topk,
+        BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, DOWN_BLOCK_K=dn.block_k,
+        PORTABLE=portable, num_warps=gu.num_warps, num_stages=gu.num_stages)
     _down_kernel[(n_blocks * (hidden // dn.block_n),)](
         h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden, I=inter,
         BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,

@@ -109,7 +109,7 @@ def _align_reference(ids, e, bm):
                                          (300, 40, 8, 16)])  # 2400 pairs: 3 chunks of 1024
 def test_align(m, e, topk, bm):
     _, ti = random_routing(m, e, topk, seed=m)
-    sorted_ids, block_expert = MOE.moe_align(ti, e, bm)
+    sorted_ids, block_expert, _ = MOE.moe_align(ti, e, bm)
     rows, owners = _align_reference(ti, e, bm)
     assert sorted_ids.numel() == MOE.max_padded_rows(m * topk, e, bm) >= len(rows)
     assert sorted_ids[: len(rows)].tolist() == rows
@@ -150,3 +150,60 @@ def test_pack_layout_matches_compressed_tensors():
     loaded = packed.t().contiguous()[None]  # FusedMoE's weight loader: loaded_weight.t()
     assert torch.equal(REF.unpack_int4(loaded)[0], q.t())
     assert torch.equal(REF.pack_int4(q.t()[None].to(torch.int32)), loaded)
+
+
+def _emulate_ptx(ptx: str, w0: int, w1: int, s_pair: int) -> dict:
+    """Execute the dequant PTX's instruction subset on Python ints (fma.rn.bf16x2 exactly:
+    the products and sums of these bf16 values are exact in float64, then one RNE rounding)."""
+    def bf(h):
+        return torch.tensor([h & 0xFFFF], dtype=torch.int32).to(torch.int16).view(
+            torch.bfloat16).double().item()
+
+    def to_bf(x):
+        return torch.tensor([x], dtype=torch.float64).float().bfloat16().view(
+            torch.int16).item() & 0xFFFF
+
+    regs = {"$8": w0, "$9": w1, "$10": s_pair}
+    val = lambda a: regs[a] if a in regs else int(a, 16) if a.startswith("0x") else int(a)  # noqa
+    out = {}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *a = [x.strip() for x in rest.split(",")]
+        if op == "mov.b32":
+            r = val(a[0])
+        elif op == "prmt.b32":
+            by = [(val(a[0]) >> 8 * i) & 0xFF for i in range(4)] + \
+                 [(val(a[1]) >> 8 * i) & 0xFF for i in range(4)]
+            r = sum(by[(val(a[2]) >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "lop3.b32":
+            assert val(a[3]) == 0xEA
+            r = (val(a[0]) & val(a[1])) | val(a[2])
+        elif op == "shr.u32":
+            r = val(a[0]) >> val(a[1])
+        elif op == "fma.rn.bf16x2":
+            x, y, z = (val(v) for v in a)
+            r = sum(to_bf(bf(x >> h) * bf(y >> h) + bf(z >> h)) << h for h in (0, 16))
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        (out if d.startswith("$") else regs)[d] = r & 0xFFFFFFFF
+    return out
+
+
+def test_dequant_ptx_semantics():
+    """The GPU dequant PTX gives (q * s).to(bf16) for both words of a pair, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        w = torch.randint(0, 2**32, (2,), generator=g, dtype=torch.int64).tolist()
+        s = (torch.randn(2, generator=g) * 10 ** torch.empty(2).uniform_(-4, 1, generator=g))
+        sb = s.bfloat16().view(torch.int16).to(torch.int64).tolist()
+        out = _emulate_ptx(MOE._DEQUANT_PTX.value, w[0], w[1], (sb[0] & 0xFFFF) | (sb[1] & 0xFFFF) << 16)
+        for j in range(8):
+            for half, (wi, si) in zip((0, 16), ((w[0], s[0]), (w[1], s[1]))):
+                q = ((wi >> 4 * j) & 0xF) - 8
+                want = (torch.tensor(q, dtype=torch.float64) * si.bfloat16().double()).float().bfloat16()
+                got = torch.tensor([(out[f"${j}"] >> half) & 0xFFFF], dtype=torch.int32).to(
+                    torch.int16).view(torch.bfloat16)[0]
+                assert got.item() == want.item(), (j, q, got, want)
