@@ -68,11 +68,13 @@ def render_model_card(r: dict) -> str:
         "## DFlash drafter (`dflash-draft/`)",
         "",
         f"- `DFlashDraftModel` layout for SGLang 0.5.17: {dr['params'] / 1e6:.2f} M parameters, "
-        f"{dc['num_hidden_layers']} layers, MLP {dc['intermediate_size']}, no embedding / lm_head "
+        f"{dc['num_hidden_layers']} layer(s), MLP {dc['intermediate_size']}, no embedding / lm_head "
         f"(uses the target's), block size {dc['block_size']}, target layer ids "
         f"{dc['dflash_config']['target_layer_ids']} of {dc['num_target_layers']}, mask token id "
         f"{dc['dflash_config']['mask_token_id']}",
-        f"- data: {dr['generated_sequences']:,} greedy continuations by the saved target "
+        f"- data: {dr['generated_sequences']:,} continuations by the saved target "
+        f"({dr['generated_sequences'] - dr['sampled_sequences']:,} greedy, {dr['sampled_sequences']:,} "
+        "sampled at T=1) "
         f"({a['gen_prompt_min']}-{a['gen_prompt_max']}-token prompt windows from the training files, "
         f"one length per generation batch, + {a['gen_len']} "
         "generated tokens); context = the target's own hidden states",

@@ -115,20 +115,28 @@ def load_target(model_dir: pathlib.Path, device, dtype=torch.float32):
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def _next_token(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits ``[N, V]`` -> int64 ``[N]``: argmax, or a sample at ``temperature``."""
+    if temperature <= 0.0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1)[:, 0]
+
+
 @torch.no_grad()
-def greedy_generate_equal(model, prompts: torch.Tensor, gen_len: int) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts with a KV cache.
+def generate_equal(model, prompts: torch.Tensor, gen_len: int, temperature: float = 0.0) -> torch.Tensor:
+    """Continue equal-length prompts with a KV cache, greedily (temperature 0) or by sampling.
 
     prompts: int64 ``[N, P]`` -> int64 ``[N, P + gen_len]``.
     """
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
     past = out.past_key_values
-    nxt = out.logits[:, -1].argmax(-1)
+    nxt = _next_token(out.logits[:, -1], temperature)
     toks = [nxt]
     for _ in range(gen_len - 1):
         out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
         past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1)
+        nxt = _next_token(out.logits[:, -1], temperature)
         toks.append(nxt)
     return torch.cat([prompts, torch.stack(toks, dim=1)], dim=1)
 

@@ -86,6 +86,8 @@ def parse_args(argv=None):
       "the drafter sees contexts as long as the benchmark's prompts + outputs")
     a("--gen-len", type=int, default=256)
     a("--gen-seqs", type=int, default=8192, help="cap on generated training sequences")
+    a("--sampled-fraction", type=float, default=0.0,
+      help="share of generation batches sampled at T=1 instead of greedy (default: greedy only)")
     a("--gen-batch", type=int, default=512)
     a("--draft-batch", type=int, default=64)
     a("--anchors", type=int, default=16, help="draft blocks trained per sequence per step")
@@ -184,9 +186,10 @@ def stream_loss(model, stream: np.ndarray, args, device) -> float:
 
 
 def generate_draft_data(model, stream: np.ndarray, args, device, seconds: float, rng):
-    """Greedy continuations of random training windows, one prompt length per batch.
+    """The target's continuations of random training windows, one prompt length per batch;
+    greedy, except a ``--sampled-fraction`` share of batches sampled at temperature 1.
 
-    Returns a list of ``(seqs int64 [n, P + gen_len], P)``, one entry per generation batch.
+    Returns a list of ``(seqs int64 [n, P + gen_len], P, temperature)``, one per batch.
     """
     out, t0, done = [], time.time(), 0
     while done < args.gen_seqs and (done == 0 or time.time() - t0 < seconds):
@@ -194,8 +197,9 @@ def generate_draft_data(model, stream: np.ndarray, args, device, seconds: float,
         p_len = int(rng.integers(args.gen_prompt_min, args.gen_prompt_max + 1))
         starts = rng.integers(0, len(stream) - p_len, size=n)
         prompts = torch.from_numpy(np.stack([stream[s: s + p_len] for s in starts]).astype(np.int64))
+        temp = 1.0 if rng.random() < args.sampled_fraction else 0.0
         with autocast(device):
-            out.append((tgt.greedy_generate_equal(model, prompts.to(device), args.gen_len), p_len))
+            out.append((tgt.generate_equal(model, prompts.to(device), args.gen_len, temp), p_len, temp))
         done += n
     return out
 
@@ -234,7 +238,7 @@ def train_drafter(drafter, feat_fn, embed_w, groups, args, device, seconds: floa
         progress = max(step / args.draft_steps, (time.time() - t0) / seconds)
         for g in opt.param_groups:
             g["lr"] = tgt.lr_at(progress, args.draft_lr)
-        seqs, p_len = groups[int(pick.choice(len(groups), p=sizes / sizes.sum()))]
+        seqs, p_len, _ = groups[int(pick.choice(len(groups), p=sizes / sizes.sum()))]
         lo, hi = p_len, seqs.shape[1] - args.block_size
         rows = torch.randint(0, seqs.shape[0], (args.draft_batch,), device=device, generator=gen)
         batch = seqs[rows]
@@ -314,7 +318,8 @@ def main(argv=None) -> dict:
     budget = max(1.0, clock.left() - reserve)
     groups = generate_draft_data(target, train_stream, args, device, 0.15 * budget, rng)
     n_gen = sum(g[0].shape[0] for g in groups)
-    log(f"[gen] {n_gen} greedy sequences of {args.gen_prompt_min}-{args.gen_prompt_max}+{args.gen_len} tokens; "
+    n_sampled = sum(g[0].shape[0] for g in groups if g[2] > 0)
+    log(f"[gen] {n_gen} sequences ({n_sampled} sampled at T=1, the rest greedy) of {args.gen_prompt_min}-{args.gen_prompt_max}+{args.gen_len} tokens; "
         f"{clock.elapsed():.1f}s")
 
     shape = DraftShape(args.hidden, args.draft_intermediate, args.draft_layers, args.heads, args.kv_heads,
@@ -371,6 +376,7 @@ def main(argv=None) -> dict:
                  "heldout_sources": sorted({f.relpath for f in corpus.eval})},
         "target": {"params": n_target, "config": tcfg, **tstats},
         "drafter": {"params": n_draft, "config": dcfg, "generated_sequences": n_gen,
+                    "sampled_sequences": n_sampled,
                     "generated_prompt_lengths": sorted({g[1] for g in groups}), **dstats},
         "offline_accept_estimate": {"what": "this script's own PyTorch replay of greedy DFlash block "
                                     "drafting vs the target's greedy output (fp32, saved bf16 weights); "

@@ -31,7 +31,8 @@ def smoke_out(tmp_path_factory):
     copy = out.parent / "copied"
     import train_tiny_pair
 
-    report = train_tiny_pair.main(["--smoke", "--out", str(out), "--copy-to", str(copy)])
+    report = train_tiny_pair.main(["--smoke", "--out", str(out), "--copy-to", str(copy),
+                                   "--sampled-fraction", "0.5"])
     return out, copy, report
 
 
@@ -123,6 +124,29 @@ def test_sglang_model_classes_load_checkpoints(smoke_out):
     proc = subprocess.run([sys.executable, str(pathlib.Path(__file__)), "--sglang-check", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "SGLANG-CHECK-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_kv_cache_generation_matches_full_recompute():
+    import tiny_pair_target as tgt
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    args = SimpleNamespace(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8,
+                           max_positions=128, rope_theta=10000.0)
+    model = tgt.build_target(tgt.target_config(args, 97)).eval()
+    prompts = torch.randint(2, 97, (3, 7))
+    cached = tgt.generate_equal(model, prompts, 9)
+    full, starts, ends = tgt.greedy_generate_ragged(model, prompts.tolist(), 9, "cpu")
+    assert torch.equal(cached, full) and starts.tolist() == [7] * 3 and ends.tolist() == [16] * 3
+    # ragged prompts: each row equals its own unpadded greedy run
+    rows = [prompts[0, :4].tolist(), prompts[1].tolist()]
+    ragged, starts, ends = tgt.greedy_generate_ragged(model, rows, 5, "cpu")
+    for r, p in enumerate(rows):
+        alone = tgt.generate_equal(model, torch.tensor([p]), 5)[0]
+        assert torch.equal(ragged[r, : ends[r]], alone)
+    sampled = tgt.generate_equal(model, prompts, 9, temperature=1.0)
+    assert sampled.shape == (3, 16) and torch.equal(sampled[:, :7], prompts)
+    assert int(sampled.min()) >= 0 and int(sampled.max()) < 97
 
 
 # --- drafter math ------------------------------------------------------------------------------
