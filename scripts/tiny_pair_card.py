@@ -62,7 +62,8 @@ def render_model_card(r: dict) -> str:
         f"tied embeddings, bf16 weights",
         f"- training: {t['steps']:,} steps of {a['batch']} x {a['seq_len']} tokens "
         f"({t['tokens'] / 1e6:.0f} M tokens) in {t['seconds']} s, AdamW lr {a['lr']} cosine",
-        f"- final training loss (mean over the last logged window of up to {r['log_every']} steps) {t['final_train_loss']}; held-out loss "
+        f"- final training loss {t['final_train_loss']} (mean over the last logged window of up "
+        f"to {r['log_every']} steps); held-out loss "
         f"{t['heldout_loss']} nats/token (bf16 weights as saved)",
         "",
         "## DFlash drafter (`dflash-draft/`)",
@@ -81,7 +82,8 @@ def render_model_card(r: dict) -> str:
         f"- training: {dr['steps']:,} steps of {a['draft_batch']} sequences x "
         f"{dr['anchors_per_seq']} blocks in {dr['seconds']} s, AdamW lr {a['draft_lr']} cosine, "
         f"loss weight exp(-(k-1)/{a['gamma']}) at draft position k",
-        f"- final training loss (mean over the last logged window of up to {r['log_every']} steps) {dr['final_train_loss']}; held-out loss "
+        f"- final training loss {dr['final_train_loss']} (mean over the last logged window of up "
+        f"to {r['log_every']} steps); held-out loss "
         f"{dr['heldout_loss']} (continuations of the eval prompts)",
         f"- held-out top-1 accuracy by draft position 1..{dc['block_size'] - 1}: "
         f"{_fmt_list(dr['heldout_top1_acc_by_position'], 2)}",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import platform
 import shutil
@@ -319,8 +318,8 @@ def main(argv=None) -> dict:
     groups = generate_draft_data(target, train_stream, args, device, 0.15 * budget, rng)
     n_gen = sum(g[0].shape[0] for g in groups)
     n_sampled = sum(g[0].shape[0] for g in groups if g[2] > 0)
-    log(f"[gen] {n_gen} sequences ({n_sampled} sampled at T=1, the rest greedy) of {args.gen_prompt_min}-{args.gen_prompt_max}+{args.gen_len} tokens; "
-        f"{clock.elapsed():.1f}s")
+    log(f"[gen] {n_gen} sequences ({n_sampled} sampled at T=1, the rest greedy) of "
+        f"{args.gen_prompt_min}-{args.gen_prompt_max}+{args.gen_len} tokens; {clock.elapsed():.1f}s")
 
     shape = DraftShape(args.hidden, args.draft_intermediate, args.draft_layers, args.heads, args.kv_heads,
                        args.head_dim, len(args.target_layer_ids), args.rope_theta)
@@ -363,10 +362,12 @@ def main(argv=None) -> dict:
     import tokenizers
     import transformers
     report = {
-        "command": " ".join([sys.executable] + sys.argv), "args": vars(args),
+        "command": " ".join([sys.executable, "scripts/train_tiny_pair.py"]
+                            + list(sys.argv[1:] if argv is None else argv)), "args": vars(args),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or "cpu"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_seconds": round(clock.elapsed(), 1),
         "log_every": LOG_EVERY,
         "data": {"root": corpus.root, "train_files": len(corpus.train), "heldout_files": len(corpus.eval),
