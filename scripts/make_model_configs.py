@@ -5,8 +5,10 @@ Pairs written under ``--out`` (default ``bench_assets/model-configs``), each a t
 DFlash drafter config SGLang 0.5.17's ``DFlashDraftModel`` reads:
 
 - ``kimi-k2.6-tp8rank-l{N}``: one tensor-parallel rank (of 8) of Kimi K2.6's text model
-  (DeepseekV3 architecture, MLA + 384-expert MoE), ``N`` of its 61 layers. See the ``notes`` field
-  written into the config for exactly what is and is not the rank's share.
+  (DeepseekV3 architecture, MLA + 384-expert MoE), ``N`` of its 61 layers, bf16 experts. See the
+  ``notes`` field written into the config for exactly what is and is not the rank's share.
+- ``kimi-k2.6-tp8rank-l{N}-int4``: the same with K2.6's own int4 routed experts
+  (compressed-tensors W4A16, group 32); at int4 all 61 layers of a rank fit one H200 (~79 GB).
 - ``qwen3-8b`` (dense, GQA) and ``qwen3-30b-a3b`` (128-expert MoE), full models at TP1.
 
 Shapes are those of the public model configs. Drafter shapes follow the target's attention shape
@@ -14,7 +16,7 @@ Shapes are those of the public model configs. Drafter shapes follow the target's
 rule (:func:`dflash_target_layer_ids`), restricted to ids below ``num_hidden_layers - 1``,
 because SGLang captures layer k's output at layer k+1's input and so cannot capture the last layer.
 
-    python scripts/make_model_configs.py                       # default: Kimi with 8 layers
+    python scripts/make_model_configs.py                       # default: Kimi bf16 L8 + int4 L61
     python scripts/make_model_configs.py --kimi-layers 4 8 16  # several depths, for a per-layer fit
     python scripts/make_model_configs.py --kimi-layers auto --kimi-weight-budget-gb 100
     python scripts/make_model_configs.py --check               # also parse every config
@@ -29,7 +31,21 @@ from typing import Dict, List
 
 KIMI_FULL_LAYERS = 61
 KIMI_TP = 8
-BF16 = 2  # bytes per weight; experts are bf16 here (see notes)
+BF16 = 2  # bytes per weight
+INT4_GROUP = 32  # K2-Thinking / K2.5 / K2.6 routed experts: symmetric int4, one bf16 scale per 32
+
+# The quantization_config Kimi K2-Thinking ships (compressed-tensors W4A16, routed experts only).
+KIMI_INT4_QUANTIZATION = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                    "group_size": INT4_GROUP, "num_bits": 4, "observer": "minmax", "observer_kwargs": {},
+                    "strategy": "group", "symmetric": True, "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
 
 KIMI_TEXT = dict(  # Kimi K2.5 / K2.6 text model (DeepseekV3ForCausalLM), full model, public config
     hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
@@ -88,8 +104,9 @@ def qwen3_30b_a3b() -> dict:
     }
 
 
-def kimi_rank_weight_bytes(num_layers: int, vocab: int) -> Dict[str, int]:
-    """bf16 weight bytes of one emulated rank (what dummy loading allocates)."""
+def kimi_rank_weight_bytes(num_layers: int, vocab: int, int4: bool = False) -> Dict[str, int]:
+    """Weight bytes of one emulated rank (what dummy loading allocates): bf16 everywhere, or with
+    int4 routed experts (half a byte per weight + a bf16 scale per 32 weights)."""
     k = KIMI_TEXT
     h, heads = k["hidden_size"], k["num_attention_heads"] // KIMI_TP
     attn = (h * k["q_lora_rank"] + k["q_lora_rank"] * heads * (k["qk_nope_head_dim"] + k["qk_rope_head_dim"])
@@ -97,19 +114,26 @@ def kimi_rank_weight_bytes(num_layers: int, vocab: int) -> Dict[str, int]:
             + k["kv_lora_rank"] * heads * (k["qk_nope_head_dim"] + k["v_head_dim"])
             + heads * k["v_head_dim"] * h)
     ffn = k["moe_intermediate_size"] // KIMI_TP
-    moe = (k["n_routed_experts"] + k["n_shared_experts"]) * 3 * h * ffn + h * k["n_routed_experts"]
-    dense = 3 * h * (k["intermediate_size"] // KIMI_TP)
+    routed = k["n_routed_experts"] * 3 * h * ffn
+    routed_bytes = routed // 2 + (routed // INT4_GROUP) * BF16 if int4 else routed * BF16
+    moe_bytes = routed_bytes + (k["n_shared_experts"] * 3 * h * ffn + h * k["n_routed_experts"]) * BF16
+    dense = 3 * h * (k["intermediate_size"] // KIMI_TP) * BF16
     n_moe = max(0, num_layers - k["first_k_dense_replace"])
-    return {"attention_per_layer": attn * BF16, "moe_layer_ffn": moe * BF16, "dense_layer_ffn": dense * BF16,
-            "embed_plus_lm_head": 2 * vocab * h * BF16,
-            "total": (num_layers * attn + n_moe * moe + (num_layers - n_moe) * dense + 2 * vocab * h) * BF16}
+    embed = 2 * vocab * h * BF16
+    return {"attention_per_layer": attn * BF16, "moe_layer_ffn": moe_bytes, "dense_layer_ffn": dense,
+            "embed_plus_lm_head": embed,
+            "total": num_layers * attn * BF16 + n_moe * moe_bytes + (num_layers - n_moe) * dense + embed}
 
 
-def kimi_rank(num_layers: int, vocab: int) -> dict:
+def kimi_rank(num_layers: int, vocab: int, int4: bool = False) -> dict:
     k = KIMI_TEXT
-    wb = kimi_rank_weight_bytes(num_layers, vocab)
+    wb = kimi_rank_weight_bytes(num_layers, vocab, int4)
     per_moe_layer = wb["attention_per_layer"] + wb["moe_layer_ffn"]
-    return {
+    experts = ("int4 routed experts (compressed-tensors W4A16, group 32, as K2.6 ships them; whether "
+               "SGLang's dummy loader and Marlin repack accept random packed weights is not yet seen "
+               "on the H200: use the bf16 variant if it fails)" if int4 else
+               "experts are bf16 (K2.6 ships INT4 routed experts: about 1/4 of these expert bytes)")
+    cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "hidden_size": k["hidden_size"],
         "intermediate_size": k["intermediate_size"] // KIMI_TP,  # dense layer 0, TP-split
@@ -138,8 +162,7 @@ def kimi_rank(num_layers: int, vocab: int) -> dict:
                           f"{k['intermediate_size']}/{KIMI_TP}; all {k['n_routed_experts']} experts "
                           "on the rank (TP, not EP); MLA latent (kv_lora_rank 512, q_lora_rank 1536) "
                           "is replicated on every rank, as in SGLang's TP MLA.",
-            "not_emulated": "no all-reduce after attention and MoE (2 per layer at TP8); experts are "
-                            "bf16 (K2.6 ships INT4 routed experts: 1/4 of the expert bytes); "
+            "not_emulated": "no all-reduce after attention and MoE (2 per layer at TP8); "
                             f"vocab is the full {vocab} for embedding and lm_head, while one TP8 rank "
                             f"computes {k['vocab_size'] // KIMI_TP} lm_head rows then all-gathers "
                             "full logits (so lm_head weight reads are overstated, logits handling is "
@@ -148,11 +171,15 @@ def kimi_rank(num_layers: int, vocab: int) -> dict:
                                     "lm_head, sampling, scheduling); measure two depths (e.g. "
                                     "--kimi-layers 4 8), fit the line, evaluate at 61 (60 MoE + 1 "
                                     "dense). Report measured and extrapolated numbers separately.",
-            "weight_bytes_bf16": wb,
-            "weight_bytes_bf16_per_moe_layer": per_moe_layer,
+            "experts": experts,
+            "weight_bytes": wb,
+            "weight_bytes_per_moe_layer": per_moe_layer,
             "full_model_drafter_target_layer_ids": dflash_target_layer_ids(KIMI_FULL_LAYERS, 6),
         },
     }
+    if int4:
+        cfg["quantization_config"] = KIMI_INT4_QUANTIZATION
+    return cfg
 
 
 def drafter(target: dict, *, layers: int, block: int, heads: int, kv_heads: int, head_dim: int,
@@ -174,14 +201,14 @@ def drafter(target: dict, *, layers: int, block: int, heads: int, kv_heads: int,
     }
 
 
-def kimi_layers_for_budget(budget_gb: float, vocab: int) -> int:
+def kimi_layers_for_budget(budget_gb: float, vocab: int, int4: bool = False) -> int:
     n = 1
-    while n < KIMI_FULL_LAYERS and kimi_rank_weight_bytes(n + 1, vocab)["total"] <= budget_gb * 1e9:
+    while n < KIMI_FULL_LAYERS and kimi_rank_weight_bytes(n + 1, vocab, int4)["total"] <= budget_gb * 1e9:
         n += 1
     return n
 
 
-def build_all(kimi_layers: List[int], kimi_vocab: int) -> Dict[str, dict]:
+def build_all(kimi_layers: List[int], kimi_vocab: int, kimi_int4_layers: List[int] = ()) -> Dict[str, dict]:
     out: Dict[str, dict] = {}
     q8 = qwen3_8b()
     out["qwen3-8b"] = q8
@@ -197,9 +224,10 @@ def build_all(kimi_layers: List[int], kimi_vocab: int) -> Dict[str, dict]:
         mask_token_id=151669, target_layer_ids=dflash_target_layer_ids(48, 5),
         notes="5-layer dense drafter with the target's attention shape and MLP 6144 (the target's "
               "dense intermediate_size), block 16; random weights under --load-format dummy.")
-    for n in kimi_layers:
-        name = f"kimi-k2.6-tp8rank-l{n}"
-        tgt = kimi_rank(n, kimi_vocab)
+    variants = [(n, False) for n in kimi_layers] + [(n, True) for n in kimi_int4_layers]
+    for n, int4 in variants:
+        name = f"kimi-k2.6-tp8rank-l{n}" + ("-int4" if int4 else "")
+        tgt = kimi_rank(n, kimi_vocab, int4)
         out[name] = tgt
         k = min(6, n - 1)
         out[name + "-dflash-draft"] = drafter(
@@ -237,18 +265,24 @@ def check_dir(model_dir: pathlib.Path) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_assets/model-configs")
-    p.add_argument("--kimi-layers", nargs="+", default=["8"], help="ints, or 'auto' (fit the budget)")
+    p.add_argument("--kimi-layers", nargs="+", default=["8"],
+                   help="bf16-expert variants: ints, or 'auto' (fit the budget)")
+    p.add_argument("--kimi-int4-layers", nargs="*", default=["61"],
+                   help="int4-expert variants (K2.6's own format); 61 = the whole model fits one H200")
     p.add_argument("--kimi-weight-budget-gb", type=float, default=100.0,
-                   help="bf16 weight budget for --kimi-layers auto (H200: 141 GB, leave room for KV)")
+                   help="weight budget for 'auto' (H200: 141 GB; leave room for KV cache and graphs)")
     p.add_argument("--kimi-vocab", type=int, default=KIMI_TEXT["vocab_size"],
                    help="163840 = full vocab (default); 20480 = one TP8 rank's lm_head rows")
     p.add_argument("--check", action="store_true", help="parse every written config with AutoConfig")
     args = p.parse_args(argv)
-    layers = [kimi_layers_for_budget(args.kimi_weight_budget_gb, args.kimi_vocab) if x == "auto" else int(x)
-              for x in args.kimi_layers]
-    if any(n < 2 or n > KIMI_FULL_LAYERS for n in layers):
-        p.error(f"--kimi-layers must be in [2, {KIMI_FULL_LAYERS}], got {layers}")
-    configs = build_all(layers, args.kimi_vocab)
+    def resolve(values, int4):
+        return [kimi_layers_for_budget(args.kimi_weight_budget_gb, args.kimi_vocab, int4) if x == "auto"
+                else int(x) for x in values]
+
+    layers, int4_layers = resolve(args.kimi_layers, False), resolve(args.kimi_int4_layers, True)
+    if any(n < 2 or n > KIMI_FULL_LAYERS for n in layers + int4_layers):
+        p.error(f"Kimi layer counts must be in [2, {KIMI_FULL_LAYERS}], got {layers} / {int4_layers}")
+    configs = build_all(layers, args.kimi_vocab, int4_layers)
     out = pathlib.Path(args.out)
     write_all(configs, out)
     for name, cfg in configs.items():
@@ -256,7 +290,7 @@ def main(argv=None) -> int:
         if "block_size" in cfg:
             line += f"  block {cfg['block_size']}  target_layer_ids {cfg['dflash_config']['target_layer_ids']}"
         elif "notes" in cfg:
-            line += f"  bf16 weights {cfg['notes']['weight_bytes_bf16']['total'] / 1e9:.1f} GB"
+            line += f"  weights {cfg['notes']['weight_bytes']['total'] / 1e9:.1f} GB"
         print(line)
         if args.check:
             print("   ", check_dir(out / name))

@@ -20,7 +20,7 @@ import make_model_configs as mmc  # noqa: E402
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     d = tmp_path_factory.mktemp("configs")
-    assert mmc.main(["--out", str(d), "--kimi-layers", "4", "8"]) == 0
+    assert mmc.main(["--out", str(d), "--kimi-layers", "4", "8", "--kimi-int4-layers", "61"]) == 0
     return d
 
 
@@ -30,7 +30,8 @@ def _cfg(d, name):
 
 def test_pairs_written(out):
     pairs = json.loads((out / "pairs.json").read_text())
-    assert set(pairs) == {"qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8rank-l4", "kimi-k2.6-tp8rank-l8"}
+    assert set(pairs) == {"qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8rank-l4", "kimi-k2.6-tp8rank-l8",
+                          "kimi-k2.6-tp8rank-l61-int4"}
     for target, draft in pairs.items():
         assert (out / target / "config.json").is_file() and (out / draft / "config.json").is_file()
         assert sorted(p.name for p in (out / target).iterdir()) == ["config.json"]
@@ -46,7 +47,16 @@ def test_kimi_rank_shapes(out):
     assert c["vocab_size"] == 163840 and c["first_k_dense_replace"] == 1 and c["num_hidden_layers"] == 8
     notes = c["notes"]
     assert "TP8" in notes["what"] and "8 of its 61 layers" in notes["what"]
-    assert notes["weight_bytes_bf16"]["total"] == mmc.kimi_rank_weight_bytes(8, 163840)["total"]
+    assert notes["weight_bytes"]["total"] == mmc.kimi_rank_weight_bytes(8, 163840)["total"]
+    assert "quantization_config" not in c
+    q = _cfg(out, "kimi-k2.6-tp8rank-l61-int4")
+    assert q["num_hidden_layers"] == 61 and q["quantization_config"]["quant_method"] == "compressed-tensors"
+    w = q["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["group_size"], w["type"], w["symmetric"]) == (4, 32, "int", True)
+    # every K dimension the int4 experts see is a multiple of the group size
+    assert c["hidden_size"] % 32 == 0 and c["moe_intermediate_size"] % 32 == 0
+    assert {k: v for k, v in q.items() if k not in ("quantization_config", "notes", "num_hidden_layers")} \
+        == {k: v for k, v in c.items() if k not in ("notes", "num_hidden_layers")}
 
 
 def test_kimi_weight_bytes_by_hand():
@@ -57,10 +67,14 @@ def test_kimi_weight_bytes_by_hand():
     assert wb["total"] == 2 * (2 * attn + moe + 3 * 7168 * 2304 + 2 * 163840 * 7168)
     n = mmc.kimi_layers_for_budget(40.0, 163840)
     assert mmc.kimi_rank_weight_bytes(n, 163840)["total"] <= 40e9 < mmc.kimi_rank_weight_bytes(n + 1, 163840)["total"]
+    routed = 384 * 3 * 7168 * 256
+    q = mmc.kimi_rank_weight_bytes(2, 163840, int4=True)
+    assert q["moe_layer_ffn"] == routed // 2 + 2 * (routed // 32) + 2 * (3 * 7168 * 256 + 7168 * 384)
+    assert mmc.kimi_rank_weight_bytes(61, 163840, int4=True)["total"] < 100e9  # whole rank fits an H200
 
 
 @pytest.mark.parametrize("target", ["qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8rank-l4",
-                                    "kimi-k2.6-tp8rank-l8"])
+                                    "kimi-k2.6-tp8rank-l8", "kimi-k2.6-tp8rank-l61-int4"])
 def test_drafter_matches_target_and_capture_rule(out, target):
     t, d = _cfg(out, target), _cfg(out, target + "-dflash-draft")
     assert d["architectures"] == ["DFlashDraftModel"]
@@ -132,6 +146,8 @@ def _sglang_check(out: pathlib.Path) -> None:
         dm = ModelConfig(str(out / draft), is_draft_model=True)
         if target.startswith("kimi"):
             assert tm.attention_arch == AttentionArch.MLA, tm.attention_arch
+        if target.endswith("-int4"):
+            assert tm.quantization == "compressed-tensors", tm.quantization
         assert tm.num_hidden_layers == json.loads((out / target / "config.json").read_text())["num_hidden_layers"]
         parsed = parse_dflash_draft_config(draft_hf_config=dm.hf_config)
         ids = parsed.resolve_target_layer_ids(target_num_layers=tm.num_hidden_layers)
