@@ -162,32 +162,40 @@ def encode_stream(tok, files: Sequence[SourceFile]) -> np.ndarray:
 
 def make_eval_prompts(
     tok, files: Sequence[SourceFile], num_prompts: int, prompt_tokens: int,
-    per_file: int = 4,
+    per_file: int | None = None,
 ) -> List[dict]:
     """Cut prompts of about ``prompt_tokens`` tokens out of held-out files, at line boundaries.
 
-    Each prompt starts at one of ``per_file`` evenly spaced line offsets of its file and takes
-    whole lines until it has at least ``prompt_tokens`` tokens; prompts whose lines run past
+    Each prompt starts at one of ``per_file`` evenly spaced line offsets of its file (default:
+    enough offsets for ``num_prompts`` with room for files too short to give them all) and takes
+    whole lines until it has at least ``prompt_tokens`` tokens (an offset inside the previous
+    prompt of the same file is skipped, so prompts never overlap); prompts whose lines run past
     1.5x that length are skipped, so every prompt has between 1x and 1.5x ``prompt_tokens``.
     Files are visited round-robin (first prompt of each file, then the second, ...) so that the
     first N prompts cover as many files as possible. ``input_ids`` is exactly
     ``tok.encode(text).ids``.
     """
+    if per_file is None:
+        per_file = max(4, -(-2 * num_prompts // max(len(files), 1)))
     candidates: List[List[dict]] = []
     for f in files:
         lines = f.text.splitlines(keepends=True)
-        found = []
+        found, free_from = [], 0  # prompts of one file never overlap
         for k in range(per_file):
             start = (k * len(lines)) // per_file
-            text, n_tok = "", 0
+            if start < free_from:
+                continue
+            text, n_tok, used = "", 0, 0
             for line in lines[start:]:
                 text += line
+                used += 1
                 n_tok = len(tok.encode(text).ids)
                 if n_tok >= prompt_tokens:
                     break
             if prompt_tokens <= n_tok <= int(1.5 * prompt_tokens) and text.strip():
                 found.append({"source": f.relpath, "start_line": start, "text": text,
                               "input_ids": tok.encode(text).ids})
+                free_from = start + used
         candidates.append(found)
     prompts: List[dict] = []
     for k in range(per_file):

@@ -13,7 +13,10 @@ byte-level BPE tokenizer, train the target with a time budget, greedy-generate c
 the saved (bf16) target, train the drafter on the target's own hidden states and continuations,
 then estimate greedy DFlash accept length offline on the held-out prompts.
 
-H200 (one GPU, ~6 min wall):  python3 scripts/train_tiny_pair.py --copy-to "$OUT"
+H200 (one GPU, ~6 min wall; PYTHONPATH=/tmp/site = the devkit's transformers 5.12.1 / tokenizers
+0.22.2, the versions SGLang loads these files with and the CPU tests use):
+    PYTHONPATH=/tmp/site python3 scripts/train_tiny_pair.py --copy-to "$OUT"
+    # back here: tar -xzf <files_at>/tiny-code.tar.gz -C bench_assets/
 CPU smoke test (< 2 min on 2 cores):  python scripts/train_tiny_pair.py --smoke --out /tmp/tiny
 """
 from __future__ import annotations
@@ -296,6 +299,9 @@ def main(argv=None) -> dict:
     prompts = data.make_eval_prompts(tok, corpus.eval, args.eval_prompts, args.prompt_tokens)
     if not prompts:
         raise RuntimeError("no evaluation prompts could be cut from the held-out files")
+    if len(prompts) < args.eval_prompts:
+        log(f"[warn] only {len(prompts)} of {args.eval_prompts} eval prompts: few or short held-out "
+            f"files (hold out more with a smaller --eval-modulus)")
     data.write_jsonl(out / "eval_prompts.jsonl", prompts)
     log(f"[data] vocab {vocab}; {len(train_stream)} train / {len(eval_stream)} held-out tokens; "
         f"{len(prompts)} eval prompts; {clock.elapsed():.1f}s")

@@ -126,6 +126,29 @@ def test_sglang_model_classes_load_checkpoints(smoke_out):
     assert proc.returncode == 0 and "SGLANG-CHECK-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def test_eval_prompts_whole_lines_no_overlap():
+    import tiny_pair_data as data
+
+    files = [data.SourceFile(f"m{i}.py", "".join(f"x_{i}_{j} = {j} * {i}  # line {j}\n" for j in range(n)))
+             for i, n in enumerate([200, 60, 2])]
+    tok = data.train_bpe_tokenizer([f.text for f in files], 300)
+    prompts = data.make_eval_prompts(tok, files, num_prompts=50, prompt_tokens=40)
+    assert prompts and [p["id"] for p in prompts] == list(range(len(prompts)))
+    by_file = {}
+    for p in prompts:
+        assert 40 <= len(p["input_ids"]) <= 60 and p["input_ids"] == tok.encode(p["text"]).ids
+        assert p["text"].endswith("\n")  # whole lines
+        lines = files[int(p["source"][1:-3])].text.splitlines(keepends=True)
+        n = p["text"].count("\n")
+        assert "".join(lines[p["start_line"]:p["start_line"] + n]) == p["text"]
+        by_file.setdefault(p["source"], []).append((p["start_line"], p["start_line"] + n))
+    for spans in by_file.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert "m2.py" not in by_file  # 2 short lines cannot make a 40-token prompt
+    assert prompts[0]["source"] != prompts[1]["source"]  # round-robin over files
+
+
 def test_kv_cache_generation_matches_full_recompute():
     import tiny_pair_target as tgt
     from types import SimpleNamespace
