@@ -37,7 +37,7 @@ MODEL_SETS = {
               "backend": "triton"},
     # MLA + MoE, SGLang's dummy init (config only)
     "mla": {"target": "mla-moe-target", "draft": "mla-moe-dflash-draft", "random_target": False,
-            "backend": "triton", "mem": 0.12},
+            "backend": "triton"},
 }
 
 
@@ -49,9 +49,11 @@ def http(url, payload=None, timeout=600):
 
 
 class Server:
-    """One ``sglang.launch_server`` process. ``wait=False`` returns once its KV pool is sized
-    (the log reaches CUDA-graph capture or readiness), so the next server can start: SGLang sizes
-    the KV pool from the GPU memory free at that moment, so pool sizing must not overlap."""
+    """One ``sglang.launch_server`` process; ``wait=False`` returns at once (call wait_ready).
+
+    Several servers share the GPU: each gets a fixed KV pool (``--max-total-tokens``) and a high
+    ``--mem-fraction-static``, so SGLang's sizing (free memory now minus a slack proportional to
+    the free memory at its start) stays positive however the concurrent starts interleave."""
 
     def __init__(self, args, log, port, env=None, wait=True):
         self.port, self.log = port, log
@@ -62,9 +64,6 @@ class Server:
         self.t0 = time.time()
         if wait:
             self.wait_ready()
-        else:
-            self._wait(lambda: any(k in open(log).read() for k in
-                                   ("Capture target", "ready to roll")))
 
     def _wait(self, done, limit=600):
         while not done():
@@ -219,7 +218,7 @@ def main():
                     "near tie; bf16 logits of magnitude 16-32 are quantised to 0.125")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ddtree_e2e"))
-    ap.add_argument("--mem", type=float, default=0.06, help="--mem-fraction-static per server")
+    ap.add_argument("--kv-tokens", type=int, default=65536, help="--max-total-tokens per server")
     args = ap.parse_args()
 
     import sglang
@@ -262,7 +261,7 @@ def main():
                 make_random_target(target, target)
         common = ["--model-path", target, "--skip-tokenizer-init", "--grammar-backend", "none",
                   "--attention-backend", ms["backend"], "--cuda-graph-max-bs", str(max(concs)),
-                  "--mem-fraction-static", str(ms.get("mem", args.mem)),
+                  "--mem-fraction-static", "0.85", "--max-total-tokens", str(args.kv_tokens),
                   "--disable-prefill-cuda-graph",
                   "--max-running-requests", str(max(concs)), "--sampling-backend", "pytorch"]
         if not ms["random_target"]:
@@ -368,7 +367,7 @@ def main():
 
         jobs = [(m, b, True) for m, bs in cases for b in bs] + \
                [(m, b, False) for m, bs in eager for b in bs]
-        for m, b, graph in jobs:  # staggered starts (KV sizing), concurrent runs
+        for m, b, graph in jobs:  # concurrent starts and runs
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
             servers[(m, b, graph)] = Server(
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
