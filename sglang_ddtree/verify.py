@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .tree import full_mask_layout, full_mask_offsets
+
 try:  # Triton is present wherever SGLang is; the CPU reference keeps tests independent of it.
     import triton
     import triton.language as tl
@@ -24,22 +26,6 @@ except ImportError:  # pragma: no cover
 def full_mask_numel_bound(num_tokens: int, seq_lens_sum_bound: int, bs: int) -> int:
     """Host-side upper bound of the FULL_MASK length for ``bs`` requests of N tokens."""
     return num_tokens * seq_lens_sum_bound + num_tokens * num_tokens * bs
-
-
-def full_mask_reference(ancestor_mask: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """FULL_MASK flat bool layout, built with plain loops (the oracle).
-
-    ancestor_mask: [bs, N, N] bool; seq_lens: [bs] int (prefix lengths).
-    Returns [sum_b N * (seq_lens[b] + N)] bool.
-    """
-    bs, n, _ = ancestor_mask.shape
-    parts = []
-    for b in range(bs):
-        s = int(seq_lens[b])
-        block = torch.ones(n, s + n, dtype=torch.bool)
-        block[:, s:] = ancestor_mask[b].cpu()
-        parts.append(block.reshape(-1))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 
 if triton is not None:
@@ -96,9 +82,8 @@ def write_full_mask(
         raise ValueError(f"write_full_mask: out must be 1-D bool, got {out.dtype} {tuple(out.shape)}")
     if bs == 0:
         return
-    if triton is None or not out.is_cuda:
-        ref = full_mask_reference(ancestor_mask, seq_lens)
-        out[: ref.numel()].copy_(ref.to(out.device))
+    if triton is None or not out.is_cuda:  # CPU: the torch-op layout (also the tests' oracle)
+        full_mask_layout(ancestor_mask, seq_lens, out, full_mask_offsets(seq_lens, n))
         return
     _launch_full_mask(ancestor_mask, seq_lens, out)
 
@@ -106,8 +91,7 @@ def write_full_mask(
 def _launch_full_mask(ancestor_mask, seq_lens, out) -> None:
     bs, n, _ = ancestor_mask.shape
     lens = seq_lens.to(torch.int64)
-    sizes = n * (lens + n)
-    offsets = torch.cumsum(sizes, 0) - sizes
+    offsets = full_mask_offsets(lens, n)
     _full_mask_kernel[(bs, n)](
         ancestor_mask.view(torch.int8),
         lens,

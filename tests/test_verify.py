@@ -7,8 +7,14 @@ import sys
 import pytest
 import torch
 
-from sglang_ddtree.verify import (full_mask_numel_bound, full_mask_reference, gather_slots,
-                                  tree_positions, write_full_mask)
+from sglang_ddtree.tree import full_mask_layout, full_mask_offsets
+from sglang_ddtree.verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
+
+
+def full_mask_reference(anc, lens):
+    n = anc.shape[1]
+    out = torch.zeros(int((n * (lens + n)).sum()), dtype=torch.bool)
+    return full_mask_layout(anc, lens, out, full_mask_offsets(lens, n))
 
 
 def _anc(bs, n, seed):
@@ -42,8 +48,8 @@ def test_write_full_mask_cpu_matches_reference():
 
 _INTERP = r"""
 import torch
-from sglang_ddtree.verify import full_mask_reference, write_full_mask
 from sglang_ddtree import verify
+from tests.test_verify import full_mask_reference
 torch.manual_seed(0)
 for bs, n in [(1, 1), (2, 9), (3, 33)]:
     anc = torch.rand(bs, n, n) < 0.5
