@@ -140,3 +140,42 @@ def _reset_for_tests() -> None:
         _choice["builder"] = None
     _kernel_fits.cache_clear()
     _loader()._reset_for_tests()
+
+
+def _parity_inputs(bs: int, depth: int, k: int, device, seed: int):
+    """Random drafter-like inputs with exact ties (quantised log-probs) and -inf tails."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logp = -(torch.rand(bs, depth, k, generator=g) * 6).div(0.25).floor().mul(0.25)
+    logp = logp.sort(dim=-1, descending=True).values
+    logp[..., k - max(1, k // 8):] = float("-inf")
+    ids = torch.argsort(torch.rand(bs * depth, 4 * k + 7, generator=g), dim=-1)[:, :k]
+    roots = torch.randint(0, 4 * k, (bs,), generator=g)
+    return (roots.to(device), logp.to(device), ids.view(bs, depth, k).to(device))
+
+
+def verified_tree_builder(budget: int, depth: int, k: int, device) -> TreeBuilder:
+    """:func:`get_tree_builder`, but a kernel builder must first reproduce ``build_tree`` bit for
+    bit on random inputs of this step's shapes (ties, -inf); otherwise ``build_tree`` is used and
+    the reason logged. Runs once at worker start-up (it synchronizes)."""
+    builder = get_tree_builder()
+    if builder is build_tree:
+        return builder
+    for bs, seed in ((1, 0), (3, 1), (5, 2)):
+        args = _parity_inputs(bs, depth, k, device, seed)
+        try:
+            got = builder(*args, budget)
+        except Exception as e:  # reported below, then the torch builder serves
+            reason = f"{type(e).__name__}: {e}"
+            break
+        want = build_tree(*args, budget)
+        bad = [n for n, t in want.tensors().items() if not torch.equal(getattr(got, n), t)]
+        if bad:
+            reason = f"differs from build_tree in {bad} (bs={bs}, seed={seed})"
+            break
+    else:
+        logger.info("sglang_ddtree: %s passed the start-up parity check (budget=%d, D=%d, K=%d)",
+                    builder.__name__, budget, depth, k)
+        return builder
+    logger.error("sglang_ddtree: %s failed the start-up parity check (%s); using build_tree",
+                 builder.__name__, reason)
+    return build_tree

@@ -69,7 +69,7 @@ def _make_worker_class(sgl):
             self._eager_head = None
             self._tree_builder = TreeBuildGraphs(
                 self.tree_cfg.budget, self.tree_cfg.max_depth, self.tree_cfg.topk, self.device,
-                builder=_tree_builder(),
+                builder=_tree_builder(self.tree_cfg, self.device),
                 use_graphs=not server_args.disable_cuda_graph,
             )
             self._oracle = None
@@ -314,17 +314,12 @@ def _make_worker_class(sgl):
     return DDTreeWorker
 
 
-def _tree_builder():
-    """torch-op ``build_tree`` (graph-captured) unless SGLANG_DDTREE_TREE_BACKEND picks another."""
-    import os
+def _tree_builder(tc, device):
+    """The fused CUDA kernel when it builds and matches ``build_tree`` on this step's shapes,
+    else ``build_tree`` (SGLANG_DDTREE_TREE_BACKEND=auto|cuda|torch; see tree_backend.py)."""
+    from .tree_backend import verified_tree_builder
 
-    from .tree import build_tree
-
-    if os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "torch") == "torch":
-        return build_tree
-    from .tree_backend import get_tree_builder
-
-    return get_tree_builder()
+    return verified_tree_builder(tc.budget, tc.max_depth, tc.topk, device)
 
 
 class StepTimers:
