@@ -24,6 +24,7 @@ ENV_BUDGET = "SGLANG_DDTREE_BUDGET"
 ENV_TOPK = "SGLANG_DDTREE_TOPK"
 ENV_ORACLE = "SGLANG_DDTREE_TEST_ORACLE"  # test-only oracle draft mode (see sglang_ddtree.oracle)
 ENV_TIMERS = "SGLANG_DDTREE_TIMERS"
+ENV_RANK_CHECK = "SGLANG_DDTREE_CHECK_RANKS"  # debug: compare tree hashes across TP ranks
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
 
 MIN_BUDGET = 1
@@ -122,3 +123,9 @@ def oracle_enabled(environ=os.environ) -> bool:
 
 def timers_enabled(environ=os.environ) -> bool:
     return environ.get(ENV_TIMERS, "") not in ("", "0")
+
+
+def rank_check_interval(environ=os.environ) -> int:
+    """Steps between TP rank-consistency checks (0: off)."""
+    raw = environ.get(ENV_RANK_CHECK, "")
+    return _parse_int(ENV_RANK_CHECK, raw) if raw else 0

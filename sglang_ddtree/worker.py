@@ -78,6 +78,9 @@ def _make_worker_class(sgl):
 
                 self._oracle = OracleDraft.from_env()
             self._timers = StepTimers(enabled=cfg.timers_enabled())
+            tp = sgl.get_tp_group()
+            self._tp_group = tp if tp.world_size > 1 else None
+            self._rank_check = RankConsistencyCheck(self._tp_group, cfg.rank_check_interval())
             if self.ps.tp_rank == 0:
                 logger.info(
                     "DDTREE worker ready: budget=%d topk=%d block=%d verify_width=%d oracle=%s",
@@ -215,6 +218,11 @@ def _make_worker_class(sgl):
                     seeded_sampler=sgl.multinomial_with_seed,
                     request_seeds=self._request_seeds(batch),
                 ).view(bs, n)
+            if self._tp_group is not None:
+                if sampling_info is not None and not sampling_info.is_all_greedy:
+                    # sample once, on rank 0: every rank must walk the same path
+                    self._tp_group.broadcast(predicted, src=0)
+                self._rank_check.step(tree, predicted)
             accept_len, accepted_nodes, bonus = sgl.tree_greedy_walk(tree, predicted, block)
             step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
             t.mark("accept")
@@ -320,6 +328,38 @@ def _tree_builder(tc, device):
     from .tree_backend import verified_tree_builder
 
     return verified_tree_builder(tc.budget, tc.max_depth, tc.topk, device)
+
+
+class RankConsistencyCheck:
+    """Debug switch (SGLANG_DDTREE_CHECK_RANKS=N): every N steps, all TP ranks compare a hash of
+    their tree and target tokens and raise if any differs. Off by default: it syncs the host."""
+
+    def __init__(self, tp_group, interval: int):
+        self.tp_group, self.interval, self.steps = tp_group, interval, 0
+
+    def step(self, tree, predicted):
+        if self.tp_group is None or self.interval <= 0:
+            return
+        self.steps += 1
+        if self.steps % self.interval:
+            return
+        h = tree_hash(tree, predicted).view(1)
+        gathered = torch.empty(self.tp_group.world_size, dtype=h.dtype, device=h.device)
+        self.tp_group.all_gather_into_tensor(gathered, h)
+        values = gathered.tolist()  # host sync: debug mode only
+        if len(set(values)) != 1:
+            raise RuntimeError(
+                f"DDTREE rank consistency check failed at step {self.steps}: per-rank tree "
+                f"hashes {values}. Ranks built different trees or saw different target tokens."
+            )
+
+
+def tree_hash(tree, predicted) -> torch.Tensor:
+    """A [] int64 fingerprint of (tree tokens, parents, target tokens), on device."""
+    n = tree.tokens.shape[1]
+    w = torch.arange(1, n + 1, device=tree.tokens.device, dtype=torch.int64) * 1000003
+    parts = (tree.tokens * w, (tree.parents + 2) * (w + 7), predicted * (w + 13))
+    return sum(p.sum() for p in parts) % (2**61 - 1)
 
 
 class StepTimers:

@@ -89,3 +89,38 @@ def test_path_hidden_rows():
     for b in range(2):
         for j in range(int(accept_len[b]) + 1):
             assert rows[b, j, 0] == b * n + int(nodes[b, j])
+
+
+def test_tree_hash_sees_any_difference():
+    from sglang_ddtree.worker import tree_hash
+
+    tree = _random_tree(2, 4, 3, 9, 5)
+    pred = torch.randint(0, 1000, tree.tokens.shape)
+    h = tree_hash(tree, pred)
+    pred2 = pred.clone()
+    pred2[1, 3] += 1
+    assert tree_hash(tree, pred2) != h
+    tree.parents[0, 2] = 0 if int(tree.parents[0, 2]) != 0 else 1
+    assert tree_hash(tree, pred) != h
+
+
+def test_rank_check_raises_on_disagreement():
+    import pytest
+
+    from sglang_ddtree.worker import RankConsistencyCheck
+
+    class FakeGroup:
+        world_size = 2
+
+        def __init__(self, other):
+            self.other = other
+
+        def all_gather_into_tensor(self, out, inp):
+            out[0] = inp[0]
+            out[1] = inp[0] + self.other
+
+    tree = _random_tree(1, 3, 2, 5, 6)
+    pred = torch.zeros_like(tree.tokens)
+    RankConsistencyCheck(FakeGroup(0), 1).step(tree, pred)  # agree: silent
+    with pytest.raises(RuntimeError, match="rank consistency"):
+        RankConsistencyCheck(FakeGroup(1), 1).step(tree, pred)
