@@ -71,6 +71,14 @@ def _plane_major_cols(c, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _plane_major_src(o, BLOCK_K: tl.constexpr):
+    """Inverse of _plane_major_cols: logical column stored at column ``o``."""
+    KP: tl.constexpr = BLOCK_K // _PACK
+    within = o % BLOCK_K
+    return o - within + (within % KP) * _PACK + within // KP
+
+
+@triton.jit
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
@@ -91,12 +99,13 @@ def _prologue_kernel(
 ):
     pid = tl.program_id(0)
     if pid >= NUM_EXPERTS:
-        # Programs past the experts copy one row of x each (one launch instead of two).
+        # Programs past the experts copy one row of x each (one launch instead of two); strided
+        # reads (served by L1), coalesced writes.
         m = (pid - NUM_EXPERTS).to(tl.int64)
         for k0 in range(0, K, 1024):
-            c = k0 + tl.arange(0, 1024)
-            v = tl.load(x_ptr + m * stride_xm + c, mask=c < K)
-            tl.store(xp_ptr + m * K + _plane_major_cols(c, BLOCK_K), v, mask=c < K)
+            o = k0 + tl.arange(0, 1024)
+            v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
+            tl.store(xp_ptr + m * K + o, v, mask=o < K)
         return
     # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
     # expert's output offset needs no second launch and no grid-wide barrier.

@@ -38,3 +38,27 @@ def load_moe(interpret: bool) -> types.SimpleNamespace:
                 os.environ["TRITON_INTERPRET"] = old
     return types.SimpleNamespace(
         moe=sys.modules[f"{name}.moe_w4a16"], ref=sys.modules[f"{name}.moe_reference"])
+
+
+def lang_mode_matches(interpret: bool) -> bool:
+    """Whether ``triton.language``'s own jit functions (tl.sum, tl.cumsum, ...) are in the mode.
+
+    They are decorated once, when ``triton`` is first imported: a process that imported triton in
+    compiled mode cannot run interpreter kernels that call them, and vice versa. Call after
+    :func:`load_moe`, which makes the first import in the mode it was asked for.
+    """
+    import triton.language.standard as std
+
+    return (type(std.cumsum).__name__ == "InterpretedFunction") == interpret
+
+
+def run_isolated(test_file: str, interpret: bool) -> None:
+    """Run ``test_file`` with pytest in a fresh process whose triton is in the right mode."""
+    import subprocess
+
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1" if interpret else "0"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           test_file], cwd=_KERNEL_DIR.parent, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

@@ -2,76 +2,95 @@
 
 Triton compiles ahead of time for a named target without a GPU (ptxas ships with the wheel). This
 catches what the interpreter cannot: non-constexpr globals, inline-PTX operand mismatches, shared
-memory over the 227 KB limit, and a lost in-register dequant path (the packed int32 tile must
-reach the MMA operand layout before the inline PTX runs, or weights would round-trip through
-shared memory as bf16).
+memory over the 227 KB limit, register spills, and a lost in-register dequant path (the packed
+int32 tile must reach the MMA operand layout before the inline PTX runs, or weights would
+round-trip through shared memory as bf16).
+
+Nothing imports triton at collection time: ``triton.language``'s own jit functions take the mode
+of the first ``import triton`` in a process, and this module must not decide it for others. If
+the process already has triton in interpreter mode, the module reruns itself in a fresh process.
 """
 from __future__ import annotations
 
+import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.triton_kernels._moe_kernels import load_moe
+from tests.triton_kernels._moe_kernels import lang_mode_matches, load_moe, run_isolated
 
-triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-K = load_moe(interpret=False)
-MOE = K.moe
 H, I, TOPK = 7168, 256, 8
 SMEM_LIMIT = 227 * 1024
-_NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_CONFIGS = Path(__file__).resolve().parents[2] / "triton_kernels" / "moe_w4a16_configs.json"
+
+
+def _mode_ok() -> bool:
+    load_moe(interpret=False)
+    return lang_mode_matches(interpret=False)
+
+
+@pytest.fixture(scope="module")
+def MOE():
+    if not _mode_ok():
+        pytest.skip("triton was imported in interpreter mode here; see test_rerun_in_clean_process")
+    return load_moe(interpret=False).moe
 
 
 def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(sig, **{k: "constexpr" for k in const})
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _gate_up(bm, g):
-    sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-           "block_expert_ptr": "*i32", "h_ptr": "*bf16", "T": "i32"}
-    const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
-                 DOWN_BLOCK_K=256, PORTABLE=False)
-    sig.update({k: "constexpr" for k in const})
-    return _compile(MOE._gate_up_kernel, sig, const, g.num_warps, g.num_stages)
-
-
-def _down(bm, g):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple):
+    bn, bk, warps, stages = tiles
+    if kind == "gate_up":
+        sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+               "block_expert_ptr": "*i32", "h_ptr": "*bf16", "T": "i32"}
+        const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
+                     PORTABLE=False)
+        return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
-    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=g.block_n, BLOCK_K=g.block_k, PORTABLE=False)
-    sig.update({k: "constexpr" for k in const})
-    return _compile(MOE._down_kernel, sig, const, g.num_warps, g.num_stages)
+    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False)
+    return _compile(MOE._down_kernel, sig, const, warps, stages)
 
 
 def _shipped():
-    seen = {}
-    for _, cfg in MOE._config_table(MOE._CONFIG_PATH):
-        seen[("gate_up", cfg.block_m, cfg.gate_up)] = None
-        seen[("down", cfg.block_m, cfg.down)] = None
-    return list(seen)
+    """(kind, block_m, tiles) of every config in the shipped table."""
+    seen = []
+    for band in json.loads(_CONFIGS.read_text())["bands"]:
+        for kind in ("gate_up", "down"):
+            g = band[kind]
+            key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
+                                           g["num_stages"]))
+            if key not in seen:
+                seen.append(key)
+    return seen
 
 
-@pytest.mark.parametrize("kind,bm,g", _shipped(), ids=lambda v: str(v))
-def test_compiles_for_sm90(kind, bm, g, tmp_path):
-    kern = (_gate_up if kind == "gate_up" else _down)(bm, g)
+@pytest.mark.parametrize("kind,bm,tiles", _shipped(), ids=str)
+def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path):
+    kern = _gemm(MOE, kind, bm, tiles)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
-    # The packed words are loaded straight into the MMA operand layout (dequant in registers).
-    assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", ttgir), "dequant left registers"
-    cuobjdump = _NVIDIA_BIN / "cuobjdump"
-    if cuobjdump.exists() and shutil.which(str(cuobjdump)):
+    assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", ttgir), \
+        "packed weights no longer reach the MMA operand layout (dequant left registers)"
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
         cubin = tmp_path / "k.cubin"
         cubin.write_bytes(kern.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
@@ -79,14 +98,17 @@ def test_compiles_for_sm90(kind, bm, g, tmp_path):
         assert "STACK:0" in usage, f"register spills: {usage.strip()[-200:]}"
 
 
-def test_prologue_and_combine_compile():
+def test_prologue_and_combine_compile(MOE):
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
     const = dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1, BLOCK_B=16,
                  K=H, BLOCK_K=256)
-    sig.update({k: "constexpr" for k in const})
     _compile(MOE._prologue_kernel, sig, const, 4, 1)
     sig = {"y_ptr": "*bf16", "out_ptr": "*bf16", "scale": "fp32", "stride_om": "i32"}
-    const = dict(N=H, TOPK=TOPK, BLOCK_N=1024)
-    sig.update({k: "constexpr" for k in const})
-    _compile(MOE._combine_kernel, sig, const, 4, 1)
+    _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, BLOCK_N=1024), 4, 1)
+
+
+def test_rerun_in_clean_process():
+    if _mode_ok():
+        pytest.skip("ran in this process")
+    run_isolated(__file__, interpret=False)

@@ -1,0 +1,212 @@
+"""CPU cases (Triton interpreter) of the fused W4A16 MoE kernel against the fp32 reference.
+
+Run by tests/triton_kernels/test_moe_w4a16.py in a fresh process with ``TRITON_INTERPRET=1``
+(directly: ``TRITON_INTERPRET=1 pytest tests/triton_kernels/moe_w4a16_cases.py``).
+
+Tolerance vs the fp32 reference (dequantize, fp32 matmuls): relative Frobenius error <= 2e-2 and
+max |err| <= 3e-2 * max |ref|. Under the interpreter the weights stay fp32 and the dots run in
+fp32, so the error is the three bf16 roundings (h, per-slot y, output), which the interpreter does
+by truncation (up to 2^-7 relative each, biased): about 1e-2 is typical. A wrong scale group, nibble,
+expert or token gives errors of order 1. Outputs are poisoned with NaN to catch unwritten rows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_kernels._moe_kernels import load_moe
+
+K = load_moe(interpret=True)
+MOE, REF = K.moe, K.ref
+REL_FRO, REL_MAX = 2e-2, 3e-2
+
+# Tiny shapes that still exercise 2 K tiles in gate-up (hidden 256, block_k 128), 2 N tiles in
+# gate-up (intermediate 128, block_n 64) and 4 N tiles in down (block_n 64).
+H, I = 256, 128
+CFG = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def experts():
+    return {e: REF.make_random_moe(e, H, I, seed=e) for e in (4, 9)}
+
+
+def check(out, ref):
+    assert not out.isnan().any(), "unwritten output rows (NaN poison survived)"
+    d = out.float() - ref
+    rel = (d.norm() / ref.norm()).item()
+    mx = (d.abs().max() / ref.abs().max()).item()
+    assert rel <= REL_FRO and mx <= REL_MAX, f"rel fro {rel:.3e}, rel max {mx:.3e}"
+
+
+def run(w, x, tw, ti, scale=1.0):
+    out = torch.full((x.shape[0], H), float("nan"), dtype=torch.bfloat16)
+    got = MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
+                              tw, ti, routed_scaling_factor=scale, out=out, config=CFG)
+    assert got is out
+    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                  w["w2_scale"], tw, ti, scale)
+    return out, ref
+
+
+def random_routing(m, e, topk, seed, id_dtype=torch.int32):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.randn(m, e, generator=g).softmax(-1)
+    tw, ti = torch.topk(probs, topk)
+    return tw.contiguous(), ti.to(id_dtype).contiguous()
+
+
+@pytest.mark.parametrize("m,e,topk,id_dtype", [
+    (1, 4, 2, torch.int32),
+    (7, 9, 3, torch.int64),
+    (64, 9, 2, torch.int32),  # several blocks per expert
+])
+def test_matches_reference(experts, m, e, topk, id_dtype):
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, e, topk, seed=100 + m, id_dtype=id_dtype)
+    check(*run(experts[e], x, tw, ti, scale=2.5))
+
+
+def test_all_tokens_one_expert_and_idle_experts(experts):
+    # Every token routes to experts (3, 0): two experts get all 40 tokens (3 blocks each), seven
+    # experts get none.
+    m = 40
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ti = torch.tensor([[3, 0]], dtype=torch.int32).repeat(m, 1)
+    tw = torch.rand(m, 2, generator=torch.Generator().manual_seed(2))
+    check(*run(experts[9], x, tw, ti))
+
+
+def test_strided_hidden_states_and_deterministic(experts):
+    m = 7
+    wide = torch.randn(m, H + 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = wide[:, 32:32 + H]  # row stride H + 64
+    tw, ti = random_routing(m, 4, 2, seed=4)
+    out, ref = run(experts[4], x, tw, ti)
+    check(out, ref)
+    again, _ = run(experts[4], x.contiguous(), tw, ti)
+    assert torch.equal(out, again)
+
+
+def _align_reference(ids, e, bm):
+    """Python oracle: per expert, pair ids in flat order, padded to a multiple of bm with T."""
+    flat = ids.reshape(-1).tolist()
+    t = len(flat)
+    rows, owners = [], []
+    for ex in range(e):
+        mine = [i for i, v in enumerate(flat) if v == ex]
+        if not mine:
+            continue
+        pad = -len(mine) % bm
+        rows += mine + [t] * pad
+        owners += [ex] * ((len(mine) + pad) // bm)
+    return rows, owners
+
+
+@pytest.mark.parametrize("m,e,topk,bm", [(1, 4, 2, 16), (7, 9, 3, 16), (64, 9, 2, 32),
+                                         (300, 40, 8, 16)])  # 2400 pairs: 3 chunks of 1024
+def test_align(m, e, topk, bm):
+    _, ti = random_routing(m, e, topk, seed=m)
+    sorted_ids, block_expert, _ = MOE.moe_align(ti, e, bm)
+    rows, owners = _align_reference(ti, e, bm)
+    assert sorted_ids.numel() == MOE.max_padded_rows(m * topk, e, bm) >= len(rows)
+    assert sorted_ids[: len(rows)].tolist() == rows
+    nb = len(owners)
+    assert block_expert[:nb].tolist() == owners
+    assert (block_expert[nb:] == -1).all()
+
+
+def test_config_table_tiles_kimi_shapes():
+    table = MOE._config_table(MOE._CONFIG_PATH)
+    assert [b for b, _ in table] == sorted(b for b, _ in table)
+    for _, cfg in table:
+        assert cfg.block_m in (16, 32, 64, 128)
+        for g, n, k in ((cfg.gate_up, 256, 7168), (cfg.down, 7168, 256)):
+            assert n % g.block_n == 0 and k % g.block_k == 0 and g.block_k % 128 == 0, cfg
+    assert MOE.select_config(1) == table[0][1]
+    assert MOE.select_config(10**9) == table[-1][1]
+
+
+def test_shape_errors_name_the_tensor(experts):
+    w = experts[4]
+    x = torch.randn(3, H).bfloat16()
+    tw, ti = random_routing(3, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="w2_scale"):
+        MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                            w["w2_scale"][:, :, :-1].contiguous(), tw, ti, config=CFG)
+    with pytest.raises(ValueError, match="topk_weights"):
+        MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
+                            tw[:2].contiguous(), ti, config=CFG)
+
+
+def test_pack_layout_matches_compressed_tensors():
+    """Our unpack reads compressed-tensors' packing after SGLang's transpose."""
+    ct = pytest.importorskip("compressed_tensors.compressors.quantized_compressors.pack_quantized")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (24, 64), generator=g, dtype=torch.int8)  # checkpoint [out, in]
+    packed = ct.pack_to_int32(q, 4)  # [out, in // 8], as stored in the checkpoint
+    loaded = packed.t().contiguous()[None]  # FusedMoE's weight loader: loaded_weight.t()
+    assert torch.equal(REF.unpack_int4(loaded)[0], q.t())
+    assert torch.equal(REF.pack_int4(q.t()[None].to(torch.int32)), loaded)
+
+
+def _emulate_ptx(ptx: str, w0: int, w1: int, s_pair: int) -> dict:
+    """Execute the dequant PTX's instruction subset on Python ints (fma.rn.bf16x2 exactly:
+    the products and sums of these bf16 values are exact in float64, then one RNE rounding)."""
+    def bf(h):
+        return torch.tensor([h & 0xFFFF], dtype=torch.int32).to(torch.int16).view(
+            torch.bfloat16).double().item()
+
+    def to_bf(x):
+        return torch.tensor([x], dtype=torch.float64).float().bfloat16().view(
+            torch.int16).item() & 0xFFFF
+
+    regs = {"$8": w0, "$9": w1, "$10": s_pair}
+    val = lambda a: regs[a] if a in regs else int(a, 16) if a.startswith("0x") else int(a)  # noqa
+    out = {}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *a = [x.strip() for x in rest.split(",")]
+        if op == "mov.b32":
+            r = val(a[0])
+        elif op == "prmt.b32":
+            by = [(val(a[0]) >> 8 * i) & 0xFF for i in range(4)] + \
+                 [(val(a[1]) >> 8 * i) & 0xFF for i in range(4)]
+            r = sum(by[(val(a[2]) >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "lop3.b32":
+            assert val(a[3]) == 0xEA
+            r = (val(a[0]) & val(a[1])) | val(a[2])
+        elif op == "shr.u32":
+            r = val(a[0]) >> val(a[1])
+        elif op == "fma.rn.bf16x2":
+            x, y, z = (val(v) for v in a)
+            r = sum(to_bf(bf(x >> h) * bf(y >> h) + bf(z >> h)) << h for h in (0, 16))
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        (out if d.startswith("$") else regs)[d] = r & 0xFFFFFFFF
+    return out
+
+
+def test_dequant_ptx_semantics():
+    """The GPU dequant PTX gives (q * s).to(bf16) for both words of a pair, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        w = torch.randint(0, 2**32, (2,), generator=g, dtype=torch.int64).tolist()
+        s = (torch.randn(2, generator=g) * 10 ** torch.empty(2).uniform_(-4, 1, generator=g))
+        sb = s.bfloat16().view(torch.int16).to(torch.int64).tolist()
+        out = _emulate_ptx(MOE._DEQUANT_PTX.value, w[0], w[1], (sb[0] & 0xFFFF) | (sb[1] & 0xFFFF) << 16)
+        for j in range(8):
+            for half, (wi, si) in zip((0, 16), ((w[0], s[0]), (w[1], s[1]))):
+                q = ((wi >> 4 * j) & 0xF) - 8
+                want = (torch.tensor(q, dtype=torch.float64) * si.bfloat16().double()).float().bfloat16()
+                got = torch.tensor([(out[f"${j}"] >> half) & 0xFFFF], dtype=torch.int32).to(
+                    torch.int16).view(torch.bfloat16)[0]
+                assert got.item() == want.item(), (j, q, got, want)
