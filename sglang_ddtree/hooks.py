@@ -6,7 +6,9 @@ can be tested without SGLang. :func:`register_all` installs them through SGLang'
 1. CLI: ``--speculative-ddtree-budget`` / ``--speculative-ddtree-topk`` in SGLang's speculative
    argument group; ``from_cli_args`` copies them into the environment (the one source of truth,
    inherited by scheduler processes) before ``ServerArgs`` resolves the algorithm.
-2. CUDA graphs: for an unknown (plugin) algorithm SGLang builds no dummy verify input, and for the
+2. Requests: SGLang validates DFLASH-family requests at admission; DDTREE also refuses
+   grammar-constrained ones there (aborting that request with a message, never the server).
+3. CUDA graphs: for an unknown (plugin) algorithm SGLang builds no dummy verify input, and for the
    DFLASH family it builds one *without* a custom mask on triton/flashinfer. Either way the target
    verify graph would be captured causal and silently ignore the tree at replay. For DDTREE's
    target runner we hand back a verify input that carries the runner's custom-mask buffer and the
@@ -130,3 +132,24 @@ def make_dummy_verify_input_hook(verify_input_cls, capture_full, capture_null):
         )
 
     return dummy_verify_input_hook
+
+
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def make_validate_request_hook(ddtree_active):
+    """Hook for ``validate_dflash_request(req, enable_overlap) -> Optional[str]`` (an error
+    string aborts just that request). ``ddtree_active()`` says whether this server runs DDTREE."""
+
+    def validate_request_hook(original, req, *args, **kwargs):
+        err = original(req, *args, **kwargs)
+        if err is not None or not ddtree_active():
+            return err
+        used = [f for f in GRAMMAR_FIELDS if getattr(req.sampling_params, f, None)]
+        if used:
+            return (f"DDTREE does not support grammar-constrained decoding yet (request sets "
+                    f"{', '.join(used)}); send it to a server without DDTREE or drop the "
+                    "constraint.")
+        return None
+
+    return validate_request_hook

@@ -23,6 +23,7 @@ HOOK_TARGETS = {
         ".get_spec_info"
     ),
     "dummy_verify_input": "sglang.srt.speculative.spec_info.create_dummy_verify_input",
+    "validate_request": "sglang.srt.speculative.dflash_utils.validate_dflash_request",
 }
 
 
@@ -87,6 +88,8 @@ def _register() -> None:
         ),
         around,
     )
+    reg(HOOK_TARGETS["validate_request"],
+        hooks.make_validate_request_hook(sgl.ddtree_is_active), around)
     logger.info("sglang-ddtree: registered speculative algorithm %s", cfg.ALGORITHM_NAME)
 
 

@@ -183,3 +183,24 @@ def test_cli_info_reports_registration(loaded, capsys):
     out = capsys.readouterr().out
     assert "ddtree_registers       True" in out
     assert "tree_verify_backends" in out
+
+
+def test_grammar_requests_are_refused_per_request(loaded):
+    from sglang_ddtree.hooks import make_validate_request_hook
+
+    def original(req, enable_overlap):
+        return "logprob refused" if req.return_logprob else None
+
+    req = types.SimpleNamespace(return_logprob=False,
+                                sampling_params=types.SimpleNamespace(json_schema='{"a":1}'))
+    hook = make_validate_request_hook(lambda: True)
+    assert "json_schema" in hook(original, req, True)
+    assert hook(original, types.SimpleNamespace(return_logprob=True, sampling_params=None),
+                True) == "logprob refused"
+    assert make_validate_request_hook(lambda: False)(original, req, True) is None
+    # the scheduler imports the function by name: its binding must be the wrapped one too
+    import sglang.srt.managers.scheduler as sched
+    import sglang.srt.speculative.dflash_utils as dutils
+
+    assert sched.validate_dflash_request is dutils.validate_dflash_request
+    assert getattr(dutils.validate_dflash_request, "__wrapped__", None) is not None

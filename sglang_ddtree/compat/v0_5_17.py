@@ -50,6 +50,17 @@ def builtin_algorithm_names() -> set:
     return {a.name for a in SpeculativeAlgorithm}
 
 
+def ddtree_is_active() -> bool:
+    """Whether this process serves --speculative-algorithm DDTREE (SGLang's runtime context)."""
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        algo = getattr(get_spec(), "speculative_algorithm", None)
+    except ValueError:  # not published: this process serves no model
+        return False
+    return str(getattr(algo, "name", algo) or "").upper() == "DDTREE"
+
+
 def handle_dflash_server_args(server_args) -> None:
     from sglang.srt.arg_groups.speculative_hook import _handle_dflash
 
