@@ -1,0 +1,34 @@
+#!/bin/bash
+# One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
+# Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
+#   bash scripts/gpu_session.sh unit e2e          # steps: unit cudaext e2e train bench doctor
+# Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
+set -u
+OUT=${OUT:-/tmp/ddtree_out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 SGLANG_DDTREE_CACHE_DIR=/tmp/ddtree_cache
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v WARN | tail -2
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  log "$name (limit ${secs}s): $*"
+  timeout "$secs" "$@" >> "$OUT/session.log" 2>&1
+  log "$name rc=$?"
+}
+for s in "$@"; do
+  case $s in
+    unit)    step unit 180 python3 -m pytest -q tests/gpu/test_tree_gpu.py \
+               tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
+    cudaext) step cudaext 240 python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py
+             step cudaext-bench 120 python3 scripts/bench_tree_build.py --out "$OUT/tree_build_h200.json" ;;
+    moe)     step moe 240 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py
+             step moe-bench 180 python3 scripts/bench_fused_moe.py --out "$OUT/fused_moe_h200.json" ;;
+    e2e)     step e2e 480 python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ;;
+    train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ;;
+    doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
+    bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
+    *) log "unknown step $s (unit cudaext moe e2e train doctor bench)" ;;
+  esac
+done
+(cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log 2>/dev/null)
+tail -40 "$OUT/session.log"
