@@ -29,9 +29,17 @@ when one is published).
 Supported: int4, group size 32, symmetric, no act-order, bf16 params, SiLU, no expert-parallel
 map. Anything else raises at weight-processing or first-forward time with what was found; nothing
 falls back silently.
+
+Dummy weights. ``--load-format dummy`` fills only floating-point parameters
+(``initialize_dummy_weights``), so the int32 packed experts keep whatever memory they were
+allocated in: runs with and without the switch could not be compared. With
+``SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=<seed>`` (``maybe_install_dummy_int4_fill``), ``create_weights``
+also fills the packed tensors with seeded random words (every bit pattern is a valid set of
+nibbles), identically in both modes; the scales come from SGLang's dummy fill.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -41,6 +49,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "SGLANG_DDTREE_FUSED_MOE"
+ENV_DUMMY_SEED = "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"
 _SCHEME_MODULE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe"
 _MARLIN_CLASS = "CompressedTensorsWNA16MoE"
 _TRITON_CLASS = "CompressedTensorsWNA16TritonMoE"
@@ -192,7 +201,11 @@ def install(hook_registry=None) -> list[str]:
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (tests)."""
+    """Undo :func:`install` and :func:`install_dummy_int4_fill` (tests)."""
+    marlin, _ = find_classes()
+    current = marlin.__dict__["create_weights"]
+    if getattr(current, "_ddtree_dummy_seed", None) is not None:
+        marlin.create_weights = current.__wrapped__
     for cls in find_classes():
         for name in _PATCHED:
             key = f"_ddtree_original_{name}"
@@ -216,3 +229,48 @@ def maybe_install(hook_registry=None, environ=os.environ) -> bool:
         return False
     install(hook_registry)
     return True
+
+
+def _fill_packed_(t: torch.Tensor, seed: int) -> None:
+    """Seeded random int32 words, one expert at a time (bounded temporary memory)."""
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    for e in range(t.shape[0]):
+        words = torch.randint(-(2**31), 2**31, t.shape[1:], generator=g, device=t.device,
+                              dtype=torch.int64)
+        t[e].copy_(words.to(torch.int32))
+
+
+def install_dummy_int4_fill(seed: int) -> bool:
+    """Make ``create_weights`` fill the packed int32 experts with seeded random words.
+
+    Wraps ``CompressedTensorsWNA16MoE.create_weights`` (inherited by the Triton variant); works with
+    the fused kernel switch on or off. Returns False when already installed.
+    """
+    marlin, _ = find_classes()
+    original = marlin.__dict__["create_weights"]
+    if getattr(original, "_ddtree_dummy_seed", None) is not None:
+        return False
+
+    @functools.wraps(original)  # keeps inspect.getsource (find_classes' layout check) working
+    def create_weights(self, layer, *args, **kwargs):
+        original(self, layer, *args, **kwargs)
+        with torch.no_grad():
+            _fill_packed_(layer.w13_weight_packed.data, seed)
+            _fill_packed_(layer.w2_weight_packed.data, seed + 1)
+
+    create_weights._ddtree_dummy_seed = seed
+    marlin.create_weights = create_weights
+    logger.info("%s=%d: int4 MoE experts get seeded random packed weights", ENV_DUMMY_SEED, seed)
+    return True
+
+
+def maybe_install_dummy_int4_fill(environ=os.environ) -> bool:
+    """Install the seeded packed-weight fill when ``SGLANG_DDTREE_MOE_DUMMY_INT4_SEED`` is set."""
+    raw = environ.get(ENV_DUMMY_SEED, "").strip()
+    if not raw:
+        return False
+    try:
+        seed = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DUMMY_SEED} must be an integer seed, got {raw!r}") from None
+    return install_dummy_int4_fill(seed)

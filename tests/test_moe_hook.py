@@ -3,6 +3,8 @@
 * ``install`` finds and patches both compressed-tensors WNA16 MoE classes, is idempotent and
   reversible, and raises a clear :class:`FusedMoeHookError` when the classes or the layout
   contract (``create_weights`` shapes, transposed loading) are not what it was written against.
+* The opt-in dummy fill gives the packed int32 experts seeded random words (SGLang's dummy loader
+  leaves them uninitialized).
 * End to end on CPU (a subprocess, so the kernel module is imported in Triton interpreter mode):
   SGLang's own ``create_weights`` builds the layer's parameters, the patched
   ``process_weights_after_loading`` keeps the layout, the patched ``apply_weights`` matches the
@@ -81,6 +83,34 @@ def test_changed_layout_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(marlin2, "apply_weights", apply_weights)
     with pytest.raises(moe_hook.FusedMoeHookError, match="apply_weights takes"):
         moe_hook.install(None)
+
+
+def test_dummy_int4_fill_is_seeded_and_keeps_layout_check(classes):
+    import types
+
+    import torch
+
+    marlin, _ = classes
+    assert moe_hook.maybe_install_dummy_int4_fill({moe_hook.ENV_DUMMY_SEED: "7"})
+    assert not moe_hook.install_dummy_int4_fill(7)  # idempotent
+    moe_hook.find_classes()  # the source-fragment check still sees SGLang's create_weights
+
+    def layer():
+        wq = types.SimpleNamespace(num_bits=4, strategy="group", group_size=32, actorder=None,
+                                   symmetric=True)
+        lyr = torch.nn.Module()
+        lyr.moe_tp_size = 1
+        marlin(types.SimpleNamespace(quant_format="pack-quantized"), wq).create_weights(
+            lyr, 3, 256, 128, torch.bfloat16)
+        return lyr
+
+    a, b = layer(), layer()
+    assert torch.equal(a.w13_weight_packed, b.w13_weight_packed)
+    assert torch.equal(a.w2_weight_packed, b.w2_weight_packed)
+    assert a.w13_weight_packed.unique().numel() > 1000  # random words, not a constant fill
+    with pytest.raises(ValueError, match="integer seed"):
+        moe_hook.maybe_install_dummy_int4_fill({moe_hook.ENV_DUMMY_SEED: "x"})
+    assert not moe_hook.maybe_install_dummy_int4_fill({})
 
 
 _E2E = textwrap.dedent("""
