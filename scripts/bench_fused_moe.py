@@ -25,17 +25,38 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
+import importlib.util
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from sglang_ddtree.triton_kernels import moe_w4a16 as mw
-from sglang_ddtree.triton_kernels.moe_reference import make_random_moe, moe_w4a16_reference
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_repo_kernels():
+    """Import triton_kernels/ from this checkout under a private name: no install needed, never a
+    stale installed copy, and no clash with sglang-kernel's top-level ``triton_kernels``."""
+    name = "_ddtree_bench_kernels"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO / "triton_kernels" / "__init__.py",
+            submodule_search_locations=[str(REPO / "triton_kernels")])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[name] = pkg
+        spec.loader.exec_module(pkg)
+    return (importlib.import_module(f"{name}.moe_w4a16"),
+            importlib.import_module(f"{name}.moe_reference"))
+
+
+mw, _ref = _load_repo_kernels()
+make_random_moe, moe_w4a16_reference = _ref.make_random_moe, _ref.moe_w4a16_reference
 
 DEFAULT_MS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 

@@ -439,6 +439,11 @@ class MoeConfig:
 
 @functools.lru_cache(maxsize=None)
 def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"fused MoE config table {path} is missing: the package must ship "
+            "sglang_ddtree/triton_kernels/*.json (setuptools package-data), or set "
+            "SGLANG_DDTREE_MOE_CONFIG to a table")
     with open(path) as f:
         raw = json.load(f)
     table = []
