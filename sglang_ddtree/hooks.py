@@ -92,6 +92,18 @@ def export_cli_args(args: argparse.Namespace, environ=os.environ) -> None:
         environ[cfg.ENV_TOPK] = str(int(topk))
 
 
+ENGINE_KWARGS = ("speculative_ddtree_budget", "speculative_ddtree_topk")
+
+
+def server_args_init_hook(original, self, *args, **kwargs):
+    """``sglang.Engine(..., speculative_ddtree_budget=64)``: ServerArgs has no such field, so the
+    keywords are taken out (and exported like the CLI flags) before ServerArgs sees them."""
+    ours = {k: kwargs.pop(k) for k in ENGINE_KWARGS if k in kwargs}
+    if ours:
+        export_cli_args(argparse.Namespace(**{k: ours.get(k) for k in ENGINE_KWARGS}))
+    return original(self, *args, **kwargs)
+
+
 def from_cli_args_hook(original, cls, args, *rest, **kwargs):
     export_cli_args(args)
     return original(cls, args, *rest, **kwargs)

@@ -18,6 +18,7 @@ _state = {"registered": False, "error": None}
 HOOK_TARGETS = {
     "add_cli_args": "sglang.srt.server_args.ServerArgs.add_cli_args",
     "from_cli_args": "sglang.srt.server_args.ServerArgs.from_cli_args",
+    "server_args_init": "sglang.srt.server_args.ServerArgs.__init__",
     "get_spec_info": (
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
         ".get_spec_info"
@@ -76,6 +77,7 @@ def _register() -> None:
     reg, around = sgl.HookRegistry.register, sgl.HookType.AROUND
     reg(HOOK_TARGETS["add_cli_args"], hooks.add_cli_args_hook, around)
     reg(HOOK_TARGETS["from_cli_args"], hooks.from_cli_args_hook, around)
+    reg(HOOK_TARGETS["server_args_init"], hooks.server_args_init_hook, around)
     reg(
         HOOK_TARGETS["get_spec_info"],
         hooks.make_get_spec_info_hook(sgl.DFlashVerifyInput, sgl.CaptureHiddenMode.FULL),

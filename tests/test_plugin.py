@@ -204,3 +204,16 @@ def test_grammar_requests_are_refused_per_request(loaded):
 
     assert sched.validate_dflash_request is dutils.validate_dflash_request
     assert getattr(dutils.validate_dflash_request, "__wrapped__", None) is not None
+
+
+def test_engine_keywords_reach_the_environment(loaded, monkeypatch):
+    """sglang.Engine(**kwargs) builds ServerArgs(**kwargs): our keywords are taken out first."""
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.delenv(cfg.ENV_BUDGET, raising=False)
+    with pytest.raises(Exception) as info:  # no model at this path: fails later, inside SGLang
+        ServerArgs(model_path="/nonexistent-model", speculative_ddtree_budget=24)
+    assert "speculative_ddtree_budget" not in str(info.value)
+    assert os.environ[cfg.ENV_BUDGET] == "24"
+    with pytest.raises(cfg.DDTreeConfigError):
+        ServerArgs(model_path="/nonexistent-model", speculative_ddtree_budget=0)
