@@ -103,7 +103,7 @@ def moe_w4a16_reference(
     topk_weights : torch.Tensor
         ``[M, topk]`` routing weights.
     topk_ids : torch.Tensor
-        ``[M, topk]`` expert ids in ``[0, E)``.
+        ``[M, topk]`` expert ids; ids outside ``[0, E)`` (e.g. -1 for padding) contribute nothing.
     routed_scaling_factor : float
         Multiplies the summed output (SGLang applies it in its final top-k sum).
 
@@ -119,7 +119,10 @@ def moe_w4a16_reference(
     ids = topk_ids.to(torch.int64)
     wts = topk_weights.to(torch.float32)
     # Loop over touched experts only: dequantizing all 384 Kimi experts at once would need ~9 GB.
+    num_experts = w13_packed.shape[0]
     for e in torch.unique(ids).tolist():
+        if not 0 <= e < num_experts:  # -1 marks padding tokens in SGLang: no contribution
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         w13 = dequantize(w13_packed[e : e + 1], w13_scale[e : e + 1])[0]  # [H, 2I]
         w2 = dequantize(w2_packed[e : e + 1], w2_scale[e : e + 1])[0]  # [I, H]

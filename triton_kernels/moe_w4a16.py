@@ -114,8 +114,8 @@ def _prologue_kernel(
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for i in range(NUM_T_BLOCKS):
         offs = i * BLOCK_T + tl.arange(0, BLOCK_T)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < T, other=0).to(tl.int32)
-        counts += tl.histogram(ids, E_PAD, mask=offs < T)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
+        counts += tl.histogram(ids, E_PAD, mask=(ids >= 0) & (ids < NUM_EXPERTS))
     padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
     start = tl.sum(tl.where(bins == e, ends - padded, 0))
@@ -156,8 +156,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     Parameters
     ----------
     topk_ids : torch.Tensor
-        ``[M, topk]`` int32 or int64 expert ids in ``[0, num_experts)`` (not checked: a device
-        sync would break CUDA graphs).
+        ``[M, topk]`` int32 or int64 expert ids; pairs with ids outside ``[0, num_experts)`` are
+        left out (SGLang marks CUDA-graph padding tokens with -1).
     num_experts, block_m : int
     x : torch.Tensor, optional
         ``[M, K]`` bf16 activations to copy into plane-major order for ``block_k`` tiles in the
@@ -399,11 +399,13 @@ def _down_kernel(
 @triton.jit
 def _combine_kernel(
     y_ptr,  # [M * TOPK, N] bf16
+    topk_ids_ptr,  # [M * TOPK] int32/int64: slots with ids outside [0, E) have no y row
     out_ptr,  # [M, N] bf16, row stride stride_om
     scale,
     stride_om,
     N: tl.constexpr,
     TOPK: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
@@ -411,7 +413,9 @@ def _combine_kernel(
     ok = offs < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(TOPK):  # fixed order: deterministic sum
-        acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=ok, other=0.0).to(tl.float32)
+        e = tl.load(topk_ids_ptr + m * TOPK + k)
+        live = ok & (e >= 0) & (e < NUM_EXPERTS)
+        acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -519,7 +523,8 @@ def fused_moe_w4a16(
     topk_weights : torch.Tensor
         ``[M, topk]`` float32 (or bf16) routing weights.
     topk_ids : torch.Tensor
-        ``[M, topk]`` int32 / int64 expert ids in ``[0, E)``.
+        ``[M, topk]`` int32 / int64 expert ids. Ids outside ``[0, E)`` (SGLang writes -1 for the
+        padding tokens of a CUDA graph) contribute nothing; a token with no valid slot gets zeros.
     routed_scaling_factor : float
         Multiplies the top-k sum (as SGLang's ``moe_sum_reduce`` does).
     out : torch.Tensor, optional
@@ -580,5 +585,6 @@ def fused_moe_w4a16(
         num_warps=dn.num_warps, num_stages=dn.num_stages)
     block_c = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_c))](
-        y, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk, BLOCK_N=block_c)
+        y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk,
+        NUM_EXPERTS=num_experts, BLOCK_N=block_c)
     return out

@@ -89,6 +89,18 @@ def test_all_tokens_one_expert_set(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
+def test_padding_ids(K, w):
+    # CUDA-graph padding tokens carry topk id -1 in SGLang: they must contribute nothing.
+    m = 40
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    tw, ti, _ = routing(m, seed=3)
+    ti[30:] = -1
+    out = ours(K, w, x, tw, ti)
+    assert (out[30:] == 0).all()
+    rel, mx = errors(out[:30], reference(K, w, x, tw, ti)[:30])
+    assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
+
+
 def test_graph_replay_and_determinism(K, w):
     m = 48
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)

@@ -82,6 +82,21 @@ def test_all_tokens_one_expert_and_idle_experts(experts):
     check(*run(experts[9], x, tw, ti))
 
 
+def test_padding_ids_contribute_nothing(experts):
+    # SGLang writes -1 into the topk ids of CUDA-graph padding tokens.
+    m = 9
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(5)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=6)
+    ti[6:] = -1  # three padding tokens
+    ti[2, 1] = -1  # and one dropped slot of a real token
+    out, ref = run(experts[9], x, tw, ti)
+    check(out, ref)
+    assert (out[6:] == 0).all()
+    sorted_ids, block_expert, _ = MOE.moe_align(ti, 9, 16)
+    rows, owners = _align_reference(ti, 9, 16)
+    assert sorted_ids[: len(rows)].tolist() == rows and block_expert[: len(owners)].tolist() == owners
+
+
 def test_strided_hidden_states_and_deterministic(experts):
     m = 7
     wide = torch.randn(m, H + 64, generator=torch.Generator().manual_seed(3)).bfloat16()
