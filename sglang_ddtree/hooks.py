@@ -127,14 +127,24 @@ def make_get_spec_info_hook(verify_input_cls, capture_full):
     return get_spec_info_hook
 
 
-def make_dummy_verify_input_hook(verify_input_cls, capture_full, capture_null):
-    """Hook for ``create_dummy_verify_input(algo, server_args, custom_mask, n, is_draft)``."""
+DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "server_args", "custom_mask",
+                             "num_tokens_per_req", "is_draft_worker")
 
-    def dummy_verify_input_hook(original, spec_algorithm, server_args, custom_mask,
-                                num_tokens_per_req, is_draft_worker, *args, **kwargs):
-        if not _is_ddtree(spec_algorithm):
-            return original(spec_algorithm, server_args, custom_mask, num_tokens_per_req,
-                            is_draft_worker, *args, **kwargs)
+
+def make_dummy_verify_input_hook(verify_input_cls, capture_full, capture_null,
+                                 params=DUMMY_VERIFY_INPUT_PARAMS):
+    """Hook for ``create_dummy_verify_input(algo, [server_args,] custom_mask, n, is_draft)``.
+
+    ``params``: the hooked function's parameter names in order (SGLang 0.5.23 dropped
+    ``server_args``); the hook reads its arguments by name.
+    """
+
+    def dummy_verify_input_hook(original, *args, **kwargs):
+        bound = dict(zip(params, args), **kwargs)
+        if not _is_ddtree(bound["spec_algorithm"]):
+            return original(*args, **kwargs)
+        is_draft_worker = bound["is_draft_worker"]
+        num_tokens_per_req, custom_mask = bound["num_tokens_per_req"], bound["custom_mask"]
         return verify_input_cls(
             draft_token=None,
             positions=None,

@@ -28,6 +28,11 @@ HOOK_TARGETS = {
 }
 
 
+def hook_targets(sgl) -> dict:
+    """HOOK_TARGETS with the installed SGLang's replacements (compat HOOK_TARGET_OVERRIDES)."""
+    return {**HOOK_TARGETS, **sgl.HOOK_TARGET_OVERRIDES}
+
+
 def registration_error() -> str | None:
     return _state["error"]
 
@@ -74,25 +79,42 @@ def _register() -> None:
 
         return get_worker_class()
 
+    targets = hook_targets(sgl)
     reg, around = sgl.HookRegistry.register, sgl.HookType.AROUND
-    reg(HOOK_TARGETS["add_cli_args"], hooks.add_cli_args_hook, around)
-    reg(HOOK_TARGETS["from_cli_args"], hooks.from_cli_args_hook, around)
-    reg(HOOK_TARGETS["server_args_init"], hooks.server_args_init_hook, around)
+    reg(targets["add_cli_args"], hooks.add_cli_args_hook, around)
+    reg(targets["from_cli_args"], hooks.from_cli_args_hook, around)
+    reg(targets["server_args_init"], hooks.server_args_init_hook, around)
     reg(
-        HOOK_TARGETS["get_spec_info"],
+        targets["get_spec_info"],
         hooks.make_get_spec_info_hook(sgl.DFlashVerifyInput, sgl.CaptureHiddenMode.FULL),
         around,
     )
     reg(
-        HOOK_TARGETS["dummy_verify_input"],
+        targets["dummy_verify_input"],
         hooks.make_dummy_verify_input_hook(
-            sgl.DFlashVerifyInput, sgl.CaptureHiddenMode.FULL, sgl.CaptureHiddenMode.NULL
+            sgl.DFlashVerifyInput, sgl.CaptureHiddenMode.FULL, sgl.CaptureHiddenMode.NULL,
+            params=sgl.DUMMY_VERIFY_INPUT_PARAMS,
         ),
         around,
     )
-    reg(HOOK_TARGETS["validate_request"],
+    reg(targets["validate_request"],
         hooks.make_validate_request_hook(sgl.ddtree_is_active), around)
     logger.info("sglang-ddtree: registered speculative algorithm %s", cfg.ALGORITHM_NAME)
+    _maybe_install_fused_moe()
+
+
+def _maybe_install_fused_moe() -> None:
+    """Opt-in (SGLANG_DDTREE_FUSED_MOE=1 / SGLANG_DDTREE_MOE_DUMMY_INT4_SEED): in every process,
+    before weights load. A layout SGLang does not match raises FusedMoeHookError: no fallback."""
+    import os
+
+    if not (os.environ.get("SGLANG_DDTREE_FUSED_MOE") or
+            os.environ.get("SGLANG_DDTREE_MOE_DUMMY_INT4_SEED")):
+        return
+    from . import moe_hook
+
+    moe_hook.maybe_install()
+    moe_hook.maybe_install_dummy_int4_fill()
 
 
 def check_hooks_applied() -> list:
@@ -100,4 +122,4 @@ def check_hooks_applied() -> list:
     from . import compat
 
     sgl = compat.load()
-    return [t for t in HOOK_TARGETS.values() if t not in sgl.HookRegistry._patched]
+    return [t for t in hook_targets(sgl).values() if t not in sgl.HookRegistry._patched]

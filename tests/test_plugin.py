@@ -8,8 +8,13 @@ import pytest
 
 sglang = pytest.importorskip("sglang")
 
+from sglang_ddtree import compat  # noqa: E402
 from sglang_ddtree import config as cfg  # noqa: E402
 from sglang_ddtree import hooks  # noqa: E402
+
+SGLANG_VERSION = compat.installed_sglang_version()
+only_0_5_17 = pytest.mark.skipif(SGLANG_VERSION != "0.5.17", reason="SGLang 0.5.17 behaviour")
+only_0_5_23 = pytest.mark.skipif(SGLANG_VERSION != "0.5.23", reason="SGLang 0.5.23 behaviour")
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +127,6 @@ def test_handle_server_args_sets_widths(loaded, tmp_path, monkeypatch):
     algo = SpeculativeAlgorithm.from_string("DDTREE")
     monkeypatch.setenv(cfg.ENV_BUDGET, "40")
     calls = []
-    import sglang_ddtree.compat.v0_5_17 as v  # noqa: F401
-
     monkeypatch.setattr(type(algo), "handle_server_args", type(algo).handle_server_args)
     sa = _server_args(speculative_draft_model_path=_write_draft(tmp_path))
     # SGLang's DFLASH handler needs a full ServerArgs; record the call instead
@@ -206,6 +209,7 @@ def test_grammar_requests_are_refused_per_request(loaded):
     assert getattr(dutils.validate_dflash_request, "__wrapped__", None) is not None
 
 
+@only_0_5_17
 def test_engine_keywords_reach_the_environment(loaded, monkeypatch):
     """sglang.Engine(**kwargs) builds ServerArgs(**kwargs): our keywords are taken out first."""
     from sglang.srt.server_args import ServerArgs
@@ -217,3 +221,96 @@ def test_engine_keywords_reach_the_environment(loaded, monkeypatch):
     assert os.environ[cfg.ENV_BUDGET] == "24"
     with pytest.raises(cfg.DDTreeConfigError):
         ServerArgs(model_path="/nonexistent-model", speculative_ddtree_budget=0)
+
+
+@only_0_5_23
+def test_engine_keywords_reach_the_environment_0_5_23(loaded, monkeypatch):
+    """0.5.23's ServerArgs is a msgspec Struct (no Python __init__ to hook): Engine.__init__
+    takes our keywords out before it builds ServerArgs(**kwargs)."""
+    from sglang.srt.entrypoints.engine import Engine
+
+    class Built(Exception):
+        pass
+
+    def server_args_class(**kwargs):
+        raise Built(kwargs)
+
+    class Probe(Engine):  # stops where Engine would build ServerArgs: nothing is launched
+        def __del__(self):
+            pass
+
+    Probe.server_args_class = staticmethod(server_args_class)
+    monkeypatch.delenv(cfg.ENV_BUDGET, raising=False)
+    with pytest.raises(Built) as info:
+        Probe(model_path="/nonexistent-model", speculative_ddtree_budget=24)
+    kwargs = info.value.args[0]
+    assert kwargs["model_path"] == "/nonexistent-model"
+    assert "speculative_ddtree_budget" not in kwargs
+    assert os.environ[cfg.ENV_BUDGET] == "24"
+    with pytest.raises(cfg.DDTreeConfigError):
+        Probe(model_path="/nonexistent-model", speculative_ddtree_budget=0)
+
+
+@only_0_5_23
+def test_handle_server_args_declares_on_the_0_5_23_record(loaded, tmp_path, monkeypatch):
+    """The real path: SGLang hands DDTREE's handler a stand-in whose writes it declares, and
+    SGLang's own DFLASH handler runs inside it on the record."""
+    from sglang.srt.arg_groups.overrides import (
+        declare_resolution,
+        record_foreign_defaults,
+        resolution_result,
+    )
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    monkeypatch.setenv(cfg.ENV_BUDGET, "40")
+    monkeypatch.setenv(cfg.ENV_BLOCK_SIZE, "")  # restored after the test
+    record = ServerArgs(model_path="m", device="cuda", attention_backend="triton",
+                        speculative_draft_model_path=_write_draft(tmp_path),
+                        speculative_num_draft_tokens=7)
+    declare_resolution(record, "test", speculative_algorithm="DDTREE")
+    algo = SpeculativeAlgorithm.from_string("DDTREE")
+    record_foreign_defaults(record, "handle_speculative_decoding.custom_algo",
+                            algo.handle_server_args)
+    decided = {f: resolution_result(record, f) for f in (
+        "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+        "speculative_draft_attention_backend", "max_running_requests")}
+    assert decided == {"speculative_num_draft_tokens": 41,  # max(40 + 1, 16), not 7
+                       "speculative_num_steps": 1, "speculative_eagle_topk": 1,  # DFLASH's
+                       "speculative_draft_attention_backend": "triton",
+                       "max_running_requests": 48}
+    assert record.speculative_num_draft_tokens == 7  # the operator's input stays as given
+    assert os.environ[cfg.ENV_BLOCK_SIZE] == "16"
+    # SGLang's own upper bound on the draft width follows the resolved value
+    assert algo.resolve_max_speculative_num_draft_tokens(record) == 41
+
+
+def test_dummy_verify_input_hook_reads_arguments_by_name(loaded):
+    sgl = compat.load()
+    made = []
+
+    def verify_input(**kw):
+        made.append(kw)
+        return kw
+
+    hook = hooks.make_dummy_verify_input_hook(verify_input, "FULL", "NULL",
+                                              params=sgl.DUMMY_VERIFY_INPUT_PARAMS)
+    ddtree = types.SimpleNamespace(name="DDTREE")
+    values = {"spec_algorithm": ddtree, "server_args": object(), "custom_mask": "mask",
+              "num_tokens_per_req": 33, "is_draft_worker": False}
+    args = [values[p] for p in sgl.DUMMY_VERIFY_INPUT_PARAMS]
+    out = hook(lambda *a, **k: "original", *args)
+    assert out["draft_token_num"] == 33 and out["custom_mask"] == "mask"
+    assert out["capture_hidden_mode"] == "FULL"
+    args[sgl.DUMMY_VERIFY_INPUT_PARAMS.index("is_draft_worker")] = True
+    out = hook(lambda *a, **k: "original", *args)
+    assert out["custom_mask"] is None and out["capture_hidden_mode"] == "NULL"
+    args[0] = types.SimpleNamespace(name="DFLASH")
+    assert hook(lambda *a, **k: ("original", a), *args) == ("original", tuple(args))
+    # the hooked function really takes these parameters, in this order
+    import inspect
+
+    from sglang.srt.speculative import spec_info
+
+    original = inspect.unwrap(spec_info.create_dummy_verify_input)
+    assert tuple(inspect.signature(original).parameters) == sgl.DUMMY_VERIFY_INPUT_PARAMS

@@ -1,8 +1,9 @@
 """Version-specific access to SGLang internals.
 
 Everything that imports an SGLang symbol whose path or signature moved between releases lives in
-one module per supported version (``v0_5_17``, ...). :func:`load` picks it from the installed
-SGLang version and refuses unknown versions with a message naming the supported ones.
+one module per supported version (``v0_5_17``, ``v0_5_23``), each exposing the same names with
+the same meaning. :func:`load` picks it from the installed SGLang version and refuses unknown
+versions with a message naming the supported ones.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-SUPPORTED_VERSIONS = ("0.5.17",)
-_MODULES = {"0.5.17": "v0_5_17"}
+SUPPORTED_VERSIONS = ("0.5.17", "0.5.23")
+_MODULES = {"0.5.17": "v0_5_17", "0.5.23": "v0_5_23"}
 
 
 class UnsupportedSGLangVersion(RuntimeError):

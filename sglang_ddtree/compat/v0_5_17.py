@@ -16,6 +16,13 @@ from sglang.srt.speculative.spec_registry import get_spec as get_registered_spec
 
 VERSION = "0.5.17"
 
+# plugin.HOOK_TARGETS entries this version hooks elsewhere (none: 0.5.17 is the baseline)
+HOOK_TARGET_OVERRIDES = {}
+
+# create_dummy_verify_input's positional parameters, in order
+DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "server_args", "custom_mask",
+                             "num_tokens_per_req", "is_draft_worker")
+
 # name -> (module, attribute), imported on first use
 _LAZY = {
     "DFlashWorkerV2": ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2"),
@@ -33,6 +40,8 @@ _LAZY = {
     "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
     "get_tp_group": ("sglang.srt.distributed", "get_tp_group"),
     "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+    # CUDA/HIP: sgl_kernel.verify_tree_greedy
+    "verify_tree_greedy_func": ("sglang.srt.speculative.eagle_utils", "verify_tree_greedy_func"),
 }
 
 
@@ -44,6 +53,12 @@ def __getattr__(name):
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
     return value
+
+
+def _lazy(name):
+    """A lazy name from inside this module (module ``__getattr__`` only serves outside lookups);
+    a value assigned onto the module (tests) wins."""
+    return globals()[name] if name in globals() else __getattr__(name)
 
 
 def builtin_algorithm_names() -> set:
@@ -65,6 +80,15 @@ def handle_dflash_server_args(server_args) -> None:
     from sglang.srt.arg_groups.speculative_hook import _handle_dflash
 
     _handle_dflash(server_args)
+
+
+def resolved_arg(server_args, name: str):
+    """The resolved value of a ServerArgs field (0.5.17 resolves into the fields themselves)."""
+    return getattr(server_args, name)
+
+
+def decode_graphs_enabled(server_args) -> bool:
+    return not server_args.disable_cuda_graph
 
 
 def is_hybrid_linear_target(model_config) -> bool:
@@ -110,6 +134,40 @@ def max_running_requests(worker) -> int:
     return int(worker.model_runner.req_to_token_pool.size)
 
 
+def tp_rank(worker) -> int:
+    return int(worker.ps.tp_rank)
+
+
+def reserved_kv_lens(draft_input):
+    """(host [bs] reserved KV lengths or None, their sum or None) from the step's draft input."""
+    return draft_input.reserved_seq_lens_cpu, draft_input.reserved_seq_lens_sum
+
+
+def check_kv_layout(worker) -> None:
+    """0.5.17 KV slot ids index the pools directly: nothing to refuse."""
+
+
+def verify_logits(worker, logits_output):
+    """[bs * N, V] full-vocab verify logits."""
+    return logits_output.next_token_logits
+
+
+def draft_block_embeddings(worker, block_ids):
+    """[bs, B, H] drafter input embeddings of the block (the target's embedding table)."""
+    return worker.model_runner.model.get_input_embeddings()(block_ids)
+
+
+def run_draft_block(worker, batch, *, block_size: int, **fields):
+    """Run the drafter's block forward built from ``fields`` (ForwardBatch keyword arguments);
+    returns the draft runner's output."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    forward_batch = ForwardBatch(**fields)
+    with torch.inference_mode():
+        return worker.draft_model_runner.forward(forward_batch)
+
+
 def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:
     from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 
@@ -124,8 +182,8 @@ def tree_greedy_walk(tree, predicted, path_width: int):
     accepted_nodes: [bs, path_width] node indices (root at column 0, -1 padding).
     """
     import torch
-    from sglang.srt.speculative.eagle_utils import verify_tree_greedy_func
 
+    verify_tree_greedy_func = _lazy("verify_tree_greedy_func")
     bs, n = tree.tokens.shape
     dev = tree.tokens.device
     accept_index = torch.full((bs, path_width), -1, dtype=torch.int32, device=dev)

@@ -1,0 +1,334 @@
+"""SGLang 0.5.23: every SGLang internal the plugin touches, in one place.
+
+Same names and meanings as :mod:`.v0_5_17`. What changed in SGLang between the two releases, and
+where this module absorbs it:
+
+- ``ServerArgs`` is a msgspec Struct resolved by declarations: a plugin's ``handle_server_args``
+  receives a stand-in whose field writes are declared afterwards (``record_foreign_defaults``),
+  and resolved values are read through ``resolution_result`` rather than the raw fields
+  (:func:`handle_dflash_server_args`, :func:`resolved_arg`).
+- ``create_dummy_verify_input`` lost its ``server_args`` parameter
+  (:data:`DUMMY_VERIFY_INPUT_PARAMS`).
+- ``DFlashWorkerV2(server_args, gpu_id, nccl_port, target_worker)``: no ``ps``; ranks come from
+  ``get_parallel()`` (:func:`tp_rank`, :func:`get_tp_group`).
+- The draft input's reserved lengths are ``nxt_kv_lens_*`` (:func:`reserved_kv_lens`).
+- KV slot ids go through a per-iteration ``KVLocPlan``; every forward binds one
+  (:func:`run_draft_block`), and DDTREE refuses pools whose ids need translating
+  (:func:`check_kv_layout`).
+- DFLASH defers the target's verify-logits vocab gather (:func:`verify_logits`) and scales the
+  drafter's noise embedding (:func:`draft_block_embeddings`).
+- ``verify_tree_greedy`` is a JIT op under ``sglang.kernels.ops.speculative``
+  (``spec_tree.verify_tree_greedy_func`` dispatches to ``tree.verify_tree_greedy`` on CUDA).
+
+Module-level imports are the light, CPU-importable ones; GPU-side symbols resolve lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: F401
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo  # noqa: F401
+from sglang.srt.speculative.spec_registry import get_spec as get_registered_spec  # noqa: F401
+
+VERSION = "0.5.23"
+
+# plugin.HOOK_TARGETS entries this version hooks elsewhere. ServerArgs is a msgspec Struct whose
+# constructor never calls a Python-level __init__, so Engine keywords are taken out one level up.
+HOOK_TARGET_OVERRIDES = {"server_args_init": "sglang.srt.entrypoints.engine.Engine.__init__"}
+
+# create_dummy_verify_input's positional parameters, in order
+DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "custom_mask", "num_tokens_per_req",
+                             "is_draft_worker")
+
+# name -> (module, attribute), imported on first use
+_LAZY = {
+    "DFlashWorkerV2": ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2"),
+    "DFlashVerifyInput": ("sglang.srt.speculative.dflash_info", "DFlashVerifyInput"),
+    "CaptureHiddenMode": ("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
+    "ForwardBatch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"),
+    "ForwardMode": ("sglang.srt.model_executor.forward_batch_info", "ForwardMode"),
+    "GenerationBatchResult": ("sglang.srt.managers.scheduler", "GenerationBatchResult"),
+    "parse_dflash_draft_config": (
+        "sglang.srt.speculative.dflash_utils", "parse_dflash_draft_config"),
+    "build_block_pos_offsets": (
+        "sglang.srt.speculative.draft_worker_common", "build_block_pos_offsets"),
+    "make_draft_block_spec_info": (
+        "sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
+    "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
+    "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+    # CUDA/HIP: the JIT op sglang.kernels.ops.speculative.tree.verify_tree_greedy
+    "verify_tree_greedy_func": (
+        "sglang.kernels.ops.speculative.spec_tree", "verify_tree_greedy_func"),
+}
+
+
+def __getattr__(name):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(name) from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def _lazy(name):
+    """A lazy name from inside this module (module ``__getattr__`` only serves outside lookups);
+    a value assigned onto the module (tests) wins."""
+    return globals()[name] if name in globals() else __getattr__(name)
+
+
+def builtin_algorithm_names() -> set:
+    return {a.name for a in SpeculativeAlgorithm}
+
+
+def ddtree_is_active() -> bool:
+    """Whether this process serves --speculative-algorithm DDTREE (SGLang's runtime context)."""
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        algo = getattr(get_spec(), "speculative_algorithm", None)
+    except ValueError:  # not published: this process serves no model
+        return False
+    return str(getattr(algo, "name", algo) or "").upper() == "DDTREE"
+
+
+# --- server args ---------------------------------------------------------------------------
+
+def _record_behind(stand_in):
+    """The ServerArgs record a ``record_foreign_defaults`` stand-in reads through, or None."""
+    from sglang.srt.arg_groups.overrides import _ForeignDefaults, record_of
+
+    if not isinstance(stand_in, _ForeignDefaults):
+        return None
+    return record_of(object.__getattribute__(stand_in, "_cfg"))
+
+
+def handle_dflash_server_args(server_args) -> None:
+    """Run SGLang's DFLASH server-args handler from inside DDTREE's ``handle_server_args``.
+
+    SGLang hands a plugin's handler a stand-in that records field writes and declares them only
+    when the handler returns. ``_handle_dflash`` declares on the record it is given, so it runs
+    on the record behind the stand-in, after the plugin's writes so far have been declared there
+    (it must see them, e.g. ``speculative_num_draft_tokens`` = the drafter block). Reads through
+    the stand-in see its declarations; the plugin's later writes are declared after them.
+    """
+    from sglang.srt.arg_groups.arg_utils import field_names
+    from sglang.srt.arg_groups.overrides import declare_resolution
+    from sglang.srt.arg_groups.speculative_hook import _handle_dflash
+
+    record = _record_behind(server_args)
+    if record is None:  # a plain record (or a test double): SGLang's own calling convention
+        _handle_dflash(server_args)
+        return
+    fields = field_names(type(record))
+    written = {k: v for k, v in object.__getattribute__(server_args, "_written").items()
+               if k in fields}
+    if written:
+        declare_resolution(record, "sglang_ddtree.handle_server_args", **written)
+    _handle_dflash(record)
+
+
+def resolved_arg(server_args, name: str):
+    """The resolved value of a ServerArgs field (the raw field holds the operator's input)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    return resolution_result(server_args, name)
+
+
+def decode_graphs_enabled(server_args) -> bool:
+    """Whether decode CUDA graphs are on (the deprecated ``disable_cuda_graph`` field is raw)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec
+
+    return get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
+
+
+# --- model / runner introspection ----------------------------------------------------------
+
+def is_hybrid_linear_target(model_config) -> bool:
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return mambaish_config(model_config) is not None
+
+
+def is_mla(model_config) -> bool:
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return model_config.attention_arch == AttentionArch.MLA
+
+
+_BACKEND_NAMES = {
+    "TritonAttnBackend": "triton",
+    "FlashInferAttnBackend": "flashinfer",
+    "FlashInferMLAAttnBackend": "flashinfer_mla",
+    "FlashAttentionBackend": "fa3",
+}
+
+
+def attention_backend_name(model_runner) -> str:
+    """The CLI name of the backend that runs the target's TARGET_VERIFY forward."""
+    backend = model_runner.attn_backend
+    for _ in range(4):  # hybrid wrappers hold the full-attention backend inside
+        inner = getattr(backend, "full_attn_backend", None) or getattr(
+            backend, "decode_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    name = type(backend).__name__
+    return _BACKEND_NAMES.get(name, name)
+
+
+def max_capture_bs() -> int:
+    from sglang.srt.runtime_context import get_exec
+
+    return max(get_exec().graph.cuda_graph_config.decode.bs)
+
+
+def max_running_requests(worker) -> int:
+    return int(worker.model_runner.req_to_token_pool.size)
+
+
+def get_tp_group():
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().tp_group
+
+
+def tp_rank(worker) -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_rank)
+
+
+def reserved_kv_lens(draft_input):
+    """(host [bs] reserved KV lengths or None, their sum or None) from the step's draft input."""
+    return draft_input.nxt_kv_lens_cpu, draft_input.nxt_kv_lens_sum
+
+
+def check_kv_layout(worker) -> None:
+    """Refuse KV pools whose slot ids need translating (unified / fused-draft pools).
+
+    DDTREE reads its verify slots from ``req_to_token`` and moves accepted KV by those ids,
+    which only index the pools directly when no translation is in play.
+    """
+    from .. import config as cfg
+
+    for role, runner in (("target", worker.model_runner), ("drafter", worker.draft_model_runner)):
+        translator = getattr(runner, "kv_index_translator", None)
+        if translator is not None and translator.is_translating:
+            raise cfg.DDTreeConfigError(
+                f"DDTREE does not support the unified/fused KV pool the {role} uses in SGLang "
+                f"{VERSION} (its KV slot ids are virtual). Run without the unified KV pool "
+                "(no --enable-page-major-kv-layout / unified hybrid pool)."
+            )
+
+
+# --- one decode step -----------------------------------------------------------------------
+
+def verify_logits(worker, logits_output):
+    """[bs * N, V] full-vocab verify logits (DFLASH defers the TP vocab gather of verify)."""
+    logits = logits_output.next_token_logits
+    processor = getattr(worker, "_target_logits_processor", None)
+    if processor is not None and processor.is_deferred_shard(logits):
+        logits = processor.finish_deferred_gather(logits)
+        logits_output.next_token_logits = logits
+    return logits
+
+
+def draft_block_embeddings(worker, block_ids):
+    """[bs, B, H] drafter input embeddings of the block, as DFLASH builds them."""
+    import torch
+
+    full = getattr(worker, "_full_embed_gpu", None)
+    if full is not None:  # dp attention: gathered table
+        embeds = torch.nn.functional.embedding(block_ids, full)
+    else:
+        from sglang.srt.lora.layers import unwrap_lora_layer
+        from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
+
+        module = unwrap_lora_layer(_resolve_dflash_embedding_module(
+            worker.draft_model, worker.target_worker.model_runner.model))
+        embeds = module(block_ids)
+    scale = float(getattr(worker, "_noise_embed_scale", 1.0))
+    return embeds * scale if scale != 1.0 else embeds
+
+
+def run_draft_block(worker, batch, *, block_size: int, **fields):
+    """Run the drafter's block forward (TARGET_VERIFY) built from ``fields`` (ForwardBatch
+    keyword arguments); returns the draft runner's output.
+
+    As DFLASH does: the iteration's slots are planned on the target's translator (the window
+    ``fields['out_cache_loc']``, reads up to ``block_size`` past ``seq_lens``) and bound for the
+    drafter; the forward runs in the drafter's parallel scope.
+    """
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import (
+        ForwardBatch,
+        enable_num_token_non_padded,
+    )
+    from sglang.srt.speculative.spec_utils import draft_tp_context
+
+    num_tokens = int(fields["input_ids"].numel())
+    forward_batch = ForwardBatch(
+        **fields,
+        num_token_non_padded=(
+            torch.full((), num_tokens, dtype=torch.int32, device=worker.device)
+            if enable_num_token_non_padded() else None),
+        global_num_token_non_padded_cpu=num_tokens,
+        can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+    )
+    spec_info = batch.spec_info
+    host_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else (
+        spec_info.nxt_kv_lens_cpu if spec_info is not None else None)
+    plan = worker.model_runner.kv_index_translator.plan(
+        req_pool_indices=forward_batch.req_pool_indices,
+        seq_lens=forward_batch.seq_lens,
+        seq_lens_cpu=host_lens,
+        write_virtual=forward_batch.out_cache_loc,
+        read_extent=int(block_size),
+    )
+    plan.bind(forward_batch, worker.draft_model_runner.kv_index_translator)
+    with torch.inference_mode(), draft_tp_context(worker.draft_parallel_layout):
+        return worker.draft_model_runner.forward(forward_batch)
+
+
+def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:
+    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+    apply_dflash_verify_logits_adjustments(
+        next_token_logits=logits, sampling_info=sampling_info, draft_token_num=num_tokens
+    )
+
+
+def tree_greedy_walk(tree, predicted, path_width: int):
+    """SGLang's ``verify_tree_greedy`` kernel over our tree: (accept_len, accepted_nodes, bonus).
+
+    accepted_nodes: [bs, path_width] node indices (root at column 0, -1 padding).
+    """
+    import torch
+
+    verify_tree_greedy_func = _lazy("verify_tree_greedy_func")
+    bs, n = tree.tokens.shape
+    dev = tree.tokens.device
+    accept_index = torch.full((bs, path_width), -1, dtype=torch.int32, device=dev)
+    accept_num = torch.zeros((bs,), dtype=torch.int32, device=dev)
+    predicts = torch.zeros((bs * n,), dtype=torch.int32, device=dev)
+    verify_tree_greedy_func(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_num,
+        candidates=tree.tokens,
+        retrieve_index=tree.retrive_index,
+        retrieve_next_token=tree.retrive_next_token,
+        retrieve_next_sibling=tree.retrive_next_sibling,
+        target_predict=predicted,
+    )
+    flat = accept_index.to(torch.int64)
+    base = torch.arange(bs, device=dev, dtype=torch.int64)[:, None] * n
+    nodes = torch.where(flat < 0, flat, flat - base)
+    last = torch.gather(flat, 1, accept_num.to(torch.int64)[:, None])  # flat index of last node
+    bonus = predicted.reshape(-1).index_select(0, last.view(-1))
+    return accept_num.to(torch.int64), nodes, bonus
