@@ -21,8 +21,12 @@ for s in "$@"; do
                tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
     cudaext) step cudaext 240 python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py
              step cudaext-bench 120 python3 scripts/bench_tree_build.py --out "$OUT/tree_build_h200.json" ;;
-    moe)     step moe 240 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py
-             step moe-bench 180 python3 scripts/bench_fused_moe.py --out "$OUT/fused_moe_h200.json" ;;
+    moe)     step moe 120 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
+             step moe-vs-sglang 330 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k sglang
+             step moe-tune 240 python3 scripts/bench_fused_moe.py --tune --ms 8 16 32 64 128 256 512 1024 2048 \
+               --tune-out triton_kernels/moe_w4a16_configs.json
+             cp triton_kernels/moe_w4a16_configs.json "$OUT/"
+             step moe-bench 200 python3 scripts/bench_fused_moe.py --check --out "$OUT/fused_moe_h200.json" ;;
     e2e)     step e2e 480 python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ;;
     train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
