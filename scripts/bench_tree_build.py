@@ -3,7 +3,7 @@
 
 Grid: batch {1, 8, 64} x budget {16, 64, 256}, D = 15 (block 16), K = budget (DESIGN: K =
 min(budget, vocab); ``--k-cap`` caps it), two input distributions over a 151936-token vocab:
-- ``random``: log_softmax(3 * randn) top-K (as scripts/bench_build_tree.py). Flat top-K, so the
+- ``random``: log_softmax(3 * randn) top-K. Flat top-K, so the
   trees are wide and shallow: the fused kernel stops after 1-3 depths.
 - ``peaked``: the same plus a boost of U(10, 20) on one token per (request, depth), i.e. a
   top-1 probability of roughly 0.3-0.99 like a trained drafter: deep trees, all 15 depths busy.
