@@ -9,6 +9,7 @@ is SGLang's ``verify_tree_greedy`` kernel, and new lengths reach the scheduler v
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -38,9 +39,12 @@ def get_worker_class():
 
 def _make_worker_class(sgl):
     class DDTreeWorker(sgl.DFlashWorkerV2):
-        def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
-            self._check_target(server_args, target_worker)
-            super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
+        def __init__(self, *args, **kwargs):
+            # the constructor's parameters differ between SGLang versions: bind by name
+            bound = inspect.signature(sgl.DFlashWorkerV2.__init__).bind(self, *args, **kwargs)
+            server_args = bound.arguments["server_args"]
+            self._check_target(server_args, bound.arguments["target_worker"])
+            super().__init__(*args, **kwargs)
             draft_cfg = sgl.parse_dflash_draft_config(
                 draft_hf_config=self.draft_model_runner.model_config.hf_config
             )
@@ -49,10 +53,11 @@ def _make_worker_class(sgl):
                 raise cfg.DDTreeConfigError("DDTREE: the drafter config has no block_size.")
             vocab = int(self.model_runner.model_config.vocab_size)
             self.tree_cfg = cfg.resolve(int(block), vocab)
-            if self.tree_cfg.num_draft_tokens != int(server_args.speculative_num_draft_tokens):
+            num_draft_tokens = sgl.resolved_arg(server_args, "speculative_num_draft_tokens")
+            if self.tree_cfg.num_draft_tokens != int(num_draft_tokens):
                 raise cfg.DDTreeConfigError(
                     "DDTREE: speculative_num_draft_tokens="
-                    f"{server_args.speculative_num_draft_tokens} disagrees with budget "
+                    f"{num_draft_tokens} disagrees with budget "
                     f"{self.tree_cfg.budget} / block {block}; was {cfg.ENV_BUDGET} changed "
                     "after startup?"
                 )
@@ -70,7 +75,7 @@ def _make_worker_class(sgl):
             self._tree_builder = TreeBuildGraphs(
                 self.tree_cfg.budget, self.tree_cfg.max_depth, self.tree_cfg.topk, self.device,
                 builder=_tree_builder(self.tree_cfg, self.device),
-                use_graphs=not server_args.disable_cuda_graph,
+                use_graphs=sgl.decode_graphs_enabled(server_args),
             )
             self._oracle = None
             if cfg.oracle_enabled():
@@ -81,7 +86,7 @@ def _make_worker_class(sgl):
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
             self._rank_check = RankConsistencyCheck(self._tp_group, cfg.rank_check_interval())
-            if self.ps.tp_rank == 0:
+            if sgl.tp_rank(self) == 0:
                 logger.info(
                     "DDTREE worker ready: budget=%d topk=%d block=%d verify_width=%d oracle=%s",
                     self.tree_cfg.budget, self.tree_cfg.topk, block,
@@ -105,13 +110,14 @@ def _make_worker_class(sgl):
                     "DDTREE does not support mamba / hybrid-linear-attention targets (their "
                     "recurrent state cannot branch over a tree). Use DFLASH for this model."
                 )
-            if server_args.speculative_draft_window_size is not None:
+            if sgl.resolved_arg(server_args, "speculative_draft_window_size") is not None:
                 raise cfg.DDTreeConfigError(
                     "DDTREE does not support --speculative-draft-window-size yet; remove it."
                 )
 
         def init_attention_backends(self):
             super().init_attention_backends()
+            sgl.check_kv_layout(self)
             # the target's backends exist from here on (SGLang builds them after the spec worker)
             mr = self.model_runner
             arch = "mla" if sgl.is_mla(mr.model_config) else "mha"
@@ -150,10 +156,12 @@ def _make_worker_class(sgl):
             )
 
         # --- one decode step ------------------------------------------------------------------
-        def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+        def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
+                                     **kwargs):
             if (batch.forward_mode.is_extend() or batch.is_extend_in_batch
                     or batch.forward_mode.is_idle() or batch.spec_info is None):
-                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+                return super().forward_batch_generation(batch, on_publish, grammar_barrier,
+                                                        **kwargs)
             if batch.has_grammar:
                 raise RuntimeError("DDTREE does not support grammar-constrained decoding yet.")
             t = self._timers
@@ -206,7 +214,7 @@ def _make_worker_class(sgl):
             t.mark("verify")
 
             # 4) accept: the target's token at every node, then walk the tree
-            logits = logits_output.next_token_logits  # [bs * N, V]
+            logits = sgl.verify_logits(self, logits_output)  # [bs * N, V]
             sampling_info = batch.sampling_info
             if sampling_info is not None:
                 sgl.apply_verify_logits_adjustments(logits, sampling_info, n)
@@ -271,8 +279,9 @@ def _make_worker_class(sgl):
             if batch.seq_lens_cpu is not None:
                 bound = batch.seq_lens_cpu + self.block_size
                 return bound, int(bound.sum())
-            if draft_input.reserved_seq_lens_cpu is not None:
-                return draft_input.reserved_seq_lens_cpu, int(draft_input.reserved_seq_lens_sum)
+            reserved, reserved_sum = sgl.reserved_kv_lens(draft_input)
+            if reserved is not None:
+                return reserved, int(reserved_sum)
             return None, int(len(batch.seq_lens) * self.model_runner.model_config.context_len)
 
         def _mask_buffer(self, numel):
@@ -290,11 +299,12 @@ def _make_worker_class(sgl):
                                    device=self.device)
             block_ids[:, 0].copy_(bonus)
             positions = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
-            embed = self.model_runner.model.get_input_embeddings()(block_ids)
+            embed = sgl.draft_block_embeddings(self, block_ids)
             seq_lens_cpu, seq_sum = self._host_seq_bound(batch, batch.spec_info, block)
             if seq_lens_cpu is None:
                 seq_lens_cpu = prefix.cpu()  # only without any host length: not in overlap mode
-            forward_batch = sgl.ForwardBatch(
+            draft_out = sgl.run_draft_block(
+                self, batch, block_size=block,
                 forward_mode=sgl.ForwardMode.TARGET_VERIFY,
                 batch_size=bs,
                 input_ids=block_ids.reshape(-1),
@@ -309,8 +319,6 @@ def _make_worker_class(sgl):
                 spec_info=self._draft_block_spec_info,
                 capture_hidden_mode=sgl.CaptureHiddenMode.NULL,
             )
-            with torch.inference_mode():
-                draft_out = self.draft_model_runner.forward(forward_batch)
             if self._draft_head is not None and draft_out.can_run_graph:
                 return self._draft_head.read(bs)
             if self._eager_head is None:

@@ -1,0 +1,319 @@
+"""The compat layer against the installed SGLang's real API (CPU; runners and groups mocked).
+
+- every supported version has a compat module, and all of them expose the same names;
+- the DDTREE worker class builds against the installed ``DFlashWorkerV2`` and its constructor runs
+  through SGLang's own ``DFlashWorkerV2.__init__`` (drafter bundle, parallel context, KV pools
+  mocked: nothing here needs a GPU or a model);
+- the tree-verify kernel resolves to the version's entry point, and ``tree_greedy_walk`` turns
+  that kernel's outputs into the accepted path exactly like the pure-Python accept walk.
+"""
+
+import ast
+import contextlib
+import inspect
+import types
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+
+from sglang_ddtree import compat  # noqa: E402
+from sglang_ddtree import config as cfg  # noqa: E402
+
+VERSION = compat.installed_sglang_version()
+COMPAT_DIR = Path(compat.__file__).parent
+
+
+def _public_names(path: Path) -> set:
+    """Top-level public names of a compat module, lazy ``_LAZY`` names included (read, not
+    imported: a module for another SGLang version need not import here)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+                    if target.id == "_LAZY":
+                        names |= {k.value for k in node.value.keys}
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            names |= {a.asname or a.name for a in node.names}
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_compat_modules_expose_the_same_names():
+    assert tuple(compat._MODULES) == compat.SUPPORTED_VERSIONS
+    names = {ver: _public_names(COMPAT_DIR / f"{mod}.py") for ver, mod in compat._MODULES.items()}
+    reference = names[compat.SUPPORTED_VERSIONS[0]]
+    assert {"tree_greedy_walk", "handle_dflash_server_args", "DFlashWorkerV2"} <= reference
+    for ver, got in names.items():
+        assert got == reference, f"compat for {ver} differs in {sorted(got ^ reference)}"
+
+
+def test_installed_version_loads_its_module():
+    sgl = compat.load()
+    assert sgl.VERSION == VERSION
+    assert sgl.__name__.endswith(compat._MODULES[VERSION])
+    with pytest.raises(compat.UnsupportedSGLangVersion, match="0.5.17, 0.5.23"):
+        compat.check_version("0.5.20")
+
+
+# --- tree kernels ----------------------------------------------------------------------------
+
+# version -> (module of verify_tree_greedy_func, the CUDA op it dispatches to)
+KERNEL_ENTRY = {
+    "0.5.17": ("sglang.srt.speculative.eagle_utils", "from sgl_kernel import verify_tree_greedy"),
+    "0.5.23": ("sglang.kernels.ops.speculative.spec_tree",
+               "from sglang.kernels.ops.speculative.tree import verify_tree_greedy"),
+}
+
+
+def test_tree_kernels_resolve_to_the_versions_entry_points():
+    sgl = compat.load()
+    module, cuda_import = KERNEL_ENTRY[VERSION]
+    func = sgl.verify_tree_greedy_func
+    assert func.__module__ == module
+    assert cuda_import in inspect.getsource(func)
+    assert tuple(inspect.signature(func).parameters)[:8] == (
+        "predicts", "accept_index", "accept_token_num", "candidates", "retrieve_index",
+        "retrieve_next_token", "retrieve_next_sibling", "target_predict")
+    if VERSION == "0.5.23":
+        # the JIT op imports on CPU (it compiles on first call, on a GPU)
+        from sglang.kernels.ops.speculative.tree import verify_tree_greedy
+
+        assert tuple(inspect.signature(verify_tree_greedy).parameters) == (
+            "predicts", "accept_index", "accept_token_num", "candidates", "retrive_index",
+            "retrive_next_token", "retrive_next_sibling", "target_predict")
+
+
+def _sglang_verify_tree_greedy(*, predicts, accept_index, accept_token_num, candidates,
+                               retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                               target_predict, topk=-1):
+    """SGLang's greedy tree-verify kernel, transcribed from its Triton version (one request per
+    program): flat node ids through ``retrieve_index``, first child / next sibling links."""
+    bs, n = candidates.shape
+    width = accept_index.shape[1]
+    for b in range(bs):
+        last = int(retrieve_index[b, 0])
+        accept_index[b, 0] = last
+        num, cur = 0, 0
+        for _ in range(1, width):
+            cur = int(retrieve_next_token[b, cur])
+            target = int(target_predict.view(-1)[last])
+            matched = False
+            while cur != -1:
+                if int(candidates[b, cur]) == target:
+                    predicts[last] = target
+                    num += 1
+                    accept_index[b, num] = int(retrieve_index[b, cur])
+                    last = int(retrieve_index[b, cur])
+                    matched = True
+                    break
+                cur = int(retrieve_next_sibling[b, cur])
+            if not matched:
+                break
+        accept_token_num[b] = num
+        predicts[last] = int(target_predict.view(-1)[last])
+
+
+def test_tree_greedy_walk_matches_the_accept_walk(monkeypatch):
+    from sglang_ddtree.accept import accept_walk_reference
+    from sglang_ddtree.tree import build_tree
+    from tests._tree_inputs import random_inputs
+
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "verify_tree_greedy_func", _sglang_verify_tree_greedy)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(12):
+        bs, depth, k, budget = 1 + trial % 4, [2, 4, 7][trial % 3], [1, 3, 6][trial % 3], \
+            [3, 9, 24, 40][trial % 4]
+        roots, lp, ids = random_inputs(bs, depth, k, 10, g, scale=1.0)
+        tree = build_tree(roots, lp, ids, budget)
+        n = tree.tokens.shape[1]
+        # the target mostly follows an existing child, so paths get long
+        predicted = torch.randint(0, 10, (bs, n), generator=g)
+        for b in range(bs):
+            for i in range(n):
+                kids = (tree.parents[b] == i).nonzero().view(-1)
+                if len(kids) and torch.rand(1, generator=g).item() < 0.8:
+                    pick = kids[torch.randint(len(kids), (1,), generator=g)]
+                    predicted[b, i] = tree.tokens[b, pick]
+        want = accept_walk_reference(tree, predicted, depth)
+        got = sgl.tree_greedy_walk(tree, predicted, depth + 1)
+        for w, x, name in zip(want, got, ("accept_len", "accepted_nodes", "bonus")):
+            assert torch.equal(w, x.cpu()), (trial, name, w, x)
+
+
+# --- the worker constructor ------------------------------------------------------------------
+
+BLOCK, BUDGET, VOCAB = 8, 12, 1000
+
+
+def _draft_hf_config():
+    return {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 2, "block_size": BLOCK,
+            "vocab_size": VOCAB,
+            "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2]}}
+
+
+def _model_config(hf_config, vocab):
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return types.SimpleNamespace(hf_config=hf_config, vocab_size=vocab, context_len=4096,
+                                 attention_arch=AttentionArch.MHA, is_draft_model=False,
+                                 linear_attn_registry_result=None)
+
+
+def _target_worker():
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2,
+                     architectures=["LlamaForCausalLM"])
+    model = torch.nn.Module()  # no LogitsProcessor inside: nothing to defer
+    model.get_input_embeddings = lambda: torch.nn.Embedding(VOCAB, 16)
+    runner = types.SimpleNamespace(
+        model_config=_model_config(hf, VOCAB), model=model, device="cpu",
+        spec_algorithm=mock.MagicMock(name="spec_algorithm"),
+        spec_aux_config=types.SimpleNamespace(draft_model_config=None),
+        req_to_token_pool=types.SimpleNamespace(size=64),
+    )
+    return types.SimpleNamespace(model_runner=runner, device="cpu")
+
+
+def _draft_bundle():
+    draft_model = types.SimpleNamespace(candidate_selector=None, lilicorr=None, block_size=BLOCK,
+                                        set_block_size=lambda b: None)
+    runner = types.SimpleNamespace(model_config=_model_config(_draft_hf_config(), None),
+                                   model=draft_model)
+    return types.SimpleNamespace(draft_worker=mock.MagicMock(name="draft_tp_worker"),
+                                 draft_model_runner=runner, draft_model=draft_model,
+                                 resolved_attention_backend="triton")
+
+
+def _server_args(tmp_path):
+    return types.SimpleNamespace(
+        speculative_num_draft_tokens=BUDGET + 1, speculative_draft_window_size=None,
+        speculative_draft_model_path=str(tmp_path), page_size=1, disable_cuda_graph=True,
+        speculative_domino_candidate_pool_size=0, speculative_use_block_verification=False,
+    )
+
+
+@contextlib.contextmanager
+def _fake_sglang_process(server_args):
+    """What SGLang's scheduler process provides before it builds the spec worker: published
+    config bags, a parallel context, a TP group, the draft TP worker (all mocked)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    import sglang.srt.runtime_context as rc
+    import sglang.srt.speculative.dflash_worker_v2 as dw
+
+    group = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    parallel = types.SimpleNamespace(tp_rank=0, tp_size=1, attn_dp_enabled=False, tp_group=group,
+                                     attn_tp_size=1, attn_cp_size=1)
+    graphs = types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(
+        decode=types.SimpleNamespace(backend=Backend.DISABLED, bs=[1, 2, 4])))
+    bags = {"get_spec": server_args, "get_schedule": server_args,
+            "get_exec": types.SimpleNamespace(graph=graphs),
+            "get_parallel": parallel}
+    patches = {name: (lambda v=v: v) for name, v in bags.items()}
+    patches.update(
+        build_draft_tp_worker=lambda **kw: _draft_bundle(),
+        get_dp_tp_group=lambda: group,
+        SpecTpSync=lambda group: mock.MagicMock(name="SpecTpSync"),
+        model_draft_parallel_spec=lambda *a, **k: None,
+        resolve_draft_parallel_layout=lambda *a, **k: types.SimpleNamespace(tp_group=None),
+        draft_pp_context=contextlib.nullcontext,
+        draft_tp_context=lambda *a, **k: contextlib.nullcontext(),
+        get_tp_group=lambda: group,
+    )
+    with contextlib.ExitStack() as stack:
+        for module in (dw, rc):
+            for name, value in patches.items():
+                if hasattr(module, name):
+                    stack.enter_context(mock.patch.object(module, name, value))
+        stack.enter_context(mock.patch.object(compat.load(), "get_tp_group", lambda: group))
+        yield
+
+
+def _constructor_kwargs(server_args, target_worker):
+    """Keyword arguments for the installed DFlashWorkerV2 constructor (0.5.17 has ``ps``)."""
+    sgl = compat.load()
+    params = inspect.signature(sgl.DFlashWorkerV2.__init__).parameters
+    values = {"server_args": server_args, "gpu_id": 0, "nccl_port": 12345,
+              "target_worker": target_worker}
+    if "ps" in params:
+        from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+        values["ps"] = ParallelState.trivial()
+    assert set(params) - {"self"} == set(values), sorted(params)
+    return values
+
+
+@pytest.fixture
+def worker_class(monkeypatch):
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang_ddtree import plugin, worker
+
+    assert plugin.registration_error() is None
+    monkeypatch.setenv(cfg.ENV_BUDGET, str(BUDGET))
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_BACKEND", "torch")
+    return worker.get_worker_class()
+
+
+def test_worker_class_subclasses_the_installed_dflash_worker(worker_class):
+    sgl = compat.load()
+    assert issubclass(worker_class, sgl.DFlashWorkerV2)
+    assert worker_class.__name__ == "DDTreeWorker"
+    # SGLang (both versions) builds spec workers with keyword arguments only
+    kwargs = inspect.signature(sgl.DFlashWorkerV2.__init__).parameters
+    assert list(kwargs)[-1] == "target_worker"
+
+
+def test_worker_constructor_runs_against_the_installed_api(worker_class, tmp_path):
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    # SGLang's DFlashWorkerV2.__init__ ran: drafter bundle wired in, mask token resolved
+    assert w.model_runner is target.model_runner
+    assert w.draft_model_runner.model_config.hf_config["block_size"] == BLOCK
+    assert int(w._mask_token_id) == 5
+    # then DDTREE's part: tree sized from the budget, drafter block from the drafter config
+    assert (w.tree_cfg.budget, w.tree_cfg.verify_width, w.tree_cfg.num_draft_tokens) == (
+        BUDGET, BUDGET + 1, BUDGET + 1)
+    assert w.block_size == w.speculative_num_draft_tokens == BLOCK
+    assert w._block_pos_offsets.tolist() == list(range(BLOCK))
+    assert w._draft_block_spec_info.draft_token_num == BLOCK
+    assert w._tp_group is None
+
+
+def test_worker_constructor_takes_positional_arguments_too(worker_class, tmp_path):
+    server_args = _server_args(tmp_path)
+    kwargs = _constructor_kwargs(server_args, _target_worker())
+    params = [p for p in inspect.signature(compat.load().DFlashWorkerV2.__init__).parameters
+              if p != "self"]
+    with _fake_sglang_process(server_args):
+        w = worker_class(*[kwargs[p] for p in params])
+    assert w.tree_cfg.budget == BUDGET
+
+
+def test_worker_constructor_refuses_a_changed_budget(worker_class, tmp_path, monkeypatch):
+    server_args = _server_args(tmp_path)
+    monkeypatch.setenv(cfg.ENV_BUDGET, str(BUDGET + 4))  # launcher said BUDGET, process disagrees
+    with _fake_sglang_process(server_args), \
+            pytest.raises(cfg.DDTreeConfigError, match="disagrees with budget"):
+        worker_class(**_constructor_kwargs(server_args, _target_worker()))
+
+
+def test_worker_constructor_refuses_a_draft_window(worker_class, tmp_path):
+    server_args = _server_args(tmp_path)
+    server_args.speculative_draft_window_size = 64
+    with _fake_sglang_process(server_args), \
+            pytest.raises(cfg.DDTreeConfigError, match="draft-window-size"):
+        worker_class(**_constructor_kwargs(server_args, _target_worker()))
