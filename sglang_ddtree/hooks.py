@@ -167,6 +167,9 @@ def make_validate_request_hook(ddtree_active):
         err = original(req, *args, **kwargs)
         if err is not None or not ddtree_active():
             return err
+        if getattr(req, "return_logprob", False):  # SGLang 0.5.23's DFLASH allows it; DDTREE not
+            return ("DDTREE does not support return_logprob yet; send the request to a server "
+                    "without DDTREE or drop return_logprob.")
         used = [f for f in GRAMMAR_FIELDS if getattr(req.sampling_params, f, None)]
         if used:
             return (f"DDTREE does not support grammar-constrained decoding yet (request sets "

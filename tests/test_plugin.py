@@ -201,6 +201,12 @@ def test_grammar_requests_are_refused_per_request(loaded):
     assert hook(original, types.SimpleNamespace(return_logprob=True, sampling_params=None),
                 True) == "logprob refused"
     assert make_validate_request_hook(lambda: False)(original, req, True) is None
+    # SGLang 0.5.23's DFLASH check admits logprob requests; DDTREE's step computes none
+    lenient = make_validate_request_hook(lambda: True)
+    plain = types.SimpleNamespace(return_logprob=False, sampling_params=types.SimpleNamespace())
+    assert lenient(lambda r, o: None, plain, True) is None
+    assert "return_logprob" in lenient(lambda r, o: None,
+                                       types.SimpleNamespace(return_logprob=True), True)
     # the scheduler imports the function by name: its binding must be the wrapped one too
     import sglang.srt.managers.scheduler as sched
     import sglang.srt.speculative.dflash_utils as dutils
