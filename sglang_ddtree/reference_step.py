@@ -178,7 +178,8 @@ class KVPool:
         self.k = [torch.full(shape, float("nan"), dtype=cfg.dtype) for _ in range(cfg.layers)]
         self.v = [torch.full(shape, float("nan"), dtype=cfg.dtype) for _ in range(cfg.layers)]
         if move_order not in (None, "forward", "reverse"):
-            raise ValueError(f"KVPool.move_order: expected None|forward|reverse, got {move_order!r}")
+            raise ValueError(f"KVPool.move_order: expected None|forward|reverse, got "
+                             f"{move_order!r}")
         self.move_order = move_order
 
     def move_kv_cache(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -231,8 +232,8 @@ class Runtime:
             raise RuntimeError(f"Runtime.reserve: position {int(upto.max())} past max_ctx "
                                f"{self.req_to_token.shape[1]}")
         rows = reqs.repeat_interleave(need)
-        cols = start.repeat_interleave(need) + torch.arange(total) - (need.cumsum(0) - need
-                                                                      ).repeat_interleave(need)
+        first = need.cumsum(0) - need  # where each request's run starts in the flat list
+        cols = (start - first).repeat_interleave(need) + torch.arange(total)
         self.req_to_token[rows, cols] = self.free[:total]
         self.free = self.free[total:]
         self.allocated[reqs] = torch.maximum(start, upto)

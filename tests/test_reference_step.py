@@ -154,7 +154,7 @@ def test_kv_move_order_constructed():
     slots = torch.tensor([[12, 5, 9, 2, 14]])  # width max(N=5, block=4)
     dst, src = kv_moves(slots, step.path_nodes, accept_len)
     cfg = rs.TinyConfig(layers=1, heads=1, head_dim=2)
-    expect = None
+    expect = [12.0, 9.0, 14.0]  # slots of path positions 0..2: root stays, then nodes 2 and 4
     for order, mover, ok in ((None, move_accepted_kv, True), ("forward", move_accepted_kv, True),
                              ("reverse", move_accepted_kv, True), (None, _one_shot_move, True),
                              ("forward", _one_shot_move, True), ("reverse", _one_shot_move, False)):
@@ -163,7 +163,6 @@ def test_kv_move_order_constructed():
         pool.v[0].copy_(-pool.k[0])
         mover(pool, dst, src)
         got = pool.k[0][slots[0, :3], 0, 0].tolist()
-        expect = [12.0, 9.0, 14.0]  # root stays, then the KV of nodes 2 and 4
         assert (got == expect) == ok, (order, mover.__name__, got)
         assert torch.equal(pool.v[0], -pool.k[0])
 
