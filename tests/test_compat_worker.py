@@ -150,13 +150,13 @@ def test_tree_greedy_walk_matches_the_accept_walk(monkeypatch):
 
 # --- the worker constructor ------------------------------------------------------------------
 
-BLOCK, BUDGET, VOCAB = 8, 12, 1000
+BLOCK, BUDGET, VOCAB, HIDDEN, MASK_ID = 8, 12, 1000, 16, 5
 
 
 def _draft_hf_config():
     return {"architectures": ["DFlashDraftModel"], "num_hidden_layers": 2, "block_size": BLOCK,
             "vocab_size": VOCAB,
-            "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2]}}
+            "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2]}}
 
 
 def _model_config(hf_config, vocab):
@@ -167,28 +167,69 @@ def _model_config(hf_config, vocab):
                                  linear_attn_registry_result=None)
 
 
+class _TargetModel(torch.nn.Module):
+    """Embedding + lm_head: what DFLASH's drafter borrows from the target."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=g))
+            self.lm_head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=g))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+
+def _kv_translator(rows, cols):
+    """The installed SGLang's KV id translator for a plain (non-unified) pool, if it has one."""
+    try:
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    except ImportError:  # 0.5.17: slot ids are used as they are
+        return None
+    return KVIndexTranslator(req_to_token=torch.zeros(rows, cols, dtype=torch.int32),
+                             token_to_kv_pool_allocator=object(), token_to_kv_pool=object(),
+                             page_size=1, device="cpu")
+
+
 def _target_worker():
     from transformers import LlamaConfig
 
-    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=2,
+    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                      architectures=["LlamaForCausalLM"])
-    model = torch.nn.Module()  # no LogitsProcessor inside: nothing to defer
-    model.get_input_embeddings = lambda: torch.nn.Embedding(VOCAB, 16)
     runner = types.SimpleNamespace(
-        model_config=_model_config(hf, VOCAB), model=model, device="cpu",
+        model_config=_model_config(hf, VOCAB), model=_TargetModel(), device="cpu",
         spec_algorithm=mock.MagicMock(name="spec_algorithm"),
         spec_aux_config=types.SimpleNamespace(draft_model_config=None),
-        req_to_token_pool=types.SimpleNamespace(size=64),
+        req_to_token_pool=types.SimpleNamespace(size=64), kv_index_translator=_kv_translator(8, 64),
     )
     return types.SimpleNamespace(model_runner=runner, device="cpu")
 
 
+class _DraftRunner:
+    """The drafter's model runner: records the ForwardBatch; the 'drafter' returns its input
+    embeddings plus a position term as hidden states (so every depth differs)."""
+
+    def __init__(self):
+        self.model_config = _model_config(_draft_hf_config(), None)
+        self.model = types.SimpleNamespace(candidate_selector=None, lilicorr=None,
+                                           block_size=BLOCK, set_block_size=lambda b: None)
+        self.kv_index_translator = _kv_translator(8, 64)
+        self.calls = []
+
+    def forward(self, forward_batch):
+        self.calls.append(forward_batch)
+        hidden = forward_batch.input_embeds + 0.25 * forward_batch.positions[:, None].float()
+        return types.SimpleNamespace(can_run_graph=False,
+                                     logits_output=types.SimpleNamespace(hidden_states=hidden))
+
+
 def _draft_bundle():
-    draft_model = types.SimpleNamespace(candidate_selector=None, lilicorr=None, block_size=BLOCK,
-                                        set_block_size=lambda b: None)
-    runner = types.SimpleNamespace(model_config=_model_config(_draft_hf_config(), None),
-                                   model=draft_model)
+    runner = _DraftRunner()
+    draft_model = runner.model
     return types.SimpleNamespace(draft_worker=mock.MagicMock(name="draft_tp_worker"),
                                  draft_model_runner=runner, draft_model=draft_model,
                                  resolved_attention_backend="triton")
@@ -236,6 +277,11 @@ def _fake_sglang_process(server_args):
                 if hasattr(module, name):
                     stack.enter_context(mock.patch.object(module, name, value))
         stack.enter_context(mock.patch.object(compat.load(), "get_tp_group", lambda: group))
+        import sglang.srt.model_executor.forward_batch_info as fbi
+
+        if hasattr(fbi, "enable_num_token_non_padded"):  # reads MoE/DP context: not padded here
+            stack.enter_context(mock.patch.object(fbi, "enable_num_token_non_padded",
+                                                  lambda: False))
         yield
 
 
@@ -283,7 +329,7 @@ def test_worker_constructor_runs_against_the_installed_api(worker_class, tmp_pat
     # SGLang's DFlashWorkerV2.__init__ ran: drafter bundle wired in, mask token resolved
     assert w.model_runner is target.model_runner
     assert w.draft_model_runner.model_config.hf_config["block_size"] == BLOCK
-    assert int(w._mask_token_id) == 5
+    assert int(w._mask_token_id) == MASK_ID
     # then DDTREE's part: tree sized from the budget, drafter block from the drafter config
     assert (w.tree_cfg.budget, w.tree_cfg.verify_width, w.tree_cfg.num_draft_tokens) == (
         BUDGET, BUDGET + 1, BUDGET + 1)
@@ -317,3 +363,99 @@ def test_worker_constructor_refuses_a_draft_window(worker_class, tmp_path):
     with _fake_sglang_process(server_args), \
             pytest.raises(cfg.DDTreeConfigError, match="draft-window-size"):
         worker_class(**_constructor_kwargs(server_args, _target_worker()))
+
+
+def _draft_input_with_reserved_lens(bs, lens):
+    """SGLang's DFlashDraftInputV2 as prepare_for_decode leaves it: host reserved KV lengths in
+    the version's fields (0.5.17 ``reserved_seq_lens_*``, 0.5.23 ``nxt_kv_lens_*``)."""
+    import dataclasses
+
+    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+    names = {"0.5.17": ("reserved_seq_lens_cpu", "reserved_seq_lens_sum"),
+             "0.5.23": ("nxt_kv_lens_cpu", "nxt_kv_lens_sum")}[VERSION]
+    assert set(names) <= {f.name for f in dataclasses.fields(DFlashDraftInputV2)}
+    draft_input = DFlashDraftInputV2.create_idle_input(device=torch.device("cpu"))
+    setattr(draft_input, names[0], lens)
+    setattr(draft_input, names[1], int(lens.sum()))
+    return draft_input
+
+
+@pytest.mark.parametrize("host_lens", ["batch", "reserved"])
+def test_draft_block_runs_through_the_installed_api(worker_class, tmp_path, host_lens):
+    """One drafter block of the decode step (DDTreeWorker._draft) on CPU: the version's
+    ForwardBatch, KV plan and embedding path, then the top-K head over the target's lm_head.
+    ``host_lens``: the host length bound comes from the batch, or (overlap scheduling without
+    host lengths) from the draft input's reserved KV lengths."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    bs = 3
+    prefix = torch.tensor([5, 9, 17], dtype=torch.int64)
+    bonus = torch.tensor([11, 22, 33], dtype=torch.int64)
+    block_slots = 100 * torch.arange(1, bs + 1)[:, None] + torch.arange(BLOCK)[None, :]
+    reserved = prefix + 2 * BUDGET + 3
+    batch = types.SimpleNamespace(
+        req_pool_indices=torch.tensor([1, 2, 3]), seq_lens=prefix, seq_lens_cpu=prefix.clone(),
+        spec_info=None, can_run_decode_cuda_graph=False)
+    if host_lens == "reserved":
+        batch.seq_lens_cpu = None
+        batch.spec_info = _draft_input_with_reserved_lens(bs, reserved)
+    bound = prefix + BLOCK if host_lens == "batch" else reserved
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+        topk_logp, topk_ids = w._draft(batch, bonus, prefix, block_slots, bs)
+
+    (fb,) = w.draft_model_runner.calls
+    assert isinstance(fb, ForwardBatch) and fb.forward_mode == ForwardMode.TARGET_VERIFY
+    assert fb.batch_size == bs and fb.spec_info is w._draft_block_spec_info
+    assert torch.equal(fb.out_cache_loc.view(bs, BLOCK), block_slots)
+    positions = prefix[:, None] + torch.arange(BLOCK)[None, :]
+    assert torch.equal(fb.positions.view(bs, BLOCK), positions)
+    block_ids = torch.full((bs, BLOCK), MASK_ID)
+    block_ids[:, 0] = bonus
+    assert torch.equal(fb.input_ids.view(bs, BLOCK), block_ids)
+    embed = target.model_runner.model.embed.weight
+    assert torch.equal(fb.input_embeds, embed[block_ids.view(-1)])
+    assert fb.seq_lens_cpu.tolist() == bound.tolist() and fb.seq_lens_sum == int(bound.sum())
+    if VERSION == "0.5.23":  # every forward carries the iteration's KV plan
+        assert fb.kv_loc_plan is not None and fb.out_cache_loc_is_physical
+        assert fb.global_num_token_non_padded_cpu == bs * BLOCK
+
+    # the head: per-depth top-K of log_softmax(hidden @ lm_head.T) at depths 1..B-1
+    hidden = (fb.input_embeds + 0.25 * fb.positions[:, None].float()).view(bs, BLOCK, -1)
+    logp = torch.log_softmax(hidden[:, 1:] @ target.model_runner.model.lm_head.weight.T, -1)
+    want_logp, want_ids = logp.topk(w.tree_cfg.topk, dim=-1)
+    assert topk_logp.shape == (bs, BLOCK - 1, w.tree_cfg.topk)
+    torch.testing.assert_close(topk_logp, want_logp, rtol=1e-5, atol=1e-5)
+    assert torch.equal(topk_ids, want_ids)
+
+
+def test_kv_layout_and_logits_helpers(worker_class, tmp_path):
+    """The step's other version-specific pieces: translated KV pools refused (0.5.23 only; 0.5.17
+    has none), verify logits gathered when DFLASH deferred the TP vocab gather (0.5.23)."""
+    sgl = compat.load()
+    server_args = _server_args(tmp_path)
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, _target_worker()))
+    sgl.check_kv_layout(w)  # plain pools: fine on every version
+    w.draft_model_runner.kv_index_translator = types.SimpleNamespace(is_translating=True)
+    if VERSION == "0.5.17":
+        sgl.check_kv_layout(w)
+    else:
+        with pytest.raises(cfg.DDTreeConfigError, match="drafter uses"):
+            sgl.check_kv_layout(w)
+
+    full = torch.randn(6, VOCAB)
+    out = types.SimpleNamespace(next_token_logits=full)
+    assert sgl.verify_logits(w, out) is full  # nothing deferred
+    shard = full[:, : VOCAB // 2]
+    w._target_logits_processor = types.SimpleNamespace(
+        is_deferred_shard=lambda x: x.shape[-1] < VOCAB, finish_deferred_gather=lambda x: full)
+    out = types.SimpleNamespace(next_token_logits=shard)
+    got = sgl.verify_logits(w, out)
+    if VERSION == "0.5.17":  # 0.5.17 never defers: logits are returned as they are
+        assert got is shard
+    else:
+        assert got is full and out.next_token_logits is full
