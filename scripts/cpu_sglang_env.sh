@@ -20,5 +20,5 @@ esac
   tqdm ipython aiohttp dill sentencepiece gguf partial_json_parser einops setproctitle uvicorn \
   fastapi jsonschema opentelemetry-api interegular huggingface-hub==1.33.0 safetensors regex \
   pyyaml filelock jinja2 soundfile scipy xxhash sniffio anyio httpx zstandard distro jiter loguru \
-  python-multipart watchfiles triton==3.6.0 pytest
+  python-multipart watchfiles uvloop triton==3.6.0 pytest
 "$venv/bin/python" -c "from sglang.srt.plugins import load_plugins; from sglang.srt.speculative.spec_info import SpeculativeAlgorithm; print('sglang', __import__('sglang').__version__, 'imports on CPU')"
