@@ -320,3 +320,21 @@ def test_dummy_verify_input_hook_reads_arguments_by_name(loaded):
 
     original = inspect.unwrap(spec_info.create_dummy_verify_input)
     assert tuple(inspect.signature(original).parameters) == sgl.DUMMY_VERIFY_INPUT_PARAMS
+
+
+@only_0_5_23
+def test_launch_command_line_parses_on_0_5_23(loaded, monkeypatch):
+    """The launcher's own parser (prepare_server_args): 0.5.23 builds the record without resolving
+    it, so the whole command line can be checked here, DDTree flags included."""
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.delenv(cfg.ENV_BUDGET, raising=False)
+    monkeypatch.delenv(cfg.ENV_TOPK, raising=False)
+    monkeypatch.setattr("logging.basicConfig", lambda **kw: None)  # keep pytest's log handlers
+    record = prepare_server_args([
+        "--model-path", "m", "--speculative-algorithm", "DDTREE",
+        "--speculative-draft-model-path", "d", "--speculative-ddtree-budget", "48",
+        "--speculative-ddtree-topk", "6", "--attention-backend", "triton"])
+    assert record.speculative_algorithm == "DDTREE" and record.speculative_draft_model_path == "d"
+    assert os.environ[cfg.ENV_BUDGET] == "48" and os.environ[cfg.ENV_TOPK] == "6"
+    assert not hasattr(record, "speculative_ddtree_budget")  # not a ServerArgs field
