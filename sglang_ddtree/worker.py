@@ -65,6 +65,7 @@ def _make_worker_class(sgl):
             # (our wider max(budget+1, block)); the drafter block is the config's.
             self.block_size = int(block)
             self.speculative_num_draft_tokens = int(block)
+            sgl.set_draft_block_size(self, int(block))
             self._block_pos_offsets = sgl.build_block_pos_offsets(length=int(block),
                                                                   device=self.device)
             self._draft_block_spec_info = sgl.make_draft_block_spec_info(

@@ -216,7 +216,13 @@ class _DraftRunner:
     def __init__(self):
         self.model_config = _model_config(_draft_hf_config(), None)
         self.model = types.SimpleNamespace(candidate_selector=None, lilicorr=None,
-                                           block_size=BLOCK, set_block_size=lambda b: None)
+                                           block_size=BLOCK, block_sizes_set=[])
+
+        def set_block_size(b):  # 0.5.23's DFlashDraftModel API
+            self.model.block_size = b
+            self.model.block_sizes_set.append(b)
+
+        self.model.set_block_size = set_block_size
         self.kv_index_translator = _kv_translator(8, 64)
         self.calls = []
 
@@ -334,6 +340,10 @@ def test_worker_constructor_runs_against_the_installed_api(worker_class, tmp_pat
     assert (w.tree_cfg.budget, w.tree_cfg.verify_width, w.tree_cfg.num_draft_tokens) == (
         BUDGET, BUDGET + 1, BUDGET + 1)
     assert w.block_size == w.speculative_num_draft_tokens == BLOCK
+    # 0.5.23's DFLASH sizes the drafter with speculative_num_draft_tokens (BUDGET + 1 here); the
+    # drafter's own block must win
+    assert w.draft_model.block_size == BLOCK
+    assert w.draft_model.block_sizes_set == ([] if VERSION == "0.5.17" else [BUDGET + 1, BLOCK])
     assert w._block_pos_offsets.tolist() == list(range(BLOCK))
     assert w._draft_block_spec_info.draft_token_num == BLOCK
     assert w._tp_group is None

@@ -143,6 +143,10 @@ def reserved_kv_lens(draft_input):
     return draft_input.reserved_seq_lens_cpu, draft_input.reserved_seq_lens_sum
 
 
+def set_draft_block_size(worker, block_size: int) -> None:
+    """0.5.17's drafter has no block-size-dependent layers and DFLASH never resizes it."""
+
+
 def check_kv_layout(worker) -> None:
     """0.5.17 KV slot ids index the pools directly: nothing to refuse."""
 

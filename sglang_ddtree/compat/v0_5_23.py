@@ -208,6 +208,13 @@ def reserved_kv_lens(draft_input):
     return draft_input.nxt_kv_lens_cpu, draft_input.nxt_kv_lens_sum
 
 
+def set_draft_block_size(worker, block_size: int) -> None:
+    """Give the drafter its real block size back. DFLASH's constructor sets it to
+    ``speculative_num_draft_tokens``, which for DDTREE is max(budget+1, block); the drafter's
+    block convolutions index positions modulo this value."""
+    worker.draft_model.set_block_size(int(block_size))
+
+
 def check_kv_layout(worker) -> None:
     """Refuse KV pools whose slot ids need translating (unified / fused-draft pools).
 
