@@ -45,6 +45,7 @@ def _make_worker_class(sgl):
             server_args = bound.arguments["server_args"]
             self._check_target(server_args, bound.arguments["target_worker"])
             super().__init__(*args, **kwargs)
+            sgl.check_drafter_variant(self)
             draft_cfg = sgl.parse_dflash_draft_config(
                 draft_hf_config=self.draft_model_runner.model_config.hf_config
             )

@@ -367,6 +367,18 @@ def test_worker_constructor_refuses_a_changed_budget(worker_class, tmp_path, mon
         worker_class(**_constructor_kwargs(server_args, _target_worker()))
 
 
+@pytest.mark.skipif(VERSION != "0.5.23", reason="drafter variants exist from SGLang 0.5.23")
+def test_worker_constructor_refuses_selector_drafters(worker_class, tmp_path):
+    server_args = _server_args(tmp_path)
+    bundle = _draft_bundle()
+    bundle.draft_model.candidate_selector = object()
+    with _fake_sglang_process(server_args), \
+            mock.patch("sglang.srt.speculative.dflash_worker_v2.build_draft_tp_worker",
+                       lambda **kw: bundle), \
+            pytest.raises(cfg.DDTreeConfigError, match="candidate selector"):
+        worker_class(**_constructor_kwargs(server_args, _target_worker()))
+
+
 def test_worker_constructor_refuses_a_draft_window(worker_class, tmp_path):
     server_args = _server_args(tmp_path)
     server_args.speculative_draft_window_size = 64

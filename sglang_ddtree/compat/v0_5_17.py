@@ -143,6 +143,10 @@ def reserved_kv_lens(draft_input):
     return draft_input.reserved_seq_lens_cpu, draft_input.reserved_seq_lens_sum
 
 
+def check_drafter_variant(worker) -> None:
+    """0.5.17's DFLASH drafters all end in the target's lm_head: DDTREE's top-K head fits."""
+
+
 def set_draft_block_size(worker, block_size: int) -> None:
     """0.5.17's drafter has no block-size-dependent layers and DFLASH never resizes it."""
 

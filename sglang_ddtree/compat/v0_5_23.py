@@ -208,6 +208,23 @@ def reserved_kv_lens(draft_input):
     return draft_input.nxt_kv_lens_cpu, draft_input.nxt_kv_lens_sum
 
 
+def check_drafter_variant(worker) -> None:
+    """Refuse the DFLASH drafter variants 0.5.23 added (Domino rollout, candidate selector,
+    LiLiCorr head): their proposals are not the lm_head distribution of the drafter's hidden
+    states, which is what DDTREE's per-depth top-K reads."""
+    from .. import config as cfg
+
+    variants = [name for name, on in (
+        ("Domino", getattr(worker, "_is_domino", False)),
+        ("candidate selector", getattr(worker, "selector", None) is not None),
+        ("LiLiCorr", getattr(worker, "lilicorr", None) is not None)) if on]
+    if variants:
+        raise cfg.DDTreeConfigError(
+            f"DDTREE supports plain DFlash drafters; this drafter has a {', '.join(variants)} "
+            "head. Use --speculative-algorithm DFLASH for it."
+        )
+
+
 def set_draft_block_size(worker, block_size: int) -> None:
     """Give the drafter its real block size back. DFLASH's constructor sets it to
     ``speculative_num_draft_tokens``, which for DDTREE is max(budget+1, block); the drafter's
