@@ -26,6 +26,7 @@ ENV_ORACLE = "SGLANG_DDTREE_TEST_ORACLE"  # test-only oracle draft mode (see sgl
 ENV_TIMERS = "SGLANG_DDTREE_TIMERS"
 ENV_RANK_CHECK = "SGLANG_DDTREE_CHECK_RANKS"  # debug: compare tree hashes across TP ranks
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
+ENV_VERIFY_BACKEND = "SGLANG_DDTREE_VERIFY_BACKEND"
 
 MIN_BUDGET = 1
 MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
@@ -39,6 +40,23 @@ TREE_VERIFY_BACKENDS = {
     "mha": ("triton", "flashinfer"),
     "mla": ("triton",),
 }
+# Which kernels run the target's verify forward (--speculative-ddtree-verify-backend):
+# "native" = the target's own attention backend with the FULL_MASK custom mask (the backends
+# above); "triton" = our Triton tree-attention kernels (sglang_ddtree/verify_backend.py) while
+# prefill and decode keep the target's backend. Opt-in until verified on a GPU.
+VERIFY_BACKENDS = ("native", "triton")
+DEFAULT_VERIFY_BACKEND = "native"
+# Target attention backends (runtime names, as compat.attention_backend_name reports them) that
+# the "triton" verify backend can sit behind: they keep SGLang's token-granular KV pools
+# (MHATokenToKVPool [slots, H, D] / MLATokenToKVPool [slots, 1, rank + rope]).
+TRITON_VERIFY_TARGET_BACKENDS = {
+    "mha": ("triton", "flashinfer", "fa3"),
+    "mla": ("triton", "flashinfer_mla", "flashmla", "cutlass_mla", "trtllm_mla", "fa3"),
+}
+# The same set as --attention-backend values (SGLang picks its MLA flashinfer backend for
+# "flashinfer" on an MLA model).
+TRITON_VERIFY_CLI_BACKENDS = ("triton", "flashinfer", "fa3", "flashmla", "cutlass_mla",
+                              "trtllm_mla")
 # Drafter attention backends we pin to (the drafter runs a block-causal TARGET_VERIFY forward).
 DRAFT_BACKENDS = ("triton", "flashinfer")
 
@@ -115,6 +133,22 @@ def resolve(block_size: int, vocab_size: int, environ=os.environ) -> DDTreeConfi
     # better-ranked siblings.
     k = min(budget, vocab_size) if topk is None else min(topk, budget, vocab_size)
     return DDTreeConfig(budget=budget, topk=k, block_size=block_size)
+
+
+def validate_verify_backend(name: str) -> str:
+    if name not in VERIFY_BACKENDS:
+        raise DDTreeConfigError(
+            f"--speculative-ddtree-verify-backend must be one of {', '.join(VERIFY_BACKENDS)}, "
+            f"got {name!r} (or set {ENV_VERIFY_BACKEND} for sglang.Engine)."
+        )
+    return name
+
+
+def read_verify_backend(environ=os.environ) -> str:
+    raw = environ.get(ENV_VERIFY_BACKEND)
+    if raw is None or raw == "":
+        return DEFAULT_VERIFY_BACKEND
+    return validate_verify_backend(raw.strip().lower())
 
 
 def oracle_enabled(environ=os.environ) -> bool:

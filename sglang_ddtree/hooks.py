@@ -3,8 +3,8 @@
 Each hook is a plain function taking the original first (HookRegistry AROUND convention), so it
 can be tested without SGLang. :func:`register_all` installs them through SGLang's HookRegistry.
 
-1. CLI: ``--speculative-ddtree-budget`` / ``--speculative-ddtree-topk`` in SGLang's speculative
-   argument group; ``from_cli_args`` copies them into the environment (the one source of truth,
+1. CLI: ``--speculative-ddtree-budget`` / ``--speculative-ddtree-topk`` /
+   ``--speculative-ddtree-verify-backend`` in SGLang's speculative argument group; ``from_cli_args`` copies them into the environment (the one source of truth,
    inherited by scheduler processes) before ``ServerArgs`` resolves the algorithm.
 2. Requests: SGLang validates DFLASH-family requests at admission; DDTREE also refuses
    grammar-constrained ones there (aborting that request with a message, never the server).
@@ -50,6 +50,17 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
         help="DDTREE: candidates per depth K (default min(budget, vocab); env "
         f"{cfg.ENV_TOPK}).",
     )
+    group.add_argument(
+        "--speculative-ddtree-verify-backend",
+        type=str,
+        choices=cfg.VERIFY_BACKENDS,
+        default=None,
+        help="DDTREE: kernels of the target's tree-verify forward. 'native' (default): the "
+        "target's attention backend with a tree mask; 'triton': sglang-ddtree's Triton "
+        "tree-attention kernels, while prefill and decode keep the target's backend (lets "
+        "fa3 and the MLA backends flashinfer/flashmla/cutlass_mla/trtllm_mla serve DDTREE). "
+        f"Env {cfg.ENV_VERIFY_BACKEND}.",
+    )
     if group is not parser:
         _place_after_speculative_flags(group)
 
@@ -90,9 +101,13 @@ def export_cli_args(args: argparse.Namespace, environ=os.environ) -> None:
         if topk < 1:
             raise cfg.DDTreeConfigError(f"--speculative-ddtree-topk must be >= 1, got {topk}.")
         environ[cfg.ENV_TOPK] = str(int(topk))
+    verify = getattr(args, "speculative_ddtree_verify_backend", None)
+    if verify is not None:
+        environ[cfg.ENV_VERIFY_BACKEND] = cfg.validate_verify_backend(str(verify))
 
 
-ENGINE_KWARGS = ("speculative_ddtree_budget", "speculative_ddtree_topk")
+ENGINE_KWARGS = ("speculative_ddtree_budget", "speculative_ddtree_topk",
+                 "speculative_ddtree_verify_backend")
 
 
 def server_args_init_hook(original, self, *args, **kwargs):

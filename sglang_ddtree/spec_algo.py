@@ -68,13 +68,28 @@ def check_server_args(server_args) -> None:
         )
     cfg.read_budget()  # raises on a bad --speculative-ddtree-budget / SGLANG_DDTREE_BUDGET
     cfg.read_topk()
+    verify = cfg.read_verify_backend()
     backend = server_args.decode_attention_backend or server_args.attention_backend
+    if backend is None:
+        return  # SGLang picks one later; the worker checks what it picked
+    if verify == "triton":
+        if backend not in cfg.TRITON_VERIFY_CLI_BACKENDS:
+            raise cfg.DDTreeConfigError(
+                f"DDTREE with --speculative-ddtree-verify-backend triton runs behind the "
+                f"'{backend}' attention backend only if it keeps SGLang's standard KV pool; "
+                f"use --attention-backend with one of: "
+                f"{', '.join(cfg.TRITON_VERIFY_CLI_BACKENDS)}."
+            )
+        return
     allowed = sorted({b for bs in cfg.TREE_VERIFY_BACKENDS.values() for b in bs})
-    if backend is not None and backend not in allowed:
+    if backend not in allowed:
+        hint = (" Or keep it and add --speculative-ddtree-verify-backend triton (DDTREE's own "
+                "Triton tree-verify kernels)." if backend in cfg.TRITON_VERIFY_CLI_BACKENDS
+                else "")
         raise cfg.DDTreeConfigError(
             f"DDTREE verifies a tree, which the '{backend}' attention backend cannot express. "
             f"Use --attention-backend with one of: {', '.join(allowed)} (MLA targets: "
-            f"{', '.join(cfg.TREE_VERIFY_BACKENDS['mla'])})."
+            f"{', '.join(cfg.TREE_VERIFY_BACKENDS['mla'])}).{hint}"
         )
 
 
