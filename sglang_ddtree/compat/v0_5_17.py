@@ -40,6 +40,7 @@ _LAZY = {
     "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
     "get_tp_group": ("sglang.srt.distributed", "get_tp_group"),
     "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+    "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
     # CUDA/HIP: sgl_kernel.verify_tree_greedy
     "verify_tree_greedy_func": ("sglang.srt.speculative.eagle_utils", "verify_tree_greedy_func"),
 }
@@ -108,6 +109,9 @@ _BACKEND_NAMES = {
     "FlashInferAttnBackend": "flashinfer",
     "FlashInferMLAAttnBackend": "flashinfer_mla",
     "FlashAttentionBackend": "fa3",
+    "FlashMLABackend": "flashmla",
+    "CutlassMLABackend": "cutlass_mla",
+    "TRTLLMMLABackend": "trtllm_mla",
 }
 
 
@@ -174,6 +178,21 @@ def run_draft_block(worker, batch, *, block_size: int, **fields):
     forward_batch = ForwardBatch(**fields)
     with torch.inference_mode():
         return worker.draft_model_runner.forward(forward_batch)
+
+
+# --- the triton tree-verify backend (verify_backend.py) ------------------------------------
+
+def kv_write_loc(forward_batch):
+    """What ``token_to_kv_pool.set_kv_buffer`` takes as the write location of the batch's new
+    tokens (0.5.17 pools take the bare ``out_cache_loc``, as the triton backend passes it)."""
+    return forward_batch.out_cache_loc
+
+
+def dcp_enabled() -> bool:
+    """Whether decode context parallelism shards this rank's KV (``--dcp-size`` > 1)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return bool(get_parallel().dcp_enabled)
 
 
 def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:

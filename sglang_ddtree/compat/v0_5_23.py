@@ -58,6 +58,7 @@ _LAZY = {
         "sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
     "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
     "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+    "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
     # CUDA/HIP: the JIT op sglang.kernels.ops.speculative.tree.verify_tree_greedy
     "verify_tree_greedy_func": (
         "sglang.kernels.ops.speculative.spec_tree", "verify_tree_greedy_func"),
@@ -165,6 +166,9 @@ _BACKEND_NAMES = {
     "FlashInferAttnBackend": "flashinfer",
     "FlashInferMLAAttnBackend": "flashinfer_mla",
     "FlashAttentionBackend": "fa3",
+    "FlashMLABackend": "flashmla",
+    "CutlassMLABackend": "cutlass_mla",
+    "TRTLLMMLABackend": "trtllm_mla",
 }
 
 
@@ -317,6 +321,24 @@ def run_draft_block(worker, batch, *, block_size: int, **fields):
     plan.bind(forward_batch, worker.draft_model_runner.kv_index_translator)
     with torch.inference_mode(), draft_tp_context(worker.draft_parallel_layout):
         return worker.draft_model_runner.forward(forward_batch)
+
+
+# --- the triton tree-verify backend (verify_backend.py) ------------------------------------
+
+def kv_write_loc(forward_batch):
+    """What ``token_to_kv_pool.set_kv_buffer`` takes as the write location of the batch's new
+    tokens: the batch's ``out_cache_loc`` with its physical mark, as the triton backend passes
+    it (``check_kv_layout`` has refused pools whose ids need translating)."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    return KVWriteLoc.for_batch(forward_batch)
+
+
+def dcp_enabled() -> bool:
+    """Whether decode context parallelism shards this rank's KV (``--dcp-size`` > 1)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return bool(get_parallel().dcp_enabled)
 
 
 def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:
