@@ -21,6 +21,7 @@ from .draft_topk import DraftTopKHead
 from .sampling import sample_per_node
 from .tree_graph import TreeBuildGraphs
 from .verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
+from .verify_backend import attach_tree_mask
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def _make_worker_class(sgl):
                 builder=_tree_builder(self.tree_cfg, self.device),
                 use_graphs=sgl.decode_graphs_enabled(server_args),
             )
+            self._tree_verify = None  # the triton verify backend, set in init_attention_backends
             self._oracle = None
             if cfg.oracle_enabled():
                 from .oracle import OracleDraft
@@ -124,12 +126,29 @@ def _make_worker_class(sgl):
             mr = self.model_runner
             arch = "mla" if sgl.is_mla(mr.model_config) else "mha"
             backend = sgl.attention_backend_name(mr)
+            verify = cfg.read_verify_backend()
+            self._tree_verify = None
+            if verify == "triton":
+                allowed = cfg.TRITON_VERIFY_TARGET_BACKENDS[arch]
+                if backend not in allowed:
+                    raise cfg.DDTreeConfigError(
+                        f"DDTREE: --speculative-ddtree-verify-backend triton does not run "
+                        f"behind the target's attention backend '{backend}' ({arch.upper()} "
+                        f"model); supported: {', '.join(allowed)}."
+                    )
+                from .verify_backend import install
+
+                # before SGLang captures the target's verify graphs (init_cuda_graphs)
+                self._tree_verify = install(mr, self.tree_cfg.verify_width, sgl)
+                return
             allowed = cfg.TREE_VERIFY_BACKENDS[arch]
             if backend not in allowed:
+                hint = (" Or keep it and add --speculative-ddtree-verify-backend triton."
+                        if backend in cfg.TRITON_VERIFY_TARGET_BACKENDS[arch] else "")
                 raise cfg.DDTreeConfigError(
                     f"DDTREE: the target's attention backend '{backend}' cannot verify a tree "
                     f"for an {arch.upper()} model. Use --attention-backend "
-                    f"{' or '.join(allowed)}."
+                    f"{' or '.join(allowed)}.{hint}"
                 )
 
         # --- drafter head (folded into the drafter's CUDA graph) ---------------------------
@@ -193,8 +212,10 @@ def _make_worker_class(sgl):
             # 3) verify all N tokens in one target forward with the ancestor mask
             positions = tree_positions(tree.depths, prefix)
             seq_bound = self._host_seq_bound(batch, draft_input, width)
-            mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
-            write_full_mask(tree.ancestor_mask, prefix, mask)
+            mask = None
+            if self._tree_verify is None:  # the target's own backend reads the FULL_MASK
+                mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
+                write_full_mask(tree.ancestor_mask, prefix, mask)
             verify_input = sgl.DFlashVerifyInput(
                 draft_token=tree.tokens.reshape(-1),
                 positions=positions.reshape(-1),
@@ -202,6 +223,8 @@ def _make_worker_class(sgl):
                 custom_mask=mask,
                 capture_hidden_mode=sgl.CaptureHiddenMode.FULL,
             )
+            if self._tree_verify is not None:  # our Triton kernels read the [bs, N, N] tree
+                attach_tree_mask(verify_input, tree.ancestor_mask)
             batch.out_cache_loc = slots[:, :n].reshape(-1)
             backup = (batch.seq_lens_cpu, batch.seq_lens_sum)
             if seq_bound[0] is not None:
