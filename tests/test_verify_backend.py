@@ -1,0 +1,572 @@
+"""The triton verify backend (``--speculative-ddtree-verify-backend triton``) on CPU.
+
+- the flag parses in SGLang's own parser, reaches the environment (CLI and ``Engine`` keyword),
+  and the startup checks (launcher and worker) allow / refuse the right backend combinations;
+- :class:`TreeVerifyBackend` hands every non-verify call to the wrapped backend untouched;
+- a TARGET_VERIFY layer call through SGLang's real ``RadixAttention.forward`` into a real
+  ``MHATokenToKVPool`` / ``MLATokenToKVPool`` writes the new K/V (latent rows) at
+  ``out_cache_loc`` and returns the fp32 reference's output (``triton_kernels/reference.py``),
+  eagerly and through the CUDA-graph metadata path (padded batch, snapshot of ``req_to_token``),
+  for both MLA call conventions and with the rope the trtllm_mla path leaves to the backend.
+
+Kernels run in Triton's interpreter (tests/conftest.py). Tolerance as
+tests/triton_kernels/test_tree_attention.py: max |out - ref| / max |ref| < 1e-2 for bf16.
+Unused cache slots hold NaN, so a read outside a request's keys fails.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import types
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+
+from sglang_ddtree import compat  # noqa: E402
+from sglang_ddtree import config as cfg  # noqa: E402
+from sglang_ddtree import hooks, spec_algo, verify_backend  # noqa: E402
+from tests.triton_kernels import load_kernels  # noqa: E402
+
+K = load_kernels(interpret=True)
+REF = K.reference
+KERNELS = (K.tree_attention.TreeAttention, K.tree_attention_mla.TreeAttentionMLA)
+TOL = 1e-2  # bf16 output rounding (the interpreter's dots run in fp32)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang_ddtree import plugin
+
+    assert plugin.registration_error() is None
+    return plugin
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+# --- the flag -----------------------------------------------------------------------------
+
+def test_flag_parses_and_is_exported(loaded, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    base = ["--model-path", "m", "--speculative-algorithm", "DDTREE"]
+    ns = parser.parse_args(base + ["--speculative-ddtree-verify-backend", "triton"])
+    assert ns.speculative_ddtree_verify_backend == "triton"
+    assert parser.parse_args(base).speculative_ddtree_verify_backend is None
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(open(os.devnull, "w")):
+        parser.parse_args(base + ["--speculative-ddtree-verify-backend", "flashinfer"])
+    assert "--speculative-ddtree-verify-backend" in parser.format_help()
+
+    env = {}
+    hooks.export_cli_args(ns, environ=env)
+    assert env == {cfg.ENV_VERIFY_BACKEND: "triton"}
+    assert cfg.read_verify_backend(env) == "triton"
+    assert cfg.read_verify_backend({}) == cfg.DEFAULT_VERIFY_BACKEND == "native"
+    with pytest.raises(cfg.DDTreeConfigError, match="speculative-ddtree-verify-backend"):
+        cfg.read_verify_backend({cfg.ENV_VERIFY_BACKEND: "fa3"})
+
+    # sglang.Engine(speculative_ddtree_verify_backend=...): taken out before ServerArgs sees it
+    assert "speculative_ddtree_verify_backend" in hooks.ENGINE_KWARGS
+    monkeypatch.delenv(cfg.ENV_VERIFY_BACKEND, raising=False)
+    seen = {}
+
+    def original(self, *args, **kwargs):
+        seen.update(kwargs)
+
+    hooks.server_args_init_hook(original, object(), model_path="m",
+                                speculative_ddtree_verify_backend="triton")
+    assert seen == {"model_path": "m"}
+    assert os.environ[cfg.ENV_VERIFY_BACKEND] == "triton"
+
+
+def _server_args(backend, decode=None):
+    return types.SimpleNamespace(speculative_draft_model_path="d", pp_size=1,
+                                 attention_backend=backend, decode_attention_backend=decode)
+
+
+@pytest.mark.parametrize("backend", ["trtllm_mla", "flashmla", "cutlass_mla", "fa3"])
+def test_launcher_allows_non_tree_backends_only_with_triton_verify(backend, monkeypatch):
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "native")
+    with pytest.raises(cfg.DDTreeConfigError,
+                       match="add --speculative-ddtree-verify-backend triton"):
+        spec_algo.check_server_args(_server_args(backend))
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
+    spec_algo.check_server_args(_server_args(backend))  # allowed
+    spec_algo.check_server_args(_server_args("triton", decode=backend))
+
+
+def test_launcher_refusals_name_the_flag(monkeypatch):
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
+    with pytest.raises(cfg.DDTreeConfigError,
+                       match="speculative-ddtree-verify-backend triton.*torch_native"):
+        spec_algo.check_server_args(_server_args("torch_native"))
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "native")
+    for ok in ("triton", "flashinfer"):
+        spec_algo.check_server_args(_server_args(ok))
+    with pytest.raises(cfg.DDTreeConfigError) as info:
+        spec_algo.check_server_args(_server_args("torch_native"))
+    assert "verify-backend" not in str(info.value)  # no false hint: triton verify refuses it too
+
+
+# --- the worker's check and install ---------------------------------------------------------
+
+def _attn_backend(class_name):
+    return type(class_name, (), {})()
+
+
+def _bare_worker(worker_class, arch, backend_class):
+    """A DDTreeWorker instance with just what init_attention_backends reads (no constructor)."""
+    from sglang.srt.configs.model_config import AttentionArch
+
+    w = object.__new__(worker_class)
+    mc = types.SimpleNamespace(attention_arch=AttentionArch.MLA if arch == "mla"
+                               else AttentionArch.MHA)
+    w.model_runner = types.SimpleNamespace(model_config=mc, kv_index_translator=None,
+                                           attn_backend=_attn_backend(backend_class))
+    w.draft_model_runner = types.SimpleNamespace(kv_index_translator=None)
+    w.tree_cfg = cfg.DDTreeConfig(budget=7, topk=4, block_size=8)
+    return w
+
+
+@pytest.fixture
+def worker_class(loaded, monkeypatch):
+    from sglang_ddtree import worker
+
+    sgl = compat.load()
+    monkeypatch.setattr(sgl.DFlashWorkerV2, "init_attention_backends", lambda self: None)
+    return worker.get_worker_class()
+
+
+@pytest.mark.parametrize("arch,backend_class,name", [
+    ("mla", "TRTLLMMLABackend", "trtllm_mla"),
+    ("mla", "FlashInferMLAAttnBackend", "flashinfer_mla"),
+    ("mla", "FlashMLABackend", "flashmla"),
+    ("mha", "FlashAttentionBackend", "fa3"),
+])
+def test_worker_installs_triton_verify_behind_non_tree_backends(worker_class, monkeypatch, arch,
+                                                                 backend_class, name):
+    installed = []
+    monkeypatch.setattr(verify_backend, "install",
+                        lambda mr, n, sgl: installed.append((mr, n)) or "wrapper")
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "native")
+    w = _bare_worker(worker_class, arch, backend_class)
+    with pytest.raises(cfg.DDTreeConfigError,
+                       match=f"'{name}'.*add --speculative-ddtree-verify-backend triton"):
+        w.init_attention_backends()
+    assert installed == []
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
+    w.init_attention_backends()
+    assert installed == [(w.model_runner, 8)] and w._tree_verify == "wrapper"
+
+
+def test_worker_refuses_unsupported_backend_naming_the_flag(worker_class, monkeypatch):
+    monkeypatch.setattr(verify_backend, "install", lambda *a: pytest.fail("installed"))
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
+    w = _bare_worker(worker_class, "mha", "TorchNativeAttnBackend")
+    with pytest.raises(cfg.DDTreeConfigError,
+                       match="--speculative-ddtree-verify-backend triton.*TorchNativeAttnBackend"):
+        w.init_attention_backends()
+    # native keeps today's behaviour: triton target backend, nothing wrapped
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "native")
+    w = _bare_worker(worker_class, "mha", "TritonAttnBackend")
+    w.init_attention_backends()
+    assert w._tree_verify is None
+
+
+# --- fixtures for the wrapper ---------------------------------------------------------------
+
+class RecordingBackend:
+    """A stand-in for the user's backend: records calls, returns a per-call sentinel."""
+
+    def __init__(self):
+        self.calls = []
+        self.forward_metadata = "inner-meta"
+        self.decode_attention_backend_str = "trtllm_mla"
+
+    def _rec(self, name, *args, **kwargs):
+        self.calls.append((name, args, kwargs))
+        return (name, len(self.calls))
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *a, **k: self._rec(name, *a, **k)
+
+
+def _mode(name):
+    return compat.load().ForwardMode[name]
+
+
+def _runner(pool, req_to_token, layers, attn_backend, mla=False):
+    from sglang.srt.configs.model_config import AttentionArch
+
+    model = torch.nn.ModuleList(layers)
+    mc = types.SimpleNamespace(attention_arch=AttentionArch.MLA if mla else AttentionArch.MHA)
+    return types.SimpleNamespace(
+        token_to_kv_pool=pool, model=model, model_config=mc, device="cpu",
+        attn_backend=attn_backend,
+        req_to_token_pool=types.SimpleNamespace(size=req_to_token.shape[0],
+                                                req_to_token=req_to_token))
+
+
+@pytest.fixture
+def sgl():
+    """The compat module, with SGLang's parallel context saying "no DCP" (0.5.23 publishes
+    nothing outside a server; 0.5.17 defaults to it)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    scope = (parallel.override(dcp_enabled=False) if hasattr(parallel, "override")
+             else contextlib.nullcontext())
+    with scope:
+        s = compat.load()
+        assert s.dcp_enabled() is False
+        yield s
+
+
+def _mha_setup(seed=0, seq_lens=(7, 23), n=4, hq=4, hkv=2, d=16, page=2):
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    g = torch.Generator().manual_seed(seed)
+    layout = REF.random_paged_layout(list(seq_lens), n, page, g, max_ctx=600)
+    mask = REF.random_tree_mask(len(seq_lens), n, g)
+    layer = RadixAttention(hq, d, 0.3, hkv, layer_id=1)
+    pool = MHATokenToKVPool(size=layout.num_slots, page_size=page, dtype=torch.bfloat16,
+                            head_num=hkv, head_dim=d, layer_num=2, device="cpu",
+                            enable_memory_saver=False)
+    used = _used_slots(pool.get_key_buffer(1).shape[0], layout)
+    for buf in (pool.get_key_buffer(1), pool.get_value_buffer(1)):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+        buf[~used] = float("nan")
+        buf[0] = 0.5  # slot 0: SGLang's padding sink, finite
+    return g, layout, mask, layer, pool
+
+
+def _used_slots(num_slots, layout):
+    """Slots holding some request's prefix (the tree slots are written by the forward)."""
+    used = torch.zeros(num_slots, dtype=torch.bool)
+    for b in range(layout.seq_lens.numel()):
+        row = layout.req_to_token[layout.req_pool_indices[b], : int(layout.seq_lens[b])]
+        used[row.long()] = True
+    return used
+
+
+def _verify_batch(layout, mask, n, spec=True):
+    sgl = compat.load()
+    bs = layout.seq_lens.numel()
+    spec_info = None
+    if spec:
+        spec_info = types.SimpleNamespace(draft_token=torch.zeros(bs * n, dtype=torch.long))
+        verify_backend.attach_tree_mask(spec_info, mask)
+    return sgl.ForwardBatch(
+        forward_mode=_mode("TARGET_VERIFY"), batch_size=bs,
+        input_ids=torch.zeros(bs * n, dtype=torch.long),
+        req_pool_indices=layout.req_pool_indices, seq_lens=layout.seq_lens,
+        out_cache_loc=layout.out_cache_loc, seq_lens_sum=int(layout.seq_lens.sum()),
+        positions=(layout.seq_lens[:, None] + torch.arange(n)).reshape(-1),
+        spec_info=spec_info)
+
+
+@contextlib.contextmanager
+def _attn_context(backend):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    with forward_context(ForwardContext(attn_backend=backend)):
+        yield
+
+
+# --- delegation --------------------------------------------------------------------------------
+
+def test_non_verify_calls_go_to_the_wrapped_backend_untouched(sgl, monkeypatch):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    inner = RecordingBackend()
+    layer = RadixAttention(2, 16, 0.25, 1, layer_id=0)
+    pool = types.SimpleNamespace()
+    req_to_token = torch.zeros(3, 32, dtype=torch.int32)
+    mr = _runner(pool, req_to_token, [layer], inner)
+    monkeypatch.setattr(verify_backend, "blockers", lambda *a: [])  # stand-in pool
+    w = verify_backend.install(mr, 3, sgl, kernels=KERNELS)
+    assert mr.attn_backend is w and w.wrapped_backend is inner
+    q, k, v = (torch.randn(4, 2, 16) for _ in range(3))
+    for mode in ("DECODE", "EXTEND", "DRAFT_EXTEND_V2", "IDLE"):
+        fb = types.SimpleNamespace(forward_mode=_mode(mode))
+        inner.calls.clear()
+        results = [
+            w.init_forward_metadata(fb),
+            w.init_forward_metadata_out_graph(fb, in_capture=True),
+            w.init_forward_metadata_in_graph(fb),
+            w.forward(q, k, v, layer, fb, False, sinks="s"),
+            w.forward_extend(q, k, v, layer, fb, True),
+            w.forward_decode(q, k, v, layer, fb),
+        ]
+        names = ["init_forward_metadata", "init_forward_metadata_out_graph",
+                 "init_forward_metadata_in_graph", "forward", "forward_extend", "forward_decode"]
+        assert [c[0] for c in inner.calls] == names
+        assert results == [(name, i + 1) for i, name in enumerate(names)]  # returned as is
+        assert inner.calls[1][2] == {"in_capture": True}
+        assert inner.calls[3][1] == (q, k, v, layer, fb, False) and inner.calls[3][2] == {
+            "sinks": "s"}
+    # attributes read and written through to the wrapped backend
+    assert w.decode_attention_backend_str == "trtllm_mla"
+    assert w.forward_metadata == "inner-meta"
+    w.forward_metadata = None
+    assert inner.forward_metadata is None and "forward_metadata" not in vars(w)
+    assert w.get_cuda_graph_seq_len_fill_value() == ("get_cuda_graph_seq_len_fill_value",
+                                                     len(inner.calls))
+    inner.calls.clear()
+    w.init_cuda_graph_state(4, 12, kv_indices_buf="buf")
+    assert inner.calls == [("init_cuda_graph_state", (4, 12), {"kv_indices_buf": "buf"})]
+    assert w.supports_ragged_verify_graph is False
+    assert w.glue_target_verify_metadata()  # non-empty: never glue-captured (0.5.23)
+
+
+# --- MHA through SGLang's RadixAttention --------------------------------------------------------
+
+def _expected_mha(layout, mask, layer, k_cache, v_cache, q):
+    return REF.tree_attention_reference(q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                                        k_cache, v_cache, layout.out_cache_loc, mask,
+                                        sm_scale=layer.scaling, **layout.table_kwargs())
+
+
+def test_mha_verify_eager_writes_kv_and_matches_reference(sgl):
+    n, hq, hkv, d = 4, 4, 2, 16
+    g, layout, mask, layer, pool = _mha_setup(n=n, hq=hq, hkv=hkv, d=d)
+    inner = RecordingBackend()
+    mr = _runner(pool, layout.req_to_token, [layer], inner)
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS)
+    tokens = layout.out_cache_loc.numel()
+    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
+    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    want_k, want_v = pool.get_key_buffer(1).clone(), pool.get_value_buffer(1).clone()
+    want_k[layout.out_cache_loc] = k.view(-1, hkv, d)
+    want_v[layout.out_cache_loc] = v.view(-1, hkv, d)
+
+    fb = _verify_batch(layout, mask, n)
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        out = layer(q, k, v, fb)  # SGLang's RadixAttention.forward -> get_attn_backend()
+    assert inner.calls == []  # the user's backend saw nothing of the verify
+    assert out.shape == q.shape and out.dtype == q.dtype
+    # exactly the new K/V at out_cache_loc, nothing else touched (NaN slots stay NaN)
+    torch.testing.assert_close(pool.get_key_buffer(1), want_k, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(pool.get_value_buffer(1), want_v, equal_nan=True, rtol=0, atol=0)
+    ref = _expected_mha(layout, mask, layer, want_k, want_v, q)
+    assert not out.isnan().any()
+    assert rel_err(out.view(ref.shape), ref) < TOL
+
+    # save_kv_cache=False (the model wrote KV itself): cache untouched, same output
+    before = pool.get_key_buffer(1).clone()
+    with _attn_context(w):
+        again = layer(q, k * 3, v * 3, fb, save_kv_cache=False)
+    torch.testing.assert_close(pool.get_key_buffer(1), before, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(again, out)
+
+
+def test_mha_verify_graph_path_padded_batch_reads_its_snapshot(sgl):
+    """Capture-style prep: static buffers, the batch padded by one request (seq len 1, zero
+    out_cache_loc, no mask rows), and req_to_token rewritten after the prep (what the scheduler
+    may do once the read-done event fired) must not change the result."""
+    n, hq, hkv, d = 3, 2, 1, 16
+    g, layout, mask, layer, pool = _mha_setup(seed=3, seq_lens=(31, 1), n=n, hq=hq, hkv=hkv, d=d,
+                                              page=4)
+    inner = RecordingBackend()
+    mr = _runner(pool, layout.req_to_token, [layer], inner)
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS)
+    bs, pad_bs = 2, 3
+    w.init_cuda_graph_state(pad_bs + 1, (pad_bs + 1) * n)
+    assert inner.calls[-1][0] == "init_cuda_graph_state"
+    tokens = pad_bs * n
+    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
+    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    loc = torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)])  # pad -> slot 0
+    fb_view = types.SimpleNamespace(
+        forward_mode=_mode("TARGET_VERIFY"), batch_size=pad_bs,
+        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
+        out_cache_loc=loc, positions=torch.zeros(tokens, dtype=torch.int64),
+        out_cache_loc_is_physical=False,
+        spec_info=types.SimpleNamespace(draft_token=torch.zeros(bs * n)))
+    verify_backend.attach_tree_mask(fb_view.spec_info, mask)
+    w.init_forward_metadata_out_graph(fb_view)
+    want_k, want_v = pool.get_key_buffer(1).clone(), pool.get_value_buffer(1).clone()
+    want_k[layout.out_cache_loc] = k[: bs * n].view(-1, hkv, d)
+    want_v[layout.out_cache_loc] = v[: bs * n].view(-1, hkv, d)
+    ref = _expected_mha(layout, mask, layer, want_k, want_v, q[: bs * n])
+    layout.req_to_token.fill_(0)  # after the snapshot: the kernels must not see this
+    with _attn_context(w):
+        out = layer(q, k, v, fb_view)
+    assert inner.calls[-1][0] == "init_cuda_graph_state"  # nothing else reached the inner
+    assert rel_err(out[: bs * n].view(ref.shape), ref) < TOL
+    assert torch.isfinite(out[bs * n:].float()).all()
+    torch.testing.assert_close(pool.get_key_buffer(1)[layout.out_cache_loc],
+                               want_k[layout.out_cache_loc], rtol=0, atol=0)
+    # a capture-time dummy verify input (no draft tokens, no mask) gives an all-false tree
+    fb_view.spec_info = types.SimpleNamespace(draft_token=None)
+    w.init_forward_metadata_out_graph(fb_view, in_capture=True)
+    assert not w._meta.mask.any() and w._meta.mask.shape == (pad_bs, n, n)
+
+
+def test_verify_refusals(sgl):
+    n = 3
+    g, layout, mask, layer, pool = _mha_setup(n=n)
+    w = verify_backend.install(_runner(pool, layout.req_to_token, [layer], RecordingBackend()),
+                               n, sgl, kernels=KERNELS)
+    fb = _verify_batch(layout, mask, n)
+    fb.spec_info = types.SimpleNamespace(draft_token=torch.zeros(1))  # real input, mask missing
+    with pytest.raises(RuntimeError, match="attach_tree_mask"):
+        w.init_forward_metadata(fb)
+    fb = _verify_batch(layout, mask[:1], n)
+    with pytest.raises(ValueError, match="tree mask shape"):
+        w.init_forward_metadata(fb)
+    fb = _verify_batch(layout, mask, n)
+    w.init_forward_metadata(fb)
+    q = torch.zeros(layout.out_cache_loc.numel(), 4, 16).bfloat16()
+    with pytest.raises(NotImplementedError, match="sinks.*verify-backend native"):
+        w.forward(q, None, None, layer, fb, sinks=torch.zeros(4))
+    with pytest.raises(RuntimeError, match="query tokens"):
+        w.forward(q[:-1], None, None, layer, fb)
+
+
+def test_install_refusals(sgl, monkeypatch):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    n = 3
+    _, layout, _, layer, pool = _mha_setup(n=n)
+
+    def refusal(runner):
+        with pytest.raises(cfg.DDTreeConfigError,
+                           match="verify-backend triton cannot serve") as info:
+            verify_backend.install(runner, n, sgl, kernels=KERNELS)
+        return str(info.value)
+
+    swa = type("SWAKVPool", (), {})()
+    assert "KV pool SWAKVPool" in refusal(_runner(swa, layout.req_to_token, [layer],
+                                                  RecordingBackend()))
+    windowed = RadixAttention(4, 16, 0.3, 2, layer_id=1, sliding_window_size=64)
+    assert "sliding window" in refusal(_runner(pool, layout.req_to_token, [windowed],
+                                               RecordingBackend()))
+    tbo = _runner(pool, layout.req_to_token, [layer], _attn_backend("TboAttnBackend"))
+    assert "two-batch overlap" in refusal(tbo)
+    monkeypatch.setattr(sgl, "dcp_enabled", lambda: True)
+    assert "context parallel" in refusal(_runner(pool, layout.req_to_token, [layer],
+                                                 RecordingBackend()))
+
+
+# --- MLA ---------------------------------------------------------------------------------------
+
+RANK, ROPE, HEADS = 32, 16, 3
+
+
+def _mla_setup(seed, kv_dtype, seq_lens=(5, 19), n=4, page=1):
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    g = torch.Generator().manual_seed(seed)
+    layout = REF.random_paged_layout(list(seq_lens), n, page, g, max_ctx=600)
+    mask = REF.random_tree_mask(len(seq_lens), n, g)
+    layer = RadixAttention(HEADS, RANK + ROPE, 0.17, 1, layer_id=0, v_head_dim=RANK)
+    prefill_path = RadixAttention(HEADS, 24, 0.2, HEADS, layer_id=0, v_head_dim=16)  # attn_mha
+    pool = MLATokenToKVPool(size=layout.num_slots, page_size=page, dtype=kv_dtype,
+                            kv_lora_rank=RANK, qk_rope_head_dim=ROPE, layer_num=1,
+                            device="cpu", enable_memory_saver=False)
+    buf = pool.kv_buffer[0]  # raw storage (uint8 for fp8)
+    rows = torch.randn(buf.shape, generator=g)
+    rows[0] = 0.5  # slot 0: the padding sink, finite
+    raw = rows.to(kv_dtype).view(buf.dtype)
+    used = _used_slots(buf.shape[0], layout)
+    used[0] = True
+    if kv_dtype == torch.bfloat16:
+        raw[~used] = float("nan")
+    else:
+        raw[~used] = 0x7F  # e4m3 NaN
+    buf.copy_(raw)
+    return g, layout, mask, layer, prefill_path, pool
+
+
+@pytest.mark.parametrize("convention", ["concat", "split", "split_rope_in_backend"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_mla_verify_matches_reference(sgl, convention, kv_dtype):
+    from sglang.srt.layers.rotary_embedding.utils import apply_rotary_emb
+
+    n = 4
+    g, layout, mask, layer, prefill_path, pool = _mla_setup(7, kv_dtype, n=n)
+    inner = RecordingBackend()
+    mr = _runner(pool, layout.req_to_token, [layer, prefill_path], inner, mla=True)
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS)
+    assert list(w._plans) == [verify_backend.layer_key(layer)]  # the MQA layer only
+    tokens = layout.out_cache_loc.numel()
+    fb = _verify_batch(layout, mask, n)
+    q_nope = torch.randn(tokens, HEADS, RANK, generator=g).bfloat16()
+    q_pe = torch.randn(tokens, HEADS, ROPE, generator=g).bfloat16()
+    k_nope = torch.randn(tokens, 1, RANK, generator=g).bfloat16()
+    k_pe = torch.randn(tokens, 1, ROPE, generator=g).bfloat16()
+    kwargs = {}
+    q_pe_used, k_pe_used = q_pe, k_pe
+    if convention == "split_rope_in_backend":  # trtllm_mla fp8: rope left to the backend
+        pos = fb.positions
+        theta = 1.0 / (10000 ** (torch.arange(0, ROPE, 2).float() / ROPE))
+        freqs = torch.arange(64).float()[:, None] * theta[None, :]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_pos, ROPE]
+        kwargs = dict(cos_sin_cache=cos_sin, is_neox=False,
+                      llama_4_scaling=torch.full((tokens, 1, 1), 1.25))
+        cos, sin = cos_sin[pos].chunk(2, dim=-1)
+        q_pe_used = apply_rotary_emb(q_pe.float(), cos, sin, False)
+        k_pe_used = apply_rotary_emb(k_pe.float(), cos, sin, False)
+    want_q = torch.cat([q_nope, q_pe_used.bfloat16()], dim=-1)
+    if "llama_4_scaling" in kwargs:
+        want_q = (want_q * 1.25).bfloat16()
+    latent = torch.cat([k_nope, k_pe_used.bfloat16()], dim=-1)  # [T, 1, RANK + ROPE]
+    raw = pool.kv_buffer[0].clone()  # index writes on the storage dtype (fp8 is uint8)
+    raw[layout.out_cache_loc] = latent.to(kv_dtype).view(raw.dtype)
+    want_cache = raw.view(kv_dtype)
+
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        if convention == "concat":  # triton / flashmla targets
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            out = layer(q, torch.cat([k_nope, k_pe], dim=-1), k_nope, fb)
+        else:  # fa3 / flashinfer / cutlass_mla / trtllm_mla targets
+            out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe, **kwargs)
+    assert inner.calls == []
+    got_cache = pool.get_key_buffer(0)
+    torch.testing.assert_close(got_cache.float(), want_cache.float(), equal_nan=True, rtol=0,
+                               atol=0)
+    ref = REF.mla_tree_attention_reference(want_q, want_cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=RANK, sm_scale=layer.scaling,
+                                           **layout.table_kwargs())
+    assert out.shape == (tokens, HEADS * RANK)
+    assert not out.isnan().any()
+    assert rel_err(out.view(ref.shape), ref) < TOL
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_apply_rope_matches_sglang(is_neox):
+    from sglang.srt.layers.rotary_embedding.utils import apply_rotary_emb
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 16, generator=g)
+    cos_sin = torch.randn(40, 16, generator=g)
+    pos = torch.tensor([0, 7, 39, 3, 3])
+    cos, sin = cos_sin[pos].chunk(2, dim=-1)
+    torch.testing.assert_close(verify_backend.apply_rope(x, pos, cos_sin, is_neox),
+                               apply_rotary_emb(x, cos, sin, is_neox), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="partial rotary"):
+        verify_backend.apply_rope(x, pos, cos_sin[:, :8], is_neox)
