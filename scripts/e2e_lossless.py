@@ -219,6 +219,9 @@ def main():
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ddtree_e2e"))
     ap.add_argument("--kv-tokens", type=int, default=65536, help="--max-total-tokens per server")
+    ap.add_argument("--verify-backend", choices=("native", "triton"), default=None,
+                    help="pass --speculative-ddtree-verify-backend to every DDTREE server "
+                    "(default: not passed, i.e. the plugin's default)")
     args = ap.parse_args()
 
     import sglang
@@ -237,6 +240,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
+        "verify_backend": args.verify_backend,
         "notes": "lossless cases run with the test-only oracle draft (SGLANG_DDTREE_TEST_ORACLE) "
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
@@ -286,8 +290,10 @@ def main():
 
     def ddtree_args(m, b):
         common, spec, _ = setup[m]
+        verify = ([] if args.verify_backend is None
+                  else ["--speculative-ddtree-verify-backend", args.verify_backend])
         return common + spec + ["--speculative-algorithm", "DDTREE",
-                                "--speculative-ddtree-budget", str(b)]
+                                "--speculative-ddtree-budget", str(b)] + verify
 
     servers = {}
     try:
