@@ -61,7 +61,8 @@ def _tree_mask_of(spec_info) -> Optional[torch.Tensor]:
     """The attached mask; None for a dummy verify input (CUDA-graph capture, warm-up runs);
     raises for a real verify input without one (a caller that forgot :func:`attach_tree_mask`)."""
     mask = getattr(spec_info, TREE_MASK_ATTR, None) if spec_info is not None else None
-    if mask is None and getattr(spec_info, "draft_token", None) is not None:
+    draft = getattr(spec_info, "draft_token", None)
+    if mask is None and draft is not None and draft.numel() > 0:
         raise RuntimeError(
             "DDTREE triton verify backend: the TARGET_VERIFY batch carries draft tokens but no "
             "tree mask; the worker must call verify_backend.attach_tree_mask on its verify input."

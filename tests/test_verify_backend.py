@@ -419,9 +419,10 @@ def test_mha_verify_graph_path_padded_batch_reads_its_snapshot(sgl):
     torch.testing.assert_close(pool.get_key_buffer(1)[layout.out_cache_loc],
                                want_k[layout.out_cache_loc], rtol=0, atol=0)
     # a capture-time dummy verify input (no draft tokens, no mask) gives an all-false tree
-    fb_view.spec_info = types.SimpleNamespace(draft_token=None)
-    w.init_forward_metadata_out_graph(fb_view, in_capture=True)
-    assert not w._meta.mask.any() and w._meta.mask.shape == (pad_bs, n, n)
+    for dummy in (None, torch.zeros(0)):  # capture-time / idle verify inputs carry no tree
+        fb_view.spec_info = types.SimpleNamespace(draft_token=dummy)
+        w.init_forward_metadata_out_graph(fb_view, in_capture=True)
+        assert not w._meta.mask.any() and w._meta.mask.shape == (pad_bs, n, n)
 
 
 def test_verify_refusals(sgl):
