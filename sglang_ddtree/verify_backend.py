@@ -195,6 +195,13 @@ class TreeVerifyBackend:
         """SGLang 0.5.23: our verify prep copies with host-chosen shapes; never glue-captured."""
         return "DDTREE's triton tree-verify prep snapshots req_to_token rows on the host side"
 
+    def get_fused_kv_write_buffers(self, layer, forward_batch):
+        """SGLang 0.5.23: a model may write K/V itself through these; in TARGET_VERIFY the
+        wrapped backend's metadata is stale (we prepared ours), so it saves through us."""
+        if forward_batch.forward_mode.is_target_verify():
+            return None
+        return self._inner.get_fused_kv_write_buffers(layer, forward_batch)
+
     # --- planning ---------------------------------------------------------------------------
     def _plan(self, keys, max_bs: int) -> None:
         """One kernel plan per distinct layer shape, for up to ``max_bs`` requests (allocates:

@@ -333,6 +333,12 @@ def test_non_verify_calls_go_to_the_wrapped_backend_untouched(sgl, monkeypatch):
     w.init_cuda_graph_state(4, 12, kv_indices_buf="buf")
     assert inner.calls == [("init_cuda_graph_state", (4, 12), {"kv_indices_buf": "buf"})]
     assert w.supports_ragged_verify_graph is False
+    fb = types.SimpleNamespace(forward_mode=_mode("DECODE"))
+    assert w.get_fused_kv_write_buffers(layer, fb)[0] == "get_fused_kv_write_buffers"
+    n_calls = len(inner.calls)
+    assert w.get_fused_kv_write_buffers(
+        layer, types.SimpleNamespace(forward_mode=_mode("TARGET_VERIFY"))) is None
+    assert len(inner.calls) == n_calls
     assert w.glue_target_verify_metadata()  # non-empty: never glue-captured (0.5.23)
 
 
