@@ -4,8 +4,9 @@ Each hook is a plain function taking the original first (HookRegistry AROUND con
 can be tested without SGLang. :func:`register_all` installs them through SGLang's HookRegistry.
 
 1. CLI: ``--speculative-ddtree-budget`` / ``--speculative-ddtree-topk`` /
-   ``--speculative-ddtree-verify-backend`` in SGLang's speculative argument group; ``from_cli_args`` copies them into the environment (the one source of truth,
-   inherited by scheduler processes) before ``ServerArgs`` resolves the algorithm.
+   ``--speculative-ddtree-verify-backend`` in SGLang's speculative argument group;
+   ``from_cli_args`` copies them into the environment (the one source of truth, inherited by
+   scheduler processes) before ``ServerArgs`` resolves the algorithm.
 2. Requests: SGLang validates DFLASH-family requests at admission; DDTREE also refuses
    grammar-constrained ones there (aborting that request with a message, never the server).
 3. CUDA graphs: for an unknown (plugin) algorithm SGLang builds no dummy verify input, and for the
