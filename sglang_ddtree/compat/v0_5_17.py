@@ -7,12 +7,16 @@ process, including the launcher); the worker's GPU-side imports are resolved laz
 
 from __future__ import annotations
 
-import importlib
-
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: F401
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: F401
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo  # noqa: F401
 from sglang.srt.speculative.spec_registry import get_spec as get_registered_spec  # noqa: F401
+from ._common import (  # noqa: F401  (identical in every supported release)
+    _BACKEND_NAMES, apply_verify_logits_adjustments, attention_backend_name,
+    builtin_algorithm_names, dcp_enabled, ddtree_is_active, is_hybrid_linear_target, is_mla,
+    make_lazy, max_capture_bs, max_running_requests,
+)
+from ._common import tree_greedy_walk as _tree_greedy_walk
 
 VERSION = "0.5.17"
 
@@ -45,36 +49,12 @@ _LAZY = {
     "verify_tree_greedy_func": ("sglang.srt.speculative.eagle_utils", "verify_tree_greedy_func"),
 }
 
-
-def __getattr__(name):
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(name) from None
-    value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value
-    return value
+__getattr__, _lazy = make_lazy(_LAZY, globals())
 
 
-def _lazy(name):
-    """A lazy name from inside this module (module ``__getattr__`` only serves outside lookups);
-    a value assigned onto the module (tests) wins."""
-    return globals()[name] if name in globals() else __getattr__(name)
-
-
-def builtin_algorithm_names() -> set:
-    return {a.name for a in SpeculativeAlgorithm}
-
-
-def ddtree_is_active() -> bool:
-    """Whether this process serves --speculative-algorithm DDTREE (SGLang's runtime context)."""
-    from sglang.srt.runtime_context import get_spec
-
-    try:
-        algo = getattr(get_spec(), "speculative_algorithm", None)
-    except ValueError:  # not published: this process serves no model
-        return False
-    return str(getattr(algo, "name", algo) or "").upper() == "DDTREE"
+def tree_greedy_walk(tree, predicted, path_width: int):
+    """SGLang's ``verify_tree_greedy`` over our tree: (accept_len, accepted_nodes, bonus)."""
+    return _tree_greedy_walk(tree, predicted, path_width, _lazy("verify_tree_greedy_func"))
 
 
 def handle_dflash_server_args(server_args) -> None:
@@ -90,52 +70,6 @@ def resolved_arg(server_args, name: str):
 
 def decode_graphs_enabled(server_args) -> bool:
     return not server_args.disable_cuda_graph
-
-
-def is_hybrid_linear_target(model_config) -> bool:
-    from sglang.srt.configs.hybrid_arch import mambaish_config
-
-    return mambaish_config(model_config) is not None
-
-
-def is_mla(model_config) -> bool:
-    from sglang.srt.configs.model_config import AttentionArch
-
-    return model_config.attention_arch == AttentionArch.MLA
-
-
-_BACKEND_NAMES = {
-    "TritonAttnBackend": "triton",
-    "FlashInferAttnBackend": "flashinfer",
-    "FlashInferMLAAttnBackend": "flashinfer_mla",
-    "FlashAttentionBackend": "fa3",
-    "FlashMLABackend": "flashmla",
-    "CutlassMLABackend": "cutlass_mla",
-    "TRTLLMMLABackend": "trtllm_mla",
-}
-
-
-def attention_backend_name(model_runner) -> str:
-    """The CLI name of the backend that runs the target's TARGET_VERIFY forward."""
-    backend = model_runner.attn_backend
-    for _ in range(4):  # hybrid wrappers hold the full-attention backend inside
-        inner = getattr(backend, "full_attn_backend", None) or getattr(
-            backend, "decode_backend", None)
-        if inner is None:
-            break
-        backend = inner
-    name = type(backend).__name__
-    return _BACKEND_NAMES.get(name, name)
-
-
-def max_capture_bs() -> int:
-    from sglang.srt.runtime_context import get_exec
-
-    return max(get_exec().graph.cuda_graph_config.decode.bs)
-
-
-def max_running_requests(worker) -> int:
-    return int(worker.model_runner.req_to_token_pool.size)
 
 
 def tp_rank(worker) -> int:
@@ -188,47 +122,3 @@ def kv_write_loc(forward_batch):
     return forward_batch.out_cache_loc
 
 
-def dcp_enabled() -> bool:
-    """Whether decode context parallelism shards this rank's KV (``--dcp-size`` > 1)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    return bool(get_parallel().dcp_enabled)
-
-
-def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:
-    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
-
-    apply_dflash_verify_logits_adjustments(
-        next_token_logits=logits, sampling_info=sampling_info, draft_token_num=num_tokens
-    )
-
-
-def tree_greedy_walk(tree, predicted, path_width: int):
-    """SGLang's ``verify_tree_greedy`` kernel over our tree: (accept_len, accepted_nodes, bonus).
-
-    accepted_nodes: [bs, path_width] node indices (root at column 0, -1 padding).
-    """
-    import torch
-
-    verify_tree_greedy_func = _lazy("verify_tree_greedy_func")
-    bs, n = tree.tokens.shape
-    dev = tree.tokens.device
-    accept_index = torch.full((bs, path_width), -1, dtype=torch.int32, device=dev)
-    accept_num = torch.zeros((bs,), dtype=torch.int32, device=dev)
-    predicts = torch.zeros((bs * n,), dtype=torch.int32, device=dev)
-    verify_tree_greedy_func(
-        predicts=predicts,
-        accept_index=accept_index,
-        accept_token_num=accept_num,
-        candidates=tree.tokens,
-        retrieve_index=tree.retrive_index,
-        retrieve_next_token=tree.retrive_next_token,
-        retrieve_next_sibling=tree.retrive_next_sibling,
-        target_predict=predicted,
-    )
-    flat = accept_index.to(torch.int64)
-    base = torch.arange(bs, device=dev, dtype=torch.int64)[:, None] * n
-    nodes = torch.where(flat < 0, flat, flat - base)
-    last = torch.gather(flat, 1, accept_num.to(torch.int64)[:, None])  # flat index of last node
-    bonus = predicted.reshape(-1).index_select(0, last.view(-1))
-    return accept_num.to(torch.int64), nodes, bonus

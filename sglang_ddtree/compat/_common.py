@@ -1,0 +1,138 @@
+"""Pieces of the SGLang compat layer that are identical in every supported release.
+
+Each version module (``v0_5_17``, ``v0_5_23``, ...) re-exports these; only what differs lives
+there. Imports of SGLang stay inside the functions: this module imports nothing from SGLang at
+import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+def make_lazy(table: dict, namespace: dict):
+    """(module ``__getattr__``, ``_lazy``) resolving ``table`` names (name -> (module, attr)) on
+    first use into ``namespace`` (the version module's globals; a value assigned there wins)."""
+
+    def __getattr__(name):
+        try:
+            module, attr = table[name]
+        except KeyError:
+            raise AttributeError(name) from None
+        value = getattr(importlib.import_module(module), attr)
+        namespace[name] = value
+        return value
+
+    def _lazy(name):
+        return namespace[name] if name in namespace else __getattr__(name)
+
+    return __getattr__, _lazy
+
+
+def builtin_algorithm_names() -> set:
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return {a.name for a in SpeculativeAlgorithm}
+
+
+def ddtree_is_active() -> bool:
+    """Whether this process serves --speculative-algorithm DDTREE (SGLang's runtime context)."""
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        algo = getattr(get_spec(), "speculative_algorithm", None)
+    except ValueError:  # not published: this process serves no model
+        return False
+    return str(getattr(algo, "name", algo) or "").upper() == "DDTREE"
+
+
+def is_hybrid_linear_target(model_config) -> bool:
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return mambaish_config(model_config) is not None
+
+
+def is_mla(model_config) -> bool:
+    from sglang.srt.configs.model_config import AttentionArch
+
+    return model_config.attention_arch == AttentionArch.MLA
+
+
+_BACKEND_NAMES = {
+    "TritonAttnBackend": "triton",
+    "FlashInferAttnBackend": "flashinfer",
+    "FlashInferMLAAttnBackend": "flashinfer_mla",
+    "FlashAttentionBackend": "fa3",
+    "FlashMLABackend": "flashmla",
+    "CutlassMLABackend": "cutlass_mla",
+    "TRTLLMMLABackend": "trtllm_mla",
+}
+
+
+def attention_backend_name(model_runner) -> str:
+    """The CLI name of the backend that runs the target's TARGET_VERIFY forward."""
+    backend = model_runner.attn_backend
+    for _ in range(4):  # hybrid wrappers hold the full-attention backend inside
+        inner = getattr(backend, "full_attn_backend", None) or getattr(
+            backend, "decode_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    name = type(backend).__name__
+    return _BACKEND_NAMES.get(name, name)
+
+
+def max_capture_bs() -> int:
+    from sglang.srt.runtime_context import get_exec
+
+    return max(get_exec().graph.cuda_graph_config.decode.bs)
+
+
+def max_running_requests(worker) -> int:
+    return int(worker.model_runner.req_to_token_pool.size)
+
+
+def dcp_enabled() -> bool:
+    """Whether decode context parallelism shards this rank's KV (``--dcp-size`` > 1)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return bool(get_parallel().dcp_enabled)
+
+
+def apply_verify_logits_adjustments(logits, sampling_info, num_tokens: int) -> None:
+    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+    apply_dflash_verify_logits_adjustments(
+        next_token_logits=logits, sampling_info=sampling_info, draft_token_num=num_tokens
+    )
+
+
+def tree_greedy_walk(tree, predicted, path_width: int, verify_tree_greedy_func):
+    """SGLang's ``verify_tree_greedy`` kernel over our tree: (accept_len, accepted_nodes, bonus).
+
+    accepted_nodes: [bs, path_width] node indices (root at column 0, -1 padding).
+    ``verify_tree_greedy_func`` is the version's entry point (EAGLE's keyword signature).
+    """
+    import torch
+
+    bs, n = tree.tokens.shape
+    dev = tree.tokens.device
+    accept_index = torch.full((bs, path_width), -1, dtype=torch.int32, device=dev)
+    accept_num = torch.zeros((bs,), dtype=torch.int32, device=dev)
+    predicts = torch.zeros((bs * n,), dtype=torch.int32, device=dev)
+    verify_tree_greedy_func(
+        predicts=predicts,
+        accept_index=accept_index,
+        accept_token_num=accept_num,
+        candidates=tree.tokens,
+        retrieve_index=tree.retrive_index,
+        retrieve_next_token=tree.retrive_next_token,
+        retrieve_next_sibling=tree.retrive_next_sibling,
+        target_predict=predicted,
+    )
+    flat = accept_index.to(torch.int64)
+    base = torch.arange(bs, device=dev, dtype=torch.int64)[:, None] * n
+    nodes = torch.where(flat < 0, flat, flat - base)
+    last = torch.gather(flat, 1, accept_num.to(torch.int64)[:, None])  # flat index of last node
+    bonus = predicted.reshape(-1).index_select(0, last.view(-1))
+    return accept_num.to(torch.int64), nodes, bonus
