@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: unit cudaext moe e2e verify train doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: unit cudaext moe e2e verify train benche2e doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -31,9 +31,10 @@ for s in "$@"; do
                step verify-dense 560 python3 -m pytest -q -s tests/gpu/test_verify_backend_gpu.py -k dense ;;
     e2e)     step e2e 480 python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ;;
     train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ;;
+    benche2e) step bench-e2e 560 python3 scripts/bench_e2e.py --out "$OUT/bench_e2e_tiny_h200.json" ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
-    *) log "unknown step $s (unit cudaext moe e2e verify train doctor bench)" ;;
+    *) log "unknown step $s (unit cudaext moe e2e verify train benche2e doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log 2>/dev/null)

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""AR vs DFLASH vs DDTREE (several budgets) on one model pair, same server settings, one run.
+
+For each method: start SGLang once (identical flags apart from the speculative ones), warm up,
+then for each concurrency and sampling mode send the held-out prompts with streaming and
+record, over ``--repeats`` passes (median reported): output tokens/s (all completion tokens /
+wall), TTFT (request start to first streamed chunk), TPOT ((e2e - TTFT) / (tokens - 1)), accept
+length (completion tokens / verify steps, from SGLang's meta_info). DDTREE servers run with the
+plugin's stage timers on (``SGLANG_DDTREE_TIMERS=1``), whose per-stage ms/step lines are parsed
+from the server log; the timers synchronize per stage, so DDTREE speed is measured in a
+separate timer-free pass first.
+
+Default pair: bench_assets/tiny-code (scripts/train_tiny_pair.py), prompts from its
+eval_prompts.jsonl. Writes JSON (``--out``) with command, versions, GPU and date; plots come
+from scripts/plot_bench_e2e.py.
+
+    python scripts/bench_e2e.py --out bench_results/bench_e2e_tiny_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_lossless import Server  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ASSETS = os.path.join(HERE, "..", "bench_assets", "tiny-code")
+STAGE_RE = re.compile(r"DDTREE stage ms/step over (\d+) steps .*?: (\{.*\})")
+
+
+def stream_generate(port, input_ids, max_new, sampling):
+    """(output token count, ttft s, e2e s, meta_info) of one streamed request."""
+    params = {"max_new_tokens": max_new, "ignore_eos": True, **sampling}
+    body = json.dumps({"input_ids": input_ids, "sampling_params": params, "stream": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.time()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.time() - t0
+            last = json.loads(line[5:])
+    e2e = time.time() - t0
+    meta = last["meta_info"]
+    return meta["completion_tokens"], ttft, e2e, meta
+
+
+def run_pass(port, prompts, max_new, conc, sampling):
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(conc) as ex:
+        res = list(ex.map(lambda p: stream_generate(port, p, max_new, sampling), prompts))
+    wall = time.time() - t0
+    toks = sum(r[0] for r in res)
+    steps = sum(r[3].get("spec_verify_ct", 0) for r in res)
+    tpot = [(r[2] - r[1]) / (r[0] - 1) for r in res if r[0] > 1]
+    return {"tokens_per_s": toks / wall, "ttft_ms": 1e3 * statistics.median(r[1] for r in res),
+            "tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
+            "accept_length": toks / steps if steps else None}
+
+
+def measure(port, prompts, args, concs):
+    out = {}
+    for mode, sampling in (("greedy", {"temperature": 0.0}),
+                           ("t1", {"temperature": 1.0, "top_p": 1.0})):
+        if mode not in args.modes:
+            continue
+        run_pass(port, prompts[: max(concs)], args.max_new_tokens, max(concs), sampling)  # warm
+        out[mode] = {}
+        for c in concs:
+            reps = [run_pass(port, prompts[: max(c, args.prompts_per_pass)], args.max_new_tokens,
+                             c, sampling) for _ in range(args.repeats)]
+            out[mode][str(c)] = {k: statistics.median(r[k] for r in reps)
+                                 if reps[0][k] is not None else None for k in reps[0]}
+            print(mode, c, json.dumps(out[mode][str(c)]), flush=True)
+    return out
+
+
+def stage_times(log):
+    """The last per-stage ms/step line the DDTREE timers logged."""
+    found = None
+    for line in open(log):
+        m = STAGE_RE.search(line)
+        if m:
+            found = {"steps": int(m.group(1)), **json.loads(m.group(2).replace("'", '"'))}
+    return found
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_results/bench_e2e_tiny_h200.json")
+    ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
+    ap.add_argument("--draft", default=os.path.join(ASSETS, "dflash-draft"))
+    ap.add_argument("--prompts-file", default=os.path.join(ASSETS, "eval_prompts.jsonl"))
+    ap.add_argument("--budgets", default="8,16,32,64,128")
+    ap.add_argument("--concurrency", default="1,4,8,16,32,64")
+    ap.add_argument("--modes", default="greedy,t1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts-per-pass", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--port", type=int, default=30300)
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--workdir", default="/tmp/ddtree_bench_e2e")
+    args = ap.parse_args()
+    args.modes = args.modes.split(",")
+
+    import sglang
+    import torch
+
+    os.makedirs(args.workdir, exist_ok=True)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    prompts = [json.loads(l)["input_ids"] for l in open(args.prompts_file)]
+    common = ["--model-path", args.target, "--attention-backend", args.attention_backend,
+              "--cuda-graph-max-bs", str(max(concs)), "--max-running-requests", str(max(concs)),
+              "--mem-fraction-static", "0.7", "--sampling-backend", "pytorch",
+              "--grammar-backend", "none", "--disable-prefill-cuda-graph"]
+    spec = ["--speculative-draft-model-path", args.draft]
+    methods = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
+    methods += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
+                                  "--speculative-ddtree-budget", b] + spec, {})
+                for b in args.budgets.split(",")]
+    result = {
+        "sglang_version": sglang.__version__, "torch_version": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),
+        "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "results": {}, "stage_ms_per_step": {},
+    }
+    for i, (name, extra, env) in enumerate(methods):
+        srv = Server(common + extra, os.path.join(args.workdir, f"{name}.log"), args.port + i,
+                     env=env)
+        try:
+            result["results"][name] = measure(srv.port, prompts, args, concs)
+        finally:
+            srv.stop()
+        if name.startswith("ddtree"):  # per-stage times: a second, timed server
+            srv = Server(common + extra, os.path.join(args.workdir, f"{name}-timers.log"),
+                         args.port + 50 + i, env={"SGLANG_DDTREE_TIMERS": "1"})
+            try:
+                for c in (1, max(concs)):
+                    for _ in range(2):
+                        run_pass(srv.port, prompts, args.max_new_tokens, c, {"temperature": 0.0})
+            finally:
+                srv.stop()
+            result["stage_ms_per_step"][name] = stage_times(srv.log)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        json.dump(result, open(args.out, "w"), indent=1)
+    print("->", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Plots and a README table from a scripts/bench_e2e.py JSON (runs anywhere, no GPU).
+
+    python scripts/plot_bench_e2e.py bench_results/bench_e2e_tiny_h200.json [--png-dir DIR]
+        [--readme README.md]
+
+Writes ``<stem>_tps.png`` (output tokens/s vs concurrency, one line per method) and
+``<stem>_budget.png`` (DDTREE accept length and tokens/s at concurrency 1 vs budget, DFLASH as a
+reference line) when matplotlib is installed, and prints the markdown table; with ``--readme``
+the table replaces the block between ``<!-- bench-e2e:begin -->`` and ``<!-- bench-e2e:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+BEGIN, END = "<!-- bench-e2e:begin -->", "<!-- bench-e2e:end -->"
+
+
+def table(data: dict, mode: str = "greedy") -> str:
+    methods = list(data["results"])
+    concs = sorted({int(c) for m in methods for c in data["results"][m].get(mode, {})})
+    head = "| method | " + " | ".join(f"c={c} tok/s (accept)" for c in concs) + " |"
+    rows = [head, "| --- |" + " --- |" * len(concs)]
+    for m in methods:
+        cells = []
+        for c in concs:
+            r = data["results"][m].get(mode, {}).get(str(c))
+            if r is None:
+                cells.append("-")
+                continue
+            acc = r.get("accept_length")
+            cells.append(f"{r['tokens_per_s']:.0f}" + (f" ({acc:.2f})" if acc else ""))
+        rows.append(f"| {m} | " + " | ".join(cells) + " |")
+    src = f"{data['gpu']}, SGLang {data['sglang_version']}, {data['date'][:10]}, `{data['command']}`"
+    return f"Output tokens/s, {mode}, median of {data['repeats']} ({src}):\n\n" + "\n".join(rows)
+
+
+def plots(data: dict, stem: str) -> list:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, res in data["results"].items():
+        pts = sorted((int(c), r["tokens_per_s"]) for c, r in res.get("greedy", {}).items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s (greedy)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{data['gpu']} / SGLang {data['sglang_version']}")
+    fig.tight_layout()
+    out.append(f"{stem}_tps.png")
+    fig.savefig(out[-1], dpi=120)
+    plt.close(fig)
+
+    budgets = sorted((int(m.split("_b")[1]), m) for m in data["results"] if m.startswith("ddtree_b"))
+    if budgets:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        c1 = lambda m, k: data["results"][m].get("greedy", {}).get("1", {}).get(k)  # noqa: E731
+        ax.plot([b for b, _ in budgets], [c1(m, "accept_length") for _, m in budgets],
+                marker="o", label="DDTREE accept length")
+        if "dflash" in data["results"]:
+            ax.axhline(c1("dflash", "accept_length") or 0, ls="--", label="DFLASH accept length")
+        ax2 = ax.twinx()
+        ax2.plot([b for b, _ in budgets], [c1(m, "tokens_per_s") for _, m in budgets],
+                 marker="s", color="tab:red", label="DDTREE tokens/s (c=1)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget")
+        ax.set_ylabel("accept length")
+        ax2.set_ylabel("tokens/s at concurrency 1")
+        fig.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        out.append(f"{stem}_budget.png")
+        fig.savefig(out[-1], dpi=120)
+        plt.close(fig)
+    return out
+
+
+def update_readme(path: str, block: str) -> None:
+    text = open(path).read()
+    new = f"{BEGIN}\n{block}\n{END}"
+    if BEGIN in text:
+        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: new, text, flags=re.S)
+    else:
+        text += "\n" + new + "\n"
+    open(path, "w").write(text)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json")
+    ap.add_argument("--png-dir", default=None)
+    ap.add_argument("--readme", default=None)
+    args = ap.parse_args()
+    data = json.load(open(args.json))
+    stem = os.path.join(args.png_dir or os.path.dirname(args.json),
+                        os.path.splitext(os.path.basename(args.json))[0])
+    block = "\n\n".join(table(data, m) for m in ("greedy", "t1")
+                        if any(m in r for r in data["results"].values()))
+    print(block)
+    for p in plots(data, stem):
+        print("wrote", p)
+    if args.readme:
+        update_readme(args.readme, block)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The bench_e2e report: markdown table and README block replacement from a results JSON."""
+
+import importlib.util
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location(
+    "plot_bench_e2e", os.path.join(HERE, "..", "scripts", "plot_bench_e2e.py"))
+plot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot)
+
+DATA = {
+    "gpu": "GPU X", "sglang_version": "0.5.17", "date": "2026-11-30T00:00:00Z",
+    "command": "python scripts/bench_e2e.py", "repeats": 3,
+    "results": {
+        "ar": {"greedy": {"1": {"tokens_per_s": 500.0, "accept_length": None}}},
+        "ddtree_b32": {"greedy": {"1": {"tokens_per_s": 900.4, "accept_length": 3.456}},
+                       "t1": {"1": {"tokens_per_s": 700.0, "accept_length": 2.5}}},
+    },
+}
+
+
+def test_table_lists_methods_and_numbers():
+    t = plot.table(DATA, "greedy")
+    assert "| ar | 500 |" in t
+    assert "| ddtree_b32 | 900 (3.46) |" in t
+    assert "GPU X" in t and "median of 3" in t
+
+
+def test_readme_block_is_replaced_not_appended(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n")
+    plot.update_readme(str(readme), "first")
+    plot.update_readme(str(readme), "second")
+    text = readme.read_text()
+    assert text.count(plot.BEGIN) == 1 and "second" in text and "first" not in text
+
+
+def test_main_prints_both_modes(tmp_path, capsys, monkeypatch):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(DATA))
+    monkeypatch.setattr("sys.argv", ["plot", str(p), "--png-dir", str(tmp_path)])
+    plot.main()
+    out = capsys.readouterr().out
+    assert "greedy" in out and "t1" in out
