@@ -50,8 +50,28 @@ def register() -> None:
     except Exception as e:  # SGLang would swallow it: keep it and say it loudly
         _state["error"] = f"{type(e).__name__}: {e}"
         logger.error("sglang-ddtree: DDTREE is NOT available: %s", _state["error"])
+        _refuse_ddtree_with_reason()
         raise
     _state["registered"] = True
+
+
+def _refuse_ddtree_with_reason() -> None:
+    """After a failed registration, make ``--speculative-algorithm DDTREE`` fail with our reason
+    instead of SGLang's bare "Unknown speculative algorithm name"."""
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError:  # no SGLang at all: nothing can ask for DDTREE
+        return
+
+    def from_string_hook(original, cls, name, *args, **kwargs):
+        if isinstance(name, str) and name.upper() == cfg.ALGORITHM_NAME:
+            raise ValueError(f"--speculative-algorithm {cfg.ALGORITHM_NAME} is unavailable: "
+                             f"sglang-ddtree failed to register ({_state['error']}).")
+        return original(cls, name, *args, **kwargs)
+
+    HookRegistry.register(
+        "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.from_string", from_string_hook,
+        HookType.AROUND)
 
 
 def _register() -> None:
