@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 
@@ -33,6 +34,7 @@ def collect_info() -> dict:
         "ddtree_registers": False,
         "registration_error": None,
         "tree_verify_backends": {},
+        "settings": {},
     }
     try:
         import torch
@@ -55,6 +57,15 @@ def collect_info() -> dict:
     except Exception as e:  # reported, not hidden: this is a diagnostic command
         info["registration_error"] = f"{type(e).__name__}: {e}"
     info["tree_verify_backends"] = installed_tree_backends()
+    try:
+        info["settings"] = {
+            "budget": config.read_budget(),
+            "topk": config.read_topk() or "min(budget, vocab)",
+            "verify_backend": config.read_verify_backend(),
+            "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
+        }
+    except config.DDTreeConfigError as e:  # a bad env value is what the user needs to see
+        info["settings"] = {"error": str(e)}
     return info
 
 
