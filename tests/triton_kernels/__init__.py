@@ -17,12 +17,10 @@ from pathlib import Path
 _KERNEL_DIR = Path(__file__).resolve().parents[2] / "triton_kernels"
 
 
-def load_kernels(interpret: bool) -> types.SimpleNamespace:
-    """Return ``tree_attention``, ``tree_attention_mla`` and ``reference`` modules.
-
-    ``interpret=True`` gives a copy whose kernels run in Triton's CPU interpreter.
-    """
-    name = "_ddtree_kernels_interp" if interpret else "_ddtree_kernels_compiled"
+def load_copy(tag: str, submodules, interpret: bool) -> dict:
+    """Import ``triton_kernels/<sub>.py`` for each sub under a private package name (one copy per
+    tag and mode); returns {sub: module}."""
+    name = f"_ddtree_{tag}_{'interp' if interpret else 'compiled'}"
     if name not in sys.modules:
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
@@ -32,15 +30,20 @@ def load_kernels(interpret: bool) -> types.SimpleNamespace:
             pkg = importlib.util.module_from_spec(spec)
             sys.modules[name] = pkg
             spec.loader.exec_module(pkg)
-            for sub in ("tree_attention", "tree_attention_mla", "reference"):
+            for sub in submodules:
                 importlib.import_module(f"{name}.{sub}")
         finally:
             if old is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:
                 os.environ["TRITON_INTERPRET"] = old
-    return types.SimpleNamespace(
-        tree_attention=sys.modules[f"{name}.tree_attention"],
-        tree_attention_mla=sys.modules[f"{name}.tree_attention_mla"],
-        reference=sys.modules[f"{name}.reference"],
-    )
+    return {sub: sys.modules[f"{name}.{sub}"] for sub in submodules}
+
+
+def load_kernels(interpret: bool) -> types.SimpleNamespace:
+    """Return ``tree_attention``, ``tree_attention_mla`` and ``reference`` modules.
+
+    ``interpret=True`` gives a copy whose kernels run in Triton's CPU interpreter.
+    """
+    return types.SimpleNamespace(**load_copy(
+        "kernels", ("tree_attention", "tree_attention_mla", "reference"), interpret))
