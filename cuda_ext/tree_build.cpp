@@ -1,7 +1,62 @@
-// Python bindings of the fused DDTree tree-build kernel (tree_build.cu).
+// Host side of the fused DDTree tree builder, compiled by the host C++ compiler: argument checks,
+// shared-memory sizing, parameter packing and the Python bindings. The kernel launch itself is
+// ddtree::tree_build_launch_raw in tree_build.cu, which returns a cudaError_t instead of
+// throwing: every C++ exception (TORCH_CHECK) is raised here, never from nvcc-compiled code.
+// No allocation and no host sync per call: CUDA-graph capturable.
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
 #include <optional>
+
+#include "tree_build_params.h"
+
+namespace ddtree {
+// Defined in tree_build.cu (C++ linkage, so a signature mismatch fails at link time).
+cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
+                                  int64_t smem_bytes, int device, cudaStream_t stream) noexcept;
+}  // namespace ddtree
+
+namespace {
+
+void check_out(const at::Tensor& t, const char* name, at::ScalarType dtype,
+               at::IntArrayRef shape, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, "tree_build: ", name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "tree_build: ", name, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "tree_build: ", name, " must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "tree_build: ", name, " must be contiguous");
+}
+
+// Per device: the opt-in dynamic shared-memory limit per block (0 = not queried yet).
+std::atomic<int> g_smem_optin[64];
+
+void check_cuda(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "tree_build: ", what, " failed: ", cudaGetErrorString(err),
+              " (", cudaGetErrorName(err), ")");
+}
+
+int smem_optin_limit(int dev) {
+  if (dev >= 0 && dev < 64 && g_smem_optin[dev].load() > 0) return g_smem_optin[dev].load();
+  int limit = 0;
+  check_cuda(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  if (dev >= 0 && dev < 64) g_smem_optin[dev].store(limit);
+  return limit;
+}
+
+int default_threads(int budget) {
+  if (budget <= 128) return 128;
+  if (budget <= 256) return 256;
+  if (budget <= 512) return 512;
+  return 1024;
+}
+
+}  // namespace
 
 void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
                        const at::Tensor& topk_ids, int64_t budget, const at::Tensor& tokens,
@@ -11,9 +66,105 @@ void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
                        const at::Tensor& retrive_next_sibling,
                        const std::optional<at::Tensor>& seq_lens,
                        const std::optional<at::Tensor>& positions,
-                       const std::optional<at::Tensor>& full_mask, int64_t threads);
+                       const std::optional<at::Tensor>& full_mask, int64_t threads) {
+  TORCH_CHECK(topk_logp.is_cuda(), "tree_build: topk_logp must be a CUDA tensor");
+  const at::Device device = topk_logp.device();
+  TORCH_CHECK(topk_logp.dim() == 3, "tree_build: topk_logp must be [bs, D, K], got ",
+              topk_logp.sizes());
+  const int64_t bs = topk_logp.size(0), D = topk_logp.size(1), K = topk_logp.size(2);
+  TORCH_CHECK(topk_logp.scalar_type() == at::kFloat, "tree_build: topk_logp must be float32, got ",
+              topk_logp.scalar_type());
+  TORCH_CHECK(topk_logp.stride(2) == 1, "tree_build: topk_logp must be contiguous in K");
+  TORCH_CHECK(topk_ids.device() == device && topk_ids.scalar_type() == at::kLong &&
+                  topk_ids.sizes() == topk_logp.sizes() && topk_ids.stride(2) == 1,
+              "tree_build: topk_ids must be int64 ", topk_logp.sizes(), " on ", device,
+              ", contiguous in K; got ", topk_ids.scalar_type(), " ", topk_ids.sizes(), " on ",
+              topk_ids.device());
+  TORCH_CHECK(root_ids.device() == device && root_ids.scalar_type() == at::kLong &&
+                  root_ids.dim() == 1 && root_ids.size(0) == bs && root_ids.stride(0) == 1,
+              "tree_build: root_ids must be contiguous int64 [", bs, "] on ", device, ", got ",
+              root_ids.scalar_type(), " ", root_ids.sizes(), " on ", root_ids.device());
+  TORCH_CHECK(budget >= 1 && budget <= ddtree::kMaxBudget, "tree_build: budget must be in [1, ",
+              ddtree::kMaxBudget, "], got ", budget);
+  TORCH_CHECK(D >= 1 && K >= 1, "tree_build: topk_logp must have D >= 1 and K >= 1, got ",
+              topk_logp.sizes());
+  // A node of depth d has d - 1 ancestors in the tree, so depths beyond the budget never fit.
+  const int64_t d_eff = D < budget ? D : budget;
+  TORCH_CHECK(d_eff <= ddtree::kMaxDepth, "tree_build: min(D, budget) must be <= ",
+              ddtree::kMaxDepth, ", got D=", D, ", budget=", budget);
+  const int64_t N = budget + 1;
+  check_out(tokens, "tokens", at::kLong, {bs, N}, device);
+  check_out(parents, "parents", at::kLong, {bs, N}, device);
+  check_out(depths, "depths", at::kLong, {bs, N}, device);
+  check_out(valid, "valid", at::kBool, {bs, N}, device);
+  check_out(scores, "scores", at::kFloat, {bs, N}, device);
+  check_out(ancestor_mask, "ancestor_mask", at::kBool, {bs, N, N}, device);
+  check_out(retrive_index, "retrive_index", at::kLong, {bs, N}, device);
+  check_out(retrive_next_token, "retrive_next_token", at::kLong, {bs, N}, device);
+  check_out(retrive_next_sibling, "retrive_next_sibling", at::kLong, {bs, N}, device);
+  const bool has_seq = seq_lens.has_value();
+  TORCH_CHECK(has_seq || (!positions.has_value() && !full_mask.has_value()),
+              "tree_build: positions and full_mask need seq_lens");
+  if (has_seq) {
+    check_out(*seq_lens, "seq_lens", at::kLong, {bs}, device);
+  }
+  if (positions.has_value()) check_out(*positions, "positions", at::kLong, {bs, N}, device);
+  if (full_mask.has_value()) {
+    // The needed length depends on device-side seq_lens; the caller sizes the buffer.
+    TORCH_CHECK(full_mask->device() == device && full_mask->scalar_type() == at::kBool &&
+                    full_mask->dim() == 1 && full_mask->is_contiguous(),
+                "tree_build: full_mask must be a contiguous 1-D bool tensor on ", device);
+  }
+  if (bs == 0) return;
 
-int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D);
+  const int B = static_cast<int>(budget);
+  const int Kp = static_cast<int>(K < budget ? K : budget);
+  const int T = threads > 0 ? static_cast<int>(threads) : default_threads(B);
+  TORCH_CHECK(T % 32 == 0 && T >= 32 && T <= 1024, "tree_build: threads must be a multiple of 32 in "
+              "[32, 1024], got ", T);
+
+  const c10::cuda::CUDAGuard guard(device);
+  const ddtree::SmemLayout layout = ddtree::make_smem_layout(B, Kp, static_cast<int>(d_eff));
+  const int64_t smem = layout.total;
+  const int dev = device.index();
+  const int max_optin = smem_optin_limit(dev);
+  TORCH_CHECK(smem <= max_optin, "tree_build: budget ", B, " x depth ", d_eff, " needs ", smem,
+              " bytes of shared memory per block; this GPU allows ", max_optin);
+
+  ddtree::TreeBuildParams p{};
+  p.logp = topk_logp.data_ptr<float>();
+  p.logp_sb = topk_logp.stride(0);
+  p.logp_sd = topk_logp.stride(1);
+  p.ids = topk_ids.data_ptr<int64_t>();
+  p.ids_sb = topk_ids.stride(0);
+  p.ids_sd = topk_ids.stride(1);
+  p.root_ids = root_ids.data_ptr<int64_t>();
+  p.D = static_cast<int>(d_eff);
+  p.Kp = Kp;
+  p.B = B;
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.parents = parents.data_ptr<int64_t>();
+  p.depths = depths.data_ptr<int64_t>();
+  p.valid = valid.data_ptr<bool>();
+  p.scores = scores.data_ptr<float>();
+  p.ancestor_mask = ancestor_mask.data_ptr<bool>();
+  p.retrive_index = retrive_index.data_ptr<int64_t>();
+  p.retrive_next_token = retrive_next_token.data_ptr<int64_t>();
+  p.retrive_next_sibling = retrive_next_sibling.data_ptr<int64_t>();
+  p.seq_lens = has_seq ? seq_lens->data_ptr<int64_t>() : nullptr;
+  p.positions = positions.has_value() ? positions->data_ptr<int64_t>() : nullptr;
+  p.full_mask = full_mask.has_value() ? full_mask->data_ptr<bool>() : nullptr;
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  check_cuda(ddtree::tree_build_launch_raw(p, static_cast<int>(bs), T, smem, dev, stream),
+             "kernel launch");
+}
+
+int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D) {
+  const int Kp = static_cast<int>(K < budget ? K : budget);
+  const int d_eff = static_cast<int>(D < budget ? D : budget);
+  return ddtree::make_smem_layout(static_cast<int>(budget), Kp, d_eff).total;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_build", &tree_build_launch,

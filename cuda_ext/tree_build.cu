@@ -1,163 +1,64 @@
-// Launcher for ddtree::tree_build_kernel (tree_build_kernel.cuh): checks, shared-memory sizing,
-// one launch on the current stream. No allocation and no host sync: CUDA-graph capturable.
-// c10 headers only (not ATen/cuda/CUDAContext.h): the build then needs no cuBLAS/cuSPARSE headers.
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+// Raw launcher of ddtree::tree_build_kernel (tree_build_kernel.cuh): the only code nvcc compiles.
+//
+// Why so little here: a C++ exception (c10::Error from TORCH_CHECK) thrown from host code that
+// nvcc compiled crashed the process on the H200 toolchain (torch 2.11+cu130, nvcc 13.0) instead
+// of reaching Python. So this translation unit has no torch headers and throws nothing: it takes
+// parameters already validated by tree_build.cpp (host C++ compiler), launches, and returns a
+// cudaError_t that tree_build.cpp turns into a Python RuntimeError.
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <optional>
+#include <cstdint>
 
 #include "tree_build_kernel.cuh"
 
 namespace {
 
-void check_out(const at::Tensor& t, const char* name, at::ScalarType dtype,
-               at::IntArrayRef shape, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, "tree_build: ", name, " must be on ", device, ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "tree_build: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, "tree_build: ", name, " must have shape ", shape, ", got ",
-              t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "tree_build: ", name, " must be contiguous");
-}
+constexpr int kTrackedDevices = 64;
+constexpr int64_t kDefaultSmemLimit = 48 * 1024;  // above this the kernel needs an opt-in
 
-// Per device: largest dynamic shared memory already granted to the kernel, and the opt-in limit
-// (0 = not queried yet).
-std::atomic<int64_t> g_smem_granted[64];
-std::atomic<int> g_smem_optin[64];
+// Per device: the largest dynamic shared memory already granted to the kernel (0 = none). Only
+// grows; raising it holds g_smem_lock so that a smaller grant never overwrites a larger one. A
+// spin lock on an atomic flag rather than std::mutex, whose lock() may throw.
+std::atomic<int64_t> g_smem_granted[kTrackedDevices];
+std::atomic_flag g_smem_lock = ATOMIC_FLAG_INIT;
 
-int smem_optin_limit(int dev) {
-  if (dev >= 0 && dev < 64 && g_smem_optin[dev].load() > 0) return g_smem_optin[dev].load();
-  int limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (dev >= 0 && dev < 64) g_smem_optin[dev].store(limit);
-  return limit;
-}
-
-int default_threads(int budget) {
-  if (budget <= 128) return 128;
-  if (budget <= 256) return 256;
-  if (budget <= 512) return 512;
-  return 1024;
+cudaError_t grant_smem(int64_t smem_bytes) {
+  return cudaFuncSetAttribute(ddtree::tree_build_kernel,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem_bytes));
 }
 
 }  // namespace
 
-void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
-                       const at::Tensor& topk_ids, int64_t budget, const at::Tensor& tokens,
-                       const at::Tensor& parents, const at::Tensor& depths, const at::Tensor& valid,
-                       const at::Tensor& scores, const at::Tensor& ancestor_mask,
-                       const at::Tensor& retrive_index, const at::Tensor& retrive_next_token,
-                       const at::Tensor& retrive_next_sibling,
-                       const std::optional<at::Tensor>& seq_lens,
-                       const std::optional<at::Tensor>& positions,
-                       const std::optional<at::Tensor>& full_mask, int64_t threads) {
-  TORCH_CHECK(topk_logp.is_cuda(), "tree_build: topk_logp must be a CUDA tensor");
-  const at::Device device = topk_logp.device();
-  TORCH_CHECK(topk_logp.dim() == 3, "tree_build: topk_logp must be [bs, D, K], got ",
-              topk_logp.sizes());
-  const int64_t bs = topk_logp.size(0), D = topk_logp.size(1), K = topk_logp.size(2);
-  TORCH_CHECK(topk_logp.scalar_type() == at::kFloat, "tree_build: topk_logp must be float32, got ",
-              topk_logp.scalar_type());
-  TORCH_CHECK(topk_logp.stride(2) == 1, "tree_build: topk_logp must be contiguous in K");
-  TORCH_CHECK(topk_ids.device() == device && topk_ids.scalar_type() == at::kLong &&
-                  topk_ids.sizes() == topk_logp.sizes() && topk_ids.stride(2) == 1,
-              "tree_build: topk_ids must be int64 ", topk_logp.sizes(), " on ", device,
-              ", contiguous in K; got ", topk_ids.scalar_type(), " ", topk_ids.sizes(), " on ",
-              topk_ids.device());
-  TORCH_CHECK(root_ids.device() == device && root_ids.scalar_type() == at::kLong &&
-                  root_ids.dim() == 1 && root_ids.size(0) == bs && root_ids.stride(0) == 1,
-              "tree_build: root_ids must be contiguous int64 [", bs, "] on ", device, ", got ",
-              root_ids.scalar_type(), " ", root_ids.sizes(), " on ", root_ids.device());
-  TORCH_CHECK(budget >= 1 && budget <= ddtree::kMaxBudget, "tree_build: budget must be in [1, ",
-              ddtree::kMaxBudget, "], got ", budget);
-  TORCH_CHECK(D >= 1 && K >= 1, "tree_build: topk_logp must have D >= 1 and K >= 1, got ",
-              topk_logp.sizes());
-  // A node of depth d has d - 1 ancestors in the tree, so depths beyond the budget never fit.
-  const int64_t d_eff = D < budget ? D : budget;
-  TORCH_CHECK(d_eff <= ddtree::kMaxDepth, "tree_build: min(D, budget) must be <= ",
-              ddtree::kMaxDepth, ", got D=", D, ", budget=", budget);
-  const int64_t N = budget + 1;
-  check_out(tokens, "tokens", at::kLong, {bs, N}, device);
-  check_out(parents, "parents", at::kLong, {bs, N}, device);
-  check_out(depths, "depths", at::kLong, {bs, N}, device);
-  check_out(valid, "valid", at::kBool, {bs, N}, device);
-  check_out(scores, "scores", at::kFloat, {bs, N}, device);
-  check_out(ancestor_mask, "ancestor_mask", at::kBool, {bs, N, N}, device);
-  check_out(retrive_index, "retrive_index", at::kLong, {bs, N}, device);
-  check_out(retrive_next_token, "retrive_next_token", at::kLong, {bs, N}, device);
-  check_out(retrive_next_sibling, "retrive_next_sibling", at::kLong, {bs, N}, device);
-  const bool has_seq = seq_lens.has_value();
-  TORCH_CHECK(has_seq || (!positions.has_value() && !full_mask.has_value()),
-              "tree_build: positions and full_mask need seq_lens");
-  if (has_seq) {
-    check_out(*seq_lens, "seq_lens", at::kLong, {bs}, device);
+namespace ddtree {
+
+// Launches one block of `threads` threads per request on `stream` (device `device` must be
+// current), first raising the kernel's dynamic shared-memory limit to `smem_bytes` when the
+// default 48 KB does not suffice. Enqueues no allocation and no host sync, and
+// cudaFuncSetAttribute is not a stream operation, so the call is CUDA-graph capturable.
+// Returns the first CUDA error (cudaSuccess when the launch was accepted).
+cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
+                                  int64_t smem_bytes, int device, cudaStream_t stream) noexcept {
+  if (smem_bytes > kDefaultSmemLimit) {
+    if (device < 0 || device >= kTrackedDevices) {
+      const cudaError_t err = grant_smem(smem_bytes);
+      if (err != cudaSuccess) return err;
+    } else if (g_smem_granted[device].load() < smem_bytes) {
+      while (g_smem_lock.test_and_set(std::memory_order_acquire)) {
+      }
+      cudaError_t err = cudaSuccess;
+      if (g_smem_granted[device].load() < smem_bytes) {
+        err = grant_smem(smem_bytes);
+        if (err == cudaSuccess) g_smem_granted[device].store(smem_bytes);
+      }
+      g_smem_lock.clear(std::memory_order_release);
+      if (err != cudaSuccess) return err;
+    }
   }
-  if (positions.has_value()) check_out(*positions, "positions", at::kLong, {bs, N}, device);
-  if (full_mask.has_value()) {
-    // The needed length depends on device-side seq_lens; the caller sizes the buffer.
-    TORCH_CHECK(full_mask->device() == device && full_mask->scalar_type() == at::kBool &&
-                    full_mask->dim() == 1 && full_mask->is_contiguous(),
-                "tree_build: full_mask must be a contiguous 1-D bool tensor on ", device);
-  }
-  if (bs == 0) return;
-
-  const int B = static_cast<int>(budget);
-  const int Kp = static_cast<int>(K < budget ? K : budget);
-  const int T = threads > 0 ? static_cast<int>(threads) : default_threads(B);
-  TORCH_CHECK(T % 32 == 0 && T >= 32 && T <= 1024, "tree_build: threads must be a multiple of 32 in "
-              "[32, 1024], got ", T);
-
-  const c10::cuda::CUDAGuard guard(device);
-  const ddtree::SmemLayout layout = ddtree::make_smem_layout(B, Kp, static_cast<int>(d_eff));
-  const int64_t smem = layout.total;
-  const int dev = device.index();
-  const int max_optin = smem_optin_limit(dev);
-  TORCH_CHECK(smem <= max_optin, "tree_build: budget ", B, " x depth ", d_eff, " needs ", smem,
-              " bytes of shared memory per block; this GPU allows ", max_optin);
-  const bool tracked = dev >= 0 && dev < 64;
-  if (smem > 48 * 1024 && (!tracked || g_smem_granted[dev].load() < smem)) {
-    // Not a stream operation: allowed while a CUDA graph is being captured.
-    C10_CUDA_CHECK(cudaFuncSetAttribute(ddtree::tree_build_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-    if (tracked) g_smem_granted[dev].store(smem);
-  }
-
-  ddtree::TreeBuildParams p{};
-  p.logp = topk_logp.data_ptr<float>();
-  p.logp_sb = topk_logp.stride(0);
-  p.logp_sd = topk_logp.stride(1);
-  p.ids = topk_ids.data_ptr<int64_t>();
-  p.ids_sb = topk_ids.stride(0);
-  p.ids_sd = topk_ids.stride(1);
-  p.root_ids = root_ids.data_ptr<int64_t>();
-  p.D = static_cast<int>(d_eff);
-  p.Kp = Kp;
-  p.B = B;
-  p.tokens = tokens.data_ptr<int64_t>();
-  p.parents = parents.data_ptr<int64_t>();
-  p.depths = depths.data_ptr<int64_t>();
-  p.valid = valid.data_ptr<bool>();
-  p.scores = scores.data_ptr<float>();
-  p.ancestor_mask = ancestor_mask.data_ptr<bool>();
-  p.retrive_index = retrive_index.data_ptr<int64_t>();
-  p.retrive_next_token = retrive_next_token.data_ptr<int64_t>();
-  p.retrive_next_sibling = retrive_next_sibling.data_ptr<int64_t>();
-  p.seq_lens = has_seq ? seq_lens->data_ptr<int64_t>() : nullptr;
-  p.positions = positions.has_value() ? positions->data_ptr<int64_t>() : nullptr;
-  p.full_mask = full_mask.has_value() ? full_mask->data_ptr<bool>() : nullptr;
-
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  ddtree::tree_build_kernel<<<static_cast<unsigned>(bs), T, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  tree_build_kernel<<<static_cast<unsigned>(bs), threads, static_cast<size_t>(smem_bytes),
+                      stream>>>(p);
+  return cudaGetLastError();
 }
 
-int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D) {
-  const int Kp = static_cast<int>(K < budget ? K : budget);
-  const int d_eff = static_cast<int>(D < budget ? D : budget);
-  return ddtree::make_smem_layout(static_cast<int>(budget), Kp, d_eff).total;
-}
+}  // namespace ddtree

@@ -256,3 +256,42 @@ def test_boundary_errors_name_the_tensor():
     with pytest.raises(RuntimeError, match="positions and full_mask need seq_lens"):
         tree_backend.build_tree_cuda(roots, lp, ids, 8,
                                      positions=torch.empty(2, 9, dtype=torch.int64, device="cuda"))
+
+
+def test_every_host_check_raises_and_the_extension_still_works(ext):
+    """Each argument check of tree_build.cpp raises RuntimeError (not a crash: the nvcc-compiled
+    launcher throws nothing), the CUDA state stays clean, and later launches give exact trees."""
+    bs, budget, depth, k = 2, 8, 5, 8
+    roots, lp, ids = (x.cuda() for x in make_inputs(bs, depth, k, seed=3, mode="random"))
+    out = poisoned(bs, budget)
+
+    def call(budget_=budget, roots_=roots, lp_=lp, ids_=ids, threads=0, **replace):
+        t = {**out.tensors(), **replace}
+        ext.tree_build(roots_, lp_, ids_, budget_, t["tokens"], t["parents"], t["depths"],
+                       t["valid"], t["scores"], t["ancestor_mask"], t["retrive_index"],
+                       t["retrive_next_token"], t["retrive_next_sibling"], threads=threads)
+
+    i64 = dict(dtype=torch.int64, device="cuda")
+    cases = [
+        (r"topk_logp must be a CUDA tensor", dict(lp_=lp.cpu())),
+        (r"topk_logp must be float32", dict(lp_=lp.double())),
+        (r"topk_ids must be int64", dict(ids_=ids.int())),
+        (r"root_ids must be contiguous int64 \[2\]", dict(roots_=roots[:1])),
+        (r"budget must be in \[1, 1024\], got 0", dict(budget_=0)),
+        (r"budget must be in \[1, 1024\], got 1025", dict(budget_=1025)),
+        (r"parents must have shape \[2, 9\], got \[2, 10\]",
+         dict(parents=torch.empty(bs, budget + 2, **i64))),
+        (r"scores must be Float, got Double",
+         dict(scores=torch.empty(bs, budget + 1, dtype=torch.float64, device="cuda"))),
+        (r"retrive_index must be contiguous",
+         dict(retrive_index=torch.empty(budget + 1, bs, **i64).t())),
+        (r"threads must be a multiple of 32 in \[32, 1024\], got 33", dict(threads=33)),
+    ]
+    for pattern, kwargs in cases:
+        with pytest.raises(RuntimeError, match=pattern):
+            call(**kwargs)
+    torch.cuda.synchronize()
+    # After the errors: a small launch and one that needs the > 48 KB shared-memory opt-in.
+    check_parity(bs, budget, depth, k, seed=4, mode="random")
+    assert ext.smem_bytes(1024, 1024, 15) > 48 * 1024
+    check_parity(2, 1024, 15, 1024, seed=5, mode="ties", torch_too=False)

@@ -1,0 +1,87 @@
+// Launch parameters and shared-memory layout of ddtree::tree_build_kernel, shared by the kernel
+// (tree_build_kernel.cuh, nvcc), the host-compiled launcher (tree_build.cpp, the host C++
+// compiler) and the CPU emulation in tests/cuda_ext_emu. Plain C++ with no CUDA or torch
+// dependency, so that the host side can size shared memory and fill the parameters itself.
+#pragma once
+
+#include <cstdint>
+
+// Host and device under nvcc; plain host functions for any other compiler.
+#if defined(__CUDACC__)
+#define DDTREE_HOST_DEVICE __host__ __device__
+#else
+#define DDTREE_HOST_DEVICE
+#endif
+
+namespace ddtree {
+
+constexpr int kMaxBudget = 1024;       // lex positions, ranks and output indices fit 16 bits
+constexpr int kMaxDepth = 63;          // the depth field of the key has 6 bits
+
+struct TreeBuildParams {
+  const float* logp;      // [bs, D, K] float32, last dim contiguous, sorted descending
+  int64_t logp_sb, logp_sd;
+  const int64_t* ids;     // [bs, D, K] int64, last dim contiguous
+  int64_t ids_sb, ids_sd;
+  const int64_t* root_ids;  // [bs] int64
+  int D;                  // depths 1..D (the launcher passes min(D, B): deeper nodes cannot fit)
+  int Kp;                 // min(K, B): ranks that can ever be selected
+  int B;                  // budget; N = B + 1 verify tokens per request
+  // DraftTree outputs, all contiguous
+  int64_t* tokens;        // [bs, N]
+  int64_t* parents;       // [bs, N]
+  int64_t* depths;        // [bs, N]
+  bool* valid;            // [bs, N]
+  float* scores;          // [bs, N]
+  bool* ancestor_mask;    // [bs, N, N]
+  int64_t* retrive_index;         // [bs, N]
+  int64_t* retrive_next_token;    // [bs, N]
+  int64_t* retrive_next_sibling;  // [bs, N]
+  // Optional verify layout (seq_lens == nullptr: skipped)
+  const int64_t* seq_lens;  // [bs] int64 prefix lengths
+  int64_t* positions;       // [bs, N] int64 or nullptr
+  bool* full_mask;          // flat FULL_MASK bool or nullptr
+};
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory layout (host and device compute the same byte offsets).
+
+DDTREE_HOST_DEVICE inline int64_t ddtree_align16(int64_t x) { return (x + 15) & ~int64_t(15); }
+
+struct SmemLayout {
+  int64_t lp, off, gscore, gmeta, gpar, keys, posanc, lvl_cnt, hist, wbuf, ctrl;
+  int64_t p_parent, p_depth, p_sib, first_child, total;
+};
+
+// Stage every depth's log-probs at once (one global-memory latency instead of one per depth)
+// when they take at most 32 KB.
+DDTREE_HOST_DEVICE inline bool preload_rows(int Kp, int D) { return int64_t(Kp) * D <= 8192; }
+
+DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
+  const int64_t N = B + 1;
+  const int64_t lp_rows = preload_rows(Kp, D) ? D : 1;
+  SmemLayout L;
+  int64_t o = 0;
+  L.lp = o;          o = ddtree_align16(o + 4 * lp_rows * Kp);       // float[rows][Kp]: log-probs
+  L.off = o;         o = ddtree_align16(o + 4 * int64_t(B + 1));     // int[B+1]: candidate offsets
+  L.gscore = o;      o = ddtree_align16(o + 4 * 2 * int64_t(B));     // float[2][B]: G (double buffer)
+  L.gmeta = o;       o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: depth<<16 | lex
+  L.gpar = o;        o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: parent lex<<16 | rank
+  L.keys = o;        o = ddtree_align16(o + 8 * int64_t(B));         // u64[B]: final sort keys
+  // u16: pos_of[D][B] (output index of (depth, lex)) during the build, then the ancestor table
+  // anc[N][D+1] (ancestor of node q at depth k) for the masks.
+  const int64_t pos_n = int64_t(D) * B, anc_n = N * (D + 1);
+  L.posanc = o;      o = ddtree_align16(o + 2 * (pos_n > anc_n ? pos_n : anc_n));
+  L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
+  L.hist = o;        o = ddtree_align16(o + 4 * 2 * 256);            // int[2][256]: radix histograms
+  L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
+  L.ctrl = o;        o = ddtree_align16(o + 4 * 8);                  // int[8]: radix decisions
+  L.p_parent = o;    o = ddtree_align16(o + 4 * N);                  // int[N] per output index
+  L.p_depth = o;     o = ddtree_align16(o + 4 * N);                  // int[N], -1 = padding
+  L.p_sib = o;       o = ddtree_align16(o + 4 * N);                  // int[N]
+  L.first_child = o; o = ddtree_align16(o + 4 * N);                  // int[N]
+  L.total = o;
+  return L;
+}
+
+}  // namespace ddtree
