@@ -71,8 +71,10 @@ def move_accepted_kv(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
     Within one column the batch's slots are disjoint (requests own disjoint slots), so each
     column is one ``move_kv_cache`` call over all layers.
     """
-    for j in range(dst.shape[1]):
-        pool.move_kv_cache(dst[:, j].contiguous(), src[:, j].contiguous())
+    # one transpose each, so every column is a contiguous row (not 2 copies per column)
+    dst_cols, src_cols = dst.t().contiguous(), src.t().contiguous()
+    for j in range(dst_cols.shape[0]):
+        pool.move_kv_cache(dst_cols[j], src_cols[j])
 
 
 def path_hidden(hidden: torch.Tensor, path_nodes: torch.Tensor, num_tokens: int) -> torch.Tensor:

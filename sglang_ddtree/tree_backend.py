@@ -86,6 +86,9 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
     return out
 
 
+build_tree_cuda.single_launch = True
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_fits(budget: int, k: int, depth: int, device_index: int) -> bool:
     if min(depth, budget) > KERNEL_MAX_DEPTH:
@@ -105,6 +108,10 @@ def build_tree_auto(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
             return build_tree_cuda(root_ids, topk_logp, topk_ids, budget, out)
     return build_tree(root_ids, topk_logp, topk_ids, budget, out)
 
+
+# single launch only where the kernel fits; the worker checks shapes at start-up, so the flag
+# holds for the step shapes it serves (see worker._tree_builder)
+build_tree_auto.single_launch = True
 
 _choice_lock = threading.Lock()
 _choice: dict = {"builder": None}
@@ -160,6 +167,11 @@ def verified_tree_builder(budget: int, depth: int, k: int, device) -> TreeBuilde
     builder = get_tree_builder()
     if builder is build_tree:
         return builder
+    if builder is build_tree_auto and not _kernel_fits(budget, k, depth,
+                                                       torch.device(device).index or 0):
+        logger.info("sglang_ddtree: the fused kernel cannot take budget=%d, D=%d, K=%d; using "
+                    "build_tree", budget, depth, k)
+        return build_tree
     for bs, seed in ((1, 0), (3, 1), (5, 2)):
         args = _parity_inputs(bs, depth, k, device, seed)
         try:

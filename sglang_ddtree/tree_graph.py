@@ -4,7 +4,8 @@
 eager launches (about a thousand per step at D = 15). This wrapper captures it once per batch
 size on first use (static input/output buffers, the builder's ``out=`` path) and afterwards only
 copies the step's inputs in and replays. Capturing synchronizes the device once per new batch
-size; replays never do.
+size; replays never do. A builder marked ``single_launch`` (the fused CUDA kernel) is called
+directly instead, writing into per-batch-size buffers.
 """
 
 from __future__ import annotations
@@ -34,12 +35,23 @@ class TreeBuildGraphs:
         self.builder = builder
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._entries: Dict[int, _Entry] = {}
+        # a builder that is one kernel launch gains nothing from a graph; it writes into
+        # per-batch-size buffers (static, so the accept/commit graph can read them in place)
+        self.single_launch = bool(getattr(builder, "single_launch", False)) and \
+            self.device.type == "cuda"
+        self._outs: Dict[int, DraftTree] = {}
 
     def __call__(self, root_ids: torch.Tensor, topk_logp: torch.Tensor,
                  topk_ids: torch.Tensor) -> DraftTree:
+        bs = root_ids.shape[0]
+        if self.single_launch:  # the fused kernel: one launch into this batch size's buffers
+            out = self._outs.get(bs)
+            if out is None:
+                out = self._outs[bs] = DraftTree.empty(bs, self.budget, self.device,
+                                                       max_depth=self.depth)
+            return self.builder(root_ids, topk_logp, topk_ids, self.budget, out=out)
         if not self.use_graphs:
             return self.builder(root_ids, topk_logp, topk_ids, self.budget)
-        bs = root_ids.shape[0]
         e = self._entries.get(bs)
         if e is None:
             e = self._entries[bs] = self._capture(bs)

@@ -16,9 +16,9 @@ import time
 import torch
 
 from . import config as cfg
-from .commit import commit_from_path, kv_moves, move_accepted_kv, path_hidden
 from .draft_topk import DraftTopKHead
 from .sampling import sample_per_node
+from .step_graph import AcceptCommitGraphs
 from .tree_graph import TreeBuildGraphs
 from .verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
 from .verify_backend import attach_tree_mask
@@ -80,6 +80,9 @@ def _make_worker_class(sgl):
                 builder=_tree_builder(self.tree_cfg, self.device),
                 use_graphs=sgl.decode_graphs_enabled(server_args),
             )
+            self._accept_commit = AcceptCommitGraphs(
+                int(block), sgl.tree_greedy_walk,
+                use_graphs=sgl.decode_graphs_enabled(server_args), device=self.device)
             self._tree_verify = None  # the triton verify backend, set in init_attention_backends
             self._oracle = None
             if cfg.oracle_enabled():
@@ -256,16 +259,16 @@ def _make_worker_class(sgl):
                     # sample once, on rank 0: every rank must walk the same path
                     self._tp_group.broadcast(predicted, src=0)
                 self._rank_check.step(tree, predicted)
-            accept_len, accepted_nodes, bonus = sgl.tree_greedy_walk(tree, predicted, block)
-            step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
             t.mark("accept")
 
-            # 5) commit: accepted KV contiguous, publish lengths, drafter KV from target hidden
-            dst, src = kv_moves(slots, step.path_nodes, accept_len)
-            move_accepted_kv(self.model_runner.token_to_kv_pool, dst, src)
+            # 5) walk the tree, commit: accepted KV contiguous (one graph replay per step),
+            # publish lengths, drafter KV from the accepted nodes' target hidden states
+            done = self._accept_commit(tree, predicted, slots, prefix,
+                                       self.model_runner.token_to_kv_pool)
+            step = done.step
             if on_publish is not None:
                 on_publish(step.new_seq_lens)
-            hidden = path_hidden(logits_output.hidden_states, step.path_nodes, n)
+            hidden = logits_output.hidden_states.index_select(0, done.hidden_rows)
             draft_pos = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
             self._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=hidden,
@@ -396,7 +399,12 @@ def tree_hash(tree, predicted) -> torch.Tensor:
 
 
 class StepTimers:
-    """Per-stage wall time of the step (off by default: it synchronizes the GPU per stage)."""
+    """Per-stage wall time of the step (off by default: it synchronizes the GPU per stage).
+
+    draft: drafter block + top-K head; tree: tree build; verify: mask, positions and the
+    target's forward; accept: the target's token at every node (argmax, or sampling and the TP
+    broadcast); commit: tree walk, emitted tokens, KV relocation (one graph replay) and the
+    drafter's KV from the accepted nodes' hidden states."""
 
     STAGES = ("draft", "tree", "verify", "accept", "commit")
 

@@ -1,0 +1,124 @@
+"""Accept walk + commit bookkeeping + KV relocation, replayed from one CUDA graph per batch size.
+
+After the target's verify forward a step needs only static-shape work: SGLang's
+``verify_tree_greedy`` walk, the emitted tokens and new lengths, the KV relocation of the
+accepted path (one ``move_kv_cache`` per path column) and the row index of the accepted nodes'
+hidden states. As eager launches that is about fifty small kernels, whose launch cost lands on
+the critical path of every decode step. Here it is captured once per batch size and replayed
+(inputs copied in, outputs cloned out).
+
+The tree is not copied in: the tree builder hands out the same per-batch-size buffers every step
+(``TreeBuildGraphs``), so the graph reads them where they are. A call with other tree buffers (or
+on CPU, or with graphs off) runs the same function eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from .commit import StepCommit, commit_from_path, kv_moves, move_accepted_kv
+from .tree import DraftTree
+
+
+@dataclass
+class AcceptCommit:
+    step: StepCommit
+    hidden_rows: torch.Tensor  # [bs * B] int64 rows of the verify hidden states, path order
+
+
+def accept_and_commit(tree: DraftTree, predicted: torch.Tensor, slots: torch.Tensor,
+                      prefix: torch.Tensor, path_width: int, walk: Callable,
+                      pool) -> AcceptCommit:
+    """Walk ``tree`` against the target's ``predicted`` tokens and commit the accepted path.
+
+    tree: [bs, N] DraftTree; predicted: [bs, N] int64 target token at every node; slots:
+    [bs, W >= N] int64 KV slots of positions prefix..prefix+W-1; prefix: [bs] lengths;
+    path_width: the drafter block B; walk: ``compat.tree_greedy_walk``; pool: SGLang KV pool
+    (None: skip the KV relocation).
+    """
+    accept_len, accepted_nodes, bonus = walk(tree, predicted, path_width)
+    step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
+    if pool is not None:
+        dst, src = kv_moves(slots, step.path_nodes, accept_len)
+        move_accepted_kv(pool, dst, src)
+    bs, n = tree.tokens.shape
+    base = torch.arange(bs, device=tree.tokens.device, dtype=torch.int64)[:, None] * n
+    return AcceptCommit(step=step, hidden_rows=(base + step.path_nodes).reshape(-1))
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    tree_ptr: int  # data_ptr of the tree tokens the graph reads
+    predicted: torch.Tensor
+    slots: torch.Tensor
+    prefix: torch.Tensor
+    out: AcceptCommit
+
+
+class AcceptCommitGraphs:
+    """``accept_and_commit`` per batch size from a CUDA graph (captured on first use)."""
+
+    def __init__(self, path_width: int, walk: Callable, use_graphs: bool, device):
+        self.path_width, self.walk = path_width, walk
+        self.device = torch.device(device)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self._entries: Dict[Tuple, _Entry] = {}
+        self.failed: Dict[Tuple, str] = {}  # capture errors: that key runs eagerly
+
+    def __call__(self, tree: DraftTree, predicted: torch.Tensor, slots: torch.Tensor,
+                 prefix: torch.Tensor, pool) -> AcceptCommit:
+        key = (tree.tokens.shape[0], tree.tokens.shape[1], slots.shape[1], prefix.dtype,
+               slots.dtype, id(pool))
+        if not self.use_graphs or key in self.failed:
+            return self._eager(tree, predicted, slots, prefix, pool)
+        e = self._entries.get(key)
+        if e is None:
+            try:
+                e = self._entries[key] = self._capture(tree, predicted, slots, prefix, pool)
+            except Exception as err:  # noqa: BLE001 -- reported, then served eagerly
+                import logging
+
+                self.failed[key] = f"{type(err).__name__}: {err}"
+                logging.getLogger(__name__).error(
+                    "DDTREE: accept/commit graph capture failed for %s (%s); running it eagerly",
+                    key, self.failed[key])
+                return self._eager(tree, predicted, slots, prefix, pool)
+        if e.tree_ptr != tree.tokens.data_ptr():  # not the builder's static buffers
+            return self._eager(tree, predicted, slots, prefix, pool)
+        e.predicted.copy_(predicted)
+        e.slots.copy_(slots)
+        e.prefix.copy_(prefix)
+        e.graph.replay()
+        s = e.out.step
+        # outputs that outlive the step (next step's lengths/bonus, SGLang's result) are cloned:
+        # the next replay at this batch size overwrites the static buffers
+        return AcceptCommit(
+            step=StepCommit(out_tokens=s.out_tokens.clone(), commit_lens=s.commit_lens.clone(),
+                            new_seq_lens=s.new_seq_lens.clone(), path_nodes=s.path_nodes,
+                            bonus=s.bonus.clone()),
+            hidden_rows=e.out.hidden_rows)
+
+    def _eager(self, tree, predicted, slots, prefix, pool):
+        return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool)
+
+    def _capture(self, tree, predicted, slots, prefix, pool) -> _Entry:
+        dev = self.device
+        # placeholders for the warm-up run: slot 0 is SGLang's padding slot, so the warm-up's
+        # KV "moves" copy slot 0 onto itself
+        st_pred = torch.zeros_like(predicted)
+        st_slots = torch.zeros_like(slots)
+        st_prefix = torch.zeros_like(prefix)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._eager(tree, st_pred, st_slots, st_prefix, pool)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: SGLang has other threads issuing CUDA work while we capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = self._eager(tree, st_pred, st_slots, st_prefix, pool)
+        return _Entry(graph, tree.tokens.data_ptr(), st_pred, st_slots, st_prefix, out)

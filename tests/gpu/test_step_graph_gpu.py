@@ -1,0 +1,82 @@
+"""AcceptCommitGraphs on the GPU: replays equal the eager path, KV moved the same, outputs owned."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_ddtree.accept import accept_walk
+from sglang_ddtree.step_graph import AcceptCommitGraphs, accept_and_commit
+from sglang_ddtree.tree_graph import TreeBuildGraphs
+
+pytestmark = pytest.mark.gpu
+
+
+class GpuPool:
+    """An SGLang-like KV pool: per-layer [slots, H] buffers, one gather/scatter per call."""
+
+    def __init__(self, slots, layers=3, h=8, seed=0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.bufs = [torch.randn(slots, h, device="cuda", generator=g) for _ in range(layers)]
+
+    def move_kv_cache(self, tgt, src):
+        for buf in self.bufs:
+            buf[tgt] = buf[src]
+
+
+def _walk(tree, predicted, width):
+    return accept_walk(tree, predicted, width - 1)
+
+
+def _inputs(bs, depth, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logp = torch.log_softmax(3 * torch.randn(bs, depth, 64, device="cuda", generator=g), -1)
+    logp, ids = logp.topk(k, -1)
+    roots = torch.randint(0, 64, (bs,), device="cuda", generator=g)
+    return roots, logp, ids
+
+
+def _predict(tree, rng):
+    """Target tokens that follow a random path of the tree (copied to CPU: test only)."""
+    t = tree.tokens.cpu()
+    par, valid = tree.parents.cpu(), tree.valid.cpu()
+    bs, n = t.shape
+    pred = torch.full((bs, n), 10_000, dtype=torch.int64)
+    for b in range(bs):
+        cand = [i for i in range(1, n) if valid[b, i]]
+        node = rng.choice(cand) if cand else 0
+        while node > 0:
+            pred[b, par[b, node]] = t[b, node]
+            node = int(par[b, node])
+    return pred.cuda()
+
+
+@pytest.mark.parametrize("budget,depth,k", [(8, 7, 4), (32, 15, 8)])
+def test_replay_equals_eager(budget, depth, k):
+    rng = random.Random(0)
+    block = depth + 1
+    trees = TreeBuildGraphs(budget, depth, k, "cuda")
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda")
+    n = budget + 1
+    width = max(n, block)
+    kept = []
+    size = 9 * width * 2 + 1
+    pool_g, pool_e = GpuPool(size), GpuPool(size)  # both evolve identically, step after step
+    for seed, bs in enumerate([1, 4, 1, 4, 9, 4]):
+        tree = trees(*_inputs(bs, depth, k, seed))
+        pred = _predict(tree, rng)
+        slots = (torch.randperm(bs * width * 2, device="cuda")[: bs * width] + 1).view(bs, width)
+        prefix = torch.randint(0, 100, (bs,), device="cuda")
+        got = graphs(tree, pred, slots, prefix, pool_g)
+        want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool_e)
+        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+            assert torch.equal(getattr(got.step, name), getattr(want.step, name)), (name, bs)
+        assert torch.equal(got.hidden_rows, want.hidden_rows)
+        for a, b in zip(pool_g.bufs, pool_e.bufs):
+            assert torch.equal(a, b)
+        kept.append((got.step.new_seq_lens, want.step.new_seq_lens.clone()))
+    assert not graphs.failed
+    assert len(graphs._entries) == 3  # bs 1, 4, 9 -- captured once each
+    # returned lengths are owned: later replays at the same batch size did not overwrite them
+    for got_lens, want_lens in kept:
+        assert torch.equal(got_lens, want_lens)

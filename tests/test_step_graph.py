@@ -1,0 +1,59 @@
+"""accept_and_commit (the accept/commit graph body) and its eager path on CPU."""
+
+import random
+
+import torch
+
+from sglang_ddtree.accept import accept_walk, accept_walk_reference
+from sglang_ddtree.commit import commit_from_path, kv_moves, move_accepted_kv
+from sglang_ddtree.step_graph import AcceptCommitGraphs, accept_and_commit
+from tests.test_commit import FakePool, _predict_path, _random_tree
+
+
+def _walk(tree, predicted, width):
+    return accept_walk(tree, predicted, width - 1)
+
+
+def test_accept_and_commit_matches_the_step_by_step_composition():
+    rng = random.Random(1)
+    for seed in range(12):
+        bs, depth, k, budget = 4, 7, 3, 18
+        block = depth + 1
+        tree = _random_tree(bs, depth, k, budget, seed)
+        n = tree.tokens.shape[1]
+        pred = _predict_path(tree, rng)
+        prefix = torch.tensor([3, 0, 11, 40], dtype=torch.int32)
+        slots = torch.arange(bs * (n + 2)).view(bs, n + 2) * 3 + 5
+        pool = FakePool(int(slots.max()) + 1)
+        ref_pool = FakePool(int(slots.max()) + 1)
+
+        got = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool)
+
+        accept_len, nodes, bonus = accept_walk_reference(tree, pred, depth)
+        want = commit_from_path(tree, nodes, accept_len, bonus, prefix)
+        dst, src = kv_moves(slots, want.path_nodes, accept_len)
+        move_accepted_kv(ref_pool, dst, src)
+        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+            assert torch.equal(getattr(got.step, name), getattr(want, name)), (name, seed)
+        for a, b in zip(pool.bufs, ref_pool.bufs):
+            assert torch.equal(a, b)
+        rows = (torch.arange(bs)[:, None] * n + want.path_nodes).reshape(-1)
+        assert torch.equal(got.hidden_rows, rows)
+        # the rows pick the accepted nodes in path order, root first
+        for b in range(bs):
+            kk = int(accept_len[b])
+            assert got.hidden_rows.view(bs, -1)[b, : kk + 1].tolist() == \
+                [b * n + int(x) for x in nodes[b, : kk + 1]]
+
+
+def test_graph_wrapper_runs_eagerly_off_gpu_and_without_pool():
+    tree = _random_tree(2, 5, 3, 9, 0)
+    pred = _predict_path(tree, random.Random(0))
+    slots = torch.arange(2 * 12).view(2, 12)
+    prefix = torch.tensor([4, 9])
+    graphs = AcceptCommitGraphs(6, _walk, use_graphs=True, device="cpu")
+    assert not graphs.use_graphs
+    got = graphs(tree, pred, slots, prefix, None)
+    want = accept_and_commit(tree, pred, slots, prefix, 6, _walk, None)
+    assert torch.equal(got.step.out_tokens, want.step.out_tokens)
+    assert torch.equal(got.hidden_rows, want.hidden_rows)
