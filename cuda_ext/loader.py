@@ -31,7 +31,7 @@ BACKENDS = ("auto", "cuda", "torch")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = ("tree_build.cpp", "tree_build.cu")
-_HEADERS = ("tree_build_kernel.cuh",)
+_HEADERS = ("tree_build_kernel.cuh", "tree_build_params.h")
 _EXT_NAME = "sglang_ddtree_tree_build"
 _CUDA_CFLAGS = ["-O3", "-lineinfo"]
 

@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   p.logp = logp.data(); p.logp_sb = int64_t(D) * K; p.logp_sd = K;
   p.ids = ids.data(); p.ids_sb = int64_t(D) * K; p.ids_sd = K;
   p.root_ids = root.data();
-  p.D = std::min(D, B); p.Kp = std::min(K, B); p.B = B;  // as the launcher in tree_build.cu
+  p.D = std::min(D, B); p.Kp = std::min(K, B); p.B = B;  // as the launcher in tree_build.cpp
   p.tokens = tokens.data(); p.parents = parents.data(); p.depths = depths.data();
   p.valid = reinterpret_cast<bool*>(valid.data()); p.scores = scores.data();
   p.ancestor_mask = reinterpret_cast<bool*>(anc.data());
