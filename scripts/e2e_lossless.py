@@ -202,7 +202,7 @@ def measure_tps(server, prompts, max_new, concs, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/e2e_lossless_h200.json")
-    ap.add_argument("--cases", default="dense:8,32,64;mla:32",
+    ap.add_argument("--cases", default="dense:8,32,64;mla:8,32,64",
                     help="model:budgets;... oracle-mode lossless cases (run concurrently)")
     ap.add_argument("--eager-check", default="dense:32",
                     help="model:budget also run with --disable-cuda-graph")
@@ -267,7 +267,8 @@ def main():
                   "--attention-backend", ms["backend"], "--cuda-graph-max-bs", str(max(concs)),
                   "--mem-fraction-static", "0.85", "--max-total-tokens", str(args.kv_tokens),
                   "--disable-prefill-cuda-graph",
-                  "--max-running-requests", str(max(concs)), "--sampling-backend", "pytorch"]
+                  "--max-running-requests", str(max(concs)), "--sampling-backend", "pytorch",
+                  "--sleep-on-idle"]
         if not ms["random_target"]:
             common += ["--load-format", "dummy"]
         spec = ["--speculative-draft-model-path", os.path.join(MODELS, ms["draft"]),
@@ -283,10 +284,10 @@ def main():
         common, _, prompts = setup[m]
         ar[m].wait_ready()
         ref[m], _, _ = run_batch(ar[m], prompts, args.max_new_tokens, 1)
-        oracle_path[m] = os.path.join(args.workdir, f"{m}-oracle.json")
+        tmp = oracle_path[m] + ".tmp"
         json.dump({"seed": 0, "items": [{"prompt": p, "output": o}
-                                        for p, o in zip(prompts, ref[m])]},
-                  open(oracle_path[m], "w"))
+                                        for p, o in zip(prompts, ref[m])]}, open(tmp, "w"))
+        os.replace(tmp, oracle_path[m])  # atomic: a server never reads half a file
 
     def ddtree_args(m, b):
         common, spec, _ = setup[m]
@@ -295,21 +296,43 @@ def main():
         return common + spec + ["--speculative-algorithm", "DDTREE",
                                 "--speculative-ddtree-budget", str(b)] + verify
 
-    servers = {}
+    servers, speed_servers = {}, {}
+    jobs = [(m, b, True) for m, bs in cases for b in bs] + \
+           [(m, b, False) for m, bs in eager for b in bs]
     try:
+        # every server starts now (fixed KV pools, --sleep-on-idle); the oracle servers read
+        # their oracle file at their first step, after the AR reference below has written it
         for m in models:
+            oracle_path[m] = os.path.join(args.workdir, f"{m}-oracle.json")
+            if os.path.exists(oracle_path[m]):
+                os.remove(oracle_path[m])
             ar[m] = Server(setup[m][0], log(f"{m}-ar"), next(ports), wait=False)
+        for m, budgets in speed:
+            common, spec, _ = setup[m]
+            for algo, extra in (("dflash", ["--speculative-algorithm", "DFLASH"] + spec),
+                                ("ddtree", ddtree_args(m, budgets[0])[len(common):])):
+                speed_servers[(m, algo)] = Server(common + extra, log(f"{m}-speed-{algo}"),
+                                                  next(ports), wait=False)
+        for m, b, graph in jobs:
+            tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
+            servers[(m, b, graph)] = Server(
+                ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
+                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m]}, wait=False)
         with cf.ThreadPoolExecutor(len(models)) as ex:
             list(ex.map(start_ar, models))
+        for srv in list(speed_servers.values()) + list(servers.values()):
+            srv.wait_ready()  # measure speed only once nothing is compiling or capturing
+        result["startup_s"] = {os.path.basename(s.log)[:-4]: round(s.startup_s, 1) for s in
+                               list(ar.values()) + list(speed_servers.values()) +
+                               list(servers.values())}
 
-        # 1) speed: one server at a time (the AR reference servers stay up, idle)
+        # 1) speed: one server at a time (all others idle)
         for m, budgets in speed:
             common, spec, prompts = setup[m]
             entry = {"budget": budgets[0], "ar": measure_tps(ar[m], prompts, args.max_new_tokens,
                                                              concs, args.repeats)}
-            for algo, extra in (("dflash", ["--speculative-algorithm", "DFLASH"] + spec),
-                                ("ddtree", ddtree_args(m, budgets[0])[len(common):])):
-                srv = Server(common + extra, log(f"{m}-speed-{algo}"), next(ports))
+            for algo in ("dflash", "ddtree"):
+                srv = speed_servers[(m, algo)]
                 try:
                     entry[algo] = measure_tps(srv, prompts, args.max_new_tokens, concs,
                                               args.repeats)
@@ -371,14 +394,7 @@ def main():
             finally:
                 srv.stop()
 
-        jobs = [(m, b, True) for m, bs in cases for b in bs] + \
-               [(m, b, False) for m, bs in eager for b in bs]
-        for m, b, graph in jobs:  # concurrent starts and runs
-            tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
-            servers[(m, b, graph)] = Server(
-                ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
-                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m]}, wait=False)
-        with cf.ThreadPoolExecutor(len(jobs)) as ex:
+        with cf.ThreadPoolExecutor(len(jobs)) as ex:  # all cases at once
             futs = [ex.submit(run_case, *j) for j in jobs]
             errors = []
             for f in futs:
