@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """AR vs DFLASH vs DDTREE (several budgets) on one model pair, same server settings, one run.
 
-For each method: start SGLang once (identical flags apart from the speculative ones), warm up,
-then for each concurrency and sampling mode send the held-out prompts with streaming and
+For each method: one SGLang server (identical flags apart from the speculative ones; by default
+all servers start at once with fixed KV pools and ``--sleep-on-idle``, then are measured one at
+a time, each stopped after its turn), warm up, then for each concurrency and sampling mode send the held-out prompts with streaming and
 record, over ``--repeats`` passes (median reported): output tokens/s (all completion tokens /
 wall), TTFT (request start to first streamed chunk), TPOT ((e2e - TTFT) / (tokens - 1)), accept
 length (completion tokens / verify steps, from SGLang's meta_info). DDTREE servers run with the
@@ -114,6 +115,12 @@ def main():
     ap.add_argument("--port", type=int, default=30300)
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--workdir", default="/tmp/ddtree_bench_e2e")
+    ap.add_argument("--timer-budgets", default="32",
+                    help="DDTREE budgets that also get a server with the stage timers on")
+    ap.add_argument("--concurrent-start", type=int, default=1,
+                    help="1: start all servers at once (fixed KV pools, --sleep-on-idle), then "
+                    "measure one at a time; 0: one server at a time")
+    ap.add_argument("--kv-tokens", type=int, default=131072)
     args = ap.parse_args()
     args.modes = args.modes.split(",")
 
@@ -126,7 +133,10 @@ def main():
     common = ["--model-path", args.target, "--attention-backend", args.attention_backend,
               "--cuda-graph-max-bs", str(max(concs)), "--max-running-requests", str(max(concs)),
               "--mem-fraction-static", "0.7", "--sampling-backend", "pytorch",
-              "--grammar-backend", "none", "--disable-prefill-cuda-graph"]
+              "--grammar-backend", "none", "--disable-prefill-cuda-graph", "--sleep-on-idle"]
+    if args.concurrent_start:  # fixed pools: SGLang's free-memory sizing races between starts
+        common[common.index("0.7")] = "0.85"
+        common += ["--max-total-tokens", str(args.kv_tokens)]
     spec = ["--speculative-draft-model-path", args.draft]
     methods = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
     methods += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
@@ -138,27 +148,54 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),
         "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "results": {}, "stage_ms_per_step": {},
+        "repeats": args.repeats, "concurrent_start": args.concurrent_start,
+        "results": {}, "stage_ms_per_step": {}, "startup_s": {}, "errors": {},
     }
-    for i, (name, extra, env) in enumerate(methods):
-        srv = Server(common + extra, os.path.join(args.workdir, f"{name}.log"), args.port + i,
-                     env=env)
-        try:
-            result["results"][name] = measure(srv.port, prompts, args, concs)
-        finally:
-            srv.stop()
-        if name.startswith("ddtree"):  # per-stage times: a second, timed server
-            srv = Server(common + extra, os.path.join(args.workdir, f"{name}-timers.log"),
-                         args.port + 50 + i, env={"SGLANG_DDTREE_TIMERS": "1"})
-            try:
-                for c in (1, max(concs)):
-                    for _ in range(2):
-                        run_pass(srv.port, prompts, args.max_new_tokens, c, {"temperature": 0.0})
-            finally:
-                srv.stop()
-            result["stage_ms_per_step"][name] = stage_times(srv.log)
+    log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
+    timer_budgets = {b for b in args.timer_budgets.split(",") if b}
+    jobs = [(name, extra, {}) for name, extra, _ in methods]
+    jobs += [(name + "-timers", extra, {"SGLANG_DDTREE_TIMERS": "1"})
+             for name, extra, _ in methods if name.split("_b")[-1] in timer_budgets
+             and name.startswith("ddtree")]
+    servers = {}
+
+    def start(i, job):
+        name, extra, env = job
+        return Server(common + extra, log(name), args.port + i, env=env,
+                      wait=not args.concurrent_start)
+
+    def dump():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         json.dump(result, open(args.out, "w"), indent=1)
+
+    try:
+        if args.concurrent_start:  # start every server now; measure one at a time below
+            for i, job in enumerate(jobs):
+                servers[job[0]] = start(i, job)
+        for i, job in enumerate(jobs):
+            name = job[0]
+            srv = servers.get(name) or start(i, job)
+            servers[name] = srv
+            srv.wait_ready()
+            try:
+                if name.endswith("-timers"):  # the timers synchronize per stage: no speed here
+                    for c in (1, max(concs)):
+                        for _ in range(2):
+                            run_pass(srv.port, prompts[: max(c, args.prompts_per_pass)],
+                                     args.max_new_tokens, c, {"temperature": 0.0})
+                    srv.stop()
+                    result["stage_ms_per_step"][name[: -len("-timers")]] = stage_times(srv.log)
+                else:
+                    result["results"][name] = measure(srv.port, prompts, args, concs)
+                    result["startup_s"][name] = round(srv.startup_s, 1)
+            except Exception as e:  # keep the other methods' numbers; report this one
+                result["errors"][name] = repr(e)[:2000]
+            finally:
+                srv.stop()
+            dump()
+    finally:
+        for srv in servers.values():
+            srv.stop()
     print("->", args.out)
 
 

@@ -19,8 +19,8 @@ for s in "$@"; do
   case $s in
     unit)    step unit 180 python3 -m pytest -q tests/gpu/test_tree_gpu.py \
                tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
-    cudaext) step cudaext 240 python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py
-             step cudaext-bench 120 python3 scripts/bench_tree_build.py --out "$OUT/tree_build_h200.json" ;;
+    cudaext) step cudaext ${CUDAEXT_LIMIT:-240} python3 -m pytest -q -x tests/gpu/test_cuda_ext_tree_gpu.py ${CUDAEXT_K:+-k "$CUDAEXT_K"}
+             step cudaext-bench ${CUDAEXT_BENCH_LIMIT:-120} python3 scripts/bench_tree_build.py --out "$OUT/tree_build_h200.json" ${CUDAEXT_BENCH_ARGS:-} ;;
     moe)     step moe 120 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
              step moe-vs-sglang 330 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k sglang
              step moe-tune 240 python3 scripts/bench_fused_moe.py --tune --ms 8 16 32 64 128 256 512 1024 2048 \
@@ -29,9 +29,11 @@ for s in "$@"; do
              step moe-bench 200 python3 scripts/bench_fused_moe.py --check --out "$OUT/fused_moe_h200.json" ;;
     verify)  SGLANG_DDTREE_VERIFY_E2E_OUT=$OUT/verify_backend_e2e_dense_h200.json \
                step verify-dense 560 python3 -m pytest -q -s tests/gpu/test_verify_backend_gpu.py -k dense ;;
-    e2e)     step e2e 480 python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ;;
-    train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ;;
-    benche2e) step bench-e2e 560 python3 scripts/bench_e2e.py --out "$OUT/bench_e2e_tiny_h200.json" ;;
+    e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
+    train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ${TRAIN_ARGS:-} ;;
+    benche2e) step bench-e2e ${BENCH_E2E_LIMIT:-560} python3 scripts/bench_e2e.py \
+               --out "$OUT/bench_e2e_tiny_h200.json" ${BENCH_E2E_ARGS:-}
+             (cd /tmp && tar czf "$OUT/bench_e2e_logs.tgz" ddtree_bench_e2e/*.log 2>/dev/null) ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
     *) log "unknown step $s (unit cudaext moe e2e verify train benche2e doctor bench)" ;;
