@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: unit cudaext moe e2e verify train benche2e doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe e2e verify train benche2e doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -17,6 +17,8 @@ step() {  # step NAME SECONDS CMD...
 }
 for s in "$@"; do
   case $s in
+    quick)   step quick ${QUICK_LIMIT:-150} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
+               tests/gpu/test_step_graph_gpu.py tests/gpu/test_tree_graph_gpu.py ;;
     unit)    step unit 180 python3 -m pytest -q tests/gpu/test_tree_gpu.py \
                tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
     cudaext) step cudaext ${CUDAEXT_LIMIT:-240} python3 -m pytest -q -x tests/gpu/test_cuda_ext_tree_gpu.py ${CUDAEXT_K:+-k "$CUDAEXT_K"}
@@ -36,7 +38,7 @@ for s in "$@"; do
              (cd /tmp && tar czf "$OUT/bench_e2e_logs.tgz" ddtree_bench_e2e/*.log 2>/dev/null) ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
-    *) log "unknown step $s (unit cudaext moe e2e verify train benche2e doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext moe e2e verify train benche2e doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log 2>/dev/null)
