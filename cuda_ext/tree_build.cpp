@@ -1,7 +1,10 @@
 // Host side of the fused DDTree tree builder, compiled by the host C++ compiler: argument checks,
 // shared-memory sizing, parameter packing and the Python bindings. The kernel launch itself is
 // ddtree::tree_build_launch_raw in tree_build.cu, which returns a cudaError_t instead of
-// throwing: every C++ exception (TORCH_CHECK) is raised here, never from nvcc-compiled code.
+// throwing. No C++ exception crosses into Python either: on the H200 image (torch 2.11+cu130) a
+// c10::Error thrown through this module's pybind11 binding crashed the process (SIGSEGV), so
+// `tree_build` returns an error message ("" = success) and the Python wrapper
+// (sglang_ddtree.tree_backend.build_tree_cuda) raises RuntimeError with it.
 // No allocation and no host sync per call: CUDA-graph capturable.
 #include <torch/extension.h>
 
@@ -20,33 +23,47 @@ cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
                                   int64_t smem_bytes, int device, cudaStream_t stream) noexcept;
 }  // namespace ddtree
 
+// Like TORCH_CHECK, but returns the message from the enclosing std::string function.
+#define DDT_CHECK(cond, ...)                              \
+  do {                                                    \
+    if (!(cond)) return c10::str("tree_build: ", __VA_ARGS__); \
+  } while (0)
+// Propagates a non-empty message from a helper.
+#define DDT_TRY(expr)               \
+  do {                              \
+    std::string ddt_err_ = (expr);  \
+    if (!ddt_err_.empty()) return ddt_err_; \
+  } while (0)
+
 namespace {
 
-void check_out(const at::Tensor& t, const char* name, at::ScalarType dtype,
+std::string check_out(const at::Tensor& t, const char* name, at::ScalarType dtype,
                at::IntArrayRef shape, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, "tree_build: ", name, " must be on ", device, ", got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "tree_build: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, "tree_build: ", name, " must have shape ", shape, ", got ",
-              t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "tree_build: ", name, " must be contiguous");
+  DDT_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  DDT_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  DDT_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+  DDT_CHECK(t.is_contiguous(), name, " must be contiguous");
+  return "";
 }
 
 // Per device: the opt-in dynamic shared-memory limit per block (0 = not queried yet).
 std::atomic<int> g_smem_optin[64];
 
-void check_cuda(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "tree_build: ", what, " failed: ", cudaGetErrorString(err),
-              " (", cudaGetErrorName(err), ")");
+std::string check_cuda(cudaError_t err, const char* what) {
+  DDT_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err), " (",
+            cudaGetErrorName(err), ")");
+  return "";
 }
 
-int smem_optin_limit(int dev) {
-  if (dev >= 0 && dev < 64 && g_smem_optin[dev].load() > 0) return g_smem_optin[dev].load();
-  int limit = 0;
-  check_cuda(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  if (dev >= 0 && dev < 64) g_smem_optin[dev].store(limit);
-  return limit;
+std::string smem_optin_limit(int dev, int* limit) {
+  if (dev >= 0 && dev < 64 && g_smem_optin[dev].load() > 0) {
+    *limit = g_smem_optin[dev].load();
+    return "";
+  }
+  DDT_TRY(check_cuda(cudaDeviceGetAttribute(limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                     "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)"));
+  if (dev >= 0 && dev < 64) g_smem_optin[dev].store(*limit);
+  return "";
 }
 
 int default_threads(int budget) {
@@ -58,7 +75,7 @@ int default_threads(int budget) {
 
 }  // namespace
 
-void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
+std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
                        const at::Tensor& topk_ids, int64_t budget, const at::Tensor& tokens,
                        const at::Tensor& parents, const at::Tensor& depths, const at::Tensor& valid,
                        const at::Tensor& scores, const at::Tensor& ancestor_mask,
@@ -67,68 +84,71 @@ void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
                        const std::optional<at::Tensor>& seq_lens,
                        const std::optional<at::Tensor>& positions,
                        const std::optional<at::Tensor>& full_mask, int64_t threads) {
-  TORCH_CHECK(topk_logp.is_cuda(), "tree_build: topk_logp must be a CUDA tensor");
+  DDT_CHECK(topk_logp.is_cuda(), "topk_logp must be a CUDA tensor");
   const at::Device device = topk_logp.device();
-  TORCH_CHECK(topk_logp.dim() == 3, "tree_build: topk_logp must be [bs, D, K], got ",
+  DDT_CHECK(topk_logp.dim() == 3, "topk_logp must be [bs, D, K], got ",
               topk_logp.sizes());
   const int64_t bs = topk_logp.size(0), D = topk_logp.size(1), K = topk_logp.size(2);
-  TORCH_CHECK(topk_logp.scalar_type() == at::kFloat, "tree_build: topk_logp must be float32, got ",
+  DDT_CHECK(topk_logp.scalar_type() == at::kFloat, "topk_logp must be float32, got ",
               topk_logp.scalar_type());
-  TORCH_CHECK(topk_logp.stride(2) == 1, "tree_build: topk_logp must be contiguous in K");
-  TORCH_CHECK(topk_ids.device() == device && topk_ids.scalar_type() == at::kLong &&
+  DDT_CHECK(topk_logp.stride(2) == 1, "topk_logp must be contiguous in K");
+  DDT_CHECK(topk_ids.device() == device && topk_ids.scalar_type() == at::kLong &&
                   topk_ids.sizes() == topk_logp.sizes() && topk_ids.stride(2) == 1,
-              "tree_build: topk_ids must be int64 ", topk_logp.sizes(), " on ", device,
+              "topk_ids must be int64 ", topk_logp.sizes(), " on ", device,
               ", contiguous in K; got ", topk_ids.scalar_type(), " ", topk_ids.sizes(), " on ",
               topk_ids.device());
-  TORCH_CHECK(root_ids.device() == device && root_ids.scalar_type() == at::kLong &&
+  DDT_CHECK(root_ids.device() == device && root_ids.scalar_type() == at::kLong &&
                   root_ids.dim() == 1 && root_ids.size(0) == bs && root_ids.stride(0) == 1,
-              "tree_build: root_ids must be contiguous int64 [", bs, "] on ", device, ", got ",
+              "root_ids must be contiguous int64 [", bs, "] on ", device, ", got ",
               root_ids.scalar_type(), " ", root_ids.sizes(), " on ", root_ids.device());
-  TORCH_CHECK(budget >= 1 && budget <= ddtree::kMaxBudget, "tree_build: budget must be in [1, ",
+  DDT_CHECK(budget >= 1 && budget <= ddtree::kMaxBudget, "budget must be in [1, ",
               ddtree::kMaxBudget, "], got ", budget);
-  TORCH_CHECK(D >= 1 && K >= 1, "tree_build: topk_logp must have D >= 1 and K >= 1, got ",
+  DDT_CHECK(D >= 1 && K >= 1, "topk_logp must have D >= 1 and K >= 1, got ",
               topk_logp.sizes());
   // A node of depth d has d - 1 ancestors in the tree, so depths beyond the budget never fit.
   const int64_t d_eff = D < budget ? D : budget;
-  TORCH_CHECK(d_eff <= ddtree::kMaxDepth, "tree_build: min(D, budget) must be <= ",
+  DDT_CHECK(d_eff <= ddtree::kMaxDepth, "min(D, budget) must be <= ",
               ddtree::kMaxDepth, ", got D=", D, ", budget=", budget);
   const int64_t N = budget + 1;
-  check_out(tokens, "tokens", at::kLong, {bs, N}, device);
-  check_out(parents, "parents", at::kLong, {bs, N}, device);
-  check_out(depths, "depths", at::kLong, {bs, N}, device);
-  check_out(valid, "valid", at::kBool, {bs, N}, device);
-  check_out(scores, "scores", at::kFloat, {bs, N}, device);
-  check_out(ancestor_mask, "ancestor_mask", at::kBool, {bs, N, N}, device);
-  check_out(retrive_index, "retrive_index", at::kLong, {bs, N}, device);
-  check_out(retrive_next_token, "retrive_next_token", at::kLong, {bs, N}, device);
-  check_out(retrive_next_sibling, "retrive_next_sibling", at::kLong, {bs, N}, device);
+  DDT_TRY(check_out(tokens, "tokens", at::kLong, {bs, N}, device));
+  DDT_TRY(check_out(parents, "parents", at::kLong, {bs, N}, device));
+  DDT_TRY(check_out(depths, "depths", at::kLong, {bs, N}, device));
+  DDT_TRY(check_out(valid, "valid", at::kBool, {bs, N}, device));
+  DDT_TRY(check_out(scores, "scores", at::kFloat, {bs, N}, device));
+  DDT_TRY(check_out(ancestor_mask, "ancestor_mask", at::kBool, {bs, N, N}, device));
+  DDT_TRY(check_out(retrive_index, "retrive_index", at::kLong, {bs, N}, device));
+  DDT_TRY(check_out(retrive_next_token, "retrive_next_token", at::kLong, {bs, N}, device));
+  DDT_TRY(check_out(retrive_next_sibling, "retrive_next_sibling", at::kLong, {bs, N}, device));
   const bool has_seq = seq_lens.has_value();
-  TORCH_CHECK(has_seq || (!positions.has_value() && !full_mask.has_value()),
-              "tree_build: positions and full_mask need seq_lens");
+  DDT_CHECK(has_seq || (!positions.has_value() && !full_mask.has_value()),
+              "positions and full_mask need seq_lens");
   if (has_seq) {
-    check_out(*seq_lens, "seq_lens", at::kLong, {bs}, device);
+    DDT_TRY(check_out(*seq_lens, "seq_lens", at::kLong, {bs}, device));
   }
-  if (positions.has_value()) check_out(*positions, "positions", at::kLong, {bs, N}, device);
+  if (positions.has_value()) {
+    DDT_TRY(check_out(*positions, "positions", at::kLong, {bs, N}, device));
+  }
   if (full_mask.has_value()) {
     // The needed length depends on device-side seq_lens; the caller sizes the buffer.
-    TORCH_CHECK(full_mask->device() == device && full_mask->scalar_type() == at::kBool &&
+    DDT_CHECK(full_mask->device() == device && full_mask->scalar_type() == at::kBool &&
                     full_mask->dim() == 1 && full_mask->is_contiguous(),
-                "tree_build: full_mask must be a contiguous 1-D bool tensor on ", device);
+                "full_mask must be a contiguous 1-D bool tensor on ", device);
   }
-  if (bs == 0) return;
+  if (bs == 0) return "";
 
   const int B = static_cast<int>(budget);
   const int Kp = static_cast<int>(K < budget ? K : budget);
   const int T = threads > 0 ? static_cast<int>(threads) : default_threads(B);
-  TORCH_CHECK(T % 32 == 0 && T >= 32 && T <= 1024, "tree_build: threads must be a multiple of 32 in "
+  DDT_CHECK(T % 32 == 0 && T >= 32 && T <= 1024, "threads must be a multiple of 32 in "
               "[32, 1024], got ", T);
 
   const c10::cuda::CUDAGuard guard(device);
   const ddtree::SmemLayout layout = ddtree::make_smem_layout(B, Kp, static_cast<int>(d_eff));
   const int64_t smem = layout.total;
   const int dev = device.index();
-  const int max_optin = smem_optin_limit(dev);
-  TORCH_CHECK(smem <= max_optin, "tree_build: budget ", B, " x depth ", d_eff, " needs ", smem,
+  int max_optin = 0;
+  DDT_TRY(smem_optin_limit(dev, &max_optin));
+  DDT_CHECK(smem <= max_optin, "budget ", B, " x depth ", d_eff, " needs ", smem,
               " bytes of shared memory per block; this GPU allows ", max_optin);
 
   ddtree::TreeBuildParams p{};
@@ -156,8 +176,8 @@ void tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
   p.full_mask = full_mask.has_value() ? full_mask->data_ptr<bool>() : nullptr;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  check_cuda(ddtree::tree_build_launch_raw(p, static_cast<int>(bs), T, smem, dev, stream),
-             "kernel launch");
+  return check_cuda(ddtree::tree_build_launch_raw(p, static_cast<int>(bs), T, smem, dev, stream),
+                    "kernel launch");
 }
 
 int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D) {
@@ -168,7 +188,8 @@ int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_build", &tree_build_launch,
-        "Build DDTree draft trees for a batch in one launch, writing into preallocated outputs.",
+        "Build DDTree draft trees for a batch in one launch, writing into preallocated outputs. "
+        "Returns an error message, or an empty string on success (never throws).",
         py::arg("root_ids"), py::arg("topk_logp"), py::arg("topk_ids"), py::arg("budget"),
         py::arg("tokens"), py::arg("parents"), py::arg("depths"), py::arg("valid"),
         py::arg("scores"), py::arg("ancestor_mask"), py::arg("retrive_index"),

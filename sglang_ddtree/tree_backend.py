@@ -78,10 +78,13 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
     ext = _loader().load_tree_build_ext(required=True)
     if out is None:
         out = DraftTree.empty(bs, budget, topk_logp.device)
-    ext.tree_build(root_ids, topk_logp, topk_ids, budget, out.tokens, out.parents, out.depths,
-                   out.valid, out.scores, out.ancestor_mask, out.retrive_index,
-                   out.retrive_next_token, out.retrive_next_sibling, seq_lens, positions,
-                   full_mask, threads)
+    # the extension returns its error message instead of throwing (see tree_build.cpp)
+    err = ext.tree_build(root_ids, topk_logp, topk_ids, budget, out.tokens, out.parents,
+                         out.depths, out.valid, out.scores, out.ancestor_mask, out.retrive_index,
+                         out.retrive_next_token, out.retrive_next_sibling, seq_lens, positions,
+                         full_mask, threads)
+    if err:
+        raise RuntimeError(err)
     out.max_depth = depth
     return out
 
