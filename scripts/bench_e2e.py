@@ -36,7 +36,7 @@ from e2e_lossless import Server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ASSETS = os.path.join(HERE, "..", "bench_assets", "tiny-code")
-STAGE_RE = re.compile(r"DDTREE stage ms/step over (\d+) steps .*?: (\{.*\})")
+STAGE_RE = re.compile(r"DDTREE stage ms/step(?: \((\w+)\))? over (\d+) steps .*?: (\{.*\})")
 
 
 def stream_generate(port, input_ids, max_new, sampling):
@@ -91,12 +91,13 @@ def measure(port, prompts, args, concs):
 
 
 def stage_times(log):
-    """The last per-stage ms/step line the DDTREE timers logged."""
+    """The last per-stage ms/step line the DDTREE timers logged (mode: sync or cpu)."""
     found = None
     for line in open(log):
         m = STAGE_RE.search(line)
         if m:
-            found = {"steps": int(m.group(1)), **json.loads(m.group(2).replace("'", '"'))}
+            found = {"mode": m.group(1) or "sync", "steps": int(m.group(2)),
+                     **json.loads(m.group(3).replace("'", '"'))}
     return found
 
 
@@ -149,11 +150,13 @@ def main():
         "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),
         "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "concurrent_start": args.concurrent_start,
-        "results": {}, "stage_ms_per_step": {}, "startup_s": {}, "errors": {},
+        "results": {}, "stage_ms_per_step": {}, "cpu_stage_ms_per_step": {}, "startup_s": {}, "errors": {},
     }
     log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
     timer_budgets = {b for b in args.timer_budgets.split(",") if b}
-    jobs = [(name, extra, {}) for name, extra, _ in methods]
+    # DDTREE speed servers log host (CPU) time per stage: no synchronization, no slowdown
+    jobs = [(name, extra, {"SGLANG_DDTREE_TIMERS": "cpu"} if name.startswith("ddtree") else {})
+            for name, extra, _ in methods]
     jobs += [(name + "-timers", extra, {"SGLANG_DDTREE_TIMERS": "1"})
              for name, extra, _ in methods if name.split("_b")[-1] in timer_budgets
              and name.startswith("ddtree")]
@@ -188,6 +191,9 @@ def main():
                 else:
                     result["results"][name] = measure(srv.port, prompts, args, concs)
                     result["startup_s"][name] = round(srv.startup_s, 1)
+                    if name.startswith("ddtree"):
+                        srv.stop()
+                        result["cpu_stage_ms_per_step"][name] = stage_times(srv.log)
             except Exception as e:  # keep the other methods' numbers; report this one
                 result["errors"][name] = repr(e)[:2000]
             finally:

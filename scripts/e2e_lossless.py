@@ -311,8 +311,9 @@ def main():
             common, spec, _ = setup[m]
             for algo, extra in (("dflash", ["--speculative-algorithm", "DFLASH"] + spec),
                                 ("ddtree", ddtree_args(m, budgets[0])[len(common):])):
-                speed_servers[(m, algo)] = Server(common + extra, log(f"{m}-speed-{algo}"),
-                                                  next(ports), wait=False)
+                speed_servers[(m, algo)] = Server(
+                    common + extra, log(f"{m}-speed-{algo}"), next(ports), wait=False,
+                    env={"SGLANG_DDTREE_TIMERS": "cpu"} if algo == "ddtree" else None)
         for m, b, graph in jobs:
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
             servers[(m, b, graph)] = Server(
@@ -338,6 +339,9 @@ def main():
                                               args.repeats)
                 finally:
                     srv.stop()
+            from bench_e2e import stage_times  # noqa: E402  (host ms per stage, no sync)
+
+            entry["ddtree_cpu_stage_ms_per_step"] = stage_times(speed_servers[(m, "ddtree")].log)
             result["speed"][m] = entry
             dump()
             print("speed", m, json.dumps(entry))

@@ -156,7 +156,16 @@ def oracle_enabled(environ=os.environ) -> bool:
 
 
 def timers_enabled(environ=os.environ) -> bool:
-    return environ.get(ENV_TIMERS, "") not in ("", "0")
+    return timers_mode(environ) != "off"
+
+
+def timers_mode(environ=os.environ) -> str:
+    """SGLANG_DDTREE_TIMERS: off (unset/0), ``cpu`` (host time per stage, no synchronization:
+    what the step costs the scheduler thread), anything else: GPU-synchronized wall time."""
+    raw = environ.get(ENV_TIMERS, "").strip().lower()
+    if raw in ("", "0"):
+        return "off"
+    return "cpu" if raw == "cpu" else "sync"
 
 
 def rank_check_interval(environ=os.environ) -> int:

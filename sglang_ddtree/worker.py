@@ -89,7 +89,7 @@ def _make_worker_class(sgl):
                 from .oracle import OracleDraft
 
                 self._oracle = OracleDraft.from_env()
-            self._timers = StepTimers(enabled=cfg.timers_enabled())
+            self._timers = StepTimers(mode=cfg.timers_mode())
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
             self._rank_check = RankConsistencyCheck(self._tp_group, cfg.rank_check_interval())
@@ -399,7 +399,10 @@ def tree_hash(tree, predicted) -> torch.Tensor:
 
 
 class StepTimers:
-    """Per-stage wall time of the step (off by default: it synchronizes the GPU per stage).
+    """Per-stage time of the step, off by default. ``sync`` mode synchronizes the GPU at every
+    stage boundary (wall time of each stage, GPU work included); ``cpu`` mode does not
+    synchronize and measures the host time each stage takes to issue its work -- the cost
+    that bounds a step when the GPU work is small and hidden by overlap scheduling.
 
     draft: drafter block + top-K head; tree: tree build; verify: mask, positions and the
     target's forward; accept: the target's token at every node (argmax, or sampling and the TP
@@ -408,19 +411,25 @@ class StepTimers:
 
     STAGES = ("draft", "tree", "verify", "accept", "commit")
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, mode: str = "off", enabled: bool = None):
+        if enabled is not None:  # older keyword
+            mode = "sync" if enabled else "off"
+        self.mode = mode
+        self.enabled = mode != "off"
+        self._sync = mode == "sync"
         self.totals = {s: 0.0 for s in self.STAGES}
         self.steps = 0
 
     def start(self):
         if self.enabled:
-            torch.cuda.synchronize()
+            if self._sync:
+                torch.cuda.synchronize()
             self._t = time.perf_counter()
 
     def mark(self, stage):
         if self.enabled:
-            torch.cuda.synchronize()
+            if self._sync:
+                torch.cuda.synchronize()
             now = time.perf_counter()
             self.totals[stage] += now - self._t
             self._t = now
@@ -431,4 +440,5 @@ class StepTimers:
         self.steps += 1
         if self.steps % 200 == 0:
             per = {s: round(1e3 * v / self.steps, 3) for s, v in self.totals.items()}
-            logger.info("DDTREE stage ms/step over %d steps (last bs=%d): %s", self.steps, bs, per)
+            logger.info("DDTREE stage ms/step (%s) over %d steps (last bs=%d): %s", self.mode,
+                        self.steps, bs, per)

@@ -44,3 +44,19 @@ def test_main_prints_both_modes(tmp_path, capsys, monkeypatch):
     plot.main()
     out = capsys.readouterr().out
     assert "greedy" in out and "t1" in out
+
+
+def test_stage_times_reads_both_timer_modes(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+
+    log = tmp_path / "srv.log"
+    log.write_text(
+        "[x] DDTREE stage ms/step over 200 steps (last bs=1): {'draft': 1.0, 'tree': 2.0}\n"
+        "[x] DDTREE stage ms/step (cpu) over 400 steps (last bs=4): {'draft': 0.5, 'tree': 0.1}\n")
+    assert bench_e2e.stage_times(str(log)) == {"mode": "cpu", "steps": 400, "draft": 0.5,
+                                               "tree": 0.1}
+    log.write_text("DDTREE stage ms/step (sync) over 200 steps (last bs=1): {'commit': 1.5}\n")
+    assert bench_e2e.stage_times(str(log))["mode"] == "sync"
