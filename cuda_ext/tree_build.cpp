@@ -14,6 +14,8 @@
 
 #include <atomic>
 #include <optional>
+#include <string>
+#include <type_traits>
 
 #include "tree_build_params.h"
 
@@ -23,10 +25,42 @@ cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
                                   int64_t smem_bytes, int device, cudaStream_t stream) noexcept;
 }  // namespace ddtree
 
+// Messages are built by plain string appends, not c10::str: the crash on the H200 image
+// persisted after the exception was removed, in the first call that formatted a message, which
+// points at the ostream path c10::str takes (no stream is used anywhere else in this module).
+namespace {
+void ddt_append(std::string& s, const char* v) { s += v; }
+void ddt_append(std::string& s, const std::string& v) { s += v; }
+void ddt_append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+void ddt_append(std::string& s, const at::Device& v) { s += v.str(); }
+void ddt_append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+void ddt_append(std::string& s, T v) { s += std::to_string(v); }
+inline void ddt_cat_into(std::string&) {}
+template <typename T, typename... Rest>
+void ddt_cat_into(std::string& s, const T& v, const Rest&... rest) {
+  ddt_append(s, v);
+  ddt_cat_into(s, rest...);
+}
+template <typename... Args>
+std::string ddt_cat(const Args&... args) {
+  std::string s;
+  ddt_cat_into(s, args...);
+  return s;
+}
+}  // namespace
+
 // Like TORCH_CHECK, but returns the message from the enclosing std::string function.
-#define DDT_CHECK(cond, ...)                              \
-  do {                                                    \
-    if (!(cond)) return c10::str("tree_build: ", __VA_ARGS__); \
+#define DDT_CHECK(cond, ...)                                         \
+  do {                                                               \
+    if (!(cond)) return ddt_cat("tree_build: ", __VA_ARGS__);         \
   } while (0)
 // Propagates a non-empty message from a helper.
 #define DDT_TRY(expr)               \
