@@ -67,7 +67,9 @@ class OracleDraft:
             out = self.table.get(tuple(req.origin_input_ids))
             if out is None:
                 continue
-            rng = random.Random(hash((self.seed, b, self.steps, prefix[b])))
+            # keyed by (seed, prompt, length) only: the same request gets the same trees in
+            # every run, whatever else shares its batch (a seeded T > 0 run is then reproducible)
+            rng = random.Random(hash((self.seed, tuple(req.origin_input_ids), prefix[b])))
             start = prefix[b] - len(req.origin_input_ids)  # output index of the root token
             stop = rng.randint(0, depths)  # plant depths 1..stop
             for d in range(1, stop + 1):
