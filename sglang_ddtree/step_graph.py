@@ -20,6 +20,7 @@ from typing import Callable, Dict, Tuple
 import torch
 
 from .commit import StepCommit, commit_from_path, kv_moves, move_accepted_kv
+from .graph_capture import capture, warm_up
 from .tree import DraftTree
 
 
@@ -112,13 +113,7 @@ class AcceptCommitGraphs:
         st_pred = torch.zeros_like(predicted)
         st_slots = torch.zeros_like(slots)
         st_prefix = torch.zeros_like(prefix)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            self._eager(tree, st_pred, st_slots, st_prefix, pool)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: SGLang has other threads issuing CUDA work while we capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self._eager(tree, st_pred, st_slots, st_prefix, pool)
+        body = lambda: self._eager(tree, st_pred, st_slots, st_prefix, pool)  # noqa: E731
+        warm_up(body, dev)
+        graph, out = capture(body, dev)
         return _Entry(graph, tree.tokens.data_ptr(), st_pred, st_slots, st_prefix, out)

@@ -3,8 +3,8 @@
 ``build_tree`` in torch ops is a few dozen small kernels per depth: fine inside a graph, slow as
 eager launches (about a thousand per step at D = 15). This wrapper captures it once per batch
 size on first use (static input/output buffers, the builder's ``out=`` path) and afterwards only
-copies the step's inputs in and replays. Capturing synchronizes the device once per new batch
-size; replays never do. A builder marked ``single_launch`` (the fused CUDA kernel) is called
+copies the step's inputs in and replays (``graph_capture.capture``: no device-wide sync or
+allocator flush at capture; replays never synchronize). A builder marked ``single_launch`` (the fused CUDA kernel) is called
 directly instead, writing into per-batch-size buffers.
 """
 
@@ -15,6 +15,7 @@ from typing import Callable, Dict
 
 import torch
 
+from .graph_capture import capture, warm_up
 from .tree import DraftTree, build_tree
 
 
@@ -70,13 +71,7 @@ class TreeBuildGraphs:
         ids = torch.arange(self.topk, device=dev, dtype=torch.int64).expand(
             bs, self.depth, self.topk).contiguous()
         out = DraftTree.empty(bs, self.budget, dev, max_depth=self.depth)
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: caches index tables, compiles nothing later
-            self.builder(root, logp, ids, self.budget, out=out)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: SGLang has other threads issuing CUDA work while we capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.builder(root, logp, ids, self.budget, out=out)
+        build = lambda: self.builder(root, logp, ids, self.budget, out=out)  # noqa: E731
+        warm_up(build, dev)  # caches index tables, so the capture allocates nothing new
+        graph, _ = capture(build, dev)
         return _Entry(graph, root, logp, ids, out)

@@ -80,3 +80,28 @@ def test_replay_equals_eager(budget, depth, k):
     # returned lengths are owned: later replays at the same batch size did not overwrite them
     for got_lens, want_lens in kept:
         assert torch.equal(got_lens, want_lens)
+
+
+def test_lazy_capture_neither_synchronizes_nor_flushes_the_allocator(monkeypatch):
+    """Captures happen mid-serving: no torch.cuda.synchronize / empty_cache / gc per capture."""
+    import gc
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("called during a lazy capture")
+
+    trees = TreeBuildGraphs(8, 7, 4, "cuda")
+    graphs = AcceptCommitGraphs(8, _walk, use_graphs=True, device="cuda")
+    tree = trees(*_inputs(3, 7, 4, 0))  # builder warm-up outside the patch
+    pool = GpuPool(3 * 9 * 2 + 1)
+    pred = _predict(tree, random.Random(0))
+    slots = (torch.randperm(3 * 9 * 2, device="cuda")[: 3 * 9] + 1).view(3, 9)
+    prefix = torch.randint(0, 50, (3,), device="cuda")
+    want = accept_and_commit(tree, pred, slots, prefix, 8, _walk, GpuPool(3 * 9 * 2 + 1))
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    monkeypatch.setattr(gc, "collect", forbidden)
+    got = graphs(tree, pred, slots, prefix, pool)
+    trees(*_inputs(5, 7, 4, 1))  # a new batch size for the tree graph too
+    monkeypatch.undo()
+    assert not graphs.failed and len(graphs._entries) == 1
+    assert torch.equal(got.step.out_tokens, want.step.out_tokens)
