@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Where a decode step's host time goes: DFLASH vs DDTREE under SGLang's own profiler.
+
+Starts one server per method (same flags; by default the trained tiny pair), warms it up, then
+asks SGLang for a torch-profiler trace of ``--steps`` decode steps (``/start_profile`` with
+CPU + GPU activities and Python stacks) while a concurrency-``--concurrency`` load runs, and
+summarises each trace: per decode step, the host time inside every Python function (inclusive),
+the count and time of CUDA runtime calls (kernel / graph launches), and the GPU kernel time.
+The profiler slows the host side down, so compare the two methods with each other, not with
+the benchmark's tokens/s.
+
+    python scripts/profile_step.py --out bench_results/profile_step_h200.json
+
+``summarize_trace`` is importable and tested on CPU (tests/test_profile_step.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ASSETS = os.path.join(HERE, "..", "bench_assets", "tiny-code")
+STEP_FUNCTION = "forward_batch_generation"  # one call per scheduler step in the spec worker
+
+
+def load_trace(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _pyname(name: str) -> str:
+    """'path/to/sglang_ddtree/worker.py(211): forward_batch_generation' -> 'worker.py:forward_batch_generation'."""
+    if "): " in name and "(" in name:
+        where, func = name.split("): ", 1)
+        return f"{os.path.basename(where.split('(')[0])}:{func}"
+    return name
+
+
+def summarize_trace(trace: dict, top: int = 40) -> dict:
+    """Per-step host and GPU costs from a chrome trace (torch profiler ``export_chrome_trace``).
+
+    Steps are the calls of the spec worker's ``forward_batch_generation`` (the outermost ones);
+    every number is divided by their count. Durations are in microseconds in the trace and ms
+    here.
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    py = collections.defaultdict(lambda: [0.0, 0])
+    rt = collections.defaultdict(lambda: [0.0, 0])
+    ops = collections.defaultdict(lambda: [0.0, 0])
+    kernel_us, kernels = 0.0, 0
+    step_spans = []
+    for e in events:
+        cat, name, dur = e.get("cat", ""), e.get("name", ""), float(e["dur"])
+        if cat == "python_function":
+            key = _pyname(name)
+            py[key][0] += dur
+            py[key][1] += 1
+            if key.endswith(":" + STEP_FUNCTION) and "worker" in key:
+                step_spans.append((float(e["ts"]), float(e["ts"]) + dur, key))
+        elif cat == "cuda_runtime":
+            rt[name][0] += dur
+            rt[name][1] += 1
+        elif cat == "cpu_op":
+            ops[name][0] += dur
+            ops[name][1] += 1
+        elif cat == "kernel":
+            kernel_us += dur
+            kernels += 1
+    # outermost worker calls only (a subclass calling super() nests one inside the other)
+    step_spans.sort()
+    outer, end = [], -1.0
+    for s, t, key in step_spans:
+        if s >= end:
+            outer.append((s, t, key))
+            end = t
+    steps = max(len(outer), 1)
+
+    def table(d):
+        rows = sorted(d.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{"name": k, "ms_per_step": round(v[0] / 1e3 / steps, 4),
+                 "calls_per_step": round(v[1] / steps, 2)} for k, v in rows]
+
+    launches = sum(v[1] for k, v in rt.items() if "LaunchKernel" in k or "GraphLaunch" in k)
+    return {
+        "steps": len(outer),
+        "step_host_ms": round(sum(t - s for s, t, _ in outer) / 1e3 / steps, 4),
+        "kernel_ms_per_step": round(kernel_us / 1e3 / steps, 4),
+        "kernels_per_step": round(kernels / steps, 1),
+        "launch_calls_per_step": round(launches / steps, 1),
+        "python_inclusive": table(py),
+        "cuda_runtime": table(rt),
+        "cpu_ops": table(ops),
+    }
+
+
+def _post(port, path, payload):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return r.read().decode()
+
+
+def main():
+    from bench_e2e import run_pass
+    from e2e_lossless import Server
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_results/profile_step_h200.json")
+    ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
+    ap.add_argument("--draft", default=os.path.join(ASSETS, "dflash-draft"))
+    ap.add_argument("--prompts-file", default=os.path.join(ASSETS, "eval_prompts.jsonl"))
+    ap.add_argument("--budget", default="32")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--port", type=int, default=30500)
+    ap.add_argument("--workdir", default="/tmp/ddtree_profile")
+    args = ap.parse_args()
+
+    import sglang
+    import torch
+
+    os.makedirs(args.workdir, exist_ok=True)
+    prompts = [json.loads(l)["input_ids"] for l in open(args.prompts_file)]
+    common = ["--model-path", args.target, "--attention-backend", "triton",
+              "--cuda-graph-max-bs", "16", "--max-running-requests", "16",
+              "--mem-fraction-static", "0.85", "--max-total-tokens", "65536",
+              "--sampling-backend", "pytorch", "--grammar-backend", "none",
+              "--disable-prefill-cuda-graph", "--sleep-on-idle"]
+    spec = ["--speculative-draft-model-path", args.draft]
+    methods = {"dflash": ["--speculative-algorithm", "DFLASH"] + spec,
+               "ddtree": ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget",
+                          args.budget] + spec}
+    result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
+              "gpu": torch.cuda.get_device_name(0),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join(["python", "scripts/profile_step.py"] + sys.argv[1:]),
+              "concurrency": args.concurrency, "profiled_steps": args.steps, "methods": {}}
+    servers = {}
+    try:
+        for i, (name, extra) in enumerate(methods.items()):
+            trace_dir = os.path.join(args.workdir, name)
+            os.makedirs(trace_dir, exist_ok=True)
+            servers[name] = Server(common + extra, os.path.join(args.workdir, f"{name}.log"),
+                                   args.port + i, wait=False,
+                                   env={"SGLANG_TORCH_PROFILER_DIR": trace_dir})
+        for name, srv in servers.items():
+            srv.wait_ready()
+            trace_dir = os.path.join(args.workdir, name)
+            batch = prompts[: max(args.concurrency, 8)]
+            run_pass(srv.port, batch, args.max_new_tokens, args.concurrency,
+                     {"temperature": 0.0})  # warm-up: graphs captured, kernels compiled
+            _post(srv.port, "/start_profile",
+                  {"output_dir": trace_dir, "num_steps": args.steps, "activities": ["CPU", "GPU"],
+                   "with_stack": True, "profile_id": name})
+            run_pass(srv.port, batch, args.max_new_tokens, args.concurrency, {"temperature": 0.0})
+            deadline = time.time() + 120
+            files = []
+            while time.time() < deadline and not files:
+                files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json*"), recursive=True)
+                time.sleep(2)
+            srv.stop()
+            if not files:
+                result["methods"][name] = {"error": f"no trace written under {trace_dir}"}
+                continue
+            time.sleep(3)  # the exporter may still be writing
+            summary = summarize_trace(load_trace(sorted(files)[-1]))
+            summary["trace_file"] = os.path.basename(sorted(files)[-1])
+            result["methods"][name] = summary
+            print(name, json.dumps({k: v for k, v in summary.items()
+                                    if not isinstance(v, list)}), flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    json.dump(result, open(args.out, "w"), indent=1)
+    for name, s in result["methods"].items():
+        print(f"== {name}: top host time per step (Python, inclusive)")
+        for row in s.get("python_inclusive", [])[:25]:
+            print(f"  {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:<6} {row['name']}")
+    print("->", args.out)
+
+
+if __name__ == "__main__":
+    main()

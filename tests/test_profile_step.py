@@ -1,0 +1,46 @@
+"""scripts/profile_step.py: the trace summary (per-step host time, launches, GPU time)."""
+
+import importlib.util
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+spec = importlib.util.spec_from_file_location(
+    "profile_step", os.path.join(HERE, "..", "scripts", "profile_step.py"))
+prof = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prof)
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_summary_counts_outermost_worker_calls_as_steps():
+    ev = []
+    for step in range(4):
+        t0 = step * 10_000
+        ev += [
+            _x("python_function", "/x/sglang_ddtree/worker.py(200): forward_batch_generation",
+               t0, 4000),
+            # the target worker's call nests inside: not a step of its own
+            _x("python_function", "/x/sglang/srt/managers/tp_worker.py(90): forward_batch_generation",
+               t0 + 1000, 1500),
+            _x("python_function", "/x/sglang_ddtree/step_graph.py(70): __call__", t0 + 3000, 500),
+            _x("cuda_runtime", "cudaGraphLaunch", t0 + 3100, 20),
+            _x("cuda_runtime", "cudaLaunchKernel", t0 + 3200, 5),
+            _x("cuda_runtime", "cudaLaunchKernel", t0 + 3300, 5),
+            _x("cpu_op", "aten::argmax", t0 + 2900, 30),
+            _x("kernel", "some_kernel", t0 + 3500, 700),
+        ]
+    ev.append({"ph": "M", "name": "process_name"})  # metadata events are ignored
+    s = prof.summarize_trace({"traceEvents": ev})
+    assert s["steps"] == 4
+    assert s["step_host_ms"] == 4.0
+    assert s["launch_calls_per_step"] == 3.0
+    assert s["kernel_ms_per_step"] == 0.7 and s["kernels_per_step"] == 1.0
+    py = {r["name"]: r for r in s["python_inclusive"]}
+    assert py["worker.py:forward_batch_generation"]["ms_per_step"] == 4.0
+    assert py["tp_worker.py:forward_batch_generation"]["ms_per_step"] == 1.5
+    assert py["step_graph.py:__call__"]["calls_per_step"] == 1.0
+    assert s["cpu_ops"][0]["name"] == "aten::argmax"
