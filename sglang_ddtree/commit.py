@@ -65,12 +65,25 @@ def kv_moves(slots: torch.Tensor, path_nodes: torch.Tensor, accept_len: torch.Te
     return dst, torch.where(live, src, dst)
 
 
-def move_accepted_kv(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
+def move_accepted_kv(pool, dst: torch.Tensor, src: torch.Tensor, fused=None) -> None:
     """Apply :func:`kv_moves` to an SGLang KV pool, column by column (see ordering note).
 
-    Within one column the batch's slots are disjoint (requests own disjoint slots), so each
-    column is one ``move_kv_cache`` call over all layers.
+    Each column is one ``move_kv_cache`` call over all layers (within a column the batch's slots
+    are disjoint: requests own disjoint slots). With ``fused`` (default: SGLANG_DDTREE_KV_MOVE)
+    and a pool whose layout ``kv_move.py`` knows (MHA / MLA token pools), one Triton launch does
+    every column of every layer in order instead.
     """
+    if fused is None:
+        from .config import kv_move_fused
+
+        fused = kv_move_fused()
+    if fused and dst.is_cuda:
+        from .kv_move import path_kv_mover
+
+        mover = path_kv_mover(pool)
+        if mover is not None:
+            mover(dst, src)
+            return
     # one transpose each, so every column is a contiguous row (not 2 copies per column)
     dst_cols, src_cols = dst.t().contiguous(), src.t().contiguous()
     for j in range(dst_cols.shape[0]):

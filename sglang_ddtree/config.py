@@ -27,6 +27,7 @@ ENV_TIMERS = "SGLANG_DDTREE_TIMERS"
 ENV_RANK_CHECK = "SGLANG_DDTREE_CHECK_RANKS"  # debug: compare tree hashes across TP ranks
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
 ENV_VERIFY_BACKEND = "SGLANG_DDTREE_VERIFY_BACKEND"
+ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # sglang (per-column move_kv_cache) | fused (kv_move.py)
 
 MIN_BUDGET = 1
 MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
@@ -166,6 +167,16 @@ def timers_mode(environ=os.environ) -> str:
     if raw in ("", "0"):
         return "off"
     return "cpu" if raw == "cpu" else "sync"
+
+
+def kv_move_fused(environ=os.environ) -> bool:
+    """SGLANG_DDTREE_KV_MOVE=fused: relocate the accepted path's KV with kv_move.py's one
+    launch. Default ``sglang`` (SGLang's move_kv_cache per path column) until the fused kernel
+    has passed the lossless suite on a GPU."""
+    raw = environ.get(ENV_KV_MOVE, "sglang").strip().lower() or "sglang"
+    if raw not in ("sglang", "fused"):
+        raise DDTreeConfigError(f"{ENV_KV_MOVE}: expected sglang or fused, got {raw!r}")
+    return raw == "fused"
 
 
 def rank_check_interval(environ=os.environ) -> int:

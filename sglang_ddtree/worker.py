@@ -90,14 +90,15 @@ def _make_worker_class(sgl):
 
                 self._oracle = OracleDraft.from_env()
             self._timers = StepTimers(mode=cfg.timers_mode())
+            kv_move = "fused" if cfg.kv_move_fused() else "sglang"  # a bad value fails here
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
             self._rank_check = RankConsistencyCheck(self._tp_group, cfg.rank_check_interval())
             if sgl.tp_rank(self) == 0:
                 logger.info(
-                    "DDTREE worker ready: budget=%d topk=%d block=%d verify_width=%d oracle=%s",
-                    self.tree_cfg.budget, self.tree_cfg.topk, block,
-                    self.tree_cfg.verify_width, self._oracle is not None,
+                    "DDTREE worker ready: budget=%d topk=%d block=%d verify_width=%d "
+                    "kv_move=%s oracle=%s", self.tree_cfg.budget, self.tree_cfg.topk, block,
+                    self.tree_cfg.verify_width, kv_move, self._oracle is not None,
                 )
 
         @staticmethod
