@@ -241,7 +241,11 @@ def main():
     ap.add_argument("--verify-backend", choices=("native", "triton"), default=None,
                     help="pass --speculative-ddtree-verify-backend to every DDTREE server "
                     "(default: not passed, i.e. the plugin's default)")
+    ap.add_argument("--ddtree-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for every DDTREE server, e.g. "
+                    "SGLANG_DDTREE_KV_MOVE=fused (repeatable)")
     args = ap.parse_args()
+    ddtree_env = dict(kv.split("=", 1) for kv in args.ddtree_env)
 
     import sglang
     import torch
@@ -259,7 +263,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
-        "verify_backend": args.verify_backend,
+        "verify_backend": args.verify_backend, "ddtree_env": ddtree_env,
         "notes": "lossless cases run with the test-only oracle draft (SGLANG_DDTREE_TEST_ORACLE) "
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
@@ -339,12 +343,14 @@ def main():
                                 ("ddtree", ddtree_args(m, budgets[0])[len(common):])):
                 speed_servers[(m, algo)] = Server(
                     common + extra, log(f"{m}-speed-{algo}"), next(ports), wait=False,
-                    env={"SGLANG_DDTREE_TIMERS": "cpu"} if algo == "ddtree" else None)
+                    env={"SGLANG_DDTREE_TIMERS": "cpu", **ddtree_env} if algo == "ddtree"
+                    else None)
         for m, b, graph in jobs:
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
             servers[(m, b, graph)] = Server(
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
-                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m]}, wait=False)
+                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m], **ddtree_env},
+                wait=False)
         with cf.ThreadPoolExecutor(len(models)) as ex:
             list(ex.map(start_ar, models))
         for srv in list(speed_servers.values()) + list(servers.values()):
