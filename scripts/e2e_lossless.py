@@ -70,6 +70,9 @@ class Server:
     def __init__(self, args, log, port, env=None, wait=True):
         self.port, self.log = port, log
         cmd = [sys.executable, "-m", "sglang.launch_server", "--port", str(port), *args]
+        if "--tp-size" in args and "--nccl-port" not in args:
+            # concurrent starts: a fixed NCCL port per server, not a racy "free port" pick
+            cmd += ["--nccl-port", str(port + 1000)]
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
@@ -241,6 +244,7 @@ def main():
     ap.add_argument("--verify-backend", choices=("native", "triton"), default=None,
                     help="pass --speculative-ddtree-verify-backend to every DDTREE server "
                     "(default: not passed, i.e. the plugin's default)")
+    ap.add_argument("--tp", type=int, default=1, help="--tp-size of every server (AR too)")
     ap.add_argument("--ddtree-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every DDTREE server, e.g. "
                     "SGLANG_DDTREE_KV_MOVE=fused (repeatable)")
@@ -263,7 +267,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
-        "verify_backend": args.verify_backend, "ddtree_env": ddtree_env,
+        "verify_backend": args.verify_backend, "ddtree_env": ddtree_env, "tp_size": args.tp,
         "notes": "lossless cases run with the test-only oracle draft (SGLANG_DDTREE_TEST_ORACLE) "
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
@@ -294,7 +298,7 @@ def main():
                   "--mem-fraction-static", "0.85", "--max-total-tokens", str(args.kv_tokens),
                   "--disable-prefill-cuda-graph",
                   "--max-running-requests", str(max(concs)), "--sampling-backend", "pytorch",
-                  "--sleep-on-idle"]
+                  "--sleep-on-idle", "--tp-size", str(args.tp)]
         if not ms["random_target"] and not ms.get("real_weights"):
             common += ["--load-format", "dummy"]
         spec = ["--speculative-draft-model-path", os.path.join(MODELS, ms["draft"])]

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe e2e verify train benche2e profile doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe e2e tp2 verify train benche2e profile doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -31,6 +31,8 @@ for s in "$@"; do
              step moe-bench 200 python3 scripts/bench_fused_moe.py --check --out "$OUT/fused_moe_h200.json" ;;
     verify)  SGLANG_DDTREE_VERIFY_E2E_OUT=$OUT/verify_backend_e2e_dense_h200.json \
                step verify-dense 560 python3 -m pytest -q -s tests/gpu/test_verify_backend_gpu.py -k dense ;;
+    tp2)     step e2e-tp2 ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py --tp 2 \
+               --out "$OUT/e2e_lossless_h200x2_tp2.json" --ddtree-env SGLANG_DDTREE_CHECK_RANKS=1 ${E2E_ARGS:-} ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
     train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ${TRAIN_ARGS:-} ;;
     benche2e) step bench-e2e ${BENCH_E2E_LIMIT:-560} python3 scripts/bench_e2e.py \
@@ -39,7 +41,7 @@ for s in "$@"; do
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext moe e2e verify train benche2e profile doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext moe e2e tp2 verify train benche2e profile doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log 2>/dev/null)
