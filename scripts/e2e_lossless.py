@@ -245,6 +245,8 @@ def main():
                     help="pass --speculative-ddtree-verify-backend to every DDTREE server "
                     "(default: not passed, i.e. the plugin's default)")
     ap.add_argument("--tp", type=int, default=1, help="--tp-size of every server (AR too)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=128,
+                    help="small, so that prompts longer than it are prefilled in chunks")
     ap.add_argument("--ddtree-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every DDTREE server, e.g. "
                     "SGLANG_DDTREE_KV_MOVE=fused (repeatable)")
@@ -298,15 +300,19 @@ def main():
                   "--mem-fraction-static", "0.85", "--max-total-tokens", str(args.kv_tokens),
                   "--disable-prefill-cuda-graph",
                   "--max-running-requests", str(max(concs)), "--sampling-backend", "pytorch",
-                  "--sleep-on-idle", "--tp-size", str(args.tp)]
+                  "--sleep-on-idle", "--tp-size", str(args.tp),
+                  "--chunked-prefill-size", str(args.chunked_prefill_size)]
         if not ms["random_target"] and not ms.get("real_weights"):
             common += ["--load-format", "dummy"]
         spec = ["--speculative-draft-model-path", os.path.join(MODELS, ms["draft"])]
         if not ms.get("real_weights"):
             spec += ["--speculative-draft-load-format", "dummy"]
         if ms.get("prompts_file"):
-            rows = [json.loads(line) for line in open(ms["prompts_file"])]
-            return common, spec, [r["input_ids"] for r in rows[: args.prompts]]
+            rows = [json.loads(line)["input_ids"] for line in open(ms["prompts_file"])]
+            # every 4th prompt starts with the first prompt's first 64 tokens: radix-cache hits
+            prompts = [rows[0][:64] + r if i % 4 == 0 and i else r
+                       for i, r in enumerate(rows[: args.prompts])]
+            return common, spec, prompts
         vocab = json.load(open(os.path.join(target, "config.json")))["vocab_size"]
         return common, spec, make_prompts(args.prompts, vocab)
 

@@ -1,0 +1,40 @@
+"""scripts/e2e_lossless.py: how a divergence from plain greedy is judged (near tie or mismatch)."""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+import e2e_lossless  # noqa: E402
+
+
+class FakeAR:
+    """Answers the top-8 log-prob query with a fixed table per (prompt + prefix) length."""
+
+    def __init__(self, tops):
+        self.tops = tops
+
+    def generate(self, ids, n, logprob=False):
+        assert n == 1 and logprob
+        return {"meta_info": {"output_top_logprobs": [self.tops[len(ids)]]}}
+
+
+def test_divergence_judged_by_the_emitted_tokens_own_gap():
+    prompts = [[1, 2], [1, 2], [1, 2], [1, 2]]
+    ref = [[5, 6, 7]] * 4
+    outs = [[5, 6, 7],      # identical
+            [5, 9, 7],      # token 9 is third but within 0.25 of the best: near tie
+            [5, 8, 7],      # token 8 is 1.0 below the best: mismatch
+            [5, 4, 7]]      # token 4 is not in the top-8 at all: mismatch
+    top = [(-1.0, 6, ""), (-1.05, 3, ""), (-1.2, 9, ""), (-2.0, 8, "")]
+    ident, near, bad = e2e_lossless.compare(FakeAR({3: top}), prompts, outs, ref, 0.25, "t")
+    assert (ident, near) == (1, 1)
+    assert [m["ddtree_token"] for m in bad] == [8, 4]
+    assert abs(bad[0]["ddtree_token_gap"] - 1.0) < 1e-9
+    assert bad[1]["ddtree_token_gap"] is None
+    assert bad[0]["position"] == 1 and abs(bad[0]["top2_gap"] - 0.05) < 1e-9
+
+
+def test_shorter_output_is_a_divergence_at_its_end():
+    assert e2e_lossless.first_diff([1, 2], [1, 2, 3]) == 2
+    assert e2e_lossless.first_diff([1, 2, 3], [1, 2, 3]) is None
