@@ -90,6 +90,19 @@ def measure(port, prompts, args, concs):
     return out
 
 
+BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
+
+
+def stage_times_by_bs(log):
+    """The last per-batch-size stage line: {"mode": ..., "bs": {bs: {"steps", stage: ms}}}."""
+    found = None
+    for line in open(log):
+        m = BY_BS_RE.search(line)
+        if m:
+            found = {"mode": m.group(1), "bs": json.loads(m.group(2))}
+    return found
+
+
 def stage_times(log):
     """The last per-stage ms/step line the DDTREE timers logged (mode: sync or cpu)."""
     found = None
@@ -150,7 +163,8 @@ def main():
         "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),
         "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "concurrent_start": args.concurrent_start,
-        "results": {}, "stage_ms_per_step": {}, "cpu_stage_ms_per_step": {}, "startup_s": {}, "errors": {},
+        "results": {}, "stage_ms_per_step": {}, "cpu_stage_ms_per_step": {},
+        "stage_ms_by_batch_size": {}, "cpu_stage_ms_by_batch_size": {}, "startup_s": {}, "errors": {},
     }
     log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
     timer_budgets = {b for b in args.timer_budgets.split(",") if b}
@@ -187,13 +201,16 @@ def main():
                             run_pass(srv.port, prompts[: max(c, args.prompts_per_pass)],
                                      args.max_new_tokens, c, {"temperature": 0.0})
                     srv.stop()
-                    result["stage_ms_per_step"][name[: -len("-timers")]] = stage_times(srv.log)
+                    base = name[: -len("-timers")]
+                    result["stage_ms_per_step"][base] = stage_times(srv.log)
+                    result["stage_ms_by_batch_size"][base] = stage_times_by_bs(srv.log)
                 else:
                     result["results"][name] = measure(srv.port, prompts, args, concs)
                     result["startup_s"][name] = round(srv.startup_s, 1)
                     if name.startswith("ddtree"):
                         srv.stop()
                         result["cpu_stage_ms_per_step"][name] = stage_times(srv.log)
+                        result["cpu_stage_ms_by_batch_size"][name] = stage_times_by_bs(srv.log)
             except Exception as e:  # keep the other methods' numbers; report this one
                 result["errors"][name] = repr(e)[:2000]
             finally:

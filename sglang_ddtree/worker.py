@@ -10,6 +10,7 @@ is SGLang's ``verify_tree_greedy`` kernel, and new lengths reach the scheduler v
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import time
 
@@ -420,6 +421,8 @@ class StepTimers:
         self._sync = mode == "sync"
         self.totals = {s: 0.0 for s in self.STAGES}
         self.steps = 0
+        self._step = {s: 0.0 for s in self.STAGES}
+        self.by_bs = {}  # bs -> [steps, {stage: seconds}]
 
     def start(self):
         if self.enabled:
@@ -432,14 +435,27 @@ class StepTimers:
             if self._sync:
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            self.totals[stage] += now - self._t
+            self._step[stage] += now - self._t
             self._t = now
 
     def finish(self, bs):
         if not self.enabled:
             return
         self.steps += 1
+        entry = self.by_bs.setdefault(bs, [0, {s: 0.0 for s in self.STAGES}])
+        entry[0] += 1
+        for stage, v in self._step.items():
+            self.totals[stage] += v
+            entry[1][stage] += v
+            self._step[stage] = 0.0
         if self.steps % 200 == 0:
             per = {s: round(1e3 * v / self.steps, 3) for s, v in self.totals.items()}
             logger.info("DDTREE stage ms/step (%s) over %d steps (last bs=%d): %s", self.mode,
                         self.steps, bs, per)
+            logger.info("DDTREE stage ms/step by batch size (%s): %s", self.mode,
+                        json.dumps(self.per_batch_size()))
+
+    def per_batch_size(self):
+        """{bs: {"steps": n, stage: ms per step}} over every step so far."""
+        return {str(bs): {"steps": n, **{s: round(1e3 * v / n, 3) for s, v in t.items()}}
+                for bs, (n, t) in sorted(self.by_bs.items())}

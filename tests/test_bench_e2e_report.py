@@ -60,3 +60,26 @@ def test_stage_times_reads_both_timer_modes(tmp_path):
                                                "tree": 0.1}
     log.write_text("DDTREE stage ms/step (sync) over 200 steps (last bs=1): {'commit': 1.5}\n")
     assert bench_e2e.stage_times(str(log))["mode"] == "sync"
+
+
+def test_step_timers_by_batch_size_round_trip(tmp_path, caplog):
+    import logging
+
+    import bench_e2e
+    from sglang_ddtree.worker import StepTimers
+
+    t = StepTimers(mode="cpu")
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+        for i in range(400):
+            t.start()
+            for stage in StepTimers.STAGES:
+                t.mark(stage)
+            t.finish(1 if i % 4 else 8)
+    per = t.per_batch_size()
+    assert per["1"]["steps"] == 300 and per["8"]["steps"] == 100
+    assert set(per["8"]) == {"steps", *StepTimers.STAGES}
+    log = tmp_path / "srv.log"
+    log.write_text("\n".join(r.getMessage() for r in caplog.records) + "\n")
+    got = bench_e2e.stage_times_by_bs(str(log))
+    assert got["mode"] == "cpu" and got["bs"]["1"]["steps"] == 300
+    assert bench_e2e.stage_times(str(log))["steps"] == 400
