@@ -203,8 +203,8 @@ def _make_worker_class(sgl):
             slots = gather_slots(req_to_token, batch.req_pool_indices, prefix, width)
 
             # 1) draft: one block [root, MASK x (B-1)] through the drafter
-            topk_logp, topk_ids = self._draft(batch, draft_input.bonus_tokens, prefix,
-                                              slots[:, :block], bs)
+            topk_logp, topk_ids, draft_pos = self._draft(batch, draft_input.bonus_tokens,
+                                                         prefix, slots[:, :block], bs)
             if self._oracle is not None:
                 self._oracle.plant(batch, topk_logp, topk_ids)
             t.mark("draft")
@@ -271,7 +271,6 @@ def _make_worker_class(sgl):
             if on_publish is not None:
                 on_publish(step.new_seq_lens)
             hidden = logits_output.hidden_states.index_select(0, done.hidden_rows)
-            draft_pos = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
             self._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=hidden,
                 cache_loc=slots[:, :block].reshape(-1),
@@ -323,7 +322,8 @@ def _make_worker_class(sgl):
             return buf[:numel]
 
         def _draft(self, batch, bonus, prefix, block_slots, bs):
-            """Run the drafter on [root, MASK x (B-1)]; return per-depth top-K log-probs/ids."""
+            """Run the drafter on [root, MASK x (B-1)]; return per-depth top-K log-probs/ids and
+            the block's [bs, B] positions (reused for the drafter-KV append of this step)."""
             block = self.block_size
             block_ids = torch.full((bs, block), int(self._mask_token_id), dtype=torch.int64,
                                    device=self.device)
@@ -350,11 +350,11 @@ def _make_worker_class(sgl):
                 capture_hidden_mode=sgl.CaptureHiddenMode.NULL,
             )
             if self._draft_head is not None and draft_out.can_run_graph:
-                return self._draft_head.read(bs)
+                return (*self._draft_head.read(bs), positions)
             if self._eager_head is None:
                 self._eager_head = self._build_head(max_bs=sgl.max_running_requests(self))
             self._eager_head(draft_out.logits_output.hidden_states)
-            return self._eager_head.read(bs)
+            return (*self._eager_head.read(bs), positions)
 
     DDTreeWorker.__qualname__ = DDTreeWorker.__name__ = "DDTreeWorker"
     return DDTreeWorker

@@ -427,7 +427,7 @@ def test_draft_block_runs_through_the_installed_api(worker_class, tmp_path, host
     bound = prefix + BLOCK if host_lens == "batch" else reserved
     with _fake_sglang_process(server_args):
         w = worker_class(**_constructor_kwargs(server_args, target))
-        topk_logp, topk_ids = w._draft(batch, bonus, prefix, block_slots, bs)
+        topk_logp, topk_ids, draft_pos = w._draft(batch, bonus, prefix, block_slots, bs)
 
     (fb,) = w.draft_model_runner.calls
     assert isinstance(fb, ForwardBatch) and fb.forward_mode == ForwardMode.TARGET_VERIFY
@@ -435,6 +435,7 @@ def test_draft_block_runs_through_the_installed_api(worker_class, tmp_path, host
     assert torch.equal(fb.out_cache_loc.view(bs, BLOCK), block_slots)
     positions = prefix[:, None] + torch.arange(BLOCK)[None, :]
     assert torch.equal(fb.positions.view(bs, BLOCK), positions)
+    assert torch.equal(draft_pos, positions)  # reused for the drafter-KV append
     block_ids = torch.full((bs, BLOCK), MASK_ID)
     block_ids[:, 0] = bonus
     assert torch.equal(fb.input_ids.view(bs, BLOCK), block_ids)
