@@ -114,12 +114,17 @@ def stage_times(log):
     return found
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_results/bench_e2e_tiny_h200.json")
+def add_pair_args(ap, out):
+    """--out, and the model pair + prompts (default: the trained tiny pair)."""
+    ap.add_argument("--out", default=out)
     ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
     ap.add_argument("--draft", default=os.path.join(ASSETS, "dflash-draft"))
     ap.add_argument("--prompts-file", default=os.path.join(ASSETS, "eval_prompts.jsonl"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_pair_args(ap, "bench_results/bench_e2e_tiny_h200.json")
     ap.add_argument("--budgets", default="8,16,32,64,128")
     ap.add_argument("--concurrency", default="1,4,8,16,32,64")
     ap.add_argument("--modes", default="greedy,t1")

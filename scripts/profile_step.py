@@ -29,8 +29,6 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ASSETS = os.path.join(HERE, "..", "bench_assets", "tiny-code")
 STEP_FUNCTION = "forward_batch_generation"  # one call per scheduler step in the spec worker
 
 
@@ -113,14 +111,11 @@ def _post(port, path, payload):
 
 
 def main():
-    from bench_e2e import run_pass
+    from bench_e2e import add_pair_args, run_pass
     from e2e_lossless import Server
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_results/profile_step_h200.json")
-    ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
-    ap.add_argument("--draft", default=os.path.join(ASSETS, "dflash-draft"))
-    ap.add_argument("--prompts-file", default=os.path.join(ASSETS, "eval_prompts.jsonl"))
+    add_pair_args(ap, "bench_results/profile_step_h200.json")
     ap.add_argument("--budget", default="32")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
