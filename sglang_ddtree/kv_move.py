@@ -98,7 +98,9 @@ def _buffers_of(pool) -> Optional[List[torch.Tensor]]:
         return None
     if any(getattr(pool, a, None) is not None for a in _SCALE_ATTRS):
         return None
-    if getattr(pool, "use_hnd", False):  # [pages, heads, page, dim]: a slot is not one row
+    # one slot = one contiguous row only in the token-major layout ([slots, heads, dim]);
+    # 0.5.17's use_hnd and 0.5.23's kv_cache_layout "hnd" / "vectorized_5d" index pages
+    if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         return None
     bufs = []
     for name in names:
@@ -106,7 +108,7 @@ def _buffers_of(pool) -> Optional[List[torch.Tensor]]:
         if not isinstance(layer_bufs, (list, tuple)) or not layer_bufs:
             return None
         for t in layer_bufs:
-            if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.is_contiguous():
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.is_contiguous():
                 return None
             bufs.append(t)
     return bufs

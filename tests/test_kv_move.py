@@ -107,6 +107,12 @@ def test_pool_detection():
     hnd = MHATokenToKVPool(8, 2, 2, 4, torch.bfloat16)
     hnd.use_hnd = True
     assert path_kv_mover(hnd) is None
+    paged = MHATokenToKVPool(8, 2, 2, 4, torch.bfloat16)
+    paged.kv_cache_layout = "vectorized_5d"  # SGLang 0.5.23 layouts that index pages
+    assert path_kv_mover(paged) is None
+    five_d = MHATokenToKVPool(8, 2, 2, 4, torch.bfloat16)
+    five_d.k_buffer = [torch.zeros(2, 2, 1, 4, 2)]
+    assert path_kv_mover(five_d) is None
 
     class SWAKVPool:
         k_buffer = [torch.zeros(4, 1, 2)]
