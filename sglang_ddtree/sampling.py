@@ -14,13 +14,22 @@ import torch
 
 
 def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                 min_ps: Optional[torch.Tensor]) -> torch.Tensor:
+                 min_ps: Optional[torch.Tensor], max_top_k: Optional[int] = None) -> torch.Tensor:
     """Zero what top-k / top-p / min-p exclude (SGLang's semantics); rows: [R, V] fp32.
 
     top_ks: [R] int (>= vocab means off); top_ps: [R] float (1.0 off); min_ps: [R] or None.
+    max_top_k: a host-side bound on every row's top_k, if known (e.g. all requests ask for
+    top_k <= 50). Then only the top ``max_top_k`` probabilities are ranked (``topk``) instead of
+    the whole vocabulary (``sort``): a tree verify has budget+1 rows per request, and a full
+    sort of [bs * (budget+1), V] dominates the step at large vocabularies. The result is the
+    same: tokens past rank max_top_k are outside every row's top-k anyway.
     """
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    vocab = probs.shape[-1]
+    if max_top_k is not None and 1 <= max_top_k < vocab:
+        sorted_p, idx = probs.topk(max_top_k, dim=-1, largest=True, sorted=True)
+    else:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_p.shape[-1], device=probs.device)[None, :]
     keep = ranks < top_ks.view(-1, 1)
     cum_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     keep &= cum_before <= top_ps.view(-1, 1)
@@ -41,8 +50,11 @@ def exponential_race(probs: torch.Tensor, generator: Optional[torch.Generator] =
 def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
                     positions: Optional[torch.Tensor] = None, seeded_sampler=None,
                     request_seeds: Optional[torch.Tensor] = None,
-                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                    generator: Optional[torch.Generator] = None,
+                    max_top_k: Optional[int] = None) -> torch.Tensor:
     """[bs * N] int64 tokens: node rows of request b use request b's sampling params.
+
+    ``max_top_k``: see :func:`filter_probs` (host-side bound on every request's top_k).
 
     logits: [bs * N, V] after SGLang's logit adjustments (penalties, bias) for the verify rows.
     Greedy requests in a mixed batch (top_k == 1) get their argmax. Rows of requests with a seed
@@ -59,6 +71,7 @@ def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
         probs = filter_probs(
             probs, top_ks, rep(sampling_info.top_ps.view(-1)),
             rep(sampling_info.min_ps.view(-1)) if sampling_info.need_min_p_sampling else None,
+            max_top_k=max_top_k,
         )
     sampled = exponential_race(probs, generator)
     seeds = getattr(sampling_info, "sampling_seed", None)
@@ -70,3 +83,15 @@ def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
         sampled = torch.where(row_seeds >= 0, seeded, sampled)
     greedy = torch.argmax(logits, dim=-1)
     return torch.where(top_ks == 1, greedy, sampled)
+
+
+def host_max_top_k(reqs, vocab: int) -> Optional[int]:
+    """max top_k over the batch's requests from their host-side params, or None when any
+    request samples from the whole vocabulary (top_k -1 / >= vocab). No device access."""
+    best = 0
+    for r in reqs:
+        k = int(getattr(r.sampling_params, "top_k", -1))
+        if k <= 0 or k >= vocab:
+            return None
+        best = max(best, k)
+    return best or None

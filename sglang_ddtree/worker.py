@@ -18,7 +18,7 @@ import torch
 
 from . import config as cfg
 from .draft_topk import DraftTopKHead
-from .sampling import sample_per_node
+from .sampling import host_max_top_k, sample_per_node
 from .step_graph import AcceptCommitGraphs
 from .tree_graph import TreeBuildGraphs
 from .verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
@@ -255,6 +255,7 @@ def _make_worker_class(sgl):
                     logits, sampling_info, n, positions=positions.reshape(-1),
                     seeded_sampler=sgl.multinomial_with_seed,
                     request_seeds=self._request_seeds(batch),
+                    max_top_k=host_max_top_k(batch.reqs, logits.shape[-1]),
                 ).view(bs, n)
             if self._tp_group is not None:
                 if sampling_info is not None and not sampling_info.is_all_greedy:

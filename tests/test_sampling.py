@@ -54,3 +54,29 @@ def test_seeded_rows_use_the_seeded_sampler_with_positions():
     sample_per_node(logits, _info(2, [0.7, 0.7], [7, 7], seeds=torch.tensor([3, 4])), 2,
                     positions=pos, seeded_sampler=seeded)
     assert calls == {"seeds": [3, 3, 4, 4], "positions": [5, 6, 9, 10]}
+
+
+def test_bounded_top_k_ranks_only_the_top_and_filters_the_same():
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 12, 300
+    probs = torch.softmax(3 * torch.randn(rows, vocab, generator=g), -1)  # distinct values
+    top_ks = torch.randint(1, 40, (rows,), generator=g)
+    top_ps = torch.rand(rows, generator=g) * 0.6 + 0.4
+    min_ps = torch.rand(rows, generator=g) * 0.2
+    for mp in (None, min_ps):
+        full = filter_probs(probs, top_ks, top_ps, mp)
+        bounded = filter_probs(probs, top_ks, top_ps, mp, max_top_k=int(top_ks.max()))
+        assert torch.equal(full, bounded)
+    # a bound that does not limit anything (>= vocab) falls back to the full sort
+    assert torch.equal(filter_probs(probs, top_ks, top_ps, None, max_top_k=vocab),
+                       filter_probs(probs, top_ks, top_ps, None))
+
+
+def test_host_max_top_k():
+    from sglang_ddtree.sampling import host_max_top_k
+
+    req = lambda k: types.SimpleNamespace(sampling_params=types.SimpleNamespace(top_k=k))  # noqa
+    assert host_max_top_k([req(50), req(20)], 1000) == 50
+    assert host_max_top_k([req(50), req(-1)], 1000) is None  # one request samples everything
+    assert host_max_top_k([req(50), req(1 << 30)], 1000) is None  # SGLang's TOP_K_ALL
+    assert host_max_top_k([], 1000) is None
