@@ -274,6 +274,7 @@ def main():
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
         "cases": [], "speed": {}, "sampling_reproducible": [], "kv_idle_checks": [],
+        "edge_checks": [],
     }
     hist = {}
     lock = __import__("threading").Lock()
@@ -420,6 +421,22 @@ def main():
                                 hist[round(a)] = hist.get(round(a), 0) + 1
                     print(json.dumps({k: v for k, v in case.items() if k != "mismatches"}))
                 if graph:
+                    # stop tokens and max_new_tokens that land inside an accepted path: DDTREE
+                    # must stop exactly where the target alone stops with the same params
+                    edges = []
+                    for i in range(1, min(5, len(prompts))):
+                        r = ref[m][i]
+                        for params, max_new in (({"stop_token_ids": [r[5]]}, 48),
+                                                ({"stop_token_ids": [r[11]]}, 48),
+                                                ({}, 7), ({}, 13)):
+                            want = ar[m].generate(prompts[i], max_new, params)["output_ids"]
+                            got = srv.generate(prompts[i], max_new, params)["output_ids"]
+                            edges.append({"prompt": i, "params": params, "max_new_tokens": max_new,
+                                          "ar_len": len(want), "equal": got == want})
+                    with lock:
+                        result["edge_checks"].append({"model": m, "budget": b,
+                                                      "all_equal": all(e["equal"] for e in edges),
+                                                      "checks": edges})
                     samp = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "sampling_seed": 7}
                     o1 = srv.generate(prompts[0], 32, samp)["output_ids"]
                     o2 = srv.generate(prompts[0], 32, samp)["output_ids"]
