@@ -478,9 +478,17 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json.dump(result, open(args.out, "w"), indent=1)
     bad = sum(len(c["mismatches"]) for c in result["cases"])
-    print(f"cases={len(result['cases'])} mismatches={bad} errors={len(result.get('errors', []))} "
+    edge_bad = sum(not e["all_equal"] for e in result["edge_checks"])
+    seed_bad = sum(not s["same_seed_same_output"] for s in result["sampling_reproducible"])
+    leaks = sum(bool(k["num_used_tokens_after_flush"] or k["leak_log_lines"])
+                for k in result["kv_idle_checks"])
+    result["failures"] = {"mismatches": bad, "edge_checks": edge_bad,
+                          "seeded_not_reproducible": seed_bad, "kv_not_idle": leaks,
+                          "errors": len(result.get("errors", []))}
+    json.dump(result, open(args.out, "w"), indent=1)
+    print(f"cases={len(result['cases'])} failures={result['failures']} "
           f"mean_accept={result['mean_accept_length_over_cases']} -> {args.out}")
-    return 1 if bad or result.get("errors") else 0
+    return 1 if any(result["failures"].values()) else 0
 
 
 if __name__ == "__main__":
