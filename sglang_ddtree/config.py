@@ -160,6 +160,12 @@ def timers_enabled(environ=os.environ) -> bool:
     return timers_mode(environ) != "off"
 
 
+def timers_every(environ=os.environ) -> int:
+    """SGLANG_DDTREE_TIMERS_EVERY: steps between two timer log lines (default 200)."""
+    raw = environ.get(ENV_TIMERS + "_EVERY", "")
+    return max(1, _parse_int(ENV_TIMERS + "_EVERY", raw)) if raw else 200
+
+
 def timers_mode(environ=os.environ) -> str:
     """SGLANG_DDTREE_TIMERS: off (unset/0), ``cpu`` (host time per stage, no synchronization:
     what the step costs the scheduler thread), anything else: GPU-synchronized wall time."""

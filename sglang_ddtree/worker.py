@@ -90,7 +90,7 @@ def _make_worker_class(sgl):
                 from .oracle import OracleDraft
 
                 self._oracle = OracleDraft.from_env()
-            self._timers = StepTimers(mode=cfg.timers_mode())
+            self._timers = StepTimers(mode=cfg.timers_mode(), every=cfg.timers_every())
             kv_move = "fused" if cfg.kv_move_fused() else "sglang"  # a bad value fails here
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
@@ -414,10 +414,11 @@ class StepTimers:
 
     STAGES = ("draft", "tree", "verify", "accept", "commit")
 
-    def __init__(self, mode: str = "off", enabled: bool = None):
+    def __init__(self, mode: str = "off", enabled: bool = None, every: int = 200):
         if enabled is not None:  # older keyword
             mode = "sync" if enabled else "off"
         self.mode = mode
+        self.every = every  # steps between log lines
         self.enabled = mode != "off"
         self._sync = mode == "sync"
         self.totals = {s: 0.0 for s in self.STAGES}
@@ -449,7 +450,7 @@ class StepTimers:
             self.totals[stage] += v
             entry[1][stage] += v
             self._step[stage] = 0.0
-        if self.steps % 200 == 0:
+        if self.steps % self.every == 0:
             per = {s: round(1e3 * v / self.steps, 3) for s, v in self.totals.items()}
             logger.info("DDTREE stage ms/step (%s) over %d steps (last bs=%d): %s", self.mode,
                         self.steps, bs, per)

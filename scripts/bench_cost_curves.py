@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Step costs on real model shapes (config-only models, ``--load-format dummy``).
+
+For each model pair in ``bench_assets/model-configs`` (``scripts/make_model_configs.py``): start
+SGLang with identical flags as AR, DFLASH and DDTREE (one server per budget), drive each with
+``--concurrency`` streams of random prompts, and record
+
+- AR decode step (ms): the median time per output token (TPOT) at that concurrency;
+- DFLASH step (ms): TPOT x accept length (dummy drafters accept ~nothing, so ~TPOT);
+- DDTREE per budget: the verify forward and the whole step (ms) at batch size = concurrency, from
+  the plugin's GPU-synchronized stage timers (``SGLANG_DDTREE_TIMERS=1``, per batch size), and
+  verify(budget+1) / decode(1), the ratio that decides whether a wider tree pays.
+
+Then a clearly labelled *projection*: tokens/s = concurrency x accept / step, with accept
+lengths from a measured run of our tiny pair (``--accept-json``, a scripts/bench_e2e.py JSON) and,
+optionally, from a file of published values (``--published-accept``: {"source": ..., "dflash":
+a, "ddtree_b<budget>": a, ...}); nothing is filled in when a value is missing.
+
+    python scripts/bench_cost_curves.py --models qwen3-8b,kimi-k2.6-tp8rank-l8 \\
+        --out bench_results/cost_curves_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(HERE, "..", "bench_assets", "model-configs")
+
+
+def random_prompts(n, length, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+def verify_cost(stage_by_bs: dict, bs: int):
+    """(verify ms, whole-step ms) at batch size ``bs`` from a per-batch-size timer record."""
+    row = (stage_by_bs or {}).get("bs", {}).get(str(bs))
+    if not row:
+        return None, None
+    stages = [k for k in row if k != "steps"]
+    return row.get("verify"), round(sum(row[k] for k in stages), 4)
+
+
+def project(step_ms: dict, accept: dict, concs) -> dict:
+    """{method: {c: tokens/s}} = c * accept / step; methods without both numbers are left out.
+
+    step_ms: {method: {str(c): ms}}; accept: {method: accept length}.
+    """
+    out = {}
+    for method, per_c in step_ms.items():
+        a = accept.get(method)
+        if a is None:
+            continue
+        row = {}
+        for c in concs:
+            ms = per_c.get(str(c))
+            if ms:
+                row[str(c)] = round(1e3 * c * a / ms, 1)
+        if row:
+            out[method] = row
+    return out
+
+
+def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -> dict:
+    """{method: accept length} from a scripts/bench_e2e.py JSON (DFLASH and DDTREE rows)."""
+    data = json.load(open(path))
+    out = {}
+    for method, modes in data.get("results", {}).items():
+        row = modes.get(mode, {}).get(concurrency)
+        if row and row.get("accept_length"):
+            out[method] = row["accept_length"]
+    return out
+
+
+def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs):
+    pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
+    target = os.path.join(CONFIGS, name)
+    draft = os.path.join(CONFIGS, pairs[name])
+    vocab = json.load(open(os.path.join(target, "config.json")))["vocab_size"]
+    block = json.load(open(os.path.join(draft, "config.json")))["block_size"]
+    prompts = random_prompts(max(concs) * 2, args.prompt_len, vocab)
+    common = ["--model-path", target, "--load-format", "dummy", "--skip-tokenizer-init",
+              "--attention-backend", args.attention_backend, "--cuda-graph-max-bs",
+              str(max(concs)), "--max-running-requests", str(max(concs)),
+              "--mem-fraction-static", str(args.mem_fraction), "--sampling-backend", "pytorch",
+              "--grammar-backend", "none", "--disable-prefill-cuda-graph",
+              "--context-length", str(args.prompt_len + args.max_new_tokens + 1024)]
+    spec = ["--speculative-draft-model-path", draft, "--speculative-draft-load-format", "dummy"]
+    runs = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
+    runs += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
+                               "--speculative-ddtree-budget", str(b)] + spec,
+              {"SGLANG_DDTREE_TIMERS": "1", "SGLANG_DDTREE_TIMERS_EVERY": "10"})
+             for b in budgets]
+    res = {"target": name, "draft": pairs[name], "drafter_block": block, "tpot_ms": {},
+           "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
+           "startup_s": {}, "errors": {}}
+    for i, (method, extra, env) in enumerate(runs):
+        log = os.path.join(args.workdir, f"{name}-{method}.log")
+        try:
+            srv = Server(common + extra, log, args.port + i, env=env)
+        except Exception as e:  # e.g. out of memory for this shape: keep the other methods
+            res["errors"][method] = repr(e)[:1500]
+            continue
+        res["startup_s"][method] = round(srv.startup_s, 1)
+        try:
+            run_pass(srv.port, prompts[: max(concs)], 16, max(concs), {"temperature": 0.0})
+            tpot, acc = {}, {}
+            for c in concs:
+                reps = [run_pass(srv.port, prompts[:c], args.max_new_tokens, c,
+                                 {"temperature": 0.0}) for _ in range(args.repeats)]
+                tpot[str(c)] = statistics.median(r["tpot_ms"] for r in reps)
+                acc[str(c)] = reps[-1]["accept_length"]
+            res["tpot_ms"][method], res["accept_length"][method] = tpot, acc
+        except Exception as e:
+            res["errors"][method] = repr(e)[:1500]
+        finally:
+            srv.stop()
+        if method == "ar":
+            res["step_ms"]["ar"] = dict(res["tpot_ms"].get("ar", {}))
+        elif method == "dflash" and method in res["tpot_ms"]:
+            res["step_ms"]["dflash"] = {c: round(t * (res["accept_length"]["dflash"][c] or 1), 4)
+                                        for c, t in res["tpot_ms"]["dflash"].items()}
+        elif method.startswith("ddtree"):
+            by_bs = stage_times_by_bs(log)
+            res["verify_ms"][method], res["step_ms"][method] = {}, {}
+            for c in concs:
+                v, step = verify_cost(by_bs, c)
+                if v is not None:
+                    res["verify_ms"][method][str(c)] = v
+                    res["step_ms"][method][str(c)] = step
+    decode = res["step_ms"].get("ar", {})
+    for method, per_c in res["verify_ms"].items():
+        res["verify_over_decode"][method] = {c: round(v / decode[c], 3)
+                                             for c, v in per_c.items() if decode.get(c)}
+    return res
+
+
+def main():
+    from bench_e2e import run_pass, stage_times_by_bs
+    from e2e_lossless import Server
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_results/cost_curves_h200.json")
+    ap.add_argument("--models", default="qwen3-8b,qwen3-30b-a3b,kimi-k2.6-tp8rank-l8")
+    ap.add_argument("--budgets", default="8,16,32,64",
+                    help="DDTREE budgets (the tiny pair's, so its accept lengths project)")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--mem-fraction", type=float, default=0.85)
+    ap.add_argument("--accept-json", default=os.path.join(
+        HERE, "..", "bench_results", "bench_e2e_tiny_h200_partial.json"),
+        help="a scripts/bench_e2e.py JSON whose greedy c=1 accept lengths feed the projection")
+    ap.add_argument("--published-accept", default=None,
+                    help="JSON {source, dflash, ddtree_b<budget>...} of published accept lengths")
+    ap.add_argument("--port", type=int, default=30700)
+    ap.add_argument("--workdir", default="/tmp/ddtree_cost_curves")
+    args = ap.parse_args()
+
+    import sglang
+    import torch
+
+    os.makedirs(args.workdir, exist_ok=True)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
+              "gpu": torch.cuda.get_device_name(0),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join(["python", "scripts/bench_cost_curves.py"] + sys.argv[1:]),
+              "notes": "dummy weights; ms are medians; ddtree ms are GPU-synchronized stage "
+                       "timers at batch size = concurrency; 'projection' multiplies these "
+                       "measured step costs by accept lengths measured elsewhere (named)",
+              "models": {}, "projection": {}}
+
+    def dump():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        json.dump(result, open(args.out, "w"), indent=1)
+
+    sources = {}
+    if args.accept_json and os.path.exists(args.accept_json):
+        sources["tiny_pair_measured:" + os.path.basename(args.accept_json)] = \
+            accept_from_bench(args.accept_json)
+    if args.published_accept:
+        pub = json.load(open(args.published_accept))
+        sources["published:" + str(pub.pop("source", args.published_accept))] = pub
+    for acc in sources.values():
+        acc.setdefault("ar", 1.0)  # one token per decode step
+    for name in args.models.split(","):
+        result["models"][name] = measure_model(name, args, concs, budgets, Server, run_pass,
+                                               stage_times_by_bs)
+        result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
+                                      for src, acc in sources.items()}
+        dump()
+        print(name, json.dumps(result["models"][name]["verify_over_decode"]), flush=True)
+    dump()
+    print("->", args.out)
+
+
+if __name__ == "__main__":
+    main()
