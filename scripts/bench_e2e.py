@@ -90,6 +90,19 @@ def measure(port, prompts, args, concs):
     return out
 
 
+BY_BUDGET_RE = re.compile(r"DDTREE accept length by budget \(this server's trees\): (\{.*\})")
+
+
+def accept_by_budget(log):
+    """The last {budget: tokens per step} line a DDTREE server with timers logged, or None."""
+    found = None
+    for line in open(log):
+        m = BY_BUDGET_RE.search(line)
+        if m:
+            found = {k: v for k, v in json.loads(m.group(1)).items()}
+    return found
+
+
 BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
 
 
@@ -169,7 +182,8 @@ def main():
         "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "concurrent_start": args.concurrent_start,
         "results": {}, "stage_ms_per_step": {}, "cpu_stage_ms_per_step": {},
-        "stage_ms_by_batch_size": {}, "cpu_stage_ms_by_batch_size": {}, "startup_s": {}, "errors": {},
+        "stage_ms_by_batch_size": {}, "cpu_stage_ms_by_batch_size": {},
+        "accept_by_smaller_budget": {}, "startup_s": {}, "errors": {},
     }
     log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
     timer_budgets = {b for b in args.timer_budgets.split(",") if b}
@@ -209,6 +223,7 @@ def main():
                     base = name[: -len("-timers")]
                     result["stage_ms_per_step"][base] = stage_times(srv.log)
                     result["stage_ms_by_batch_size"][base] = stage_times_by_bs(srv.log)
+                    result["accept_by_smaller_budget"][base] = accept_by_budget(srv.log)
                 else:
                     result["results"][name] = measure(srv.port, prompts, args, concs)
                     result["startup_s"][name] = round(srv.startup_s, 1)

@@ -32,16 +32,18 @@ class AcceptCommit:
 
 def accept_and_commit(tree: DraftTree, predicted: torch.Tensor, slots: torch.Tensor,
                       prefix: torch.Tensor, path_width: int, walk: Callable,
-                      pool) -> AcceptCommit:
+                      pool, stats=None) -> AcceptCommit:
     """Walk ``tree`` against the target's ``predicted`` tokens and commit the accepted path.
 
     tree: [bs, N] DraftTree; predicted: [bs, N] int64 target token at every node; slots:
     [bs, W >= N] int64 KV slots of positions prefix..prefix+W-1; prefix: [bs] lengths;
     path_width: the drafter block B; walk: ``compat.tree_greedy_walk``; pool: SGLang KV pool
-    (None: skip the KV relocation).
+    (None: skip the KV relocation); stats: optional ``BudgetAcceptStats`` updated in place.
     """
     accept_len, accepted_nodes, bonus = walk(tree, predicted, path_width)
     step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
+    if stats is not None:
+        stats.update(step.path_nodes, accept_len)
     if pool is not None:
         dst, src = kv_moves(slots, step.path_nodes, accept_len)
         move_accepted_kv(pool, dst, src)
@@ -63,8 +65,8 @@ class _Entry:
 class AcceptCommitGraphs:
     """``accept_and_commit`` per batch size from a CUDA graph (captured on first use)."""
 
-    def __init__(self, path_width: int, walk: Callable, use_graphs: bool, device):
-        self.path_width, self.walk = path_width, walk
+    def __init__(self, path_width: int, walk: Callable, use_graphs: bool, device, stats=None):
+        self.path_width, self.walk, self.stats = path_width, walk, stats
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._entries: Dict[Tuple, _Entry] = {}
@@ -103,8 +105,9 @@ class AcceptCommitGraphs:
                             bonus=s.bonus.clone()),
             hidden_rows=e.out.hidden_rows)
 
-    def _eager(self, tree, predicted, slots, prefix, pool):
-        return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool)
+    def _eager(self, tree, predicted, slots, prefix, pool, count=True):
+        return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool,
+                                 stats=self.stats if count else None)
 
     def _capture(self, tree, predicted, slots, prefix, pool) -> _Entry:
         dev = self.device
@@ -113,7 +116,7 @@ class AcceptCommitGraphs:
         st_pred = torch.zeros_like(predicted)
         st_slots = torch.zeros_like(slots)
         st_prefix = torch.zeros_like(prefix)
-        body = lambda: self._eager(tree, st_pred, st_slots, st_prefix, pool)  # noqa: E731
-        warm_up(body, dev)
-        graph, out = capture(body, dev)
+        # the warm-up runs on placeholders: it must not count towards the budget statistics
+        warm_up(lambda: self._eager(tree, st_pred, st_slots, st_prefix, pool, count=False), dev)
+        graph, out = capture(lambda: self._eager(tree, st_pred, st_slots, st_prefix, pool), dev)
         return _Entry(graph, tree.tokens.data_ptr(), st_pred, st_slots, st_prefix, out)

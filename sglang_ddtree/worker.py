@@ -17,6 +17,7 @@ import time
 import torch
 
 from . import config as cfg
+from .budget_stats import BudgetAcceptStats
 from .draft_topk import DraftTopKHead
 from .sampling import host_max_top_k, sample_per_node
 from .step_graph import AcceptCommitGraphs
@@ -81,16 +82,21 @@ def _make_worker_class(sgl):
                 builder=_tree_builder(self.tree_cfg, self.device),
                 use_graphs=sgl.decode_graphs_enabled(server_args),
             )
+            timers_mode = cfg.timers_mode()
+            # with the timers on, also count the accept length of every smaller budget
+            self._budget_stats = (BudgetAcceptStats(self.tree_cfg.budget, self.device)
+                                  if timers_mode != "off" else None)
             self._accept_commit = AcceptCommitGraphs(
                 int(block), sgl.tree_greedy_walk,
-                use_graphs=sgl.decode_graphs_enabled(server_args), device=self.device)
+                use_graphs=sgl.decode_graphs_enabled(server_args), device=self.device,
+                stats=self._budget_stats)
             self._tree_verify = None  # the triton verify backend, set in init_attention_backends
             self._oracle = None
             if cfg.oracle_enabled():
                 from .oracle import OracleDraft
 
                 self._oracle = OracleDraft.from_env()
-            self._timers = StepTimers(mode=cfg.timers_mode(), every=cfg.timers_every())
+            self._timers = StepTimers(mode=timers_mode, every=cfg.timers_every())
             kv_move = "fused" if cfg.kv_move_fused() else "sglang"  # a bad value fails here
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
@@ -282,6 +288,11 @@ def _make_worker_class(sgl):
             logits_output.hidden_states = None
             t.mark("commit")
             t.finish(bs)
+            if self._budget_stats is not None and t.steps % t.every == 0:
+                by_budget = self._budget_stats.report()  # values of the previous report: no sync
+                if by_budget:
+                    logger.info("DDTREE accept length by budget (this server's trees): %s",
+                                json.dumps(by_budget))
 
             return sgl.GenerationBatchResult(
                 logits_output=logits_output,

@@ -83,3 +83,12 @@ def test_step_timers_by_batch_size_round_trip(tmp_path, caplog):
     got = bench_e2e.stage_times_by_bs(str(log))
     assert got["mode"] == "cpu" and got["bs"]["1"]["steps"] == 300
     assert bench_e2e.stage_times(str(log))["steps"] == 400
+
+
+def test_accept_by_budget_line_is_parsed(tmp_path):
+    import bench_e2e
+
+    log = tmp_path / "srv.log"
+    log.write_text("x DDTREE accept length by budget (this server's trees): "
+                   '{"1": 1.4, "2": 1.6, "32": 2.1}\n')
+    assert bench_e2e.accept_by_budget(str(log)) == {"1": 1.4, "2": 1.6, "32": 2.1}

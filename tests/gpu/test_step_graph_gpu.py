@@ -105,3 +105,25 @@ def test_lazy_capture_neither_synchronizes_nor_flushes_the_allocator(monkeypatch
     monkeypatch.undo()
     assert not graphs.failed and len(graphs._entries) == 1
     assert torch.equal(got.step.out_tokens, want.step.out_tokens)
+
+
+def test_budget_stats_count_the_same_in_graph_and_eager():
+    from sglang_ddtree.budget_stats import BudgetAcceptStats
+
+    rng = random.Random(1)
+    budget, depth, k, block = 32, 15, 8, 16
+    trees = TreeBuildGraphs(budget, depth, k, "cuda")
+    s_graph, s_eager = BudgetAcceptStats(budget, "cuda"), BudgetAcceptStats(budget, "cuda")
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda", stats=s_graph)
+    width = budget + 1
+    pool_g, pool_e = GpuPool(8 * width * 2 + 1), GpuPool(8 * width * 2 + 1)
+    for seed, bs in enumerate([2, 2, 8, 2, 8]):
+        tree = trees(*_inputs(bs, depth, k, seed))
+        pred = _predict(tree, rng)
+        slots = (torch.randperm(bs * width * 2, device="cuda")[: bs * width] + 1).view(bs, width)
+        prefix = torch.randint(0, 100, (bs,), device="cuda")
+        graphs(tree, pred, slots, prefix, pool_g)
+        accept_and_commit(tree, pred, slots, prefix, block, _walk, pool_e, stats=s_eager)
+    torch.cuda.synchronize()
+    assert torch.equal(s_graph.totals, s_eager.totals)  # captures' warm-ups were not counted
+    assert float(s_graph.totals[-1]) == 2 + 2 + 8 + 2 + 8
