@@ -59,7 +59,8 @@ def collect_info() -> dict:
     info["tree_verify_backends"] = installed_tree_backends()
     try:
         info["settings"] = {
-            "budget": config.read_budget(),
+            "budget": (f"auto {config.read_auto_table()}" if config.is_auto_budget()
+                       else config.read_budget()),
             "topk": config.read_topk() or "min(budget, vocab)",
             "verify_backend": config.read_verify_backend(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 ENV_BUDGET = "SGLANG_DDTREE_BUDGET"
 ENV_TOPK = "SGLANG_DDTREE_TOPK"
@@ -32,6 +32,13 @@ ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # sglang (per-column move_kv_cache) | fus
 MIN_BUDGET = 1
 MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
 DEFAULT_BUDGET = 32
+AUTO_BUDGET = "auto"
+ENV_AUTO_TABLE = "SGLANG_DDTREE_AUTO_TABLE"
+INF_BS = 1 << 30
+# Measured on the H200 with the trained tiny pair (bench_results/bench_e2e_tiny_h200_partial.json):
+# at concurrency 1 budget 32 was the fastest DDTREE (459 tok/s, b8 448); from concurrency 4 on
+# budget 8 was (1598 vs 1296 at c=4, 4600 vs 3454 at c=16, 11150 vs 8688 at c=64).
+DEFAULT_AUTO_TABLE = "1:32,inf:8"
 
 ALGORITHM_NAME = "DDTREE"
 
@@ -75,9 +82,27 @@ def _parse_int(name: str, raw: str) -> int:
 
 @dataclass(frozen=True)
 class DDTreeConfig:
-    budget: int  # draft nodes per tree, excluding the root
+    budget: int  # draft nodes per tree, excluding the root (with auto: the largest one)
     topk: int  # per-depth candidates K (<= vocab)
     block_size: int  # drafter block size B: depths 1..B-1
+    # --speculative-ddtree-budget auto: ((max batch size, budget), ...) by increasing batch size
+    auto_table: Optional[Tuple[Tuple[int, int], ...]] = None
+
+    def budget_for(self, bs: int) -> int:
+        """The budget a step of ``bs`` requests uses (the fixed budget unless auto)."""
+        if self.auto_table is None:
+            return self.budget
+        for max_bs, budget in self.auto_table:
+            if bs <= max_bs:
+                return budget
+        return self.auto_table[-1][1]
+
+    @property
+    def budgets(self) -> Tuple[int, ...]:
+        """Every budget this server can use, largest first."""
+        if self.auto_table is None:
+            return (self.budget,)
+        return tuple(sorted({b for _, b in self.auto_table}, reverse=True))
 
     @property
     def verify_width(self) -> int:
@@ -104,11 +129,47 @@ def validate_budget(budget: int) -> int:
     return budget
 
 
+def is_auto_budget(environ=os.environ) -> bool:
+    return environ.get(ENV_BUDGET, "").strip().lower() == AUTO_BUDGET
+
+
 def read_budget(environ=os.environ) -> int:
+    """The fixed budget, or with ``auto`` the largest budget of the auto table (it sets the verify
+    width SGLang reserves KV slots and captures its own verify graphs for)."""
     raw = environ.get(ENV_BUDGET)
     if raw is None or raw == "":
         return DEFAULT_BUDGET
+    if raw.strip().lower() == AUTO_BUDGET:
+        return max(b for _, b in read_auto_table(environ))
     return validate_budget(_parse_int(ENV_BUDGET, raw))
+
+
+def parse_auto_table(raw: str) -> Tuple[Tuple[int, int], ...]:
+    """'1:32,inf:8' -> ((1, 32), (INF_BS, 8)): batches of up to 1 request use budget 32, larger
+    ones 8. Batch-size bounds strictly increase and the last one is 'inf'."""
+    rows = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if ":" not in part:
+            raise DDTreeConfigError(f"{ENV_AUTO_TABLE}: expected 'max_bs:budget,...', got "
+                                    f"{part!r} in {raw!r}.")
+        bs_raw, budget_raw = (x.strip() for x in part.split(":", 1))
+        max_bs = INF_BS if bs_raw.lower() == "inf" else _parse_int(ENV_AUTO_TABLE, bs_raw)
+        budget = validate_budget(_parse_int(ENV_AUTO_TABLE, budget_raw))
+        if max_bs < 1 or (rows and max_bs <= rows[-1][0]):
+            raise DDTreeConfigError(f"{ENV_AUTO_TABLE}: batch-size bounds must be >= 1 and "
+                                    f"strictly increasing, got {raw!r}.")
+        rows.append((max_bs, budget))
+    if not rows or rows[-1][0] != INF_BS:
+        raise DDTreeConfigError(f"{ENV_AUTO_TABLE}: the last entry must be 'inf:<budget>' (every "
+                                f"batch size needs a budget), got {raw!r}.")
+    return tuple(rows)
+
+
+def read_auto_table(environ=os.environ) -> Tuple[Tuple[int, int], ...]:
+    return parse_auto_table(environ.get(ENV_AUTO_TABLE, "") or DEFAULT_AUTO_TABLE)
 
 
 def read_topk(environ=os.environ) -> Optional[int]:
@@ -129,11 +190,12 @@ def resolve(block_size: int, vocab_size: int, environ=os.environ) -> DDTreeConfi
             f"got {block_size}. Check block_size in the drafter's config.json."
         )
     budget = read_budget(environ)
+    auto_table = read_auto_table(environ) if is_auto_budget(environ) else None
     topk = read_topk(environ)
     # K beyond the budget can never be used: a depth-1 node of rank >= budget has at least budget
     # better-ranked siblings.
     k = min(budget, vocab_size) if topk is None else min(topk, budget, vocab_size)
-    return DDTreeConfig(budget=budget, topk=k, block_size=block_size)
+    return DDTreeConfig(budget=budget, topk=k, block_size=block_size, auto_table=auto_table)
 
 
 def validate_verify_backend(name: str) -> str:

@@ -39,10 +39,11 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
             break
     group.add_argument(
         "--speculative-ddtree-budget",
-        type=int,
+        type=_budget_arg,
         default=None,
         help=f"DDTREE: draft-tree nodes verified per step ({cfg.MIN_BUDGET}..{cfg.MAX_BUDGET}, "
-        f"default {cfg.DEFAULT_BUDGET}; env {cfg.ENV_BUDGET}).",
+        f"default {cfg.DEFAULT_BUDGET}; env {cfg.ENV_BUDGET}), or 'auto': a budget per batch "
+        f"size from {cfg.ENV_AUTO_TABLE} (default '{cfg.DEFAULT_AUTO_TABLE}').",
     )
     group.add_argument(
         "--speculative-ddtree-topk",
@@ -64,6 +65,18 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     if group is not parser:
         _place_after_speculative_flags(group)
+
+
+def _budget_arg(value: str):
+    """argparse type of --speculative-ddtree-budget: an int, or 'auto'."""
+    if str(value).strip().lower() == cfg.AUTO_BUDGET:
+        return cfg.AUTO_BUDGET
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in [{cfg.MIN_BUDGET}, {cfg.MAX_BUDGET}] or 'auto', got "
+            f"{value!r}") from None
 
 
 def _place_after_speculative_flags(group) -> None:
@@ -96,7 +109,11 @@ def export_cli_args(args: argparse.Namespace, environ=os.environ) -> None:
     """Copy parsed DDTree flags into the environment (validated here: fail before model load)."""
     budget = getattr(args, "speculative_ddtree_budget", None)
     if budget is not None:
-        environ[cfg.ENV_BUDGET] = str(cfg.validate_budget(int(budget)))
+        if str(budget).strip().lower() == cfg.AUTO_BUDGET:
+            cfg.read_auto_table(environ)  # a bad SGLANG_DDTREE_AUTO_TABLE fails here
+            environ[cfg.ENV_BUDGET] = cfg.AUTO_BUDGET
+        else:
+            environ[cfg.ENV_BUDGET] = str(cfg.validate_budget(int(budget)))
     topk = getattr(args, "speculative_ddtree_topk", None)
     if topk is not None:
         if topk < 1:

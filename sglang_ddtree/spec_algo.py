@@ -160,12 +160,16 @@ def make_spec_class(base, handle_dflash_server_args):
             # Scheduler processes inherit the environment: they need the block size before the
             # drafter config is loaded there (target graph capture comes first).
             os.environ[cfg.ENV_BLOCK_SIZE] = str(block)
-            os.environ[cfg.ENV_BUDGET] = str(tree_cfg.budget)
+            if tree_cfg.auto_table is None:
+                os.environ[cfg.ENV_BUDGET] = str(tree_cfg.budget)
+            else:  # schedulers must see 'auto' too (and the table, inherited with the env)
+                os.environ[cfg.ENV_BUDGET] = cfg.AUTO_BUDGET
             logger.info(
-                "DDTREE: budget=%d topk=%d block_size=%d verify_width=%d "
+                "DDTREE: budget=%s topk=%d block_size=%d verify_width=%d "
                 "speculative_num_draft_tokens=%d",
-                tree_cfg.budget, tree_cfg.topk, tree_cfg.block_size, tree_cfg.verify_width,
-                tree_cfg.num_draft_tokens,
+                tree_cfg.budget if tree_cfg.auto_table is None
+                else f"auto {list(tree_cfg.auto_table)}", tree_cfg.topk, tree_cfg.block_size,
+                tree_cfg.verify_width, tree_cfg.num_draft_tokens,
             )
 
         def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens, is_draft_worker):
@@ -182,7 +186,15 @@ def verify_widths(num_draft_tokens: int) -> tuple:
 
     Called from SGLang's CUDA-graph runners in the scheduler process, which see only
     ``num_draft_tokens``; budget and block size come from the environment the launcher set.
+    With ``--speculative-ddtree-budget auto`` the worker also builds verify runners for the
+    smaller budgets of the auto table, asking for ``num_draft_tokens = budget + 1``: those widths
+    are returned as they are (they are never equal to the server's max(largest + 1, block)).
     """
+    if cfg.is_auto_budget():
+        budgets = {b for _, b in cfg.read_auto_table()}
+        if int(num_draft_tokens) - 1 in budgets - {max(budgets)}:
+            block = os.environ.get(cfg.ENV_BLOCK_SIZE)
+            return int(num_draft_tokens), int(block) if block else None
     budget = cfg.read_budget()
     block = os.environ.get(cfg.ENV_BLOCK_SIZE)
     if not block:

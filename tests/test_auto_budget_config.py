@@ -1,0 +1,68 @@
+"""--speculative-ddtree-budget auto: the table, the widths, the CLI and the startup export."""
+
+import argparse
+
+import pytest
+
+from sglang_ddtree import config as cfg
+from sglang_ddtree import hooks
+
+
+def test_table_parsing_and_lookup():
+    env = {cfg.ENV_BUDGET: "auto", cfg.ENV_AUTO_TABLE: "1:64, 8:32, inf:8"}
+    tc = cfg.resolve(16, 5000, env)
+    assert tc.auto_table == ((1, 64), (8, 32), (cfg.INF_BS, 8))
+    assert tc.budget == 64 and tc.topk == 64 and tc.num_draft_tokens == 65  # widest tree
+    assert [tc.budget_for(b) for b in (1, 2, 8, 9, 512)] == [64, 32, 32, 8, 8]
+    assert tc.budgets == (64, 32, 8)
+    assert cfg.read_budget(env) == 64
+    fixed = cfg.resolve(16, 5000, {cfg.ENV_BUDGET: "24"})
+    assert fixed.auto_table is None and fixed.budget_for(100) == 24 and fixed.budgets == (24,)
+
+
+def test_default_table_comes_from_the_measured_run():
+    tc = cfg.resolve(16, 5000, {cfg.ENV_BUDGET: "auto"})
+    assert tc.auto_table == cfg.parse_auto_table(cfg.DEFAULT_AUTO_TABLE)
+
+
+@pytest.mark.parametrize("raw,msg", [
+    ("1:32", "last entry must be 'inf"),
+    ("4:32,2:16,inf:8", "strictly increasing"),
+    ("0:32,inf:8", "strictly increasing"),
+    ("1:32;inf:8", "is not an integer"),
+    ("32,inf:8", "expected 'max_bs:budget"),
+    ("1:2000,inf:8", "speculative-ddtree-budget must be in"),
+    ("x:8,inf:8", "is not an integer"),
+])
+def test_bad_tables_are_refused_with_the_fix(raw, msg):
+    with pytest.raises(cfg.DDTreeConfigError, match=msg):
+        cfg.parse_auto_table(raw)
+
+
+def test_cli_accepts_auto_and_exports_it():
+    parser = argparse.ArgumentParser()
+    hooks.add_ddtree_cli_args(parser)
+    assert parser.parse_args(["--speculative-ddtree-budget", "AUTO"]).speculative_ddtree_budget \
+        == "auto"
+    assert parser.parse_args(["--speculative-ddtree-budget", "12"]).speculative_ddtree_budget == 12
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-ddtree-budget", "big"])
+    env = {}
+    hooks.export_cli_args(argparse.Namespace(speculative_ddtree_budget="auto"), environ=env)
+    assert env[cfg.ENV_BUDGET] == "auto"
+    with pytest.raises(cfg.DDTreeConfigError, match="inf"):  # a bad table fails at startup
+        hooks.export_cli_args(argparse.Namespace(speculative_ddtree_budget="auto"),
+                              environ={cfg.ENV_AUTO_TABLE: "1:32"})
+
+
+def test_verify_widths_of_the_smaller_budgets(monkeypatch):
+    from sglang_ddtree.spec_algo import verify_widths
+
+    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, "1:32,4:16,inf:8")
+    monkeypatch.setenv(cfg.ENV_BLOCK_SIZE, "16")
+    assert verify_widths(33) == (33, 16)  # the server's own width: the largest tree
+    assert verify_widths(17) == (17, 16)  # runner built for budget 16
+    assert verify_widths(9) == (9, 16)  # runner built for budget 8
+    with pytest.raises(RuntimeError, match="budget changed"):
+        verify_widths(12)
