@@ -223,7 +223,7 @@ def measure_tps(server, prompts, max_new, concs, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/e2e_lossless_h200.json")
-    ap.add_argument("--cases", default="tiny:8,32,64;mla:8,32,64",
+    ap.add_argument("--cases", default="tiny:8,32,64,auto;mla:8,32,64",
                     help="model:budgets;... oracle-mode lossless cases (run concurrently)")
     ap.add_argument("--eager-check", default="tiny:32",
                     help="model:budget also run with --disable-cuda-graph")
@@ -258,7 +258,8 @@ def main():
 
     os.makedirs(args.workdir, exist_ok=True)
     concs = [int(x) for x in args.batch_sizes.split(",") if x]
-    parse = lambda spec: [(m, [int(b) for b in bs.split(",")])  # noqa: E731
+    budget = lambda b: b if b == "auto" else int(b)  # noqa: E731
+    parse = lambda spec: [(m, [budget(b) for b in bs.split(",")])  # noqa: E731
                           for m, bs in (x.split(":") for x in spec.split(";") if x)]
     cases = parse(args.cases)
     eager = parse(args.eager_check)

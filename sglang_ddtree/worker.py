@@ -77,15 +77,29 @@ def _make_worker_class(sgl):
             )
             self._draft_head = None
             self._eager_head = None
-            self._tree_builder = TreeBuildGraphs(
-                self.tree_cfg.budget, self.tree_cfg.max_depth, self.tree_cfg.topk, self.device,
-                builder=_tree_builder(self.tree_cfg, self.device),
-                use_graphs=sgl.decode_graphs_enabled(server_args),
-            )
+            # one tree builder per budget this server uses (one unless --...-budget auto); a
+            # smaller budget reads the first K' = min(K, budget) columns of the sorted top-K
+            self._tree_builders = {
+                b: TreeBuildGraphs(
+                    b, self.tree_cfg.max_depth, min(self.tree_cfg.topk, b), self.device,
+                    builder=_tree_builder(self.tree_cfg, self.device, budget=b),
+                    use_graphs=sgl.decode_graphs_enabled(server_args),
+                )
+                for b in self.tree_cfg.budgets
+            }
+            self._tree_builder = self._tree_builders[self.tree_cfg.budget]
+            self._verify_states = {}  # budget -> (attention backend, verify graph runner)
+            self._graphs_enabled = sgl.decode_graphs_enabled(server_args)
+            if self.tree_cfg.auto_table is not None and cfg.read_verify_backend() != "native":
+                raise cfg.DDTreeConfigError(
+                    "DDTREE: --speculative-ddtree-budget auto runs with the native verify "
+                    "backend only for now; drop --speculative-ddtree-verify-backend triton or "
+                    "use a fixed budget.")
             timers_mode = cfg.timers_mode()
             # with the timers on, also count the accept length of every smaller budget
             self._budget_stats = (BudgetAcceptStats(self.tree_cfg.budget, self.device)
-                                  if timers_mode != "off" else None)
+                                  if timers_mode != "off" and self.tree_cfg.auto_table is None
+                                  else None)
             self._accept_commit = AcceptCommitGraphs(
                 int(block), sgl.tree_greedy_walk,
                 use_graphs=sgl.decode_graphs_enabled(server_args), device=self.device,
@@ -162,6 +176,28 @@ def _make_worker_class(sgl):
                     f"{' or '.join(allowed)}.{hint}"
                 )
 
+        def init_cuda_graphs(self):
+            super().init_cuda_graphs()
+            if self.tree_cfg.auto_table is not None:
+                self._build_verify_states()
+
+        def _build_verify_states(self):
+            """--speculative-ddtree-budget auto: the target's verify graphs exist for the widest
+            tree (SGLang captured them); build an attention backend and verify graphs for every
+            smaller budget of the table (SGLang's adaptive-EAGLE construction)."""
+            mr = self.model_runner
+            largest = self.tree_cfg.budget
+            self._verify_states = {largest: (mr.attn_backend, mr.decode_cuda_graph_runner)}
+            with_graphs = self._graphs_enabled and mr.decode_cuda_graph_runner is not None
+            for b in self.tree_cfg.budgets[1:]:
+                t0 = time.perf_counter()
+                self._verify_states[b] = sgl.build_verify_state(mr, b + 1, with_graphs)
+                if sgl.tp_rank(self) == 0:
+                    logger.info("DDTREE auto budget: verify state for budget %d (width %d) built "
+                                "in %.1f s (graphs: %s)", b, b + 1, time.perf_counter() - t0,
+                                with_graphs)
+            mr.attn_backend, mr.decode_cuda_graph_runner = self._verify_states[largest]
+
         # --- drafter head (folded into the drafter's CUDA graph) ---------------------------
         def _maybe_build_draft_sampler(self):
             self._draft_head = self._build_head(max_bs=sgl.max_capture_bs())
@@ -201,8 +237,9 @@ def _make_worker_class(sgl):
             batch.seq_lens.record_stream(torch.cuda.current_stream())
             bs = len(batch.seq_lens)
             tc = self.tree_cfg
-            n, block = tc.verify_width, self.block_size
-            width = tc.num_draft_tokens
+            budget = tc.budget_for(bs)  # host-side choice: fixed, or by batch size with auto
+            n, block = budget + 1, self.block_size
+            width = tc.num_draft_tokens  # the KV slots SGLang reserves: the widest tree's
             prefix = batch.seq_lens
             draft_input = batch.spec_info
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
@@ -216,8 +253,11 @@ def _make_worker_class(sgl):
             t.mark("draft")
 
             # 2) tree: the budget best nodes, prefix-closed, static shapes
-            tree = self._tree_builder(draft_input.bonus_tokens.to(torch.int64), topk_logp,
-                                      topk_ids)
+            if budget != tc.budget:  # auto: a smaller tree reads the first K' candidates
+                k = self._tree_builders[budget].topk
+                topk_logp, topk_ids = topk_logp[:, :, :k], topk_ids[:, :, :k]
+            tree = self._tree_builders[budget](draft_input.bonus_tokens.to(torch.int64),
+                                               topk_logp, topk_ids)
             t.mark("tree")
 
             # 3) verify all N tokens in one target forward with the ancestor mask
@@ -240,12 +280,20 @@ def _make_worker_class(sgl):
             backup = (batch.seq_lens_cpu, batch.seq_lens_sum)
             if seq_bound[0] is not None:
                 batch.seq_lens_cpu, batch.seq_lens_sum = seq_bound
-            verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-            batch.seq_lens_cpu, batch.seq_lens_sum = backup
-            target_out = self.target_worker.forward_batch_generation(
-                batch=None, forward_batch=verify_batch, is_verify=True,
-                skip_attn_backend_init=True,
-            )
+            state = self._verify_states.get(budget)
+            mr = self.model_runner
+            main_state = (mr.attn_backend, mr.decode_cuda_graph_runner)
+            if state is not None:  # auto: this width's backend and graphs, for this forward
+                mr.attn_backend, mr.decode_cuda_graph_runner = state
+            try:
+                verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+                batch.seq_lens_cpu, batch.seq_lens_sum = backup
+                target_out = self.target_worker.forward_batch_generation(
+                    batch=None, forward_batch=verify_batch, is_verify=True,
+                    skip_attn_backend_init=True,
+                )
+            finally:
+                mr.attn_backend, mr.decode_cuda_graph_runner = main_state
             logits_output = target_out.logits_output
             t.mark("verify")
 
@@ -372,12 +420,13 @@ def _make_worker_class(sgl):
     return DDTreeWorker
 
 
-def _tree_builder(tc, device):
+def _tree_builder(tc, device, budget=None):
     """The fused CUDA kernel when it builds and matches ``build_tree`` on this step's shapes,
     else ``build_tree`` (SGLANG_DDTREE_TREE_BACKEND=auto|cuda|torch; see tree_backend.py)."""
     from .tree_backend import verified_tree_builder
 
-    return verified_tree_builder(tc.budget, tc.max_depth, tc.topk, device)
+    budget = tc.budget if budget is None else budget
+    return verified_tree_builder(budget, tc.max_depth, min(tc.topk, budget), device)
 
 
 class RankConsistencyCheck:

@@ -482,3 +482,94 @@ def test_kv_layout_and_logits_helpers(worker_class, tmp_path):
         assert got is shard
     else:
         assert got is full and out.next_token_logits is full
+
+
+def test_auto_budget_worker_builds_one_tree_builder_per_budget_and_the_verify_states(
+        worker_class, tmp_path, monkeypatch):
+    """--speculative-ddtree-budget auto: trees for every budget of the table; after SGLang's own
+    capture, one (attention backend, verify runner) state per smaller budget, built through the
+    version's ``build_verify_state``, and the target left on the widest state."""
+    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},4:6,inf:3")
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    assert w.tree_cfg.budgets == (BUDGET, 6, 3)
+    assert {b: tb.budget for b, tb in w._tree_builders.items()} == {BUDGET: BUDGET, 6: 6, 3: 3}
+    assert w._tree_builders[3].topk == 3 and w._tree_builder is w._tree_builders[BUDGET]
+    assert [w.tree_cfg.budget_for(bs) for bs in (1, 2, 4, 5, 64)] == [BUDGET, 6, 6, 3, 3]
+
+    mr = w.model_runner
+    mr.attn_backend, mr.decode_cuda_graph_runner = "backend-main", "runner-main"
+    built = []
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "build_verify_state",
+                        lambda m, width, graphs: built.append((m, width, graphs))
+                        or (f"backend-{width}", f"runner-{width}"))
+    w._graphs_enabled = True
+    with _fake_sglang_process(server_args):
+        w._build_verify_states()
+    assert built == [(mr, 7, True), (mr, 4, True)]
+    assert w._verify_states == {BUDGET: ("backend-main", "runner-main"),
+                                6: ("backend-7", "runner-7"), 3: ("backend-4", "runner-4")}
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == ("backend-main", "runner-main")
+
+
+def test_auto_budget_refuses_the_triton_verify_backend(worker_class, tmp_path, monkeypatch):
+    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:4")
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
+    server_args = _server_args(tmp_path)
+    with _fake_sglang_process(server_args), \
+            pytest.raises(cfg.DDTreeConfigError, match="auto runs with the native verify"):
+        worker_class(**_constructor_kwargs(server_args, _target_worker()))
+
+
+def test_build_verify_state_reports_the_width_while_building_and_restores_it(monkeypatch):
+    """The version's imports resolve; the runtime context reports the new width while the backend
+    and runner are built (and is restored, also on failure); init_new_workspace is restored."""
+    import sglang.srt.model_executor.runner as runner_mod
+    import sglang.srt.runtime_context as rc
+
+    spec = types.SimpleNamespace(speculative_num_draft_tokens=33)
+    overrides = []
+
+    class Ctx:
+        def override(self, source, **fields):
+            overrides.append((source, dict(fields)))
+            spec.speculative_num_draft_tokens = fields["speculative_num_draft_tokens"]
+
+    seen = {}
+
+    class FakeRunner:
+        def __init__(self, model_runner, *, attn_backend, speculative_num_draft_tokens):
+            seen["runner"] = (attn_backend, speculative_num_draft_tokens,
+                              spec.speculative_num_draft_tokens)
+
+    class MR:
+        init_new_workspace = False
+
+        def _get_attention_backend(self, init_new_workspace=False):
+            seen["backend_width"] = spec.speculative_num_draft_tokens
+            self.init_new_workspace = init_new_workspace
+            return "backend"
+
+    monkeypatch.setattr(rc, "get_context", lambda: Ctx())
+    monkeypatch.setattr(rc, "get_spec", lambda: spec)
+    monkeypatch.setattr(runner_mod, "DecodeCudaGraphRunner", FakeRunner)
+    mr = MR()
+    sgl = compat.load()
+    backend, runner = sgl.build_verify_state(mr, 9, True)
+    assert backend == "backend" and isinstance(runner, FakeRunner)
+    assert seen["backend_width"] == 9 and seen["runner"] == ("backend", 9, 9)
+    assert spec.speculative_num_draft_tokens == 33 and mr.init_new_workspace is False
+    assert sgl.build_verify_state(mr, 17, False)[1] is None  # graphs off: backend only
+
+    def boom(*a, **k):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(runner_mod, "DecodeCudaGraphRunner", boom)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        sgl.build_verify_state(mr, 5, True)
+    assert spec.speculative_num_draft_tokens == 33  # restored after the failure

@@ -136,3 +136,34 @@ def tree_greedy_walk(tree, predicted, path_width: int, verify_tree_greedy_func):
     last = torch.gather(flat, 1, accept_num.to(torch.int64)[:, None])  # flat index of last node
     bonus = predicted.reshape(-1).index_select(0, last.view(-1))
     return accept_num.to(torch.int64), nodes, bonus
+
+
+def build_verify_state(model_runner, num_draft_tokens: int, with_graphs: bool):
+    """(attention backend, verify CUDA-graph runner or None) of the target model for a verify
+    width other than the server's (``--speculative-ddtree-budget auto``).
+
+    The same construction SGLang's adaptive EAGLE uses for its other step counts: a new backend
+    (``_get_attention_backend(init_new_workspace=True)``) and a ``DecodeCudaGraphRunner`` built
+    with ``attn_backend`` / ``speculative_num_draft_tokens``, while the runtime context reports
+    that width (backends read it when they size their graph state); the context is restored
+    afterwards. The runner captures at construction.
+    """
+    from sglang.srt.model_executor.runner import DecodeCudaGraphRunner
+    from sglang.srt.runtime_context import get_context, get_spec
+
+    ctx = get_context()
+    previous = get_spec().speculative_num_draft_tokens
+    ctx.override("ddtree.auto_budget.capture", speculative_num_draft_tokens=int(num_draft_tokens))
+    try:
+        workspace = model_runner.init_new_workspace
+        try:
+            backend = model_runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            model_runner.init_new_workspace = workspace
+        runner = None
+        if with_graphs:
+            runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
+                                           speculative_num_draft_tokens=int(num_draft_tokens))
+    finally:
+        ctx.override("ddtree.auto_budget.restore", speculative_num_draft_tokens=previous)
+    return backend, runner

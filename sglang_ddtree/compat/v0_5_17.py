@@ -14,7 +14,7 @@ from sglang.srt.speculative.spec_registry import get_spec as get_registered_spec
 from ._common import (  # noqa: F401  (identical in every supported release)
     _BACKEND_NAMES, apply_verify_logits_adjustments, attention_backend_name,
     builtin_algorithm_names, dcp_enabled, ddtree_is_active, is_hybrid_linear_target, is_mla,
-    make_lazy, max_capture_bs, max_running_requests,
+    build_verify_state, make_lazy, max_capture_bs, max_running_requests,
 )
 from ._common import tree_greedy_walk as _tree_greedy_walk
 
