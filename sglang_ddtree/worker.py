@@ -234,7 +234,8 @@ def _make_worker_class(sgl):
                 raise RuntimeError("DDTREE does not support grammar-constrained decoding yet.")
             t = self._timers
             t.start()
-            batch.seq_lens.record_stream(torch.cuda.current_stream())
+            if batch.seq_lens.is_cuda:
+                batch.seq_lens.record_stream(torch.cuda.current_stream())
             bs = len(batch.seq_lens)
             tc = self.tree_cfg
             budget = tc.budget_for(bs)  # host-side choice: fixed, or by batch size with auto

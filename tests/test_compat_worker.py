@@ -573,3 +573,137 @@ def test_build_verify_state_reports_the_width_while_building_and_restores_it(mon
     with pytest.raises(RuntimeError, match="capture failed"):
         sgl.build_verify_state(mr, 5, True)
     assert spec.speculative_num_draft_tokens == 33  # restored after the failure
+
+
+class _KVPool:
+    """Per-layer [slots, H] buffers; SGLang's move_kv_cache semantics (one column per call)."""
+
+    def __init__(self, slots):
+        g = torch.Generator().manual_seed(7)
+        self.bufs = [torch.randn(slots, 4, generator=g) for _ in range(2)]
+
+    def move_kv_cache(self, tgt, src):
+        for buf in self.bufs:
+            buf[tgt] = buf[src].clone()
+
+
+@pytest.mark.parametrize("mode", ["fixed", "auto"])
+def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, mode):
+    """DDTreeWorker.forward_batch_generation on CPU against the installed SGLang's classes, with
+    the drafter, the target forward and SGLang's verify kernel replaced by stand-ins: the
+    emitted tokens, lengths, KV moves and drafter-KV rows follow the path the target picked;
+    with ``auto`` the step uses the small tree and that width's verify state."""
+    from sglang_ddtree.tree import build_tree
+
+    if mode == "auto":
+        monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+        monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:4")
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "verify_tree_greedy_func", _sglang_verify_tree_greedy)
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    bs, depth = 2, BLOCK - 1
+    budget = w.tree_cfg.budget_for(bs)
+    assert budget == (4 if mode == "auto" else BUDGET)
+    n = budget + 1
+    width = w.tree_cfg.num_draft_tokens
+    g = torch.Generator().manual_seed(3)
+    k_full = w.tree_cfg.topk
+    logp = torch.log_softmax(3 * torch.randn(bs, depth, 40, generator=g), -1).topk(k_full).values
+    ids = torch.stack([torch.randperm(VOCAB - 10, generator=g)[:k_full] + 10
+                       for _ in range(bs * depth)]).view(bs, depth, k_full)
+    prefix = torch.tensor([7, 12], dtype=torch.int64)
+    bonus = torch.tensor([3, 4], dtype=torch.int64)
+    draft_pos = prefix[:, None] + torch.arange(BLOCK)[None, :]
+    monkeypatch.setattr(w, "_draft", lambda *a: (logp, ids, draft_pos))
+
+    # the tree the worker will build (same inputs, same budget), and a path the target follows
+    k = min(k_full, budget)
+    tree = build_tree(bonus, logp[:, :, :k], ids[:, :, :k], budget)
+    path_nodes = []
+    for b in range(bs):
+        node, path = 0, [0]
+        while True:
+            kids = [i for i in range(1, n) if tree.valid[b, i] and tree.parents[b, i] == node]
+            if not kids:
+                break
+            node = kids[-1]  # the last child: not always the best-ranked branch
+            path.append(node)
+        path_nodes.append(path)
+    logits = torch.randn(bs * n, VOCAB, generator=g)
+    next_tok = torch.randint(10, VOCAB, (bs,), generator=g)  # the bonus after the path
+    for b, path in enumerate(path_nodes):
+        for a, c in zip(path, path[1:]):
+            logits[b * n + a, tree.tokens[b, c]] = 100.0
+        logits[b * n + path[-1], next_tok[b]] = 100.0
+    hidden = torch.randn(bs * n, HIDDEN, generator=g)
+
+    mr = target.model_runner
+    rows = torch.arange(8 * 64, dtype=torch.int64).view(8, 64) + 1
+    mr.req_to_token_pool = types.SimpleNamespace(size=64, req_to_token=rows)
+    pool = _KVPool(int(rows.max()) + 1)
+    mr.token_to_kv_pool = pool
+    mr.attn_backend, mr.decode_cuda_graph_runner = "main-backend", "main-runner"
+    if mode == "auto":
+        w._verify_states = {BUDGET: ("main-backend", "main-runner"),
+                            4: ("backend-5", "runner-5")}
+    seen = {}
+
+    class VerifyInput(sgl.DFlashVerifyInput):
+        def prepare_for_verify(self, batch, target_worker):
+            seen["verify"] = (self.draft_token_num, self.draft_token.clone(),
+                              mr.attn_backend, mr.decode_cuda_graph_runner,
+                              self.custom_mask is not None)
+            return "forward-batch", False
+
+    monkeypatch.setattr(sgl, "DFlashVerifyInput", VerifyInput)
+    target.forward_batch_generation = lambda **kw: types.SimpleNamespace(
+        logits_output=types.SimpleNamespace(next_token_logits=logits.clone(),
+                                            hidden_states=hidden.clone()),
+        can_run_cuda_graph=False)
+    appended = {}
+    monkeypatch.setattr(w, "_append_target_hidden_to_draft_kv_by_loc",
+                        lambda **kw: appended.update(kw))
+    published = []
+    req_pool = torch.tensor([1, 5])
+    draft_input = types.SimpleNamespace(bonus_tokens=bonus)
+    batch = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
+        is_extend_in_batch=False, spec_info=draft_input, has_grammar=False, seq_lens=prefix,
+        seq_lens_cpu=prefix.clone(), seq_lens_sum=int(prefix.sum()), req_pool_indices=req_pool,
+        reqs=[types.SimpleNamespace()] * bs, sampling_info=None, out_cache_loc=None)
+    before = [buf.clone() for buf in pool.bufs]
+
+    result = w.forward_batch_generation(batch, on_publish=published.append)
+
+    # verify forward: the tree of this step's budget, through this width's verify state
+    assert seen["verify"][0] == n and torch.equal(seen["verify"][1], tree.tokens.reshape(-1))
+    want_state = ("backend-5", "runner-5") if mode == "auto" else ("main-backend",
+                                                                   "main-runner")
+    assert seen["verify"][2:4] == want_state and seen["verify"][4]
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == ("main-backend", "main-runner")
+    # accept + commit
+    accept = torch.tensor([len(p) - 1 for p in path_nodes])
+    assert int(accept.min()) >= 2  # long enough to exercise the walk and the KV moves
+    assert torch.equal(result.accept_lens.long(), accept + 1)
+    out = result.next_token_ids.view(bs, BLOCK)
+    slots = rows[req_pool][:, None] + 0  # req_to_token row of each request
+    for b, path in enumerate(path_nodes):
+        kk = len(path) - 1
+        assert out[b, :kk].tolist() == [int(tree.tokens[b, c]) for c in path[1:]]
+        assert int(out[b, kk]) == int(next_tok[b])
+        row = slots[b, 0, int(prefix[b]): int(prefix[b]) + width]
+        for j, node in enumerate(path[1:], start=1):  # KV of path node -> position j's slot
+            for buf, old in zip(pool.bufs, before):
+                assert torch.equal(buf[row[j]], old[row[node]])
+    assert torch.equal(published[0], prefix + accept + 1)
+    assert torch.equal(result.new_seq_lens, prefix + accept + 1)
+    # drafter KV: the accepted nodes' hidden rows, in path order, at the block's slots
+    hrows = appended["target_hidden"].view(bs, BLOCK, HIDDEN)
+    for b, path in enumerate(path_nodes):
+        for j, node in enumerate(path):
+            assert torch.equal(hrows[b, j], hidden[b * n + node])
+    assert torch.equal(appended["positions"], draft_pos.reshape(-1))
+    assert torch.equal(appended["commit_lens"].long(), accept + 1)
