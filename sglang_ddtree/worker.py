@@ -191,7 +191,16 @@ def _make_worker_class(sgl):
             with_graphs = self._graphs_enabled and mr.decode_cuda_graph_runner is not None
             for b in self.tree_cfg.budgets[1:]:
                 t0 = time.perf_counter()
-                self._verify_states[b] = sgl.build_verify_state(mr, b + 1, with_graphs)
+                try:
+                    self._verify_states[b] = sgl.build_verify_state(mr, b + 1, with_graphs)
+                except Exception as e:
+                    mr.attn_backend, mr.decode_cuda_graph_runner = self._verify_states[largest]
+                    raise cfg.DDTreeConfigError(
+                        f"DDTREE --speculative-ddtree-budget auto: building the verify backend "
+                        f"and CUDA graphs for budget {b} failed ({type(e).__name__}: {e}). They "
+                        "are built after SGLang sized its KV pool: leave memory for them (lower "
+                        "--mem-fraction-static), shorten SGLANG_DDTREE_AUTO_TABLE, or use a fixed "
+                        "budget.") from e
                 if sgl.tp_rank(self) == 0:
                     logger.info("DDTREE auto budget: verify state for budget %d (width %d) built "
                                 "in %.1f s (graphs: %s)", b, b + 1, time.perf_counter() - t0,

@@ -707,3 +707,23 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
             assert torch.equal(hrows[b, j], hidden[b * n + node])
     assert torch.equal(appended["positions"], draft_pos.reshape(-1))
     assert torch.equal(appended["commit_lens"].long(), accept + 1)
+
+
+def test_auto_budget_state_failure_names_the_fix(worker_class, tmp_path, monkeypatch):
+    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:4")
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    mr = target.model_runner
+    mr.attn_backend, mr.decode_cuda_graph_runner = "main-backend", "main-runner"
+
+    def oom(*a):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(compat.load(), "build_verify_state", oom)
+    with _fake_sglang_process(server_args), \
+            pytest.raises(cfg.DDTreeConfigError, match="mem-fraction-static"):
+        w._build_verify_states()
+    assert (mr.attn_backend, mr.decode_cuda_graph_runner) == ("main-backend", "main-runner")
