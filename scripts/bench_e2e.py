@@ -91,40 +91,35 @@ def measure(port, prompts, args, concs):
 
 
 BY_BUDGET_RE = re.compile(r"DDTREE accept length by budget \(this server's trees\): (\{.*\})")
+BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
+
+
+def _last_match(log, regex, build):
+    """build(match) of the last line of ``log`` that ``regex`` matches, or None."""
+    found = None
+    for line in open(log):
+        m = regex.search(line)
+        if m:
+            found = build(m)
+    return found
 
 
 def accept_by_budget(log):
     """The last {budget: tokens per step} line a DDTREE server with timers logged, or None."""
-    found = None
-    for line in open(log):
-        m = BY_BUDGET_RE.search(line)
-        if m:
-            found = {k: v for k, v in json.loads(m.group(1)).items()}
-    return found
-
-
-BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
+    return _last_match(log, BY_BUDGET_RE, lambda m: json.loads(m.group(1)))
 
 
 def stage_times_by_bs(log):
     """The last per-batch-size stage line: {"mode": ..., "bs": {bs: {"steps", stage: ms}}}."""
-    found = None
-    for line in open(log):
-        m = BY_BS_RE.search(line)
-        if m:
-            found = {"mode": m.group(1), "bs": json.loads(m.group(2))}
-    return found
+    return _last_match(log, BY_BS_RE,
+                       lambda m: {"mode": m.group(1), "bs": json.loads(m.group(2))})
 
 
 def stage_times(log):
     """The last per-stage ms/step line the DDTREE timers logged (mode: sync or cpu)."""
-    found = None
-    for line in open(log):
-        m = STAGE_RE.search(line)
-        if m:
-            found = {"mode": m.group(1) or "sync", "steps": int(m.group(2)),
-                     **json.loads(m.group(3).replace("'", '"'))}
-    return found
+    return _last_match(log, STAGE_RE, lambda m: {
+        "mode": m.group(1) or "sync", "steps": int(m.group(2)),
+        **json.loads(m.group(3).replace("'", '"'))})
 
 
 def add_pair_args(ap, out):
