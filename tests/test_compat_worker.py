@@ -484,17 +484,24 @@ def test_kv_layout_and_logits_helpers(worker_class, tmp_path):
         assert got is full and out.next_token_logits is full
 
 
+def _auto_worker(worker_class, tmp_path, monkeypatch, table):
+    """A DDTreeWorker built with --speculative-ddtree-budget auto and ``table``."""
+    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, table)
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    return w, target, server_args
+
+
 def test_auto_budget_worker_builds_one_tree_builder_per_budget_and_the_verify_states(
         worker_class, tmp_path, monkeypatch):
     """--speculative-ddtree-budget auto: trees for every budget of the table; after SGLang's own
     capture, one (attention backend, verify runner) state per smaller budget, built through the
     version's ``build_verify_state``, and the target left on the widest state."""
-    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
-    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},4:6,inf:3")
-    server_args = _server_args(tmp_path)
-    target = _target_worker()
-    with _fake_sglang_process(server_args):
-        w = worker_class(**_constructor_kwargs(server_args, target))
+    w, target, server_args = _auto_worker(worker_class, tmp_path, monkeypatch,
+                                          f"1:{BUDGET},4:6,inf:3")
     assert w.tree_cfg.budgets == (BUDGET, 6, 3)
     assert {b: tb.budget for b, tb in w._tree_builders.items()} == {BUDGET: BUDGET, 6: 6, 3: 3}
     assert w._tree_builders[3].topk == 3 and w._tree_builder is w._tree_builders[BUDGET]
@@ -710,12 +717,8 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
 
 
 def test_auto_budget_state_failure_names_the_fix(worker_class, tmp_path, monkeypatch):
-    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
-    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:4")
-    server_args = _server_args(tmp_path)
-    target = _target_worker()
-    with _fake_sglang_process(server_args):
-        w = worker_class(**_constructor_kwargs(server_args, target))
+    w, target, server_args = _auto_worker(worker_class, tmp_path, monkeypatch,
+                                          f"1:{BUDGET},inf:4")
     mr = target.model_runner
     mr.attn_backend, mr.decode_cuda_graph_runner = "main-backend", "main-runner"
 
