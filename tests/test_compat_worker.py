@@ -594,12 +594,33 @@ class _KVPool:
             buf[tgt] = buf[src].clone()
 
 
-@pytest.mark.parametrize("mode", ["fixed", "auto"])
+class _SamplingInfo:
+    """What the T > 0 path reads from SGLang's SamplingBatchInfo (no penalties, no bias)."""
+
+    def __init__(self, bs, temperature, top_k, top_p):
+        self.temperatures = torch.full((bs, 1), temperature)
+        self.top_ks = torch.full((bs,), top_k, dtype=torch.int32)
+        self.top_ps = torch.full((bs,), top_p)
+        self.min_ps = torch.zeros(bs)
+        self.need_top_k_sampling, self.need_top_p_sampling = True, top_p < 1.0
+        self.need_min_p_sampling = False
+        self.is_all_greedy = False
+        self.has_custom_logit_processor = False
+        self.sampling_seed = None
+        self._bs = bs
+
+    def __len__(self):
+        return self._bs
+
+
+@pytest.mark.parametrize("mode", ["fixed", "auto", "sampled"])
 def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, mode):
     """DDTreeWorker.forward_batch_generation on CPU against the installed SGLang's classes, with
     the drafter, the target forward and SGLang's verify kernel replaced by stand-ins: the
     emitted tokens, lengths, KV moves and drafter-KV rows follow the path the target picked;
-    with ``auto`` the step uses the small tree and that width's verify state."""
+    with ``auto`` the step uses the small tree and that width's verify state; ``sampled`` runs
+    the T > 0 path (per-node samples, top-k bounded on the host) at a temperature so low that
+    the samples are the planted argmaxes."""
     from sglang_ddtree.tree import build_tree
 
     if mode == "auto":
@@ -676,15 +697,32 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
     published = []
     req_pool = torch.tensor([1, 5])
     draft_input = types.SimpleNamespace(bonus_tokens=bonus)
+    params = types.SimpleNamespace(top_k=50, sampling_seed=None)
+    sampling = _SamplingInfo(bs, 1e-3, 50, 0.9) if mode == "sampled" else None
     batch = types.SimpleNamespace(
         forward_mode=types.SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
         is_extend_in_batch=False, spec_info=draft_input, has_grammar=False, seq_lens=prefix,
         seq_lens_cpu=prefix.clone(), seq_lens_sum=int(prefix.sum()), req_pool_indices=req_pool,
-        reqs=[types.SimpleNamespace()] * bs, sampling_info=None, out_cache_loc=None)
+        reqs=[types.SimpleNamespace(sampling_params=params)] * bs, sampling_info=sampling,
+        out_cache_loc=None)
     before = [buf.clone() for buf in pool.bufs]
+    from sglang_ddtree import worker as worker_mod
+
+    sampled = {}
+    real_sample = worker_mod.sample_per_node
+
+    def spy(*a, **kw):
+        sampled.update(kw)
+        return real_sample(*a, **kw)
+
+    monkeypatch.setattr(worker_mod, "sample_per_node", spy)
 
     result = w.forward_batch_generation(batch, on_publish=published.append)
 
+    if mode == "sampled":  # the T > 0 path ran, with the host-side top-k bound
+        assert sampled["max_top_k"] == 50 and sampled["request_seeds"] is None
+    else:
+        assert not sampled
     # verify forward: the tree of this step's budget, through this width's verify state
     assert seen["verify"][0] == n and torch.equal(seen["verify"][1], tree.tokens.reshape(-1))
     want_state = ("backend-5", "runner-5") if mode == "auto" else ("main-backend",
