@@ -425,7 +425,7 @@ def main():
                     # stop tokens and max_new_tokens that land inside an accepted path: DDTREE
                     # must stop exactly where the target alone stops with the same params
                     edges = []
-                    for i in range(1, min(5, len(prompts))):
+                    for i in range(1, min(3, len(prompts))):
                         r = ref[m][i]
                         for params, max_new in (({"stop_token_ids": [r[5]]}, 48),
                                                 ({"stop_token_ids": [r[11]]}, 48),
