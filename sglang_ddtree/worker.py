@@ -9,6 +9,7 @@ is SGLang's ``verify_tree_greedy`` kernel, and new lengths reach the scheduler v
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -290,20 +291,15 @@ def _make_worker_class(sgl):
             backup = (batch.seq_lens_cpu, batch.seq_lens_sum)
             if seq_bound[0] is not None:
                 batch.seq_lens_cpu, batch.seq_lens_sum = seq_bound
-            state = self._verify_states.get(budget)
-            mr = self.model_runner
-            main_state = (mr.attn_backend, mr.decode_cuda_graph_runner)
-            if state is not None:  # auto: this width's backend and graphs, for this forward
-                mr.attn_backend, mr.decode_cuda_graph_runner = state
-            try:
-                verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
-                batch.seq_lens_cpu, batch.seq_lens_sum = backup
+            with self._verify_state(budget):  # auto: this width's backend and verify graphs
+                try:
+                    verify_batch, _ = verify_input.prepare_for_verify(batch, self.target_worker)
+                finally:
+                    batch.seq_lens_cpu, batch.seq_lens_sum = backup
                 target_out = self.target_worker.forward_batch_generation(
                     batch=None, forward_batch=verify_batch, is_verify=True,
                     skip_attn_backend_init=True,
                 )
-            finally:
-                mr.attn_backend, mr.decode_cuda_graph_runner = main_state
             logits_output = target_out.logits_output
             t.mark("verify")
 
@@ -363,6 +359,22 @@ def _make_worker_class(sgl):
                 speculative_num_draft_tokens=block,
                 new_seq_lens=step.new_seq_lens,
             )
+
+        @contextlib.contextmanager
+        def _verify_state(self, budget):
+            """With --speculative-ddtree-budget auto: the target's attention backend and verify
+            graph runner of ``budget``'s width for the verify forward, the widest tree's after."""
+            state = self._verify_states.get(budget)
+            if state is None:  # a fixed budget (or the widest tree): SGLang's own state
+                yield
+                return
+            mr = self.model_runner
+            main = (mr.attn_backend, mr.decode_cuda_graph_runner)
+            mr.attn_backend, mr.decode_cuda_graph_runner = state
+            try:
+                yield
+            finally:
+                mr.attn_backend, mr.decode_cuda_graph_runner = main
 
         def _request_seeds(self, batch):
             """[bs] int64 per-request ``sampling_seed`` (-1: none), copied without a sync."""
