@@ -35,10 +35,12 @@ DEFAULT_BUDGET = 32
 AUTO_BUDGET = "auto"
 ENV_AUTO_TABLE = "SGLANG_DDTREE_AUTO_TABLE"
 INF_BS = 1 << 30
-# Measured on the H200 with the trained tiny pair (bench_results/bench_e2e_tiny_h200_partial.json):
-# at concurrency 1 budget 32 was the fastest DDTREE (459 tok/s, b8 448); from concurrency 4 on
-# budget 8 was (1598 vs 1296 at c=4, 4600 vs 3454 at c=16, 11150 vs 8688 at c=64).
-DEFAULT_AUTO_TABLE = "1:32,inf:8"
+# Derived by scripts/make_auto_table.py from the H200 run with the trained tiny pair
+# (bench_results/bench_e2e_tiny_h200_partial.json): at concurrency 1 budget 32 was the fastest
+# DDTREE (459 tok/s, b8 448); from concurrency 4 on budget 8 was (1598 vs 1296 at c=4, 4600 vs
+# 3454 at c=16, 11150 vs 8688 at c=64); the boundary is the geometric mean of 1 and 4.
+# Measure your own pair with scripts/bench_e2e.py and derive yours the same way.
+DEFAULT_AUTO_TABLE = "2:32,inf:8"
 
 ALGORITHM_NAME = "DDTREE"
 

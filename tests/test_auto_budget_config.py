@@ -66,3 +66,31 @@ def test_verify_widths_of_the_smaller_budgets(monkeypatch):
     assert verify_widths(9) == (9, 16)  # runner built for budget 8
     with pytest.raises(RuntimeError, match="budget changed"):
         verify_widths(12)
+
+
+def test_default_table_is_the_one_derived_from_the_committed_run():
+    import json
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "scripts"))
+    import make_auto_table
+
+    data = json.load(open(os.path.join(here, "..", "bench_results",
+                                       "bench_e2e_tiny_h200_partial.json")))
+    win = make_auto_table.winners(data)
+    assert {c: b for c, (b, _, _) in win.items()} == {1: 32, 4: 8, 16: 8, 64: 8}
+    assert make_auto_table.table_from(win) == cfg.DEFAULT_AUTO_TABLE
+
+
+def test_table_derivation_boundaries_and_merging():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    import make_auto_table
+
+    win = {1: (64, 0, None), 8: (32, 0, None), 16: (32, 0, None), 64: (8, 0, None)}
+    assert make_auto_table.table_from(win) == "2:64,32:32,inf:8"
+    cfg.parse_auto_table(make_auto_table.table_from(win))  # valid for the server

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Derive a ``SGLANG_DDTREE_AUTO_TABLE`` from a measured scripts/bench_e2e.py run.
+
+For every measured concurrency, the fixed DDTREE budget with the most output tokens/s wins;
+batch sizes between two measured concurrencies take the nearer one's winner (the boundary is
+their geometric mean, rounded down); runs of equal winners merge. The result is what
+``--speculative-ddtree-budget auto`` reads:
+
+    python scripts/make_auto_table.py bench_results/bench_e2e_tiny_h200_partial.json
+    # -> SGLANG_DDTREE_AUTO_TABLE=2:32,inf:8
+
+It also says where DFLASH beat the best DDTREE budget: there the table cannot help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+
+BUDGET_RE = re.compile(r"^ddtree_b(\d+)$")
+
+
+def winners(data: dict, mode: str = "greedy") -> dict:
+    """{concurrency: (best budget, its tokens/s, dflash tokens/s or None)} over fixed budgets."""
+    out = {}
+    results = data.get("results", {})
+    dflash = results.get("dflash", {}).get(mode, {})
+    for method, modes in results.items():
+        m = BUDGET_RE.match(method)
+        if not m:
+            continue
+        for c, row in modes.get(mode, {}).items():
+            tps = row.get("tokens_per_s")
+            if tps is None:
+                continue
+            best = out.get(int(c))
+            if best is None or tps > best[1]:
+                ref = dflash.get(c, {}).get("tokens_per_s")
+                out[int(c)] = (int(m.group(1)), tps, ref)
+    return dict(sorted(out.items()))
+
+
+def table_from(win: dict) -> str:
+    """'max_bs:budget,...,inf:budget' from {concurrency: (budget, ...)}."""
+    if not win:
+        raise ValueError("no DDTREE fixed-budget results in this run")
+    concs = sorted(win)
+    rows = []
+    for i, c in enumerate(concs):
+        bound = "inf" if i + 1 == len(concs) else str(int(math.sqrt(c * concs[i + 1])))
+        budget = win[c][0]
+        if rows and rows[-1][1] == budget:
+            rows[-1] = (bound, budget)  # extend the previous range
+        else:
+            rows.append((bound, budget))
+    return ",".join(f"{b}:{budget}" for b, budget in rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bench_json")
+    ap.add_argument("--mode", default="greedy", choices=("greedy", "t1"))
+    args = ap.parse_args(argv)
+    data = json.load(open(args.bench_json))
+    win = winners(data, args.mode)
+    for c, (budget, tps, ref) in win.items():
+        note = "" if ref is None else f"  (DFLASH {ref:.0f}: {tps / ref:.2f}x)"
+        print(f"# concurrency {c}: budget {budget}, {tps:.0f} tok/s{note}", file=sys.stderr)
+    print(f"SGLANG_DDTREE_AUTO_TABLE={table_from(win)}")
+
+
+if __name__ == "__main__":
+    main()
