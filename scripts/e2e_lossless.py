@@ -51,6 +51,10 @@ MODEL_SETS = {
     "mla": {"target": "mla-moe-target", "draft": "mla-moe-dflash-draft", "random_target": False,
             "backend": "triton"},
 }
+# the tiny pair with 16-token KV pages (AR reference and DDTREE both paged): KV relocation and
+# slot reservation with page_size > 1. Not in the default cases (two more servers); add
+# "tiny_page16:32" to --cases
+MODEL_SETS["tiny_page16"] = dict(MODEL_SETS["tiny"], extra_args=["--page-size", "16"])
 
 
 def http(url, payload=None, timeout=600):
@@ -304,6 +308,7 @@ def main():
                   "--max-running-requests", str(max(concs)), "--sampling-backend", "pytorch",
                   "--sleep-on-idle", "--tp-size", str(args.tp),
                   "--chunked-prefill-size", str(args.chunked_prefill_size)]
+        common += ms.get("extra_args", [])
         if not ms["random_target"] and not ms.get("real_weights"):
             common += ["--load-format", "dummy"]
         spec = ["--speculative-draft-model-path", os.path.join(MODELS, ms["draft"])]
