@@ -16,13 +16,12 @@ import torch
 from tiny_pair_data import EOT_ID, MASK_ID, MASK_TOKEN
 
 
-def target_config(args, vocab_size: int) -> dict:
+def _qwen3_shape(args, vocab_size: int) -> dict:
+    """Keys the target and the drafter share: the drafter has the target's attention shape and
+    hidden size (it reads the target's embedding and lm_head)."""
     return {
-        "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
         "num_attention_heads": args.heads,
         "num_key_value_heads": args.kv_heads,
         "head_dim": args.head_dim,
@@ -30,12 +29,21 @@ def target_config(args, vocab_size: int) -> dict:
         "max_position_embeddings": args.max_positions,
         "rms_norm_eps": 1e-6,
         "rope_theta": args.rope_theta,
-        # Tied: the embedding is the largest tensor, and the asset must stay small. SGLang's
-        # Qwen3ForCausalLM then uses embed_tokens as lm_head, which DFlash reads for draft logits.
-        "tie_word_embeddings": True,
         "torch_dtype": "bfloat16",
         "hidden_act": "silu",
         "attention_bias": False,
+    }
+
+
+def target_config(args, vocab_size: int) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        **_qwen3_shape(args, vocab_size),
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        # Tied: the embedding is the largest tensor, and the asset must stay small. SGLang's
+        # Qwen3ForCausalLM then uses embed_tokens as lm_head, which DFlash reads for draft logits.
+        "tie_word_embeddings": True,
         "use_sliding_window": False,
         "bos_token_id": EOT_ID,
         "eos_token_id": EOT_ID,
@@ -45,21 +53,10 @@ def target_config(args, vocab_size: int) -> dict:
 def drafter_config(args, vocab_size: int) -> dict:
     return {
         "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": args.hidden,  # must equal the target's: it reads the target embedding
+        **_qwen3_shape(args, vocab_size),
         "intermediate_size": args.draft_intermediate,
         "num_hidden_layers": args.draft_layers,
-        "num_attention_heads": args.heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": args.max_positions,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": args.rope_theta,
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "hidden_act": "silu",
-        "attention_bias": False,
         "block_size": args.block_size,
         "num_target_layers": args.layers,
         "dflash_config": {
