@@ -10,6 +10,27 @@ from __future__ import annotations
 import importlib
 
 
+# name -> (module, attribute) of the SGLang symbols every supported release has at one place;
+# each version module adds its own to this table
+LAZY_COMMON = {
+    "DFlashWorkerV2": ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2"),
+    "DFlashVerifyInput": ("sglang.srt.speculative.dflash_info", "DFlashVerifyInput"),
+    "CaptureHiddenMode": ("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
+    "ForwardBatch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"),
+    "ForwardMode": ("sglang.srt.model_executor.forward_batch_info", "ForwardMode"),
+    "GenerationBatchResult": ("sglang.srt.managers.scheduler", "GenerationBatchResult"),
+    "parse_dflash_draft_config": (
+        "sglang.srt.speculative.dflash_utils", "parse_dflash_draft_config"),
+    "build_block_pos_offsets": (
+        "sglang.srt.speculative.draft_worker_common", "build_block_pos_offsets"),
+    "make_draft_block_spec_info": (
+        "sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
+    "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
+    "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+    "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
+}
+
+
 def make_lazy(table: dict, namespace: dict):
     """(module ``__getattr__``, ``_lazy``) resolving ``table`` names (name -> (module, attr)) on
     first use into ``namespace`` (the version module's globals; a value assigned there wins)."""

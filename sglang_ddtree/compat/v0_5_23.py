@@ -32,7 +32,7 @@ from sglang.srt.speculative.spec_registry import get_spec as get_registered_spec
 from ._common import (  # noqa: F401  (identical in every supported release)
     _BACKEND_NAMES, apply_verify_logits_adjustments, attention_backend_name,
     builtin_algorithm_names, dcp_enabled, ddtree_is_active, is_hybrid_linear_target, is_mla,
-    build_verify_state, make_lazy, max_capture_bs, max_running_requests,
+    LAZY_COMMON, build_verify_state, make_lazy, max_capture_bs, max_running_requests,
 )
 from ._common import tree_greedy_walk as _tree_greedy_walk
 
@@ -48,21 +48,7 @@ DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "custom_mask", "num_tokens_per_re
 
 # name -> (module, attribute), imported on first use
 _LAZY = {
-    "DFlashWorkerV2": ("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2"),
-    "DFlashVerifyInput": ("sglang.srt.speculative.dflash_info", "DFlashVerifyInput"),
-    "CaptureHiddenMode": ("sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode"),
-    "ForwardBatch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch"),
-    "ForwardMode": ("sglang.srt.model_executor.forward_batch_info", "ForwardMode"),
-    "GenerationBatchResult": ("sglang.srt.managers.scheduler", "GenerationBatchResult"),
-    "parse_dflash_draft_config": (
-        "sglang.srt.speculative.dflash_utils", "parse_dflash_draft_config"),
-    "build_block_pos_offsets": (
-        "sglang.srt.speculative.draft_worker_common", "build_block_pos_offsets"),
-    "make_draft_block_spec_info": (
-        "sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
-    "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
-    "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
-    "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
+    **LAZY_COMMON,
     # CUDA/HIP: the JIT op sglang.kernels.ops.speculative.tree.verify_tree_greedy
     "verify_tree_greedy_func": (
         "sglang.kernels.ops.speculative.spec_tree", "verify_tree_greedy_func"),
