@@ -27,6 +27,13 @@ VERSION = compat.installed_sglang_version()
 COMPAT_DIR = Path(compat.__file__).parent
 
 
+def _lazy_common_names() -> set:
+    for node in ast.parse((COMPAT_DIR / "_common.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LAZY_COMMON":
+            return {k.value for k in node.value.keys}
+    raise AssertionError("_common.py has no LAZY_COMMON table")
+
+
 def _public_names(path: Path) -> set:
     """Top-level public names of a compat module, lazy ``_LAZY`` names included (read, not
     imported: a module for another SGLang version need not import here)."""
@@ -39,7 +46,9 @@ def _public_names(path: Path) -> set:
                 if isinstance(target, ast.Name):
                     names.add(target.id)
                     if target.id == "_LAZY":
-                        names |= {k.value for k in node.value.keys}
+                        for k in node.value.keys:
+                            # ``**LAZY_COMMON``: the entries shared through _common.py
+                            names |= _lazy_common_names() if k is None else {k.value}
         elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
             names |= {a.asname or a.name for a in node.names}
     return {n for n in names if not n.startswith("_")}
