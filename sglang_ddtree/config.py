@@ -220,10 +220,6 @@ def oracle_enabled(environ=os.environ) -> bool:
     return environ.get(ENV_ORACLE, "") not in ("", "0")
 
 
-def timers_enabled(environ=os.environ) -> bool:
-    return timers_mode(environ) != "off"
-
-
 def timers_every(environ=os.environ) -> int:
     """SGLANG_DDTREE_TIMERS_EVERY: steps between two timer log lines (default 200)."""
     raw = environ.get(ENV_TIMERS + "_EVERY", "")

@@ -255,10 +255,11 @@ def _make_worker_class(sgl):
             draft_input = batch.spec_info
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
             slots = gather_slots(req_to_token, batch.req_pool_indices, prefix, width)
+            seq_bound = self._host_seq_bound(batch, draft_input)  # drafter and verify share it
 
             # 1) draft: one block [root, MASK x (B-1)] through the drafter
             topk_logp, topk_ids, draft_pos = self._draft(batch, draft_input.bonus_tokens,
-                                                         prefix, slots[:, :block], bs)
+                                                         prefix, slots[:, :block], bs, seq_bound)
             if self._oracle is not None:
                 self._oracle.plant(batch, topk_logp, topk_ids)
             t.mark("draft")
@@ -273,7 +274,6 @@ def _make_worker_class(sgl):
 
             # 3) verify all N tokens in one target forward with the ancestor mask
             positions = tree_positions(tree.depths, prefix)
-            seq_bound = self._host_seq_bound(batch, draft_input, width)
             mask = None
             if self._tree_verify is None:  # the target's own backend reads the FULL_MASK
                 mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
@@ -385,7 +385,7 @@ def _make_worker_class(sgl):
                                 pin_memory=True)
             return host.to(self.device, non_blocking=True)
 
-        def _host_seq_bound(self, batch, draft_input, width):
+        def _host_seq_bound(self, batch, draft_input):
             """(host seq_lens upper bound, its sum): the CPU view lags the GPU by one step."""
             if batch.seq_lens_cpu is not None:
                 bound = batch.seq_lens_cpu + self.block_size
@@ -403,16 +403,19 @@ def _make_worker_class(sgl):
                                                    device=self.device)
             return buf[:numel]
 
-        def _draft(self, batch, bonus, prefix, block_slots, bs):
+        def _draft(self, batch, bonus, prefix, block_slots, bs, seq_bound=None):
             """Run the drafter on [root, MASK x (B-1)]; return per-depth top-K log-probs/ids and
-            the block's [bs, B] positions (reused for the drafter-KV append of this step)."""
+            the block's [bs, B] positions (reused for the drafter-KV append of this step).
+            ``seq_bound``: the step's ``_host_seq_bound`` (computed here if not given)."""
             block = self.block_size
             block_ids = torch.full((bs, block), int(self._mask_token_id), dtype=torch.int64,
                                    device=self.device)
             block_ids[:, 0].copy_(bonus)
             positions = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
             embed = sgl.draft_block_embeddings(self, block_ids)
-            seq_lens_cpu, seq_sum = self._host_seq_bound(batch, batch.spec_info, block)
+            if seq_bound is None:
+                seq_bound = self._host_seq_bound(batch, batch.spec_info)
+            seq_lens_cpu, seq_sum = seq_bound
             if seq_lens_cpu is None:
                 seq_lens_cpu = prefix.cpu()  # only without any host length: not in overlap mode
             draft_out = sgl.run_draft_block(
@@ -496,9 +499,7 @@ class StepTimers:
 
     STAGES = ("draft", "tree", "verify", "accept", "commit")
 
-    def __init__(self, mode: str = "off", enabled: bool = None, every: int = 200):
-        if enabled is not None:  # older keyword
-            mode = "sync" if enabled else "off"
+    def __init__(self, mode: str = "off", every: int = 200):
         self.mode = mode
         self.every = every  # steps between log lines
         self.enabled = mode != "off"
