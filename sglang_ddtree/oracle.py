@@ -26,27 +26,31 @@ from .config import ENV_ORACLE
 
 
 class OracleDraft:
-    def __init__(self, items, seed=0, rank_probs=(0.6, 0.3, 0.1), q=0.15):
+    def __init__(self, items=None, seed=0, rank_probs=(0.6, 0.3, 0.1), q=0.15, path=None):
+        """items: [{"prompt": ids, "output": ids}], or None with ``path``: a JSON file of
+        {"items", "seed", "rank_probs", "q"} read at the first plant."""
+        self.path = path
+        self.table = None
+        if items is not None:
+            self._configure(items, seed, rank_probs, q)
+
+    def _configure(self, items, seed, rank_probs, q) -> None:
         self.table = {tuple(it["prompt"]): list(it["output"]) for it in items}
         self.seed = int(seed)
         self.rank_probs = list(rank_probs)
         self.q = float(q)  # geometric draft distribution p_r = (1 - q) q^r over ranks
-        self.steps = 0
 
     @classmethod
     def from_env(cls):
         """The oracle named by the env var; the file is read at the first plant, so a test may
         start the server before it has the target's reference outputs to write there."""
-        self = cls([])
-        self.path = os.environ[ENV_ORACLE]
-        self.table = None
-        return self
+        return cls(path=os.environ[ENV_ORACLE])
 
     def _load(self) -> None:
         with open(self.path) as f:
             data = json.load(f)
-        self.__init__(data["items"], data.get("seed", 0),
-                      data.get("rank_probs", (0.6, 0.3, 0.1)), data.get("q", 0.15))
+        self._configure(data["items"], data.get("seed", 0),
+                        data.get("rank_probs", (0.6, 0.3, 0.1)), data.get("q", 0.15))
 
     def _rank(self, rng) -> int:
         return rng.choices(range(len(self.rank_probs)), weights=self.rank_probs)[0]
@@ -62,7 +66,6 @@ class OracleDraft:
         ids = topk_ids.cpu()
         logp = topk_logp.cpu()
         geo = torch.tensor([math.log(1 - self.q) + r * math.log(self.q) for r in range(k)])
-        self.steps += 1
         for b, req in enumerate(batch.reqs[:bs]):
             out = self.table.get(tuple(req.origin_input_ids))
             if out is None:
