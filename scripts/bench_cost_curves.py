@@ -145,8 +145,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
 
 
 def main():
-    from bench_e2e import run_pass, stage_times_by_bs
-    from e2e_lossless import Server
+    from bench_e2e import run_pass
+    from e2e_lossless import Server, stage_times_by_bs
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/cost_curves_h200.json")

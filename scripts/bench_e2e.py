@@ -25,18 +25,18 @@ import concurrent.futures as cf
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_lossless import Server  # noqa: E402
+from e2e_lossless import (  # noqa: E402  (server handling and its log readers)
+    Server, accept_by_budget, stage_times, stage_times_by_bs,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ASSETS = os.path.join(HERE, "..", "bench_assets", "tiny-code")
-STAGE_RE = re.compile(r"DDTREE stage ms/step(?: \((\w+)\))? over (\d+) steps .*?: (\{.*\})")
 
 
 def stream_generate(port, input_ids, max_new, sampling):
@@ -88,38 +88,6 @@ def measure(port, prompts, args, concs):
                                  if reps[0][k] is not None else None for k in reps[0]}
             print(mode, c, json.dumps(out[mode][str(c)]), flush=True)
     return out
-
-
-BY_BUDGET_RE = re.compile(r"DDTREE accept length by budget \(this server's trees\): (\{.*\})")
-BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
-
-
-def _last_match(log, regex, build):
-    """build(match) of the last line of ``log`` that ``regex`` matches, or None."""
-    found = None
-    for line in open(log):
-        m = regex.search(line)
-        if m:
-            found = build(m)
-    return found
-
-
-def accept_by_budget(log):
-    """The last {budget: tokens per step} line a DDTREE server with timers logged, or None."""
-    return _last_match(log, BY_BUDGET_RE, lambda m: json.loads(m.group(1)))
-
-
-def stage_times_by_bs(log):
-    """The last per-batch-size stage line: {"mode": ..., "bs": {bs: {"steps", stage: ms}}}."""
-    return _last_match(log, BY_BS_RE,
-                       lambda m: {"mode": m.group(1), "bs": json.loads(m.group(2))})
-
-
-def stage_times(log):
-    """The last per-stage ms/step line the DDTREE timers logged (mode: sync or cpu)."""
-    return _last_match(log, STAGE_RE, lambda m: {
-        "mode": m.group(1) or "sync", "steps": int(m.group(2)),
-        **json.loads(m.group(3).replace("'", '"'))})
 
 
 def add_pair_args(ap, out):

@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -129,6 +130,41 @@ def tail(path, n=40):
         return "".join(open(path).readlines()[-n:])
     except OSError:
         return ""
+
+
+# --- the DDTREE server log lines the plugin's stage timers write ------------------------------
+
+STAGE_RE = re.compile(r"DDTREE stage ms/step(?: \((\w+)\))? over (\d+) steps .*?: (\{.*\})")
+BY_BUDGET_RE = re.compile(r"DDTREE accept length by budget \(this server's trees\): (\{.*\})")
+BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
+
+
+def _last_match(log, regex, build):
+    """build(match) of the last line of ``log`` that ``regex`` matches, or None."""
+    found = None
+    for line in open(log):
+        m = regex.search(line)
+        if m:
+            found = build(m)
+    return found
+
+
+def accept_by_budget(log):
+    """The last {budget: tokens per step} line a DDTREE server with timers logged, or None."""
+    return _last_match(log, BY_BUDGET_RE, lambda m: json.loads(m.group(1)))
+
+
+def stage_times_by_bs(log):
+    """The last per-batch-size stage line: {"mode": ..., "bs": {bs: {"steps", stage: ms}}}."""
+    return _last_match(log, BY_BS_RE,
+                       lambda m: {"mode": m.group(1), "bs": json.loads(m.group(2))})
+
+
+def stage_times(log):
+    """The last per-stage ms/step line the DDTREE timers logged (mode: sync or cpu)."""
+    return _last_match(log, STAGE_RE, lambda m: {
+        "mode": m.group(1) or "sync", "steps": int(m.group(2)),
+        **json.loads(m.group(3).replace("'", '"'))})
 
 
 def run_batch(server, prompts, max_new, concurrency, sampling=None):
@@ -388,8 +424,6 @@ def main():
                                               args.repeats)
                 finally:
                     srv.stop()
-            from bench_e2e import stage_times  # noqa: E402  (host ms per stage, no sync)
-
             entry["ddtree_cpu_stage_ms_per_step"] = stage_times(speed_servers[(m, "ddtree")].log)
             result["speed"][m] = entry
             dump()
