@@ -14,6 +14,7 @@ on CPU, or with graphs off) runs the same function eagerly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
@@ -22,6 +23,8 @@ import torch
 from .commit import StepCommit, commit_from_path, kv_moves, move_accepted_kv
 from .graph_capture import capture, warm_up
 from .tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,10 +86,8 @@ class AcceptCommitGraphs:
             try:
                 e = self._entries[key] = self._capture(tree, predicted, slots, prefix, pool)
             except Exception as err:  # noqa: BLE001 -- reported, then served eagerly
-                import logging
-
                 self.failed[key] = f"{type(err).__name__}: {err}"
-                logging.getLogger(__name__).error(
+                logger.error(
                     "DDTREE: accept/commit graph capture failed for %s (%s); running it eagerly",
                     key, self.failed[key])
                 return self._eager(tree, predicted, slots, prefix, pool)

@@ -4,8 +4,8 @@
 eager launches (about a thousand per step at D = 15). This wrapper captures it once per batch
 size on first use (static input/output buffers, the builder's ``out=`` path) and afterwards only
 copies the step's inputs in and replays (``graph_capture.capture``: no device-wide sync or
-allocator flush at capture; replays never synchronize). A builder marked ``single_launch`` (the fused CUDA kernel) is called
-directly instead, writing into per-batch-size buffers.
+allocator flush at capture; replays never synchronize). A builder marked ``single_launch``
+(the fused CUDA kernel) is called directly instead, writing into per-batch-size buffers.
 """
 
 from __future__ import annotations
