@@ -56,6 +56,17 @@ MODEL_SETS = {
 # slot reservation with page_size > 1. Not in the default cases (two more servers); add
 # "tiny_page16:32" to --cases
 MODEL_SETS["tiny_page16"] = dict(MODEL_SETS["tiny"], extra_args=["--page-size", "16"])
+# the other target attention backends that verify a tree (each with its own AR reference):
+# fa3 for MHA and MLA (Hopper), flashinfer for MHA
+# flashinfer for MHA through its own FULL_MASK verify; fa3 (MHA and MLA, Hopper) and triton
+# through our Triton tree-verify kernels (--speculative-ddtree-verify-backend triton), prefill and
+# decode staying on the target's backend
+TRITON_VERIFY = ["--speculative-ddtree-verify-backend", "triton"]
+MODEL_SETS["tiny_flashinfer"] = dict(MODEL_SETS["tiny"], backend="flashinfer")
+MODEL_SETS["tiny_fa3"] = dict(MODEL_SETS["tiny"], backend="fa3", ddtree_args=TRITON_VERIFY)
+MODEL_SETS["mla_fa3"] = dict(MODEL_SETS["mla"], backend="fa3", ddtree_args=TRITON_VERIFY)
+MODEL_SETS["tiny_tv"] = dict(MODEL_SETS["tiny"], ddtree_args=TRITON_VERIFY)
+MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY)
 
 
 def http(url, payload=None, timeout=600):
@@ -202,6 +213,10 @@ def make_prompts(n, vocab, seed=1):
     return prompts
 
 
+# the oracle plants the target's continuation at rank r with these odds (not always rank 0)
+ORACLE_RANK_PROBS = [0.75, 0.2, 0.05]
+
+
 def first_diff(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -246,6 +261,45 @@ def compare(ar, prompts, outs, ref, tie_tol, tag):
     return identical, near, mismatches
 
 
+def deterministic_checks(ar_srv, dd_srv, prompts, max_new, tie_tol, tag, n_seeded=8):
+    """Checks on an AR + DDTREE pair that both run with --enable-deterministic-inference.
+
+    There SGLang seeds every draw (a request's ``sampling_seed``, else 42) by hashing (seed,
+    position), and DDTREE draws every tree node the same way (sampling.seeded_draw), so:
+    a seeded request must give the same output alone, again, and inside a batch; another seed
+    must give another output; and the seeded DDTREE output should equal the seeded AR output
+    except where the verify forward's distribution differs numerically from the decode step's
+    (reported, with the positions). Greedy DDTREE vs AR uses the near-tie rule of ``compare``.
+    """
+    ref, _, _ = run_batch(ar_srv, prompts, max_new, 1)
+    outs, metas, _ = run_batch(dd_srv, prompts, max_new, 1)
+    ident, near, bad = compare(ar_srv, prompts, outs, ref, tie_tol, tag + " greedy")
+    greedy = {"prompts": len(prompts), "identical": ident, "near_ties": near,
+              "mismatches": bad, "accept_length": accept_length(metas)}
+    samp = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+    sel = prompts[:n_seeded]
+    params = [dict(samp, sampling_seed=100 + i) for i in range(len(sel))]
+    gen = lambda srv, ps: [r["output_ids"] for r in cf.ThreadPoolExecutor(  # noqa: E731
+        len(sel)).map(lambda a: srv.generate(a[0], max_new, a[1]), zip(sel, ps))]
+    one = lambda srv, ps: [srv.generate(p, max_new, q)["output_ids"]  # noqa: E731
+                           for p, q in zip(sel, ps)]
+    ar_out = one(ar_srv, params)
+    o1, o2 = one(dd_srv, params), one(dd_srv, params)
+    batched = gen(dd_srv, params)  # all at once: other requests in the batch
+    other = one(dd_srv, [dict(q, sampling_seed=q["sampling_seed"] + 10_000) for q in params])
+    rows = [{"same_seed_again": a == b, "same_seed_batched": a == c, "other_seed_differs": a != d,
+             "equals_ar": a == r, "first_divergence_from_ar": first_diff(a, r)}
+            for a, b, c, d, r in zip(o1, o2, batched, other, ar_out)]
+    seeded = {"params": samp, "prompts": len(sel), "rows": rows,
+              "all_reproducible": all(r["same_seed_again"] and r["same_seed_batched"]
+                                      for r in rows),
+              "other_seed_differs": sum(r["other_seed_differs"] for r in rows),
+              "equal_to_ar": sum(r["equals_ar"] for r in rows)}
+    print(f"[{tag}] seeded: reproducible={seeded['all_reproducible']} "
+          f"equal_to_ar={seeded['equal_to_ar']}/{len(sel)} greedy identical={ident} near={near}")
+    return {"greedy": greedy, "seeded": seeded}
+
+
 def measure_tps(server, prompts, max_new, concs, repeats):
     """Median output tokens/s over repeats, per concurrency, after one warm-up pass."""
     run_batch(server, prompts[: max(concs)], max_new, max(concs))
@@ -263,13 +317,17 @@ def measure_tps(server, prompts, max_new, concs, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/e2e_lossless_h200.json")
-    ap.add_argument("--cases", default="tiny:8,32,64,auto;mla:8,32,64",
+    ap.add_argument("--cases", default="tiny:8,32,64,auto;mla:8,32,64;tiny_fa3:32;mla_fa3:32",
                     help="model:budgets;... oracle-mode lossless cases (run concurrently)")
     ap.add_argument("--eager-check", default="tiny:32",
                     help="model:budget also run with --disable-cuda-graph")
     ap.add_argument("--speed", default="tiny:32",
                     help="model:budget for the sequential AR / DFLASH / DDTREE speed runs "
                     "(no oracle: the drafter's own proposals)")
+    ap.add_argument("--deterministic", default="tiny:32",
+                    help="model:budget of an AR + DDTREE server pair with SGLang's "
+                         "--enable-deterministic-inference: seeded T>0 reproducibility (alone "
+                         "and batched), seeded DDTREE vs seeded AR, greedy vs AR; '' skips")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -314,9 +372,10 @@ def main():
         "notes": "lossless cases run with the test-only oracle draft (SGLANG_DDTREE_TEST_ORACLE) "
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
-        "cases": [], "speed": {}, "sampling_reproducible": [], "kv_idle_checks": [],
-        "edge_checks": [],
+        "cases": [], "speed": {}, "kv_idle_checks": [],
+        "edge_checks": [], "graph_vs_eager": [], "deterministic": {},
     }
+    outputs = {}  # (model, budget, cuda graph, batch size) -> DDTREE outputs
     hist = {}
     lock = __import__("threading").Lock()
 
@@ -325,7 +384,8 @@ def main():
         json.dump(result, open(args.out, "w"), indent=1)
 
     ports = iter(range(args.port, args.port + 100))
-    models = sorted({m for m, _ in cases + eager + speed})
+    det = parse(args.deterministic)
+    models = sorted({m for m, _ in cases + eager + speed + det})
 
     def model_args(name):
         ms = MODEL_SETS[name]
@@ -368,18 +428,19 @@ def main():
         ar[m].wait_ready()
         ref[m], _, _ = run_batch(ar[m], prompts, args.max_new_tokens, 1)
         tmp = oracle_path[m] + ".tmp"
-        json.dump({"seed": 0, "items": [{"prompt": p, "output": o}
-                                        for p, o in zip(prompts, ref[m])]}, open(tmp, "w"))
+        json.dump({"seed": 0, "rank_probs": ORACLE_RANK_PROBS,
+                   "items": [{"prompt": p, "output": o} for p, o in zip(prompts, ref[m])]},
+                  open(tmp, "w"))
         os.replace(tmp, oracle_path[m])  # atomic: a server never reads half a file
 
     def ddtree_args(m, b):
         common, spec, _ = setup[m]
-        verify = ([] if args.verify_backend is None
+        verify = (MODEL_SETS[m].get("ddtree_args", []) if args.verify_backend is None
                   else ["--speculative-ddtree-verify-backend", args.verify_backend])
         return common + spec + ["--speculative-algorithm", "DDTREE",
                                 "--speculative-ddtree-budget", str(b)] + verify
 
-    servers, speed_servers = {}, {}
+    servers, speed_servers, det_servers = {}, {}, {}
     jobs = [(m, b, True) for m, bs in cases for b in bs] + \
            [(m, b, False) for m, bs in eager for b in bs]
     try:
@@ -404,13 +465,21 @@ def main():
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
                 next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m], **ddtree_env},
                 wait=False)
+        for m, budgets in det:
+            det_flag = ["--enable-deterministic-inference"]
+            det_servers[(m, "ar")] = Server(setup[m][0] + det_flag, log(f"{m}-ar-det"),
+                                            next(ports), wait=False)
+            det_servers[(m, "ddtree")] = Server(
+                ddtree_args(m, budgets[0]) + det_flag, log(f"{m}-ddtree-b{budgets[0]}-det"),
+                next(ports), env=ddtree_env or None, wait=False)
         with cf.ThreadPoolExecutor(len(models)) as ex:
             list(ex.map(start_ar, models))
-        for srv in list(speed_servers.values()) + list(servers.values()):
+        others = list(speed_servers.values()) + list(servers.values()) + \
+            list(det_servers.values())
+        for srv in others:
             srv.wait_ready()  # measure speed only once nothing is compiling or capturing
         result["startup_s"] = {os.path.basename(s.log)[:-4]: round(s.startup_s, 1) for s in
-                               list(ar.values()) + list(speed_servers.values()) +
-                               list(servers.values())}
+                               list(ar.values()) + others}
 
         # 1) speed: one server at a time (all others idle)
         for m, budgets in speed:
@@ -438,9 +507,13 @@ def main():
                 srv.wait_ready()
                 for c in concs:
                     outs, metas, wall = run_batch(srv, prompts, args.max_new_tokens, c)
+                    with lock:
+                        outputs[(m, b, graph, c)] = outs
                     ident, near, bad = compare(ar[m], prompts, outs, ref[m], args.tie_tol,
                                                f"{tag} c={c}")
                     case = {"model": m, "attention_backend": MODEL_SETS[m]["backend"],
+                            "verify_backend": args.verify_backend or (
+                                "triton" if MODEL_SETS[m].get("ddtree_args") else "native"),
                             "budget": b, "batch_size": c, "prompts": len(prompts),
                             "cuda_graph": graph, "identical": ident, "near_ties": near,
                             "mismatches": bad, "accept_length": accept_length(metas),
@@ -463,8 +536,13 @@ def main():
                 if graph:
                     # stop tokens and max_new_tokens that land inside an accepted path: DDTREE
                     # must stop exactly where the target alone stops with the same params
+                    # on prompts this server reproduced exactly at the first batch size (a
+                    # near-tie divergence elsewhere would hide what the check is about)
+                    same = [i for i, (o, r) in enumerate(zip(outputs[(m, b, graph, concs[0])],
+                                                              ref[m]))
+                            if o == r and len(r) > 11][:2]
                     edges = []
-                    for i in range(1, min(3, len(prompts))):
+                    for i in same:
                         r = ref[m][i]
                         for params, max_new in (({"stop_token_ids": [r[5]]}, 48),
                                                 ({"stop_token_ids": [r[11]]}, 48),
@@ -475,16 +553,10 @@ def main():
                                           "ar_len": len(want), "equal": got == want})
                     with lock:
                         result["edge_checks"].append({"model": m, "budget": b,
-                                                      "all_equal": all(e["equal"] for e in edges),
+                                                      "prompts": same,
+                                                      "all_equal": bool(edges) and
+                                                      all(e["equal"] for e in edges),
                                                       "checks": edges})
-                    samp = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "sampling_seed": 7}
-                    o1 = srv.generate(prompts[0], 32, samp)["output_ids"]
-                    o2 = srv.generate(prompts[0], 32, samp)["output_ids"]
-                    o3 = srv.generate(prompts[0], 32, dict(samp, sampling_seed=8))["output_ids"]
-                    with lock:
-                        result["sampling_reproducible"].append(
-                            {"model": m, "budget": b, "same_seed_same_output": o1 == o2,
-                             "other_seed_differs": o1 != o3})
                 time.sleep(3)  # let the scheduler go idle: SGLang checks its pools for leaks
                 urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/flush_cache").read()
                 loads = http(f"http://127.0.0.1:{srv.port}/v1/loads")["loads"][0]
@@ -497,8 +569,23 @@ def main():
             finally:
                 srv.stop()
 
-        with cf.ThreadPoolExecutor(len(jobs)) as ex:  # all cases at once
-            futs = [ex.submit(run_case, *j) for j in jobs]
+        def run_det(m, b):
+            _, _, prompts = setup[m]
+            a, d = det_servers[(m, "ar")], det_servers[(m, "ddtree")]
+            try:
+                entry = deterministic_checks(a, d, prompts, args.max_new_tokens, args.tie_tol,
+                                             f"{m}-ddtree-b{b}-det")
+                entry.update(model=m, budget=b)
+                with lock:
+                    result["deterministic"][m] = entry
+                    dump()
+            finally:
+                a.stop()
+                d.stop()
+
+        with cf.ThreadPoolExecutor(len(jobs) + len(det)) as ex:  # all cases at once
+            futs = [ex.submit(run_case, *j) for j in jobs] + \
+                [ex.submit(run_det, m, bs[0]) for m, bs in det]
             errors = []
             for f in futs:
                 try:
@@ -507,8 +594,17 @@ def main():
                     errors.append(repr(e)[:2000])
             result["errors"] = errors
     finally:
-        for s in list(ar.values()) + list(servers.values()):
+        for s in list(ar.values()) + list(servers.values()) + list(det_servers.values()):
             s.stop()
+
+    # CUDA graphs on and off: the same requests, the same outputs
+    for (m, b, graph, c), outs in sorted(outputs.items(), key=str):
+        on = outputs.get((m, b, True, c))
+        if not graph and on is not None:
+            result["graph_vs_eager"].append({
+                "model": m, "budget": b, "batch_size": c, "prompts": len(outs),
+                "equal": sum(x == y for x, y in zip(outs, on)),
+                "first_divergences": [first_diff(x, y) for x, y in zip(outs, on) if x != y]})
 
     result["accept_histogram"] = {str(k): v for k, v in sorted(hist.items())}
     total = sum(hist.values())
@@ -519,7 +615,9 @@ def main():
     json.dump(result, open(args.out, "w"), indent=1)
     bad = sum(len(c["mismatches"]) for c in result["cases"])
     edge_bad = sum(not e["all_equal"] for e in result["edge_checks"])
-    seed_bad = sum(not s["same_seed_same_output"] for s in result["sampling_reproducible"])
+    dets = list(result["deterministic"].values())
+    seed_bad = sum(not d["seeded"]["all_reproducible"] for d in dets)
+    bad += sum(len(d["greedy"]["mismatches"]) for d in dets)
     leaks = sum(bool(k["num_used_tokens_after_flush"] or k["leak_log_lines"])
                 for k in result["kv_idle_checks"])
     result["failures"] = {"mismatches": bad, "edge_checks": edge_bad,

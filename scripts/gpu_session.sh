@@ -7,7 +7,7 @@ set -u
 OUT=${OUT:-/tmp/ddtree_out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 SGLANG_DDTREE_CACHE_DIR=/tmp/ddtree_cache
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v WARN | tail -2
+[ -n "${DDTREE_SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v WARN | tail -2
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2

@@ -47,8 +47,34 @@ def exponential_race(probs: torch.Tensor, generator: Optional[torch.Generator] =
     return torch.argmax(probs / noise, dim=-1)
 
 
+def seeded_draw(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                min_ps: torch.Tensor, sampling_info, seeds: torch.Tensor,
+                positions: torch.Tensor, sglang_fns) -> torch.Tensor:
+    """[R] int64: SGLang's own seeded draw (its pytorch sampling backend), row by row.
+
+    probs: [R, V] softmax(logits / temperature), unfiltered. ``sglang_fns``: SGLang's
+    ``(multinomial_with_seed, top_k_top_p_min_p_sampling_from_probs_torch)``. The draw depends
+    only on (seed, position, distribution), through the very code SGLang's sampler runs for a
+    plain decode step: without filters, the hash-based Gumbel draw over the vocabulary; with
+    top-k / top-p, the same draw over the sorted, filtered probabilities. So a node whose
+    distribution equals the target's at that position draws the token the target alone would
+    draw there with the same seed. min-p with a seed: SGLang refuses it (an assert in its
+    sampler); here the filtered probabilities get the vocabulary-order draw (reproducible, not
+    comparable with anything SGLang does).
+    """
+    multinomial_with_seed, filtered_seeded = sglang_fns
+    need_filter = sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling
+    if sampling_info.need_min_p_sampling:
+        kept = filter_probs(probs, top_ks, top_ps, min_ps)
+        return multinomial_with_seed(kept.double().log(), seeds, positions).view(-1).long()
+    if not need_filter:
+        return multinomial_with_seed(torch.log(probs), seeds, positions).view(-1).long()
+    return filtered_seeded(probs, top_ks, top_ps, min_ps, False, seeds,
+                           positions).view(-1).long()
+
+
 def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
-                    positions: Optional[torch.Tensor] = None, seeded_sampler=None,
+                    positions: Optional[torch.Tensor] = None, seeded_fns=None,
                     request_seeds: Optional[torch.Tensor] = None,
                     generator: Optional[torch.Generator] = None,
                     max_top_k: Optional[int] = None) -> torch.Tensor:
@@ -58,14 +84,24 @@ def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
 
     logits: [bs * N, V] after SGLang's logit adjustments (penalties, bias) for the verify rows.
     Greedy requests in a mixed batch (top_k == 1) get their argmax. Rows of requests with a seed
-    (``request_seeds`` >= 0, or SGLang's deterministic-mode ``sampling_info.sampling_seed``) use
-    ``seeded_sampler(logprobs, seeds, positions)``, SGLang's hash-based sampler: the token
-    depends only on (seed, position, distribution), so a seeded request is reproducible.
+    (SGLang's deterministic-mode ``sampling_info.sampling_seed``, else ``request_seeds`` >= 0)
+    get :func:`seeded_draw` with ``seeded_fns`` at their node's position (the position of the
+    node's own token, as SGLang passes for a decode step): reproducible, and the same draw as
+    the target alone makes with that seed.
     """
     rep = lambda t: t.repeat_interleave(num_tokens, dim=0)  # noqa: E731
     temps = rep(sampling_info.temperatures.view(-1, 1).float())
     probs = torch.softmax(logits.float() / temps, dim=-1)
     top_ks = rep(sampling_info.top_ks.view(-1))
+    seeds = getattr(sampling_info, "sampling_seed", None)
+    if seeds is None:
+        seeds = request_seeds
+    seeded = None
+    if seeds is not None and seeded_fns is not None and positions is not None:
+        row_seeds = rep(seeds.view(-1))
+        seeded = seeded_draw(probs, top_ks, rep(sampling_info.top_ps.view(-1)),
+                             rep(sampling_info.min_ps.view(-1)), sampling_info,
+                             row_seeds.clamp(min=0), positions, seeded_fns)
     if (sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling
             or sampling_info.need_min_p_sampling):
         probs = filter_probs(
@@ -74,12 +110,7 @@ def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
             max_top_k=max_top_k,
         )
     sampled = exponential_race(probs, generator)
-    seeds = getattr(sampling_info, "sampling_seed", None)
-    if seeds is None:
-        seeds = request_seeds
-    if seeds is not None and seeded_sampler is not None and positions is not None:
-        row_seeds = rep(seeds.view(-1))
-        seeded = seeded_sampler(probs.double().log(), row_seeds.clamp(min=0), positions).view(-1)
+    if seeded is not None:
         sampled = torch.where(row_seeds >= 0, seeded, sampled)
     greedy = torch.argmax(logits, dim=-1)
     return torch.where(top_ks == 1, greedy, sampled)

@@ -313,7 +313,7 @@ def _make_worker_class(sgl):
             else:
                 predicted = sample_per_node(
                     logits, sampling_info, n, positions=positions.reshape(-1),
-                    seeded_sampler=sgl.multinomial_with_seed,
+                    seeded_fns=(sgl.multinomial_with_seed, sgl.seeded_filtered_sampler),
                     request_seeds=self._request_seeds(batch),
                     max_top_k=host_max_top_k(batch.reqs, logits.shape[-1]),
                 ).view(bs, n)

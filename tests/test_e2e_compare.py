@@ -38,3 +38,32 @@ def test_divergence_judged_by_the_emitted_tokens_own_gap():
 def test_shorter_output_is_a_divergence_at_its_end():
     assert e2e_lossless.first_diff([1, 2], [1, 2, 3]) == 2
     assert e2e_lossless.first_diff([1, 2, 3], [1, 2, 3]) is None
+
+
+class FakeSeeded:
+    """A server whose output is a function of (prompt, params): seeded draws by hashing, greedy
+    the prompt's last token counting up. ``flaky`` adds a per-call counter to every output."""
+
+    def __init__(self, flaky=False):
+        self.calls, self.flaky = 0, flaky
+
+    def generate(self, ids, n, params=None, logprob=False):
+        self.calls += 1
+        seed = (params or {}).get("sampling_seed")
+        base = ids[-1] if seed is None else hash((tuple(ids), seed)) % 1000
+        out = [base + i for i in range(n)]
+        if self.flaky and seed is not None:
+            out[-1] += self.calls
+        return {"output_ids": out, "meta_info": {"completion_tokens": n, "spec_verify_ct": n}}
+
+
+def test_deterministic_checks_pass_a_seeded_server_and_catch_a_flaky_one():
+    prompts = [[i, i + 1] for i in range(10)]
+    good = e2e_lossless.deterministic_checks(FakeSeeded(), FakeSeeded(), prompts, 4, 0.25, "t")
+    assert good["greedy"]["identical"] == 10 and not good["greedy"]["mismatches"]
+    s = good["seeded"]
+    assert s["all_reproducible"] and s["equal_to_ar"] == 8 and s["other_seed_differs"] == 8
+    flaky = e2e_lossless.deterministic_checks(FakeSeeded(), FakeSeeded(flaky=True), prompts, 4,
+                                              0.25, "t")
+    assert not flaky["seeded"]["all_reproducible"]
+    assert flaky["seeded"]["rows"][0]["first_divergence_from_ar"] == 3

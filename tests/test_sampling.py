@@ -2,6 +2,7 @@
 
 import types
 
+import pytest
 import torch
 
 from sglang_ddtree.sampling import exponential_race, filter_probs, sample_per_node
@@ -42,18 +43,95 @@ def test_greedy_rows_in_a_mixed_batch_take_argmax():
     assert torch.equal(out[:3], logits[:3].argmax(-1))
 
 
-def test_seeded_rows_use_the_seeded_sampler_with_positions():
+def test_seeded_rows_use_the_seeded_draw_with_positions():
     calls = {}
 
     def seeded(logprobs, seeds, positions):
         calls["seeds"], calls["positions"] = seeds.tolist(), positions.tolist()
         return logprobs.argmax(-1, keepdim=True)
 
+    def filtered(*a):
+        raise AssertionError("no filter in this batch: the vocabulary-order draw")
+
     logits = torch.randn(2 * 2, 7)
     pos = torch.tensor([5, 6, 9, 10])
-    sample_per_node(logits, _info(2, [0.7, 0.7], [7, 7], seeds=torch.tensor([3, 4])), 2,
-                    positions=pos, seeded_sampler=seeded)
+    info = _info(2, [0.7, 0.7], [7, 7], seeds=torch.tensor([3, 4]))
+    info.need_top_k_sampling = False
+    sample_per_node(logits, info, 2, positions=pos, seeded_fns=(seeded, filtered))
     assert calls == {"seeds": [3, 3, 4, 4], "positions": [5, 6, 9, 10]}
+
+
+@pytest.fixture
+def sglang_sampler():
+    """SGLang's sampler module, its torch.compile'd hash sampler run eagerly (CPU runner)."""
+    sampler = pytest.importorskip("sglang.srt.layers.sampler")
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            sampler.multinomial_with_seed(torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64),
+                                          torch.zeros(1, dtype=torch.int64))
+    except ImportError as e:  # 0.5.23 hashes with sgl_kernel, absent on a CPU-only runner
+        pytest.skip(f"SGLang's seeded sampler needs {e.name}")
+    with torch._dynamo.config.patch(disable=True):
+        yield sampler
+
+
+@pytest.mark.parametrize("filters", ["none", "top_k", "top_p"])
+def test_seeded_draw_is_the_draw_sglang_makes_for_a_decode_step(filters, sglang_sampler):
+    """Every node row draws what SGLang's own sampler (pytorch backend, deterministic mode)
+    draws for a decode step with the same distribution, seed and position: a seeded DDTREE run
+    then reproduces the target's own seeded output."""
+    sampler = sglang_sampler
+    g = torch.Generator().manual_seed(11)
+    bs, n, vocab = 3, 4, 97
+    logits = 2 * torch.randn(bs * n, vocab, generator=g)
+    temps = torch.tensor([0.7, 1.0, 1.3])
+    top_ks = torch.tensor({"top_k": [5, 20, 50]}.get(filters, [1 << 30] * 3), dtype=torch.int32)
+    top_ps = torch.tensor({"top_p": [0.8, 0.9, 0.5]}.get(filters, [1.0] * 3))
+    seeds = torch.tensor([7, 8, 123456789], dtype=torch.int64)
+    info = types.SimpleNamespace(
+        temperatures=temps.view(-1, 1), top_ks=top_ks, top_ps=top_ps, min_ps=torch.zeros(bs),
+        need_top_k_sampling=filters == "top_k", need_top_p_sampling=filters == "top_p",
+        need_min_p_sampling=False, sampling_seed=seeds)
+    positions = torch.arange(bs * n) + 40
+    got = sample_per_node(logits, info, n, positions=positions,
+                          seeded_fns=(sampler.multinomial_with_seed,
+                                      sampler.top_k_top_p_min_p_sampling_from_probs_torch))
+    # SGLang's Sampler on the same rows as if each were one request's decode step
+    rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
+    row_info = types.SimpleNamespace(
+        temperatures=rep(temps.view(-1, 1)), top_ks=rep(top_ks), top_ps=rep(top_ps),
+        min_ps=torch.zeros(bs * n), need_top_k_sampling=info.need_top_k_sampling,
+        need_top_p_sampling=info.need_top_p_sampling, need_min_p_sampling=False,
+        sampling_seed=rep(seeds))
+    probs = torch.softmax(logits / row_info.temperatures, dim=-1)
+    if filters == "none":
+        want = sampler.sampling_from_probs_torch(probs, row_info.sampling_seed, positions)
+    else:
+        want = sampler.top_k_top_p_min_p_sampling_from_probs_torch(
+            probs, row_info.top_ks, row_info.top_ps, row_info.min_ps, False,
+            row_info.sampling_seed, positions)
+    assert torch.equal(got, want.view(-1).long())
+    # and it is a function of (seed, position, distribution) only: another seed differs
+    info.sampling_seed = seeds + 1
+    other = sample_per_node(logits, info, n, positions=positions,
+                            seeded_fns=(sampler.multinomial_with_seed,
+                                        sampler.top_k_top_p_min_p_sampling_from_probs_torch))
+    assert not torch.equal(other, got)
+
+
+def test_unseeded_rows_of_a_mixed_batch_keep_the_race():
+    """request_seeds -1 (no seed) rows are drawn by the exponential race, seeded rows by the
+    seeded draw."""
+    def seeded(logprobs, seeds, positions):
+        return torch.zeros(logprobs.shape[0], 1, dtype=torch.int64)  # token 0, recognisable
+
+    logits = torch.full((2 * 2, 5), -5.0)
+    logits[:, 3] = 5.0  # the race picks 3 almost surely
+    info = _info(2, [1.0, 1.0], [5, 5])
+    info.need_top_k_sampling = False
+    out = sample_per_node(logits, info, 2, positions=torch.arange(4),
+                          seeded_fns=(seeded, None), request_seeds=torch.tensor([-1, 9]))
+    assert out.tolist() == [3, 3, 0, 0]
 
 
 def test_bounded_top_k_ranks_only_the_top_and_filters_the_same():

@@ -27,6 +27,8 @@ LAZY_COMMON = {
         "sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info"),
     "make_draft_input_v2": ("sglang.srt.speculative.draft_worker_common", "make_draft_input_v2"),
     "multinomial_with_seed": ("sglang.srt.layers.sampler", "multinomial_with_seed"),
+    "seeded_filtered_sampler": (
+        "sglang.srt.layers.sampler", "top_k_top_p_min_p_sampling_from_probs_torch"),
     "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
 }
 
