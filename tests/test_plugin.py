@@ -338,3 +338,20 @@ def test_launch_command_line_parses_on_0_5_23(loaded, monkeypatch):
     assert record.speculative_algorithm == "DDTREE" and record.speculative_draft_model_path == "d"
     assert os.environ[cfg.ENV_BUDGET] == "48" and os.environ[cfg.ENV_TOPK] == "6"
     assert not hasattr(record, "speculative_ddtree_budget")  # not a ServerArgs field
+
+
+def test_source_checkout_resolves_the_mapped_subpackages():
+    """From the repo root (``python -m sglang.launch_server`` run there) the repo's package
+    shadows the installed one; its mapped subpackages must still import, from the checkout."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sglang_ddtree, sglang_ddtree.triton_kernels as t, sglang_ddtree.cuda_ext as c;"
+            "print(sglang_ddtree.__file__); print(t.__file__); print(c.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, check=True).stdout.split()
+    assert out == [os.path.join(root, "sglang_ddtree", "__init__.py"),
+                   os.path.join(root, "triton_kernels", "__init__.py"),
+                   os.path.join(root, "cuda_ext", "__init__.py")]

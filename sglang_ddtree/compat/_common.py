@@ -92,12 +92,22 @@ _BACKEND_NAMES = {
 }
 
 
+def _verify_inner(backend):
+    """The backend a wrapper hands TARGET_VERIFY to, or None for a leaf backend. Only objects
+    count: a leaf's own fields may share a wrapper's name (flashinfer's ``decode_backend`` is
+    the string "fa2")."""
+    if hasattr(backend, "spec_attn_is_decode") and hasattr(backend, "prefill_backend"):
+        inner = backend.decode_backend if backend.spec_attn_is_decode else backend.prefill_backend
+    else:  # hybrid-linear / sparse wrappers keep the full-attention backend here
+        inner = getattr(backend, "full_attn_backend", None)
+    return inner if inner is not None and not isinstance(inner, (str, bytes, int)) else None
+
+
 def attention_backend_name(model_runner) -> str:
     """The CLI name of the backend that runs the target's TARGET_VERIFY forward."""
     backend = model_runner.attn_backend
-    for _ in range(4):  # hybrid wrappers hold the full-attention backend inside
-        inner = getattr(backend, "full_attn_backend", None) or getattr(
-            backend, "decode_backend", None)
+    for _ in range(4):  # wrappers (prefill/decode hybrid, hybrid-linear) nest one level each
+        inner = _verify_inner(backend)
         if inner is None:
             break
         backend = inner
