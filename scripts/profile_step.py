@@ -46,7 +46,7 @@ def _pyname(name: str) -> str:
     return name
 
 
-def summarize_trace(trace: dict, top: int = 40) -> dict:
+def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
     """Per-step host and GPU costs from a chrome trace (torch profiler ``export_chrome_trace``).
 
     Steps are the calls of the spec worker's ``forward_batch_generation`` (the outermost ones);
@@ -92,6 +92,7 @@ def summarize_trace(trace: dict, top: int = 40) -> dict:
 
     launches = sum(v[1] for k, v in rt.items() if "LaunchKernel" in k or "GraphLaunch" in k)
     return {
+        "step_tree": step_tree(events, outer, steps, max_depth=tree_depth),
         "steps": len(outer),
         "step_host_ms": round(sum(t - s for s, t, _ in outer) / 1e3 / steps, 4),
         "kernel_ms_per_step": round(kernel_us / 1e3 / steps, 4),
@@ -101,6 +102,56 @@ def summarize_trace(trace: dict, top: int = 40) -> dict:
         "cuda_runtime": table(rt),
         "cpu_ops": table(ops),
     }
+
+
+def _is_launch(name: str) -> bool:
+    return "LaunchKernel" in name or "GraphLaunch" in name
+
+
+def step_tree(events, outer, steps, max_depth=4, min_ms=0.005):
+    """The step's host time as a call tree: one row per call path below the step function
+    (``a > b > c``, at most ``max_depth`` levels), with inclusive ms, calls and CUDA launches
+    per step, in call order. Nesting is by time containment of Python events on one thread;
+    CUDA runtime calls count towards the innermost Python frame around them."""
+    spans = {(s, t) for s, t, _ in outer}
+    py = sorted((e for e in events if e.get("cat") in ("python_function", "cuda_runtime")),
+                key=lambda e: (e.get("tid", 0), float(e["ts"]), -float(e["dur"])))
+    rows = {}  # path -> [us, calls, launches, first ts]
+    stack = []  # (end, path) of open Python frames on this thread
+    tid = None
+    for e in py:
+        ts, dur = float(e["ts"]), float(e["dur"])
+        if e.get("tid", 0) != tid:
+            tid, stack = e.get("tid", 0), []
+        while stack and stack[-1][0] <= ts:
+            stack.pop()
+        if e.get("cat") == "cuda_runtime":
+            if stack and stack[-1][1] is not None and _is_launch(e.get("name", "")):
+                rows[stack[-1][1]][2] += 1
+            continue
+        name = _pyname(e.get("name", ""))
+        parent = stack[-1][1] if stack else None
+        if parent is None:  # only a step's own frame opens a path
+            path = name if (ts, ts + dur) in spans else None
+        else:
+            path = parent + " > " + name
+            if path.count(" > ") > max_depth:
+                path = parent  # deeper frames fold into their ancestor at max depth
+        if path is not None and path != parent:
+            r = rows.setdefault(path, [0.0, 0, 0, ts])
+            r[0] += dur
+            r[1] += 1
+        stack.append((ts + dur, path))
+    out = [{"path": p, "depth": p.count(" > "), "ms_per_step": round(r[0] / 1e3 / steps, 4),
+            "calls_per_step": round(r[1] / steps, 2), "launches_per_step": round(r[2] / steps, 2)}
+           for p, r in sorted(rows.items(), key=lambda kv: kv[1][3])]
+    # call order of first appearance, children under their parent
+    order = {}
+    for row in out:
+        order[row["path"]] = len(order)
+    out.sort(key=lambda row: [order[" > ".join(row["path"].split(" > ")[:i + 1])]
+                              for i in range(row["depth"] + 1)])
+    return [row for row in out if row["ms_per_step"] >= min_ms]
 
 
 def _post(port, path, payload):
@@ -182,9 +233,12 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json.dump(result, open(args.out, "w"), indent=1)
     for name, s in result["methods"].items():
-        print(f"== {name}: top host time per step (Python, inclusive)")
-        for row in s.get("python_inclusive", [])[:25]:
-            print(f"  {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:<6} {row['name']}")
+        print(f"== {name}: the step's host time as a call tree (ms/step, calls, launches)")
+        for row in s.get("step_tree", []):
+            if row["depth"] <= 2 and row["ms_per_step"] >= 0.05:
+                leaf = row["path"].split(" > ")[-1]
+                print(f"  {row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:<5} "
+                      f"L{row['launches_per_step']:<6} {'  ' * row['depth']}{leaf}")
     print("->", args.out)
 
 

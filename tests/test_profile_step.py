@@ -44,3 +44,36 @@ def test_summary_counts_outermost_worker_calls_as_steps():
     assert py["tp_worker.py:forward_batch_generation"]["ms_per_step"] == 1.5
     assert py["step_graph.py:__call__"]["calls_per_step"] == 1.0
     assert s["cpu_ops"][0]["name"] == "aten::argmax"
+
+
+def test_step_tree_nests_frames_and_attributes_launches():
+    ev = []
+    for step in range(2):
+        t0 = step * 10_000
+        ev += [
+            _x("python_function", "/x/sglang_ddtree/worker.py(200): forward_batch_generation",
+               t0, 4000),
+            _x("python_function", "/x/sglang_ddtree/worker.py(400): _draft", t0 + 100, 1000),
+            _x("python_function", "/x/compat/v0_5_17.py(10): run_draft_block", t0 + 200, 600),
+            _x("cuda_runtime", "cudaGraphLaunch", t0 + 300, 10),
+            _x("cuda_runtime", "cudaLaunchKernel", t0 + 900, 5),  # in _draft, after the block
+            _x("python_function", "/x/sglang_ddtree/step_graph.py(70): __call__", t0 + 2000, 500),
+            _x("cuda_runtime", "cudaLaunchKernel", t0 + 2100, 5),
+            # outside every step: not in the tree
+            _x("python_function", "/x/sglang/srt/managers/scheduler.py(1): recv", t0 + 5000, 300),
+        ]
+    for e in ev:
+        e["tid"] = 1
+    tree = prof.summarize_trace({"traceEvents": ev})["step_tree"]
+    rows = {r["path"]: r for r in tree}
+    step = "worker.py:forward_batch_generation"
+    assert [r["path"] for r in tree] == [
+        step, f"{step} > worker.py:_draft",
+        f"{step} > worker.py:_draft > v0_5_17.py:run_draft_block",
+        f"{step} > step_graph.py:__call__"]
+    assert rows[step]["ms_per_step"] == 4.0
+    assert rows[f"{step} > worker.py:_draft"]["ms_per_step"] == 1.0
+    assert rows[f"{step} > worker.py:_draft"]["launches_per_step"] == 1.0
+    assert rows[f"{step} > worker.py:_draft > v0_5_17.py:run_draft_block"][
+        "launches_per_step"] == 1.0
+    assert rows[f"{step} > step_graph.py:__call__"]["calls_per_step"] == 1.0
