@@ -582,13 +582,18 @@ def main():
                     edges = []
                     for i in same:
                         r = ref[m][i]
-                        for params, max_new in (({"stop_token_ids": [r[5]]}, 48),
-                                                ({"stop_token_ids": [r[11]]}, 48),
+                        # ignore_eos (the default of generate) also disables stop_token_ids
+                        for params, max_new in (({"stop_token_ids": [r[5]], "ignore_eos": False},
+                                                 48),
+                                                ({"stop_token_ids": [r[11]],
+                                                  "ignore_eos": False}, 48),
                                                 ({}, 7), ({}, 13)):
                             want = ar[m].generate(prompts[i], max_new, params)["output_ids"]
                             got = srv.generate(prompts[i], max_new, params)["output_ids"]
                             edges.append({"prompt": i, "params": params, "max_new_tokens": max_new,
-                                          "ar_len": len(want), "equal": got == want})
+                                          "ar_len": len(want), "ddtree_len": len(got),
+                                          "stopped_early": len(want) < max_new,
+                                          "equal": got == want})
                     with lock:
                         result["edge_checks"].append({"model": m, "budget": b,
                                                       "prompts": same,

@@ -38,7 +38,8 @@ for s in "$@"; do
     benche2e) step bench-e2e ${BENCH_E2E_LIMIT:-560} python3 scripts/bench_e2e.py \
                --out "$OUT/bench_e2e_tiny_h200.json" ${BENCH_E2E_ARGS:-}
              (cd /tmp && tar czf "$OUT/bench_e2e_logs.tgz" ddtree_bench_e2e/*.log 2>/dev/null) ;;
-    memcheck) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh ;;
+    memcheck) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh
+             step memcheck-verify ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_verify.sh ;;
     costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-} ;;
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
