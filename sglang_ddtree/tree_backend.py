@@ -90,6 +90,7 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
 
 
 build_tree_cuda.single_launch = True
+build_tree_cuda.writes_layout = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,18 +104,37 @@ def _kernel_fits(budget: int, k: int, depth: int, device_index: int) -> bool:
 
 
 def build_tree_auto(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: torch.Tensor,
-                    budget: int, out: Optional[DraftTree] = None) -> DraftTree:
-    """The CUDA kernel where it can serve the call, else ``build_tree`` (decided on shapes only)."""
+                    budget: int, out: Optional[DraftTree] = None, *,
+                    seq_lens: Optional[torch.Tensor] = None,
+                    positions: Optional[torch.Tensor] = None,
+                    full_mask: Optional[torch.Tensor] = None) -> DraftTree:
+    """The CUDA kernel where it can serve the call, else ``build_tree`` (decided on shapes only).
+
+    ``seq_lens`` / ``positions`` / ``full_mask``: the verify layout, as in
+    :func:`build_tree_cuda`; on the ``build_tree`` path it is written by ``verify``'s ops."""
     if topk_logp.is_cuda and topk_logp.dim() == 3 and isinstance(budget, int) and 1 <= budget:
         _, depth, k = topk_logp.shape
         if _kernel_fits(budget, k, depth, topk_logp.device.index or 0):
-            return build_tree_cuda(root_ids, topk_logp, topk_ids, budget, out)
-    return build_tree(root_ids, topk_logp, topk_ids, budget, out)
+            return build_tree_cuda(root_ids, topk_logp, topk_ids, budget, out,
+                                   seq_lens=seq_lens, positions=positions, full_mask=full_mask)
+    tree = build_tree(root_ids, topk_logp, topk_ids, budget, out)
+    if positions is not None or full_mask is not None:
+        from .verify import tree_positions, write_full_mask
+
+        if seq_lens is None:
+            raise ValueError("build_tree_auto: positions and full_mask need seq_lens")
+        if positions is not None:
+            positions.copy_(tree_positions(tree.depths, seq_lens))
+        if full_mask is not None:
+            write_full_mask(tree.ancestor_mask, seq_lens, full_mask)
+    return tree
 
 
 # single launch only where the kernel fits; the worker checks shapes at start-up, so the flag
-# holds for the step shapes it serves (see worker._tree_builder)
+# holds for the step shapes it serves (see worker._tree_builder). Both kernel entry points also
+# write the verify layout (positions, FULL_MASK) in that launch.
 build_tree_auto.single_launch = True
+build_tree_auto.writes_layout = True
 
 _choice_lock = threading.Lock()
 _choice: dict = {"builder": None}

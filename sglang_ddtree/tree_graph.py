@@ -11,7 +11,7 @@ allocator flush at capture; replays never synchronize). A builder marked ``singl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -41,6 +41,7 @@ class TreeBuildGraphs:
         self.single_launch = bool(getattr(builder, "single_launch", False)) and \
             self.device.type == "cuda"
         self._outs: Dict[int, DraftTree] = {}
+        self._positions: Dict[int, torch.Tensor] = {}
 
     def __call__(self, root_ids: torch.Tensor, topk_logp: torch.Tensor,
                  topk_ids: torch.Tensor) -> DraftTree:
@@ -61,6 +62,35 @@ class TreeBuildGraphs:
         e.ids.copy_(topk_ids)
         e.graph.replay()
         return e.out
+
+    def build_with_layout(self, root_ids: torch.Tensor, topk_logp: torch.Tensor,
+                          topk_ids: torch.Tensor, seq_lens: torch.Tensor,
+                          full_mask: Optional[torch.Tensor] = None):
+        """(tree, positions [bs, N] int64): the tree plus its verify layout, the positions
+        ``seq_lens + depths`` and, when ``full_mask`` (1-D bool, long enough) is given, the
+        FULL_MASK the target's attention backend reads. The fused kernel writes all of it in
+        its one launch (into this batch size's buffers); any other builder gets the same
+        layout from ``tree_positions`` and ``write_full_mask``."""
+        from .verify import tree_positions, write_full_mask
+
+        bs = root_ids.shape[0]
+        if self.single_launch and getattr(self.builder, "writes_layout", False):
+            out = self._outs.get(bs)
+            if out is None:
+                out = self._outs[bs] = DraftTree.empty(bs, self.budget, self.device,
+                                                       max_depth=self.depth)
+            pos = self._positions.get(bs)
+            if pos is None:
+                pos = self._positions[bs] = torch.empty(bs, self.budget + 1, dtype=torch.int64,
+                                                        device=self.device)
+            seq64 = seq_lens if seq_lens.dtype == torch.int64 else seq_lens.to(torch.int64)
+            tree = self.builder(root_ids, topk_logp, topk_ids, self.budget, out=out,
+                                seq_lens=seq64, positions=pos, full_mask=full_mask)
+            return tree, pos
+        tree = self(root_ids, topk_logp, topk_ids)
+        if full_mask is not None:
+            write_full_mask(tree.ancestor_mask, seq_lens, full_mask)
+        return tree, tree_positions(tree.depths, seq_lens)
 
     def _capture(self, bs: int) -> _Entry:
         dev = self.device

@@ -23,7 +23,7 @@ from .draft_topk import DraftTopKHead
 from .sampling import host_max_top_k, sample_per_node
 from .step_graph import AcceptCommitGraphs
 from .tree_graph import TreeBuildGraphs
-from .verify import full_mask_numel_bound, gather_slots, tree_positions, write_full_mask
+from .verify import full_mask_numel_bound, gather_slots
 from .verify_backend import attach_tree_mask
 
 logger = logging.getLogger(__name__)
@@ -268,16 +268,16 @@ def _make_worker_class(sgl):
             if budget != tc.budget:  # auto: a smaller tree reads the first K' candidates
                 k = self._tree_builders[budget].topk
                 topk_logp, topk_ids = topk_logp[:, :, :k], topk_ids[:, :, :k]
-            tree = self._tree_builders[budget](draft_input.bonus_tokens.to(torch.int64),
-                                               topk_logp, topk_ids)
+            # with the fused kernel, one launch writes the tree and its verify layout: the
+            # positions and, for the target's own backend, the FULL_MASK it reads
+            mask = None
+            if self._tree_verify is None:
+                mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
+            tree, positions = self._tree_builders[budget].build_with_layout(
+                draft_input.bonus_tokens.to(torch.int64), topk_logp, topk_ids, prefix, mask)
             t.mark("tree")
 
             # 3) verify all N tokens in one target forward with the ancestor mask
-            positions = tree_positions(tree.depths, prefix)
-            mask = None
-            if self._tree_verify is None:  # the target's own backend reads the FULL_MASK
-                mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
-                write_full_mask(tree.ancestor_mask, prefix, mask)
             verify_input = sgl.DFlashVerifyInput(
                 draft_token=tree.tokens.reshape(-1),
                 positions=positions.reshape(-1),
