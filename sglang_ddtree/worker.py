@@ -22,6 +22,7 @@ from .budget_stats import BudgetAcceptStats
 from .draft_topk import DraftTopKHead
 from .sampling import host_max_top_k, sample_per_node
 from .step_graph import AcceptCommitGraphs
+from .step_prep import StepPrep
 from .tree_graph import TreeBuildGraphs
 from .verify import full_mask_numel_bound, gather_slots
 from .verify_backend import attach_tree_mask
@@ -78,6 +79,12 @@ def _make_worker_class(sgl):
             )
             self._draft_head = None
             self._eager_head = None
+            # the step's KV slots, drafter block ids and positions: one launch on CUDA
+            self._step_prep = StepPrep(self.tree_cfg.num_draft_tokens, int(block),
+                                       int(self._mask_token_id), self.device)
+            pool = getattr(self.model_runner, "req_to_token_pool", None)
+            if pool is not None and getattr(pool, "req_to_token", None) is not None:
+                self._step_prep.self_check(pool.req_to_token)  # start-up only (it syncs)
             # one tree builder per budget this server uses (one unless --...-budget auto); a
             # smaller budget reads the first K' = min(K, budget) columns of the sorted top-K
             self._tree_builders = {
@@ -254,12 +261,18 @@ def _make_worker_class(sgl):
             prefix = batch.seq_lens
             draft_input = batch.spec_info
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
-            slots = gather_slots(req_to_token, batch.req_pool_indices, prefix, width)
+            if self._step_prep.width == width:
+                slots, block_ids, draft_pos = self._step_prep(
+                    req_to_token, batch.req_pool_indices, prefix, draft_input.bonus_tokens)
+            else:  # not this worker's configured width (tests with other shapes)
+                slots = gather_slots(req_to_token, batch.req_pool_indices, prefix, width)
+                block_ids = draft_pos = None
             seq_bound = self._host_seq_bound(batch, draft_input)  # drafter and verify share it
 
             # 1) draft: one block [root, MASK x (B-1)] through the drafter
-            topk_logp, topk_ids, draft_pos = self._draft(batch, draft_input.bonus_tokens,
-                                                         prefix, slots[:, :block], bs, seq_bound)
+            topk_logp, topk_ids, draft_pos = self._draft(
+                batch, draft_input.bonus_tokens, prefix, slots[:, :block], bs, seq_bound,
+                block_ids=block_ids, positions=draft_pos)
             if self._oracle is not None:
                 self._oracle.plant(batch, topk_logp, topk_ids)
             t.mark("draft")
@@ -403,15 +416,19 @@ def _make_worker_class(sgl):
                                                    device=self.device)
             return buf[:numel]
 
-        def _draft(self, batch, bonus, prefix, block_slots, bs, seq_bound=None):
+        def _draft(self, batch, bonus, prefix, block_slots, bs, seq_bound=None, *,
+                   block_ids=None, positions=None):
             """Run the drafter on [root, MASK x (B-1)]; return per-depth top-K log-probs/ids and
             the block's [bs, B] positions (reused for the drafter-KV append of this step).
-            ``seq_bound``: the step's ``_host_seq_bound`` (computed here if not given)."""
+            ``seq_bound``: the step's ``_host_seq_bound`` (computed here if not given);
+            ``block_ids`` / ``positions``: the block's [bs, B] ids and positions if the step's
+            prep already wrote them (``StepPrep``)."""
             block = self.block_size
-            block_ids = torch.full((bs, block), int(self._mask_token_id), dtype=torch.int64,
-                                   device=self.device)
-            block_ids[:, 0].copy_(bonus)
-            positions = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
+            if block_ids is None or positions is None:
+                block_ids = torch.full((bs, block), int(self._mask_token_id),
+                                       dtype=torch.int64, device=self.device)
+                block_ids[:, 0].copy_(bonus)
+                positions = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
             embed = sgl.draft_block_embeddings(self, block_ids)
             if seq_bound is None:
                 seq_bound = self._host_seq_bound(batch, batch.spec_info)

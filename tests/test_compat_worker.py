@@ -654,7 +654,13 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
     prefix = torch.tensor([7, 12], dtype=torch.int64)
     bonus = torch.tensor([3, 4], dtype=torch.int64)
     draft_pos = prefix[:, None] + torch.arange(BLOCK)[None, :]
-    monkeypatch.setattr(w, "_draft", lambda *a: (logp, ids, draft_pos))
+    drafted = {}
+
+    def fake_draft(batch, bonus_in, prefix_in, block_slots, bs_in, seq_bound, **kw):
+        drafted.update(kw, block_slots=block_slots.clone())
+        return logp, ids, draft_pos
+
+    monkeypatch.setattr(w, "_draft", fake_draft)
 
     # the tree the worker will build (same inputs, same budget), and a path the target follows
     k = min(k_full, budget)
@@ -753,6 +759,13 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
             for buf, old in zip(pool.bufs, before):
                 assert torch.equal(buf[row[j]], old[row[node]])
     assert torch.equal(published[0], prefix + accept + 1)
+    # the step's prep handed the drafter its block: [root, MASK...], prefix + 0..B-1, slots
+    assert drafted["block_ids"][:, 0].tolist() == bonus.tolist()
+    assert bool((drafted["block_ids"][:, 1:] == MASK_ID).all())
+    assert torch.equal(drafted["positions"], draft_pos)
+    for b in range(bs):
+        p0 = int(prefix[b])
+        assert torch.equal(drafted["block_slots"][b], rows[req_pool[b], p0:p0 + BLOCK])
     assert torch.equal(result.new_seq_lens, prefix + accept + 1)
     # drafter KV: the accepted nodes' hidden rows, in path order, at the block's slots
     hrows = appended["target_hidden"].view(bs, BLOCK, HIDDEN)
