@@ -74,8 +74,10 @@ HOST_SYNC_DEBUG_ENV = ("SGLANG_DDTREE_CHECK_RANKS",)
 
 
 def port_free(port: int) -> bool:
-    """Whether nothing listens on 127.0.0.1:port (a bind test, closed at once)."""
+    """Whether nothing listens on 127.0.0.1:port (a bind test, closed at once). SO_REUSEADDR,
+    as the servers set it: connections of a finished run in TIME_WAIT do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

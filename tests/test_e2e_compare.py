@@ -67,3 +67,14 @@ def test_deterministic_checks_pass_a_seeded_server_and_catch_a_flaky_one():
                                               0.25, "t")
     assert not flaky["seeded"]["all_reproducible"]
     assert flaky["seeded"]["rows"][0]["first_divergence_from_ar"] == 3
+
+
+def test_port_free_sees_a_listener():
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert not e2e_lossless.port_free(port)
+    assert e2e_lossless.port_free(port)
