@@ -1,0 +1,107 @@
+"""scripts/e2e_lossless.py end to end on fake servers: every phase (speed, oracle cases, edge
+checks, KV idle, graph vs eager, the deterministic pair, a server that dies) runs and the JSON
+and exit status come out right. Catches script bugs before GPU time is spent on them."""
+
+import json
+import os
+import sys
+import types
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+import e2e_lossless  # noqa: E402
+
+
+class FakeServer:
+    """Greedy output = the prompt's last token counting up (the target's 'own' output); a
+    seeded request adds its seed. ``dead``: the model name whose servers fail to start."""
+
+    dead = None
+    started = []
+
+    def __init__(self, args, log, port, env=None, wait=True):
+        self.args, self.log, self.port, self.env = args, log, port, env or {}
+        self.spec = "--speculative-algorithm" in args
+        self.model = args[args.index("--model-path") + 1]
+        open(log, "w").write("fake server log\n")
+        FakeServer.started.append(self)
+        self.stopped = False
+
+    def wait_ready(self):
+        if FakeServer.dead and FakeServer.dead in self.model:
+            raise RuntimeError(f"server died: see {self.log}")
+        self.startup_s = 1.0
+        return self
+
+    def generate(self, ids, n, params=None, logprob=False):
+        params = params or {}
+        seed = params.get("sampling_seed", 0)
+        out = [(ids[-1] + seed + i) % 4000 for i in range(n)]
+        stop = params.get("stop_token_ids")
+        if stop and not params.get("ignore_eos", True):
+            for i, t in enumerate(out):
+                if t in stop:
+                    out = out[: i + 1]
+                    break
+        meta = {"completion_tokens": len(out), "spec_verify_ct": max(1, len(out) // 3)}
+        if logprob:
+            meta["output_top_logprobs"] = [[(-0.1, out[0], ""), (-2.0, 1, "")]]
+        return {"output_ids": out, "meta_info": meta}
+
+    def stop(self):
+        self.stopped = True
+
+
+def _run(monkeypatch, tmp_path, *extra):
+    monkeypatch.setattr(e2e_lossless, "Server", FakeServer)
+    monkeypatch.setattr(e2e_lossless, "http",
+                        lambda url, *a, **k: {"loads": [{"num_used_tokens": 0}]})
+    monkeypatch.setattr(e2e_lossless.urllib.request, "urlopen",
+                        lambda url, *a, **k: types.SimpleNamespace(read=lambda: b""))
+    monkeypatch.setattr(e2e_lossless.time, "sleep", lambda s: None)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    FakeServer.started = []
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_lossless.py", "--out", str(out), "--workdir", str(tmp_path / "work"),
+        "--prompts", "6", "--max-new-tokens", "16", "--repeats", "1", "--batch-sizes", "1,2",
+        *extra])
+    rc = e2e_lossless.main()
+    return rc, json.loads(out.read_text())
+
+
+def test_dry_run_all_phases(monkeypatch, tmp_path):
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:8,auto;mla:8",
+                   "--eager-check", "tiny:8", "--speed", "tiny:8", "--deterministic", "tiny:8")
+    assert res["errors"] == [] and rc == 0, res["failures"]
+    assert len(res["cases"]) == 3 * 2 + 2  # 3 graph cases + 1 eager case, x 2 batch sizes
+    assert all(c["identical"] == c["prompts"] for c in res["cases"])
+    assert {e["budget"] for e in res["edge_checks"]} == {8, "auto"}
+    edge = res["edge_checks"][0]
+    assert edge["all_equal"] and any(c["stopped_early"] for c in edge["checks"])
+    assert res["graph_vs_eager"] and all(g["equal"] == g["prompts"] for g in res["graph_vs_eager"])
+    det = res["deterministic"]["tiny"]
+    assert det["seeded"]["all_reproducible"] and det["seeded"]["equal_to_ar"] == 6
+    assert set(res["speed"]["tiny"]) >= {"ar", "dflash", "ddtree"}
+    assert len(res["kv_idle_checks"]) == 4
+    assert all(s.stopped for s in FakeServer.started)  # nothing leaks into the next run
+
+
+def test_dry_run_survives_a_dead_model(monkeypatch, tmp_path):
+    pytest.importorskip("sglang")
+    FakeServer.dead = "mla"
+    try:
+        rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:8;mla:8", "--eager-check=",
+                       "--speed=", "--deterministic=")
+    finally:
+        FakeServer.dead = None
+    assert rc == 1 and res["failures"]["errors"] >= 1
+    assert {c["model"] for c in res["cases"]} == {"tiny"}  # the live model's cases still ran
+    assert any("mla" in e for e in res["errors"])
+    assert all(s.stopped for s in FakeServer.started)
