@@ -54,10 +54,9 @@ MODEL_SETS = {
             "backend": "triton"},
 }
 # the tiny pair with 16-token KV pages (AR reference and DDTREE both paged): KV relocation and
-# slot reservation with page_size > 1. Not in the default cases (two more servers); add
-# "tiny_page16:32" to --cases
+# slot reservation with page_size > 1
 MODEL_SETS["tiny_page16"] = dict(MODEL_SETS["tiny"], extra_args=["--page-size", "16"])
-# the other target attention backends that verify a tree (each with its own AR reference):
+# the other target attention backends that verify a tree:
 # fa3 for MHA and MLA (Hopper), flashinfer for MHA
 # flashinfer for MHA through its own FULL_MASK verify; fa3 (MHA and MLA, Hopper) and triton
 # through our Triton tree-verify kernels (--speculative-ddtree-verify-backend triton), prefill and
@@ -66,8 +65,8 @@ TRITON_VERIFY = ["--speculative-ddtree-verify-backend", "triton"]
 MODEL_SETS["tiny_flashinfer"] = dict(MODEL_SETS["tiny"], backend="flashinfer")
 MODEL_SETS["tiny_fa3"] = dict(MODEL_SETS["tiny"], backend="fa3", ddtree_args=TRITON_VERIFY)
 MODEL_SETS["mla_fa3"] = dict(MODEL_SETS["mla"], backend="fa3", ddtree_args=TRITON_VERIFY)
-MODEL_SETS["tiny_tv"] = dict(MODEL_SETS["tiny"], ddtree_args=TRITON_VERIFY)
-MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY)
+MODEL_SETS["tiny_tv"] = dict(MODEL_SETS["tiny"], ddtree_args=TRITON_VERIFY, ar_of="tiny")
+MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of="mla")
 
 
 HOST_SYNC_DEBUG_ENV = ("SGLANG_DDTREE_CHECK_RANKS",)
@@ -340,7 +339,7 @@ def measure_tps(server, prompts, max_new, concs, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/e2e_lossless_h200.json")
-    ap.add_argument("--cases", default="tiny:8,32,64,auto;mla:8,32,64;"
+    ap.add_argument("--cases", default="tiny:8,32,64,auto;mla:8,32,64;tiny_page16:32;"
                                        "tiny_flashinfer:32;tiny_tv:32;mla_tv:32",
                     help="model:budgets;... oracle-mode lossless cases (run concurrently)")
     ap.add_argument("--eager-check", default="tiny:32",
@@ -413,6 +412,14 @@ def main():
     det = parse(args.deterministic)
     models = sorted({m for m, _ in cases + eager + speed + det})
 
+    def ar_base(m):
+        """Model sets whose AR server would be identical (same target, backend and flags)
+        share one: ``ar_of`` names the set that owns it."""
+        base = MODEL_SETS[m].get("ar_of", m)
+        return base if base in models else m
+
+    ar_models = [m for m in models if ar_base(m) == m]
+
     def model_args(name):
         ms = MODEL_SETS[name]
         if ms.get("real_weights"):
@@ -480,11 +487,15 @@ def main():
     try:
         # every server starts now (fixed KV pools, --sleep-on-idle); the oracle servers read
         # their oracle file at their first step, after the AR reference below has written it
-        for m in models:
+        for m in ar_models:
             oracle_path[m] = os.path.join(args.workdir, f"{m}-oracle.json")
             if os.path.exists(oracle_path[m]):
                 os.remove(oracle_path[m])
             ar[m] = Server(setup[m][0], log(f"{m}-ar"), next(ports), wait=False)
+        for m in models:  # a set that differs only on the DDTREE side shares its AR reference
+            if m not in ar_models:
+                oracle_path[m] = oracle_path[ar_base(m)]
+                ar[m] = ar[ar_base(m)]
         for m, budgets in speed:
             common, spec, _ = setup[m]
             for algo, extra in (("dflash", ["--speculative-algorithm", "DFLASH"] + spec),
@@ -507,7 +518,10 @@ def main():
                 ddtree_args(m, budgets[0]) + det_flag, log(f"{m}-ddtree-b{budgets[0]}-det"),
                 next(ports), env=ddtree_env or None, wait=False)
         with cf.ThreadPoolExecutor(len(models)) as ex:
-            list(ex.map(start_ar, models))
+            list(ex.map(start_ar, ar_models))
+        for m in models:
+            if m not in ar_models and ar_base(m) in ref:
+                ref[m] = ref[ar_base(m)]
         others = list(speed_servers.values()) + list(servers.values()) + \
             list(det_servers.values())
         for srv in others:
