@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe e2e tp2 verify train benche2e costs profile memcheck doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -34,6 +34,16 @@ for s in "$@"; do
     tp2)     step e2e-tp2 ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py --tp 2 \
                --out "$OUT/e2e_lossless_h200x2_tp2.json" --ddtree-env SGLANG_DDTREE_CHECK_RANKS=1 ${E2E_ARGS:-} ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
+    e2e2gpu) # the suite split over the two GPUs of nvidia-h200-x2, both halves at once:
+             # GPU 0 the core cases (+ speed, deterministic pair), GPU 1 the other backends and paging
+             CUDA_VISIBLE_DEVICES=1 step e2e-b ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py \
+               --cases "${E2E_B_CASES:-tiny_page16:32;tiny_flashinfer:32;tiny_tv:32;mla_tv:32}" \
+               --eager-check= --speed= --deterministic= --port 32100 --workdir /tmp/ddtree_e2e_b \
+               --out "$OUT/e2e_lossless_h200_backends.json" &
+             CUDA_VISIBLE_DEVICES=0 step e2e-a ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py \
+               --cases "${E2E_A_CASES:-tiny:8,32,64,auto;mla:8,32,64}" \
+               --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-}
+             wait ;;
     train)   step train 420 python3 scripts/train_tiny_pair.py --copy-to "$OUT" ${TRAIN_ARGS:-} ;;
     benche2e) step bench-e2e ${BENCH_E2E_LIMIT:-560} python3 scripts/bench_e2e.py \
                --out "$OUT/bench_e2e_tiny_h200.json" ${BENCH_E2E_ARGS:-}
@@ -44,8 +54,8 @@ for s in "$@"; do
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext moe e2e tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext moe e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
   esac
 done
-(cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log 2>/dev/null)
+(cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log 2>/dev/null)
 tail -40 "$OUT/session.log"
