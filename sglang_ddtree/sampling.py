@@ -13,6 +13,19 @@ from typing import Optional
 import torch
 
 
+# Sorting a whole [rows, vocab] block at once needs several times its size in temporaries
+# (values, int64 indices, cumsum): with a tree's bs * (budget + 1) rows and a 160k vocabulary that
+# is gigabytes per step. Row-wise work runs in chunks of at most this many elements instead.
+SORT_CHUNK_ELEMENTS = 1 << 25
+
+
+def row_chunks(rows: int, vocab: int, limit: Optional[int] = None):
+    """Row ranges [a, b) covering 0..rows, each at most ``limit`` (default
+    ``SORT_CHUNK_ELEMENTS``) elements, at least one row; decided from host-side shapes only."""
+    step = max(1, (SORT_CHUNK_ELEMENTS if limit is None else limit) // max(vocab, 1))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
 def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                  min_ps: Optional[torch.Tensor], max_top_k: Optional[int] = None) -> torch.Tensor:
     """Zero what top-k / top-p / min-p exclude (SGLang's semantics); rows: [R, V] fp32.
@@ -22,9 +35,17 @@ def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     top_k <= 50). Then only the top ``max_top_k`` probabilities are ranked (``topk``) instead of
     the whole vocabulary (``sort``): a tree verify has budget+1 rows per request, and a full
     sort of [bs * (budget+1), V] dominates the step at large vocabularies. The result is the
-    same: tokens past rank max_top_k are outside every row's top-k anyway.
+    same: tokens past rank max_top_k are outside every row's top-k anyway. A full sort runs
+    over :func:`row_chunks` of the rows.
     """
     vocab = probs.shape[-1]
+    chunks = row_chunks(probs.shape[0], vocab)
+    if (max_top_k is None or not 1 <= max_top_k < vocab) and len(chunks) > 1:
+        out = torch.empty_like(probs)
+        for a, b in chunks:
+            out[a:b] = filter_probs(probs[a:b], top_ks[a:b], top_ps[a:b],
+                                    None if min_ps is None else min_ps[a:b], max_top_k=vocab)
+        return out
     if max_top_k is not None and 1 <= max_top_k < vocab:
         sorted_p, idx = probs.topk(max_top_k, dim=-1, largest=True, sorted=True)
     else:
@@ -63,6 +84,11 @@ def seeded_draw(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
     comparable with anything SGLang does).
     """
     multinomial_with_seed, filtered_seeded = sglang_fns
+    chunks = row_chunks(probs.shape[0], probs.shape[-1])
+    if len(chunks) > 1:  # row-wise draws: the same tokens, bounded temporaries
+        return torch.cat([seeded_draw(probs[a:b], top_ks[a:b], top_ps[a:b], min_ps[a:b],
+                                      sampling_info, seeds[a:b], positions[a:b], sglang_fns)
+                          for a, b in chunks])
     need_filter = sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling
     if sampling_info.need_min_p_sampling:
         kept = filter_probs(probs, top_ks, top_ps, min_ps)

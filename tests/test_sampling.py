@@ -158,3 +158,29 @@ def test_host_max_top_k():
     assert host_max_top_k([req(50), req(-1)], 1000) is None  # one request samples everything
     assert host_max_top_k([req(50), req(1 << 30)], 1000) is None  # SGLang's TOP_K_ALL
     assert host_max_top_k([], 1000) is None
+
+
+def test_chunked_rows_give_the_same_filter_and_draws(monkeypatch, sglang_sampler):
+    """Big blocks run row-wise in chunks (bounded temporaries): same filtered probabilities,
+    same seeded draws."""
+    from sglang_ddtree import sampling
+
+    g = torch.Generator().manual_seed(4)
+    rows, vocab = 10, 64
+    probs = torch.softmax(2 * torch.randn(rows, vocab, generator=g), -1)
+    top_ks = torch.randint(1, vocab, (rows,), generator=g, dtype=torch.int32)
+    top_ps = torch.rand(rows, generator=g) * 0.5 + 0.5
+    min_ps = torch.rand(rows, generator=g) * 0.1
+    info = types.SimpleNamespace(need_top_k_sampling=True, need_top_p_sampling=True,
+                                 need_min_p_sampling=False)
+    seeds = torch.arange(rows, dtype=torch.int64) + 11
+    pos = torch.arange(rows) + 3
+    fns = (sglang_sampler.multinomial_with_seed,
+           sglang_sampler.top_k_top_p_min_p_sampling_from_probs_torch)
+    whole = (sampling.filter_probs(probs, top_ks, top_ps, min_ps),
+             sampling.seeded_draw(probs, top_ks, top_ps, min_ps, info, seeds, pos, fns))
+    monkeypatch.setattr(sampling, "SORT_CHUNK_ELEMENTS", 3 * vocab)  # 3 rows per chunk
+    assert sampling.row_chunks(rows, vocab) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    chunked = (sampling.filter_probs(probs, top_ks, top_ps, min_ps),
+               sampling.seeded_draw(probs, top_ks, top_ps, min_ps, info, seeds, pos, fns))
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
