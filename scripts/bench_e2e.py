@@ -102,6 +102,9 @@ def main():
     ap = argparse.ArgumentParser()
     add_pair_args(ap, "bench_results/bench_e2e_tiny_h200.json")
     ap.add_argument("--budgets", default="8,16,32,64,128")
+    ap.add_argument("--triton-verify-budgets", default="",
+                    help="budgets also measured with --speculative-ddtree-verify-backend triton "
+                         "(methods ddtree_tv_b<budget>), e.g. 32")
     ap.add_argument("--concurrency", default="1,4,8,16,32,64")
     ap.add_argument("--modes", default="greedy,t1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -137,6 +140,10 @@ def main():
     methods += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
                                   "--speculative-ddtree-budget", b] + spec, {})
                 for b in args.budgets.split(",")]
+    methods += [(f"ddtree_tv_b{b}", ["--speculative-algorithm", "DDTREE",
+                                     "--speculative-ddtree-budget", b,
+                                     "--speculative-ddtree-verify-backend", "triton"] + spec, {})
+                for b in args.triton_verify_budgets.split(",") if b]
     result = {
         "sglang_version": sglang.__version__, "torch_version": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
@@ -155,7 +162,7 @@ def main():
             for name, extra, _ in methods]
     jobs += [(name + "-timers", extra, {"SGLANG_DDTREE_TIMERS": "1"})
              for name, extra, _ in methods if name.split("_b")[-1] in timer_budgets
-             and name.startswith("ddtree")]
+             and name.startswith("ddtree_b")]
     servers = {}
 
     def start(i, job):
