@@ -62,7 +62,9 @@ def plots(data: dict, stem: str) -> list:
     fig.savefig(out[-1], dpi=120)
     plt.close(fig)
 
-    budgets = sorted((int(m.split("_b")[1]), m) for m in data["results"] if m.startswith("ddtree_b"))
+    # fixed budgets only (ddtree_bauto and ddtree_tv_b* are in the tokens/s plot and the table)
+    budgets = sorted((int(m[len("ddtree_b"):]), m) for m in data["results"]
+                     if m.startswith("ddtree_b") and m[len("ddtree_b"):].isdigit())
     if budgets:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         c1 = lambda m, k: data["results"][m].get("greedy", {}).get("1", {}).get(k)  # noqa: E731

@@ -92,3 +92,13 @@ def test_accept_by_budget_line_is_parsed(tmp_path):
     log.write_text("x DDTREE accept length by budget (this server's trees): "
                    '{"1": 1.4, "2": 1.6, "32": 2.1}\n')
     assert bench_e2e.accept_by_budget(str(log)) == {"1": 1.4, "2": 1.6, "32": 2.1}
+
+
+def test_plots_take_auto_and_triton_verify_methods(tmp_path):
+    pytest = __import__("pytest")
+    pytest.importorskip("matplotlib")
+    data = json.loads(json.dumps(DATA))
+    g = {"greedy": {"1": {"tokens_per_s": 800.0, "accept_length": 3.0}}}
+    data["results"].update(ddtree_bauto=g, ddtree_tv_b32=g, ddtree_b8=g)
+    files = plot.plots(data, str(tmp_path / "x"))
+    assert any(f.endswith("_budget.png") for f in files)
