@@ -572,12 +572,22 @@ def main():
                         outputs[(m, b, graph, c)] = outs
                     ident, near, bad = compare(ar[m], prompts, outs, ref[m], args.tie_tol,
                                                f"{tag} c={c}")
+                    # SGLang's own spec metrics, as every request's meta_info reports them
+                    sgl_hist = []
+                    for mt in metas:
+                        for i, v in enumerate(mt.get("spec_accept_histogram") or []):
+                            sgl_hist += [0] * (i + 1 - len(sgl_hist))
+                            sgl_hist[i] += v
                     case = {"model": m, "attention_backend": MODEL_SETS[m]["backend"],
                             "verify_backend": args.verify_backend or (
                                 "triton" if MODEL_SETS[m].get("ddtree_args") else "native"),
                             "budget": b, "batch_size": c, "prompts": len(prompts),
                             "cuda_graph": graph, "identical": ident, "near_ties": near,
                             "mismatches": bad, "accept_length": accept_length(metas),
+                            "sglang_spec_metrics": {
+                                "spec_accept_length_in_every_response": all(
+                                    "spec_accept_length" in mt for mt in metas),
+                                "spec_accept_histogram_summed": sgl_hist},
                             "tokens_per_s": {"oracle_mode_concurrent_servers":
                                              sum(map(len, outs)) / wall}}
                     spd = result["speed"].get(m)
