@@ -16,13 +16,20 @@ def _x(cat, name, ts, dur):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
 
-def test_summary_counts_outermost_worker_calls_as_steps():
+STEP = "/x/sglang_ddtree/worker.py(200): forward_batch_generation"
+
+
+def _steps(n, inner):
+    """n decode steps 10 ms apart, each a 4 ms worker step holding inner(t0)'s events."""
     ev = []
-    for step in range(4):
+    for step in range(n):
         t0 = step * 10_000
-        ev += [
-            _x("python_function", "/x/sglang_ddtree/worker.py(200): forward_batch_generation",
-               t0, 4000),
+        ev += [_x("python_function", STEP, t0, 4000)] + inner(t0)
+    return ev
+
+
+def test_summary_counts_outermost_worker_calls_as_steps():
+    ev = _steps(4, lambda t0: [
             # the target worker's call nests inside: not a step of its own
             _x("python_function", "/x/sglang/srt/managers/tp_worker.py(90): forward_batch_generation",
                t0 + 1000, 1500),
@@ -32,7 +39,7 @@ def test_summary_counts_outermost_worker_calls_as_steps():
             _x("cuda_runtime", "cudaLaunchKernel", t0 + 3300, 5),
             _x("cpu_op", "aten::argmax", t0 + 2900, 30),
             _x("kernel", "some_kernel", t0 + 3500, 700),
-        ]
+        ])
     ev.append({"ph": "M", "name": "process_name"})  # metadata events are ignored
     s = prof.summarize_trace({"traceEvents": ev})
     assert s["steps"] == 4
@@ -47,12 +54,7 @@ def test_summary_counts_outermost_worker_calls_as_steps():
 
 
 def test_step_tree_nests_frames_and_attributes_launches():
-    ev = []
-    for step in range(2):
-        t0 = step * 10_000
-        ev += [
-            _x("python_function", "/x/sglang_ddtree/worker.py(200): forward_batch_generation",
-               t0, 4000),
+    ev = _steps(2, lambda t0: [
             _x("python_function", "/x/sglang_ddtree/worker.py(400): _draft", t0 + 100, 1000),
             _x("python_function", "/x/compat/v0_5_17.py(10): run_draft_block", t0 + 200, 600),
             _x("cuda_runtime", "cudaGraphLaunch", t0 + 300, 10),
@@ -61,7 +63,7 @@ def test_step_tree_nests_frames_and_attributes_launches():
             _x("cuda_runtime", "cudaLaunchKernel", t0 + 2100, 5),
             # outside every step: not in the tree
             _x("python_function", "/x/sglang/srt/managers/scheduler.py(1): recv", t0 + 5000, 300),
-        ]
+        ])
     for e in ev:
         e["tid"] = 1
     tree = prof.summarize_trace({"traceEvents": ev})["step_tree"]
