@@ -53,9 +53,10 @@ TREE_VERIFY_BACKENDS = {
 # Which kernels run the target's verify forward (--speculative-ddtree-verify-backend):
 # "native" = the target's own attention backend with the FULL_MASK custom mask (the backends
 # above); "triton" = our Triton tree-attention kernels (sglang_ddtree/verify_backend.py) while
-# prefill and decode keep the target's backend. Opt-in until verified on a GPU.
-VERIFY_BACKENDS = ("native", "triton")
-DEFAULT_VERIFY_BACKEND = "native"
+# prefill and decode keep the target's backend; "auto" (default) = native where the target's
+# backend can express a tree, else triton where it can sit behind that backend.
+VERIFY_BACKENDS = ("auto", "native", "triton")
+DEFAULT_VERIFY_BACKEND = "auto"
 # Target attention backends (runtime names, as compat.attention_backend_name reports them) that
 # the "triton" verify backend can sit behind: they keep SGLang's token-granular KV pools
 # (MHATokenToKVPool [slots, H, D] / MLATokenToKVPool [slots, 1, rank + rope]).
@@ -207,6 +208,18 @@ def validate_verify_backend(name: str) -> str:
             f"got {name!r} (or set {ENV_VERIFY_BACKEND} for sglang.Engine)."
         )
     return name
+
+
+def resolve_verify_backend(requested: str, backend: str, native_ok, triton_ok) -> str:
+    """"native" or "triton" for the target attention backend ``backend``: ``requested`` unless it
+    is "auto", which picks native where ``backend`` is in ``native_ok`` (it can express a tree)
+    and triton where it is in ``triton_ok`` (ours can sit behind it). Anything else stays
+    "native", whose checks then refuse the backend with the list of the ones that work."""
+    if requested != "auto":
+        return requested
+    if backend in native_ok:
+        return "native"
+    return "triton" if backend in triton_ok else "native"
 
 
 def read_verify_backend(environ=os.environ) -> str:

@@ -57,11 +57,12 @@ def add_ddtree_cli_args(parser: argparse.ArgumentParser) -> None:
         type=str,
         choices=cfg.VERIFY_BACKENDS,
         default=None,
-        help="DDTREE: kernels of the target's tree-verify forward. 'native' (default): the "
-        "target's attention backend with a tree mask; 'triton': sglang-ddtree's Triton "
-        "tree-attention kernels, while prefill and decode keep the target's backend (lets "
-        "fa3 and the MLA backends flashinfer/flashmla/cutlass_mla/trtllm_mla serve DDTREE). "
-        f"Env {cfg.ENV_VERIFY_BACKEND}.",
+        help="DDTREE: kernels of the target's tree-verify forward. 'native': the target's "
+        "attention backend with a tree mask (triton, flashinfer for MHA; triton for MLA); "
+        "'triton': sglang-ddtree's Triton tree-attention kernels, while prefill and decode keep "
+        "the target's backend (lets fa3 and the MLA backends flashinfer/flashmla/cutlass_mla/"
+        "trtllm_mla serve DDTREE); 'auto' (default): native where the target's backend can "
+        f"express a tree, else triton. Env {cfg.ENV_VERIFY_BACKEND}.",
     )
     if group is not parser:
         _place_after_speculative_flags(group)

@@ -72,6 +72,10 @@ def check_server_args(server_args) -> None:
     backend = server_args.decode_attention_backend or server_args.attention_backend
     if backend is None:
         return  # SGLang picks one later; the worker checks what it picked
+    allowed = sorted({b for bs in cfg.TREE_VERIFY_BACKENDS.values() for b in bs})
+    # a pre-check on CLI names; the worker decides on the backend SGLang built (an MLA model
+    # behind "flashinfer" gets flashinfer_mla, which needs ours)
+    verify = cfg.resolve_verify_backend(verify, backend, allowed, cfg.TRITON_VERIFY_CLI_BACKENDS)
     if verify == "triton":
         if backend not in cfg.TRITON_VERIFY_CLI_BACKENDS:
             raise cfg.DDTreeConfigError(
@@ -81,7 +85,6 @@ def check_server_args(server_args) -> None:
                 f"{', '.join(cfg.TRITON_VERIFY_CLI_BACKENDS)}."
             )
         return
-    allowed = sorted({b for bs in cfg.TREE_VERIFY_BACKENDS.values() for b in bs})
     if backend not in allowed:
         hint = (" Or keep it and add --speculative-ddtree-verify-backend triton (DDTREE's own "
                 "Triton tree-verify kernels)." if backend in cfg.TRITON_VERIFY_CLI_BACKENDS

@@ -98,7 +98,7 @@ def _make_worker_class(sgl):
             self._tree_builder = self._tree_builders[self.tree_cfg.budget]
             self._verify_states = {}  # budget -> (attention backend, verify graph runner)
             self._graphs_enabled = sgl.decode_graphs_enabled(server_args)
-            if self.tree_cfg.auto_table is not None and cfg.read_verify_backend() != "native":
+            if self.tree_cfg.auto_table is not None and cfg.read_verify_backend() == "triton":
                 raise cfg.DDTreeConfigError(
                     "DDTREE: --speculative-ddtree-budget auto runs with the native verify "
                     "backend only for now; drop --speculative-ddtree-verify-backend triton or "
@@ -159,8 +159,20 @@ def _make_worker_class(sgl):
             mr = self.model_runner
             arch = "mla" if sgl.is_mla(mr.model_config) else "mha"
             backend = sgl.attention_backend_name(mr)
-            verify = cfg.read_verify_backend()
+            requested = cfg.read_verify_backend()
+            verify = cfg.resolve_verify_backend(requested, backend, cfg.TREE_VERIFY_BACKENDS[arch],
+                                                cfg.TRITON_VERIFY_TARGET_BACKENDS[arch])
             self._tree_verify = None
+            if verify == "triton" and self.tree_cfg.auto_table is not None:
+                raise cfg.DDTreeConfigError(
+                    f"DDTREE: --speculative-ddtree-budget auto runs with the native verify "
+                    f"backend only for now, and the target's attention backend '{backend}' "
+                    f"({arch.upper()}) needs DDTREE's Triton verify kernels: use a fixed budget, "
+                    f"or --attention-backend {' or '.join(cfg.TREE_VERIFY_BACKENDS[arch])}.")
+            if verify == "triton" and requested == "auto":  # one line per rank, at start-up
+                logger.info("DDTREE: the target's attention backend '%s' cannot express a tree; "
+                            "verifying with DDTREE's Triton tree-attention kernels (prefill and "
+                            "decode stay on '%s')", backend, backend)
             if verify == "triton":
                 allowed = cfg.TRITON_VERIFY_TARGET_BACKENDS[arch]
                 if backend not in allowed:

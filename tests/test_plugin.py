@@ -165,9 +165,13 @@ def test_startup_refusals():
         spec_algo.check_server_args(_server_args())
     with pytest.raises(cfg.DDTreeConfigError, match="pipeline"):
         spec_algo.check_server_args(_server_args(speculative_draft_model_path="x", pp_size=2))
+    # a backend neither the native nor DDTREE's Triton verify can serve; the message names
+    # the ones that work (trtllm_mla is served by default: the Triton verify sits behind it)
     with pytest.raises(cfg.DDTreeConfigError, match="triton"):
         spec_algo.check_server_args(_server_args(speculative_draft_model_path="x",
-                                                 attention_backend="trtllm_mla"))
+                                                 attention_backend="torch_native"))
+    spec_algo.check_server_args(_server_args(speculative_draft_model_path="x",
+                                             attention_backend="trtllm_mla"))
 
 
 def test_unknown_sglang_version_is_refused():

@@ -75,13 +75,14 @@ def test_flag_parses_and_is_exported(loaded, monkeypatch):
     hooks.export_cli_args(ns, environ=env)
     assert env == {cfg.ENV_VERIFY_BACKEND: "triton"}
     assert cfg.read_verify_backend(env) == "triton"
-    assert cfg.read_verify_backend({}) == cfg.DEFAULT_VERIFY_BACKEND == "native"
+    assert cfg.read_verify_backend({}) == cfg.DEFAULT_VERIFY_BACKEND == "auto"
     with pytest.raises(cfg.DDTreeConfigError, match="speculative-ddtree-verify-backend"):
         cfg.read_verify_backend({cfg.ENV_VERIFY_BACKEND: "fa3"})
 
     # sglang.Engine(speculative_ddtree_verify_backend=...): taken out before ServerArgs sees it
     assert "speculative_ddtree_verify_backend" in hooks.ENGINE_KWARGS
-    monkeypatch.delenv(cfg.ENV_VERIFY_BACKEND, raising=False)
+    # the hook writes os.environ: registering the variable makes monkeypatch restore it
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "")
     seen = {}
 
     def original(self, *args, **kwargs):
@@ -107,6 +108,8 @@ def test_launcher_allows_non_tree_backends_only_with_triton_verify(backend, monk
     monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
     spec_algo.check_server_args(_server_args(backend))  # allowed
     spec_algo.check_server_args(_server_args("triton", decode=backend))
+    monkeypatch.delenv(cfg.ENV_VERIFY_BACKEND)  # auto, the default: ours behind it
+    spec_algo.check_server_args(_server_args(backend))
 
 
 def test_launcher_refusals_name_the_flag(monkeypatch):
@@ -171,6 +174,16 @@ def test_worker_installs_triton_verify_behind_non_tree_backends(worker_class, mo
     monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
     w.init_attention_backends()
     assert installed == [(w.model_runner, 8)] and w._tree_verify == "wrapper"
+    # auto (the default) picks ours behind a backend that cannot express a tree...
+    monkeypatch.delenv(cfg.ENV_VERIFY_BACKEND)
+    w = _bare_worker(worker_class, arch, backend_class)
+    w.init_attention_backends()
+    assert len(installed) == 2 and w._tree_verify == "wrapper"
+    # ...but not with --speculative-ddtree-budget auto, which needs the native one for now
+    w = _bare_worker(worker_class, arch, backend_class)
+    w.tree_cfg = cfg.DDTreeConfig(budget=7, topk=4, block_size=8, auto_table=((1, 7), (99, 3)))
+    with pytest.raises(cfg.DDTreeConfigError, match="budget auto runs with the native verify"):
+        w.init_attention_backends()
 
 
 def test_worker_refuses_unsupported_backend_naming_the_flag(worker_class, monkeypatch):
@@ -180,11 +193,20 @@ def test_worker_refuses_unsupported_backend_naming_the_flag(worker_class, monkey
     with pytest.raises(cfg.DDTreeConfigError,
                        match="--speculative-ddtree-verify-backend triton.*TorchNativeAttnBackend"):
         w.init_attention_backends()
-    # native keeps today's behaviour: triton target backend, nothing wrapped
-    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "native")
-    w = _bare_worker(worker_class, "mha", "TritonAttnBackend")
-    w.init_attention_backends()
-    assert w._tree_verify is None
+    # native keeps today's behaviour: triton target backend, nothing wrapped; so does auto
+    for requested in ("native", "auto"):
+        monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, requested)
+        for arch, cls in (("mha", "TritonAttnBackend"), ("mha", "FlashInferAttnBackend"),
+                          ("mla", "TritonAttnBackend")):
+            w = _bare_worker(worker_class, arch, cls)
+            w.init_attention_backends()
+            assert w._tree_verify is None
+    # auto behind a backend neither path can serve: the native refusal, naming what works
+    monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "auto")
+    w = _bare_worker(worker_class, "mha", "TorchNativeAttnBackend")
+    with pytest.raises(cfg.DDTreeConfigError, match="Use --attention-backend triton or "
+                                                    "flashinfer"):
+        w.init_attention_backends()
 
 
 # --- fixtures for the wrapper ---------------------------------------------------------------
