@@ -34,6 +34,7 @@ def collect_info() -> dict:
         "ddtree_registers": False,
         "registration_error": None,
         "tree_verify_backends": {},
+        "triton_verify_behind": {},
         "settings": {},
     }
     try:
@@ -57,6 +58,7 @@ def collect_info() -> dict:
     except Exception as e:  # reported, not hidden: this is a diagnostic command
         info["registration_error"] = f"{type(e).__name__}: {e}"
     info["tree_verify_backends"] = installed_tree_backends()
+    info["triton_verify_behind"] = triton_verify_backends()
     try:
         info["settings"] = {
             "budget": (f"auto {config.read_auto_table()}" if config.is_auto_budget()
@@ -90,6 +92,20 @@ def installed_tree_backends() -> dict:
             except Exception as e:
                 out[arch][name] = f"not importable ({type(e).__name__})"
     return out
+
+
+def triton_verify_backends() -> dict:
+    """The target backends that verify through DDTREE's Triton kernels (what ``auto`` picks
+    behind them), per attention arch, or why those kernels do not import here."""
+    from .config import TREE_VERIFY_BACKENDS, TRITON_VERIFY_TARGET_BACKENDS
+
+    try:
+        importlib.import_module("sglang_ddtree.triton_kernels.tree_attention")
+        importlib.import_module("sglang_ddtree.triton_kernels.tree_attention_mla")
+    except Exception as e:
+        return {"error": f"tree-verify kernels not importable ({type(e).__name__}: {e})"}
+    return {arch: [b for b in names if b not in TREE_VERIFY_BACKENDS[arch]]
+            for arch, names in TRITON_VERIFY_TARGET_BACKENDS.items()}
 
 
 def _cmd_info(args) -> int:

@@ -359,3 +359,11 @@ def test_source_checkout_resolves_the_mapped_subpackages():
     assert out == [os.path.join(root, "sglang_ddtree", "__init__.py"),
                    os.path.join(root, "triton_kernels", "__init__.py"),
                    os.path.join(root, "cuda_ext", "__init__.py")]
+
+
+def test_cli_info_lists_backends_behind_the_triton_verify(loaded):
+    from sglang_ddtree import cli
+
+    behind = cli.triton_verify_backends()
+    assert "fa3" in behind["mha"] and "trtllm_mla" in behind["mla"]
+    assert "triton" not in behind["mha"]  # native there
