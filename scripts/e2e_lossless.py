@@ -66,6 +66,11 @@ MODEL_SETS["tiny_flashinfer"] = dict(MODEL_SETS["tiny"], backend="flashinfer")
 MODEL_SETS["tiny_fa3"] = dict(MODEL_SETS["tiny"], backend="fa3", ddtree_args=TRITON_VERIFY)
 MODEL_SETS["mla_fa3"] = dict(MODEL_SETS["mla"], backend="fa3", ddtree_args=TRITON_VERIFY)
 MODEL_SETS["tiny_tv"] = dict(MODEL_SETS["tiny"], ddtree_args=TRITON_VERIFY, ar_of="tiny")
+# the accepted path's KV moved by one Triton launch for all layers (opt-in SGLANG_DDTREE_KV_MOVE)
+MODEL_SETS["tiny_kvfused"] = dict(MODEL_SETS["tiny"], ddtree_env={"SGLANG_DDTREE_KV_MOVE": "fused"},
+                                  ar_of="tiny")
+MODEL_SETS["mla_kvfused"] = dict(MODEL_SETS["mla"], ddtree_env={"SGLANG_DDTREE_KV_MOVE": "fused"},
+                                 ar_of="mla")
 MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of="mla")
 
 
@@ -515,7 +520,8 @@ def main():
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
             servers[(m, b, graph)] = Server(
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
-                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m], **ddtree_env},
+                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m], **ddtree_env,
+                                  **MODEL_SETS[m].get("ddtree_env", {})},
                 wait=False)
         for m, budgets in det:
             det_flag = ["--enable-deterministic-inference"]

@@ -77,10 +77,12 @@ def _run(monkeypatch, tmp_path, *extra):
 def test_dry_run_all_phases(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = None
-    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:8,auto;mla:8;tiny_tv:8",
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:8,auto;mla:8;tiny_tv:8;tiny_kvfused:8",
                    "--eager-check", "tiny:8", "--speed", "tiny:8", "--deterministic", "tiny:8")
     assert res["errors"] == [] and rc == 0, res["failures"]
-    assert len(res["cases"]) == 4 * 2 + 2  # 4 graph cases + 1 eager case, x 2 batch sizes
+    assert len(res["cases"]) == 5 * 2 + 2  # 5 graph cases + 1 eager case, x 2 batch sizes
+    fused = [s for s in FakeServer.started if "tiny_kvfused" in s.log]
+    assert fused and fused[0].env["SGLANG_DDTREE_KV_MOVE"] == "fused"
     # tiny_tv differs from tiny only on the DDTREE side: one AR server for both
     ars = [s for s in FakeServer.started if not s.spec and "deterministic" not in str(s.args)]
     assert len(ars) == 2
@@ -94,7 +96,7 @@ def test_dry_run_all_phases(monkeypatch, tmp_path):
     det = res["deterministic"]["tiny"]
     assert det["seeded"]["all_reproducible"] and det["seeded"]["equal_to_ar"] == 6
     assert set(res["speed"]["tiny"]) >= {"ar", "dflash", "ddtree"}
-    assert len(res["kv_idle_checks"]) == 5
+    assert len(res["kv_idle_checks"]) == 6
     assert all(s.stopped for s in FakeServer.started)  # nothing leaks into the next run
 
 
