@@ -426,9 +426,11 @@ def main():
 
     def ar_base(m):
         """Model sets whose AR server would be identical (same target, backend and flags)
-        share one: ``ar_of`` names the set that owns it."""
-        base = MODEL_SETS[m].get("ar_of", m)
-        return base if base in models else m
+        share one: the set ``ar_of`` names if it runs, else the first of the sharing sets."""
+        key = MODEL_SETS[m].get("ar_of", m)
+        if key in models:
+            return key
+        return min(x for x in models if MODEL_SETS[x].get("ar_of", x) == key)
 
     ar_models = [m for m in models if ar_base(m) == m]
 

@@ -100,6 +100,15 @@ def test_dry_run_all_phases(monkeypatch, tmp_path):
     assert all(s.stopped for s in FakeServer.started)  # nothing leaks into the next run
 
 
+def test_sets_sharing_an_absent_base_share_one_ar(monkeypatch, tmp_path):
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny_tv:8;tiny_kvfused:8", "--eager-check=",
+                   "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == []
+    assert len([s for s in FakeServer.started if not s.spec]) == 1
+
+
 def test_dry_run_survives_a_dead_model(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = "mla"
