@@ -8,6 +8,7 @@ sampling, and without any draft probabilities. Sampling is an exponential race
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -99,12 +100,74 @@ def seeded_draw(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                            positions).view(-1).long()
 
 
+def make_flashinfer_row_draw(sampler_module):
+    """SGLang's flashinfer sampling backend (``Sampler._sample_from_probs``, its filtered branch)
+    as a per-row draw: ``draw(probs, top_ks, top_ps, min_ps, sampling_info) -> [R] int64``, or
+    None where the module lacks its kernels (no CUDA, or FlashInfer missing).
+
+    Same calls, same order as SGLang's: with min-p, top-k renorm -> top-p renorm -> min-p draw;
+    otherwise the fused top-k/top-p draw with ``filter_apply_order="joint"``. So each node draws
+    with the server's own sampling semantics, and top-p needs no sort of the vocabulary.
+    """
+    try:
+        fns = (sampler_module.top_k_top_p_sampling_from_probs, sampler_module.top_k_renorm_prob,
+               sampler_module.top_p_renorm_prob, sampler_module.min_p_sampling_from_probs)
+    except AttributeError:
+        return None
+    joint, k_renorm, p_renorm, min_p_draw = fns
+
+    def draw(probs, top_ks, top_ps, min_ps, sampling_info):
+        if sampling_info.need_min_p_sampling:
+            kept = p_renorm(k_renorm(probs, top_ks), top_ps)
+            return min_p_draw(kept, min_ps).view(-1).long()
+        return joint(probs.contiguous(), top_ks, top_ps,
+                     filter_apply_order="joint").view(-1).long()
+
+    return draw
+
+
+def checked_row_draw(draw, device):
+    """``draw`` if it runs on ``device`` and keeps every row's draw inside that row's top-k (six
+    random rows, min-p path included); otherwise None and the reason logged. Synchronizes:
+    call at start-up only."""
+    import types
+
+    if draw is None or torch.device(device).type != "cuda":
+        return None
+    try:
+        g = torch.Generator().manual_seed(0)
+        vocab = 257
+        probs = torch.softmax(3 * torch.randn(6, vocab, generator=g), -1).to(device)
+        top_ks = torch.tensor([1, 3, vocab, 1 << 30, 10, 50], dtype=torch.int32, device=device)
+        top_ps = torch.tensor([1.0, 1.0, 0.5, 0.9, 1.0, 0.3], device=device)
+        min_ps = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0], device=device)
+        for need_min_p in (False, True):
+            info = types.SimpleNamespace(need_min_p_sampling=need_min_p)
+            out = draw(probs, top_ks, top_ps, min_ps, info)
+            if out.shape != (6,) or out.dtype != torch.int64:
+                raise RuntimeError(f"draw returned {out.dtype} {tuple(out.shape)}")
+            larger = (probs > probs.gather(1, out[:, None])).sum(1)  # rank of each draw
+            if not bool((larger < top_ks.clamp(max=vocab).long()).all()):
+                raise RuntimeError(f"a draw outside its row's top-k (min_p={need_min_p})")
+    except Exception as e:  # noqa: BLE001 -- logged, then the pytorch-semantics path serves
+        logging.getLogger(__name__).error(
+            "sglang_ddtree: SGLang's flashinfer sampling failed the start-up check (%s: %s); "
+            "T > 0 nodes use the pytorch-backend filter instead", type(e).__name__, e)
+        return None
+    return draw
+
+
 def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
                     positions: Optional[torch.Tensor] = None, seeded_fns=None,
                     request_seeds: Optional[torch.Tensor] = None,
                     generator: Optional[torch.Generator] = None,
-                    max_top_k: Optional[int] = None) -> torch.Tensor:
+                    max_top_k: Optional[int] = None, row_draw=None) -> torch.Tensor:
     """[bs * N] int64 tokens: node rows of request b use request b's sampling params.
+
+    ``row_draw``: :func:`make_flashinfer_row_draw`'s draw, for servers whose sampling backend is
+    flashinfer; it serves the unseeded rows when the batch filters (top-k / top-p / min-p).
+    Otherwise the filter is SGLang's pytorch-backend semantics (:func:`filter_probs`) and the
+    draw an exponential race.
 
     ``max_top_k``: see :func:`filter_probs` (host-side bound on every request's top_k).
 
@@ -128,14 +191,20 @@ def sample_per_node(logits: torch.Tensor, sampling_info, num_tokens: int,
         seeded = seeded_draw(probs, top_ks, rep(sampling_info.top_ps.view(-1)),
                              rep(sampling_info.min_ps.view(-1)), sampling_info,
                              row_seeds.clamp(min=0), positions, seeded_fns)
-    if (sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling
-            or sampling_info.need_min_p_sampling):
-        probs = filter_probs(
-            probs, top_ks, rep(sampling_info.top_ps.view(-1)),
-            rep(sampling_info.min_ps.view(-1)) if sampling_info.need_min_p_sampling else None,
-            max_top_k=max_top_k,
-        )
-    sampled = exponential_race(probs, generator)
+    filtered = (sampling_info.need_top_k_sampling or sampling_info.need_top_p_sampling
+                or sampling_info.need_min_p_sampling)
+    if filtered and row_draw is not None:
+        sampled = row_draw(probs, top_ks, rep(sampling_info.top_ps.view(-1)),
+                           rep(sampling_info.min_ps.view(-1)), sampling_info)
+    else:
+        if filtered:
+            probs = filter_probs(
+                probs, top_ks, rep(sampling_info.top_ps.view(-1)),
+                rep(sampling_info.min_ps.view(-1)) if sampling_info.need_min_p_sampling
+                else None,
+                max_top_k=max_top_k,
+            )
+        sampled = exponential_race(probs, generator)
     if seeded is not None:
         sampled = torch.where(row_seeds >= 0, seeded, sampled)
     greedy = torch.argmax(logits, dim=-1)

@@ -20,7 +20,8 @@ import torch
 from . import config as cfg
 from .budget_stats import BudgetAcceptStats
 from .draft_topk import DraftTopKHead
-from .sampling import host_max_top_k, sample_per_node
+from .sampling import (checked_row_draw, host_max_top_k, make_flashinfer_row_draw,
+                       sample_per_node)
 from .step_graph import AcceptCommitGraphs
 from .step_prep import StepPrep
 from .tree_graph import TreeBuildGraphs
@@ -119,6 +120,11 @@ def _make_worker_class(sgl):
 
                 self._oracle = OracleDraft.from_env()
             self._timers = StepTimers(mode=timers_mode, every=cfg.timers_every())
+            # T > 0 nodes draw as this server's Sampler does: with flashinfer, its own kernels
+            self._row_draw = None
+            if sgl.sampling_backend() == "flashinfer":
+                self._row_draw = checked_row_draw(
+                    make_flashinfer_row_draw(sgl.sampler_module()), self.device)
             kv_move = "fused" if cfg.kv_move_fused() else "sglang"  # a bad value fails here
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
@@ -341,6 +347,7 @@ def _make_worker_class(sgl):
                     seeded_fns=(sgl.multinomial_with_seed, sgl.seeded_filtered_sampler),
                     request_seeds=self._request_seeds(batch),
                     max_top_k=host_max_top_k(batch.reqs, logits.shape[-1]),
+                    row_draw=self._row_draw,
                 ).view(bs, n)
             if self._tp_group is not None:
                 if sampling_info is not None and not sampling_info.is_all_greedy:

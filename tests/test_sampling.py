@@ -184,3 +184,54 @@ def test_chunked_rows_give_the_same_filter_and_draws(monkeypatch, sglang_sampler
     chunked = (sampling.filter_probs(probs, top_ks, top_ps, min_ps),
                sampling.seeded_draw(probs, top_ks, top_ps, min_ps, info, seeds, pos, fns))
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+class _FakeFlashinferSampler:
+    """Records the calls SGLang's flashinfer branch makes; draws the argmax of what it gets."""
+
+    def __init__(self):
+        self.calls = []
+
+    def top_k_top_p_sampling_from_probs(self, probs, top_ks, top_ps, filter_apply_order=None):
+        self.calls.append(("joint", filter_apply_order, top_ks.tolist(), top_ps.tolist()))
+        return probs.argmax(-1).to(torch.int32)
+
+    def top_k_renorm_prob(self, probs, top_ks):
+        self.calls.append(("k_renorm", top_ks.tolist()))
+        return probs
+
+    def top_p_renorm_prob(self, probs, top_ps):
+        self.calls.append(("p_renorm", top_ps.tolist()))
+        return probs
+
+    def min_p_sampling_from_probs(self, probs, min_ps):
+        self.calls.append(("min_p", min_ps.tolist()))
+        return probs.argmax(-1).to(torch.int32)
+
+
+def test_flashinfer_row_draw_mirrors_sglangs_flashinfer_branch():
+    from sglang_ddtree.sampling import checked_row_draw, make_flashinfer_row_draw
+
+    fake = _FakeFlashinferSampler()
+    draw = make_flashinfer_row_draw(fake)
+    logits = torch.randn(2 * 3, 9)
+    info = _info(2, [0.7, 1.0], [5, 9])
+    info.top_ps = torch.tensor([0.9, 0.5])
+    out = sample_per_node(logits, info, 3, row_draw=draw)
+    # one joint draw over the node rows, each with its request's parameters
+    assert fake.calls == [("joint", "joint", [5, 5, 5, 9, 9, 9], pytest.approx([0.9] * 3 + [0.5] * 3))]
+    assert out.dtype == torch.int64 and out.shape == (6,)
+    # min-p: top-k renorm, top-p renorm, min-p draw, in SGLang's order
+    fake.calls.clear()
+    info.need_min_p_sampling = True
+    info.min_ps = torch.tensor([0.1, 0.2])
+    sample_per_node(logits, info, 3, row_draw=draw)
+    assert [c[0] for c in fake.calls] == ["k_renorm", "p_renorm", "min_p"]
+    # no filter in the batch: the race, not the kernels
+    fake.calls.clear()
+    info.need_top_k_sampling = info.need_min_p_sampling = False
+    sample_per_node(logits, info, 3, row_draw=draw)
+    assert fake.calls == []
+    # a module without the kernels (CPU build): none; and the start-up check wants CUDA
+    assert make_flashinfer_row_draw(object()) is None
+    assert checked_row_draw(draw, "cpu") is None

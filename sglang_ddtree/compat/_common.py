@@ -115,6 +115,22 @@ def attention_backend_name(model_runner) -> str:
     return _BACKEND_NAMES.get(name, name)
 
 
+def sampling_backend():
+    """The sampling backend SGLang's Sampler uses in this process, or None outside a server."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return get_exec().kernel.sampling_backend
+    except Exception:  # noqa: BLE001 -- no runtime context (tests, tools)
+        return None
+
+
+def sampler_module():
+    from sglang.srt.layers import sampler
+
+    return sampler
+
+
 def max_capture_bs() -> int:
     from sglang.srt.runtime_context import get_exec
 

@@ -33,6 +33,7 @@ from ._common import (  # noqa: F401  (identical in every supported release)
     _BACKEND_NAMES, apply_verify_logits_adjustments, attention_backend_name,
     builtin_algorithm_names, dcp_enabled, ddtree_is_active, is_hybrid_linear_target, is_mla,
     LAZY_COMMON, build_verify_state, make_lazy, max_capture_bs, max_running_requests,
+    sampler_module, sampling_backend,
 )
 from ._common import tree_greedy_walk as _tree_greedy_walk
 
