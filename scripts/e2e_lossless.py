@@ -66,6 +66,9 @@ MODEL_SETS["tiny_flashinfer"] = dict(MODEL_SETS["tiny"], backend="flashinfer")
 MODEL_SETS["tiny_fa3"] = dict(MODEL_SETS["tiny"], backend="fa3", ddtree_args=TRITON_VERIFY)
 MODEL_SETS["mla_fa3"] = dict(MODEL_SETS["mla"], backend="fa3", ddtree_args=TRITON_VERIFY)
 MODEL_SETS["tiny_tv"] = dict(MODEL_SETS["tiny"], ddtree_args=TRITON_VERIFY, ar_of="tiny")
+# SGLang's default sampling backend (the suite pins pytorch): T > 0 nodes through flashinfer
+MODEL_SETS["tiny_fisample"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
+                                   ddtree_args=["--sampling-backend", "flashinfer"])
 # the accepted path's KV moved by one Triton launch for all layers (opt-in SGLANG_DDTREE_KV_MOVE)
 MODEL_SETS["tiny_kvfused"] = dict(MODEL_SETS["tiny"], ddtree_env={"SGLANG_DDTREE_KV_MOVE": "fused"},
                                   ar_of="tiny")
@@ -247,6 +250,9 @@ def make_prompts(n, vocab, seed=1):
     return prompts
 
 
+# a T > 0 smoke run on every graph server (filtered: top-k and top-p)
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+
 # the oracle plants the target's continuation at rank r with these odds (not always rank 0)
 ORACLE_RANK_PROBS = [0.75, 0.2, 0.05]
 
@@ -410,7 +416,7 @@ def main():
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
         "cases": [], "speed": {}, "kv_idle_checks": [],
-        "edge_checks": [], "graph_vs_eager": [], "deterministic": {},
+        "edge_checks": [], "graph_vs_eager": [], "deterministic": {}, "sampled_runs": [],
     }
     outputs = {}  # (model, budget, cuda graph, batch size) -> DDTREE outputs
     hist = {}
@@ -588,7 +594,8 @@ def main():
                             sgl_hist[i] += v
                     case = {"model": m, "attention_backend": MODEL_SETS[m]["backend"],
                             "verify_backend": args.verify_backend or (
-                                "triton" if MODEL_SETS[m].get("ddtree_args") else "native"),
+                                "triton" if "--speculative-ddtree-verify-backend" in
+                                MODEL_SETS[m].get("ddtree_args", []) else "auto"),
                             "budget": b, "batch_size": c, "prompts": len(prompts),
                             "cuda_graph": graph, "identical": ident, "near_ties": near,
                             "mismatches": bad, "accept_length": accept_length(metas),
@@ -641,6 +648,14 @@ def main():
                                                       "all_equal": bool(edges) and
                                                       all(e["equal"] for e in edges),
                                                       "checks": edges})
+                    # T > 0 through this server's sampling path (top-k/top-p filtered nodes),
+                    # 8 requests at once: every one completes with its full length
+                    outs, metas, _ = run_batch(srv, prompts[:8], 32, 8, SAMPLED)
+                    with lock:
+                        result["sampled_runs"].append({
+                            "model": m, "budget": b, "params": SAMPLED, "requests": len(outs),
+                            "completed": sum(len(o) == 32 for o in outs),
+                            "accept_length": accept_length(metas)})
                 time.sleep(3)  # let the scheduler go idle: SGLang checks its pools for leaks
                 urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/flush_cache").read()
                 loads = http(f"http://127.0.0.1:{srv.port}/v1/loads")["loads"][0]
@@ -705,11 +720,13 @@ def main():
     edge_bad = sum(not e["all_equal"] for e in result["edge_checks"])
     dets = list(result["deterministic"].values())
     seed_bad = sum(not d["seeded"]["all_reproducible"] for d in dets)
+    sampled_bad = sum(r["completed"] != r["requests"] for r in result["sampled_runs"])
     bad += sum(len(d["greedy"]["mismatches"]) for d in dets)
     leaks = sum(bool(k["num_used_tokens_after_flush"] or k["leak_log_lines"])
                 for k in result["kv_idle_checks"])
     result["failures"] = {"mismatches": bad, "edge_checks": edge_bad,
                           "seeded_not_reproducible": seed_bad, "kv_not_idle": leaks,
+                          "sampled_incomplete": sampled_bad,
                           "errors": len(result.get("errors", []))}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"cases={len(result['cases'])} failures={result['failures']} "

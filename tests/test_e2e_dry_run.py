@@ -88,6 +88,8 @@ def test_dry_run_all_phases(monkeypatch, tmp_path):
     assert len(ars) == 2
     tv = [c for c in res["cases"] if c["model"] == "tiny_tv"]
     assert tv and tv[0]["verify_backend"] == "triton"
+    assert res["sampled_runs"] and all(r["completed"] == r["requests"] == 6
+                                       for r in res["sampled_runs"])
     assert all(c["identical"] == c["prompts"] for c in res["cases"])
     assert {e["budget"] for e in res["edge_checks"]} == {8, "auto"}
     edge = res["edge_checks"][0]
