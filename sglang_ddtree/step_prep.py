@@ -16,6 +16,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from .verify import gather_slots
+
 try:  # Triton is present wherever SGLang is
     import triton
     import triton.language as tl
@@ -35,8 +37,7 @@ def prepare_step_reference(req_to_token: torch.Tensor, req_pool_indices: torch.T
     """
     bs = prefix.shape[0]
     dev = prefix.device
-    cols = prefix.to(torch.int64)[:, None] + torch.arange(width, device=dev, dtype=torch.int64)
-    slots = req_to_token[req_pool_indices.to(torch.int64)[:, None], cols].to(torch.int64)
+    slots = gather_slots(req_to_token, req_pool_indices, prefix, width)
     block_ids = torch.full((bs, block), int(mask_token_id), dtype=torch.int64, device=dev)
     block_ids[:, 0].copy_(bonus)
     positions = prefix.to(torch.int64)[:, None] + torch.arange(block, device=dev,

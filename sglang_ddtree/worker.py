@@ -25,7 +25,7 @@ from .sampling import (checked_row_draw, host_max_top_k, make_flashinfer_row_dra
 from .step_graph import AcceptCommitGraphs
 from .step_prep import StepPrep
 from .tree_graph import TreeBuildGraphs
-from .verify import full_mask_numel_bound, gather_slots
+from .verify import full_mask_numel_bound
 from .verify_backend import attach_tree_mask
 
 logger = logging.getLogger(__name__)
@@ -275,22 +275,18 @@ def _make_worker_class(sgl):
             tc = self.tree_cfg
             budget = tc.budget_for(bs)  # host-side choice: fixed, or by batch size with auto
             n, block = budget + 1, self.block_size
-            width = tc.num_draft_tokens  # the KV slots SGLang reserves: the widest tree's
             prefix = batch.seq_lens
             draft_input = batch.spec_info
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
-            if self._step_prep.width == width:
-                slots, block_ids, draft_pos = self._step_prep(
-                    req_to_token, batch.req_pool_indices, prefix, draft_input.bonus_tokens)
-            else:  # not this worker's configured width (tests with other shapes)
-                slots = gather_slots(req_to_token, batch.req_pool_indices, prefix, width)
-                block_ids = draft_pos = None
+            # the KV slots SGLang reserves for the widest tree (tc.num_draft_tokens positions),
+            # the drafter block's ids and positions: one launch
+            slots, block_ids, draft_pos = self._step_prep(
+                req_to_token, batch.req_pool_indices, prefix, draft_input.bonus_tokens)
             seq_bound = self._host_seq_bound(batch, draft_input)  # drafter and verify share it
 
             # 1) draft: one block [root, MASK x (B-1)] through the drafter
-            topk_logp, topk_ids, draft_pos = self._draft(
-                batch, draft_input.bonus_tokens, prefix, slots[:, :block], bs, seq_bound,
-                block_ids=block_ids, positions=draft_pos)
+            topk_logp, topk_ids = self._draft(batch, prefix, block_ids, draft_pos,
+                                              slots[:, :block], bs, seq_bound)
             if self._oracle is not None:
                 self._oracle.plant(batch, topk_logp, topk_ids)
             t.mark("draft")
@@ -435,19 +431,12 @@ def _make_worker_class(sgl):
                                                    device=self.device)
             return buf[:numel]
 
-        def _draft(self, batch, bonus, prefix, block_slots, bs, seq_bound=None, *,
-                   block_ids=None, positions=None):
-            """Run the drafter on [root, MASK x (B-1)]; return per-depth top-K log-probs/ids and
-            the block's [bs, B] positions (reused for the drafter-KV append of this step).
-            ``seq_bound``: the step's ``_host_seq_bound`` (computed here if not given);
-            ``block_ids`` / ``positions``: the block's [bs, B] ids and positions if the step's
-            prep already wrote them (``StepPrep``)."""
+        def _draft(self, batch, prefix, block_ids, positions, block_slots, bs, seq_bound=None):
+            """Run the drafter on the block ``block_ids`` ([bs, B]: root, MASK x (B-1)) at
+            ``positions`` ([bs, B]), both from the step's prep; return per-depth top-K
+            log-probs / ids. ``seq_bound``: the step's ``_host_seq_bound`` (computed here if not
+            given)."""
             block = self.block_size
-            if block_ids is None or positions is None:
-                block_ids = torch.full((bs, block), int(self._mask_token_id),
-                                       dtype=torch.int64, device=self.device)
-                block_ids[:, 0].copy_(bonus)
-                positions = prefix.to(torch.int64)[:, None] + self._block_pos_offsets[None, :]
             embed = sgl.draft_block_embeddings(self, block_ids)
             if seq_bound is None:
                 seq_bound = self._host_seq_bound(batch, batch.spec_info)
@@ -471,11 +460,11 @@ def _make_worker_class(sgl):
                 capture_hidden_mode=sgl.CaptureHiddenMode.NULL,
             )
             if self._draft_head is not None and draft_out.can_run_graph:
-                return (*self._draft_head.read(bs), positions)
+                return self._draft_head.read(bs)
             if self._eager_head is None:
                 self._eager_head = self._build_head(max_bs=sgl.max_running_requests(self))
             self._eager_head(draft_out.logits_output.hidden_states)
-            return (*self._eager_head.read(bs), positions)
+            return self._eager_head.read(bs)
 
     DDTreeWorker.__qualname__ = DDTreeWorker.__name__ = "DDTreeWorker"
     return DDTreeWorker

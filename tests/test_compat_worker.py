@@ -436,17 +436,16 @@ def test_draft_block_runs_through_the_installed_api(worker_class, tmp_path, host
     bound = prefix + BLOCK if host_lens == "batch" else reserved
     with _fake_sglang_process(server_args):
         w = worker_class(**_constructor_kwargs(server_args, target))
-        topk_logp, topk_ids, draft_pos = w._draft(batch, bonus, prefix, block_slots, bs)
+        positions = prefix[:, None] + torch.arange(BLOCK)[None, :]
+        block_ids = torch.full((bs, BLOCK), MASK_ID)
+        block_ids[:, 0] = bonus
+        topk_logp, topk_ids = w._draft(batch, prefix, block_ids, positions, block_slots, bs)
 
     (fb,) = w.draft_model_runner.calls
     assert isinstance(fb, ForwardBatch) and fb.forward_mode == ForwardMode.TARGET_VERIFY
     assert fb.batch_size == bs and fb.spec_info is w._draft_block_spec_info
     assert torch.equal(fb.out_cache_loc.view(bs, BLOCK), block_slots)
-    positions = prefix[:, None] + torch.arange(BLOCK)[None, :]
     assert torch.equal(fb.positions.view(bs, BLOCK), positions)
-    assert torch.equal(draft_pos, positions)  # reused for the drafter-KV append
-    block_ids = torch.full((bs, BLOCK), MASK_ID)
-    block_ids[:, 0] = bonus
     assert torch.equal(fb.input_ids.view(bs, BLOCK), block_ids)
     embed = target.model_runner.model.embed.weight
     assert torch.equal(fb.input_embeds, embed[block_ids.view(-1)])
@@ -656,9 +655,9 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
     draft_pos = prefix[:, None] + torch.arange(BLOCK)[None, :]
     drafted = {}
 
-    def fake_draft(batch, bonus_in, prefix_in, block_slots, bs_in, seq_bound, **kw):
-        drafted.update(kw, block_slots=block_slots.clone())
-        return logp, ids, draft_pos
+    def fake_draft(batch, prefix_in, block_ids, positions, block_slots, bs_in, seq_bound):
+        drafted.update(block_ids=block_ids, positions=positions, block_slots=block_slots.clone())
+        return logp, ids
 
     monkeypatch.setattr(w, "_draft", fake_draft)
 
