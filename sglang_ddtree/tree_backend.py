@@ -119,14 +119,11 @@ def build_tree_auto(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
                                    seq_lens=seq_lens, positions=positions, full_mask=full_mask)
     tree = build_tree(root_ids, topk_logp, topk_ids, budget, out)
     if positions is not None or full_mask is not None:
-        from .verify import tree_positions, write_full_mask
+        from .verify import write_verify_layout
 
         if seq_lens is None:
             raise ValueError("build_tree_auto: positions and full_mask need seq_lens")
-        if positions is not None:
-            positions.copy_(tree_positions(tree.depths, seq_lens))
-        if full_mask is not None:
-            write_full_mask(tree.ancestor_mask, seq_lens, full_mask)
+        write_verify_layout(tree, seq_lens, full_mask, positions)
     return tree
 
 

@@ -70,8 +70,8 @@ class TreeBuildGraphs:
         ``seq_lens + depths`` and, when ``full_mask`` (1-D bool, long enough) is given, the
         FULL_MASK the target's attention backend reads. The fused kernel writes all of it in
         its one launch (into this batch size's buffers); any other builder gets the same
-        layout from ``tree_positions`` and ``write_full_mask``."""
-        from .verify import tree_positions, write_full_mask
+        layout from ``verify.write_verify_layout``."""
+        from .verify import write_verify_layout
 
         bs = root_ids.shape[0]
         if self.single_launch and getattr(self.builder, "writes_layout", False):
@@ -88,9 +88,7 @@ class TreeBuildGraphs:
                                 seq_lens=seq64, positions=pos, full_mask=full_mask)
             return tree, pos
         tree = self(root_ids, topk_logp, topk_ids)
-        if full_mask is not None:
-            write_full_mask(tree.ancestor_mask, seq_lens, full_mask)
-        return tree, tree_positions(tree.depths, seq_lens)
+        return tree, write_verify_layout(tree, seq_lens, full_mask)
 
     def _capture(self, bs: int) -> _Entry:
         dev = self.device

@@ -102,6 +102,19 @@ def _launch_full_mask(ancestor_mask, seq_lens, out) -> None:
     )
 
 
+def write_verify_layout(tree, seq_lens: torch.Tensor, full_mask=None, positions=None):
+    """The verify layout of ``tree`` in ops (what the fused tree kernel writes in its launch):
+    the FULL_MASK into ``full_mask`` if given, and the positions, into ``positions`` if given;
+    returns the positions."""
+    if full_mask is not None:
+        write_full_mask(tree.ancestor_mask, seq_lens, full_mask)
+    pos = tree_positions(tree.depths, seq_lens)
+    if positions is None:
+        return pos
+    positions.copy_(pos)
+    return positions
+
+
 def tree_positions(depths: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """[bs, N] int64 positions: prefix length + node depth."""
     return seq_lens.to(torch.int64)[:, None] + depths
