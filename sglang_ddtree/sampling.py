@@ -40,17 +40,16 @@ def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     over :func:`row_chunks` of the rows.
     """
     vocab = probs.shape[-1]
-    chunks = row_chunks(probs.shape[0], vocab)
-    if (max_top_k is None or not 1 <= max_top_k < vocab) and len(chunks) > 1:
-        out = torch.empty_like(probs)
-        for a, b in chunks:
-            out[a:b] = filter_probs(probs[a:b], top_ks[a:b], top_ps[a:b],
-                                    None if min_ps is None else min_ps[a:b], max_top_k=vocab)
-        return out
-    if max_top_k is not None and 1 <= max_top_k < vocab:
-        sorted_p, idx = probs.topk(max_top_k, dim=-1, largest=True, sorted=True)
-    else:
+    bounded = max_top_k is not None and 1 <= max_top_k < vocab
+    if not bounded:
+        chunks = row_chunks(probs.shape[0], vocab)
+        if len(chunks) > 1:  # each chunk's call sorts its rows in one piece
+            return torch.cat([filter_probs(probs[a:b], top_ks[a:b], top_ps[a:b],
+                                           None if min_ps is None else min_ps[a:b])
+                              for a, b in chunks])
         sorted_p, idx = probs.sort(dim=-1, descending=True)
+    else:
+        sorted_p, idx = probs.topk(max_top_k, dim=-1, largest=True, sorted=True)
     ranks = torch.arange(sorted_p.shape[-1], device=probs.device)[None, :]
     keep = ranks < top_ks.view(-1, 1)
     cum_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
