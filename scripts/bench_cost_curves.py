@@ -146,7 +146,7 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
 
 def main():
     from bench_e2e import run_pass
-    from e2e_lossless import Server, stage_times_by_bs
+    from e2e_lossless import Server, stage_times_by_bs, stop_on_sigterm
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/cost_curves_h200.json")
@@ -187,6 +187,7 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         json.dump(result, open(args.out, "w"), indent=1)
 
+    stop_on_sigterm(dump)
     sources = {}
     if args.accept_json and os.path.exists(args.accept_json):
         sources["tiny_pair_measured:" + os.path.basename(args.accept_json)] = \

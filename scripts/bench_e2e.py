@@ -32,7 +32,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_lossless import (  # noqa: E402  (server handling and its log readers)
-    Server, accept_by_budget, stage_times, stage_times_by_bs,
+    Server, accept_by_budget, stage_times, stage_times_by_bs, stop_on_sigterm,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -174,6 +174,7 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         json.dump(result, open(args.out, "w"), indent=1)
 
+    stop_on_sigterm(dump)
     try:
         if args.concurrent_start:  # start every server now; measure one at a time below
             for i, job in enumerate(jobs):

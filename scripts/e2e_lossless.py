@@ -102,6 +102,24 @@ def http(url, payload=None, timeout=600):
         return json.loads(r.read() or b"null")
 
 
+LIVE_SERVERS = []  # every started, not yet stopped Server: stop_on_sigterm stops them
+
+
+def stop_on_sigterm(on_exit=None):
+    """``timeout`` ends a time-boxed step with SIGTERM, whose default action kills Python
+    without running any ``finally``: the servers (own sessions) would live on, holding the GPU
+    and their ports, and answer the next step's requests (seen on the two-GPU host). Instead
+    stop them, let ``on_exit`` save partial results, and exit."""
+    def handler(signum, frame):
+        for s in list(LIVE_SERVERS):
+            s.stop()
+        if on_exit is not None:
+            on_exit()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 class Server:
     """One ``sglang.launch_server`` process; ``wait=False`` returns at once (call wait_ready).
 
@@ -123,6 +141,7 @@ class Server:
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
+        LIVE_SERVERS.append(self)
         self.t0 = time.time()
         if wait:
             self.wait_ready()
@@ -166,6 +185,8 @@ class Server:
                                f"tail:\n{tail(self.log, 15)}") from e
 
     def stop(self):
+        if self in LIVE_SERVERS:
+            LIVE_SERVERS.remove(self)
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(30)
@@ -428,6 +449,8 @@ def main():
     def dump():  # partial results survive a time-limited run
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         json.dump(result, open(args.out, "w"), indent=1)
+
+    stop_on_sigterm(dump)
 
     ports = iter(range(args.port, args.port + 100))
     det = parse(args.deterministic)

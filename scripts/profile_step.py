@@ -163,7 +163,7 @@ def _post(port, path, payload):
 
 def main():
     from bench_e2e import add_pair_args, run_pass
-    from e2e_lossless import Server
+    from e2e_lossless import Server, stop_on_sigterm
 
     ap = argparse.ArgumentParser()
     add_pair_args(ap, "bench_results/profile_step_h200.json")
@@ -195,6 +195,7 @@ def main():
               "command": " ".join(["python", "scripts/profile_step.py"] + sys.argv[1:]),
               "concurrency": args.concurrency, "profiled_steps": args.steps, "methods": {}}
     servers = {}
+    stop_on_sigterm()
     try:
         for i, (name, extra) in enumerate(methods.items()):
             trace_dir = os.path.join(args.workdir, name)

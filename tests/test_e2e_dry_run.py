@@ -56,6 +56,7 @@ class FakeServer:
 
 def _run(monkeypatch, tmp_path, *extra):
     monkeypatch.setattr(e2e_lossless, "Server", FakeServer)
+    monkeypatch.setattr(e2e_lossless, "stop_on_sigterm", lambda on_exit=None: None)
     monkeypatch.setattr(e2e_lossless, "http",
                         lambda url, *a, **k: {"loads": [{"num_used_tokens": 0}]})
     monkeypatch.setattr(e2e_lossless.urllib.request, "urlopen",
@@ -123,3 +124,24 @@ def test_dry_run_survives_a_dead_model(monkeypatch, tmp_path):
     assert {c["model"] for c in res["cases"]} == {"tiny"}  # the live model's cases still ran
     assert any("mla" in e for e in res["errors"])
     assert all(s.stopped for s in FakeServer.started)
+
+
+def test_sigterm_stops_live_servers_and_saves(monkeypatch):
+    """``timeout`` ends a step with SIGTERM: every live server is stopped (so none answers the
+    next step's requests) and the partial results are saved before the script exits."""
+    import signal
+
+    saved, stopped = [], []
+    fake = types.SimpleNamespace(stop=lambda: stopped.append(1))
+    monkeypatch.setattr(e2e_lossless, "LIVE_SERVERS", [fake, fake])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        e2e_lossless.stop_on_sigterm(lambda: saved.append(1))
+        with pytest.raises(SystemExit) as exc:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs at the next bytecode boundary
+                pass
+        assert exc.value.code == 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped == [1, 1] and saved == [1]
