@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext moe det e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -17,7 +17,7 @@ step() {  # step NAME SECONDS CMD...
 }
 for s in "$@"; do
   case $s in
-    quick)   step quick ${QUICK_LIMIT:-150} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
+    quick)   step quick ${QUICK_LIMIT:-200} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
                tests/gpu/test_step_graph_gpu.py tests/gpu/test_tree_graph_gpu.py tests/test_kv_move.py \
                tests/test_step_prep.py tests/gpu/test_sampling_gpu.py ;;
     unit)    step unit 180 python3 -m pytest -q tests/gpu/test_tree_gpu.py \
@@ -34,11 +34,15 @@ for s in "$@"; do
                step verify-dense 560 python3 -m pytest -q -s tests/gpu/test_verify_backend_gpu.py -k dense ;;
     tp2)     step e2e-tp2 ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py --tp 2 \
                --out "$OUT/e2e_lossless_h200x2_tp2.json" --ddtree-env SGLANG_DDTREE_CHECK_RANKS=1 ${E2E_ARGS:-} ;;
+    det)     # only the deterministic AR + DDTREE pair (seeded T > 0), e.g. on the second GPU
+             step e2e-det ${DET_LIMIT:-300} python3 scripts/e2e_lossless.py --cases "" --eager-check= \
+               --speed= --deterministic "${DET_CASE:-tiny:32}" --port ${DET_PORT:-32100} \
+               --workdir /tmp/ddtree_e2e_det --out "$OUT/e2e_lossless_h200_det.json" ${DET_ARGS:-} ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
     e2e2gpu) # the suite split over the two GPUs of nvidia-h200-x2, both halves at once:
              # GPU 0 the core cases (+ speed, deterministic pair), GPU 1 the other backends and paging
              CUDA_VISIBLE_DEVICES=1 step e2e-b ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py \
-               --cases "${E2E_B_CASES:-tiny_page16:32;tiny_flashinfer:32;tiny_tv:32;mla_tv:32;tiny_kvfused:32;mla_kvfused:32;tiny_fisample:32;tiny_fp32:32}" \
+               --cases "${E2E_B_CASES:-tiny_page16:32;tiny_flashinfer:32;tiny_tv:32;mla_tv:32;tiny_kvfused:32;mla_kvfused:32;tiny_fisample:32}" \
                --eager-check= --speed= --deterministic= --port 32100 --workdir /tmp/ddtree_e2e_b \
                --out "$OUT/e2e_lossless_h200_backends.json" &
              CUDA_VISIBLE_DEVICES=0 step e2e-a ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py \
@@ -55,8 +59,8 @@ for s in "$@"; do
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext moe e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext moe det e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
   esac
 done
-(cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log 2>/dev/null)
+(cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
 tail -40 "$OUT/session.log"
