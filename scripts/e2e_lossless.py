@@ -558,7 +558,12 @@ def main():
                                   **MODEL_SETS[m].get("ddtree_env", {})},
                 wait=False)
         for m, budgets in det:
-            det_flag = ["--enable-deterministic-inference"]
+            # SGLang's deterministic mode aligns every prefill chunk of the triton/flashinfer
+            # backends to 4096 tokens and never schedules a chunk below that: with this suite's
+            # small --chunked-prefill-size, a prompt longer than one chunk hangs (measured on
+            # the H200, AR server too). SGLang's argparse keeps the last value given.
+            det_flag = ["--enable-deterministic-inference",
+                        "--chunked-prefill-size", str(max(args.chunked_prefill_size, 4096))]
             det_servers[(m, "ar")] = Server(setup[m][0] + det_flag, log(f"{m}-ar-det"),
                                             next(ports), wait=False)
             det_servers[(m, "ddtree")] = Server(
