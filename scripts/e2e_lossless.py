@@ -378,6 +378,39 @@ def measure_tps(server, prompts, max_new, concs, repeats):
     return out
 
 
+def summarize(result, hist, outputs):
+    """The run's verdict from what ``result`` holds: graph vs eager (from ``outputs``), the
+    accept histogram (``hist``), mean accept lengths and the failure counts. Also run on a
+    partial result (a step's time limit), where it counts only what finished."""
+    # CUDA graphs on and off: the same requests, the same outputs
+    for (m, b, graph, c), outs in sorted(outputs.items(), key=str):
+        on = outputs.get((m, b, True, c))
+        if not graph and on is not None:
+            result["graph_vs_eager"].append({
+                "model": m, "budget": b, "batch_size": c, "prompts": len(outs),
+                "equal": sum(x == y for x, y in zip(outs, on)),
+                "first_divergences": [first_diff(x, y) for x, y in zip(outs, on) if x != y]})
+
+    result["accept_histogram"] = {str(k): v for k, v in sorted(hist.items())}
+    total = sum(hist.values())
+    result["mean_accept_length"] = sum(k * v for k, v in hist.items()) / total if total else None
+    per_req = [c["accept_length"] for c in result["cases"] if c["accept_length"]]
+    result["mean_accept_length_over_cases"] = sum(per_req) / len(per_req) if per_req else None
+    bad = sum(len(c["mismatches"]) for c in result["cases"])
+    edge_bad = sum(not e["all_equal"] for e in result["edge_checks"])
+    dets = list(result["deterministic"].values())
+    seed_bad = sum(not d["seeded"]["all_reproducible"] for d in dets if "seeded" in d)
+    sampled_bad = sum(r["completed"] != r["requests"] for r in result["sampled_runs"])
+    bad += sum(len(d["greedy"]["mismatches"]) for d in dets if "greedy" in d)
+    leaks = sum(bool(k["num_used_tokens_after_flush"] or k["leak_log_lines"])
+                for k in result["kv_idle_checks"])
+    result["failures"] = {"mismatches": bad, "edge_checks": edge_bad,
+                          "seeded_not_reproducible": seed_bad, "kv_not_idle": leaks,
+                          "sampled_incomplete": sampled_bad,
+                          "errors": len(result.get("errors", []))}
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/e2e_lossless_h200.json")
@@ -450,8 +483,6 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         json.dump(result, open(args.out, "w"), indent=1)
 
-    stop_on_sigterm(dump)
-
     ports = iter(range(args.port, args.port + 100))
     det = parse(args.deterministic)
     models = sorted({m for m, _ in cases + eager + speed + det})
@@ -503,6 +534,17 @@ def main():
     ar, ref, oracle_path = {}, {}, {}
 
     errors = []  # a server that fails costs its own cases, not the run
+
+    def dump_partial():
+        result["status"] = ("partial: ended by SIGTERM (the step's time limit); the summary "
+                            "counts only what had finished")
+        result["errors"] = errors
+        try:
+            summarize(result, hist, outputs)
+        finally:
+            dump()
+
+    stop_on_sigterm(dump_partial)
 
     def start_ar(m):
         common, _, prompts = setup[m]
@@ -731,34 +773,8 @@ def main():
                   + list(speed_servers.values())):
             s.stop()
 
-    # CUDA graphs on and off: the same requests, the same outputs
-    for (m, b, graph, c), outs in sorted(outputs.items(), key=str):
-        on = outputs.get((m, b, True, c))
-        if not graph and on is not None:
-            result["graph_vs_eager"].append({
-                "model": m, "budget": b, "batch_size": c, "prompts": len(outs),
-                "equal": sum(x == y for x, y in zip(outs, on)),
-                "first_divergences": [first_diff(x, y) for x, y in zip(outs, on) if x != y]})
-
-    result["accept_histogram"] = {str(k): v for k, v in sorted(hist.items())}
-    total = sum(hist.values())
-    result["mean_accept_length"] = sum(k * v for k, v in hist.items()) / total if total else None
-    per_req = [c["accept_length"] for c in result["cases"] if c["accept_length"]]
-    result["mean_accept_length_over_cases"] = sum(per_req) / len(per_req) if per_req else None
+    summarize(result, hist, outputs)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    json.dump(result, open(args.out, "w"), indent=1)
-    bad = sum(len(c["mismatches"]) for c in result["cases"])
-    edge_bad = sum(not e["all_equal"] for e in result["edge_checks"])
-    dets = list(result["deterministic"].values())
-    seed_bad = sum(not d["seeded"]["all_reproducible"] for d in dets)
-    sampled_bad = sum(r["completed"] != r["requests"] for r in result["sampled_runs"])
-    bad += sum(len(d["greedy"]["mismatches"]) for d in dets)
-    leaks = sum(bool(k["num_used_tokens_after_flush"] or k["leak_log_lines"])
-                for k in result["kv_idle_checks"])
-    result["failures"] = {"mismatches": bad, "edge_checks": edge_bad,
-                          "seeded_not_reproducible": seed_bad, "kv_not_idle": leaks,
-                          "sampled_incomplete": sampled_bad,
-                          "errors": len(result.get("errors", []))}
     json.dump(result, open(args.out, "w"), indent=1)
     print(f"cases={len(result['cases'])} failures={result['failures']} "
           f"mean_accept={result['mean_accept_length_over_cases']} -> {args.out}")

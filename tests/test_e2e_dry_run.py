@@ -145,3 +145,19 @@ def test_sigterm_stops_live_servers_and_saves(monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert stopped == [1, 1] and saved == [1]
+
+
+def test_summarize_counts_a_partial_result():
+    """A time-limited run's result (a deterministic pair that never answered, no histogram)
+    still gets failure counts from what finished; a mismatch and a leak are counted."""
+    result = {"cases": [{"accept_length": 3.0, "mismatches": [{"pos": 4}]},
+                        {"accept_length": 2.0, "mismatches": []}],
+              "edge_checks": [{"all_equal": True}], "deterministic": {"tiny": {}},
+              "sampled_runs": [{"requests": 8, "completed": 8}],
+              "kv_idle_checks": [{"num_used_tokens_after_flush": 3, "leak_log_lines": []}],
+              "graph_vs_eager": [], "errors": []}
+    e2e_lossless.summarize(result, {}, {})
+    assert result["failures"] == {"mismatches": 1, "edge_checks": 0, "seeded_not_reproducible": 0,
+                                  "kv_not_idle": 1, "sampled_incomplete": 0, "errors": 0}
+    assert result["mean_accept_length_over_cases"] == 2.5
+    assert result["mean_accept_length"] is None
