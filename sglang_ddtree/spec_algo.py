@@ -66,6 +66,18 @@ def check_server_args(server_args) -> None:
             f"DDTREE does not support pipeline parallelism (pp_size={server_args.pp_size}); use "
             "--pp-size 1 (tensor parallelism is fine)."
         )
+    if getattr(server_args, "enable_deterministic_inference", False):
+        from . import compat
+
+        align = compat.load().deterministic_prefill_align(server_args)
+        chunk = getattr(server_args, "chunked_prefill_size", None)
+        if align is not None and chunk is not None and 0 < chunk < align:
+            raise cfg.DDTreeConfigError(
+                f"--enable-deterministic-inference makes this SGLang align every prefill chunk "
+                f"to {align} tokens and never schedule a shorter one, so with "
+                f"--chunked-prefill-size {chunk} a prompt longer than {chunk} tokens would "
+                f"wait forever. Use --chunked-prefill-size {align} or more."
+            )
     cfg.read_budget()  # raises on a bad --speculative-ddtree-budget / SGLANG_DDTREE_BUDGET
     cfg.read_topk()
     verify = cfg.read_verify_backend()

@@ -174,6 +174,26 @@ def test_startup_refusals():
                                              attention_backend="trtllm_mla"))
 
 
+def test_deterministic_mode_with_small_prefill_chunks_is_refused_on_0_5_17(monkeypatch):
+    """0.5.17 never schedules a prefill chunk under its deterministic-mode alignment: a small
+    --chunked-prefill-size would hang every long prompt (measured on the H200)."""
+    pytest.importorskip("sglang")
+    from sglang_ddtree import compat, spec_algo
+
+    args = lambda **kw: _server_args(speculative_draft_model_path="x",  # noqa: E731
+                                     enable_deterministic_inference=True, **kw)
+    if compat.installed_sglang_version() != "0.5.17":
+        spec_algo.check_server_args(args(chunked_prefill_size=128))  # SGLang checks it itself
+        return
+    with pytest.raises(cfg.DDTreeConfigError, match="chunked-prefill-size 4096"):
+        spec_algo.check_server_args(args(chunked_prefill_size=128))
+    spec_algo.check_server_args(args(chunked_prefill_size=4096))
+    spec_algo.check_server_args(args(chunked_prefill_size=-1))  # chunking off
+    spec_algo.check_server_args(args(chunked_prefill_size=None))  # SGLang's default later
+    monkeypatch.setenv("SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE", "128")
+    spec_algo.check_server_args(args(chunked_prefill_size=128))
+
+
 def test_unknown_sglang_version_is_refused():
     from sglang_ddtree import compat
 

@@ -55,6 +55,21 @@ def resolved_arg(server_args, name: str):
     return getattr(server_args, name)
 
 
+def deterministic_prefill_align(server_args):
+    """The prefill-chunk alignment 0.5.17's scheduler enforces under
+    ``--enable-deterministic-inference`` (None: none). It never schedules a chunk shorter than
+    this, so with a smaller ``--chunked-prefill-size`` a longer prompt waits forever (the AR
+    server too; measured on the H200). 0.5.23 refuses that setup itself."""
+    import os
+
+    if not getattr(server_args, "enable_deterministic_inference", False):
+        return None
+    env = {"flashinfer": "SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE",
+           "triton": "SGLANG_TRITON_PREFILL_TRUNCATION_ALIGN_SIZE"}.get(
+        getattr(server_args, "attention_backend", None))
+    return int(os.environ.get(env, 4096)) if env else None
+
+
 def decode_graphs_enabled(server_args) -> bool:
     return not server_args.disable_cuda_graph
 

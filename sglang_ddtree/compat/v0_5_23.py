@@ -106,6 +106,12 @@ def resolved_arg(server_args, name: str):
     return resolution_result(server_args, name)
 
 
+def deterministic_prefill_align(server_args):
+    """None: 0.5.23's scheduler refuses a chunked prefill size below its deterministic-mode
+    alignment itself (``check_truncation_align_fits_chunk``)."""
+    return None
+
+
 def decode_graphs_enabled(server_args) -> bool:
     """Whether decode CUDA graphs are on (the deprecated ``disable_cuda_graph`` field is raw)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
