@@ -359,6 +359,8 @@ def _make_worker_class(sgl):
             step = done.step
             if on_publish is not None:
                 on_publish(step.new_seq_lens)
+            t.mark("commit")
+            # DFlash's drafter KV append (the same call DFLASH makes every step)
             hidden = logits_output.hidden_states.index_select(0, done.hidden_rows)
             self._append_target_hidden_to_draft_kv_by_loc(
                 target_hidden=hidden,
@@ -368,7 +370,7 @@ def _make_worker_class(sgl):
                 commit_lens=step.commit_lens,
             )
             logits_output.hidden_states = None
-            t.mark("commit")
+            t.mark("draft_kv")
             t.finish(bs)
             if self._budget_stats is not None and t.steps % t.every == 0:
                 by_budget = self._budget_stats.report()  # values of the previous report: no sync
@@ -520,9 +522,11 @@ class StepTimers:
     draft: drafter block + top-K head; tree: tree build; verify: mask, positions and the
     target's forward; accept: the target's token at every node (argmax, or sampling and the TP
     broadcast); commit: tree walk, emitted tokens, KV relocation (one graph replay) and the
-    drafter's KV from the accepted nodes' hidden states."""
+    lengths published to the scheduler; draft_kv: the drafter's KV from the accepted nodes'
+    hidden states (DFlash's own append, which DFLASH pays every step as well). DDTree's own
+    overhead over a chain step is tree + accept + commit."""
 
-    STAGES = ("draft", "tree", "verify", "accept", "commit")
+    STAGES = ("draft", "tree", "verify", "accept", "commit", "draft_kv")
 
     def __init__(self, mode: str = "off", every: int = 200):
         self.mode = mode
