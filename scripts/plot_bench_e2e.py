@@ -39,6 +39,32 @@ def table(data: dict, mode: str = "greedy") -> str:
     return f"Output tokens/s, {mode}, median of {data['repeats']} ({src}):\n\n" + "\n".join(rows)
 
 
+OWN_STAGES = ("tree", "accept", "commit")  # what DDTREE adds to a chain step (StepTimers)
+
+
+def overhead_table(data: dict) -> str:
+    """DDTree's own share of the step (tree + accept + commit over the sum of all stages) per
+    batch size, from the GPU-synchronized timer servers (``stage_ms_by_batch_size``); '' when
+    the JSON has none. Runs from before the ``draft_kv`` stage counted DFlash's drafter KV append
+    inside commit: their share is an upper bound and says so."""
+    rows = []
+    for method, rec in sorted((data.get("stage_ms_by_batch_size") or {}).items()):
+        for bs, st in sorted(((rec or {}).get("bs") or {}).items(), key=lambda x: int(x[0])):
+            total = sum(v for k, v in st.items() if k != "steps")
+            if not total:
+                continue
+            own = sum(st.get(k, 0.0) for k in OWN_STAGES)
+            bound = "" if "draft_kv" in st else " (upper bound: commit includes draft_kv)"
+            rows.append(f"| {method} | {bs} | {st['steps']} | {total:.3f} | {own:.3f} | "
+                        f"{100 * own / total:.1f} %{bound} |")
+    if not rows:
+        return ""
+    head = ["| method | batch size | steps | step ms | tree + accept + commit ms | share |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    return ("DDTree's own per-step overhead, GPU-synchronized stage timers (goal: at most 3 % "
+            "at budget 32, batch 1..32):\n\n" + "\n".join(head + rows))
+
+
 def plots(data: dict, stem: str) -> list:
     try:
         import matplotlib
@@ -106,8 +132,10 @@ def main():
     data = json.load(open(args.json))
     stem = os.path.join(args.png_dir or os.path.dirname(args.json),
                         os.path.splitext(os.path.basename(args.json))[0])
-    block = "\n\n".join(table(data, m) for m in ("greedy", "t1")
-                        if any(m in r for r in data["results"].values()))
+    parts = [table(data, m) for m in ("greedy", "t1")
+             if any(m in r for r in data["results"].values())]
+    parts += [t for t in (overhead_table(data),) if t]
+    block = "\n\n".join(parts)
     print(block)
     for p in plots(data, stem):
         print("wrote", p)

@@ -102,3 +102,20 @@ def test_plots_take_auto_and_triton_verify_methods(tmp_path):
     data["results"].update(ddtree_bauto=g, ddtree_tv_b32=g, ddtree_b8=g)
     files = plot.plots(data, str(tmp_path / "x"))
     assert any(f.endswith("_budget.png") for f in files)
+
+
+def test_overhead_table_shares_and_marks_old_runs():
+    data = {"stage_ms_by_batch_size": {
+        "ddtree_b32": {"mode": "sync", "bs": {
+            "8": {"steps": 100, "draft": 2.0, "tree": 0.05, "verify": 5.0, "accept": 0.05,
+                  "commit": 0.1, "draft_kv": 0.8},
+            "1": {"steps": 300, "draft": 1.0, "tree": 0.1, "verify": 2.0, "accept": 0.1,
+                  "commit": 0.8}}}}}
+    t = plot.overhead_table(data)
+    lines = t.splitlines()
+    bs1 = next(x for x in lines if x.startswith("| ddtree_b32 | 1 |"))
+    bs8 = next(x for x in lines if x.startswith("| ddtree_b32 | 8 |"))
+    assert lines.index(bs1) < lines.index(bs8)  # batch sizes in numeric order
+    assert "25.0 % (upper bound" in bs1  # 1.0 of 4.0 ms, commit still holds the KV append
+    assert "| 8.000 | 0.200 | 2.5 % |" in bs8
+    assert plot.overhead_table({"results": {}}) == ""
