@@ -119,3 +119,61 @@ def test_overhead_table_shares_and_marks_old_runs():
     assert "25.0 % (upper bound" in bs1  # 1.0 of 4.0 ms, commit still holds the KV append
     assert "| 8.000 | 0.200 | 2.5 % |" in bs8
     assert plot.overhead_table({"results": {}}) == ""
+
+
+def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
+    """scripts/bench_e2e.py end to end with fake servers and passes: every method (auto and
+    triton-verify budgets included) gets results, the timer server its stage records, and the
+    JSON is written; catches script bugs before GPU time is spent on them."""
+    import sys
+    import types
+
+    import pytest
+
+    pytest.importorskip("sglang")
+    import bench_e2e
+    import torch
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, args, log, port, env=None, wait=True):
+            self.args, self.log, self.port, self.env = args, log, port, env or {}
+            self.startup_s = 1.0
+            open(log, "w").write(
+                "DDTREE stage ms/step (sync) over 200 steps (last bs=1): {'draft': 1.0, "
+                "'tree': 0.1, 'verify': 2.0, 'accept': 0.1, 'commit': 0.2, 'draft_kv': 0.6}\n"
+                'DDTREE stage ms/step by batch size (sync): {"1": {"steps": 200, "draft": 1.0, '
+                '"tree": 0.1, "verify": 2.0, "accept": 0.1, "commit": 0.2, "draft_kv": 0.6}}\n')
+            started.append(self)
+
+        def wait_ready(self):
+            return self
+
+        def stop(self):
+            pass
+
+    def fake_pass(port, prompts, max_new, conc, sampling):
+        return {"tokens_per_s": 100.0 * conc, "ttft_ms": 5.0, "tpot_ms": 2.0,
+                "accept_length": 2.0}
+
+    monkeypatch.setattr(bench_e2e, "Server", FakeServer)
+    monkeypatch.setattr(bench_e2e, "run_pass", fake_pass)
+    monkeypatch.setattr(bench_e2e, "stop_on_sigterm", lambda on_exit=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"input_ids": [1, 2, 3]}) for _ in range(8)) + "\n")
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--out", str(out), "--prompts-file", str(prompts), "--budgets", "8,auto",
+        "--triton-verify-budgets", "32", "--concurrency", "1,4", "--modes", "greedy",
+        "--repeats", "1", "--timer-budgets", "8", "--workdir", str(tmp_path / "w")])
+    bench_e2e.main()
+    res = json.loads(out.read_text())
+    assert set(res["results"]) == {"ar", "dflash", "ddtree_b8", "ddtree_bauto", "ddtree_tv_b32"}
+    assert res["results"]["ddtree_b8"]["greedy"]["4"]["tokens_per_s"] == 400.0
+    assert res["stage_ms_by_batch_size"]["ddtree_b8"]["bs"]["1"]["draft_kv"] == 0.6
+    assert not res["errors"]
+    tv = next(s for s in started if "--speculative-ddtree-verify-backend" in s.args)
+    assert tv.args[tv.args.index("--speculative-ddtree-budget") + 1] == "32"
+    assert "| 4.000 | 0.400 | 10.0 % |" in plot.overhead_table(res)  # tree+accept+commit / step
