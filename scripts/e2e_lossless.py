@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
+import hashlib
 import json
 import os
 import random
@@ -378,6 +379,11 @@ def measure_tps(server, prompts, max_new, concs, repeats):
     return out
 
 
+def output_digest(tokens) -> str:
+    """A short digest of one generation's token ids (equal digests: equal outputs)."""
+    return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()[:16]
+
+
 def summarize(result, hist, outputs):
     """The run's verdict from what ``result`` holds: graph vs eager (from ``outputs``), the
     accept histogram (``hist``), mean accept lengths and the failure counts. Also run on a
@@ -390,6 +396,16 @@ def summarize(result, hist, outputs):
                 "model": m, "budget": b, "batch_size": c, "prompts": len(outs),
                 "equal": sum(x == y for x, y in zip(outs, on)),
                 "first_divergences": [first_diff(x, y) for x, y in zip(outs, on) if x != y]})
+    if not outputs:  # a result read back from its JSON: compare the cases' output digests
+        by_key = {(c["model"], str(c["budget"]), c["batch_size"], c["cuda_graph"]): c
+                  for c in result["cases"] if c.get("output_digests")}
+        for (m, b, bs, graph), off in sorted(by_key.items(), key=str):
+            on = by_key.get((m, b, bs, True))
+            if not graph and on is not None:
+                pairs = list(zip(off["output_digests"], on["output_digests"]))
+                result["graph_vs_eager"].append({
+                    "model": m, "budget": off["budget"], "batch_size": bs, "prompts": len(pairs),
+                    "equal": sum(x == y for x, y in pairs), "first_divergences": None})
 
     result["accept_histogram"] = {str(k): v for k, v in sorted(hist.items())}
     total = sum(hist.values())
@@ -672,6 +688,11 @@ def main():
                             "budget": b, "batch_size": c, "prompts": len(prompts),
                             "cuda_graph": graph, "identical": ident, "near_ties": near,
                             "mismatches": bad, "accept_length": accept_length(metas),
+                            # per prompt: where it leaves AR's output (None: identical) and a
+                            # digest, so graph vs eager can be compared from the JSON alone
+                            "first_divergence_from_ar": [first_diff(o, r)
+                                                         for o, r in zip(outs, ref[m])],
+                            "output_digests": [output_digest(o) for o in outs],
                             "sglang_spec_metrics": {
                                 "spec_accept_length_in_every_response": all(
                                     "spec_accept_length" in mt for mt in metas),

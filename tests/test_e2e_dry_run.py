@@ -161,3 +161,19 @@ def test_summarize_counts_a_partial_result():
                                   "kv_not_idle": 1, "sampled_incomplete": 0, "errors": 0}
     assert result["mean_accept_length_over_cases"] == 2.5
     assert result["mean_accept_length"] is None
+
+
+def test_graph_vs_eager_from_the_cases_digests():
+    """Read back from a JSON (no outputs in memory), graph vs eager compares the per-prompt
+    output digests of the graph-on and graph-off cases of the same model, budget, batch size."""
+    d = e2e_lossless.output_digest
+    case = lambda graph, outs: {"model": "tiny", "budget": 32, "batch_size": 4,  # noqa: E731
+                                "cuda_graph": graph, "accept_length": 2.0, "mismatches": [],
+                                "output_digests": [d(o) for o in outs]}
+    result = {"cases": [case(True, [[1, 2], [3, 4], [5]]), case(False, [[1, 2], [3, 5], [5]])],
+              "edge_checks": [], "deterministic": {}, "sampled_runs": [], "kv_idle_checks": [],
+              "graph_vs_eager": [], "errors": []}
+    e2e_lossless.summarize(result, {}, {})
+    assert result["graph_vs_eager"] == [{"model": "tiny", "budget": 32, "batch_size": 4,
+                                         "prompts": 3, "equal": 2, "first_divergences": None}]
+    assert d([1, 2]) == d((1, 2)) != d([2, 1])
