@@ -252,6 +252,41 @@ def parse_ints(s):
     return [int(x) for x in s.split(",") if x]
 
 
+# H200 SXM dense BF16 tensor-core peak from NVIDIA's datasheet (989 TFLOP/s), not a measurement:
+# the compute roof of the roofline below. The memory roof is the measured copy bandwidth.
+H200_BF16_PEAK_TFLOPS = 989.0
+
+
+def roofline(r: dict, copy_gbps: float, peak_tflops: float = H200_BF16_PEAK_TFLOPS) -> dict:
+    """The time a point cannot beat: max(KV bytes / copy bandwidth, prefix FLOPs / peak), and
+    our kernel's share of it. ``r`` is one result row (kv_bytes, ours_us, TFLOPs)."""
+    flops = r["TFLOPs"] * 1e6 * r["ours_us"]  # TFLOP/s x us = MFLOP; x 1e6 -> FLOP
+    mem_us = r["kv_bytes"] / (copy_gbps * 1e3)
+    compute_us = flops / (peak_tflops * 1e6)
+    roof = max(mem_us, compute_us)
+    return {"flop_per_byte": round(flops / r["kv_bytes"], 1),
+            "bound": "memory" if mem_us >= compute_us else "compute",
+            "roofline_us": round(roof, 2), "frac_of_roofline": round(roof / r["ours_us"], 3),
+            # the best fraction of copy bandwidth any kernel can reach at this point
+            "max_frac_copy_bw": round(mem_us / roof, 3)}
+
+
+def roofline_table(data: dict, peak_tflops: float = H200_BF16_PEAK_TFLOPS) -> str:
+    """Markdown: every point of a results JSON against its roofline (no GPU needed)."""
+    bw = data["meta"]["copy_bandwidth_GBps"]
+    rows = ["| kind | batch | budget | context | ours us | FLOP/B | bound | roofline us | "
+            "ours / roofline | % copy bw reached | % copy bw reachable |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["results"]:
+        f = roofline(r, bw, peak_tflops)
+        rows.append(f"| {r['kind']} | {r['batch']} | {r['budget']} | {r['context']} | "
+                    f"{r['ours_us']} | {f['flop_per_byte']:.0f} | {f['bound']} | "
+                    f"{f['roofline_us']} | {100 * f['frac_of_roofline']:.0f} % | "
+                    f"{100 * r['frac_copy_bw']:.0f} % | {100 * f['max_frac_copy_bw']:.0f} % |")
+    return (f"Roofline: memory roof {bw:.0f} GB/s (measured copy), compute roof {peak_tflops:.0f} "
+            f"TFLOP/s (datasheet BF16 dense peak, not measured).\n\n" + "\n".join(rows))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "tree_verify_h200.json"))
@@ -264,7 +299,18 @@ def main(argv=None):
     ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
     ap.add_argument("--config", default=None,
                     help="override our tile config: block_m,block_n,num_warps,num_stages")
+    ap.add_argument("--sweep", default=None,
+                    help="tile configs to time at every point besides the default, ';'-separated "
+                         "block_m,block_n,num_warps,num_stages (e.g. '64,64,8,2;128,64,8,3'); "
+                         "each point records them under 'sweep_us' (outputs checked against the "
+                         "default config's)")
+    ap.add_argument("--roofline-of", default=None, metavar="JSON",
+                    help="print a results JSON against its roofline and exit (no GPU needed)")
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
     args = ap.parse_args(argv)
+    if args.roofline_of:
+        print(roofline_table(json.load(open(args.roofline_of)), args.peak_tflops))
+        return 0
     if not torch.cuda.is_available():
         print("bench_tree_verify needs a CUDA GPU")
         return 2
@@ -302,6 +348,18 @@ def main(argv=None):
                              kv_GBps=round(p.kv_bytes / us / 1e3, 1),
                              TFLOPs=round(p.flops / us / 1e6, 1))
                     r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
+                    r.update(roofline(r, copy_bw, args.peak_tflops))
+                    if args.sweep:
+                        r["sweep_us"] = {}
+                        for cfg_s in args.sweep.split(";"):
+                            try:
+                                cfg = ta.KernelConfig(*parse_ints(cfg_s))
+                                t, o, _ = bench_ours(ta, mla, p, args.iters, flush, cfg)
+                                diff = rel_diff(o, ours)
+                                r["sweep_us"][cfg_s] = (round(t, 2) if diff < 2e-2 else
+                                                        f"wrong output: rel diff {diff:.3g}")
+                            except Exception as exc:  # noqa: BLE001 - recorded per config
+                                r["sweep_us"][cfg_s] = f"error: {type(exc).__name__}: {exc}"[:200]
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
                         if not avail:
@@ -327,6 +385,7 @@ def main(argv=None):
                 torch=torch.__version__, triton=__import__("triton").__version__,
                 python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
                 sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
+                peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
                 timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
                 shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
                             mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),

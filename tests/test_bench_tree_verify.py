@@ -1,0 +1,39 @@
+"""scripts/bench_tree_verify.py's roofline reading (pure arithmetic on a results JSON)."""
+
+import importlib.util
+import os
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location(
+        "bench_tree_verify", os.path.join(HERE, "..", "scripts", "bench_tree_verify.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_roofline_memory_and_compute_bound_points(bench):
+    # 1 GB of KV in 1000 us at 100 TFLOP/s: 1e11 FLOP, 100 FLOP/B; memory roof 250 us at 4000 GB/s
+    mem = bench.roofline({"kv_bytes": 1e9, "ours_us": 1000.0, "TFLOPs": 100.0}, 4000.0, 1000.0)
+    assert mem == {"flop_per_byte": 100.0, "bound": "memory", "roofline_us": 250.0,
+                   "frac_of_roofline": 0.25, "max_frac_copy_bw": 1.0}
+    # 1e12 FLOP on the same bytes: compute roof 1000 us at 1000 TFLOP/s, bandwidth at most 25 %
+    comp = bench.roofline({"kv_bytes": 1e9, "ours_us": 2000.0, "TFLOPs": 500.0}, 4000.0, 1000.0)
+    assert comp["bound"] == "compute" and comp["roofline_us"] == 1000.0
+    assert comp["frac_of_roofline"] == 0.5 and comp["max_frac_copy_bw"] == 0.25
+
+
+def test_roofline_table_reads_the_committed_results(bench):
+    import json
+
+    path = os.path.join(HERE, "..", "bench_results", "tree_verify_h200.json")
+    data = json.load(open(path))
+    table = bench.roofline_table(data)
+    assert table.count("\n| mha |") + table.count("\n| mla |") == len(data["results"])
+    assert "datasheet" in table
