@@ -58,7 +58,7 @@ for s in "$@"; do
     costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-} ;;
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
-    bench)   step bench 240 python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ;;
+    bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
     *) log "unknown step $s (quick unit cudaext moe det e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
   esac
 done
