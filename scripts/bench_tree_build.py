@@ -31,15 +31,15 @@ from sglang_ddtree import tree_backend
 from sglang_ddtree.tree import DraftTree, build_tree
 
 
-def make_topk(bs, depth, k, vocab, dist, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(bs, depth, vocab, device="cuda", generator=g) * 3
+def make_topk(bs, depth, k, vocab, dist, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(bs, depth, vocab, device=device, generator=g) * 3
     if dist == "peaked":
-        tok = torch.randint(0, vocab, (bs, depth, 1), device="cuda", generator=g)
-        boost = 10 + 10 * torch.rand(bs, depth, 1, device="cuda", generator=g)
+        tok = torch.randint(0, vocab, (bs, depth, 1), device=device, generator=g)
+        boost = 10 + 10 * torch.rand(bs, depth, 1, device=device, generator=g)
         logits.scatter_add_(-1, tok, boost)
     vals, ids = torch.log_softmax(logits, -1).topk(k, -1)
-    roots = torch.randint(0, vocab, (bs,), device="cuda", generator=g)
+    roots = torch.randint(0, vocab, (bs,), device=device, generator=g)
     del logits
     return roots, vals.contiguous(), ids.contiguous()
 

@@ -126,3 +126,21 @@ def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path):
     for fill in (0x00, 0xFF):
         again, _, _ = run_emulated(driver, tmp_path, roots, lp, ids, 64, 64, seq, fill=fill)
         assert_same_tree(first, again, f"fill {fill:#x}")
+
+
+def test_phase_count_of_the_emulated_kernel(driver, tmp_path):
+    """scripts/tree_build_phases.py reads the block barriers a launch passed: a deep tree
+    (peaked draft distributions, many depths) takes more serial phases than a one-depth one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tree_build_phases", ROOT / "scripts" / "tree_build_phases.py")
+    phases_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(phases_mod)
+    from bench_tree_build import make_topk
+
+    roots, lp, ids = make_topk(2, 15, 16, 1000, "peaked", seed=1, device="cpu")
+    deep = phases_mod.phases(str(driver), str(tmp_path), roots, lp, ids, 16, 64)
+    shallow = phases_mod.phases(str(driver), str(tmp_path), roots, lp[:, :1].contiguous(),
+                                ids[:, :1].contiguous(), 16, 64)
+    assert 3 <= shallow < deep

@@ -32,7 +32,13 @@ inline std::unique_ptr<std::barrier<>> g_emu_block_bar;
 inline std::vector<std::unique_ptr<std::barrier<>>> g_emu_warp_bar;
 inline std::vector<std::vector<uint64_t>> g_emu_warp_buf;
 
-inline void __syncthreads() { g_emu_block_bar->arrive_and_wait(); }
+// Block-wide barriers passed by thread 0 of every block so far: the kernel's count of serial
+// phases, which sets its latency when its per-phase work is small (scripts/tree_build_phases.py).
+inline long g_emu_block_syncs = 0;
+inline void __syncthreads() {
+  if (threadIdx.x == 0) ++g_emu_block_syncs;
+  g_emu_block_bar->arrive_and_wait();
+}
 
 enum class EmuShfl { kUp, kXor };
 

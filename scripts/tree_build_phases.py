@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Serial phases of the fused tree-build kernel, counted on a CPU (no GPU needed).
+
+The kernel (``cuda_ext/tree_build_kernel.cuh``) runs one thread block per request through a
+sequence of block-wide phases (one ``__syncthreads`` each): per depth a candidate count, radix
+passes and a compaction, then the output writes. When each phase's work is small, as at the
+budgets DDTree uses, the number of phases bounds the kernel's latency: dividing the H200
+times in ``bench_results/tree_build_h200.json`` by these counts gives 0.3-0.7 us per phase
+(peaked inputs take about twice the phases and twice the time of random ones). This script compiles the kernel against the CPU emulation in
+``tests/cuda_ext_emu`` (host C++20 compiler), runs it on ``scripts/bench_tree_build.py``'s input
+distributions and prints the block barriers per block, so a change to the kernel's structure
+can be judged before GPU time is spent on it. The GPU benchmark stays the measure of speed.
+
+    python scripts/tree_build_phases.py [--budgets 16 64 256] [--out phases.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_tree_build import make_topk  # noqa: E402
+
+EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
+KERNEL_DIR = ROOT / "cuda_ext"
+PHASES_RE = re.compile(r"block barriers per block: ([\d.]+)")
+
+
+def default_threads(budget: int) -> int:  # as tree_build.cpp picks them
+    return 128 if budget <= 128 else 256 if budget <= 256 else 512 if budget <= 512 else 1024
+
+
+def build_driver(workdir: str) -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise SystemExit("tree_build_phases needs a C++20 compiler (g++ or clang++)")
+    exe = os.path.join(workdir, "emu_driver")
+    subprocess.run([cxx, "-std=c++20", "-O2", "-pthread", "-Wno-unknown-pragmas",
+                    f"-I{EMU_DIR}", f"-I{KERNEL_DIR}", str(EMU_DIR / "emu_driver.cpp"),
+                    "-o", exe], check=True, capture_output=True, text=True)
+    return exe
+
+
+def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int) -> float:
+    """Mean block barriers per block of one emulated launch."""
+    bs, depth, k = lp.shape
+    fin, fout = os.path.join(workdir, "in.bin"), os.path.join(workdir, "out.bin")
+    with open(fin, "wb") as f:
+        np.array([bs, depth, k, budget, threads, 0], np.int64).tofile(f)
+        lp.numpy().astype(np.float32).tofile(f)
+        ids.numpy().astype(np.int64).tofile(f)
+        roots.numpy().astype(np.int64).tofile(f)
+        np.zeros(bs, np.int64).tofile(f)
+    r = subprocess.run([exe, fin, fout], check=True, capture_output=True, text=True, timeout=600)
+    return float(PHASES_RE.search(r.stderr).group(1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--dists", nargs="+", default=["peaked", "random"])
+    ap.add_argument("--bs", type=int, default=4, help="requests per launch (phases are averaged)")
+    ap.add_argument("--depth", type=int, default=15)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--threads", type=int, default=0, help="0: the launcher's choice")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        exe = build_driver(work)
+        for dist in args.dists:
+            for budget in args.budgets:
+                roots, lp, ids = make_topk(args.bs, args.depth, budget, args.vocab, dist,
+                                           seed=args.bs * 7919 + budget, device="cpu")
+                t = args.threads or default_threads(budget)
+                rows.append(dict(dist=dist, budget=budget, threads=t, bs=args.bs,
+                                 phases_per_block=phases(exe, work, roots, lp, ids, budget, t)))
+                print(f"{dist:7s} budget {budget:4d} threads {t:4d}: "
+                      f"{rows[-1]['phases_per_block']:.1f} block barriers per block", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(command=" ".join(["python", "scripts/tree_build_phases.py"]
+                                            + (argv or sys.argv[1:])), rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
