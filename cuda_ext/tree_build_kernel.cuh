@@ -82,6 +82,9 @@ __device__ __forceinline__ int find_parent(const int* off, int m, int c) {
 // ---------------------------------------------------------------------------------------------
 // Block-wide helpers. blockDim.x is a multiple of 32; every thread must call them.
 
+// One barrier each: every thread reads all warps' partials after it. The buffer is read until
+// the caller's next barrier, so a helper call that follows without a barrier in between must use
+// another buffer (the kernel gives block_min its own).
 template <typename T>
 __device__ __forceinline__ T block_exclusive_sum(T v, T* wbuf, T& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -93,20 +96,14 @@ __device__ __forceinline__ T block_exclusive_sum(T v, T* wbuf, T& total) {
   }
   if (lane == 31) wbuf[warp] = x;
   __syncthreads();
-  if (warp == 0) {
-    T w = lane < nw ? wbuf[lane] : T(0);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const T y = __shfl_up_sync(kFullWarp, w, o);
-      if (lane >= o) w += y;
-    }
-    wbuf[lane] = w;  // inclusive prefix over warps
+  T before = T(0), all = T(0);
+  for (int w = 0; w < nw; ++w) {
+    const T t = wbuf[w];
+    if (w < warp) before += t;
+    all += t;
   }
-  __syncthreads();
-  total = wbuf[nw - 1];
-  const T res = (warp ? wbuf[warp - 1] : T(0)) + x - v;
-  __syncthreads();  // wbuf may be reused right after
-  return res;
+  total = all;
+  return before + x - v;
 }
 
 __device__ __forceinline__ float block_min(float v, float* wbuf) {
@@ -117,13 +114,17 @@ __device__ __forceinline__ float block_min(float v, float* wbuf) {
   __syncthreads();
   float r = wbuf[0];
   for (int w = 1; w < nw; ++w) r = fminf(r, wbuf[w]);
-  __syncthreads();
   return r;
 }
 
-// Warp 0: walk the 256-bin histogram from the top bin down and find the bin holding the krem-th
-// largest key. ctrl[0] = bin, ctrl[1] = keys still to take inside it, ctrl[2] = keys in it.
-__device__ __forceinline__ void radix_pick_bin(const int* hist, int krem, int* ctrl) {
+// Every warp (the same result in every lane of every warp, so no barrier is needed to share
+// it): walk the 256-bin histogram from the top bin down and find the bin holding the krem-th
+// largest key; returns {bin, keys still to take inside it, keys in it}.
+struct RadixPick {
+  int bin, krem, cnt;
+};
+
+__device__ __forceinline__ RadixPick radix_pick_bin(const int* hist, int krem) {
   const int lane = threadIdx.x & 31;
   int cnt[8];
   int local = 0;
@@ -139,18 +140,26 @@ __device__ __forceinline__ void radix_pick_bin(const int* hist, int krem, int* c
     if (lane >= o) incl += y;
   }
   const int excl = incl - local;
-  if (excl < krem && krem <= incl) {  // exactly one lane
+  // the one lane holding the bin encodes it (bin < 2^8, krem <= B <= 2^10, count < 2^21:
+  // at most B + B * min(K, B) keys); a warp max hands it to every lane
+  long long code = -1;
+  if (excl < krem && krem <= incl) {
     int acc = excl;
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       if (acc < krem && acc + cnt[q] >= krem) {
-        ctrl[0] = 255 - (lane * 8 + q);
-        ctrl[1] = krem - acc;
-        ctrl[2] = cnt[q];
+        code = (static_cast<long long>(255 - (lane * 8 + q)) << 42) |
+               (static_cast<long long>(krem - acc) << 21) | static_cast<long long>(cnt[q]);
       }
       acc += cnt[q];
     }
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long y = __shfl_xor_sync(kFullWarp, code, o);
+    code = y > code ? y : code;
+  }
+  return {int(code >> 42), int((code >> 21) & 0x1FFFFF), int(code & 0x1FFFFF)};
 }
 
 // Warp-wide fill of len bytes with 1 (true): 16-byte stores on the aligned middle part.
@@ -188,9 +197,8 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   int* lvl_cnt = reinterpret_cast<int*>(smem + L.lvl_cnt);
   int* hist = reinterpret_cast<int*>(smem + L.hist);
   int* wbuf_i = reinterpret_cast<int*>(smem + L.wbuf);
-  float* wbuf_f = reinterpret_cast<float*>(smem + L.wbuf);
   long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
-  int* ctrl = reinterpret_cast<int*>(smem + L.ctrl);
+  float* wbuf_min = reinterpret_cast<float*>(smem + L.wbuf_min);
   int* p_parent = reinterpret_cast<int*>(smem + L.p_parent);
   int* p_depth = reinterpret_cast<int*>(smem + L.p_depth);
   int* p_sib = reinterpret_cast<int*>(smem + L.p_sib);
@@ -218,7 +226,9 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   for (int d = 1; d <= D; ++d) {
     const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
     if (!preload) load_rows(d, 1, lp_base);
-    __syncthreads();
+    // With every depth staged up front, the previous level's closing barrier already orders
+    // its writes before this level's reads; the first level waits for the staging.
+    if (!preload || d == 1) __syncthreads();
 
     const float* gs_old = gscore + cur * B;
     const uint32_t* gm_old = gmeta + cur * B;
@@ -296,22 +306,22 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       uint64_t prefix = 0;
       int krem = B;
       bool done = false;
-      int* h = hist;             // zeroed before the last barrier
-      int* h_next = hist + 256;  // zeroed during this pass, used by the next one
-      for (int shift = 56; shift >= 0 && !done; shift -= 8) {
+      // Three histograms in rotation, one barrier per pass: pass p counts into hist[p % 3]
+      // (zeroed by pass p - 1, or above for p = 0) and zeroes hist[(p + 1) % 3], which was last
+      // read by pass p - 2's pick, before pass p - 1's barrier.
+      for (int shift = 56, p = 0; shift >= 0 && !done; shift -= 8, ++p) {
+        int* h = hist + (p % 3) * 256;
+        int* h_next = hist + ((p + 1) % 3) * 256;
         const uint64_t himask = shift == 56 ? 0ull : (~0ull << (shift + 8));
         for (int q = tid; q < 256; q += T) h_next[q] = 0;
         visit([&](uint64_t key, bool, int, int, int, float) {
           if ((key & himask) == prefix) atomicAdd(&h[int((key >> shift) & 0xFFu)], 1);
         });
         __syncthreads();
-        if (warp == 0) radix_pick_bin(h, krem, ctrl);
-        __syncthreads();
-        const int bin = ctrl[0];
-        krem = ctrl[1];
-        prefix |= uint64_t(bin) << shift;
-        done = ctrl[2] == krem;  // every key of this bin is taken: keys >= prefix are the top B
-        int* t = h; h = h_next; h_next = t;
+        const RadixPick pick = radix_pick_bin(h, krem);
+        krem = pick.krem;
+        prefix |= uint64_t(pick.bin) << shift;
+        done = pick.cnt == krem;  // every key of this bin is taken: keys >= prefix are the top B
       }
       thr_key = prefix;
     }
@@ -358,7 +368,8 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       __syncthreads();  // end of level
       thr = fmaxf(thr, score_lower_bound(uint32_t(thr_key >> 32)));
     } else {
-      const float g_min = block_min(my_min, wbuf_f);  // also the end-of-level barrier
+      // also the end-of-level barrier; its own buffer: the compaction scan's is still read
+      const float g_min = block_min(my_min, wbuf_min);
       if (g_size == B) thr = g_min;
     }
     if (sel_total == 0) break;

@@ -49,7 +49,7 @@ struct TreeBuildParams {
 DDTREE_HOST_DEVICE inline int64_t ddtree_align16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
 struct SmemLayout {
-  int64_t lp, off, gscore, gmeta, gpar, keys, posanc, lvl_cnt, hist, wbuf, ctrl;
+  int64_t lp, off, gscore, gmeta, gpar, keys, posanc, lvl_cnt, hist, wbuf, wbuf_min;
   int64_t p_parent, p_depth, p_sib, first_child, total;
 };
 
@@ -73,9 +73,9 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
   const int64_t pos_n = int64_t(D) * B, anc_n = N * (D + 1);
   L.posanc = o;      o = ddtree_align16(o + 2 * (pos_n > anc_n ? pos_n : anc_n));
   L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
-  L.hist = o;        o = ddtree_align16(o + 4 * 2 * 256);            // int[2][256]: radix histograms
+  L.hist = o;        o = ddtree_align16(o + 4 * 3 * 256);            // int[3][256]: radix histograms
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
-  L.ctrl = o;        o = ddtree_align16(o + 4 * 8);                  // int[8]: radix decisions
+  L.wbuf_min = o;    o = ddtree_align16(o + 4 * 32);                 // float[32]: block_min
   L.p_parent = o;    o = ddtree_align16(o + 4 * N);                  // int[N] per output index
   L.p_depth = o;     o = ddtree_align16(o + 4 * N);                  // int[N], -1 = padding
   L.p_sib = o;       o = ddtree_align16(o + 4 * N);                  // int[N]
