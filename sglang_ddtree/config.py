@@ -262,3 +262,13 @@ def rank_check_interval(environ=os.environ) -> int:
     """Steps between TP rank-consistency checks (0: off)."""
     raw = environ.get(ENV_RANK_CHECK, "")
     return _parse_int(ENV_RANK_CHECK, raw) if raw else 0
+
+
+def verify_memory_bytes(max_bs: int, width: int, vocab: int, context_len: int) -> dict:
+    """What the verify width costs in memory at the largest captured batch (an estimate to log
+    at start-up; SGLang allocates these, sized by the width): the fp32 logits of every tree node
+    (max_bs x width x vocab x 4 B) and the bound of the FULL_MASK custom mask the tree writes for
+    the target's own backend (max_bs x width x (context + width) bytes)."""
+    return {"verify_logits": int(max_bs) * width * vocab * 4,
+            "full_mask_bound": int(max_bs) * width * (context_len + width)}
+

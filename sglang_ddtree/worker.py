@@ -135,6 +135,23 @@ def _make_worker_class(sgl):
                     "kv_move=%s oracle=%s", self.tree_cfg.budget, self.tree_cfg.topk, block,
                     self.tree_cfg.verify_width, kv_move, self._oracle is not None,
                 )
+                self._log_verify_memory(vocab)
+
+        def _log_verify_memory(self, vocab):
+            """The memory the tree's verify width costs at the largest captured batch: a big
+            budget x batch x vocabulary is where a server runs out (Kimi: vocab 163840, width
+            65, batch 48 -> ~2 GB of verify logits)."""
+            try:
+                max_bs = sgl.max_capture_bs()
+                context = int(self.model_runner.model_config.context_len)
+            except Exception:  # noqa: BLE001 -- a log line only; graphs off or an odd config
+                return
+            est = cfg.verify_memory_bytes(max_bs, self.tree_cfg.verify_width, vocab, context)
+            logger.info(
+                "DDTREE verify width %d at batch %d: ~%.2f GiB of fp32 verify logits, FULL_MASK "
+                "up to %.2f GiB (context %d); lower --speculative-ddtree-budget or "
+                "--cuda-graph-max-bs if memory is short", self.tree_cfg.verify_width, max_bs,
+                est["verify_logits"] / 2**30, est["full_mask_bound"] / 2**30, context)
 
         @staticmethod
         def _check_target(server_args, target_worker):

@@ -94,3 +94,11 @@ def test_table_derivation_boundaries_and_merging():
     win = {1: (64, 0, None), 8: (32, 0, None), 16: (32, 0, None), 64: (8, 0, None)}
     assert make_auto_table.table_from(win) == "2:64,32:32,inf:8"
     cfg.parse_auto_table(make_auto_table.table_from(win))  # valid for the server
+
+
+def test_verify_memory_estimate_matches_the_design_note():
+    """DESIGN: Kimi (vocab 163840), width 65, batch 48 -> about 2 GB of fp32 verify logits."""
+    est = cfg.verify_memory_bytes(48, 65, 163840, 8192)
+    assert est["verify_logits"] == 48 * 65 * 163840 * 4
+    assert 1.9e9 < est["verify_logits"] < 2.1e9
+    assert est["full_mask_bound"] == 48 * 65 * (8192 + 65)
