@@ -272,3 +272,28 @@ def verify_memory_bytes(max_bs: int, width: int, vocab: int, context_len: int) -
     return {"verify_logits": int(max_bs) * width * vocab * 4,
             "full_mask_bound": int(max_bs) * width * (context_len + width)}
 
+
+ENV_DEEPEP_LL_TOKENS = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"  # SGLang's, default 128
+
+
+def deepep_verify_tokens_error(a2a_backend, deepep_mode, max_bs: int, width: int,
+                               environ=os.environ) -> Optional[str]:
+    """The start-up refusal for DeepEP low-latency dispatch that a verify forward would overflow
+    (None: fine). Low-latency dispatch (``--deepep-mode low_latency``, and ``auto`` outside
+    prefill) sends at most SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK tokens per rank (default
+    128, at most 1024); a tree verify sends batch x (budget + 1), so the default already fails
+    at budget 32 with 4 requests -- mid-serving, in DeepEP, unless refused here."""
+    if a2a_backend != "deepep" or str(deepep_mode) not in ("low_latency", "auto"):
+        return None
+    limit = _parse_int(ENV_DEEPEP_LL_TOKENS, environ.get(ENV_DEEPEP_LL_TOKENS, "128"))
+    need = int(max_bs) * int(width)
+    if need <= limit:
+        return None
+    fix = (f"set {ENV_DEEPEP_LL_TOKENS}={need} (DeepEP allows up to 1024), or "
+           if need <= 1024 else "")
+    return (f"DDTREE: DeepEP low-latency dispatch takes at most {limit} tokens per rank "
+            f"({ENV_DEEPEP_LL_TOKENS}), but a verify of {max_bs} requests x {width} tree tokens "
+            f"(budget + 1) sends {need}. Fix: {fix}lower --max-running-requests to "
+            f"{max(limit // width, 1)} or --speculative-ddtree-budget to {max(limit // max_bs - 1, 1)}"
+            f", or use --deepep-mode normal.")
+

@@ -68,6 +68,7 @@ def _make_worker_class(sgl):
                     f"{self.tree_cfg.budget} / block {block}; was {cfg.ENV_BUDGET} changed "
                     "after startup?"
                 )
+            self._check_deepep(server_args)
             # DFlash's constructor sized its block state from speculative_num_draft_tokens
             # (our wider max(budget+1, block)); the drafter block is the config's.
             self.block_size = int(block)
@@ -136,6 +137,26 @@ def _make_worker_class(sgl):
                     self.tree_cfg.verify_width, kv_move, self._oracle is not None,
                 )
                 self._log_verify_memory(vocab)
+
+        def _check_deepep(self, server_args):
+            """Refuse at start-up a DeepEP low-latency setup the verify forward would overflow
+            (it fails inside DeepEP mid-serving otherwise)."""
+            def arg(name):
+                try:
+                    return sgl.resolved_arg(server_args, name)
+                except Exception:  # noqa: BLE001 -- a field this release does not resolve
+                    return getattr(server_args, name, None)
+
+            a2a = arg("moe_a2a_backend")
+            if a2a != "deepep":
+                return
+            pool = getattr(self.model_runner, "req_to_token_pool", None)
+            max_bs = int(getattr(pool, "size", 0) or arg("max_running_requests") or 0)
+            msg = cfg.deepep_verify_tokens_error(
+                a2a, getattr(arg("deepep_mode"), "value", arg("deepep_mode")), max_bs,
+                self.tree_cfg.verify_width)
+            if msg:
+                raise cfg.DDTreeConfigError(msg)
 
         def _log_verify_memory(self, vocab):
             """The memory the tree's verify width costs at the largest captured batch: a big

@@ -102,3 +102,18 @@ def test_verify_memory_estimate_matches_the_design_note():
     assert est["verify_logits"] == 48 * 65 * 163840 * 4
     assert 1.9e9 < est["verify_logits"] < 2.1e9
     assert est["full_mask_bound"] == 48 * 65 * (8192 + 65)
+
+
+def test_deepep_low_latency_verify_overflow_is_refused():
+    """DeepEP low-latency dispatch caps tokens per rank (SGLang's default 128); a verify of
+    batch x (budget + 1) tokens above it is refused with the fix, not left to fail in DeepEP."""
+    err = cfg.deepep_verify_tokens_error("deepep", "auto", 8, 33, environ={})
+    assert err and "264" in err and "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=264" in err
+    assert cfg.deepep_verify_tokens_error("deepep", "low_latency", 3, 33, environ={}) is None
+    assert cfg.deepep_verify_tokens_error("deepep", "normal", 64, 65, environ={}) is None
+    assert cfg.deepep_verify_tokens_error("none", "auto", 64, 65, environ={}) is None
+    env = {cfg.ENV_DEEPEP_LL_TOKENS: "512"}
+    assert cfg.deepep_verify_tokens_error("deepep", "auto", 8, 33, environ=env) is None
+    # beyond DeepEP's 1024 the env var cannot help: the message says what can
+    big = cfg.deepep_verify_tokens_error("deepep", "auto", 64, 65, environ={})
+    assert "up to 1024" not in big and "--max-running-requests to 1" in big

@@ -396,6 +396,18 @@ def test_worker_constructor_refuses_a_draft_window(worker_class, tmp_path):
         worker_class(**_constructor_kwargs(server_args, _target_worker()))
 
 
+def test_worker_constructor_refuses_a_deepep_overflow(worker_class, tmp_path, monkeypatch):
+    """DeepEP low-latency dispatch with SGLang's default 128 tokens per rank cannot take a
+    verify of the fake pool's requests x 33 tree tokens: refused at start-up, naming the fix."""
+    monkeypatch.delenv(cfg.ENV_DEEPEP_LL_TOKENS, raising=False)
+    server_args = _server_args(tmp_path)
+    server_args.moe_a2a_backend = "deepep"
+    server_args.deepep_mode = "low_latency"
+    with _fake_sglang_process(server_args), \
+            pytest.raises(cfg.DDTreeConfigError, match="DeepEP low-latency"):
+        worker_class(**_constructor_kwargs(server_args, _target_worker()))
+
+
 def _draft_input_with_reserved_lens(bs, lens):
     """SGLang's DFlashDraftInputV2 as prepare_for_decode leaves it: host reserved KV lengths in
     the version's fields (0.5.17 ``reserved_seq_lens_*``, 0.5.23 ``nxt_kv_lens_*``)."""
