@@ -301,7 +301,9 @@ def main(argv=None):
                     help="override our tile config: block_m,block_n,num_warps,num_stages")
     ap.add_argument("--sweep", default=None,
                     help="tile configs to time at every point besides the default, ';'-separated "
-                         "block_m,block_n,num_warps,num_stages (e.g. '64,64,8,2;128,64,8,3'); "
+                         "block_m,block_n,num_warps,num_stages[,dv_split[,dk_chunk]] (e.g. "
+                         "'64,64,8,2;64,32,4,2,2,64'; screen them first with "
+                         "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
                          "default config's)")
     ap.add_argument("--roofline-of", default=None, metavar="JSON",

@@ -30,7 +30,6 @@ The MLA (absorbed, latent KV) variant lives in ``tree_attention_mla.py`` and reu
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -57,27 +56,48 @@ def _tanh(x):
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i,            # running output [BM, BDV] fp32, max [BM] and sum [BM] (log2 domain)
-    q, q_pe,                  # [BM, BDK] and [BM, D_PE] query tiles (q_pe unused when D_PE == 0)
+    q, q_pe,                  # [BM, BDK] and [BM, D_PE] query tiles (q_pe unused when D_PE == 0;
+                              # q unused when DK_CHUNK > 0: its chunks are read from q_rows)
+    q_rows, row_ok,           # [BM] pointers to each row's query, [BM] row exists
     k_ptr, v_ptr,             # cache base pointers already offset to this KV head
     slots,                    # [BN] int64 slot of each key in the tile
     allowed,                  # [BM, BN] bool: which (row, key) pairs may attend
     key_ok,                   # [BN] bool: key exists (guards every cache read)
     stride_kt, stride_vt,
-    qk_scale, logit_cap,
+    qk_scale, logit_cap, dv0,  # dv0: first output column of this program (DV_SPLIT > 1)
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHARED_KV: tl.constexpr, HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr,
+    DV_SPLIT: tl.constexpr, DK_CHUNK: tl.constexpr,
 ):
-    offs_dk = tl.arange(0, BLOCK_DK)
-    k = tl.load(
-        k_ptr + slots[:, None] * stride_kt + offs_dk[None, :],
-        mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0,
-    )  # [BN, BDK]
-    if INTERPRET:
-        kd = k.to(tl.float32)
+    qdt = q_rows.dtype.element_ty
+    if DK_CHUNK == 0:
+        offs_dk = tl.arange(0, BLOCK_DK)
+        k = tl.load(
+            k_ptr + slots[:, None] * stride_kt + offs_dk[None, :],
+            mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0,
+        )  # [BN, BDK]
+        if INTERPRET:
+            kd = k.to(tl.float32)
+        else:
+            kd = k.to(qdt)  # fp8 caches are upcast; the scale is folded into qk_scale / v_scale
+        s = tl.dot(q, tl.trans(kd))
     else:
-        kd = k.to(q.dtype)  # fp8 caches are upcast; the scale is folded into qk_scale / v_scale
-    s = tl.dot(q, tl.trans(kd))
+        # the QK reduction in DK_CHUNK-wide slices of the query (re-read, L1-resident) and of
+        # the keys, so neither full-width tile stays live in registers (MLA: 512 dims)
+        s = tl.zeros(allowed.shape, dtype=tl.float32)
+        for c in tl.static_range(0, BLOCK_DK, DK_CHUNK):
+            offs_c = c + tl.arange(0, DK_CHUNK)
+            qc = tl.load(q_rows[:, None] + offs_c[None, :],
+                         mask=row_ok[:, None] & (offs_c[None, :] < DK), other=0.0)
+            kc = tl.load(k_ptr + slots[:, None] * stride_kt + offs_c[None, :],
+                         mask=key_ok[:, None] & (offs_c[None, :] < DK), other=0.0)
+            if INTERPRET:
+                qc = qc.to(tl.float32)
+                kc = kc.to(tl.float32)
+            else:
+                kc = kc.to(qdt)
+            s += tl.dot(qc, tl.trans(kc))
     if D_PE > 0:
         offs_pe = DK + tl.arange(0, D_PE)
         k_pe = tl.load(k_ptr + slots[:, None] * stride_kt + offs_pe[None, :],
@@ -85,7 +105,7 @@ def _attend_tile(
         if INTERPRET:
             k_pe = k_pe.to(tl.float32)
         else:
-            k_pe = k_pe.to(q_pe.dtype)
+            k_pe = k_pe.to(qdt)
         s += tl.dot(q_pe, tl.trans(k_pe))
     if HAS_CAP:
         # logit soft cap as SGLang applies it: cap * tanh(scaled / cap), then to log2 domain
@@ -99,10 +119,12 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if SHARED_KV:
+    if SHARED_KV and DV_SPLIT == 1 and DK_CHUNK == 0:
         v = kd  # absorbed MLA: V is the first DV (= DK) latent dims of the same row
     else:
-        offs_dv = tl.arange(0, BLOCK_DV)
+        # BLOCK_DV columns from dv0 (all of them unless the output columns are split across
+        # programs; a split shared-KV program re-reads its slice of the latent row)
+        offs_dv = dv0 + tl.arange(0, BLOCK_DV)
         v = tl.load(
             v_ptr + slots[:, None] * stride_vt + offs_dv[None, :],
             mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
@@ -110,7 +132,7 @@ def _attend_tile(
         if INTERPRET:
             v = v.to(tl.float32)
         else:
-            v = v.to(q.dtype)
+            v = v.to(qdt)
     if INTERPRET:
         acc = acc * alpha[:, None] + tl.dot(p, v)
     else:
@@ -119,36 +141,40 @@ def _attend_tile(
 
 
 @triton.jit
-def _prefix_tile(n0, end, acc, m_i, l_i, q, q_pe, k_base, v_base, kv_table_ptr, row_base, row_ok,
-                 stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N: tl.constexpr,
+def _prefix_tile(n0, end, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, kv_table_ptr, row_base,
+                 row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N: tl.constexpr,
                  DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_KV: tl.constexpr,
-                 HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr):
+                 HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr, DV_SPLIT: tl.constexpr,
+                 DK_CHUNK: tl.constexpr):
     # prefix keys [n0, n0 + BLOCK_N) clipped to the split's end: every row may see them
     pos = n0 + tl.arange(0, BLOCK_N)
     key_ok = pos < end
     slots = tl.load(kv_table_ptr + row_base + pos, mask=key_ok, other=0).to(tl.int64)
     allowed = row_ok[:, None] & key_ok[None, :]
-    return _attend_tile(acc, m_i, l_i, q, q_pe, k_base, v_base, slots, allowed, key_ok,
-                        stride_kt, stride_vt, qk_scale, logit_cap,
-                        DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+    return _attend_tile(acc, m_i, l_i, q, q_pe, q_rows, row_ok, k_base, v_base, slots, allowed,
+                        key_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                        DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET,
+                        DV_SPLIT, DK_CHUNK)
 
 
 @triton.jit
-def _tree_tile(j0, N, acc, m_i, l_i, q, q_pe, k_base, v_base, loc_row, mask_row, row_ok,
-               stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N: tl.constexpr,
+def _tree_tile(j0, N, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, loc_row, mask_row, row_ok,
+               stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N: tl.constexpr,
                DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
                DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_KV: tl.constexpr,
-               HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr):
+               HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr, DV_SPLIT: tl.constexpr,
+               DK_CHUNK: tl.constexpr):
     # tree keys [j0, j0 + BLOCK_N): a row sees key j iff tree_mask[b, row's token, j]
     j = j0 + tl.arange(0, BLOCK_N)
     key_ok = j < N
     slots = tl.load(loc_row + j, mask=key_ok, other=0).to(tl.int64)
     anc = tl.load(mask_row[:, None] + j[None, :], mask=row_ok[:, None] & key_ok[None, :],
                   other=0)
-    return _attend_tile(acc, m_i, l_i, q, q_pe, k_base, v_base, slots, anc != 0, key_ok,
-                        stride_kt, stride_vt, qk_scale, logit_cap,
-                        DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+    return _attend_tile(acc, m_i, l_i, q, q_pe, q_rows, row_ok, k_base, v_base, slots,
+                        anc != 0, key_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                        DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET,
+                        DV_SPLIT, DK_CHUNK)
 
 
 @triton.jit
@@ -182,13 +208,18 @@ def _tree_attn_fwd_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     USE_INDPTR: tl.constexpr, SHARED_KV: tl.constexpr, HAS_CAP: tl.constexpr,
     INTERPRET: tl.constexpr,
+    DV_SPLIT: tl.constexpr = 1,  # programs sharing a row block, each BLOCK_DV output columns
+    DK_CHUNK: tl.constexpr = 0,  # > 0: QK in slices of this many dims (query not held whole)
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
-    pid_hs = tl.program_id(1)       # kv_head * num_splits + split
+    pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
     b = tl.program_id(2)
+    dvp = pid_hs % DV_SPLIT
+    pid_hs = pid_hs // DV_SPLIT
     kvh = pid_hs // num_splits
     split = pid_hs % num_splits
-    Hq = tl.num_programs(1) // num_splits * G
+    Hq = tl.num_programs(1) // DV_SPLIT // num_splits * G
+    dv0 = dvp * BLOCK_DV
 
     # rows of this block: r = token * G + head-in-group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,11 +228,13 @@ def _tree_attn_fwd_kernel(
     head = kvh * G + rows % G
     t_glob = (b * N + tok).to(tl.int64)
 
-    offs_dk = tl.arange(0, BLOCK_DK)
-    q = tl.load(
-        q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
-        mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0,
-    )
+    q_rows = q_ptr + t_glob * stride_qt + head * stride_qh
+    if DK_CHUNK == 0:
+        offs_dk = tl.arange(0, BLOCK_DK)
+        q = tl.load(q_rows[:, None] + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    else:
+        q = row_ok  # unused: _attend_tile reads the query in slices
     if D_PE > 0:
         offs_pe = DK + tl.arange(0, D_PE)
         q_pe = tl.load(
@@ -238,16 +271,18 @@ def _tree_attn_fwd_kernel(
         n0 = start
         while n0 < end:
             acc, m_i, l_i = _prefix_tile(
-                n0, end, acc, m_i, l_i, q, q_pe, k_base, v_base, kv_table_ptr, row_base,
-                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
-                DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+                n0, end, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, kv_table_ptr, row_base,
+                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
+                DK_CHUNK)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             acc, m_i, l_i = _prefix_tile(
-                n0, end, acc, m_i, l_i, q, q_pe, k_base, v_base, kv_table_ptr, row_base,
-                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
-                DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+                n0, end, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, kv_table_ptr, row_base,
+                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
+                DK_CHUNK)
 
     if split == num_splits - 1:
         # tree tokens: a row only sees ancestors, which precede it in node order, so keys past
@@ -259,18 +294,20 @@ def _tree_attn_fwd_kernel(
             j0 = 0
             while j0 <= last_tok:
                 acc, m_i, l_i = _tree_tile(
-                    j0, N, acc, m_i, l_i, q, q_pe, k_base, v_base, loc_row, mask_row, row_ok,
-                    stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
-                    DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+                    j0, N, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, loc_row, mask_row,
+                    row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                    DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
+                    DK_CHUNK)
                 j0 += BLOCK_N
         else:
             for j0 in range(0, last_tok + 1, BLOCK_N):
                 acc, m_i, l_i = _tree_tile(
-                    j0, N, acc, m_i, l_i, q, q_pe, k_base, v_base, loc_row, mask_row, row_ok,
-                    stride_kt, stride_vt, qk_scale, logit_cap, BLOCK_N,
-                    DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET)
+                    j0, N, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, loc_row, mask_row,
+                    row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                    DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
+                    DK_CHUNK)
 
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = dv0 + tl.arange(0, BLOCK_DV)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if not SPLIT:
@@ -284,7 +321,7 @@ def _tree_attn_fwd_kernel(
         tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + ph, lse, mask=row_ok)
+        tl.store(part_lse_ptr + ph, lse, mask=row_ok & (dvp == 0))  # the same in every part
 
 
 @triton.jit
@@ -344,6 +381,12 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # programs per row block, each computing v_head_dim / dv_split output columns (the scores
+    # are computed in each): smaller accumulators, so bigger block_m fits (MLA's 512 dims)
+    dv_split: int = 1
+    # > 0: the QK reduction in slices of this many dims, the query re-read per slice instead of
+    # held whole in registers (MLA's 512-dim rows spill otherwise); 0: one full-width dot
+    dk_chunk: int = 0
 
 
 def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device) -> KernelConfig:
@@ -414,6 +457,15 @@ class TreeAttention:
         self.group = self.num_q_heads // self.num_kv_heads
         self.config = config or _default_config(self.head_dim, self.rope_dim, self.v_head_dim,
                                                 self.num_tree_tokens * self.group, self.device)
+        dvs = self.config.dv_split
+        _check(dvs >= 1 and dvs & (dvs - 1) == 0
+               and triton.next_power_of_2(self.v_head_dim) % dvs == 0
+               and triton.next_power_of_2(self.v_head_dim) // dvs >= 16, "config.dv_split",
+               "a power of two leaving at least 16 columns per program", dvs)
+        dkc = self.config.dk_chunk
+        _check(dkc == 0 or (dkc >= 16 and dkc & (dkc - 1) == 0
+                            and triton.next_power_of_2(self.head_dim) % dkc == 0),
+               "config.dk_chunk", "0 or a power of two >= 16 dividing the padded head dim", dkc)
         self._fixed_splits = num_kv_splits
         self._num_sms = _num_sms(self.device)
         self.max_splits = max(self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
@@ -462,7 +514,7 @@ class TreeAttention:
         """Prefix splits used for ``batch_size`` requests (a pure function of static sizes)."""
         if self._fixed_splits is not None:
             return max(1, int(self._fixed_splits))
-        programs = batch_size * self.num_kv_heads * self.num_blocks_m()
+        programs = batch_size * self.num_kv_heads * self.num_blocks_m() * self.config.dv_split
         want = triton.cdiv(2 * self._num_sms, programs)  # about two waves of programs
         cap = max(1, self.max_context_len // 256)
         return int(max(1, min(want, cap, 64)))
@@ -588,7 +640,7 @@ class TreeAttention:
         has_cap = self.logit_cap > 0.0
         qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
         part_o, part_lse = self.part_o, self.part_lse
-        grid = (self.num_blocks_m(), self.num_kv_heads * splits, bs)
+        grid = (self.num_blocks_m(), self.num_kv_heads * splits * cfg.dv_split, bs)
         _tree_attn_fwd_kernel[grid](
             q, k_cache, v_cache, out, part_o, part_lse,
             table, rows, lens, out_cache_loc, tree_mask,
@@ -598,10 +650,11 @@ class TreeAttention:
             stride_table, tree_mask.stride(0), tree_mask.stride(1),
             G=self.group, DK=self.head_dim, BLOCK_DK=triton.next_power_of_2(self.head_dim),
             D_PE=self.rope_dim, DV=self.v_head_dim,
-            BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
+            BLOCK_DV=triton.next_power_of_2(self.v_head_dim) // cfg.dv_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
-            INTERPRET=_INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](

@@ -223,3 +223,69 @@ def test_padded_request_gives_zeros_not_nan(splits):
     ref = REF.tree_attention_reference(q, k, k, layout.out_cache_loc, mask,
                                        **layout.table_kwargs())
     assert rel_err(out[:3], ref[:3]) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dv_split,splits,dk_chunk", [(2, 1, 0), (2, 3, 0), (4, 2, 0),
+                                                     (1, 1, 16), (2, 3, 32)])
+def test_mha_output_columns_split_across_programs(dv_split, splits, dk_chunk):
+    """config.dv_split: each program writes v_head_dim / dv_split output columns (and the split
+    partials' slices); config.dk_chunk: the scores summed over head-dim slices. Every element
+    written, same result as the reference."""
+    g, layout, mask = make_layout([9, 30], 5, 4, seed=11)
+    bs, n, hq, hkv, d = 2, 5, 4, 2, 64
+    k = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).bfloat16()
+    v = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).bfloat16()
+    q = torch.randn(bs * n, hq, d, generator=g).bfloat16()
+    attn = TA.TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=d, max_context_len=64, device="cpu",
+                                 num_kv_splits=splits,
+                                 config=TA.KernelConfig(16, 16, 1, 1, dv_split=dv_split,
+                                                        dk_chunk=dk_chunk))
+    attn.part_o.fill_(float("nan"))
+    attn.part_lse.fill_(float("nan"))
+    out = torch.full((bs * n, hq, d), float("nan"), dtype=torch.bfloat16)
+    attn.run(q, k, v, layout.out_cache_loc, mask, out=out, **layout.table_kwargs())
+    ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask,
+                                       **layout.table_kwargs())
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+
+
+@pytest.mark.parametrize("dv_split,splits,kv_dtype,dk_chunk", [
+    (2, 1, torch.bfloat16, 0), (4, 3, torch.bfloat16, 0), (2, 2, torch.uint8, 0),
+    (1, 1, torch.bfloat16, 16), (1, 3, torch.uint8, 32), (2, 2, torch.bfloat16, 32)])
+def test_mla_output_columns_split_across_programs(dv_split, splits, kv_dtype, dk_chunk):
+    """Absorbed MLA with dv_split / dk_chunk: a program re-reads its slice of the latent row
+    as V (and the query and key slices for the scores)."""
+    g, layout, mask = make_layout([7, 33], 4, 8, seed=12)
+    bs, n, h, rank, rope, scale = 2, 4, 3, 64, 16, 0.5
+    latent = torch.randn(layout.num_slots, 1, rank + rope, generator=g)
+    if kv_dtype == torch.bfloat16:
+        cache, scale = poison_unused(latent, layout).bfloat16(), 1.0
+    else:
+        cache = poison_unused((latent / scale).to(torch.float8_e4m3fn), layout).view(torch.uint8)
+    q = torch.randn(bs * n, h, rank + rope, generator=g).bfloat16()
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
+                                     max_context_len=64, device="cpu", sm_scale=0.1,
+                                     kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits,
+                                     config=TA.KernelConfig(16, 16, 1, 1, dv_split=dv_split,
+                                                            dk_chunk=dk_chunk))
+    attn.part_o.fill_(float("nan"))
+    out = torch.full((bs * n, h, rank), float("nan"), dtype=torch.bfloat16)
+    attn.run(q, cache, layout.out_cache_loc, mask, kv_scale=scale, out=out,
+             **layout.table_kwargs())
+    ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=rank, sm_scale=0.1, kv_scale=scale,
+                                           **layout.table_kwargs())
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+
+
+def test_dv_split_and_dk_chunk_must_divide_the_head():
+    plan = lambda cfg: TA.TreeAttention.plan(  # noqa: E731
+        max_batch_size=1, num_tree_tokens=2, num_q_heads=1, num_kv_heads=1, head_dim=32,
+        max_context_len=8, device="cpu", config=cfg)
+    with pytest.raises(ValueError, match="dv_split"):
+        plan(TA.KernelConfig(16, 16, 1, 1, dv_split=3))
+    with pytest.raises(ValueError, match="dk_chunk"):
+        plan(TA.KernelConfig(16, 16, 1, 1, dk_chunk=64))

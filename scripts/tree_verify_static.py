@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Compile the tree-verify attention kernel for a GPU arch on any machine (no GPU needed) and
+report, per tile config, what the compiler made of it: registers, spill bytes, shared memory and
+whether the dots became Hopper ``wgmma`` or Ampere-style ``mma.sync`` instructions.
+
+Spills and ``mma.sync`` on sm_90 are the usual reasons a Triton attention kernel runs far below
+the tensor-core roof (``bench_tree_verify.py --roofline-of``); this screens candidate configs
+for ``bench_tree_verify.py --sweep`` before GPU time is spent on them. It needs ``ptxas`` (CUDA
+toolkit, ``--ptxas``). The GPU benchmark stays the measure of speed.
+
+    python scripts/tree_verify_static.py --kind mla \\
+        --configs "32,64,4,2;64,64,8,2,2,64;64,32,4,2,2,64"
+
+A config is block_m,block_n,num_warps,num_stages[,dv_split[,dk_chunk]] (KernelConfig's order).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPES = {  # per-rank shapes of bench_tree_verify.py
+    "mha": dict(G=4, DK=128, D_PE=0, DV=128, SHARED_KV=False),   # Qwen3-8B: 32 q / 8 kv heads
+    "mla": dict(G=8, DK=512, D_PE=64, DV=512, SHARED_KV=True),   # Kimi K2.6 TP8 rank
+}
+
+
+def next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tests.triton_kernels import load_kernels
+
+    ta = load_kernels(interpret=False).tree_attention
+    shape = SHAPES[kind]
+    block_m, block_n, warps, stages = cfg[:4]
+    dv_split = cfg[4] if len(cfg) > 4 else 1
+    dk_chunk = cfg[5] if len(cfg) > 5 else 0
+    fn = ta._tree_attn_fwd_kernel
+    consts = dict(G=shape["G"], DK=shape["DK"], BLOCK_DK=next_pow2(shape["DK"]),
+                  D_PE=shape["D_PE"], DV=shape["DV"],
+                  BLOCK_DV=next_pow2(shape["DV"]) // dv_split, BLOCK_M=block_m,
+                  BLOCK_N=block_n, SPLIT=True, USE_INDPTR=False,
+                  SHARED_KV=shape["SHARED_KV"], HAS_CAP=False, INTERPRET=False,
+                  DV_SPLIT=dv_split, DK_CHUNK=dk_chunk)
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
+            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_table_ptr": "*i32",
+            "kv_row_ptr": "*i64", "seq_lens_ptr": "*i64", "tree_loc_ptr": "*i64",
+            "tree_mask_ptr": "*u8"}
+    signature = {n: ("constexpr" if n in consts else ptrs.get(n) or
+                     ("fp32" if n in ("qk_scale", "v_scale", "logit_cap") else "i32"))
+                 for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    out = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                         options=dict(num_warps=warps, num_stages=stages))
+    ptx = out.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = subprocess.run([ptxas, f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}",
+                            "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    log = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return {"kind": kind, "config": ",".join(map(str, cfg)),
+            "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spill.group(1)) if spill else None,
+            "shared_bytes": out.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "ptxas_error": None if r.returncode == 0 else log[-500:]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=sorted(SHAPES), default="mla")
+    ap.add_argument("--configs", required=True, help="';'-separated configs")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for spec in args.configs.split(";"):
+        cfg = [int(x) for x in spec.split(",") if x]
+        try:
+            row = analyse(args.kind, cfg, args.arch, args.ptxas)
+        except Exception as exc:  # noqa: BLE001 -- a config Triton rejects is a result too
+            row = {"kind": args.kind, "config": spec, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(arch=args.arch, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
