@@ -33,6 +33,10 @@ SHAPES = {  # per-rank shapes of bench_tree_verify.py
 }
 
 
+# largest dynamic shared memory per block (opt-in), bytes: sm_90 / sm_100 227 KB
+SMEM_LIMIT = {90: 232448, 100: 232448, 103: 232448}
+
+
 def next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
@@ -63,8 +67,14 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
     signature = {n: ("constexpr" if n in consts else ptrs.get(n) or
                      ("fp32" if n in ("qk_scale", "v_scale", "logit_cap") else "i32"))
                  for n in fn.arg_names}
+    # what Triton specializes at a real launch: 16-byte aligned pointers and the strides that
+    # are multiples of 16 at these shapes (without it every load is scalar and every element
+    # needs its own 64-bit address, which misreports the register use)
+    div16 = set(ptrs) | {"stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                         "stride_vh", "stride_ot", "stride_oh", "stride_table"}
     src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+                    constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16})
     out = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                          options=dict(num_warps=warps, num_stages=stages))
     ptx = out.asm["ptx"]
@@ -82,6 +92,7 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
             "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "shared_bytes": out.metadata.shared,
+            "fits_shared_memory": out.metadata.shared <= SMEM_LIMIT.get(arch, 101376),
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "ptxas_error": None if r.returncode == 0 else log[-500:]}
 
