@@ -142,10 +142,7 @@ def _make_worker_class(sgl):
             """Refuse at start-up a DeepEP low-latency setup the verify forward would overflow
             (it fails inside DeepEP mid-serving otherwise)."""
             def arg(name):
-                try:
-                    return sgl.resolved_arg(server_args, name)
-                except Exception:  # noqa: BLE001 -- a field this release does not resolve
-                    return getattr(server_args, name, None)
+                return sgl.resolved_arg(server_args, name)
 
             a2a = arg("moe_a2a_backend")
             if a2a != "deepep":

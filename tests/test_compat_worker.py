@@ -255,6 +255,7 @@ def _server_args(tmp_path):
         speculative_num_draft_tokens=BUDGET + 1, speculative_draft_window_size=None,
         speculative_draft_model_path=str(tmp_path), page_size=1, disable_cuda_graph=True,
         speculative_domino_candidate_pool_size=0, speculative_use_block_verification=False,
+        moe_a2a_backend="none", deepep_mode="auto",  # SGLang's defaults
     )
 
 
