@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Compile the tree-verify attention kernel for a GPU arch on any machine (no GPU needed) and
 report, per tile config, what the compiler made of it: registers, spill bytes, shared memory and
-whether the dots became Hopper ``wgmma`` or Ampere-style ``mma.sync`` instructions.
+whether the dots became Hopper ``wgmma``, Blackwell ``tcgen05.mma`` or Ampere-style ``mma.sync``
+instructions (``--arch 90``, ``100``, ``103``).
 
 Spills and ``mma.sync`` on sm_90 are the usual reasons a Triton attention kernel runs far below
 the tensor-core roof (``bench_tree_verify.py --roofline-of``); this screens candidate configs
@@ -94,6 +95,7 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
             "shared_bytes": out.metadata.shared,
             "fits_shared_memory": out.metadata.shared <= SMEM_LIMIT.get(arch, 101376),
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "tcgen05_mma": ptx.count("tcgen05.mma"),  # Blackwell (sm_100 / sm_103) tensor cores
             "ptxas_error": None if r.returncode == 0 else log[-500:]}
 
 
