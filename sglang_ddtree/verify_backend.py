@@ -447,6 +447,15 @@ def install(model_runner, num_tree_tokens: int, sgl, kernels=None) -> TreeVerify
     CUDA graphs (the graph runners take ``model_runner.attn_backend`` when they are built).
     Raises :class:`~sglang_ddtree.config.DDTreeConfigError` naming what blocks it.
     """
+    wrapper = wrap(model_runner.attn_backend, model_runner, num_tree_tokens, sgl, kernels)
+    model_runner.attn_backend = wrapper
+    return wrapper
+
+
+def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None) -> TreeVerifyBackend:
+    """:class:`TreeVerifyBackend` around the target attention backend ``inner`` for trees of
+    ``num_tree_tokens``; ``model_runner.attn_backend`` is left as it is (``--speculative-ddtree-
+    budget auto`` wraps each width's own backend before its verify graphs are captured)."""
     is_mla = sgl.is_mla(model_runner.model_config)
     problems = blockers(model_runner, sgl, is_mla)
     layers = verify_layers(model_runner.model, is_mla, sgl.RadixAttention,
@@ -461,10 +470,9 @@ def install(model_runner, num_tree_tokens: int, sgl, kernels=None) -> TreeVerify
             f"{'; '.join(problems)}. Use --speculative-ddtree-verify-backend native with a "
             "tree-capable --attention-backend (triton, or flashinfer for MHA)."
         )
-    wrapper = TreeVerifyBackend(model_runner.attn_backend, model_runner,
+    wrapper = TreeVerifyBackend(inner, model_runner,
                                 num_tree_tokens=num_tree_tokens, is_mla=is_mla, layers=layers,
                                 sgl=sgl, kernels=kernels)
-    model_runner.attn_backend = wrapper
     logger.info("DDTREE verify backend: triton (%s, N=%d, %d kernel plan(s)) behind %s",
                 "MLA" if is_mla else "MHA", num_tree_tokens, len(wrapper._plans),
                 type(wrapper.wrapped_backend).__name__)

@@ -100,11 +100,6 @@ def _make_worker_class(sgl):
             self._tree_builder = self._tree_builders[self.tree_cfg.budget]
             self._verify_states = {}  # budget -> (attention backend, verify graph runner)
             self._graphs_enabled = sgl.decode_graphs_enabled(server_args)
-            if self.tree_cfg.auto_table is not None and cfg.read_verify_backend() == "triton":
-                raise cfg.DDTreeConfigError(
-                    "DDTREE: --speculative-ddtree-budget auto runs with the native verify "
-                    "backend only for now; drop --speculative-ddtree-verify-backend triton or "
-                    "use a fixed budget.")
             timers_mode = cfg.timers_mode()
             # with the timers on, also count the accept length of every smaller budget
             self._budget_stats = (BudgetAcceptStats(self.tree_cfg.budget, self.device)
@@ -205,12 +200,6 @@ def _make_worker_class(sgl):
             verify = cfg.resolve_verify_backend(requested, backend, cfg.TREE_VERIFY_BACKENDS[arch],
                                                 cfg.TRITON_VERIFY_TARGET_BACKENDS[arch])
             self._tree_verify = None
-            if verify == "triton" and self.tree_cfg.auto_table is not None:
-                raise cfg.DDTreeConfigError(
-                    f"DDTREE: --speculative-ddtree-budget auto runs with the native verify "
-                    f"backend only for now, and the target's attention backend '{backend}' "
-                    f"({arch.upper()}) needs DDTREE's Triton verify kernels: use a fixed budget, "
-                    f"or --attention-backend {' or '.join(cfg.TREE_VERIFY_BACKENDS[arch])}.")
             if verify == "triton" and requested == "auto":  # one line per rank, at start-up
                 logger.info("DDTREE: the target's attention backend '%s' cannot express a tree; "
                             "verifying with DDTREE's Triton tree-attention kernels (prefill and "
@@ -253,8 +242,14 @@ def _make_worker_class(sgl):
             with_graphs = self._graphs_enabled and mr.decode_cuda_graph_runner is not None
             for b in self.tree_cfg.budgets[1:]:
                 t0 = time.perf_counter()
+                wrap = None
+                if self._tree_verify is not None:  # each width's backend behind its own wrapper
+                    from .verify_backend import wrap as wrap_backend
+
+                    wrap = lambda inner, n=b + 1: wrap_backend(inner, mr, n, sgl)  # noqa: E731
                 try:
-                    self._verify_states[b] = sgl.build_verify_state(mr, b + 1, with_graphs)
+                    self._verify_states[b] = sgl.build_verify_state(mr, b + 1, with_graphs,
+                                                                    wrap=wrap)
                 except Exception as e:
                     mr.attn_backend, mr.decode_cuda_graph_runner = self._verify_states[largest]
                     raise cfg.DDTreeConfigError(

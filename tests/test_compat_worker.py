@@ -533,25 +533,43 @@ def test_auto_budget_worker_builds_one_tree_builder_per_budget_and_the_verify_st
     built = []
     sgl = compat.load()
     monkeypatch.setattr(sgl, "build_verify_state",
-                        lambda m, width, graphs: built.append((m, width, graphs))
+                        lambda m, width, graphs, wrap=None: built.append((m, width, graphs, wrap))
                         or (f"backend-{width}", f"runner-{width}"))
     w._graphs_enabled = True
     with _fake_sglang_process(server_args):
         w._build_verify_states()
-    assert built == [(mr, 7, True), (mr, 4, True)]
+    assert built == [(mr, 7, True, None), (mr, 4, True, None)]  # native verify: no wrapper
     assert w._verify_states == {BUDGET: ("backend-main", "runner-main"),
                                 6: ("backend-7", "runner-7"), 3: ("backend-4", "runner-4")}
     assert (mr.attn_backend, mr.decode_cuda_graph_runner) == ("backend-main", "runner-main")
 
 
-def test_auto_budget_refuses_the_triton_verify_backend(worker_class, tmp_path, monkeypatch):
-    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
-    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:4")
+def test_auto_budget_with_the_triton_verify_backend_wraps_every_width(worker_class, tmp_path,
+                                                                       monkeypatch):
+    """--speculative-ddtree-budget auto behind the Triton verify backend (MLA targets on
+    trtllm_mla / flashmla / ...): every smaller width's new attention backend is wrapped in its
+    own TreeVerifyBackend of that width before its verify graphs are built."""
     monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
-    server_args = _server_args(tmp_path)
-    with _fake_sglang_process(server_args), \
-            pytest.raises(cfg.DDTreeConfigError, match="auto runs with the native verify"):
-        worker_class(**_constructor_kwargs(server_args, _target_worker()))
+    w, target, server_args = _auto_worker(worker_class, tmp_path, monkeypatch,
+                                          f"1:{BUDGET},4:6,inf:3")
+    mr = w.model_runner
+    mr.attn_backend, mr.decode_cuda_graph_runner = "wrapper-main", "runner-main"
+    w._tree_verify = "wrapper-main"  # what init_attention_backends installs for the widest tree
+    import sglang_ddtree.verify_backend as vb
+
+    wrapped = []
+    monkeypatch.setattr(vb, "wrap", lambda inner, m, n, sgl_mod, kernels=None:
+                        wrapped.append((inner, m, n)) or f"wrapper-{n}")
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "build_verify_state",
+                        lambda m, width, graphs, wrap=None: (wrap(f"backend-{width}"),
+                                                              f"runner-{width}"))
+    w._graphs_enabled = True
+    with _fake_sglang_process(server_args):
+        w._build_verify_states()
+    assert wrapped == [("backend-7", mr, 7), ("backend-4", mr, 4)]
+    assert w._verify_states == {BUDGET: ("wrapper-main", "runner-main"),
+                                6: ("wrapper-7", "runner-7"), 3: ("wrapper-4", "runner-4")}
 
 
 def test_build_verify_state_reports_the_width_while_building_and_restores_it(monkeypatch):
@@ -593,6 +611,9 @@ def test_build_verify_state_reports_the_width_while_building_and_restores_it(mon
     assert seen["backend_width"] == 9 and seen["runner"] == ("backend", 9, 9)
     assert spec.speculative_num_draft_tokens == 33 and mr.init_new_workspace is False
     assert sgl.build_verify_state(mr, 17, False)[1] is None  # graphs off: backend only
+    # wrap: the new backend is replaced (DDTREE's Triton verify around it) before the runner
+    wrapped, runner = sgl.build_verify_state(mr, 9, True, wrap=lambda b: ("wrapped", b))
+    assert wrapped == ("wrapped", "backend") and seen["runner"][0] == ("wrapped", "backend")
 
     def boom(*a, **k):
         raise RuntimeError("capture failed")

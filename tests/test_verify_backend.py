@@ -179,11 +179,12 @@ def test_worker_installs_triton_verify_behind_non_tree_backends(worker_class, mo
     w = _bare_worker(worker_class, arch, backend_class)
     w.init_attention_backends()
     assert len(installed) == 2 and w._tree_verify == "wrapper"
-    # ...but not with --speculative-ddtree-budget auto, which needs the native one for now
+    # ...and with --speculative-ddtree-budget auto too: the widest tree's backend is wrapped
+    # here, each smaller width's when its verify state is built (test_compat_worker)
     w = _bare_worker(worker_class, arch, backend_class)
     w.tree_cfg = cfg.DDTreeConfig(budget=7, topk=4, block_size=8, auto_table=((1, 7), (99, 3)))
-    with pytest.raises(cfg.DDTreeConfigError, match="budget auto runs with the native verify"):
-        w.init_attention_backends()
+    w.init_attention_backends()
+    assert installed[-1] == (w.model_runner, 8) and w._tree_verify == "wrapper"
 
 
 def test_worker_refuses_unsupported_backend_naming_the_flag(worker_class, monkeypatch):

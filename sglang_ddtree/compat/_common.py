@@ -187,7 +187,7 @@ def tree_greedy_walk(tree, predicted, path_width: int, verify_tree_greedy_func):
     return accept_num.to(torch.int64), nodes, bonus
 
 
-def build_verify_state(model_runner, num_draft_tokens: int, with_graphs: bool):
+def build_verify_state(model_runner, num_draft_tokens: int, with_graphs: bool, wrap=None):
     """(attention backend, verify CUDA-graph runner or None) of the target model for a verify
     width other than the server's (``--speculative-ddtree-budget auto``).
 
@@ -195,7 +195,8 @@ def build_verify_state(model_runner, num_draft_tokens: int, with_graphs: bool):
     (``_get_attention_backend(init_new_workspace=True)``) and a ``DecodeCudaGraphRunner`` built
     with ``attn_backend`` / ``speculative_num_draft_tokens``, while the runtime context reports
     that width (backends read it when they size their graph state); the context is restored
-    afterwards. The runner captures at construction.
+    afterwards. The runner captures at construction. ``wrap(backend)``, if given, replaces the
+    new backend before the runner is built (DDTREE's Triton verify backend around it).
     """
     from sglang.srt.model_executor.runner import DecodeCudaGraphRunner
     from sglang.srt.runtime_context import get_context, get_spec
@@ -209,6 +210,8 @@ def build_verify_state(model_runner, num_draft_tokens: int, with_graphs: bool):
             backend = model_runner._get_attention_backend(init_new_workspace=True)
         finally:
             model_runner.init_new_workspace = workspace
+        if wrap is not None:
+            backend = wrap(backend)
         runner = None
         if with_graphs:
             runner = DecodeCudaGraphRunner(model_runner, attn_backend=backend,
