@@ -296,4 +296,3 @@ def deepep_verify_tokens_error(a2a_backend, deepep_mode, max_bs: int, width: int
             f"(budget + 1) sends {need}. Fix: {fix}lower --max-running-requests to "
             f"{max(limit // width, 1)} or --speculative-ddtree-budget to {max(limit // max_bs - 1, 1)}"
             f", or use --deepep-mode normal.")
-

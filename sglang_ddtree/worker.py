@@ -10,6 +10,7 @@ is SGLang's ``verify_tree_greedy`` kernel, and new lengths reach the scheduler v
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -136,17 +137,15 @@ def _make_worker_class(sgl):
         def _check_deepep(self, server_args):
             """Refuse at start-up a DeepEP low-latency setup the verify forward would overflow
             (it fails inside DeepEP mid-serving otherwise)."""
-            def arg(name):
-                return sgl.resolved_arg(server_args, name)
-
-            a2a = arg("moe_a2a_backend")
+            a2a = sgl.resolved_arg(server_args, "moe_a2a_backend")
             if a2a != "deepep":
                 return
             pool = getattr(self.model_runner, "req_to_token_pool", None)
-            max_bs = int(getattr(pool, "size", 0) or arg("max_running_requests") or 0)
-            msg = cfg.deepep_verify_tokens_error(
-                a2a, getattr(arg("deepep_mode"), "value", arg("deepep_mode")), max_bs,
-                self.tree_cfg.verify_width)
+            max_bs = int(getattr(pool, "size", 0)
+                         or sgl.resolved_arg(server_args, "max_running_requests") or 0)
+            mode = sgl.resolved_arg(server_args, "deepep_mode")
+            msg = cfg.deepep_verify_tokens_error(a2a, getattr(mode, "value", mode), max_bs,
+                                                 self.tree_cfg.verify_width)
             if msg:
                 raise cfg.DDTreeConfigError(msg)
 
@@ -240,13 +239,13 @@ def _make_worker_class(sgl):
             largest = self.tree_cfg.budget
             self._verify_states = {largest: (mr.attn_backend, mr.decode_cuda_graph_runner)}
             with_graphs = self._graphs_enabled and mr.decode_cuda_graph_runner is not None
+            wrap_backend = None
+            if self._tree_verify is not None:  # each width's backend behind its own wrapper
+                from .verify_backend import wrap as wrap_backend
             for b in self.tree_cfg.budgets[1:]:
                 t0 = time.perf_counter()
-                wrap = None
-                if self._tree_verify is not None:  # each width's backend behind its own wrapper
-                    from .verify_backend import wrap as wrap_backend
-
-                    wrap = lambda inner, n=b + 1: wrap_backend(inner, mr, n, sgl)  # noqa: E731
+                wrap = None if wrap_backend is None else functools.partial(
+                    wrap_backend, model_runner=mr, num_tree_tokens=b + 1, sgl=sgl)
                 try:
                     self._verify_states[b] = sgl.build_verify_state(mr, b + 1, with_graphs,
                                                                     wrap=wrap)

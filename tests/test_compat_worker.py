@@ -558,8 +558,9 @@ def test_auto_budget_with_the_triton_verify_backend_wraps_every_width(worker_cla
     import sglang_ddtree.verify_backend as vb
 
     wrapped = []
-    monkeypatch.setattr(vb, "wrap", lambda inner, m, n, sgl_mod, kernels=None:
-                        wrapped.append((inner, m, n)) or f"wrapper-{n}")
+    monkeypatch.setattr(vb, "wrap", lambda inner, model_runner, num_tree_tokens, sgl,
+                        kernels=None: wrapped.append((inner, model_runner, num_tree_tokens))
+                        or f"wrapper-{num_tree_tokens}")
     sgl = compat.load()
     monkeypatch.setattr(sgl, "build_verify_state",
                         lambda m, width, graphs, wrap=None: (wrap(f"backend-{width}"),
