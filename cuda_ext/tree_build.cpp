@@ -100,13 +100,6 @@ std::string smem_optin_limit(int dev, int* limit) {
   return "";
 }
 
-int default_threads(int budget) {
-  if (budget <= 128) return 128;
-  if (budget <= 256) return 256;
-  if (budget <= 512) return 512;
-  return 1024;
-}
-
 }  // namespace
 
 std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk_logp,
@@ -172,7 +165,7 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
 
   const int B = static_cast<int>(budget);
   const int Kp = static_cast<int>(K < budget ? K : budget);
-  const int T = threads > 0 ? static_cast<int>(threads) : default_threads(B);
+  const int T = threads > 0 ? static_cast<int>(threads) : ddtree::default_threads(B);
   DDT_CHECK(T % 32 == 0 && T >= 32 && T <= 1024, "threads must be a multiple of 32 in "
               "[32, 1024], got ", T);
 

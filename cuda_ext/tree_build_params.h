@@ -43,6 +43,15 @@ struct TreeBuildParams {
   bool* full_mask;          // flat FULL_MASK bool or nullptr
 };
 
+// Threads per block when the caller does not choose: the launcher's rule, shared with the CPU
+// emulation (tests/cuda_ext_emu) so that phase counts are taken at the threads that serve.
+DDTREE_HOST_DEVICE inline int default_threads(int budget) {
+  if (budget <= 128) return 128;
+  if (budget <= 256) return 256;
+  if (budget <= 512) return 512;
+  return 1024;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared-memory layout (host and device compute the same byte offsets).
 

@@ -33,11 +33,7 @@ from bench_tree_build import make_topk  # noqa: E402
 
 EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
 KERNEL_DIR = ROOT / "cuda_ext"
-PHASES_RE = re.compile(r"block barriers per block: ([\d.]+)")
-
-
-def default_threads(budget: int) -> int:  # as tree_build.cpp picks them
-    return 128 if budget <= 128 else 256 if budget <= 256 else 512 if budget <= 512 else 1024
+PHASES_RE = re.compile(r"block barriers per block: ([\d.]+) \(threads (\d+)\)")
 
 
 def build_driver(workdir: str) -> str:
@@ -51,8 +47,9 @@ def build_driver(workdir: str) -> str:
     return exe
 
 
-def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int) -> float:
-    """Mean block barriers per block of one emulated launch."""
+def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0):
+    """(mean block barriers per block, threads per block) of one emulated launch; threads 0:
+    the launcher's choice for the budget."""
     bs, depth, k = lp.shape
     fin, fout = os.path.join(workdir, "in.bin"), os.path.join(workdir, "out.bin")
     with open(fin, "wb") as f:
@@ -62,7 +59,8 @@ def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int) ->
         roots.numpy().astype(np.int64).tofile(f)
         np.zeros(bs, np.int64).tofile(f)
     r = subprocess.run([exe, fin, fout], check=True, capture_output=True, text=True, timeout=600)
-    return float(PHASES_RE.search(r.stderr).group(1))
+    m = PHASES_RE.search(r.stderr)
+    return float(m.group(1)), int(m.group(2))
 
 
 def main(argv=None):
@@ -82,9 +80,9 @@ def main(argv=None):
             for budget in args.budgets:
                 roots, lp, ids = make_topk(args.bs, args.depth, budget, args.vocab, dist,
                                            seed=args.bs * 7919 + budget, device="cpu")
-                t = args.threads or default_threads(budget)
+                count, t = phases(exe, work, roots, lp, ids, budget, args.threads)
                 rows.append(dict(dist=dist, budget=budget, threads=t, bs=args.bs,
-                                 phases_per_block=phases(exe, work, roots, lp, ids, budget, t)))
+                                 phases_per_block=count))
                 print(f"{dist:7s} budget {budget:4d} threads {t:4d}: "
                       f"{rows[-1]['phases_per_block']:.1f} block barriers per block", flush=True)
     if args.out:

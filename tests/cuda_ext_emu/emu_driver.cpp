@@ -1,5 +1,5 @@
 // Runs ddtree::tree_build_kernel under cuda_emu.h. Usage: emu_driver IN OUT
-// IN : int64 header [bs, D, K, B, threads, fill]; float32 logp[bs*D*K]; int64 ids[bs*D*K];
+// IN : int64 header [bs, D, K, B, threads (0: the launcher's choice), fill]; float32 logp[bs*D*K]; int64 ids[bs*D*K];
 //      int64 root[bs]; int64 seq_lens[bs]
 // OUT: tokens, parents, depths (int64 [bs*N]); valid (u8); scores (f32); ancestor_mask (u8
 //      [bs*N*N]); retrive_index, next_token, next_sibling, positions (int64 [bs*N]); then the
@@ -30,7 +30,8 @@ int main(int argc, char** argv) {
   if (argc != 3) { fprintf(stderr, "usage: emu_driver IN OUT\n"); return 2; }
   FILE* f = fopen(argv[1], "rb");
   const std::vector<int64_t> h = read_vec<int64_t>(f, 6);
-  const int bs = int(h[0]), D = int(h[1]), K = int(h[2]), B = int(h[3]), T = int(h[4]);
+  const int bs = int(h[0]), D = int(h[1]), K = int(h[2]), B = int(h[3]);
+  const int T = h[4] > 0 ? int(h[4]) : ddtree::default_threads(B);  // 0: the launcher's choice
   const int N = B + 1;
   const size_t nl = size_t(bs) * D * K, nn = size_t(bs) * N;
   const auto logp = read_vec<float>(f, nl);
@@ -59,7 +60,8 @@ int main(int argc, char** argv) {
   if (L.total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)L.total); return 2; }
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
   emu_launch(ddtree::tree_build_kernel, bs, T, p);
-  fprintf(stderr, "block barriers per block: %.2f\n", double(g_emu_block_syncs) / bs);
+  fprintf(stderr, "block barriers per block: %.2f (threads %d)\n",
+          double(g_emu_block_syncs) / bs, T);
   FILE* o = fopen(argv[2], "wb");
   write_vec(o, tokens); write_vec(o, parents); write_vec(o, depths); write_vec(o, valid);
   write_vec(o, scores); write_vec(o, anc); write_vec(o, ri); write_vec(o, nt); write_vec(o, ns);
