@@ -81,7 +81,10 @@ def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -
     return out
 
 
-def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs):
+def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
+                  res=None, dump=lambda: None):
+    """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
+    ``dump`` after each: a run cut short by its time limit keeps the methods it measured."""
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
     target = os.path.join(CONFIGS, name)
     draft = os.path.join(CONFIGS, pairs[name])
@@ -100,9 +103,10 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
                                "--speculative-ddtree-budget", str(b)] + spec,
               {"SGLANG_DDTREE_TIMERS": "1", "SGLANG_DDTREE_TIMERS_EVERY": "10"})
              for b in budgets]
-    res = {"target": name, "draft": pairs[name], "drafter_block": block, "tpot_ms": {},
-           "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
-           "startup_s": {}, "errors": {}}
+    res = {} if res is None else res
+    res.update({"target": name, "draft": pairs[name], "drafter_block": block, "tpot_ms": {},
+                "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
+                "startup_s": {}, "errors": {}})
     for i, (method, extra, env) in enumerate(runs):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
@@ -137,10 +141,11 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
                 if v is not None:
                     res["verify_ms"][method][str(c)] = v
                     res["step_ms"][method][str(c)] = step
-    decode = res["step_ms"].get("ar", {})
-    for method, per_c in res["verify_ms"].items():
-        res["verify_over_decode"][method] = {c: round(v / decode[c], 3)
-                                             for c, v in per_c.items() if decode.get(c)}
+        decode = res["step_ms"].get("ar", {})
+        for m, per_c in res["verify_ms"].items():
+            res["verify_over_decode"][m] = {c: round(v / decode[c], 3)
+                                            for c, v in per_c.items() if decode.get(c)}
+        dump()
     return res
 
 
@@ -198,8 +203,9 @@ def main():
     for acc in sources.values():
         acc.setdefault("ar", 1.0)  # one token per decode step
     for name in args.models.split(","):
-        result["models"][name] = measure_model(name, args, concs, budgets, Server, run_pass,
-                                               stage_times_by_bs)
+        result["models"][name] = {}
+        measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
+                      res=result["models"][name], dump=dump)
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

@@ -285,8 +285,10 @@ def main(argv=None) -> int:
     if args.config:
         os.environ["SGLANG_DDTREE_MOE_CONFIG"] = os.path.abspath(args.config)
 
+    t0 = time.perf_counter()
     layers = [make_random_moe(args.experts, args.hidden, args.inter, device=dev, seed=i)
               for i in range(args.layers)]
+    print(f"[{time.perf_counter() - t0:6.1f} s] {args.layers} random weight sets", flush=True)
 
     def make_inputs(m):
         g = torch.Generator(device=dev).manual_seed(m)
@@ -310,9 +312,33 @@ def main(argv=None) -> int:
         return 0
     baselines, baseline_errors = ({}, {"all": "--no-sglang"}) if args.no_sglang else \
         sglang_baselines(layers, args)
+    print(f"[{time.perf_counter() - t0:6.1f} s] baselines {sorted(baselines)}, missing "
+          f"{baseline_errors or 'none'}", flush=True)
     copy_gbs = copy_bandwidth_gbs(dev, nbytes=(2 << 30) if dev.type == "cuda" else (16 << 20))
     per_expert = expert_bytes(args.hidden, args.inter)
     rows = []
+    result = {
+        "command": " ".join([sys.executable] + sys.argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "gpu": _device_name(dev),
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "python": platform.python_version(), "sglang": _sglang_version()},
+        "git": _git_rev(),
+        "shapes": {"experts": args.experts, "topk": args.topk, "hidden": args.hidden,
+                   "inter": args.inter, "group": 32, "layers_per_graph": args.layers},
+        "copy_bandwidth_gbs": copy_gbs,
+        "bytes_formula": "touched_experts * (packed w13 + w2 + bf16 scales) + 2 * M * hidden * 2",
+        "baseline_errors": baseline_errors,
+        "rows": rows,
+    }
+
+    def dump():  # after every row: a run cut short by its time limit keeps what it measured
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    t_start = time.perf_counter()
+    print(f"setup done (weights, baselines, copy bandwidth {copy_gbs:.0f} GB/s)", flush=True)
     for m in args.ms:
         xs, tws, tis, logits = make_inputs(m)
         touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
@@ -355,24 +381,13 @@ def main(argv=None) -> int:
             row["best_sglang"] = min((v, k) for k, v in row["us"].items() if k != "ours" and v)[1]
             row["speedup_vs_best_sglang"] = min(base) / row["us"]["ours"]
         rows.append(row)
+        dump()
+        print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: "
+              + ", ".join(f"{k} {v:.1f} us" if v else f"{k} failed" for k, v in row["us"].items())
+              + (f", rel err {row['rel_err_vs_ref']:.2e}" if "rel_err_vs_ref" in row else ""),
+              flush=True)
 
-    result = {
-        "command": " ".join([sys.executable] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "gpu": _device_name(dev),
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                     "python": platform.python_version(), "sglang": _sglang_version()},
-        "git": _git_rev(),
-        "shapes": {"experts": args.experts, "topk": args.topk, "hidden": args.hidden,
-                   "inter": args.inter, "group": 32, "layers_per_graph": args.layers},
-        "copy_bandwidth_gbs": copy_gbs,
-        "bytes_formula": "touched_experts * (packed w13 + w2 + bf16 scales) + 2 * M * hidden * 2",
-        "baseline_errors": baseline_errors,
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    dump()
     names = ["ours"] + list(baselines)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
     print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)

@@ -5,7 +5,8 @@ After the target's verify forward a step needs only static-shape work: SGLang's
 accepted path (one ``move_kv_cache`` per path column) and the row index of the accepted nodes'
 hidden states. As eager launches that is about fifty small kernels, whose launch cost lands on
 the critical path of every decode step. Here it is captured once per batch size and replayed
-(inputs copied in, outputs cloned out).
+(inputs copied in, outputs cloned out). The worker captures every batch size up to the largest
+CUDA-graph batch size at start-up (``prewarm``); a batch size beyond it is captured on first use.
 
 The tree is not copied in: the tree builder hands out the same per-batch-size buffers every step
 (``TreeBuildGraphs``), so the graph reads them where they are. A call with other tree buffers (or
@@ -77,8 +78,7 @@ class AcceptCommitGraphs:
 
     def __call__(self, tree: DraftTree, predicted: torch.Tensor, slots: torch.Tensor,
                  prefix: torch.Tensor, pool) -> AcceptCommit:
-        key = (tree.tokens.shape[0], tree.tokens.shape[1], slots.shape[1], prefix.dtype,
-               slots.dtype, id(pool))
+        key = self._key(tree, slots, prefix, pool)
         if not self.use_graphs or key in self.failed:
             return self._eager(tree, predicted, slots, prefix, pool)
         e = self._entries.get(key)
@@ -105,6 +105,36 @@ class AcceptCommitGraphs:
                             new_seq_lens=s.new_seq_lens.clone(), path_nodes=s.path_nodes,
                             bonus=s.bonus.clone()),
             hidden_rows=e.out.hidden_rows)
+
+    @staticmethod
+    def _key(tree, slots, prefix, pool) -> Tuple:
+        return (tree.tokens.shape[0], tree.tokens.shape[1], slots.shape[1], prefix.dtype,
+                slots.dtype, id(pool))
+
+    def prewarm(self, tree: DraftTree, width: int, pool, prefix_dtype=torch.int64,
+                slots_dtype=torch.int64) -> bool:
+        """Capture the graph a step with ``tree`` (the tree builder's static buffers of one
+        batch size) will replay, before serving: a first capture mid-serving stalls that step
+        (tens to hundreds of ms, measured on the H200) and, on a new shape, compiles kernels.
+        ``tree`` is overwritten with a valid root-only tree (the capture's warm-up walks it).
+        Returns whether a graph was captured now."""
+        bs, n = tree.tokens.shape
+        dev = tree.tokens.device
+        slots = torch.zeros(bs, width, dtype=slots_dtype, device=dev)
+        prefix = torch.zeros(bs, dtype=prefix_dtype, device=dev)
+        key = self._key(tree, slots, prefix, pool)
+        if not self.use_graphs or key in self._entries or key in self.failed:
+            return False
+        tree.copy_(DraftTree.make_dummy(bs, n - 1, dev, max_depth=tree.max_depth or 1))
+        predicted = torch.zeros(bs, n, dtype=torch.int64, device=dev)
+        try:
+            self._entries[key] = self._capture(tree, predicted, slots, prefix, pool)
+        except Exception as err:  # noqa: BLE001 -- reported; that key then runs eagerly
+            self.failed[key] = f"{type(err).__name__}: {err}"
+            logger.error("DDTREE: accept/commit graph capture failed for %s (%s); it will run "
+                         "eagerly", key, self.failed[key])
+            return False
+        return True
 
     def _eager(self, tree, predicted, slots, prefix, pool, count=True):
         return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool,

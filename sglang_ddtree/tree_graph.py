@@ -2,7 +2,8 @@
 
 ``build_tree`` in torch ops is a few dozen small kernels per depth: fine inside a graph, slow as
 eager launches (about a thousand per step at D = 15). This wrapper captures it once per batch
-size on first use (static input/output buffers, the builder's ``out=`` path) and afterwards only
+size (at start-up through ``static_tree``, else on first use; static input/output buffers, the
+builder's ``out=`` path) and afterwards only
 copies the step's inputs in and replays (``graph_capture.capture``: no device-wide sync or
 allocator flush at capture; replays never synchronize). A builder marked ``single_launch``
 (the fused CUDA kernel) is called directly instead, writing into per-batch-size buffers.
@@ -47,11 +48,8 @@ class TreeBuildGraphs:
                  topk_ids: torch.Tensor) -> DraftTree:
         bs = root_ids.shape[0]
         if self.single_launch:  # the fused kernel: one launch into this batch size's buffers
-            out = self._outs.get(bs)
-            if out is None:
-                out = self._outs[bs] = DraftTree.empty(bs, self.budget, self.device,
-                                                       max_depth=self.depth)
-            return self.builder(root_ids, topk_logp, topk_ids, self.budget, out=out)
+            return self.builder(root_ids, topk_logp, topk_ids, self.budget,
+                                out=self._static_out(bs))
         if not self.use_graphs:
             return self.builder(root_ids, topk_logp, topk_ids, self.budget)
         e = self._entries.get(bs)
@@ -75,20 +73,43 @@ class TreeBuildGraphs:
 
         bs = root_ids.shape[0]
         if self.single_launch and getattr(self.builder, "writes_layout", False):
-            out = self._outs.get(bs)
-            if out is None:
-                out = self._outs[bs] = DraftTree.empty(bs, self.budget, self.device,
-                                                       max_depth=self.depth)
-            pos = self._positions.get(bs)
-            if pos is None:
-                pos = self._positions[bs] = torch.empty(bs, self.budget + 1, dtype=torch.int64,
-                                                        device=self.device)
+            out, pos = self._static_out(bs), self._static_positions(bs)
             seq64 = seq_lens if seq_lens.dtype == torch.int64 else seq_lens.to(torch.int64)
             tree = self.builder(root_ids, topk_logp, topk_ids, self.budget, out=out,
                                 seq_lens=seq64, positions=pos, full_mask=full_mask)
             return tree, pos
         tree = self(root_ids, topk_logp, topk_ids)
         return tree, write_verify_layout(tree, seq_lens, full_mask)
+
+    def static_tree(self, bs: int) -> Optional[DraftTree]:
+        """The buffers every tree of batch size ``bs`` is built into, created (and, for a
+        captured builder, its graph captured) now: what a start-up prewarm hands to the
+        accept/commit graph, which reads them in place. None when trees are built eagerly into
+        fresh tensors (graphs off)."""
+        if self.single_launch:
+            if getattr(self.builder, "writes_layout", False):
+                self._static_positions(bs)
+            return self._static_out(bs)
+        if not self.use_graphs:
+            return None
+        e = self._entries.get(bs)
+        if e is None:
+            e = self._entries[bs] = self._capture(bs)
+        return e.out
+
+    def _static_out(self, bs: int) -> DraftTree:
+        out = self._outs.get(bs)
+        if out is None:
+            out = self._outs[bs] = DraftTree.empty(bs, self.budget, self.device,
+                                                   max_depth=self.depth)
+        return out
+
+    def _static_positions(self, bs: int) -> torch.Tensor:
+        pos = self._positions.get(bs)
+        if pos is None:
+            pos = self._positions[bs] = torch.empty(bs, self.budget + 1, dtype=torch.int64,
+                                                    device=self.device)
+        return pos
 
     def _capture(self, bs: int) -> _Entry:
         dev = self.device

@@ -230,6 +230,33 @@ def _make_worker_class(sgl):
             super().init_cuda_graphs()
             if self.tree_cfg.auto_table is not None:
                 self._build_verify_states()
+            self._prewarm_step_graphs()
+
+        def _prewarm_step_graphs(self):
+            """Capture the step's own graphs (tree build where it is a graph, accept/commit) for
+            every batch size up to the largest CUDA-graph batch size, at start-up. Captured
+            lazily instead, each new batch size stalled its first step by 50-400 ms on the H200
+            (bench_e2e stage timers, session 5), which a serving latency should never see."""
+            if not self._graphs_enabled:
+                return
+            try:
+                max_bs = min(sgl.max_capture_bs(), sgl.max_running_requests(self))
+            except (AttributeError, RuntimeError, ValueError) as e:  # no captured batch sizes
+                logger.info("DDTREE: step graphs not prewarmed (%s); captured on first use", e)
+                return
+            t0 = time.perf_counter()
+            pool = self.model_runner.token_to_kv_pool
+            captured = 0
+            for bs in range(1, max_bs + 1):
+                tree = self._tree_builders[self.tree_cfg.budget_for(bs)].static_tree(bs)
+                if tree is not None:
+                    captured += self._accept_commit.prewarm(tree, self.tree_cfg.num_draft_tokens,
+                                                            pool)
+            if torch.device(self.device).type == "cuda":
+                torch.cuda.current_stream().synchronize()  # start-up only
+            if sgl.tp_rank(self) == 0:
+                logger.info("DDTREE: step graphs for batch sizes 1..%d captured in %.1f s (%d "
+                            "accept/commit graphs)", max_bs, time.perf_counter() - t0, captured)
 
         def _build_verify_states(self):
             """--speculative-ddtree-budget auto: the target's verify graphs exist for the widest

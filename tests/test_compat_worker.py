@@ -824,3 +824,28 @@ def test_auto_budget_state_failure_names_the_fix(worker_class, tmp_path, monkeyp
             pytest.raises(cfg.DDTreeConfigError, match="mem-fraction-static"):
         w._build_verify_states()
     assert (mr.attn_backend, mr.decode_cuda_graph_runner) == ("main-backend", "main-runner")
+
+
+def test_step_graphs_are_prewarmed_for_every_batch_size_with_its_budget(
+        worker_class, tmp_path, monkeypatch):
+    """At start-up (after SGLang's capture) every batch size up to the largest CUDA-graph batch
+    size gets its accept/commit graph, on the tree buffers of the budget it will use; nothing
+    happens with graphs off."""
+    w, target, server_args = _auto_worker(worker_class, tmp_path, monkeypatch,
+                                          f"1:{BUDGET},4:6,inf:3")
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "max_capture_bs", lambda: 6)
+    monkeypatch.setattr(sgl, "max_running_requests", lambda worker: 64)
+    asked, warmed = [], []
+    for b, tb in w._tree_builders.items():
+        monkeypatch.setattr(tb, "static_tree", lambda bs, b=b: asked.append((bs, b)) or (b, bs))
+    monkeypatch.setattr(w._accept_commit, "prewarm",
+                        lambda tree, width, pool: warmed.append((tree, width, pool)) or True)
+    w.model_runner.token_to_kv_pool = pool = object()
+    w._graphs_enabled = False
+    w._prewarm_step_graphs()
+    assert asked == [] and warmed == []
+    w._graphs_enabled = True
+    w._prewarm_step_graphs()
+    assert asked == [(1, BUDGET), (2, 6), (3, 6), (4, 6), (5, 3), (6, 3)]
+    assert warmed == [((b, bs), w.tree_cfg.num_draft_tokens, pool) for bs, b in asked]

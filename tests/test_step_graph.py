@@ -57,3 +57,16 @@ def test_graph_wrapper_runs_eagerly_off_gpu_and_without_pool():
     want = accept_and_commit(tree, pred, slots, prefix, 6, _walk, None)
     assert torch.equal(got.step.out_tokens, want.step.out_tokens)
     assert torch.equal(got.hidden_rows, want.hidden_rows)
+
+
+def test_prewarm_is_a_no_op_off_gpu_and_the_tree_builder_has_no_static_buffers_there():
+    from sglang_ddtree.tree_graph import TreeBuildGraphs
+
+    trees = TreeBuildGraphs(8, 7, 4, "cpu")
+    assert trees.static_tree(3) is None  # eager builds into fresh tensors: nothing to prewarm
+    graphs = AcceptCommitGraphs(8, _walk, use_graphs=True, device="cpu")
+    tree = _random_tree(3, 7, 4, 8, 0)
+    before = {k: v.clone() for k, v in tree.tensors().items()}
+    assert not graphs.prewarm(tree, 9, FakePool(64))
+    assert not graphs._entries and not graphs.failed
+    assert all(torch.equal(v, before[k]) for k, v in tree.tensors().items())  # left untouched
