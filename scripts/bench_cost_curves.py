@@ -7,9 +7,12 @@ SGLang with identical flags as AR, DFLASH and DDTREE (one server per budget), dr
 
 - AR decode step (ms): the median time per output token (TPOT) at that concurrency;
 - DFLASH step (ms): TPOT x accept length (dummy drafters accept ~nothing, so ~TPOT);
-- DDTREE per budget: the verify forward and the whole step (ms) at batch size = concurrency, from
-  the plugin's GPU-synchronized stage timers (``SGLANG_DDTREE_TIMERS=1``, per batch size), and
-  verify(budget+1) / decode(1), the ratio that decides whether a wider tree pays.
+- DDTREE per budget: the step (TPOT x accept length) from a server like the others (host-only
+  stage timers, ``SGLANG_DDTREE_TIMERS=cpu``: no synchronization); for ``--timer-budgets``, a
+  second server with GPU-synchronized stage timers (``SGLANG_DDTREE_TIMERS=1``) gives the verify
+  forward at batch size = concurrency, and verify(budget+1) / decode(1), the ratio that decides
+  whether a wider tree pays. (Until session 5 the TPOT came from the synchronized server,
+  which defeats overlap scheduling and inflated DDTREE's step.)
 
 Then a clearly labelled *projection*: tokens/s = concurrency x accept / step, with accept
 lengths from a measured run of our tiny pair (``--accept-json``, a scripts/bench_e2e.py JSON) and,
@@ -39,15 +42,6 @@ CONFIGS = os.path.join(HERE, "..", "bench_assets", "model-configs")
 def random_prompts(n, length, vocab, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
-
-
-def verify_cost(stage_by_bs: dict, bs: int):
-    """(verify ms, whole-step ms) at batch size ``bs`` from a per-batch-size timer record."""
-    row = (stage_by_bs or {}).get("bs", {}).get(str(bs))
-    if not row:
-        return None, None
-    stages = [k for k in row if k != "steps"]
-    return row.get("verify"), round(sum(row[k] for k in stages), 4)
 
 
 def project(step_ms: dict, accept: dict, concs) -> dict:
@@ -81,8 +75,42 @@ def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -
     return out
 
 
+def plan_runs(budgets, timer_budgets, spec):
+    """[(method, extra server args, env)]: AR, DFLASH, DDTREE per budget with host-only stage
+    timers (no synchronization, so overlap scheduling and TPOT are those of a plain server),
+    and ``-timers`` servers with GPU-synchronized stage timers (their TPOT is not used: the
+    syncs defeat overlap scheduling) for the verify-forward split."""
+    def ddtree(b):
+        return ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b)] + spec
+
+    every = {"SGLANG_DDTREE_TIMERS_EVERY": "10"}
+    runs = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
+    runs += [(f"ddtree_b{b}", ddtree(b), {"SGLANG_DDTREE_TIMERS": "cpu", **every})
+             for b in budgets]
+    runs += [(f"ddtree_b{b}-timers", ddtree(b), {"SGLANG_DDTREE_TIMERS": "1", **every})
+             for b in timer_budgets]
+    return runs
+
+
+def derive(res: dict) -> dict:
+    """Fill ``step_ms`` (AR: TPOT; DFLASH and DDTREE: TPOT x accept length, the time of one
+    step, all from servers without synchronizing timers) and ``verify_over_decode`` (the
+    synchronized verify stage at batch size c over AR's decode step at c) from the measured
+    ``tpot_ms``, ``accept_length`` and ``verify_ms``; returns ``res``."""
+    res["step_ms"], res["verify_over_decode"] = {}, {}
+    for method, per_c in res["tpot_ms"].items():
+        acc = res["accept_length"].get(method, {})
+        res["step_ms"][method] = {c: round(t * (1.0 if method == "ar" else (acc.get(c) or 1.0)), 4)
+                                  for c, t in per_c.items() if t is not None}
+    decode = res["step_ms"].get("ar", {})
+    for method, per_c in res["verify_ms"].items():
+        res["verify_over_decode"][method] = {c: round(v / decode[c], 3)
+                                             for c, v in per_c.items() if decode.get(c)}
+    return res
+
+
 def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
-                  res=None, dump=lambda: None):
+                  res=None, dump=lambda: None, timer_budgets=()):
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
     ``dump`` after each: a run cut short by its time limit keeps the methods it measured."""
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
@@ -98,16 +126,12 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
               "--grammar-backend", "none", "--disable-prefill-cuda-graph",
               "--context-length", str(args.prompt_len + args.max_new_tokens + 1024)]
     spec = ["--speculative-draft-model-path", draft, "--speculative-draft-load-format", "dummy"]
-    runs = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
-    runs += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
-                               "--speculative-ddtree-budget", str(b)] + spec,
-              {"SGLANG_DDTREE_TIMERS": "1", "SGLANG_DDTREE_TIMERS_EVERY": "10"})
-             for b in budgets]
     res = {} if res is None else res
     res.update({"target": name, "draft": pairs[name], "drafter_block": block, "tpot_ms": {},
                 "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
-                "startup_s": {}, "errors": {}})
-    for i, (method, extra, env) in enumerate(runs):
+                "stage_ms": {}, "host_stage_ms": {}, "startup_s": {}, "errors": {}})
+    greedy = {"temperature": 0.0}
+    for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec)):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
             srv = Server(common + extra, log, args.port + i, env=env)
@@ -116,35 +140,33 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
             continue
         res["startup_s"][method] = round(srv.startup_s, 1)
         try:
-            run_pass(srv.port, prompts[: max(concs)], 16, max(concs), {"temperature": 0.0})
-            tpot, acc = {}, {}
-            for c in concs:
-                reps = [run_pass(srv.port, prompts[:c], args.max_new_tokens, c,
-                                 {"temperature": 0.0}) for _ in range(args.repeats)]
-                tpot[str(c)] = statistics.median(r["tpot_ms"] for r in reps)
-                acc[str(c)] = reps[-1]["accept_length"]
-            res["tpot_ms"][method], res["accept_length"][method] = tpot, acc
+            run_pass(srv.port, prompts[: max(concs)], 16, max(concs), greedy)  # warm-up
+            if method.endswith("-timers"):  # the stage split only: one pass per batch size
+                for c in concs:
+                    run_pass(srv.port, prompts[:c], args.max_new_tokens, c, greedy)
+            else:
+                tpot, acc = {}, {}
+                for c in concs:
+                    reps = [run_pass(srv.port, prompts[:c], args.max_new_tokens, c, greedy)
+                            for _ in range(args.repeats)]
+                    tpot[str(c)] = statistics.median(r["tpot_ms"] for r in reps)
+                    acc[str(c)] = reps[-1]["accept_length"]
+                res["tpot_ms"][method], res["accept_length"][method] = tpot, acc
         except Exception as e:
             res["errors"][method] = repr(e)[:1500]
         finally:
             srv.stop()
-        if method == "ar":
-            res["step_ms"]["ar"] = dict(res["tpot_ms"].get("ar", {}))
-        elif method == "dflash" and method in res["tpot_ms"]:
-            res["step_ms"]["dflash"] = {c: round(t * (res["accept_length"]["dflash"][c] or 1), 4)
-                                        for c, t in res["tpot_ms"]["dflash"].items()}
-        elif method.startswith("ddtree"):
+        if method.startswith("ddtree"):
             by_bs = stage_times_by_bs(log)
-            res["verify_ms"][method], res["step_ms"][method] = {}, {}
-            for c in concs:
-                v, step = verify_cost(by_bs, c)
-                if v is not None:
-                    res["verify_ms"][method][str(c)] = v
-                    res["step_ms"][method][str(c)] = step
-        decode = res["step_ms"].get("ar", {})
-        for m, per_c in res["verify_ms"].items():
-            res["verify_over_decode"][m] = {c: round(v / decode[c], 3)
-                                            for c, v in per_c.items() if decode.get(c)}
+            rows = {str(c): (by_bs or {}).get("bs", {}).get(str(c)) for c in concs}
+            rows = {c: r for c, r in rows.items() if r}
+            if method.endswith("-timers"):
+                base = method[: -len("-timers")]
+                res["stage_ms"][base] = rows
+                res["verify_ms"][base] = {c: r["verify"] for c, r in rows.items()}
+            else:
+                res["host_stage_ms"][method] = rows
+        derive(res)
         dump()
     return res
 
@@ -158,6 +180,8 @@ def main():
     ap.add_argument("--models", default="qwen3-8b,qwen3-30b-a3b,kimi-k2.6-tp8rank-l8")
     ap.add_argument("--budgets", default="8,16,32,64",
                     help="DDTREE budgets (the tiny pair's, so its accept lengths project)")
+    ap.add_argument("--timer-budgets", default=None,
+                    help="budgets that also get a GPU-synchronized timers server (default: all)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -165,7 +189,7 @@ def main():
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--accept-json", default=os.path.join(
-        HERE, "..", "bench_results", "bench_e2e_tiny_h200_partial.json"),
+        HERE, "..", "bench_results", "bench_e2e_tiny_h200.json"),
         help="a scripts/bench_e2e.py JSON whose greedy c=1 accept lengths feed the projection")
     ap.add_argument("--published-accept", default=None,
                     help="JSON {source, dflash, ddtree_b<budget>...} of published accept lengths")
@@ -179,6 +203,8 @@ def main():
     os.makedirs(args.workdir, exist_ok=True)
     concs = [int(c) for c in args.concurrency.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
+    timer_budgets = budgets if args.timer_budgets is None else \
+        [int(b) for b in args.timer_budgets.split(",") if b]
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -205,7 +231,7 @@ def main():
     for name in args.models.split(","):
         result["models"][name] = {}
         measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
-                      res=result["models"][name], dump=dump)
+                      res=result["models"][name], dump=dump, timer_budgets=timer_budgets)
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

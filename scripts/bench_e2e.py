@@ -68,9 +68,14 @@ def run_pass(port, prompts, max_new, conc, sampling):
     toks = sum(r[0] for r in res)
     steps = sum(r[3].get("spec_verify_ct", 0) for r in res)
     tpot = [(r[2] - r[1]) / (r[0] - 1) for r in res if r[0] > 1]
+    e2e = sorted(r[2] for r in res)
     return {"tokens_per_s": toks / wall, "ttft_ms": 1e3 * statistics.median(r[1] for r in res),
             "tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
-            "accept_length": toks / steps if steps else None}
+            "accept_length": toks / steps if steps else None,
+            # stragglers: a pass's tokens/s falls with its slowest requests, which the median
+            # TPOT does not show (session 5: c = 8 had the better TPOT and the lower tokens/s)
+            "wall_s": wall, "e2e_p90_ms": 1e3 * e2e[min(len(e2e) - 1, int(0.9 * len(e2e)))],
+            "e2e_max_ms": 1e3 * e2e[-1]}
 
 
 def measure(port, prompts, args, concs):
@@ -160,7 +165,9 @@ def main():
     # DDTREE speed servers log host (CPU) time per stage: no synchronization, no slowdown
     jobs = [(name, extra, {"SGLANG_DDTREE_TIMERS": "cpu"} if name.startswith("ddtree") else {})
             for name, extra, _ in methods]
-    jobs += [(name + "-timers", extra, {"SGLANG_DDTREE_TIMERS": "1"})
+    # a stage line every 10 steps: the few steps of the high-concurrency passes get one too
+    jobs += [(name + "-timers", extra, {"SGLANG_DDTREE_TIMERS": "1",
+                                        "SGLANG_DDTREE_TIMERS_EVERY": "10"})
              for name, extra, _ in methods if name.split("_b")[-1] in timer_budgets
              and name.startswith("ddtree_b")]
     servers = {}

@@ -177,3 +177,21 @@ def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
     tv = next(s for s in started if "--speculative-ddtree-verify-backend" in s.args)
     assert tv.args[tv.args.index("--speculative-ddtree-budget") + 1] == "32"
     assert "| 4.000 | 0.400 | 10.0 % |" in plot.overhead_table(res)  # tree+accept+commit / step
+
+
+def test_run_pass_reports_stragglers_beside_the_medians(monkeypatch):
+    """tokens/s over the pass's wall time, median TTFT/TPOT, and the p90 / slowest request."""
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+
+    # (completion tokens, ttft s, e2e s, meta): nine quick requests and one straggler
+    answers = iter([(11, 0.01, 0.11, {"spec_verify_ct": 5})] * 9
+                   + [(11, 0.01, 1.01, {"spec_verify_ct": 5})])
+    monkeypatch.setattr(bench_e2e, "stream_generate", lambda *a: next(answers))
+    r = bench_e2e.run_pass(0, [[1]] * 10, 11, 1, {})
+    assert r["accept_length"] == 110 / 50
+    assert abs(r["tpot_ms"] - 10.0) < 1e-6  # (0.11 - 0.01) / 10 tokens: the straggler hides
+    assert abs(r["e2e_max_ms"] - 1010.0) < 1e-6 and abs(r["e2e_p90_ms"] - 1010.0) < 1e-6
+    assert r["wall_s"] > 0 and r["tokens_per_s"] == 110 / r["wall_s"]

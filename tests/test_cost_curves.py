@@ -9,12 +9,29 @@ sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 import bench_cost_curves as cc  # noqa: E402
 
 
-def test_verify_cost_reads_the_batch_size_row():
-    rec = {"mode": "sync", "bs": {"8": {"steps": 40, "draft": 1.0, "tree": 0.1, "verify": 5.0,
-                                        "accept": 0.2, "commit": 0.7}}}
-    assert cc.verify_cost(rec, 8) == (5.0, 7.0)
-    assert cc.verify_cost(rec, 4) == (None, None)
-    assert cc.verify_cost(None, 8) == (None, None)
+def test_plan_runs_times_ddtree_without_syncs_and_splits_stages_on_extra_servers():
+    runs = cc.plan_runs([8, 32], [32], ["--spec"])
+    names = [r[0] for r in runs]
+    assert names == ["ar", "dflash", "ddtree_b8", "ddtree_b32", "ddtree_b32-timers"]
+    env = {name: e for name, _, e in runs}
+    assert env["ar"] == {} and env["dflash"] == {}
+    assert env["ddtree_b8"]["SGLANG_DDTREE_TIMERS"] == "cpu"  # no synchronization: real TPOT
+    assert env["ddtree_b32-timers"]["SGLANG_DDTREE_TIMERS"] == "1"
+    args = {name: a for name, a, _ in runs}
+    assert args["ddtree_b32"] == args["ddtree_b32-timers"] == [
+        "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "32", "--spec"]
+
+
+def test_derive_steps_from_tpot_times_accept_and_verify_over_ar_decode():
+    res = {"tpot_ms": {"ar": {"1": 2.0, "8": 4.0}, "dflash": {"1": 3.0},
+                       "ddtree_b32": {"1": 2.5, "8": None}},
+           "accept_length": {"ar": {"1": None}, "dflash": {"1": 1.5},
+                             "ddtree_b32": {"1": None}},
+           "verify_ms": {"ddtree_b32": {"1": 3.0, "8": 6.0, "32": 9.0}}}
+    cc.derive(res)
+    assert res["step_ms"] == {"ar": {"1": 2.0, "8": 4.0}, "dflash": {"1": 4.5},
+                              "ddtree_b32": {"1": 2.5}}  # no accept length: one token a step
+    assert res["verify_over_decode"] == {"ddtree_b32": {"1": 1.5, "8": 1.5}}  # no AR at 32
 
 
 def test_projection_is_concurrency_times_accept_over_step():
