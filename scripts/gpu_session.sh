@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treebench moe moeq det e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treebench moe moeq det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -44,6 +44,12 @@ for s in "$@"; do
              step e2e-det ${DET_LIMIT:-300} python3 scripts/e2e_lossless.py --cases "" --eager-check= \
                --speed= --deterministic "${DET_CASE:-tiny:32}" --port ${DET_PORT:-32100} \
                --workdir /tmp/ddtree_e2e_det --out "$OUT/e2e_lossless_h200_det.json" ${DET_ARGS:-} ;;
+    syncs)   # one lossless case with SGLANG_DDTREE_CHECK_SYNCS=1: every host sync inside the
+             # decode step (ours and the SGLang code it calls), logged per call site
+             step syncs ${SYNCS_LIMIT:-300} python3 scripts/e2e_lossless.py --cases "${SYNCS_CASES:-tiny:32;mla:32}" \
+               --eager-check= --speed= --deterministic= --workdir /tmp/ddtree_e2e_syncs \
+               --ddtree-env SGLANG_DDTREE_CHECK_SYNCS=1 --out "$OUT/e2e_sync_check_h200.json"
+             grep -h "sync check" /tmp/ddtree_e2e_syncs/*.log > "$OUT/sync_check_h200.log" ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
     e2e2gpu) # the suite split over the two GPUs of nvidia-h200-x2, both halves at once:
              # GPU 0 the core cases (+ speed, deterministic pair), GPU 1 the other backends and paging
@@ -65,7 +71,7 @@ for s in "$@"; do
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treebench moe moeq det e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext treebench moe moeq det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -25,6 +25,7 @@ ENV_TOPK = "SGLANG_DDTREE_TOPK"
 ENV_ORACLE = "SGLANG_DDTREE_TEST_ORACLE"  # test-only oracle draft mode (see sglang_ddtree.oracle)
 ENV_TIMERS = "SGLANG_DDTREE_TIMERS"
 ENV_RANK_CHECK = "SGLANG_DDTREE_CHECK_RANKS"  # debug: compare tree hashes across TP ranks
+ENV_SYNC_CHECK = "SGLANG_DDTREE_CHECK_SYNCS"  # debug: log host syncs inside the decode step
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
 ENV_VERIFY_BACKEND = "SGLANG_DDTREE_VERIFY_BACKEND"
 ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # sglang (per-column move_kv_cache) | fused (kv_move.py)
@@ -246,6 +247,13 @@ def timers_mode(environ=os.environ) -> str:
     if raw in ("", "0"):
         return "off"
     return "cpu" if raw == "cpu" else "sync"
+
+
+def sync_check_enabled(environ=os.environ) -> bool:
+    """SGLANG_DDTREE_CHECK_SYNCS=1: run every decode step under torch's CUDA sync debug mode and
+    log each call site that synchronized the host (debug only: the check itself slows the
+    step)."""
+    return environ.get(ENV_SYNC_CHECK, "") not in ("", "0")
 
 
 def kv_move_fused(environ=os.environ) -> bool:

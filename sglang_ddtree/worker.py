@@ -25,6 +25,7 @@ from .sampling import (checked_row_draw, host_max_top_k, make_flashinfer_row_dra
                        sample_per_node)
 from .step_graph import AcceptCommitGraphs
 from .step_prep import StepPrep
+from .sync_check import SyncCheck
 from .tree_graph import TreeBuildGraphs
 from .verify import full_mask_numel_bound
 from .verify_backend import attach_tree_mask
@@ -117,6 +118,7 @@ def _make_worker_class(sgl):
 
                 self._oracle = OracleDraft.from_env()
             self._timers = StepTimers(mode=timers_mode, every=cfg.timers_every())
+            self._sync_check = SyncCheck(cfg.sync_check_enabled(), every=cfg.timers_every())
             # T > 0 nodes draw as this server's Sampler does: with flashinfer, its own kernels
             self._row_draw = None
             if sgl.sampling_backend() == "flashinfer":
@@ -324,6 +326,10 @@ def _make_worker_class(sgl):
                                                         **kwargs)
             if batch.has_grammar:
                 raise RuntimeError("DDTREE does not support grammar-constrained decoding yet.")
+            with self._sync_check.step():  # SGLANG_DDTREE_CHECK_SYNCS=1; a no-op otherwise
+                return self._decode_step(batch, on_publish)
+
+        def _decode_step(self, batch, on_publish):
             t = self._timers
             t.start()
             if batch.seq_lens.is_cuda:
