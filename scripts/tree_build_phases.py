@@ -33,7 +33,10 @@ from bench_tree_build import make_topk  # noqa: E402
 
 EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
 KERNEL_DIR = ROOT / "cuda_ext"
-PHASES_RE = re.compile(r"block barriers per block: ([\d.]+) \(threads (\d+)\)")
+PHASES_RE = re.compile(r"block barriers per block: ([\d.]+) \(threads (\d+)\), most in one "
+                       r"block: (\d+)")
+ATOMICS_RE = re.compile(r"shared atomics per block: ([\d.]+), busiest-address depth per block: "
+                        r"([\d.]+)")
 
 
 def build_driver(workdir: str) -> str:
@@ -59,15 +62,17 @@ def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0
         roots.numpy().astype(np.int64).tofile(f)
         np.zeros(bs, np.int64).tofile(f)
     r = subprocess.run([exe, fin, fout], check=True, capture_output=True, text=True, timeout=600)
-    m = PHASES_RE.search(r.stderr)
-    return float(m.group(1)), int(m.group(2))
+    m, a = PHASES_RE.search(r.stderr), ATOMICS_RE.search(r.stderr)
+    return (float(m.group(1)), int(m.group(2)), float(a.group(1)), float(a.group(2)),
+            int(m.group(3)))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--dists", nargs="+", default=["peaked", "random"])
-    ap.add_argument("--bs", type=int, default=4, help="requests per launch (phases are averaged)")
+    ap.add_argument("--bs", type=int, default=4,
+                    help="requests per launch (phases averaged; the most in one block too)")
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=0, help="0: the launcher's choice")
@@ -80,11 +85,14 @@ def main(argv=None):
             for budget in args.budgets:
                 roots, lp, ids = make_topk(args.bs, args.depth, budget, args.vocab, dist,
                                            seed=args.bs * 7919 + budget, device="cpu")
-                count, t = phases(exe, work, roots, lp, ids, budget, args.threads)
+                count, t, atomics, depth, most = phases(exe, work, roots, lp, ids, budget,
+                                                        args.threads)
                 rows.append(dict(dist=dist, budget=budget, threads=t, bs=args.bs,
-                                 phases_per_block=count))
-                print(f"{dist:7s} budget {budget:4d} threads {t:4d}: "
-                      f"{rows[-1]['phases_per_block']:.1f} block barriers per block", flush=True)
+                                 phases_per_block=count, phases_max_block=most,
+                                 atomics_per_block=atomics, atomic_depth_per_block=depth))
+                print(f"{dist:7s} budget {budget:4d} threads {t:4d}: {count:.1f} block barriers "
+                      f"(most {most}), {atomics:.0f} shared atomics, busiest-address depth "
+                      f"{depth:.0f} per block", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(command=" ".join(["python", "scripts/tree_build_phases.py"]

@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #define __global__
@@ -28,7 +30,23 @@ inline EmuDim3 blockDim;
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 
-inline std::unique_ptr<std::barrier<>> g_emu_block_bar;
+// Shared-memory atomics: the total, and per phase (between two block barriers) the count on the
+// busiest address, summed over phases -- how many atomics a block must serialize at least when
+// they collide on one address (a radix histogram with most keys in one bin).
+inline std::mutex g_emu_atomic_mu;
+inline std::unordered_map<const void*, long> g_emu_atomic_phase;
+inline long g_emu_atomics = 0;
+inline long g_emu_atomic_depth = 0;
+inline void emu_fold_atomics() {
+  long worst = 0;
+  for (const auto& kv : g_emu_atomic_phase) worst = std::max(worst, kv.second);
+  g_emu_atomic_depth += worst;
+  g_emu_atomic_phase.clear();
+}
+struct EmuBarrierDone {
+  void operator()() noexcept { emu_fold_atomics(); }  // every thread arrived: the phase is over
+};
+inline std::unique_ptr<std::barrier<EmuBarrierDone>> g_emu_block_bar;
 inline std::vector<std::unique_ptr<std::barrier<>>> g_emu_warp_bar;
 inline std::vector<std::vector<uint64_t>> g_emu_warp_buf;
 
@@ -60,24 +78,38 @@ inline T emu_shfl(T v, EmuShfl kind, int arg) {
 template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kUp, d); }
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kXor, d); }
 
-inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicAdd(int* p, int v) {
+  {
+    std::lock_guard<std::mutex> lock(g_emu_atomic_mu);
+    ++g_emu_atomics;
+    ++g_emu_atomic_phase[p];
+  }
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 using std::fminf;
 using std::min;
 
+// The most barriers one block passed: with one block per request, the slowest block sets the
+// launch's time.
+inline long g_emu_block_syncs_max = 0;
+
 template <typename Kernel, typename Params>
 inline void emu_launch(Kernel kernel, int grid, int threads, const Params& params) {
   const int nw = threads / 32;
   for (int bidx = 0; bidx < grid; ++bidx) {
+    const long syncs_before = g_emu_block_syncs;
     blockIdx.x = bidx;
     blockDim.x = threads;
-    g_emu_block_bar = std::make_unique<std::barrier<>>(threads);
+    g_emu_block_bar = std::make_unique<std::barrier<EmuBarrierDone>>(threads);
     g_emu_warp_bar.clear();
     g_emu_warp_buf.assign(nw, std::vector<uint64_t>(32));
     for (int w = 0; w < nw; ++w) g_emu_warp_bar.push_back(std::make_unique<std::barrier<>>(32));
     std::vector<std::thread> ts;
     for (int t = 0; t < threads; ++t) ts.emplace_back([&, t] { threadIdx.x = t; kernel(params); });
     for (auto& th : ts) th.join();
+    emu_fold_atomics();  // the last phase ends with the block
+    g_emu_block_syncs_max = std::max(g_emu_block_syncs_max, g_emu_block_syncs - syncs_before);
   }
 }

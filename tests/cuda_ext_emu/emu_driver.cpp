@@ -4,7 +4,8 @@
 // OUT: tokens, parents, depths (int64 [bs*N]); valid (u8); scores (f32); ancestor_mask (u8
 //      [bs*N*N]); retrive_index, next_token, next_sibling, positions (int64 [bs*N]); then the
 //      FULL_MASK buffer (u8) with 16 guard bytes (value 2) on each side.
-// stderr: the block barriers each block passed (mean over blocks).
+// stderr: the block barriers each block passed, its shared-memory atomics and their busiest-address
+//         depth (means over blocks).
 // Shared memory is filled with `fill` before every launch so that reads of unwritten shared
 // memory change the result between runs with different fills.
 #include "cuda_emu.h"
@@ -60,8 +61,10 @@ int main(int argc, char** argv) {
   if (L.total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)L.total); return 2; }
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
   emu_launch(ddtree::tree_build_kernel, bs, T, p);
-  fprintf(stderr, "block barriers per block: %.2f (threads %d)\n",
-          double(g_emu_block_syncs) / bs, T);
+  fprintf(stderr, "block barriers per block: %.2f (threads %d), most in one block: %ld\n",
+          double(g_emu_block_syncs) / bs, T, g_emu_block_syncs_max);
+  fprintf(stderr, "shared atomics per block: %.1f, busiest-address depth per block: %.1f\n",
+          double(g_emu_atomics) / bs, double(g_emu_atomic_depth) / bs);
   FILE* o = fopen(argv[2], "wb");
   write_vec(o, tokens); write_vec(o, parents); write_vec(o, depths); write_vec(o, valid);
   write_vec(o, scores); write_vec(o, anc); write_vec(o, ri); write_vec(o, nt); write_vec(o, ns);
