@@ -106,7 +106,8 @@ def add_pair_args(ap, out):
 def main():
     ap = argparse.ArgumentParser()
     add_pair_args(ap, "bench_results/bench_e2e_tiny_h200.json")
-    ap.add_argument("--budgets", default="8,16,32,64,128")
+    ap.add_argument("--budgets", default="8,16,32,64,128",
+                    help="fixed budgets, 'auto' (the table) and 'online' (auto, measured)")
     ap.add_argument("--triton-verify-budgets", default="",
                     help="budgets also measured with --speculative-ddtree-verify-backend triton "
                          "(methods ddtree_tv_b<budget>), e.g. 32")
@@ -142,8 +143,11 @@ def main():
         common += ["--max-total-tokens", str(args.kv_tokens)]
     spec = ["--speculative-draft-model-path", args.draft]
     methods = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
+    # "online": --speculative-ddtree-budget auto with SGLANG_DDTREE_AUTO_MODE=online
     methods += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
-                                  "--speculative-ddtree-budget", b] + spec, {})
+                                  "--speculative-ddtree-budget",
+                                  "auto" if b == "online" else b] + spec,
+                 {"SGLANG_DDTREE_AUTO_MODE": "online"} if b == "online" else {})
                 for b in args.budgets.split(",")]
     methods += [(f"ddtree_tv_b{b}", ["--speculative-algorithm", "DDTREE",
                                      "--speculative-ddtree-budget", b,
@@ -163,12 +167,13 @@ def main():
     log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
     timer_budgets = {b for b in args.timer_budgets.split(",") if b}
     # DDTREE speed servers log host (CPU) time per stage: no synchronization, no slowdown
-    jobs = [(name, extra, {"SGLANG_DDTREE_TIMERS": "cpu"} if name.startswith("ddtree") else {})
-            for name, extra, _ in methods]
+    jobs = [(name, extra, {**env, **({"SGLANG_DDTREE_TIMERS": "cpu"}
+                                     if name.startswith("ddtree") else {})})
+            for name, extra, env in methods]
     # a stage line every 10 steps: the few steps of the high-concurrency passes get one too
-    jobs += [(name + "-timers", extra, {"SGLANG_DDTREE_TIMERS": "1",
+    jobs += [(name + "-timers", extra, {**env, "SGLANG_DDTREE_TIMERS": "1",
                                         "SGLANG_DDTREE_TIMERS_EVERY": "10"})
-             for name, extra, _ in methods if name.split("_b")[-1] in timer_budgets
+             for name, extra, env in methods if name.split("_b")[-1] in timer_budgets
              and name.startswith("ddtree_b")]
     servers = {}
 

@@ -272,6 +272,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--routed-scaling", type=float, default=2.827)
     ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--baselines", default="sglang_triton,sglang_marlin",
+                    help="SGLang paths to compare with, timed in this order (session 5: a run "
+                         "with both set up made no progress on its first row within 120 s)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     ap.add_argument("--check", action="store_true", help="also compare outputs with the reference")
     ap.add_argument("--config", default=None, help="alternative config JSON for our kernel")
@@ -312,6 +315,8 @@ def main(argv=None) -> int:
         return 0
     baselines, baseline_errors = ({}, {"all": "--no-sglang"}) if args.no_sglang else \
         sglang_baselines(layers, args)
+    wanted = [b for b in args.baselines.split(",") if b]
+    baselines = {name: baselines[name] for name in wanted if name in baselines}
     print(f"[{time.perf_counter() - t0:6.1f} s] baselines {sorted(baselines)}, missing "
           f"{baseline_errors or 'none'}", flush=True)
     copy_gbs = copy_bandwidth_gbs(dev, nbytes=(2 << 30) if dev.type == "cuda" else (16 << 20))
@@ -356,6 +361,7 @@ def main(argv=None) -> int:
             impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
                                                      for i in range(len(layers))])
         for name, fn in impls.items():
+            print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: timing {name}", flush=True)
             try:
                 us = graph_time_us(fn, args.iters, dev) / len(layers)
                 row["us"][name] = us

@@ -35,6 +35,9 @@ MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
 DEFAULT_BUDGET = 32
 AUTO_BUDGET = "auto"
 ENV_AUTO_TABLE = "SGLANG_DDTREE_AUTO_TABLE"
+# with --speculative-ddtree-budget auto: "table" (the batch-size table) or "online" (measured)
+ENV_AUTO_MODE = "SGLANG_DDTREE_AUTO_MODE"
+AUTO_MODES = ("table", "online")
 INF_BS = 1 << 30
 # Derived by scripts/make_auto_table.py from the H200 run with the trained tiny pair
 # (bench_results/bench_e2e_tiny_h200_partial.json): at concurrency 1 budget 32 was the fastest
@@ -174,6 +177,32 @@ def parse_auto_table(raw: str) -> Tuple[Tuple[int, int], ...]:
 
 def read_auto_table(environ=os.environ) -> Tuple[Tuple[int, int], ...]:
     return parse_auto_table(environ.get(ENV_AUTO_TABLE, "") or DEFAULT_AUTO_TABLE)
+
+
+def read_auto_mode(environ=os.environ) -> str:
+    """SGLANG_DDTREE_AUTO_MODE: how ``--speculative-ddtree-budget auto`` picks a step's budget.
+    ``table`` (default): by batch size from SGLANG_DDTREE_AUTO_TABLE; ``online``: among the
+    table's budgets, by this server's measured throughput per batch-size bucket
+    (``auto_online.py``; TP = 1 only)."""
+    raw = environ.get(ENV_AUTO_MODE, "").strip().lower() or "table"
+    if raw not in AUTO_MODES:
+        raise DDTreeConfigError(f"{ENV_AUTO_MODE}={raw!r}: expected one of {', '.join(AUTO_MODES)}.")
+    if raw == "online" and not is_auto_budget(environ):
+        raise DDTreeConfigError(
+            f"{ENV_AUTO_MODE}=online chooses among the budgets of --speculative-ddtree-budget "
+            "auto; the budget is fixed here. Set --speculative-ddtree-budget auto, or unset "
+            f"{ENV_AUTO_MODE}.")
+    return raw
+
+
+def online_auto_tp_error(tp_size: int) -> Optional[str]:
+    """The start-up refusal for online auto at TP > 1 (None: fine): each rank would time its own
+    steps and could pick another budget than its peers, i.e. another verify width."""
+    if tp_size <= 1:
+        return None
+    return (f"DDTREE: {ENV_AUTO_MODE}=online needs tensor parallel size 1 (got {tp_size}): every "
+            "rank must verify the same tree, and each rank would time its own steps. Use "
+            f"{ENV_AUTO_MODE}=table (the default) with a {ENV_AUTO_TABLE} for TP > 1.")
 
 
 def read_topk(environ=os.environ) -> Optional[int]:

@@ -115,6 +115,7 @@ def export_cli_args(args: argparse.Namespace, environ=os.environ) -> None:
             environ[cfg.ENV_BUDGET] = cfg.AUTO_BUDGET
         else:
             environ[cfg.ENV_BUDGET] = str(cfg.validate_budget(int(budget)))
+        cfg.read_auto_mode(environ)  # a bad or misplaced SGLANG_DDTREE_AUTO_MODE fails here
     topk = getattr(args, "speculative_ddtree_topk", None)
     if topk is not None:
         if topk < 1:

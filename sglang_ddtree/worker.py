@@ -127,6 +127,15 @@ def _make_worker_class(sgl):
             kv_move = "fused" if cfg.kv_move_fused() else "sglang"  # a bad value fails here
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
+            # SGLANG_DDTREE_AUTO_MODE=online: the budget from measured throughput (TP = 1)
+            self._online = None
+            if self.tree_cfg.auto_table is not None and cfg.read_auto_mode() == "online":
+                msg = cfg.online_auto_tp_error(tp.world_size)
+                if msg:
+                    raise cfg.DDTreeConfigError(msg)
+                from .auto_online import OnlineBudgetController
+
+                self._online = OnlineBudgetController(self.tree_cfg.budgets)
             self._rank_check = RankConsistencyCheck(self._tp_group, cfg.rank_check_interval())
             if sgl.tp_rank(self) == 0:
                 logger.info(
@@ -250,10 +259,14 @@ def _make_worker_class(sgl):
             pool = self.model_runner.token_to_kv_pool
             captured = 0
             for bs in range(1, max_bs + 1):
-                tree = self._tree_builders[self.tree_cfg.budget_for(bs)].static_tree(bs)
-                if tree is not None:
-                    captured += self._accept_commit.prewarm(tree, self.tree_cfg.num_draft_tokens,
-                                                            pool)
+                # online auto can pick any budget at any batch size; otherwise one per size
+                budgets = (self.tree_cfg.budgets if self._online is not None
+                           else (self.tree_cfg.budget_for(bs),))
+                for b in budgets:
+                    tree = self._tree_builders[b].static_tree(bs)
+                    if tree is not None:
+                        captured += self._accept_commit.prewarm(
+                            tree, self.tree_cfg.num_draft_tokens, pool)
             if torch.device(self.device).type == "cuda":
                 torch.cuda.current_stream().synchronize()  # start-up only
             if sgl.tp_rank(self) == 0:
@@ -322,6 +335,8 @@ def _make_worker_class(sgl):
                                      **kwargs):
             if (batch.forward_mode.is_extend() or batch.is_extend_in_batch
                     or batch.forward_mode.is_idle() or batch.spec_info is None):
+                if self._online is not None:
+                    self._online.other_forward()  # not a decode step's interval
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier,
                                                         **kwargs)
             if batch.has_grammar:
@@ -336,7 +351,7 @@ def _make_worker_class(sgl):
                 batch.seq_lens.record_stream(torch.cuda.current_stream())
             bs = len(batch.seq_lens)
             tc = self.tree_cfg
-            budget = tc.budget_for(bs)  # host-side choice: fixed, or by batch size with auto
+            budget = self._budget_for(batch, bs)  # host-side: fixed, table or online
             n, block = budget + 1, self.block_size
             prefix = batch.seq_lens
             draft_input = batch.spec_info
@@ -452,6 +467,18 @@ def _make_worker_class(sgl):
                 speculative_num_draft_tokens=block,
                 new_seq_lens=step.new_seq_lens,
             )
+
+        def _budget_for(self, batch, bs):
+            """This step's budget: the fixed one, the auto table's for ``bs``, or (online
+            mode) the controller's, fed with the time and the tokens the scheduler emitted."""
+            if self._online is None:
+                return self.tree_cfg.budget_for(bs)
+            o = self._online
+            budget = o.step(bs, o.emitted_since_last(batch.reqs), time.perf_counter())
+            if sgl.tp_rank(self) == 0 and o.steps % self._timers.every == 0:
+                logger.info("DDTREE online auto budget (by batch-size bucket): %s",
+                            json.dumps(o.report()))
+            return budget
 
         @contextlib.contextmanager
         def _verify_state(self, budget):

@@ -117,3 +117,20 @@ def test_deepep_low_latency_verify_overflow_is_refused():
     # beyond DeepEP's 1024 the env var cannot help: the message says what can
     big = cfg.deepep_verify_tokens_error("deepep", "auto", 64, 65, environ={})
     assert "up to 1024" not in big and "--max-running-requests to 1" in big
+
+
+def test_auto_mode_defaults_to_the_table_and_online_needs_auto_and_tp1():
+    assert cfg.read_auto_mode({}) == "table"
+    assert cfg.read_auto_mode({cfg.ENV_AUTO_MODE: "Online", cfg.ENV_BUDGET: "auto"}) == "online"
+    with pytest.raises(cfg.DDTreeConfigError, match="expected one of table, online"):
+        cfg.read_auto_mode({cfg.ENV_AUTO_MODE: "adaptive", cfg.ENV_BUDGET: "auto"})
+    with pytest.raises(cfg.DDTreeConfigError, match="Set --speculative-ddtree-budget auto"):
+        cfg.read_auto_mode({cfg.ENV_AUTO_MODE: "online", cfg.ENV_BUDGET: "32"})
+    assert cfg.online_auto_tp_error(1) is None
+    assert "tensor parallel size 1 (got 8)" in cfg.online_auto_tp_error(8)
+    # the CLI export checks it before any model loads
+    env = {cfg.ENV_AUTO_MODE: "online"}
+    with pytest.raises(cfg.DDTreeConfigError, match="budget is fixed"):
+        hooks.export_cli_args(argparse.Namespace(speculative_ddtree_budget=32), environ=env)
+    hooks.export_cli_args(argparse.Namespace(speculative_ddtree_budget="auto"), environ=env)
+    assert env[cfg.ENV_BUDGET] == "auto"

@@ -165,12 +165,18 @@ def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
     prompts.write_text("\n".join(json.dumps({"input_ids": [1, 2, 3]}) for _ in range(8)) + "\n")
     out = tmp_path / "b.json"
     monkeypatch.setattr(sys, "argv", [
-        "bench_e2e.py", "--out", str(out), "--prompts-file", str(prompts), "--budgets", "8,auto",
+        "bench_e2e.py", "--out", str(out), "--prompts-file", str(prompts), "--budgets",
+        "8,auto,online",
         "--triton-verify-budgets", "32", "--concurrency", "1,4", "--modes", "greedy",
         "--repeats", "1", "--timer-budgets", "8", "--workdir", str(tmp_path / "w")])
     bench_e2e.main()
     res = json.loads(out.read_text())
-    assert set(res["results"]) == {"ar", "dflash", "ddtree_b8", "ddtree_bauto", "ddtree_tv_b32"}
+    assert set(res["results"]) == {"ar", "dflash", "ddtree_b8", "ddtree_bauto", "ddtree_bonline",
+                                   "ddtree_tv_b32"}
+    online = next(s for s in started if s.env.get("SGLANG_DDTREE_AUTO_MODE") == "online")
+    assert online.args[online.args.index("--speculative-ddtree-budget") + 1] == "auto"
+    assert online.env["SGLANG_DDTREE_TIMERS"] == "cpu"
+    assert sum(s.env.get("SGLANG_DDTREE_AUTO_MODE") == "online" for s in started) == 1
     assert res["results"]["ddtree_b8"]["greedy"]["4"]["tokens_per_s"] == 400.0
     assert res["stage_ms_by_batch_size"]["ddtree_b8"]["bs"]["1"]["draft_kv"] == 0.6
     assert not res["errors"]

@@ -849,3 +849,43 @@ def test_step_graphs_are_prewarmed_for_every_batch_size_with_its_budget(
     w._prewarm_step_graphs()
     assert asked == [(1, BUDGET), (2, 6), (3, 6), (4, 6), (5, 3), (6, 3)]
     assert warmed == [((b, bs), w.tree_cfg.num_draft_tokens, pool) for bs, b in asked]
+
+
+def test_online_auto_mode_asks_the_controller_and_prewarms_every_budget(
+        worker_class, tmp_path, monkeypatch):
+    """SGLANG_DDTREE_AUTO_MODE=online: the step's budget comes from the controller, fed with
+    the tokens the scheduler emitted to the batch's requests; a prefill breaks the interval;
+    every budget's graphs are captured at every batch size."""
+    monkeypatch.setenv(cfg.ENV_AUTO_MODE, "online")
+    w, target, server_args = _auto_worker(worker_class, tmp_path, monkeypatch,
+                                          f"1:{BUDGET},inf:3")
+    from sglang_ddtree.auto_online import OnlineBudgetController
+
+    assert isinstance(w._online, OnlineBudgetController) and w._online.budgets == (BUDGET, 3)
+    calls = []
+    monkeypatch.setattr(w._online, "step", lambda bs, emitted, now: calls.append((bs, emitted))
+                        or 3)
+    req = types.SimpleNamespace(rid="a", output_ids=[1])
+    batch = types.SimpleNamespace(reqs=[req])
+    assert w._budget_for(batch, 1) == 3  # not the table's BUDGET for batch size 1
+    req.output_ids += [2, 3]
+    w._budget_for(batch, 1)
+    assert calls == [(1, 0), (1, 2)]
+
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "max_capture_bs", lambda: 2)
+    monkeypatch.setattr(sgl, "max_running_requests", lambda worker: 64)
+    asked = []
+    for b, tb in w._tree_builders.items():
+        monkeypatch.setattr(tb, "static_tree", lambda bs, b=b: asked.append((bs, b)) or None)
+    w.model_runner.token_to_kv_pool = object()
+    w._graphs_enabled = True
+    w._prewarm_step_graphs()
+    assert asked == [(1, BUDGET), (1, 3), (2, BUDGET), (2, 3)]
+
+
+def test_online_auto_mode_is_off_by_default(worker_class, tmp_path, monkeypatch):
+    w, _, _ = _auto_worker(worker_class, tmp_path, monkeypatch, f"1:{BUDGET},inf:3")
+    assert w._online is None
+    assert w._budget_for(types.SimpleNamespace(reqs=[]), 1) == BUDGET
+    assert w._budget_for(types.SimpleNamespace(reqs=[]), 2) == 3
