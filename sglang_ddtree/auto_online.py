@@ -22,15 +22,17 @@ request-step (the accept length) and the mean interval. It scores each budget by
 ``window`` steps (largest first), then uses the best one for ``exploit`` steps, then measures
 every budget afresh (the incumbent first) so that the choice follows the load.
 
-Every rank must use the same budget; timings differ between ranks, so this mode requires
-TP = 1 (checked at start-up).
+Every rank must use the same budget, and timings differ between ranks. At TP > 1 every rank
+runs the same schedule (it depends only on step counts and batch sizes, which TP ranks share)
+and takes rank 0's choice at the end of each measuring round: one small CPU broadcast per
+round. With DP attention the ranks' batches differ, so that setup is refused at start-up.
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterable, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, Optional, Tuple
 
 
 def bucket_of(bs: int) -> int:
@@ -63,11 +65,15 @@ class _Bucket:
 
 class OnlineBudgetController:
     def __init__(self, budgets: Iterable[int], window: int = 32, exploit: int = 512,
-                 lag: int = 2):
+                 lag: int = 2, agree: Optional[Callable[[int], int]] = None):
         self.budgets = tuple(sorted(set(budgets), reverse=True))
         if not self.budgets:
             raise ValueError("OnlineBudgetController needs at least one budget")
         self.window, self.exploit, self.lag = window, exploit, lag
+        # TP > 1: every rank reaches each choice at the same decode step (the schedule depends
+        # only on step counts and batch sizes, which TP ranks share); ``agree`` turns the local
+        # choice into rank 0's, so that all ranks verify the same width
+        self.agree = agree
         self.min_samples = max(1, window // 2)
         self._buckets: Dict[int, _Bucket] = {}
         self._prev: Optional[Tuple[float, int, int, int]] = None  # (t, bucket, budget, bs)
@@ -141,7 +147,8 @@ class OnlineBudgetController:
         # exploration over: the best score (ties: the wider tree), for an exploit period
         scores = {b: s.score(self.min_samples) for b, s in st.stats.items()}
         known = {b: v for b, v in scores.items() if v is not None}
-        st.best = max(known, key=lambda b: (known[b], b)) if known else self.budgets[0]
+        best = max(known, key=lambda b: (known[b], b)) if known else self.budgets[0]
+        st.best = best if self.agree is None else int(self.agree(best))
         st.current, st.left = st.best, self.exploit
         return st.current
 

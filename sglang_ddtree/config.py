@@ -183,7 +183,7 @@ def read_auto_mode(environ=os.environ) -> str:
     """SGLANG_DDTREE_AUTO_MODE: how ``--speculative-ddtree-budget auto`` picks a step's budget.
     ``table`` (default): by batch size from SGLANG_DDTREE_AUTO_TABLE; ``online``: among the
     table's budgets, by this server's measured throughput per batch-size bucket
-    (``auto_online.py``; TP = 1 only)."""
+    (``auto_online.py``; not with DP attention or pipeline parallelism)."""
     raw = environ.get(ENV_AUTO_MODE, "").strip().lower() or "table"
     if raw not in AUTO_MODES:
         raise DDTreeConfigError(f"{ENV_AUTO_MODE}={raw!r}: expected one of {', '.join(AUTO_MODES)}.")
@@ -195,14 +195,15 @@ def read_auto_mode(environ=os.environ) -> str:
     return raw
 
 
-def online_auto_tp_error(tp_size: int) -> Optional[str]:
-    """The start-up refusal for online auto at TP > 1 (None: fine): each rank would time its own
-    steps and could pick another budget than its peers, i.e. another verify width."""
-    if tp_size <= 1:
+def online_auto_parallel_error(dp_attention: bool, pp_size: int = 1) -> Optional[str]:
+    """The start-up refusal for online auto where ranks run different batches (None: fine):
+    the ranks take rank 0's choice at points of a schedule they must share."""
+    if not dp_attention and pp_size <= 1:
         return None
-    return (f"DDTREE: {ENV_AUTO_MODE}=online needs tensor parallel size 1 (got {tp_size}): every "
-            "rank must verify the same tree, and each rank would time its own steps. Use "
-            f"{ENV_AUTO_MODE}=table (the default) with a {ENV_AUTO_TABLE} for TP > 1.")
+    what = "--enable-dp-attention" if dp_attention else f"pipeline parallel size {pp_size}"
+    return (f"DDTREE: {ENV_AUTO_MODE}=online needs every rank to run the same batches, which "
+            f"{what} does not. Use {ENV_AUTO_MODE}=table (the default) with a "
+            f"{ENV_AUTO_TABLE}.")
 
 
 def read_topk(environ=os.environ) -> Optional[int]:

@@ -127,15 +127,20 @@ def _make_worker_class(sgl):
             kv_move = "fused" if cfg.kv_move_fused() else "sglang"  # a bad value fails here
             tp = sgl.get_tp_group()
             self._tp_group = tp if tp.world_size > 1 else None
-            # SGLANG_DDTREE_AUTO_MODE=online: the budget from measured throughput (TP = 1)
+            # SGLANG_DDTREE_AUTO_MODE=online: the budget from measured throughput
             self._online = None
             if self.tree_cfg.auto_table is not None and cfg.read_auto_mode() == "online":
-                msg = cfg.online_auto_tp_error(tp.world_size)
+                msg = cfg.online_auto_parallel_error(
+                    bool(sgl.resolved_arg(server_args, "enable_dp_attention")),
+                    int(sgl.resolved_arg(server_args, "pp_size") or 1))
                 if msg:
                     raise cfg.DDTreeConfigError(msg)
                 from .auto_online import OnlineBudgetController
 
-                self._online = OnlineBudgetController(self.tree_cfg.budgets)
+                agree = None
+                if self._tp_group is not None:  # every rank takes rank 0's choice
+                    agree = functools.partial(self._tp_group.broadcast_object, src=0)
+                self._online = OnlineBudgetController(self.tree_cfg.budgets, agree=agree)
             self._rank_check = RankConsistencyCheck(self._tp_group, cfg.rank_check_interval())
             if sgl.tp_rank(self) == 0:
                 logger.info(

@@ -126,8 +126,9 @@ def test_auto_mode_defaults_to_the_table_and_online_needs_auto_and_tp1():
         cfg.read_auto_mode({cfg.ENV_AUTO_MODE: "adaptive", cfg.ENV_BUDGET: "auto"})
     with pytest.raises(cfg.DDTreeConfigError, match="Set --speculative-ddtree-budget auto"):
         cfg.read_auto_mode({cfg.ENV_AUTO_MODE: "online", cfg.ENV_BUDGET: "32"})
-    assert cfg.online_auto_tp_error(1) is None
-    assert "tensor parallel size 1 (got 8)" in cfg.online_auto_tp_error(8)
+    assert cfg.online_auto_parallel_error(False) is None
+    assert "--enable-dp-attention does not" in cfg.online_auto_parallel_error(True)
+    assert "pipeline parallel size 2" in cfg.online_auto_parallel_error(False, pp_size=2)
     # the CLI export checks it before any model loads
     env = {cfg.ENV_AUTO_MODE: "online"}
     with pytest.raises(cfg.DDTreeConfigError, match="budget is fixed"):

@@ -100,3 +100,25 @@ def test_bad_arguments():
         OnlineBudgetController([])
     with pytest.raises(ValueError):
         OnlineBudgetController([8], lag=0)
+
+
+def test_tp_ranks_with_different_timings_take_rank_0s_choice():
+    """Two ranks time the same schedule differently (rank 1 sees a GPU-bound step, rank 0 a
+    host-bound one); at the end of each round both use rank 0's choice, so they never verify
+    different widths."""
+    rank0_choices = []
+    calls = iter(range(1000))
+
+    def agree_rank0(local):  # what broadcast_object(src=0) returns: rank 0's i-th choice
+        return rank0_choices[next(calls)]
+
+    def record_rank0(local):
+        rank0_choices.append(local)
+        return local
+
+    r0 = OnlineBudgetController([8, 64], window=8, exploit=32, agree=record_rank0)
+    r1 = OnlineBudgetController([8, 64], window=8, exploit=32, agree=agree_rank0)
+    host_bound = simulate(r0, 16, lambda bs, b: 5.0, 100)
+    gpu_bound = simulate(r1, 16, lambda bs, b: 5.0 + 0.3 * (b + 1), 100)
+    assert host_bound == gpu_bound  # same budget at every step
+    assert rank0_choices and set(rank0_choices) == {64}

@@ -255,7 +255,8 @@ def _server_args(tmp_path):
         speculative_num_draft_tokens=BUDGET + 1, speculative_draft_window_size=None,
         speculative_draft_model_path=str(tmp_path), page_size=1, disable_cuda_graph=True,
         speculative_domino_candidate_pool_size=0, speculative_use_block_verification=False,
-        moe_a2a_backend="none", deepep_mode="auto",  # SGLang's defaults
+        # SGLang's defaults
+        moe_a2a_backend="none", deepep_mode="auto", enable_dp_attention=False, pp_size=1,
     )
 
 
@@ -889,3 +890,14 @@ def test_online_auto_mode_is_off_by_default(worker_class, tmp_path, monkeypatch)
     assert w._online is None
     assert w._budget_for(types.SimpleNamespace(reqs=[]), 1) == BUDGET
     assert w._budget_for(types.SimpleNamespace(reqs=[]), 2) == 3
+
+
+def test_online_auto_mode_is_refused_with_dp_attention(worker_class, tmp_path, monkeypatch):
+    monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
+    monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:3")
+    monkeypatch.setenv(cfg.ENV_AUTO_MODE, "online")
+    server_args = _server_args(tmp_path)
+    server_args.enable_dp_attention = True
+    with _fake_sglang_process(server_args):
+        with pytest.raises(cfg.DDTreeConfigError, match="--enable-dp-attention"):
+            worker_class(**_constructor_kwargs(server_args, _target_worker()))
