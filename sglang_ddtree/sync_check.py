@@ -5,7 +5,10 @@ the step is host-bound). ``torch.cuda.set_sync_debug_mode("warn")`` makes torch 
 operation that synchronizes the host (``.item()``, ``.cpu()``, ``nonzero``, a blocking copy...),
 also inside the SGLang code the step calls (verify preparation, the forward). ``SyncCheck`` runs
 the step in that mode, keeps the warnings, and logs each distinct call site once, with the stack
-outside torch, and a running count every ``every`` steps. Off by default.
+outside torch, and a running count every ``every`` steps. Other warnings go to the handler
+they went to before (Python's once-per-location registry is reset by each step's
+``warnings.catch_warnings``, so under the check a repeated warning may show again). Off by
+default.
 """
 
 from __future__ import annotations
@@ -38,14 +41,18 @@ class SyncCheck:
             yield
             return
         caught = []
+        shown = warnings.showwarning
 
         def hook(message, category, filename, lineno, file=None, line=None):
             if _SYNC_WARNING in str(message):  # the stack now is the synchronizing call's
                 caught.append((str(message), _site(filename, lineno, traceback.extract_stack())))
+            else:  # anyone else's warning goes where it went before
+                shown(message, category, filename, lineno, file, line)
 
         previous = torch.cuda.get_sync_debug_mode()
         with warnings.catch_warnings():
-            warnings.simplefilter("always")
+            # every sync, not only the first per call site; other warnings keep their filters
+            warnings.filterwarnings("always", message=f".*{_SYNC_WARNING}.*")
             warnings.showwarning = hook
             torch.cuda.set_sync_debug_mode("warn")
             try:

@@ -46,3 +46,30 @@ def test_site_is_the_synchronizing_line_then_its_callers_outside_torch():
     # the synchronizing line itself is not repeated among its callers
     assert _site("/srv/sglang_ddtree/verify.py", 7, stack[:3]) == (
         "sglang_ddtree/verify.py:7", "sglang_ddtree/worker.py:40", "sglang/scheduler.py:5")
+
+
+def test_other_warnings_pass_through_and_keep_their_filters(monkeypatch):
+    """Under the check only the sync warnings are caught; a step's other warnings reach the
+    previous handler."""
+    import warnings
+
+    import torch
+
+    import sglang_ddtree.sync_check as sc
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    check = sc.SyncCheck(enabled=False)
+    check.enabled = True  # as on a GPU, with torch's sync mode stubbed
+    shown = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("once")  # the caller's filter: a repeated warning shows once
+        warnings.showwarning = lambda m, c, f, n, file=None, line=None: shown.append(str(m))
+        for _ in range(2):
+            with check.step():
+                warnings.warn("called a synchronizing CUDA operation")  # caught every time
+                warnings.warn("something else")  # passed on, under the caller's filter
+    # (each step's warnings.catch_warnings resets Python's once-per-location registry, so a
+    # repeated warning may show again under the check: debug mode only)
+    assert set(shown) == {"something else"}
+    assert check.syncs == 2 and check.steps == 2
