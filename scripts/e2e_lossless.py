@@ -472,7 +472,8 @@ def main():
 
     os.makedirs(args.workdir, exist_ok=True)
     concs = [int(x) for x in args.batch_sizes.split(",") if x]
-    budget = lambda b: b if b == "auto" else int(b)  # noqa: E731
+    # "auto": the auto table; "online": auto with SGLANG_DDTREE_AUTO_MODE=online
+    budget = lambda b: b if b in ("auto", "online") else int(b)  # noqa: E731
     parse = lambda spec: [(m, [budget(b) for b in bs.split(",")])  # noqa: E731
                           for m, bs in (x.split(":") for x in spec.split(";") if x)]
     cases = parse(args.cases)
@@ -583,7 +584,11 @@ def main():
         verify = (MODEL_SETS[m].get("ddtree_args", []) if args.verify_backend is None
                   else ["--speculative-ddtree-verify-backend", args.verify_backend])
         return common + spec + ["--speculative-algorithm", "DDTREE",
-                                "--speculative-ddtree-budget", str(b)] + verify
+                                "--speculative-ddtree-budget",
+                                "auto" if b == "online" else str(b)] + verify
+
+    def budget_env(b):
+        return {"SGLANG_DDTREE_AUTO_MODE": "online"} if b == "online" else {}
 
     servers, speed_servers, det_servers = {}, {}, {}
     jobs = [(m, b, True) for m, bs in cases for b in bs] + \
@@ -613,7 +618,7 @@ def main():
             servers[(m, b, graph)] = Server(
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
                 next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m], **ddtree_env,
-                                  **MODEL_SETS[m].get("ddtree_env", {})},
+                                  **MODEL_SETS[m].get("ddtree_env", {}), **budget_env(b)},
                 wait=False)
         for m, budgets in det:
             # SGLang's deterministic mode aligns every prefill chunk of the triton/flashinfer

@@ -177,3 +177,17 @@ def test_graph_vs_eager_from_the_cases_digests():
     assert result["graph_vs_eager"] == [{"model": "tiny", "budget": 32, "batch_size": 4,
                                          "prompts": 3, "equal": 2, "first_divergences": None}]
     assert d([1, 2]) == d((1, 2)) != d([2, 1])
+
+
+def test_dry_run_online_auto_case(monkeypatch, tmp_path):
+    """A case budget 'online' starts DDTREE with budget auto and SGLANG_DDTREE_AUTO_MODE=online."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:online", "--eager-check=", "--speed=",
+                   "--deterministic=")
+    assert res["errors"] == [] and rc == 0, res["failures"]
+    online = [s for s in FakeServer.started if s.spec]
+    assert len(online) == 1 and online[0].env["SGLANG_DDTREE_AUTO_MODE"] == "online"
+    args = online[0].args
+    assert args[args.index("--speculative-ddtree-budget") + 1] == "auto"
+    assert {c["budget"] for c in res["cases"]} == {"online"}
