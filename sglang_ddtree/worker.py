@@ -480,7 +480,7 @@ def _make_worker_class(sgl):
                 return self.tree_cfg.budget_for(bs)
             o = self._online
             budget = o.step(bs, o.emitted_since_last(batch.reqs), time.perf_counter())
-            if sgl.tp_rank(self) == 0 and o.steps % self._timers.every == 0:
+            if o.steps and o.steps % self._timers.every == 0 and sgl.tp_rank(self) == 0:
                 logger.info("DDTREE online auto budget (by batch-size bucket): %s",
                             json.dumps(o.report()))
             return budget

@@ -844,10 +844,12 @@ def test_step_graphs_are_prewarmed_for_every_batch_size_with_its_budget(
                         lambda tree, width, pool: warmed.append((tree, width, pool)) or True)
     w.model_runner.token_to_kv_pool = pool = object()
     w._graphs_enabled = False
-    w._prewarm_step_graphs()
+    with _fake_sglang_process(server_args):
+        w._prewarm_step_graphs()
     assert asked == [] and warmed == []
     w._graphs_enabled = True
-    w._prewarm_step_graphs()
+    with _fake_sglang_process(server_args):  # the start-up log line reads the TP rank
+        w._prewarm_step_graphs()
     assert asked == [(1, BUDGET), (2, 6), (3, 6), (4, 6), (5, 3), (6, 3)]
     assert warmed == [((b, bs), w.tree_cfg.num_draft_tokens, pool) for bs, b in asked]
 
@@ -881,7 +883,8 @@ def test_online_auto_mode_asks_the_controller_and_prewarms_every_budget(
         monkeypatch.setattr(tb, "static_tree", lambda bs, b=b: asked.append((bs, b)) or None)
     w.model_runner.token_to_kv_pool = object()
     w._graphs_enabled = True
-    w._prewarm_step_graphs()
+    with _fake_sglang_process(server_args):
+        w._prewarm_step_graphs()
     assert asked == [(1, BUDGET), (1, 3), (2, BUDGET), (2, 3)]
 
 
