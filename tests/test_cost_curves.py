@@ -60,3 +60,47 @@ def test_random_prompts_shape_and_range():
     ps = cc.random_prompts(3, 7, 100, seed=1)
     assert len(ps) == 3 and all(len(p) == 7 and all(10 <= t < 90 for t in p) for p in ps)
     assert ps == cc.random_prompts(3, 7, 100, seed=1)
+
+
+def test_measure_model_times_ddtree_unsynced_and_takes_verify_from_the_timers_server(tmp_path):
+    """measure_model with fake servers: DDTREE's step is TPOT x accept from its plain server,
+    the verify stage comes from its -timers server, and the result is saved after each
+    method."""
+    import types
+
+    logs = {}
+
+    class FakeServer:
+        def __init__(self, args, log, port, env=None):
+            self.port, self.startup_s, self.log = port, 1.0, log
+            self.env = env or {}
+            logs[log] = self.env
+            sync = self.env.get("SGLANG_DDTREE_TIMERS") == "1"
+            row = {"steps": 50, "draft": 1.0, "tree": 0.1, "verify": 3.0 if sync else 0.7,
+                   "accept": 0.1, "commit": 0.2, "draft_kv": 0.5}
+            open(log, "w").write(
+                "DDTREE stage ms/step by batch size (%s): %s\n"
+                % ("sync" if sync else "cpu", json.dumps({"1": row, "8": row})))
+
+        def stop(self):
+            pass
+
+    def run_pass(port, prompts, max_new, conc, sampling):
+        return {"tpot_ms": 2.0, "accept_length": 1.5}
+
+    from e2e_lossless import stage_times_by_bs
+
+    args = types.SimpleNamespace(prompt_len=16, max_new_tokens=8, attention_backend="triton",
+                                 mem_fraction=0.8, repeats=2, port=40000,
+                                 workdir=str(tmp_path))
+    saved = []
+    res = cc.measure_model("qwen3-8b", args, [1, 8], [8, 32], FakeServer, run_pass,
+                           stage_times_by_bs, dump=lambda: saved.append(1), timer_budgets=[32])
+    assert len(saved) == 5  # ar, dflash, b8, b32, b32-timers
+    assert res["step_ms"]["ddtree_b32"] == {"1": 3.0, "8": 3.0}  # TPOT 2.0 x accept 1.5
+    assert res["verify_ms"] == {"ddtree_b32": {"1": 3.0, "8": 3.0}}  # the synced server's
+    assert res["verify_over_decode"]["ddtree_b32"] == {"1": 1.5, "8": 1.5}  # / AR's 2.0
+    assert res["host_stage_ms"]["ddtree_b8"]["1"]["verify"] == 0.7
+    assert "ddtree_b32-timers" not in res["tpot_ms"]  # its TPOT is never used
+    timers = [env for log, env in logs.items() if log.endswith("ddtree_b32-timers.log")]
+    assert timers and timers[0]["SGLANG_DDTREE_TIMERS"] == "1"
