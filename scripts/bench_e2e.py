@@ -2,14 +2,16 @@
 """AR vs DFLASH vs DDTREE (several budgets) on one model pair, same server settings, one run.
 
 For each method: one SGLang server (identical flags apart from the speculative ones; by default
-all servers start at once with fixed KV pools and ``--sleep-on-idle``, then are measured one at
-a time, each stopped after its turn), warm up, then for each concurrency and sampling mode send the held-out prompts with streaming and
-record, over ``--repeats`` passes (median reported): output tokens/s (all completion tokens /
-wall), TTFT (request start to first streamed chunk), TPOT ((e2e - TTFT) / (tokens - 1)), accept
-length (completion tokens / verify steps, from SGLang's meta_info). DDTREE servers run with the
-plugin's stage timers on (``SGLANG_DDTREE_TIMERS=1``), whose per-stage ms/step lines are parsed
-from the server log; the timers synchronize per stage, so DDTREE speed is measured in a
-separate timer-free pass first.
+all servers start at once with fixed KV pools and ``--sleep-on-idle``), warm up, then for each
+sampling mode and concurrency send the held-out prompts with streaming and record, over
+``--repeats`` passes (median reported): output tokens/s (all completion tokens / wall), TTFT
+(request start to first streamed chunk), TPOT ((e2e - TTFT) / (tokens - 1)), accept length
+(completion tokens / verify steps, from SGLang's meta_info), the pass's wall time, p90 and
+slowest request. By default (``--interleave 1``) the methods take turns pass by pass at every
+point, so that host noise falls on all of them alike; ``--interleave 0`` measures one method's
+whole sweep after another. DDTREE speed servers log host-only stage times
+(``SGLANG_DDTREE_TIMERS=cpu``: no synchronization); GPU-synchronized stage times come from
+separate ``-timers`` servers (``--timer-budgets``) afterwards, whose speed is not used.
 
 Default pair: bench_assets/tiny-code (scripts/train_tiny_pair.py), prompts from its
 eval_prompts.jsonl. Writes JSON (``--out``) with command, versions, GPU and date; plots come
@@ -78,10 +80,18 @@ def run_pass(port, prompts, max_new, conc, sampling):
             "e2e_max_ms": 1e3 * e2e[-1]}
 
 
+MODES = (("greedy", {"temperature": 0.0}), ("t1", {"temperature": 1.0, "top_p": 1.0}))
+
+
+def median_row(reps):
+    """Per-field median of a point's passes (None where the passes have none)."""
+    return {k: statistics.median(r[k] for r in reps) if reps[0][k] is not None else None
+            for k in reps[0]}
+
+
 def measure(port, prompts, args, concs):
     out = {}
-    for mode, sampling in (("greedy", {"temperature": 0.0}),
-                           ("t1", {"temperature": 1.0, "top_p": 1.0})):
+    for mode, sampling in MODES:
         if mode not in args.modes:
             continue
         run_pass(port, prompts[: max(concs)], args.max_new_tokens, max(concs), sampling)  # warm
@@ -89,9 +99,46 @@ def measure(port, prompts, args, concs):
         for c in concs:
             reps = [run_pass(port, prompts[: max(c, args.prompts_per_pass)], args.max_new_tokens,
                              c, sampling) for _ in range(args.repeats)]
-            out[mode][str(c)] = {k: statistics.median(r[k] for r in reps)
-                                 if reps[0][k] is not None else None for k in reps[0]}
+            out[mode][str(c)] = median_row(reps)
             print(mode, c, json.dumps(out[mode][str(c)]), flush=True)
+    return out
+
+
+def measure_interleaved(ports, prompts, args, concs, errors, on_point=lambda out: None):
+    """{name: {mode: {c: median row}}} for every server in ``ports`` ({name: port}), all up at
+    once: at each (mode, concurrency) point the methods take turns pass by pass (A B C A B C
+    ...), so a slow stretch of the host lands on every method alike instead of on whichever
+    was being measured then (session 5: one server's point moved by up to 35 % between runs).
+    A server that fails is recorded in ``errors`` and leaves the rotation."""
+    out = {name: {} for name in ports}
+    live = dict(ports)
+
+    def one(name, *a):
+        try:
+            return run_pass(live[name], *a)
+        except Exception as e:  # keep the other methods' numbers; report this one
+            errors[name] = repr(e)[:2000]
+            del live[name]
+            return None
+
+    for mode, sampling in MODES:
+        if mode not in args.modes:
+            continue
+        for name in list(live):  # warm-up
+            one(name, prompts[: max(concs)], args.max_new_tokens, max(concs), sampling)
+        for c in concs:
+            reps = {name: [] for name in live}
+            for _ in range(args.repeats):
+                for name in list(live):
+                    r = one(name, prompts[: max(c, args.prompts_per_pass)], args.max_new_tokens,
+                            c, sampling)
+                    if r is not None:
+                        reps[name].append(r)
+            for name, rs in reps.items():
+                if rs and name in live:
+                    out[name].setdefault(mode, {})[str(c)] = median_row(rs)
+                    print(name, mode, c, json.dumps(out[name][mode][str(c)]), flush=True)
+            on_point(out)
     return out
 
 
@@ -125,6 +172,9 @@ def main():
                     help="1: start all servers at once (fixed KV pools, --sleep-on-idle), then "
                     "measure one at a time; 0: one server at a time")
     ap.add_argument("--kv-tokens", type=int, default=131072)
+    ap.add_argument("--interleave", type=int, default=1,
+                    help="1 (with --concurrent-start 1): the methods take turns pass by pass at "
+                    "every point; 0: one method's whole sweep after another")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
 
@@ -160,6 +210,7 @@ def main():
         "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),
         "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "concurrent_start": args.concurrent_start,
+        "interleaved": bool(args.concurrent_start and args.interleave),
         "results": {}, "stage_ms_per_step": {}, "cpu_stage_ms_per_step": {},
         "stage_ms_by_batch_size": {}, "cpu_stage_ms_by_batch_size": {},
         "accept_by_smaller_budget": {}, "startup_s": {}, "errors": {},
@@ -191,8 +242,38 @@ def main():
         if args.concurrent_start:  # start every server now; measure one at a time below
             for i, job in enumerate(jobs):
                 servers[job[0]] = start(i, job)
+        done = set()
+        if args.concurrent_start and args.interleave:
+            speed = {}
+            for name, _, _ in jobs:
+                if name.endswith("-timers"):
+                    continue
+                try:
+                    servers[name].wait_ready()
+                    speed[name] = servers[name].port
+                    result["startup_s"][name] = round(servers[name].startup_s, 1)
+                except Exception as e:
+                    result["errors"][name] = repr(e)[:2000]
+                    done.add(name)
+
+            def on_point(out):
+                result["results"] = {k: v for k, v in out.items() if v}
+                dump()
+
+            on_point(measure_interleaved(speed, prompts, args, concs, result["errors"],
+                                         on_point))
+            for name in speed:
+                srv = servers[name]
+                srv.stop()
+                if name.startswith("ddtree"):
+                    result["cpu_stage_ms_per_step"][name] = stage_times(srv.log)
+                    result["cpu_stage_ms_by_batch_size"][name] = stage_times_by_bs(srv.log)
+                done.add(name)
+            dump()
         for i, job in enumerate(jobs):
             name = job[0]
+            if name in done:
+                continue
             srv = servers.get(name) or start(i, job)
             servers[name] = srv
             srv.wait_ready()

@@ -201,3 +201,37 @@ def test_run_pass_reports_stragglers_beside_the_medians(monkeypatch):
     assert abs(r["tpot_ms"] - 10.0) < 1e-6  # (0.11 - 0.01) / 10 tokens: the straggler hides
     assert abs(r["e2e_max_ms"] - 1010.0) < 1e-6 and abs(r["e2e_p90_ms"] - 1010.0) < 1e-6
     assert r["wall_s"] > 0 and r["tokens_per_s"] == 110 / r["wall_s"]
+
+
+def test_interleaved_points_take_turns_and_drop_a_failing_server(monkeypatch):
+    """At every point the methods alternate pass by pass; a server that fails mid-run is
+    reported and leaves the rotation while the others finish."""
+    import sys
+    import types
+
+    sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+
+    order = []
+
+    def fake_pass(port, prompts, max_new, conc, sampling):
+        order.append((port, conc))
+        if port == 3 and len([o for o in order if o[0] == 3]) == 3:
+            raise RuntimeError("server died")
+        return {"tokens_per_s": 10.0 * port, "ttft_ms": 1.0, "tpot_ms": 2.0,
+                "accept_length": None}
+
+    monkeypatch.setattr(bench_e2e, "run_pass", fake_pass)
+    args = types.SimpleNamespace(modes=["greedy"], max_new_tokens=8, prompts_per_pass=4,
+                                 repeats=2)
+    errors, points = {}, []
+    out = bench_e2e.measure_interleaved({"a": 1, "b": 2, "c": 3}, [[1]] * 8, args, [1, 4],
+                                        errors, on_point=lambda o: points.append(1))
+    # warm-up at the largest concurrency, then per point: a b c a b c
+    assert order[:3] == [(1, 4), (2, 4), (3, 4)]
+    assert order[3:9] == [(1, 1), (2, 1), (3, 1)] * 2  # c's third call fails
+    assert order[9:] == [(1, 4), (2, 4)] * 2  # the next point without c
+    assert "server died" in errors["c"] and out["c"] == {}  # no half-measured point
+    assert out["a"]["greedy"]["4"]["tokens_per_s"] == 10.0
+    assert out["b"]["greedy"]["1"]["tokens_per_s"] == 20.0
+    assert len(points) == 2  # saved after each point
