@@ -154,6 +154,21 @@ def step_tree(events, outer, steps, max_depth=4, min_ms=0.005):
     return [row for row in out if row["ms_per_step"] >= min_ms]
 
 
+def host_time_diff(a: dict, b: dict, top: int = 25, min_ms: float = 0.02) -> list:
+    """Where ``b``'s host time per step exceeds ``a``'s (two summaries of ``summarize_trace``):
+    [{"name", "a_ms", "b_ms", "diff_ms"}] over every Python function either summary lists,
+    largest absolute difference first. A function missing from one side counts 0 there, so a
+    function only one method calls shows with its whole time. Inclusive times: a parent's
+    difference contains its children's."""
+    ta = {r["name"]: r["ms_per_step"] for r in a.get("python_inclusive", [])}
+    tb = {r["name"]: r["ms_per_step"] for r in b.get("python_inclusive", [])}
+    rows = [{"name": n, "a_ms": ta.get(n, 0.0), "b_ms": tb.get(n, 0.0),
+             "diff_ms": round(tb.get(n, 0.0) - ta.get(n, 0.0), 4)} for n in set(ta) | set(tb)]
+    rows = [r for r in rows if abs(r["diff_ms"]) >= min_ms]
+    rows.sort(key=lambda r: (-abs(r["diff_ms"]), r["name"]))
+    return rows[:top]
+
+
 def _post(port, path, payload):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -223,7 +238,8 @@ def main():
                 result["methods"][name] = {"error": f"no trace written under {trace_dir}"}
                 continue
             time.sleep(3)  # the exporter may still be writing
-            summary = summarize_trace(load_trace(sorted(files)[-1]))
+            # a long table: the DDTREE - DFLASH difference needs each function on both sides
+            summary = summarize_trace(load_trace(sorted(files)[-1]), top=200)
             summary["trace_file"] = os.path.basename(sorted(files)[-1])
             result["methods"][name] = summary
             print(name, json.dumps({k: v for k, v in summary.items()
@@ -231,8 +247,16 @@ def main():
     finally:
         for srv in servers.values():
             srv.stop()
+    m = result["methods"]
+    if "python_inclusive" in m.get("dflash", {}) and "python_inclusive" in m.get("ddtree", {}):
+        # the question this profile exists for: which functions make DDTREE's step longer
+        result["ddtree_minus_dflash"] = host_time_diff(m["dflash"], m["ddtree"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json.dump(result, open(args.out, "w"), indent=1)
+    if result.get("ddtree_minus_dflash"):
+        print("== host ms/step, DDTREE minus DFLASH (inclusive; largest first)")
+        for r in result["ddtree_minus_dflash"]:
+            print(f"  {r['diff_ms']:+8.3f}  ({r['a_ms']:.3f} -> {r['b_ms']:.3f})  {r['name']}")
     for name, s in result["methods"].items():
         print(f"== {name}: the step's host time as a call tree (ms/step, calls, launches)")
         for row in s.get("step_tree", []):

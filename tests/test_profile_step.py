@@ -79,3 +79,20 @@ def test_step_tree_nests_frames_and_attributes_launches():
     assert rows[f"{step} > worker.py:_draft > v0_5_17.py:run_draft_block"][
         "launches_per_step"] == 1.0
     assert rows[f"{step} > step_graph.py:__call__"]["calls_per_step"] == 1.0
+
+
+def test_host_time_diff_ranks_what_ddtree_adds_over_dflash():
+    a = {"python_inclusive": [{"name": "scheduler.py:run_batch", "ms_per_step": 6.0},
+                              {"name": "dflash_worker_v2.py:forward_batch_generation",
+                               "ms_per_step": 5.0},
+                              {"name": "utils.py:same", "ms_per_step": 0.5}]}
+    b = {"python_inclusive": [{"name": "scheduler.py:run_batch", "ms_per_step": 7.1},
+                              {"name": "worker.py:forward_batch_generation", "ms_per_step": 6.0},
+                              {"name": "utils.py:same", "ms_per_step": 0.51}]}
+    rows = prof.host_time_diff(a, b)
+    assert [r["name"] for r in rows] == ["worker.py:forward_batch_generation",
+                                         "dflash_worker_v2.py:forward_batch_generation",
+                                         "scheduler.py:run_batch"]  # 0.01 ms: below min_ms
+    assert rows[0]["diff_ms"] == 6.0 and rows[1]["diff_ms"] == -5.0
+    assert rows[2] == {"name": "scheduler.py:run_batch", "a_ms": 6.0, "b_ms": 7.1,
+                       "diff_ms": 1.1}
