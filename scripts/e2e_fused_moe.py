@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""End to end: SGLang's own INT4 MoE path vs ours (``SGLANG_DDTREE_FUSED_MOE=1``) in a server.
+
+Model: a Kimi K2.6 TP8-rank emulation with ``--layers`` of its 61 layers and K2.6's own int4
+routed experts (compressed-tensors W4A16, group 32; config from scripts/make_model_configs.py),
+dummy weights. ``--load-format dummy`` leaves int32 weights unfilled, so both servers run with
+``SGLANG_DDTREE_MOE_DUMMY_INT4_SEED`` (moe_hook.py): the packed experts are filled with the same
+seeded words in both, the float weights come from SGLang's own seeded dummy fill. The two servers
+differ only in the MoE kernel: stock SGLang repacks to Marlin and runs ``fused_marlin_moe``; ours
+keeps the loaded layout and runs ``triton_kernels/moe_w4a16.py``.
+
+Checks, per random prompt:
+
+- next-token log-probs at the prompt's end: the top-8 of both servers, the largest absolute
+  difference over the tokens both list, and whether the top-1 token agrees;
+- greedy generations of ``--max-new-tokens``: identical, or the first divergence is a near tie
+  (the token ours emitted is within ``--tie-tol`` nats of the stock path's best there, asked of
+  the stock server, as scripts/e2e_lossless.py does), or a mismatch.
+
+    python scripts/e2e_fused_moe.py --out bench_results/e2e_fused_moe_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def logprob_agreement(a_top, b_top):
+    """(max |log-prob difference| over the tokens both top lists hold, top-1 equal?) for two
+    ``output_top_logprobs`` rows ([(logprob, token, text), ...], best first)."""
+    la = {t[1]: float(t[0]) for t in a_top}
+    lb = {t[1]: float(t[0]) for t in b_top}
+    common = set(la) & set(lb)
+    diff = max((abs(la[t] - lb[t]) for t in common), default=None)
+    return diff, a_top[0][1] == b_top[0][1]
+
+
+def write_target(workdir: str, layers: int, vocab: int) -> str:
+    """The int4 Kimi rank config (``config.json`` only) under ``workdir``; returns its path."""
+    import make_model_configs as mmc
+
+    path = os.path.join(workdir, f"kimi-k2.6-tp8rank-l{layers}-int4")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(mmc.kimi_rank(layers, vocab, int4=True), f, indent=2)
+    return path
+
+
+def main(argv=None):
+    from e2e_lossless import Server, compare, make_prompts, run_batch, stop_on_sigterm
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_results/e2e_fused_moe_h200.json")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=20480, help="one TP8 rank's lm_head rows")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--tie-tol", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=1234, help="SGLANG_DDTREE_MOE_DUMMY_INT4_SEED")
+    ap.add_argument("--port", type=int, default=31200)
+    ap.add_argument("--workdir", default="/tmp/ddtree_e2e_moe")
+    args = ap.parse_args(argv)
+
+    import sglang
+    import torch
+
+    os.makedirs(args.workdir, exist_ok=True)
+    target = write_target(args.workdir, args.layers, args.vocab)
+    common = ["--model-path", target, "--load-format", "dummy", "--skip-tokenizer-init",
+              "--attention-backend", "triton", "--mem-fraction-static", "0.85",
+              "--max-total-tokens", "32768", "--max-running-requests", str(args.concurrency),
+              "--cuda-graph-max-bs", str(args.concurrency), "--sampling-backend", "pytorch",
+              "--grammar-backend", "none", "--disable-prefill-cuda-graph", "--sleep-on-idle",
+              "--context-length", "4096"]
+    seed_env = {"SGLANG_DDTREE_MOE_DUMMY_INT4_SEED": str(args.seed)}
+    result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
+              "gpu": torch.cuda.get_device_name(0),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join(["python", "scripts/e2e_fused_moe.py"] + (argv or sys.argv[1:])),
+              "model": os.path.basename(target), "tie_tolerance_logprob": args.tie_tol,
+              "notes": "stock = SGLang's compressed-tensors WNA16 MoE path (Marlin); ours = "
+                       "SGLANG_DDTREE_FUSED_MOE=1; both with the same seeded dummy int4 experts",
+              "errors": []}
+
+    def dump():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        json.dump(result, open(args.out, "w"), indent=1)
+
+    stop_on_sigterm(dump)
+    servers = {}
+    try:
+        servers["stock"] = Server(common, os.path.join(args.workdir, "stock.log"), args.port,
+                                  wait=False, env=seed_env)
+        servers["ours"] = Server(common, os.path.join(args.workdir, "ours.log"), args.port + 1,
+                                 wait=False, env={**seed_env, "SGLANG_DDTREE_FUSED_MOE": "1"})
+        for name, srv in servers.items():
+            srv.wait_ready()
+            result.setdefault("startup_s", {})[name] = round(srv.startup_s, 1)
+        stock, ours = servers["stock"], servers["ours"]
+        prompts = make_prompts(args.prompts, args.vocab)
+
+        rows = []  # next-token log-probs at every prompt's end
+        for p in prompts:
+            a = stock.generate(p, 1, logprob=True)["meta_info"]["output_top_logprobs"][0]
+            b = ours.generate(p, 1, logprob=True)["meta_info"]["output_top_logprobs"][0]
+            diff, same = logprob_agreement(a, b)
+            rows.append({"prompt_len": len(p), "max_abs_logprob_diff": diff, "top1_equal": same,
+                         "stock_top2_gap": float(a[0][0] - a[1][0])})
+        diffs = [r["max_abs_logprob_diff"] for r in rows if r["max_abs_logprob_diff"] is not None]
+        result["next_token"] = {
+            "prompts": len(rows), "top1_equal": sum(r["top1_equal"] for r in rows),
+            "max_abs_logprob_diff": max(diffs) if diffs else None,
+            "mean_max_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
+            "rows": rows}
+        dump()
+
+        ref, _, t_stock = run_batch(stock, prompts, args.max_new_tokens, args.concurrency)
+        outs, _, t_ours = run_batch(ours, prompts, args.max_new_tokens, args.concurrency)
+        ident, near, bad = compare(stock, prompts, outs, ref, args.tie_tol, "fused MoE")
+        result["greedy"] = {"prompts": len(prompts), "identical": ident, "near_ties": near,
+                            "mismatches": bad, "max_new_tokens": args.max_new_tokens,
+                            "wall_s": {"stock": round(t_stock, 3), "ours": round(t_ours, 3)}}
+        result["status"] = "complete"
+    except Exception as e:  # record, never hide
+        result["errors"].append(repr(e)[:3000])
+        result["status"] = "failed"
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        dump()
+    print(json.dumps({k: v for k, v in result.items() if k not in ("next_token",)}, indent=1))
+    print("->", args.out)
+    ok = result.get("status") == "complete" and not result.get("greedy", {}).get("mismatches")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

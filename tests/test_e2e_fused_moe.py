@@ -1,0 +1,79 @@
+"""scripts/e2e_fused_moe.py on CPU: the log-prob comparison and a dry run with fake servers."""
+
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+import e2e_fused_moe as em  # noqa: E402
+
+
+def test_logprob_agreement_over_the_tokens_both_list():
+    a = [(-0.1, 5, ""), (-2.0, 7, ""), (-3.0, 9, "")]
+    b = [(-0.12, 5, ""), (-2.5, 7, ""), (-2.9, 11, "")]
+    diff, same = em.logprob_agreement(a, b)
+    assert diff == pytest.approx(0.5) and same
+    assert em.logprob_agreement(a, [(-0.1, 11, "")]) == (None, False)  # nothing in common
+
+
+def test_the_target_is_an_int4_kimi_rank(tmp_path):
+    cfg = json.load(open(os.path.join(em.write_target(str(tmp_path), 3, 20480), "config.json")))
+    assert cfg["num_hidden_layers"] == 3 and cfg["vocab_size"] == 20480
+    q = cfg["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors"
+    assert json.dumps(q).count('"num_bits": 4') >= 1 and '"group_size": 32' in json.dumps(q)
+
+
+def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
+    """Stock and ours agree except one near tie: the JSON says so and the run passes; the
+    seed env is on both servers and the switch only on ours."""
+    pytest.importorskip("sglang")
+    import e2e_lossless
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, args, log, port, wait=True, env=None):
+            self.env, self.port, self.startup_s = env or {}, port, 1.0
+            self.ours = self.env.get("SGLANG_DDTREE_FUSED_MOE") == "1"
+            started.append(self)
+
+        def wait_ready(self):
+            return self
+
+        def generate(self, input_ids, max_new_tokens, sampling=None, logprob=False, timeout=180):
+            n = len(input_ids)
+            if logprob:  # the stock path's view: token 1 best, token 2 close behind
+                top = [(-0.5, 1, ""), (-0.6, 2, ""), (-3.0, 3, "")]
+                if self.ours:
+                    top = [(-0.52, 1, ""), (-0.61, 2, ""), (-3.0, 3, "")]
+                return {"output_ids": [1], "meta_info": {"output_top_logprobs": [top]}}
+            out = [1] * max_new_tokens
+            if self.ours and n % 2:  # ours picks the runner-up at position 3 on odd prompts
+                out = [1, 1, 1, 2] + [1] * (max_new_tokens - 4)
+            return {"output_ids": out, "meta_info": {"completion_tokens": max_new_tokens}}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(e2e_lossless, "Server", FakeServer)
+    monkeypatch.setattr(e2e_lossless, "stop_on_sigterm", lambda on_exit=None: None)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    out = tmp_path / "r.json"
+    rc = em.main(["--out", str(out), "--workdir", str(tmp_path / "w"), "--prompts", "6",
+                  "--max-new-tokens", "8", "--concurrency", "2"])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["status"] == "complete" and not res["errors"]
+    assert res["next_token"]["top1_equal"] == 6
+    assert res["next_token"]["max_abs_logprob_diff"] == pytest.approx(0.02)
+    g = res["greedy"]
+    assert g["identical"] + g["near_ties"] == 6 and g["near_ties"] > 0 and not g["mismatches"]
+    stock, ours = started
+    assert "SGLANG_DDTREE_FUSED_MOE" not in stock.env
+    assert stock.env["SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"] == ours.env[
+        "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"]
