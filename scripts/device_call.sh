@@ -1,0 +1,38 @@
+#!/bin/bash
+# One device call: check the SGLang kit, install this checkout over it, then run gpu_session.sh
+# step lists, one per GPU, at the same time. Guards against the two mistakes of session 5: a call
+# without the kit (.devkit/w2 not carried), and a package install skipped after a kit reinstall
+# (DDTREE flags then unknown to SGLang).
+#   bash .devkit/install.sh .devkit/w2 >/dev/null && bash scripts/device_call.sh "benche2e" "syncs quick"
+# Argument i holds the steps for GPU i ("" leaves that GPU idle: do that for speed runs).
+# Each GPU's results land in $OUT/g<i>; step limits and arguments come from the environment as
+# gpu_session.sh reads them (BENCH_E2E_ARGS, SYNCS_CASES, ...).
+set -u
+OUT=${OUT:-/tmp/ddtree_out}
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+if ! python3 -c "import sglang, orjson" 2>/dev/null; then
+  echo "device_call: SGLang is not importable from /tmp/site (kit missing or incomplete):" \
+       "run bash .devkit/install.sh .devkit/w1, then .devkit/w2 (carry both), then this." >&2
+  exit 3
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 \
+  | grep -v WARN | tail -2
+python3 -c "import sglang_ddtree.plugin as p; p.register(); assert p.is_registered()" || {
+  echo "device_call: sglang-ddtree does not register with this SGLang" >&2; exit 3; }
+export DDTREE_SKIP_INSTALL=1
+pids=()
+gpu=0
+for steps in "$@"; do
+  if [ -n "$steps" ]; then
+    mkdir -p "$OUT/g$gpu"
+    # shellcheck disable=SC2086  # the steps are words
+    CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/g$gpu" bash scripts/gpu_session.sh $steps \
+      > "$OUT/g$gpu/console.txt" 2>&1 &
+    pids+=($!)
+  fi
+  gpu=$((gpu + 1))
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+for d in "$OUT"/g*; do echo "=== $d"; tail -15 "$d/session.log" 2>/dev/null; done
+exit $rc
