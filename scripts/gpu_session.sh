@@ -51,7 +51,7 @@ for s in "$@"; do
     syncs)   # one lossless case with SGLANG_DDTREE_CHECK_SYNCS=1: every host sync inside the
              # decode step (ours and the SGLang code it calls), logged per call site
              step syncs ${SYNCS_LIMIT:-300} python3 scripts/e2e_lossless.py --cases "${SYNCS_CASES:-tiny:32;mla:32}" \
-               --eager-check= --speed= --deterministic= --workdir /tmp/ddtree_e2e_syncs \
+               --eager-check= --speed= --deterministic= --workdir /tmp/ddtree_e2e_syncs --port 32300 \
                --ddtree-env SGLANG_DDTREE_CHECK_SYNCS=1 --out "$OUT/e2e_sync_check_h200.json"
              grep -h "sync check" /tmp/ddtree_e2e_syncs/*.log > "$OUT/sync_check_h200.log" ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
