@@ -51,6 +51,24 @@ def _predict(tree, rng):
     return pred.cuda()
 
 
+def _step_both(trees, graphs, pools, inputs, rng, block, width):
+    """One step through the graphs and through the eager path on twin pools; asserts they agree
+    (outputs and KV) and returns (graph result, eager result)."""
+    pool_g, pool_e = pools
+    tree = trees(*inputs)
+    bs = tree.tokens.shape[0]
+    pred = _predict(tree, rng)
+    slots = (torch.randperm(bs * width * 2, device="cuda")[: bs * width] + 1).view(bs, width)
+    prefix = torch.randint(0, 100, (bs,), device="cuda")
+    got = graphs(tree, pred, slots, prefix, pool_g)
+    want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool_e)
+    for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+        assert torch.equal(getattr(got.step, name), getattr(want.step, name)), (name, bs)
+    for a, b in zip(pool_g.bufs, pool_e.bufs):
+        assert torch.equal(a, b)
+    return got, want
+
+
 @pytest.mark.parametrize("budget,depth,k", [(8, 7, 4), (32, 15, 8)])
 def test_replay_equals_eager(budget, depth, k):
     rng = random.Random(0)
@@ -63,17 +81,9 @@ def test_replay_equals_eager(budget, depth, k):
     size = 9 * width * 2 + 1
     pool_g, pool_e = GpuPool(size), GpuPool(size)  # both evolve identically, step after step
     for seed, bs in enumerate([1, 4, 1, 4, 9, 4]):
-        tree = trees(*_inputs(bs, depth, k, seed))
-        pred = _predict(tree, rng)
-        slots = (torch.randperm(bs * width * 2, device="cuda")[: bs * width] + 1).view(bs, width)
-        prefix = torch.randint(0, 100, (bs,), device="cuda")
-        got = graphs(tree, pred, slots, prefix, pool_g)
-        want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool_e)
-        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
-            assert torch.equal(getattr(got.step, name), getattr(want.step, name)), (name, bs)
+        got, want = _step_both(trees, graphs, (pool_g, pool_e), _inputs(bs, depth, k, seed),
+                               rng, block, width)
         assert torch.equal(got.hidden_rows, want.hidden_rows)
-        for a, b in zip(pool_g.bufs, pool_e.bufs):
-            assert torch.equal(a, b)
         kept.append((got.step.new_seq_lens, want.step.new_seq_lens.clone()))
     assert not graphs.failed
     assert len(graphs._entries) == 3  # bs 1, 4, 9 -- captured once each
@@ -160,14 +170,6 @@ def test_prewarm_captures_at_start_up_and_serving_only_replays(fused, monkeypatc
 
     monkeypatch.setattr(graphs, "_capture", no_capture)
     for seed, bs in enumerate([5, 1, 2, 5]):
-        tree = trees(*_inputs(bs, depth, k, seed))
-        pred = _predict(tree, rng)
-        slots = (torch.randperm(bs * width * 2, device="cuda")[: bs * width] + 1).view(bs, width)
-        prefix = torch.randint(0, 100, (bs,), device="cuda")
-        got = graphs(tree, pred, slots, prefix, pool_g)
-        want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool_e)
-        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
-            assert torch.equal(getattr(got.step, name), getattr(want.step, name)), (name, bs)
-        for a, b in zip(pool_g.bufs, pool_e.bufs):
-            assert torch.equal(a, b)
+        _step_both(trees, graphs, (pool_g, pool_e), _inputs(bs, depth, k, seed), rng, block,
+                   width)
     assert len(graphs._entries) == 3 and not graphs.failed
