@@ -346,7 +346,9 @@ def _make_worker_class(sgl):
                                                         **kwargs)
             if batch.has_grammar:
                 raise RuntimeError("DDTREE does not support grammar-constrained decoding yet.")
-            with self._sync_check.step():  # SGLANG_DDTREE_CHECK_SYNCS=1; a no-op otherwise
+            if not self._sync_check.enabled:  # the default: no context manager per step
+                return self._decode_step(batch, on_publish)
+            with self._sync_check.step():  # SGLANG_DDTREE_CHECK_SYNCS=1
                 return self._decode_step(batch, on_publish)
 
         def _decode_step(self, batch, on_publish):
