@@ -22,7 +22,8 @@
 namespace ddtree {
 // Defined in tree_build.cu (C++ linkage, so a signature mismatch fails at link time).
 cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
-                                  int64_t smem_bytes, int device, cudaStream_t stream) noexcept;
+                                  int64_t smem_bytes, int device, cudaStream_t stream,
+                                  int algo) noexcept;
 }  // namespace ddtree
 
 // Messages are built by plain string appends, not c10::str: the crash on the H200 image
@@ -110,7 +111,8 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
                        const at::Tensor& retrive_next_sibling,
                        const std::optional<at::Tensor>& seq_lens,
                        const std::optional<at::Tensor>& positions,
-                       const std::optional<at::Tensor>& full_mask, int64_t threads) {
+                       const std::optional<at::Tensor>& full_mask, int64_t threads,
+                       int64_t algo) {
   DDT_CHECK(topk_logp.is_cuda(), "topk_logp must be a CUDA tensor");
   const at::Device device = topk_logp.device();
   DDT_CHECK(topk_logp.dim() == 3, "topk_logp must be [bs, D, K], got ",
@@ -161,6 +163,9 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
                     full_mask->dim() == 1 && full_mask->is_contiguous(),
                 "full_mask must be a contiguous 1-D bool tensor on ", device);
   }
+  DDT_CHECK(algo == ddtree::kAlgoAuto || algo == ddtree::kAlgoLevelwise ||
+                algo == ddtree::kAlgoFrontier,
+            "algo must be 0 (auto), 1 (level-wise) or 2 (frontier), got ", algo);
   if (bs == 0) return "";
 
   const int B = static_cast<int>(budget);
@@ -170,8 +175,8 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
               "[32, 1024], got ", T);
 
   const c10::cuda::CUDAGuard guard(device);
-  const ddtree::SmemLayout layout = ddtree::make_smem_layout(B, Kp, static_cast<int>(d_eff));
-  const int64_t smem = layout.total;
+  const int64_t smem =
+      ddtree::tree_build_smem(static_cast<int>(algo), B, Kp, static_cast<int>(d_eff));
   const int dev = device.index();
   int max_optin = 0;
   DDT_TRY(smem_optin_limit(dev, &max_optin));
@@ -203,14 +208,24 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
   p.full_mask = full_mask.has_value() ? full_mask->data_ptr<bool>() : nullptr;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  return check_cuda(ddtree::tree_build_launch_raw(p, static_cast<int>(bs), T, smem, dev, stream),
+  return check_cuda(ddtree::tree_build_launch_raw(p, static_cast<int>(bs), T, smem, dev, stream,
+                                                  static_cast<int>(algo)),
                     "kernel launch");
 }
 
-int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D) {
+int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D, int64_t algo) {
   const int Kp = static_cast<int>(K < budget ? K : budget);
   const int d_eff = static_cast<int>(D < budget ? D : budget);
-  return ddtree::make_smem_layout(static_cast<int>(budget), Kp, d_eff).total;
+  return ddtree::tree_build_smem(static_cast<int>(algo), static_cast<int>(budget), Kp, d_eff);
+}
+
+// Which kernel serves (algo, budget, K, D): "frontier" or "levelwise".
+std::string tree_build_kernel_name(int64_t budget, int64_t K, int64_t D, int64_t algo) {
+  const int Kp = static_cast<int>(K < budget ? K : budget);
+  const int d_eff = static_cast<int>(D < budget ? D : budget);
+  return ddtree::use_frontier(static_cast<int>(algo), static_cast<int>(budget), Kp, d_eff)
+             ? "frontier"
+             : "levelwise";
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -222,8 +237,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scores"), py::arg("ancestor_mask"), py::arg("retrive_index"),
         py::arg("retrive_next_token"), py::arg("retrive_next_sibling"),
         py::arg("seq_lens") = py::none(), py::arg("positions") = py::none(),
-        py::arg("full_mask") = py::none(), py::arg("threads") = 0);
+        py::arg("full_mask") = py::none(), py::arg("threads") = 0, py::arg("algo") = 0);
   m.def("smem_bytes", &tree_build_smem_bytes,
-        "Dynamic shared memory per block for (budget, K, D).", py::arg("budget"), py::arg("K"),
-        py::arg("D"));
+        "Dynamic shared memory per block for (budget, K, D) and algo (0 auto, 1 level-wise, "
+        "2 frontier).", py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
+  m.def("kernel_name", &tree_build_kernel_name,
+        "The kernel that serves (budget, K, D, algo): 'frontier' or 'levelwise'.",
+        py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
 }

@@ -1,4 +1,4 @@
-// Raw launcher of ddtree::tree_build_kernel (tree_build_kernel.cuh): the only code nvcc compiles.
+// Raw launcher of the tree-build kernels (tree_build_kernel.cuh): the only code nvcc compiles.
 //
 // Why so little here: a C++ exception (c10::Error from TORCH_CHECK) thrown from host code that
 // nvcc compiled crashed the process on the H200 toolchain (torch 2.11+cu130, nvcc 13.0) instead
@@ -15,17 +15,42 @@
 namespace {
 
 constexpr int kTrackedDevices = 64;
+constexpr int kKernels = 6;  // the level-wise kernel, then the frontier kernel per item count
 constexpr int64_t kDefaultSmemLimit = 48 * 1024;  // above this the kernel needs an opt-in
 
-// Per device: the largest dynamic shared memory already granted to the kernel (0 = none). Only
+using KernelFn = void (*)(ddtree::TreeBuildParams);
+
+// Kernel slot 0 is the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3, 5, 9 items.
+int kernel_slot(bool frontier, int B) {
+  if (!frontier) return 0;
+  switch (ddtree::frontier_items(B)) {
+    case 1: return 1;
+    case 2: return 2;
+    case 3: return 3;
+    case 5: return 4;
+    default: return 5;
+  }
+}
+
+KernelFn kernel_fn(int slot) {
+  switch (slot) {
+    case 1: return ddtree::tree_build_frontier_kernel<1>;
+    case 2: return ddtree::tree_build_frontier_kernel<2>;
+    case 3: return ddtree::tree_build_frontier_kernel<3>;
+    case 4: return ddtree::tree_build_frontier_kernel<5>;
+    case 5: return ddtree::tree_build_frontier_kernel<9>;
+    default: return ddtree::tree_build_kernel;
+  }
+}
+
+// Per kernel and device: the largest dynamic shared memory already granted (0 = none). Only
 // grows; raising it holds g_smem_lock so that a smaller grant never overwrites a larger one. A
 // spin lock on an atomic flag rather than std::mutex, whose lock() may throw.
-std::atomic<int64_t> g_smem_granted[kTrackedDevices];
+std::atomic<int64_t> g_smem_granted[kKernels][kTrackedDevices];
 std::atomic_flag g_smem_lock = ATOMIC_FLAG_INIT;
 
-cudaError_t grant_smem(int64_t smem_bytes) {
-  return cudaFuncSetAttribute(ddtree::tree_build_kernel,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+cudaError_t grant_smem(KernelFn fn, int64_t smem_bytes) {
+  return cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(smem_bytes));
 }
 
@@ -34,30 +59,32 @@ cudaError_t grant_smem(int64_t smem_bytes) {
 namespace ddtree {
 
 // Launches one block of `threads` threads per request on `stream` (device `device` must be
-// current), first raising the kernel's dynamic shared-memory limit to `smem_bytes` when the
-// default 48 KB does not suffice. Enqueues no allocation and no host sync, and
-// cudaFuncSetAttribute is not a stream operation, so the call is CUDA-graph capturable.
-// Returns the first CUDA error (cudaSuccess when the launch was accepted).
+// current): the kernel use_frontier(algo, ...) picks, first raising its dynamic shared-memory
+// limit to `smem_bytes` when the default 48 KB does not suffice. Enqueues no allocation and no
+// host sync, and cudaFuncSetAttribute is not a stream operation, so the call is CUDA-graph
+// capturable. Returns the first CUDA error (cudaSuccess when the launch was accepted).
 cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
-                                  int64_t smem_bytes, int device, cudaStream_t stream) noexcept {
+                                  int64_t smem_bytes, int device, cudaStream_t stream,
+                                  int algo) noexcept {
+  const int slot = kernel_slot(use_frontier(algo, p.B, p.Kp, p.D), p.B);
+  const KernelFn fn = kernel_fn(slot);
   if (smem_bytes > kDefaultSmemLimit) {
     if (device < 0 || device >= kTrackedDevices) {
-      const cudaError_t err = grant_smem(smem_bytes);
+      const cudaError_t err = grant_smem(fn, smem_bytes);
       if (err != cudaSuccess) return err;
-    } else if (g_smem_granted[device].load() < smem_bytes) {
+    } else if (g_smem_granted[slot][device].load() < smem_bytes) {
       while (g_smem_lock.test_and_set(std::memory_order_acquire)) {
       }
       cudaError_t err = cudaSuccess;
-      if (g_smem_granted[device].load() < smem_bytes) {
-        err = grant_smem(smem_bytes);
-        if (err == cudaSuccess) g_smem_granted[device].store(smem_bytes);
+      if (g_smem_granted[slot][device].load() < smem_bytes) {
+        err = grant_smem(fn, smem_bytes);
+        if (err == cudaSuccess) g_smem_granted[slot][device].store(smem_bytes);
       }
       g_smem_lock.clear(std::memory_order_release);
       if (err != cudaSuccess) return err;
     }
   }
-  tree_build_kernel<<<static_cast<unsigned>(bs), threads, static_cast<size_t>(smem_bytes),
-                      stream>>>(p);
+  fn<<<static_cast<unsigned>(bs), threads, static_cast<size_t>(smem_bytes), stream>>>(p);
   return cudaGetLastError();
 }
 

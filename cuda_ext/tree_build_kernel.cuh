@@ -176,12 +176,93 @@ __device__ __forceinline__ void warp_fill_true(bool* dst, int64_t len, int lane)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Shared tail of both kernels: every thread of the block calls it after a barrier that orders the
+// per-position arrays (p_parent / p_depth / first_child / p_sib, written for positions 1..n;
+// p_depth = -1 marks padding) before it. Writes the root and padding entries of the per-node
+// outputs (the caller writes positions 1..n), the retrieve arrays, the positions and both masks.
+// `anc` is scratch of N * (D + 1) u16 that nobody reads any more.
+__device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int64_t b, int N, int D,
+                                                  int n, const int* p_parent, const int* p_depth,
+                                                  const int* first_child, const int* p_sib,
+                                                  uint16_t* anc, long long* wbuf_ll) {
+  const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = T >> 5, A = D + 1;
+  int64_t* tokens = p.tokens + b * N;
+  int64_t* parents = p.parents + b * N;
+  int64_t* depths = p.depths + b * N;
+  bool* valid = p.valid + b * N;
+  float* scores = p.scores + b * N;
+  // anc[q][k] = ancestor of q at depth k (k <= depth of q).
+  const int64_t seq_len = p.seq_lens != nullptr ? p.seq_lens[b] : 0;
+  for (int q = tid; q < N; q += T) {
+    const int dq = p_depth[q];
+    int x = q;
+    for (int k = dq; k >= 0; --k) {
+      anc[q * A + k] = uint16_t(x);
+      x = p_parent[x];
+    }
+    if (q == 0) {
+      tokens[0] = p.root_ids[b];
+      parents[0] = -1;
+      depths[0] = 0;
+      valid[0] = true;
+      scores[0] = 0.0f;
+    } else if (q > n) {
+      tokens[q] = 0;
+      parents[q] = -1;
+      depths[q] = 0;
+      valid[q] = false;
+      scores[q] = -INFINITY;
+    }
+    p.retrive_index[b * N + q] = b * N + q;
+    p.retrive_next_token[b * N + q] = first_child[q];
+    p.retrive_next_sibling[b * N + q] = p_sib[q];
+    if (p.positions != nullptr) p.positions[b * N + q] = seq_len + (dq > 0 ? dq : 0);
+  }
+
+  // FULL_MASK block of this request starts at N * (sum_{b' < b} seq_lens[b'] + b * N).
+  int64_t full_base = 0;
+  if (p.full_mask != nullptr) {
+    long long part = 0;
+    for (int64_t t = tid; t < b; t += T) part += p.seq_lens[t];
+    long long before = 0;
+    block_exclusive_sum(part, wbuf_ll, before);  // includes a barrier
+    full_base = int64_t(N) * (int64_t(before) + b * N);
+  } else {
+    __syncthreads();
+  }
+
+  // Masks, one warp per row: j is visible from i iff j is i or an ancestor of i; padding rows
+  // see only themselves.
+  for (int i = warp; i < N; i += nwarps) {
+    const int di = p_depth[i];
+    bool* arow = p.ancestor_mask + (b * N + i) * int64_t(N);
+    bool* frow = nullptr;
+    if (p.full_mask != nullptr) {
+      frow = p.full_mask + full_base + int64_t(i) * (seq_len + N);
+      warp_fill_true(frow, seq_len, lane);
+      frow += seq_len;
+    }
+    for (int j = lane; j < N; j += 32) {
+      bool v;
+      if (di < 0) {
+        v = j == i;
+      } else {
+        const int dj = p_depth[j];
+        v = dj >= 0 && dj <= di && int(anc[i * A + dj]) == j;
+      }
+      arow[j] = v;
+      if (frow != nullptr) frow[j] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1, A = D + 1;
+  const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int nwarps = T >> 5;
   const int64_t b = blockIdx.x;
   const SmemLayout L = make_smem_layout(B, Kp, D);
   const bool preload = preload_rows(Kp, D);
@@ -430,69 +511,214 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   }
   __syncthreads();
 
-  // pos_of is dead: build anc[q][k] = ancestor of q at depth k (k <= depth of q).
-  const int64_t seq_len = p.seq_lens != nullptr ? p.seq_lens[b] : 0;
+  // pos_of is dead: its space holds the ancestor table now.
+  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, anc, wbuf_ll);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Best-first ("frontier") kernel for small budgets: warp 0 of the block pops the tree's nodes in
+// the total order, one per iteration, exactly like the reference's heap (build_tree_reference):
+// popping node x pushes its first child (rank 0, one depth down) and its next sibling (same
+// parent, rank + 1). Each pushed node follows its generator in the total order (log-probs are
+// <= 0 and every row is sorted descending), so the i-th pop is output position i.
+//
+// The frontier (at most B + 1 nodes: every pop removes one and adds at most two) lives in
+// registers, ITEMS slots per lane, slot s = lane + 32 * item. A slot's key is (ordered score
+// bits, 63 - depth) in two 32-bit words; the maximum takes two warp max-reductions. The rank-path
+// tie-break only matters when two frontier nodes have the same score and depth; that is detected
+// (ballot and a per-lane duplicate flag) and settled by lane 0 walking both paths up in shared
+// memory.
+//
+// A slot's meta packs parent position (11 bits), rank (10 bits) and, for rank > 0, the position
+// of the previous sibling (11 bits), which links next-sibling pointers as nodes pop.
+
+__device__ __forceinline__ float score_from_bits(uint32_t o) {
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);  // ordered_bits^-1
+}
+
+constexpr uint32_t kNegInfBits = 0x007FFFFFu;  // ordered_bits(-inf); an empty slot has 0
+constexpr uint32_t kNoMeta = 0xFFFFFFFFu;      // never a real meta (positions < 2^11 - 1)
+
+__device__ __forceinline__ uint32_t depth_word(int depth) { return uint32_t(kMaxDepth - depth) << 26; }
+__device__ __forceinline__ uint32_t pack_meta(int parent, int rank, int prev) {
+  return uint32_t(parent) | (uint32_t(rank) << 11) | (uint32_t(prev) << 21);
+}
+
+// Rank-path order of two distinct unpopped nodes of the same depth, given by their metas: walk
+// both up to their common ancestor and compare the ranks just below it.
+__device__ __forceinline__ bool lex_before(uint32_t ma, uint32_t mb, const int* p_parent,
+                                           const int* p_rank) {
+  int pa = int(ma & 0x7FFu), pb = int(mb & 0x7FFu);
+  int ra = int((ma >> 11) & 0x3FFu), rb = int((mb >> 11) & 0x3FFu);
+  while (pa != pb) {
+    ra = p_rank[pa];
+    rb = p_rank[pb];
+    pa = p_parent[pa];
+    pb = p_parent[pb];
+  }
+  return ra < rb;
+}
+
+template <int ITEMS>
+__global__ void __launch_bounds__(1024) tree_build_frontier_kernel(const TreeBuildParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
+  const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31;
+  const int64_t b = blockIdx.x;
+  const FrontierSmemLayout L = make_frontier_smem_layout(B, Kp, D);
+  float* lp = reinterpret_cast<float*>(smem + L.lp);
+  int* p_parent = reinterpret_cast<int*>(smem + L.p_parent);
+  int* p_depth = reinterpret_cast<int*>(smem + L.p_depth);
+  int* p_rank = reinterpret_cast<int*>(smem + L.p_rank);
+  int* p_sib = reinterpret_cast<int*>(smem + L.p_sib);
+  int* first_child = reinterpret_cast<int*>(smem + L.first_child);
+  float* p_score = reinterpret_cast<float*>(smem + L.score);
+  uint16_t* anc = reinterpret_cast<uint16_t*>(smem + L.anc);
+  uint32_t* scratch = reinterpret_cast<uint32_t*>(smem + L.scratch);
+  int* misc = reinterpret_cast<int*>(smem + L.misc);
+  long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
+
+  // Every depth's log-probs, normalised as tree._normalize_logp (NaN -> -inf, > 0 -> 0, -0 -> +0).
+  const float* logp_b = p.logp + b * p.logp_sb;
+  for (int e = tid; e < D * Kp; e += T) {
+    const int rr = e / Kp, r = e - rr * Kp;
+    const float v = logp_b[int64_t(rr) * p.logp_sd + r];
+    lp[e] = v <= 0.0f ? v + 0.0f : (v > 0.0f ? 0.0f : -INFINITY);
+  }
   for (int q = tid; q < N; q += T) {
-    const int dq = p_depth[q];
-    int x = q;
-    for (int k = dq; k >= 0; --k) {
-      anc[q * A + k] = uint16_t(x);
-      x = p_parent[x];
-    }
-    if (q == 0) {
-      tokens[0] = p.root_ids[b];
-      parents[0] = -1;
-      depths[0] = 0;
-      valid[0] = true;
-      scores[0] = 0.0f;
-    } else if (q > n) {
-      tokens[q] = 0;
-      parents[q] = -1;
-      depths[q] = 0;
-      valid[q] = false;
-      scores[q] = -INFINITY;
-    }
-    p.retrive_index[b * N + q] = b * N + q;
-    p.retrive_next_token[b * N + q] = first_child[q];
-    p.retrive_next_sibling[b * N + q] = p_sib[q];
-    if (p.positions != nullptr) p.positions[b * N + q] = seq_len + (dq > 0 ? dq : 0);
+    p_parent[q] = -1;
+    p_depth[q] = q == 0 ? 0 : -1;
+    p_rank[q] = 0;
+    p_sib[q] = -1;
+    first_child[q] = -1;
   }
+  __syncthreads();
 
-  // FULL_MASK block of this request starts at N * (sum_{b' < b} seq_lens[b'] + b * N).
-  int64_t full_base = 0;
-  if (p.full_mask != nullptr) {
-    long long part = 0;
-    for (int64_t t = tid; t < b; t += T) part += p.seq_lens[t];
-    long long before = 0;
-    block_exclusive_sum(part, wbuf_ll, before);  // includes a barrier
-    full_base = int64_t(N) * (int64_t(before) + b * N);
-  } else {
-    __syncthreads();
-  }
-
-  // Masks, one warp per row: j is visible from i iff j is i or an ancestor of i; padding rows
-  // see only themselves.
-  for (int i = warp; i < N; i += nwarps) {
-    const int di = p_depth[i];
-    bool* arow = p.ancestor_mask + (b * N + i) * int64_t(N);
-    bool* frow = nullptr;
-    if (p.full_mask != nullptr) {
-      frow = p.full_mask + full_base + int64_t(i) * (seq_len + N);
-      warp_fill_true(frow, seq_len, lane);
-      frow += seq_len;
+  if (tid < 32) {
+    uint32_t khi[ITEMS], klo[ITEMS], meta[ITEMS];
+    float pscore[ITEMS];  // the parent's score: a sibling's score is pscore + lp[rank + 1]
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+      khi[j] = 0u;
+      klo[j] = 0u;
+      meta[j] = 0u;
+      pscore[j] = 0.0f;
     }
-    for (int j = lane; j < N; j += 32) {
-      bool v;
-      if (di < 0) {
-        v = j == i;
-      } else {
-        const int dj = p_depth[j];
-        v = dj >= 0 && dj <= di && int(anc[i * A + dj]) == j;
+    if (lane == 0) {  // the root's first child
+      khi[0] = ordered_bits(0.0f + lp[0]);
+      klo[0] = depth_word(1);
+      meta[0] = pack_meta(0, 0, 0);
+    }
+    int fcount = 1;  // slots in use so far (freed slots are not reused: at most B + 1)
+    int n = 0;
+    for (int pos = 1; pos <= B; ++pos) {
+      // this lane's best slot, and whether another of its slots has the same key
+      uint32_t bhi = khi[0], blo = klo[0], bmeta = meta[0];
+      float bps = pscore[0];
+      int bj = 0;
+      bool dup = false;
+#pragma unroll
+      for (int j = 1; j < ITEMS; ++j) {
+        if (khi[j] > bhi || (khi[j] == bhi && klo[j] > blo)) {
+          bhi = khi[j]; blo = klo[j]; bmeta = meta[j]; bps = pscore[j]; bj = j; dup = false;
+        } else if (khi[j] == bhi && klo[j] == blo) {
+          dup = true;
+        }
       }
-      arow[j] = v;
-      if (frow != nullptr) frow[j] = v;
+      const uint32_t mhi = __reduce_max_sync(kFullWarp, bhi);
+      if (mhi <= kNegInfBits) break;  // only -inf or empty slots left: every finite node popped
+      const uint32_t mlo = __reduce_max_sync(kFullWarp, bhi == mhi ? blo : 0u);
+      const unsigned ball = __ballot_sync(kFullWarp, bhi == mhi && blo == mlo);
+      int wl = __ffs(int(ball)) - 1;
+      const int wjd = __shfl_sync(kFullWarp, bj | (dup ? 256 : 0), wl);
+      uint32_t wm = __shfl_sync(kFullWarp, bmeta, wl);
+      float wps = __shfl_sync(kFullWarp, bps, wl);
+      int wj = wjd & 255;
+      if (__popc(ball) > 1 || (wjd & 256)) {
+        // Same score and depth on several slots: the rank path decides (lane 0, serially).
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j)
+          scratch[j * 32 + lane] = khi[j] == mhi && klo[j] == mlo ? meta[j] : kNoMeta;
+        __syncwarp();
+        if (lane == 0) {
+          int best = -1;
+          for (int s = 0; s < 32 * ITEMS; ++s) {
+            const uint32_t m = scratch[s];
+            if (m == kNoMeta) continue;
+            if (best < 0 || lex_before(m, scratch[best], p_parent, p_rank)) best = s;
+          }
+          misc[1] = best;
+        }
+        __syncwarp();
+        const int s = misc[1];
+        wl = s & 31;
+        wj = s >> 5;
+        uint32_t m = 0u;
+        float ps = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+          if (j == wj) {
+            m = meta[j];
+            ps = pscore[j];
+          }
+        }
+        wm = __shfl_sync(kFullWarp, m, wl);
+        wps = __shfl_sync(kFullWarp, ps, wl);
+        __syncwarp();  // misc[1] and scratch are read before the next tie rewrites them
+      }
+
+      const int parent = int(wm & 0x7FFu), rank = int((wm >> 11) & 0x3FFu);
+      const int depth = kMaxDepth - int(mlo >> 26);
+      const float score = score_from_bits(mhi);
+      if (lane == 0) {
+        p_parent[pos] = parent;
+        p_depth[pos] = depth;
+        p_rank[pos] = rank;
+        p_score[pos] = score;
+        if (rank == 0) first_child[parent] = pos; else p_sib[int(wm >> 21)] = pos;
+      }
+      n = pos;
+      // successors: first child (depth + 1, rank 0) and next sibling (same parent, rank + 1)
+      const bool has_child = depth < D, has_sib = rank + 1 < Kp;
+      const float cs = has_child ? score + lp[depth * Kp] : 0.0f;
+      const float ss = has_sib ? wps + lp[(depth - 1) * Kp + rank + 1] : 0.0f;
+      const uint32_t c_hi = ordered_bits(cs), c_lo = depth_word(depth + 1);
+      const uint32_t c_meta = pack_meta(pos, 0, 0);
+      const uint32_t s_hi = ordered_bits(ss), s_meta = pack_meta(parent, rank + 1, pos);
+      const int sl = fcount & 31, sj = fcount >> 5;
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) {
+        if (lane == wl && j == wj) {  // the popped slot takes the child, else the sibling
+          if (has_child) {
+            khi[j] = c_hi; klo[j] = c_lo; meta[j] = c_meta; pscore[j] = score;
+          } else if (has_sib) {
+            khi[j] = s_hi; klo[j] = mlo; meta[j] = s_meta; pscore[j] = wps;
+          } else {
+            khi[j] = 0u; klo[j] = 0u;
+          }
+        }
+        if (has_child && has_sib && lane == sl && j == sj) {  // both: the sibling takes a new slot
+          khi[j] = s_hi; klo[j] = mlo; meta[j] = s_meta; pscore[j] = wps;
+        }
+      }
+      if (has_child && has_sib) ++fcount;
     }
+    if (lane == 0) misc[0] = n;
   }
+  __syncthreads();
+
+  const int n = misc[0];
+  int64_t* tokens = p.tokens + b * N;
+  const int64_t* ids_b = p.ids + b * p.ids_sb;
+  for (int q = 1 + tid; q <= n; q += T) {
+    const int dq = p_depth[q];
+    tokens[q] = ids_b[int64_t(dq - 1) * p.ids_sd + p_rank[q]];
+    p.parents[b * N + q] = p_parent[q];
+    p.depths[b * N + q] = dq;
+    p.valid[b * N + q] = true;
+    p.scores[b * N + q] = p_score[q];
+  }
+  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, anc, wbuf_ll);
 }
 
 }  // namespace ddtree

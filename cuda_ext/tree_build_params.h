@@ -93,4 +93,69 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
   return L;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The best-first ("frontier") kernel for small budgets: one warp pops the B best nodes one by one
+// from a frontier held in registers (32 * items slots, at least B + 1), so its time grows with B
+// and not with the tree's depth. Served when the budget fits the largest item count and every
+// depth's log-probs fit in shared memory; above that the level-wise kernel serves.
+constexpr int kFrontierMaxItems = 9;   // 288 slots
+constexpr int kFrontierMaxBudget = 32 * kFrontierMaxItems - 1;
+
+// Item count per lane of the frontier kernel's instantiations (1, 2, 3, 5, 9), 0 = none fits.
+DDTREE_HOST_DEVICE inline int frontier_items(int B) {
+  const int need = (B + 1 + 31) / 32;
+  if (need <= 1) return 1;
+  if (need <= 2) return 2;
+  if (need <= 3) return 3;
+  if (need <= 5) return 5;
+  if (need <= 9) return 9;
+  return 0;
+}
+
+// Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
+// it was measured faster on the H200 (bench_results/tree_build_h200.json), the level-wise one
+// above it.
+constexpr int kFrontierDefaultMaxBudget = 128;
+
+enum TreeAlgo : int { kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2 };
+
+DDTREE_HOST_DEVICE inline bool frontier_fits(int B, int Kp, int D) {
+  return frontier_items(B) > 0 && preload_rows(Kp, D);
+}
+
+DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
+  if (algo == kAlgoLevelwise || !frontier_fits(B, Kp, D)) return false;
+  return algo == kAlgoFrontier || B <= kFrontierDefaultMaxBudget;
+}
+
+struct FrontierSmemLayout {
+  int64_t lp, p_parent, p_depth, p_rank, p_sib, first_child, score, anc, scratch, misc, wbuf,
+      total;
+};
+
+DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, int Kp, int D) {
+  const int64_t N = B + 1;
+  FrontierSmemLayout L;
+  int64_t o = 0;
+  L.lp = o;          o = ddtree_align16(o + 4 * int64_t(D) * Kp);   // float[D][Kp]
+  L.p_parent = o;    o = ddtree_align16(o + 4 * N);                 // int[N] per output index
+  L.p_depth = o;     o = ddtree_align16(o + 4 * N);                 // int[N], -1 = padding
+  L.p_rank = o;      o = ddtree_align16(o + 4 * N);                 // int[N]
+  L.p_sib = o;       o = ddtree_align16(o + 4 * N);                 // int[N]
+  L.first_child = o; o = ddtree_align16(o + 4 * N);                 // int[N]
+  L.score = o;       o = ddtree_align16(o + 4 * N);                 // float[N]
+  L.anc = o;         o = ddtree_align16(o + 2 * N * (D + 1));       // u16[N][D+1]
+  L.scratch = o;     o = ddtree_align16(o + 4 * 32 * kFrontierMaxItems);  // u32 tie scratch
+  L.misc = o;        o = ddtree_align16(o + 4 * 4);                 // int[4]: n, tie winner
+  L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                // 64-bit[32]: block scans
+  L.total = o;
+  return L;
+}
+
+// Dynamic shared memory of the kernel that serves (algo, B, Kp, D).
+DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D) {
+  return use_frontier(algo, B, Kp, D) ? make_frontier_smem_layout(B, Kp, D).total
+                                      : make_smem_layout(B, Kp, D).total;
+}
+
 }  // namespace ddtree

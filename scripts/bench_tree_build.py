@@ -12,6 +12,9 @@ CUDA events and the median over ``--iters`` replays divided by ``--reps`` is the
 (launch gaps included, as in a real step). The fused output is compared with the torch output
 field by field, and the number of kernels one call launches is counted with the profiler.
 A threads-per-block sweep runs at batch 64 x budget 64.
+Both kernels of the extension are timed at every point (``levelwise_us``, ``frontier_us``: the
+best-first kernel serves budgets up to 287) and checked equal; ``fused_us`` is the one that
+``SGLANG_DDTREE_TREE_KERNEL=auto`` serves there.
 
 Writes JSON (command, versions, GPU, date, settings, results) to ``--out`` and prints a table.
 Run: ``python scripts/bench_tree_build.py``
@@ -79,14 +82,29 @@ def same(a: DraftTree, b: DraftTree) -> bool:
     return all(torch.equal(v, getattr(b, k)) for k, v in a.tensors().items())
 
 
+ALGOS = {"levelwise": 1, "frontier": 2}  # ddtree::TreeAlgo
+
+
 def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_torch=True):
     roots, lp, ids = make_topk(bs, depth, k, vocab, dist, seed=bs * 7919 + budget)
-    fused_out = DraftTree.empty(bs, budget, "cuda")
-    fused = lambda: tree_backend.build_tree_cuda(roots, lp, ids, budget, fused_out,  # noqa: E731
-                                                 threads=threads)
+    ext = tree_backend._loader().load_tree_build_ext(required=True)
+    served = ext.kernel_name(budget, k, depth, 0)
     row = dict(dist=dist, bs=bs, budget=budget, depth=depth, k=k, threads=threads or "auto",
-               fused_us=round(time_graph(fused, reps, iters), 2))
-    fused()
+               kernel=served)
+    outs = {}
+    for name, algo in ALGOS.items():
+        if ext.kernel_name(budget, k, depth, algo) != name:
+            continue  # the frontier kernel cannot take this point
+        out = DraftTree.empty(bs, budget, "cuda")
+        call = lambda out=out, algo=algo: tree_backend.build_tree_cuda(  # noqa: E731
+            roots, lp, ids, budget, out, threads=threads, algo=algo)
+        row[f"{name}_us"] = round(time_graph(call, reps, iters), 2)
+        call()
+        outs[name] = (out, call)
+    fused_out, fused = outs[served]
+    row["fused_us"] = row[f"{served}_us"]
+    if len(outs) == 2:
+        row["kernels_equal"] = same(outs["levelwise"][0], outs["frontier"][0])
     row["mean_tree_depth"] = round(fused_out.depths.max(1).values.float().mean().item(), 2)
     if with_torch:
         torch_out = DraftTree.empty(bs, budget, "cuda")
@@ -148,11 +166,12 @@ def main():
     with open(args.out, "w") as f:
         json.dump(meta, f, indent=1)
 
-    cols = ["dist", "bs", "budget", "k", "mean_tree_depth", "fused_us", "torch_us", "speedup",
-            "fused_kernels", "torch_kernels", "fused_equals_torch"]
-    print(" ".join(f"{c:>18}" for c in cols))
+    cols = ["dist", "bs", "budget", "k", "mean_tree_depth", "levelwise_us", "frontier_us",
+            "kernel", "fused_us", "torch_us", "speedup", "fused_kernels", "fused_equals_torch",
+            "kernels_equal"]
+    print(" ".join(f"{c:>14}" for c in cols))
     for r in results:
-        print(" ".join(f"{str(r.get(c)):>18}" for c in cols))
+        print(" ".join(f"{str(r.get(c)):>14}" for c in cols))
     print("threads sweep (bs 64, budget 64):",
           ", ".join(f"{r['dist']}/{r['threads']}: {r['fused_us']} us" for r in sweep))
     print("goal (bs 64, budget 64: <= 20 us and >= 10x):", goal)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, then racecheck and synccheck for the shared-memory barriers) on a
-# small parity run of the fused tree-build kernel against the CPU oracle. Exit status 0 = clean.
+# small parity run of both fused tree-build kernels (level-wise, frontier) against the CPU oracle. Exit status 0 = clean.
 # Usage: bash scripts/memcheck_tree_build.sh   (PYTHON, COMPUTE_SANITIZER override the tools)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,13 +31,15 @@ for bs, budget, depth, k, quant, p_ninf, threads in [
     n_nodes = budget + 1
     flat = torch.zeros(int((n_nodes * (seq + n_nodes)).sum()), dtype=torch.bool, device="cuda")
     pos = torch.empty(bs, n_nodes, dtype=torch.int64, device="cuda")
-    out = tree_backend.build_tree_cuda(roots.cuda(), lp.cuda(), ids.cuda(), budget,
-                                       DraftTree.empty(bs, budget, "cuda"), seq_lens=seq.cuda(),
-                                       positions=pos, full_mask=flat, threads=threads)
     ref = build_tree_reference(roots, lp, ids, budget)
-    for name, v in ref.tensors().items():
-        assert torch.equal(v, getattr(out, name).cpu()), (bs, budget, name)
-    n += 1
+    for algo in (1, 2):  # level-wise, frontier (budget > 287: level-wise again)
+        out = tree_backend.build_tree_cuda(roots.cuda(), lp.cuda(), ids.cuda(), budget,
+                                           DraftTree.empty(bs, budget, "cuda"),
+                                           seq_lens=seq.cuda(), positions=pos, full_mask=flat,
+                                           threads=threads, algo=algo)
+        for name, v in ref.tensors().items():
+            assert torch.equal(v, getattr(out, name).cpu()), (bs, budget, algo, name)
+        n += 1
 print(f"parity ok on {n} cases")
 PYEOF
 "$PY" "$SCRIPT" --build-only  # JIT build / cache load outside the sanitizer

@@ -56,7 +56,7 @@ def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0
     bs, depth, k = lp.shape
     fin, fout = os.path.join(workdir, "in.bin"), os.path.join(workdir, "out.bin")
     with open(fin, "wb") as f:
-        np.array([bs, depth, k, budget, threads, 0], np.int64).tofile(f)
+        np.array([bs, depth, k, budget, threads, 0, 1], np.int64).tofile(f)  # algo 1: level-wise
         lp.numpy().astype(np.float32).tofile(f)
         ids.numpy().astype(np.int64).tofile(f)
         roots.numpy().astype(np.int64).tofile(f)

@@ -9,6 +9,12 @@ Both take ``(root_ids, topk_logp, topk_ids, budget, out=None)`` and return the s
 (auto|cuda|torch, default auto) and logs the choice once. Building the extension happens on that
 first call, never at import. In ``auto`` mode calls the kernel cannot serve (CPU tensors,
 min(D, budget) > 63, more shared memory than the GPU has) go to ``build_tree``.
+
+The extension holds two kernels with the same output: the level-wise one (any budget up to
+1024; its time grows with the tree's depth) and the best-first "frontier" one (budgets up to
+287; its time grows with the budget, not the depth). ``SGLANG_DDTREE_TREE_KERNEL``
+(auto|levelwise|frontier, default auto) picks one; auto takes the frontier kernel up to budget
+128, where the H200 measured it faster (``bench_results/tree_build_h200.json``).
 """
 from __future__ import annotations
 
@@ -27,6 +33,17 @@ from .tree import DraftTree, _check_inputs, build_tree
 logger = logging.getLogger(__name__)
 
 KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
+
+ENV_KERNEL = "SGLANG_DDTREE_TREE_KERNEL"
+KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2}  # ddtree::TreeAlgo
+
+
+def kernel_algo_from_env() -> int:
+    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier, default auto) as ddtree::TreeAlgo."""
+    value = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
+    if value not in KERNEL_ALGOS:
+        raise ValueError(f"{ENV_KERNEL}: expected one of {'|'.join(KERNEL_ALGOS)}, got {value!r}")
+    return KERNEL_ALGOS[value]
 
 TreeBuilder = Callable[..., DraftTree]
 
@@ -52,7 +69,8 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
                     budget: int, out: Optional[DraftTree] = None, *,
                     seq_lens: Optional[torch.Tensor] = None,
                     positions: Optional[torch.Tensor] = None,
-                    full_mask: Optional[torch.Tensor] = None, threads: int = 0) -> DraftTree:
+                    full_mask: Optional[torch.Tensor] = None, threads: int = 0,
+                    algo: Optional[int] = None) -> DraftTree:
     """``build_tree`` in one CUDA launch (one thread block per request). Graph-safe.
 
     No host synchronisation and no allocation when ``out`` is given, so it can be captured in a
@@ -71,8 +89,13 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
         (not checked: that needs a sync), the FULL_MASK layout of ``tree.full_mask_layout``;
         elements past the used length are left untouched.
     threads : threads per block, a multiple of 32 up to 1024 (0 = by budget: 128..1024).
+    algo : which kernel (0 auto, 1 level-wise, 2 frontier); None = ``SGLANG_DDTREE_TREE_KERNEL``.
+        The frontier kernel serves budgets up to 287 with every depth's log-probs in shared
+        memory; outside that the level-wise kernel serves whatever was asked.
     """
     bs, depth, _ = _check_inputs(root_ids, topk_logp, topk_ids, budget)
+    if algo is None:
+        algo = kernel_algo_from_env()
     if not topk_logp.is_cuda:
         raise ValueError(f"build_tree_cuda: topk_logp must be a CUDA tensor, got {topk_logp.device}")
     ext = _loader().load_tree_build_ext(required=True)
@@ -82,7 +105,7 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
     err = ext.tree_build(root_ids, topk_logp, topk_ids, budget, out.tokens, out.parents,
                          out.depths, out.valid, out.scores, out.ancestor_mask, out.retrive_index,
                          out.retrive_next_token, out.retrive_next_sibling, seq_lens, positions,
-                         full_mask, threads)
+                         full_mask, threads, algo)
     if err:
         raise RuntimeError(err)
     out.max_depth = depth
@@ -97,7 +120,8 @@ build_tree_cuda.writes_layout = True
 def _kernel_fits(budget: int, k: int, depth: int, device_index: int) -> bool:
     if min(depth, budget) > KERNEL_MAX_DEPTH:
         return False
-    need = _loader().load_tree_build_ext(required=True).smem_bytes(budget, k, depth)
+    need = _loader().load_tree_build_ext(required=True).smem_bytes(budget, k, depth,
+                                                                   kernel_algo_from_env())
     props = torch.cuda.get_device_properties(device_index)
     have = getattr(props, "shared_memory_per_block_optin", None)
     return have is None or need <= have
@@ -148,6 +172,8 @@ def get_tree_builder() -> TreeBuilder:
         if _choice["builder"] is None:
             loader = _loader()
             mode = loader.backend_from_env()
+            kernel = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
+            kernel_algo_from_env()  # a bad value fails at start-up, not in the first step
             if mode == "torch":
                 builder, why = build_tree, f"{loader.ENV_BACKEND}=torch"
             elif mode == "cuda":
@@ -157,6 +183,8 @@ def get_tree_builder() -> TreeBuilder:
                 builder, why = build_tree_auto, "auto: fused CUDA kernel built"
             else:
                 builder, why = build_tree, f"auto: {loader.unavailable_reason()}"
+            if builder is not build_tree:
+                why += f"; {ENV_KERNEL}={kernel}"
             logger.info("sglang_ddtree: tree builder = %s (%s)", builder.__name__, why)
             _choice["builder"] = builder
         return _choice["builder"]

@@ -43,12 +43,12 @@ def driver(tmp_path_factory):
     return exe
 
 
-def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB):
+def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB, algo=0):
     bs, depth, k = lp.shape
     n = budget + 1
     fin, fout = tmp_path / "in.bin", tmp_path / "out.bin"
     with open(fin, "wb") as f:
-        np.array([bs, depth, k, budget, threads, fill], np.int64).tofile(f)
+        np.array([bs, depth, k, budget, threads, fill, algo], np.int64).tofile(f)
         lp.numpy().astype(np.float32).tofile(f)
         ids.numpy().astype(np.int64).tofile(f)
         roots.numpy().astype(np.int64).tofile(f)
@@ -78,12 +78,13 @@ def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB)
     return tree, positions, full
 
 
-def check(exe, tmp_path, bs, budget, depth, k, threads, mode, seed):
+def check(exe, tmp_path, bs, budget, depth, k, threads, mode, seed, algo=0):
     roots, lp, ids = make_inputs(bs, depth, k, seed, mode)
     seq = torch.randint(0, 40, (bs,), generator=torch.Generator().manual_seed(seed))
     ref = build_tree_reference(roots, lp, ids, budget)
-    tree, positions, full = run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq)
-    tag = f"bs={bs} B={budget} D={depth} K={k} threads={threads} mode={mode}"
+    tree, positions, full = run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq,
+                                         algo=algo)
+    tag = f"bs={bs} B={budget} D={depth} K={k} threads={threads} mode={mode} algo={algo}"
     # every element of the (0xAB/77/NaN-poisoned) outputs must be written and equal the oracle
     assert_same_tree(ref, tree, tag)
     assert torch.equal(positions, seq[:, None] + ref.depths), tag
@@ -116,16 +117,52 @@ CASES = [
 ]
 
 
+ALGO_LEVELWISE, ALGO_FRONTIER = 1, 2  # ddtree::TreeAlgo
+FRONTIER_MAX_BUDGET = 287  # ddtree::kFrontierMaxBudget
+
+
+def frontier_fits(budget, depth, k):
+    """ddtree::frontier_fits: the budget fits 9 slots per lane, every depth's rows fit smem."""
+    return budget <= FRONTIER_MAX_BUDGET and min(k, budget) * min(depth, budget) <= 8192
+
+
 @pytest.mark.parametrize("bs, budget, depth, k, threads, mode", CASES)
 def test_emulated_kernel_matches_reference(driver, tmp_path, bs, budget, depth, k, threads, mode):
-    check(driver, tmp_path, bs, budget, depth, k, threads, mode, seed=budget * 7 + depth)
+    check(driver, tmp_path, bs, budget, depth, k, threads, mode, seed=budget * 7 + depth,
+          algo=ALGO_LEVELWISE)
 
 
-def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path):
-    roots, lp, ids, seq, first = check(driver, tmp_path, 2, 64, 15, 64, 64, "ties", seed=5)
+# The frontier (best-first) kernel on every case it can serve, plus budgets at each item-count
+# boundary (31/32, 63/64, 95/96, 159/160, 287) and exact score ties across parents.
+FRONTIER_CASES = [c for c in CASES if frontier_fits(c[1], c[2], c[3])] + [
+    (2, 31, 6, 32, 64, "random"),
+    (2, 32, 6, 32, 32, "ties"),
+    (2, 63, 15, 64, 128, "ties"),
+    (2, 95, 15, 16, 128, "peaked"),
+    (2, 96, 8, 96, 128, "round"),
+    (1, 159, 10, 64, 256, "ties"),
+    (1, 160, 10, 64, 256, "random"),
+    (1, 287, 8, 287, 256, "ties"),
+    (3, 64, 15, 64, 128, "ninf"),
+    (4, 64, 15, 64, 128, "dead_depth"),
+]
+
+
+@pytest.mark.parametrize("bs, budget, depth, k, threads, mode", FRONTIER_CASES)
+def test_emulated_frontier_kernel_matches_reference(driver, tmp_path, bs, budget, depth, k,
+                                                    threads, mode):
+    check(driver, tmp_path, bs, budget, depth, k, threads, mode, seed=budget * 5 + depth,
+          algo=ALGO_FRONTIER)
+
+
+@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER])
+def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path, algo):
+    roots, lp, ids, seq, first = check(driver, tmp_path, 2, 64, 15, 64, 64, "ties", seed=5,
+                                       algo=algo)
     for fill in (0x00, 0xFF):
-        again, _, _ = run_emulated(driver, tmp_path, roots, lp, ids, 64, 64, seq, fill=fill)
-        assert_same_tree(first, again, f"fill {fill:#x}")
+        again, _, _ = run_emulated(driver, tmp_path, roots, lp, ids, 64, 64, seq, fill=fill,
+                                   algo=algo)
+        assert_same_tree(first, again, f"fill {fill:#x} algo {algo}")
 
 
 def test_phase_count_of_the_emulated_kernel(driver, tmp_path):

@@ -28,6 +28,7 @@ ENV = LOADER.ENV_BACKEND
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(tree_backend.ENV_KERNEL, raising=False)
     tree_backend._reset_for_tests()
     yield
     tree_backend._reset_for_tests()
@@ -85,6 +86,19 @@ def test_backend_env_is_validated(monkeypatch):
     assert LOADER.backend_from_env() == "torch"
     monkeypatch.setenv(ENV, "triton")
     with pytest.raises(ValueError, match=f"{ENV}: expected one of auto\\|cuda\\|torch, got 'triton'"):
+        tree_backend.get_tree_builder()
+
+
+def test_kernel_env_is_validated_at_start_up(monkeypatch):
+    kenv = tree_backend.ENV_KERNEL
+    assert tree_backend.kernel_algo_from_env() == 0  # auto
+    for value, algo in (("LevelWise", 1), (" frontier", 2), ("auto", 0)):
+        monkeypatch.setenv(kenv, value)
+        assert tree_backend.kernel_algo_from_env() == algo
+    monkeypatch.setenv(ENV, "torch")
+    monkeypatch.setenv(kenv, "heap")
+    with pytest.raises(ValueError, match=f"{kenv}: expected one of auto\\|levelwise\\|frontier, "
+                                         "got 'heap'"):
         tree_backend.get_tree_builder()
 
 

@@ -78,6 +78,46 @@ inline T emu_shfl(T v, EmuShfl kind, int arg) {
 template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kUp, d); }
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kXor, d); }
 
+// Every lane publishes a value; fn folds the 32 values (all lanes get the same result).
+template <typename Fold>
+inline uint64_t emu_warp_all(uint64_t v, Fold fn) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  g_emu_warp_buf[warp][lane] = v;
+  g_emu_warp_bar[warp]->arrive_and_wait();
+  uint64_t acc = fn(g_emu_warp_buf[warp]);
+  g_emu_warp_bar[warp]->arrive_and_wait();
+  return acc;
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  static_assert(sizeof(T) <= 8, "64-bit values at most");
+  uint64_t raw = 0;
+  std::memcpy(&raw, &v, sizeof(T));
+  const uint64_t got = emu_warp_all(raw, [src](const std::vector<uint64_t>& b) { return b[src & 31]; });
+  T out;
+  std::memcpy(&out, &got, sizeof(T));
+  return out;
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  return unsigned(emu_warp_all(v, [](const std::vector<uint64_t>& b) {
+    return *std::max_element(b.begin(), b.end());
+  }));
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+  return unsigned(emu_warp_all(pred ? 1 : 0, [](const std::vector<uint64_t>& b) {
+    uint64_t m = 0;
+    for (int i = 0; i < 32; ++i) m |= (b[i] & 1ull) << i;
+    return m;
+  }));
+}
+// Also orders the warp's shared-memory accesses (the emulation's memory is sequentially
+// consistent enough through the barrier's synchronisation).
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) {
+  g_emu_warp_bar[threadIdx.x >> 5]->arrive_and_wait();
+}
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
 inline int atomicAdd(int* p, int v) {
   {
     std::lock_guard<std::mutex> lock(g_emu_atomic_mu);

@@ -1,5 +1,6 @@
-// Runs ddtree::tree_build_kernel under cuda_emu.h. Usage: emu_driver IN OUT
-// IN : int64 header [bs, D, K, B, threads (0: the launcher's choice), fill]; float32 logp[bs*D*K]; int64 ids[bs*D*K];
+// Runs the tree-build kernel the launcher would pick (ddtree::tree_build_kernel, the level-wise
+// one, or ddtree::tree_build_frontier_kernel) under cuda_emu.h. Usage: emu_driver IN OUT
+// IN : int64 header [bs, D, K, B, threads (0: the launcher's choice), fill, algo (ddtree::TreeAlgo)]; float32 logp[bs*D*K]; int64 ids[bs*D*K];
 //      int64 root[bs]; int64 seq_lens[bs]
 // OUT: tokens, parents, depths (int64 [bs*N]); valid (u8); scores (f32); ancestor_mask (u8
 //      [bs*N*N]); retrive_index, next_token, next_sibling, positions (int64 [bs*N]); then the
@@ -30,7 +31,7 @@ static void write_vec(FILE* f, const std::vector<T>& v) { fwrite(v.data(), sizeo
 int main(int argc, char** argv) {
   if (argc != 3) { fprintf(stderr, "usage: emu_driver IN OUT\n"); return 2; }
   FILE* f = fopen(argv[1], "rb");
-  const std::vector<int64_t> h = read_vec<int64_t>(f, 6);
+  const std::vector<int64_t> h = read_vec<int64_t>(f, 7);
   const int bs = int(h[0]), D = int(h[1]), K = int(h[2]), B = int(h[3]);
   const int T = h[4] > 0 ? int(h[4]) : ddtree::default_threads(B);  // 0: the launcher's choice
   const int N = B + 1;
@@ -57,10 +58,23 @@ int main(int argc, char** argv) {
   p.retrive_index = ri.data(); p.retrive_next_token = nt.data(); p.retrive_next_sibling = ns.data();
   p.seq_lens = seq.data(); p.positions = pos.data();
   p.full_mask = reinterpret_cast<bool*>(full.data() + 16);
-  const ddtree::SmemLayout L = ddtree::make_smem_layout(B, p.Kp, p.D);
-  if (L.total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)L.total); return 2; }
+  const int algo = int(h[6]);
+  const int64_t smem_total = ddtree::tree_build_smem(algo, B, p.Kp, p.D);
+  if (smem_total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)smem_total); return 2; }
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
-  emu_launch(ddtree::tree_build_kernel, bs, T, p);
+  const bool frontier = ddtree::use_frontier(algo, B, p.Kp, p.D);
+  if (!frontier) {
+    emu_launch(ddtree::tree_build_kernel, bs, T, p);
+  } else {
+    switch (ddtree::frontier_items(B)) {
+      case 1: emu_launch(ddtree::tree_build_frontier_kernel<1>, bs, T, p); break;
+      case 2: emu_launch(ddtree::tree_build_frontier_kernel<2>, bs, T, p); break;
+      case 3: emu_launch(ddtree::tree_build_frontier_kernel<3>, bs, T, p); break;
+      case 5: emu_launch(ddtree::tree_build_frontier_kernel<5>, bs, T, p); break;
+      default: emu_launch(ddtree::tree_build_frontier_kernel<9>, bs, T, p); break;
+    }
+  }
+  fprintf(stderr, "kernel: %s\n", frontier ? "frontier" : "levelwise");
   fprintf(stderr, "block barriers per block: %.2f (threads %d), most in one block: %ld\n",
           double(g_emu_block_syncs) / bs, T, g_emu_block_syncs_max);
   fprintf(stderr, "shared atomics per block: %.1f, busiest-address depth per block: %.1f\n",

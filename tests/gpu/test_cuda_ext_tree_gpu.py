@@ -29,6 +29,14 @@ def ext():
     return tree_backend._loader().load_tree_build_ext(required=True)
 
 
+@pytest.fixture(autouse=True, params=["levelwise", "frontier"])
+def kernel_algo(request, monkeypatch):
+    """Every test runs on both kernels (``SGLANG_DDTREE_TREE_KERNEL``); budgets above 287 go to
+    the level-wise kernel either way."""
+    monkeypatch.setenv(tree_backend.ENV_KERNEL, request.param)
+    return request.param
+
+
 def make_inputs(bs, depth, k, seed, mode):
     """(roots [bs], topk_logp [bs, D, K] sorted desc, topk_ids [bs, D, K]) on the CPU."""
     g = torch.Generator().manual_seed(seed)
