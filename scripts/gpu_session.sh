@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -69,13 +69,14 @@ for s in "$@"; do
     benche2e) step bench-e2e ${BENCH_E2E_LIMIT:-560} python3 scripts/bench_e2e.py \
                --out "$OUT/bench_e2e_tiny_h200.json" ${BENCH_E2E_ARGS:-}
              (cd /tmp && tar czf "$OUT/bench_e2e_logs.tgz" ddtree_bench_e2e/*.log 2>/dev/null) ;;
+    memchecktree) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh ;;
     memcheck) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh
              step memcheck-verify ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_verify.sh ;;
     costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-} ;;
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
