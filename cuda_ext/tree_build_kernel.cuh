@@ -11,8 +11,10 @@
 //   For d = 1..D: candidates are the children p.r of C_{d-1} (r < min(K, B): a node of rank >= B
 //   has B better siblings) whose score beats thr = worst score in G once |G| == B, or a lower
 //   bound of it (a deeper node ties a shallower one only to lose the depth tie-break).
-//   G := best B of G u candidates, by a block-wide 8-bit radix select (most significant digit
-//   first, stopping as soon as the cut is exact) over a 64-bit key that encodes the total order
+//   G := best B of G u candidates: when they are at most rank_select_limit(B) items, by
+//   counting for each item the larger keys; otherwise by a block-wide 8-bit radix select (most
+//   significant digit first, stopping as soon as the cut is exact); both over a 64-bit key that
+//   encodes the total order
 //   (ordered score bits | 63 - depth | 2^20 - 1 - lexicographic index). Every node of
 //   the final tree survives each step (fewer than B nodes precede it anywhere) and every set
 //   stays closed under "parent of", so at the end G is the tree.
@@ -273,6 +275,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   uint32_t* gmeta = reinterpret_cast<uint32_t*>(smem + L.gmeta);
   uint32_t* gpar = reinterpret_cast<uint32_t*>(smem + L.gpar);
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys);
+  uint64_t* thr_slot = reinterpret_cast<uint64_t*>(smem + L.thr);
   uint16_t* pos_of = reinterpret_cast<uint16_t*>(smem + L.posanc);
   uint16_t* anc = pos_of;  // reused once pos_of is dead
   int* lvl_cnt = reinterpret_cast<int*>(smem + L.lvl_cnt);
@@ -383,7 +386,25 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     // Threshold key: the B-th largest key of G u candidates (0 = keep everything).
     uint64_t thr_key = 0;
     const bool select = g_size + M > B;
-    if (select) {
+    const int n_tot = g_size + M;
+    if (select && n_tot <= rank_select_limit(B)) {
+      // Few items (typical of a deep, narrow level): rank each by counting the larger keys, in
+      // two barriers, instead of up to eight radix passes. Keys are distinct (depth and
+      // lexicographic index are part of them), so exactly one item has rank B - 1.
+      visit([&](uint64_t key, bool is_g, int idx, int, int, float) {
+        keys[is_g ? idx : g_size + idx] = key;
+      });
+      __syncthreads();
+      for (int e = tid; e < n_tot; e += T) {
+        const uint64_t k = keys[e];
+        int greater = 0;
+#pragma unroll 4
+        for (int f = 0; f < n_tot; ++f) greater += keys[f] > k ? 1 : 0;
+        if (greater == B - 1) *thr_slot = k;
+      }
+      __syncthreads();
+      thr_key = *thr_slot;
+    } else if (select) {
       uint64_t prefix = 0;
       int krem = B;
       bool done = false;

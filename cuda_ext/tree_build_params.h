@@ -57,8 +57,15 @@ DDTREE_HOST_DEVICE inline int default_threads(int budget) {
 
 DDTREE_HOST_DEVICE inline int64_t ddtree_align16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
+// Largest |G u candidates| that a level selects from by counting ranks (n^2 / threads key
+// comparisons per thread) rather than by radix passes.
+DDTREE_HOST_DEVICE inline int rank_select_limit(int B) {
+  const int lim = 2 * B < 128 ? 128 : 2 * B;
+  return lim < 512 ? lim : 512;
+}
+
 struct SmemLayout {
-  int64_t lp, off, gscore, gmeta, gpar, keys, posanc, lvl_cnt, hist, wbuf, wbuf_min;
+  int64_t lp, off, gscore, gmeta, gpar, keys, thr, posanc, lvl_cnt, hist, wbuf, wbuf_min;
   int64_t p_parent, p_depth, p_sib, first_child, total;
 };
 
@@ -76,7 +83,10 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
   L.gscore = o;      o = ddtree_align16(o + 4 * 2 * int64_t(B));     // float[2][B]: G (double buffer)
   L.gmeta = o;       o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: depth<<16 | lex
   L.gpar = o;        o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: parent lex<<16 | rank
-  L.keys = o;        o = ddtree_align16(o + 8 * int64_t(B));         // u64[B]: final sort keys
+  // u64: the rank-counting select's keys during the build, the final sort keys after it
+  const int64_t nkeys = B > rank_select_limit(B) ? B : rank_select_limit(B);
+  L.keys = o;        o = ddtree_align16(o + 8 * nkeys);
+  L.thr = o;         o = ddtree_align16(o + 8);                       // u64: selected cut key
   // u16: pos_of[D][B] (output index of (depth, lex)) during the build, then the ancestor table
   // anc[N][D+1] (ancestor of node q at depth k) for the masks.
   const int64_t pos_n = int64_t(D) * B, anc_n = N * (D + 1);
@@ -115,7 +125,7 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 // Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
 // it was measured faster on the H200 (bench_results/tree_build_h200.json), the level-wise one
 // above it.
-constexpr int kFrontierDefaultMaxBudget = 128;
+constexpr int kFrontierDefaultMaxBudget = 16;
 
 enum TreeAlgo : int { kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2 };
 

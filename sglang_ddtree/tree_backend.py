@@ -14,7 +14,7 @@ The extension holds two kernels with the same output: the level-wise one (any bu
 1024; its time grows with the tree's depth) and the best-first "frontier" one (budgets up to
 287; its time grows with the budget, not the depth). ``SGLANG_DDTREE_TREE_KERNEL``
 (auto|levelwise|frontier, default auto) picks one; auto takes the frontier kernel up to budget
-128, where the H200 measured it faster (``bench_results/tree_build_h200.json``).
+16, where the H200 measured it faster (``bench_results/tree_build_h200.json``).
 """
 from __future__ import annotations
 

@@ -182,5 +182,13 @@ def test_phase_count_of_the_emulated_kernel(driver, tmp_path):
     shallow, _, _, _, _ = phases_mod.phases(str(driver), str(tmp_path), roots,
                                          lp[:, :1].contiguous(), ids[:, :1].contiguous(), 16, 64)
     assert 3 <= shallow < deep <= most
-    # the radix histograms' atomics: counted, and the busiest bin's share is at most all of them
+    # deep narrow levels select by counting ranks: no histogram atomics
+    assert atomics == 0
+    # a level with many candidates (flat depth 2: 16 parents x 16 ranks beat the threshold)
+    # takes the radix select: its atomics are counted, the busiest bin's share at most all
+    r = torch.arange(16, dtype=torch.float32)
+    flat_lp = torch.stack([-0.5 * r, -1e-4 * r]).expand(2, 2, 16).contiguous()
+    flat_ids = torch.arange(16).expand(2, 2, 16).contiguous()
+    _, _, atomics, depth, _ = phases_mod.phases(str(driver), str(tmp_path), roots, flat_lp,
+                                                flat_ids, 16, 64)
     assert atomics > 0 and 0 < depth <= atomics
