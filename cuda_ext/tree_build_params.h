@@ -58,11 +58,10 @@ DDTREE_HOST_DEVICE inline int default_threads(int budget) {
 DDTREE_HOST_DEVICE inline int64_t ddtree_align16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
 // Largest |G u candidates| that a level selects from by counting ranks (n^2 / threads key
-// comparisons per thread) rather than by radix passes.
-DDTREE_HOST_DEVICE inline int rank_select_limit(int B) {
-  const int lim = 2 * B < 128 ? 128 : 2 * B;
-  return lim < 512 ? lim : 512;
-}
+// comparisons per thread) rather than by radix passes. On the H200 counting was faster at
+// budgets 16-64 and, with a limit of 2B, slower at budget 256 (bench_results/README.md), so
+// budgets of 128 and more (every selection has more than 128 items) keep the radix select.
+DDTREE_HOST_DEVICE inline int rank_select_limit(int) { return 128; }
 
 struct SmemLayout {
   int64_t lp, off, gscore, gmeta, gpar, keys, thr, posanc, lvl_cnt, hist, wbuf, wbuf_min;
