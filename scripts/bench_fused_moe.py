@@ -154,6 +154,10 @@ def sglang_baselines(layers, args):
         from sglang.srt.layers.moe.moe_runner.triton_utils import fused_experts
         from sglang.srt.layers.moe.topk import StandardTopKOutput
 
+        from sglang_ddtree.compat._common import ensure_runtime_context
+
+        # its kernels read SGLang's published config (any local model config will do)
+        ensure_runtime_context(str(REPO / "tests" / "gpu" / "models" / "mla-moe-target"))
         cfg = MoeRunnerConfig(
             num_experts=args.experts, num_local_experts=args.experts, hidden_size=args.hidden,
             intermediate_size_per_partition=args.inter, top_k=args.topk,

@@ -8,6 +8,7 @@ import time.
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 
 # name -> (module, attribute) of the SGLang symbols every supported release has at one place;
@@ -67,6 +68,29 @@ def ddtree_is_active() -> bool:
     except ValueError:  # not published: this process serves no model
         return False
     return str(getattr(algo, "name", algo) or "").upper() == "DDTREE"
+
+
+def ensure_runtime_context(model_path: str, device: Optional[str] = None) -> bool:
+    """Publish ServerArgs for ``model_path`` (dummy load format) into SGLang's process-wide
+    runtime context when nothing is published yet, so that SGLang kernels called outside a
+    server (benchmarks, tests) can read their config namespaces: from 0.5.17 on, SGLang's Triton
+    MoE path reads ``get_exec()`` and raises "config namespace 'exec' not published" otherwise.
+    ``device``: ServerArgs' device (None: SGLang's default, the GPU). Returns True when it
+    published, False when a context was already there or this SGLang has no runtime context."""
+    try:
+        from sglang.srt import runtime_context as rc
+    except ImportError:  # an SGLang without a runtime context reads ServerArgs directly
+        return False
+    try:
+        rc.get_exec()
+        return False
+    except ValueError:
+        pass
+    from sglang.srt.server_args import ServerArgs
+
+    kwargs = {"device": device} if device is not None else {}
+    rc.publish(ServerArgs(model_path=model_path, load_format="dummy", **kwargs), role="test")
+    return True
 
 
 def is_hybrid_linear_target(model_config) -> bool:

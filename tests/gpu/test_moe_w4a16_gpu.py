@@ -15,6 +15,8 @@ If another test module imported triton in interpreter mode first, these tests sk
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -164,6 +166,10 @@ def test_vs_sglang_triton_int4(K, w):
         from sglang.srt.layers.moe.topk import StandardTopKOutput
     except Exception as exc:
         pytest.skip(f"SGLang Triton MoE path not importable: {exc!r}")
+    from sglang_ddtree.compat._common import ensure_runtime_context
+
+    # SGLang's Triton MoE reads its published config (get_exec()); any local model config will do
+    ensure_runtime_context(str(Path(__file__).resolve().parent / "models" / "mla-moe-target"))
     m = 64
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti, logits = routing(m, seed=5)
