@@ -66,8 +66,11 @@ namespace ddtree {
 cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
                                   int64_t smem_bytes, int device, cudaStream_t stream,
                                   int algo) noexcept {
-  const int slot = kernel_slot(use_frontier(algo, p.B, p.Kp, p.D), p.B);
+  const bool frontier = use_frontier(algo, p.B, p.Kp, p.D);
+  const int slot = kernel_slot(frontier, p.B);
   const KernelFn fn = kernel_fn(slot);
+  // the frontier kernel's launch bound; the block size changes no result, only the output phase
+  if (frontier && threads > kFrontierMaxThreads) threads = kFrontierMaxThreads;
   if (smem_bytes > kDefaultSmemLimit) {
     if (device < 0 || device >= kTrackedDevices) {
       const cudaError_t err = grant_smem(fn, smem_bytes);

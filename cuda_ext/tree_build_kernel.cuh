@@ -543,22 +543,21 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
 // parent, rank + 1). Each pushed node follows its generator in the total order (log-probs are
 // <= 0 and every row is sorted descending), so the i-th pop is output position i.
 //
-// The frontier (at most B + 1 nodes: every pop removes one and adds at most two) lives in
-// registers, ITEMS slots per lane, slot s = lane + 32 * item. A slot's key is (ordered score
-// bits, 63 - depth) in two 32-bit words; the maximum takes two warp max-reductions. The rank-path
-// tie-break only matters when two frontier nodes have the same score and depth; that is detected
-// (ballot and a per-lane duplicate flag) and settled by lane 0 walking both paths up in shared
+// The frontier (at most B + 1 nodes: every pop removes one and adds at most two) is a list kept
+// sorted in the total order, in registers: position q in slot q % ITEMS of lane q / ITEMS. A pop
+// takes position 0 and merges the popped node's successors in: each new position reads the old
+// entry one place to its right, at it, or one to its left (two shuffles bring the neighbours'
+// boundary entries), and the successors' positions are two warp sums of "entries before it".
+// An entry's key is (ordered score bits, 63 - depth) in two 32-bit words; when two entries have
+// the same score and depth (exact ties), the comparison walks both rank paths up in shared
 // memory.
 //
-// A slot's meta packs parent position (11 bits), rank (10 bits) and, for rank > 0, the position
-// of the previous sibling (11 bits), which links next-sibling pointers as nodes pop.
+// An entry's meta packs parent position (11 bits), rank (10 bits) and, for rank > 0, the
+// position of the previous sibling (11 bits), which links next-sibling pointers as nodes pop.
 
 __device__ __forceinline__ float score_from_bits(uint32_t o) {
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);  // ordered_bits^-1
 }
-
-constexpr uint32_t kNegInfBits = 0x007FFFFFu;  // ordered_bits(-inf); an empty slot has 0
-constexpr uint32_t kNoMeta = 0xFFFFFFFFu;      // never a real meta (positions < 2^11 - 1)
 
 __device__ __forceinline__ uint32_t depth_word(int depth) { return uint32_t(kMaxDepth - depth) << 26; }
 __device__ __forceinline__ uint32_t pack_meta(int parent, int rank, int prev) {
@@ -580,8 +579,10 @@ __device__ __forceinline__ bool lex_before(uint32_t ma, uint32_t mb, const int* 
   return ra < rb;
 }
 
+// At most kFrontierMaxThreads threads per block (the launcher clamps): the register-resident
+// frontier needs more than the 64 registers per thread that 1024 threads would leave.
 template <int ITEMS>
-__global__ void __launch_bounds__(1024) tree_build_frontier_kernel(const TreeBuildParams p) {
+__global__ void __launch_bounds__(kFrontierMaxThreads) tree_build_frontier_kernel(const TreeBuildParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31;
@@ -595,7 +596,6 @@ __global__ void __launch_bounds__(1024) tree_build_frontier_kernel(const TreeBui
   int* first_child = reinterpret_cast<int*>(smem + L.first_child);
   float* p_score = reinterpret_cast<float*>(smem + L.score);
   uint16_t* anc = reinterpret_cast<uint16_t*>(smem + L.anc);
-  uint32_t* scratch = reinterpret_cast<uint32_t*>(smem + L.scratch);
   int* misc = reinterpret_cast<int*>(smem + L.misc);
   long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
 
@@ -616,8 +616,12 @@ __global__ void __launch_bounds__(1024) tree_build_frontier_kernel(const TreeBui
   __syncthreads();
 
   if (tid < 32) {
+    // The frontier as a list sorted in the total order (best first), position q held by lane
+    // q / ITEMS in slot q % ITEMS; positions >= len hold empty entries (key 0). Per entry: key
+    // (hi: ordered score bits, lo: depth word), meta, and the parent's score (a sibling's score
+    // is parent score + lp[rank + 1]).
     uint32_t khi[ITEMS], klo[ITEMS], meta[ITEMS];
-    float pscore[ITEMS];  // the parent's score: a sibling's score is pscore + lp[rank + 1]
+    float pscore[ITEMS];
 #pragma unroll
     for (int j = 0; j < ITEMS; ++j) {
       khi[j] = 0u;
@@ -625,104 +629,131 @@ __global__ void __launch_bounds__(1024) tree_build_frontier_kernel(const TreeBui
       meta[j] = 0u;
       pscore[j] = 0.0f;
     }
-    if (lane == 0) {  // the root's first child
-      khi[0] = ordered_bits(0.0f + lp[0]);
-      klo[0] = depth_word(1);
-      meta[0] = pack_meta(0, 0, 0);
-    }
-    int fcount = 1;  // slots in use so far (freed slots are not reused: at most B + 1)
-    int n = 0;
-    for (int pos = 1; pos <= B; ++pos) {
-      // this lane's best slot, and whether another of its slots has the same key
-      uint32_t bhi = khi[0], blo = klo[0], bmeta = meta[0];
-      float bps = pscore[0];
-      int bj = 0;
-      bool dup = false;
-#pragma unroll
-      for (int j = 1; j < ITEMS; ++j) {
-        if (khi[j] > bhi || (khi[j] == bhi && klo[j] > blo)) {
-          bhi = khi[j]; blo = klo[j]; bmeta = meta[j]; bps = pscore[j]; bj = j; dup = false;
-        } else if (khi[j] == bhi && klo[j] == blo) {
-          dup = true;
-        }
-      }
-      const uint32_t mhi = __reduce_max_sync(kFullWarp, bhi);
-      if (mhi <= kNegInfBits) break;  // only -inf or empty slots left: every finite node popped
-      const uint32_t mlo = __reduce_max_sync(kFullWarp, bhi == mhi ? blo : 0u);
-      const unsigned ball = __ballot_sync(kFullWarp, bhi == mhi && blo == mlo);
-      int wl = __ffs(int(ball)) - 1;
-      const int wjd = __shfl_sync(kFullWarp, bj | (dup ? 256 : 0), wl);
-      uint32_t wm = __shfl_sync(kFullWarp, bmeta, wl);
-      float wps = __shfl_sync(kFullWarp, bps, wl);
-      int wj = wjd & 255;
-      if (__popc(ball) > 1 || (wjd & 256)) {
-        // Same score and depth on several slots: the rank path decides (lane 0, serially).
-#pragma unroll
-        for (int j = 0; j < ITEMS; ++j)
-          scratch[j * 32 + lane] = khi[j] == mhi && klo[j] == mlo ? meta[j] : kNoMeta;
-        __syncwarp();
+    int len = 0;
+    {
+      const float s0 = 0.0f + lp[0];  // the root's first child
+      if (s0 > -INFINITY) {
         if (lane == 0) {
-          int best = -1;
-          for (int s = 0; s < 32 * ITEMS; ++s) {
-            const uint32_t m = scratch[s];
-            if (m == kNoMeta) continue;
-            if (best < 0 || lex_before(m, scratch[best], p_parent, p_rank)) best = s;
-          }
-          misc[1] = best;
+          khi[0] = ordered_bits(s0);
+          klo[0] = depth_word(1);
+          meta[0] = pack_meta(0, 0, 0);
         }
-        __syncwarp();
-        const int s = misc[1];
-        wl = s & 31;
-        wj = s >> 5;
-        uint32_t m = 0u;
-        float ps = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ITEMS; ++j) {
-          if (j == wj) {
-            m = meta[j];
-            ps = pscore[j];
-          }
-        }
-        wm = __shfl_sync(kFullWarp, m, wl);
-        wps = __shfl_sync(kFullWarp, ps, wl);
-        __syncwarp();  // misc[1] and scratch are read before the next tie rewrites them
+        len = 1;
+      }
+    }
+    int n = 0;
+    for (int pos = 1; pos <= B && len > 0; ++pos) {
+      // pop the head (position 0: lane 0, slot 0)
+      const uint32_t hhi = __shfl_sync(kFullWarp, khi[0], 0);
+      const uint32_t hlo = __shfl_sync(kFullWarp, klo[0], 0);
+      const uint32_t hm = __shfl_sync(kFullWarp, meta[0], 0);
+      const float hps = __shfl_sync(kFullWarp, pscore[0], 0);
+      // the neighbours' boundary entries, for the shift below (independent of the new keys)
+      uint32_t phi = __shfl_up_sync(kFullWarp, khi[ITEMS - 1], 1);
+      uint32_t plo = __shfl_up_sync(kFullWarp, klo[ITEMS - 1], 1);
+      uint32_t pme = __shfl_up_sync(kFullWarp, meta[ITEMS - 1], 1);
+      float pps = __shfl_up_sync(kFullWarp, pscore[ITEMS - 1], 1);
+      uint32_t nhi = __shfl_down_sync(kFullWarp, khi[0], 1);
+      uint32_t nlo = __shfl_down_sync(kFullWarp, klo[0], 1);
+      uint32_t nme = __shfl_down_sync(kFullWarp, meta[0], 1);
+      float nps = __shfl_down_sync(kFullWarp, pscore[0], 1);
+      if (lane == 31) {  // nothing follows the last slot
+        nhi = 0u;
+        nlo = 0u;
+        nme = 0u;
+        nps = 0.0f;
       }
 
-      const int parent = int(wm & 0x7FFu), rank = int((wm >> 11) & 0x3FFu);
-      const int depth = kMaxDepth - int(mlo >> 26);
-      const float score = score_from_bits(mhi);
+      const int parent = int(hm & 0x7FFu), rank = int((hm >> 11) & 0x3FFu);
+      const int depth = kMaxDepth - int(hlo >> 26);
+      const float score = score_from_bits(hhi);
       if (lane == 0) {
         p_parent[pos] = parent;
         p_depth[pos] = depth;
         p_rank[pos] = rank;
         p_score[pos] = score;
-        if (rank == 0) first_child[parent] = pos; else p_sib[int(wm >> 21)] = pos;
+        if (rank == 0) first_child[parent] = pos; else p_sib[int(hm >> 21)] = pos;
       }
+      __syncwarp();  // lex_before below may walk through this node
       n = pos;
-      // successors: first child (depth + 1, rank 0) and next sibling (same parent, rank + 1)
-      const bool has_child = depth < D, has_sib = rank + 1 < Kp;
-      const float cs = has_child ? score + lp[depth * Kp] : 0.0f;
-      const float ss = has_sib ? wps + lp[(depth - 1) * Kp + rank + 1] : 0.0f;
-      const uint32_t c_hi = ordered_bits(cs), c_lo = depth_word(depth + 1);
-      const uint32_t c_meta = pack_meta(pos, 0, 0);
-      const uint32_t s_hi = ordered_bits(ss), s_meta = pack_meta(parent, rank + 1, pos);
-      const int sl = fcount & 31, sj = fcount >> 5;
+
+      // successors: first child (depth + 1, rank 0) and next sibling (same parent, rank + 1);
+      // -inf ones are never pushed, as in the reference
+      const float cs = depth < D ? score + lp[depth * Kp] : -INFINITY;
+      const float ss = rank + 1 < Kp ? hps + lp[(depth - 1) * Kp + rank + 1] : -INFINITY;
+      const bool has_c = cs > -INFINITY, has_s = ss > -INFINITY;
+      const uint32_t c_hi = ordered_bits(cs), s_hi = ordered_bits(ss);
+      // A = the better of the two (a child never ties its uncle: the depths differ)
+      const bool c_first = has_c && (!has_s || c_hi > s_hi);
+      const bool has_a = has_c || has_s, has_b = has_c && has_s;
+      const uint32_t a_hi = c_first ? c_hi : s_hi, b_hi = c_first ? s_hi : c_hi;
+      const uint32_t c_lo = depth_word(depth + 1);
+      const uint32_t a_lo = c_first ? c_lo : hlo, b_lo = c_first ? hlo : c_lo;
+      const uint32_t c_me = pack_meta(pos, 0, 0), s_me = pack_meta(parent, rank + 1, pos);
+      const uint32_t a_me = c_first ? c_me : s_me, b_me = c_first ? s_me : c_me;
+      const float a_ps = c_first ? score : hps, b_ps = c_first ? hps : score;
+
+      // new positions of A and B: the entries (head excluded) before them, plus A for B. Keys
+      // compare as 64-bit (score bits, depth word); equal keys (an exact tie of score and
+      // depth) go to the rank-path walk, which a warp vote skips when no lane has one.
+      const uint64_t ka = (uint64_t(a_hi) << 32) | a_lo, kb = (uint64_t(b_hi) << 32) | b_lo;
+      int ca = 0, cb = 0;
+      bool tie = false;
 #pragma unroll
       for (int j = 0; j < ITEMS; ++j) {
-        if (lane == wl && j == wj) {  // the popped slot takes the child, else the sibling
-          if (has_child) {
-            khi[j] = c_hi; klo[j] = c_lo; meta[j] = c_meta; pscore[j] = score;
-          } else if (has_sib) {
-            khi[j] = s_hi; klo[j] = mlo; meta[j] = s_meta; pscore[j] = wps;
-          } else {
-            khi[j] = 0u; klo[j] = 0u;
-          }
-        }
-        if (has_child && has_sib && lane == sl && j == sj) {  // both: the sibling takes a new slot
-          khi[j] = s_hi; klo[j] = mlo; meta[j] = s_meta; pscore[j] = wps;
+        const int q = lane * ITEMS + j;
+        const bool live = q >= 1 && q < len;
+        const uint64_t ek = (uint64_t(khi[j]) << 32) | klo[j];
+        ca += live && has_a && ek > ka ? 1 : 0;
+        cb += live && has_b && ek > kb ? 1 : 0;
+        tie = tie || (live && ((has_a && ek == ka) || (has_b && ek == kb)));
+      }
+      if (__any_sync(kFullWarp, tie)) {
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+          const int q = lane * ITEMS + j;
+          const bool live = q >= 1 && q < len;
+          const uint64_t ek = (uint64_t(khi[j]) << 32) | klo[j];
+          if (live && has_a && ek == ka && lex_before(meta[j], a_me, p_parent, p_rank)) ++ca;
+          if (live && has_b && ek == kb && lex_before(meta[j], b_me, p_parent, p_rank)) ++cb;
         }
       }
-      if (has_child && has_sib) ++fcount;
+      const int pa = has_a ? int(__reduce_add_sync(kFullWarp, unsigned(ca))) : (1 << 30);
+      const int pb = has_b ? int(__reduce_add_sync(kFullWarp, unsigned(cb))) + 1 : (1 << 30);
+
+      // rebuild: new position q holds A, B, or the old entry at q + 1 - (new keys before q)
+      uint32_t xhi[ITEMS], xlo[ITEMS], xme[ITEMS];
+      float xps[ITEMS];
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) {
+        const int q = lane * ITEMS + j;
+        const int nb = (pa < q ? 1 : 0) + (pb < q ? 1 : 0);
+        // candidates: the old entry one to the right (nb = 0), here (1), one to the left (2);
+        // chosen by selects on values (indexing by nb would put the arrays in local memory)
+        const int jr = j + 1 < ITEMS ? j + 1 : ITEMS - 1, jl = j >= 1 ? j - 1 : 0;
+        const uint32_t rh = j + 1 < ITEMS ? khi[jr] : nhi, lh = j >= 1 ? khi[jl] : phi;
+        const uint32_t rl = j + 1 < ITEMS ? klo[jr] : nlo, ll = j >= 1 ? klo[jl] : plo;
+        const uint32_t rm = j + 1 < ITEMS ? meta[jr] : nme, lm = j >= 1 ? meta[jl] : pme;
+        const float rp = j + 1 < ITEMS ? pscore[jr] : nps, lpv = j >= 1 ? pscore[jl] : pps;
+        uint32_t h = nb == 0 ? rh : (nb == 1 ? khi[j] : lh);
+        uint32_t l = nb == 0 ? rl : (nb == 1 ? klo[j] : ll);
+        uint32_t m = nb == 0 ? rm : (nb == 1 ? meta[j] : lm);
+        float ps = nb == 0 ? rp : (nb == 1 ? pscore[j] : lpv);
+        if (q == pa) { h = a_hi; l = a_lo; m = a_me; ps = a_ps; }
+        if (q == pb) { h = b_hi; l = b_lo; m = b_me; ps = b_ps; }
+        xhi[j] = h;
+        xlo[j] = l;
+        xme[j] = m;
+        xps[j] = ps;
+      }
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) {
+        khi[j] = xhi[j];
+        klo[j] = xlo[j];
+        meta[j] = xme[j];
+        pscore[j] = xps[j];
+      }
+      len += (has_a ? 1 : 0) + (has_b ? 1 : 0) - 1;
     }
     if (lane == 0) misc[0] = n;
   }

@@ -104,10 +104,11 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
 
 // ---------------------------------------------------------------------------------------------
 // The best-first ("frontier") kernel for small budgets: one warp pops the B best nodes one by one
-// from a frontier held in registers (32 * items slots, at least B + 1), so its time grows with B
-// and not with the tree's depth. Served when the budget fits the largest item count and every
+// from a sorted frontier held in registers (32 * items slots, at least B + 1), so its time grows
+// with B and not with the tree's depth. Served when the budget fits the largest item count and every
 // depth's log-probs fit in shared memory; above that the level-wise kernel serves.
 constexpr int kFrontierMaxItems = 9;   // 288 slots
+constexpr int kFrontierMaxThreads = 256;  // launch bound of the frontier kernel
 constexpr int kFrontierMaxBudget = 32 * kFrontierMaxItems - 1;
 
 // Item count per lane of the frontier kernel's instantiations (1, 2, 3, 5, 9), 0 = none fits.
@@ -138,7 +139,7 @@ DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
 }
 
 struct FrontierSmemLayout {
-  int64_t lp, p_parent, p_depth, p_rank, p_sib, first_child, score, anc, scratch, misc, wbuf,
+  int64_t lp, p_parent, p_depth, p_rank, p_sib, first_child, score, anc, misc, wbuf,
       total;
 };
 
@@ -154,8 +155,7 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
   L.first_child = o; o = ddtree_align16(o + 4 * N);                 // int[N]
   L.score = o;       o = ddtree_align16(o + 4 * N);                 // float[N]
   L.anc = o;         o = ddtree_align16(o + 2 * N * (D + 1));       // u16[N][D+1]
-  L.scratch = o;     o = ddtree_align16(o + 4 * 32 * kFrontierMaxItems);  // u32 tie scratch
-  L.misc = o;        o = ddtree_align16(o + 4 * 4);                 // int[4]: n, tie winner
+  L.misc = o;        o = ddtree_align16(o + 4 * 4);                 // int[4]: n
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                // 64-bit[32]: block scans
   L.total = o;
   return L;

@@ -98,6 +98,26 @@ inline T __shfl_sync(unsigned, T v, int src) {
   std::memcpy(&out, &got, sizeof(T));
   return out;
 }
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, int d) {
+  static_assert(sizeof(T) <= 8, "64-bit values at most");
+  const int lane = threadIdx.x & 31;
+  uint64_t raw = 0;
+  std::memcpy(&raw, &v, sizeof(T));
+  const uint64_t got = emu_warp_all(raw, [lane, d](const std::vector<uint64_t>& b) {
+    return b[lane + d < 32 ? lane + d : lane];
+  });
+  T out;
+  std::memcpy(&out, &got, sizeof(T));
+  return out;
+}
+inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+  return unsigned(emu_warp_all(v, [](const std::vector<uint64_t>& b) {
+    uint64_t t = 0;
+    for (uint64_t x : b) t += x;
+    return t;
+  }));
+}
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
   return unsigned(emu_warp_all(v, [](const std::vector<uint64_t>& b) {
     return *std::max_element(b.begin(), b.end());
@@ -114,6 +134,13 @@ inline unsigned __ballot_sync(unsigned, int pred) {
 // consistent enough through the barrier's synchronisation).
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) {
   g_emu_warp_bar[threadIdx.x >> 5]->arrive_and_wait();
+}
+inline bool __any_sync(unsigned, int pred) {
+  return emu_warp_all(pred ? 1 : 0, [](const std::vector<uint64_t>& b) {
+    uint64_t any = 0;
+    for (uint64_t x : b) any |= x;
+    return any;
+  }) != 0;
 }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
