@@ -142,6 +142,22 @@ def _process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         setattr(layer, name, torch.nn.Parameter(
             torch.empty((e, 0), dtype=torch.int32, device=w13.device), requires_grad=False))
     layer._ddtree_fused_moe_ready = True
+    _log_first_layer(e, hidden, inter)
+
+
+_logged_layer = {"done": False}
+
+
+def _log_first_layer(experts: int, hidden: int, inter: int) -> None:
+    """One line per process when the first MoE layer switches to the fused kernel. Weight loading
+    runs after SGLang has set up logging, unlike the plugin's registration, whose "installed"
+    line can fall before any handler exists and be lost (as in the session-6 H200 server logs)."""
+    if _logged_layer["done"]:
+        return
+    _logged_layer["done"] = True
+    logger.warning("sglang-ddtree: %s=1: MoE layers run the fused W4A16 Triton kernel (first "
+                   "layer: %d experts, hidden %d, intermediate %d per rank; no Marlin repack)",
+                   ENV_SWITCH, experts, hidden, inter)
 
 
 def _apply_weights(self, layer: torch.nn.Module, dispatch_output):

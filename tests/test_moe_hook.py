@@ -180,3 +180,5 @@ def test_end_to_end_layer_on_cpu():
     proc = subprocess.run([sys.executable, "-c", _E2E], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "E2E_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # one visible line per process says the fused kernel took over (first layer only)
+    assert proc.stderr.count("MoE layers run the fused W4A16 Triton kernel") == 1, proc.stderr[-4000:]
