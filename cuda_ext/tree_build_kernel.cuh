@@ -178,6 +178,32 @@ __device__ __forceinline__ void warp_fill_true(bool* dst, int64_t len, int lane)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Pieces both kernels share.
+
+// Rows [d_first, d_first + rows) of request b's log-probs (depths are 1-based) into dst, with
+// tree._normalize_logp's normalisation: NaN -> -inf (unreachable), > 0 (misuse) -> 0, -0 -> +0.
+__device__ __forceinline__ void stage_logp_rows(const TreeBuildParams& p, int64_t b, int Kp,
+                                                int d_first, int rows, float* dst) {
+  const float* logp_b = p.logp + b * p.logp_sb;
+  for (int e = threadIdx.x; e < rows * Kp; e += blockDim.x) {
+    const int rr = e / Kp, r = e - rr * Kp;
+    const float v = logp_b[int64_t(d_first + rr - 1) * p.logp_sd + r];
+    dst[e] = v <= 0.0f ? v + 0.0f : (v > 0.0f ? 0.0f : -INFINITY);
+  }
+}
+
+// The per-position arrays before any node is placed: the root at 0, padding everywhere else.
+__device__ __forceinline__ void init_positions(int N, int* p_parent, int* p_depth, int* p_sib,
+                                               int* first_child) {
+  for (int q = threadIdx.x; q < N; q += blockDim.x) {
+    p_parent[q] = -1;
+    p_depth[q] = q == 0 ? 0 : -1;
+    p_sib[q] = -1;
+    first_child[q] = -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Shared tail of both kernels: every thread of the block calls it after a barrier that orders the
 // per-position arrays (p_parent / p_depth / first_child / p_sib, written for positions 1..n;
 // p_depth = -1 marks padding) before it. Writes the root and padding entries of the per-node
@@ -288,17 +314,9 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   int* p_sib = reinterpret_cast<int*>(smem + L.p_sib);
   int* first_child = reinterpret_cast<int*>(smem + L.first_child);
 
-  const float* logp_b = p.logp + b * p.logp_sb;
   // Same normalisation as tree._normalize_logp: NaN -> -inf (unreachable), log-probs > 0
   // (misuse) -> 0, -0 -> +0.
-  auto load_rows = [&](int d_first, int rows, float* dst) {
-    for (int e = tid; e < rows * Kp; e += T) {
-      const int rr = e / Kp, r = e - rr * Kp;
-      const float v = logp_b[int64_t(d_first + rr - 1) * p.logp_sd + r];
-      dst[e] = v <= 0.0f ? v + 0.0f : (v > 0.0f ? 0.0f : -INFINITY);
-    }
-  };
-  if (preload) load_rows(1, D, lp_base);  // made visible by the barrier inside the first level
+  if (preload) stage_logp_rows(p, b, Kp, 1, D, lp_base);  // made visible by the barrier inside the first level
 
   // Block-uniform state (every thread holds the same values).
   int cur = 0;        // G lives in buffer `cur`
@@ -309,7 +327,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
 
   for (int d = 1; d <= D; ++d) {
     const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
-    if (!preload) load_rows(d, 1, lp_base);
+    if (!preload) stage_logp_rows(p, b, Kp, d, 1, lp_base);
     // With every depth staged up front, the previous level's closing barrier already orders
     // its writes before this level's reads; the first level waits for the staging.
     if (!preload || d == 1) __syncthreads();
@@ -484,12 +502,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   const uint32_t* gm = gmeta + cur * B;
   const uint32_t* gp = gpar + cur * B;
   for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
-  for (int q = tid; q < N; q += T) {
-    p_parent[q] = -1;
-    p_depth[q] = q == 0 ? 0 : -1;
-    p_sib[q] = -1;
-    first_child[q] = -1;
-  }
+  init_positions(N, p_parent, p_depth, p_sib, first_child);
   __syncthreads();
   for (int j = tid; j < n; j += T) {
     const uint64_t kj = keys[j];
@@ -582,7 +595,7 @@ __device__ __forceinline__ bool lex_before(uint32_t ma, uint32_t mb, const int* 
 // At most kFrontierMaxThreads threads per block (the launcher clamps): the register-resident
 // frontier needs more than the 64 registers per thread that 1024 threads would leave.
 template <int ITEMS>
-__global__ void __launch_bounds__(kFrontierMaxThreads) tree_build_frontier_kernel(const TreeBuildParams p) {
+__global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_kernel(const TreeBuildParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31;
@@ -599,20 +612,8 @@ __global__ void __launch_bounds__(kFrontierMaxThreads) tree_build_frontier_kerne
   int* misc = reinterpret_cast<int*>(smem + L.misc);
   long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
 
-  // Every depth's log-probs, normalised as tree._normalize_logp (NaN -> -inf, > 0 -> 0, -0 -> +0).
-  const float* logp_b = p.logp + b * p.logp_sb;
-  for (int e = tid; e < D * Kp; e += T) {
-    const int rr = e / Kp, r = e - rr * Kp;
-    const float v = logp_b[int64_t(rr) * p.logp_sd + r];
-    lp[e] = v <= 0.0f ? v + 0.0f : (v > 0.0f ? 0.0f : -INFINITY);
-  }
-  for (int q = tid; q < N; q += T) {
-    p_parent[q] = -1;
-    p_depth[q] = q == 0 ? 0 : -1;
-    p_rank[q] = 0;
-    p_sib[q] = -1;
-    first_child[q] = -1;
-  }
+  stage_logp_rows(p, b, Kp, 1, D, lp);  // every depth
+  init_positions(N, p_parent, p_depth, p_sib, first_child);
   __syncthreads();
 
   if (tid < 32) {
