@@ -5,7 +5,8 @@
 # (DDTREE flags then unknown to SGLang).
 #   bash .devkit/install.sh .devkit/w2 >/dev/null && bash scripts/device_call.sh "benche2e" "syncs quick"
 # Argument i holds the steps for GPU i ("" leaves that GPU idle: do that for speed runs).
-# Each GPU's results land in $OUT/g<i>; step limits and arguments come from the environment as
+# Each GPU's results land in $OUT/g<i>, packed at the end into $OUT/results.tgz (the JSON files
+# also loose as $OUT/g<i>_<name>.json: the device tool returns at most 8 files); step limits and arguments come from the environment as
 # gpu_session.sh reads them (BENCH_E2E_ARGS, SYNCS_CASES, ...).
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -35,4 +36,14 @@ done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
 for d in "$OUT"/g*; do echo "=== $d"; tail -15 "$d/session.log" 2>/dev/null; done
+# The device tool brings back at most 8 files from $OUT: everything goes into one archive, and
+# the JSON results (up to 7) also lie loose as g<i>_<name>.json.
+(cd "$OUT" && tar czf results.tgz g* && rm -rf g*)
+n=0
+for f in $(tar tzf "$OUT/results.tgz" | grep '\.json$'); do
+  [ $n -lt 7 ] || break
+  tar xzf "$OUT/results.tgz" -C "$OUT" "$f" && mv "$OUT/$f" "$OUT/$(dirname "$f")_$(basename "$f")"
+  n=$((n + 1))
+done
+rmdir "$OUT"/g* 2>/dev/null
 exit $rc
