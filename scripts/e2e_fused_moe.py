@@ -5,7 +5,9 @@ Model: a Kimi K2.6 TP8-rank emulation with ``--layers`` of its 61 layers and K2.
 routed experts (compressed-tensors W4A16, group 32; config from scripts/make_model_configs.py),
 dummy weights. ``--load-format dummy`` leaves int32 weights unfilled, so both servers run with
 ``SGLANG_DDTREE_MOE_DUMMY_INT4_SEED`` (moe_hook.py): the packed experts are filled with the same
-seeded words in both, the float weights come from SGLang's own seeded dummy fill. The two servers
+seeded words in both, the float weights come from SGLang's own seeded dummy fill, widened to
+``--dummy-range`` with norm weights 1 (``SGLANG_DDTREE_DUMMY_INIT_RANGE``: with SGLang's +-1e-3
+the logits are flat and the comparison shows nothing). The two servers
 differ only in the MoE kernel: stock SGLang repacks to Marlin and runs ``fused_marlin_moe``; ours
 keeps the loaded layout and runs ``triton_kernels/moe_w4a16.py``.
 
@@ -65,6 +67,10 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--tie-tol", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=1234, help="SGLANG_DDTREE_MOE_DUMMY_INT4_SEED")
+    ap.add_argument("--dummy-range", type=float, default=0.05,
+                    help="SGLANG_DDTREE_DUMMY_INIT_RANGE: float weights uniform in +-this, norm "
+                         "weights 1 (SGLang's own 1e-3 gives flat logits that hide any "
+                         "difference); 0 keeps SGLang's")
     ap.add_argument("--port", type=int, default=31200)
     ap.add_argument("--workdir", default="/tmp/ddtree_e2e_moe")
     args = ap.parse_args(argv)
@@ -81,6 +87,8 @@ def main(argv=None):
               "--grammar-backend", "none", "--disable-prefill-cuda-graph", "--sleep-on-idle",
               "--context-length", "4096"]
     seed_env = {"SGLANG_DDTREE_MOE_DUMMY_INT4_SEED": str(args.seed)}
+    if args.dummy_range > 0:
+        seed_env["SGLANG_DDTREE_DUMMY_INIT_RANGE"] = str(args.dummy_range)
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -88,6 +96,7 @@ def main(argv=None):
               "model": os.path.basename(target), "tie_tolerance_logprob": args.tie_tol,
               "notes": "stock = SGLang's compressed-tensors WNA16 MoE path (Marlin); ours = "
                        "SGLANG_DDTREE_FUSED_MOE=1; both with the same seeded dummy int4 experts",
+              "dummy_init_range": args.dummy_range or "sglang default (1e-3)",
               "errors": []}
 
     def dump():

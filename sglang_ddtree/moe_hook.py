@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "SGLANG_DDTREE_FUSED_MOE"
 ENV_DUMMY_SEED = "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"
+ENV_DUMMY_RANGE = "SGLANG_DDTREE_DUMMY_INIT_RANGE"
 _SCHEME_MODULE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe"
 _MARLIN_CLASS = "CompressedTensorsWNA16MoE"
 _TRITON_CLASS = "CompressedTensorsWNA16TritonMoE"
@@ -290,3 +291,49 @@ def maybe_install_dummy_int4_fill(environ=os.environ) -> bool:
     except ValueError:
         raise ValueError(f"{ENV_DUMMY_SEED} must be an integer seed, got {raw!r}") from None
     return install_dummy_int4_fill(seed)
+
+
+def install_dummy_init_range(bound: float) -> bool:
+    """``--load-format dummy`` with weights that give a non-degenerate model: every float
+    parameter uniform in [-bound, bound] (SGLang's default is 1e-3, which makes the logits
+    nearly flat, so two kernels' outputs cannot be told apart), and every norm weight 1.
+
+    Wraps ``initialize_dummy_weights`` where SGLang's loader calls it (same seed as SGLang's, so
+    two servers with the same setting get the same weights). For end-to-end kernel comparisons
+    (scripts/e2e_fused_moe.py), not for serving. Returns False when already installed.
+    """
+    from sglang.srt.model_loader import loader
+
+    original = loader.initialize_dummy_weights
+    if getattr(original, "_ddtree_bound", None) is not None:
+        return False
+
+    @functools.wraps(original)
+    def initialize_dummy_weights(model, *args, **kwargs):
+        kwargs.pop("low", None)
+        kwargs.pop("high", None)
+        original(model, *args, low=-bound, high=bound, **kwargs)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight") and torch.is_floating_point(param):
+                    param.fill_(1.0)
+
+    initialize_dummy_weights._ddtree_bound = bound
+    loader.initialize_dummy_weights = initialize_dummy_weights
+    logger.warning("sglang-ddtree: %s=%g: dummy weights uniform in +-%g, norm weights 1",
+                   ENV_DUMMY_RANGE, bound, bound)
+    return True
+
+
+def maybe_install_dummy_init_range(environ=os.environ) -> bool:
+    """Install :func:`install_dummy_init_range` when ``SGLANG_DDTREE_DUMMY_INIT_RANGE`` is set."""
+    raw = environ.get(ENV_DUMMY_RANGE, "").strip()
+    if not raw:
+        return False
+    try:
+        bound = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DUMMY_RANGE} must be a positive number, got {raw!r}") from None
+    if not bound > 0:
+        raise ValueError(f"{ENV_DUMMY_RANGE} must be a positive number, got {raw!r}")
+    return install_dummy_init_range(bound)

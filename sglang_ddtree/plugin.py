@@ -124,17 +124,20 @@ def _register() -> None:
 
 
 def _maybe_install_fused_moe() -> None:
-    """Opt-in (SGLANG_DDTREE_FUSED_MOE=1 / SGLANG_DDTREE_MOE_DUMMY_INT4_SEED): in every process,
+    """Opt-in (SGLANG_DDTREE_FUSED_MOE=1 / SGLANG_DDTREE_MOE_DUMMY_INT4_SEED /
+    SGLANG_DDTREE_DUMMY_INIT_RANGE): in every process,
     before weights load. A layout SGLang does not match raises FusedMoeHookError: no fallback."""
     import os
 
     if not (os.environ.get("SGLANG_DDTREE_FUSED_MOE") or
-            os.environ.get("SGLANG_DDTREE_MOE_DUMMY_INT4_SEED")):
+            os.environ.get("SGLANG_DDTREE_MOE_DUMMY_INT4_SEED") or
+            os.environ.get("SGLANG_DDTREE_DUMMY_INIT_RANGE")):
         return
     from . import moe_hook
 
     moe_hook.maybe_install()
     moe_hook.maybe_install_dummy_int4_fill()
+    moe_hook.maybe_install_dummy_init_range()
 
 
 def check_hooks_applied() -> list:

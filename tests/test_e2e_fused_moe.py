@@ -77,3 +77,7 @@ def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
     assert "SGLANG_DDTREE_FUSED_MOE" not in stock.env
     assert stock.env["SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"] == ours.env[
         "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"]
+    # both servers get the same non-degenerate dummy weights (default range 0.05)
+    assert stock.env["SGLANG_DDTREE_DUMMY_INIT_RANGE"] == ours.env[
+        "SGLANG_DDTREE_DUMMY_INIT_RANGE"] == "0.05"
+    assert res["dummy_init_range"] == 0.05

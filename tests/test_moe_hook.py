@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("sglang")
 from sglang_ddtree import moe_hook  # noqa: E402
@@ -182,3 +183,31 @@ def test_end_to_end_layer_on_cpu():
     assert proc.returncode == 0 and "E2E_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     # one visible line per process says the fused kernel took over (first layer only)
     assert proc.stderr.count("MoE layers run the fused W4A16 Triton kernel") == 1, proc.stderr[-4000:]
+
+
+def test_dummy_init_range_gives_a_non_degenerate_model(monkeypatch):
+    """SGLANG_DDTREE_DUMMY_INIT_RANGE: float weights uniform in +-bound (seeded as SGLang's),
+    norm weights 1; int tensors untouched; a bad value is a clear error."""
+    loader = pytest.importorskip("sglang.srt.model_loader.loader")
+    monkeypatch.setattr(loader, "initialize_dummy_weights", loader.initialize_dummy_weights)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64, bias=False)
+            self.input_layernorm = torch.nn.LayerNorm(64)
+            self.packed = torch.nn.Parameter(torch.zeros(4, dtype=torch.int32), requires_grad=False)
+
+    assert not moe_hook.maybe_install_dummy_init_range({})
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_DUMMY_INIT_RANGE must be a positive"):
+        moe_hook.maybe_install_dummy_init_range({"SGLANG_DDTREE_DUMMY_INIT_RANGE": "-1"})
+    assert moe_hook.maybe_install_dummy_init_range({"SGLANG_DDTREE_DUMMY_INIT_RANGE": "0.05"})
+    assert not moe_hook.install_dummy_init_range(0.05)  # idempotent
+    a, b = Block(), Block()
+    loader.initialize_dummy_weights(a)
+    loader.initialize_dummy_weights(b)
+    w = a.proj.weight
+    assert float(w.abs().max()) <= 0.05 and float(w.abs().max()) > 0.04  # not SGLang's 1e-3
+    assert torch.equal(w, b.proj.weight)  # seeded: two servers get the same weights
+    assert bool((a.input_layernorm.weight == 1).all())
+    assert bool((a.packed == 0).all())
