@@ -561,28 +561,21 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
 // takes position 0 and merges the popped node's successors in: each new position reads the old
 // entry one place to its right, at it, or one to its left (two shuffles bring the neighbours'
 // boundary entries), and the successors' positions are two warp sums of "entries before it".
-// An entry's key is (ordered score bits, 63 - depth) in two 32-bit words; when two entries have
-// the same score and depth (exact ties), the comparison walks both rank paths up in shared
-// memory.
-//
-// An entry's meta packs parent position (11 bits), rank (10 bits) and, for rank > 0, the
-// position of the previous sibling (11 bits), which links next-sibling pointers as nodes pop.
+// An entry is two words, (ordered score bits) and (63 - depth, rank, record id); the record in
+// shared memory holds what only a pop needs (parent, previous sibling, parent score). When two
+// entries have the same score and depth (exact ties), the comparison walks both rank paths up
+// in shared memory.
 
 __device__ __forceinline__ float score_from_bits(uint32_t o) {
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);  // ordered_bits^-1
 }
 
 __device__ __forceinline__ uint32_t depth_word(int depth) { return uint32_t(kMaxDepth - depth) << 26; }
-__device__ __forceinline__ uint32_t pack_meta(int parent, int rank, int prev) {
-  return uint32_t(parent) | (uint32_t(rank) << 11) | (uint32_t(prev) << 21);
-}
 
-// Rank-path order of two distinct unpopped nodes of the same depth, given by their metas: walk
-// both up to their common ancestor and compare the ranks just below it.
-__device__ __forceinline__ bool lex_before(uint32_t ma, uint32_t mb, const int* p_parent,
-                                           const int* p_rank) {
-  int pa = int(ma & 0x7FFu), pb = int(mb & 0x7FFu);
-  int ra = int((ma >> 11) & 0x3FFu), rb = int((mb >> 11) & 0x3FFu);
+// Rank-path order of two distinct unpopped nodes of the same depth, given by (parent position,
+// rank): walk both up to their common ancestor and compare the ranks just below it.
+__device__ __forceinline__ bool path_before(int pa, int ra, int pb, int rb, const int* p_parent,
+                                            const int* p_rank) {
   while (pa != pb) {
     ra = p_rank[pa];
     rb = p_rank[pb];
@@ -609,6 +602,8 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
   int* first_child = reinterpret_cast<int*>(smem + L.first_child);
   float* p_score = reinterpret_cast<float*>(smem + L.score);
   uint16_t* anc = reinterpret_cast<uint16_t*>(smem + L.anc);
+  uint32_t* rec_link = reinterpret_cast<uint32_t*>(smem + L.rec_link);
+  float* rec_ps = reinterpret_cast<float*>(smem + L.rec_ps);
   int* misc = reinterpret_cast<int*>(smem + L.misc);
   long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
 
@@ -617,86 +612,87 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
   __syncthreads();
 
   if (tid < 32) {
-    // The frontier as a list sorted in the total order (best first), position q held by lane
-    // q / ITEMS in slot q % ITEMS; positions >= len hold empty entries (key 0). Per entry: key
-    // (hi: ordered score bits, lo: depth word), meta, and the parent's score (a sibling's score
-    // is parent score + lp[rank + 1]).
-    uint32_t khi[ITEMS], klo[ITEMS], meta[ITEMS];
-    float pscore[ITEMS];
+    // The frontier as a list sorted in the total order (best first): position q in slot
+    // q % ITEMS of lane q / ITEMS; positions >= len hold empty entries (key 0). An entry is two
+    // words: hi = ordered score bits, lo = (63 - depth) << 26 | rank << 16 | record id. The
+    // record (shared memory) holds what only a pop needs: parent position, previous sibling's
+    // position, parent score.
+    uint32_t khi[ITEMS], klo[ITEMS];
 #pragma unroll
     for (int j = 0; j < ITEMS; ++j) {
       khi[j] = 0u;
       klo[j] = 0u;
-      meta[j] = 0u;
-      pscore[j] = 0.0f;
     }
     int len = 0;
     {
-      const float s0 = 0.0f + lp[0];  // the root's first child
+      const float s0 = 0.0f + lp[0];  // the root's first child: record 0
       if (s0 > -INFINITY) {
         if (lane == 0) {
           khi[0] = ordered_bits(s0);
           klo[0] = depth_word(1);
-          meta[0] = pack_meta(0, 0, 0);
         }
         len = 1;
       }
+      if (lane == 0) {
+        rec_link[0] = 0u;
+        rec_ps[0] = 0.0f;
+      }
+      __syncwarp();
     }
+    int nrec = 1;
     int n = 0;
     for (int pos = 1; pos <= B && len > 0; ++pos) {
       // pop the head (position 0: lane 0, slot 0)
       const uint32_t hhi = __shfl_sync(kFullWarp, khi[0], 0);
       const uint32_t hlo = __shfl_sync(kFullWarp, klo[0], 0);
-      const uint32_t hm = __shfl_sync(kFullWarp, meta[0], 0);
-      const float hps = __shfl_sync(kFullWarp, pscore[0], 0);
       // the neighbours' boundary entries, for the shift below (independent of the new keys)
-      uint32_t phi = __shfl_up_sync(kFullWarp, khi[ITEMS - 1], 1);
-      uint32_t plo = __shfl_up_sync(kFullWarp, klo[ITEMS - 1], 1);
-      uint32_t pme = __shfl_up_sync(kFullWarp, meta[ITEMS - 1], 1);
-      float pps = __shfl_up_sync(kFullWarp, pscore[ITEMS - 1], 1);
+      const uint32_t phi = __shfl_up_sync(kFullWarp, khi[ITEMS - 1], 1);
+      const uint32_t plo = __shfl_up_sync(kFullWarp, klo[ITEMS - 1], 1);
       uint32_t nhi = __shfl_down_sync(kFullWarp, khi[0], 1);
       uint32_t nlo = __shfl_down_sync(kFullWarp, klo[0], 1);
-      uint32_t nme = __shfl_down_sync(kFullWarp, meta[0], 1);
-      float nps = __shfl_down_sync(kFullWarp, pscore[0], 1);
       if (lane == 31) {  // nothing follows the last slot
         nhi = 0u;
         nlo = 0u;
-        nme = 0u;
-        nps = 0.0f;
       }
-
-      const int parent = int(hm & 0x7FFu), rank = int((hm >> 11) & 0x3FFu);
-      const int depth = kMaxDepth - int(hlo >> 26);
+      const int depth = kMaxDepth - int(hlo >> 26), rank = int((hlo >> 16) & 0x3FFu);
+      const uint32_t link = rec_link[hlo & 0xFFFFu];
+      const float hps = rec_ps[hlo & 0xFFFFu];
+      const int parent = int(link & 0xFFFFu);
       const float score = score_from_bits(hhi);
+      // successors: first child (depth + 1, rank 0) and next sibling (same parent, rank + 1);
+      // -inf ones are never pushed, as in the reference
+      const float cs = depth < D ? score + lp[depth * Kp] : -INFINITY;
+      const float ss = rank + 1 < Kp ? hps + lp[(depth - 1) * Kp + rank + 1] : -INFINITY;
+      const int id_c = nrec, id_s = nrec + 1;
+      nrec += 2;
       if (lane == 0) {
         p_parent[pos] = parent;
         p_depth[pos] = depth;
         p_rank[pos] = rank;
         p_score[pos] = score;
-        if (rank == 0) first_child[parent] = pos; else p_sib[int(hm >> 21)] = pos;
+        if (rank == 0) first_child[parent] = pos; else p_sib[int(link >> 16)] = pos;
+        rec_link[id_c] = uint32_t(pos);
+        rec_ps[id_c] = score;
+        rec_link[id_s] = uint32_t(parent) | (uint32_t(pos) << 16);
+        rec_ps[id_s] = hps;
       }
-      __syncwarp();  // lex_before below may walk through this node
+      __syncwarp();  // later pops read these records; the tie walk below may pass this node
       n = pos;
 
-      // successors: first child (depth + 1, rank 0) and next sibling (same parent, rank + 1);
-      // -inf ones are never pushed, as in the reference
-      const float cs = depth < D ? score + lp[depth * Kp] : -INFINITY;
-      const float ss = rank + 1 < Kp ? hps + lp[(depth - 1) * Kp + rank + 1] : -INFINITY;
       const bool has_c = cs > -INFINITY, has_s = ss > -INFINITY;
       const uint32_t c_hi = ordered_bits(cs), s_hi = ordered_bits(ss);
+      const uint32_t c_lo = depth_word(depth + 1) | uint32_t(id_c);
+      const uint32_t s_lo = (hlo & 0xFC000000u) | (uint32_t(rank + 1) << 16) | uint32_t(id_s);
       // A = the better of the two (a child never ties its uncle: the depths differ)
       const bool c_first = has_c && (!has_s || c_hi > s_hi);
       const bool has_a = has_c || has_s, has_b = has_c && has_s;
       const uint32_t a_hi = c_first ? c_hi : s_hi, b_hi = c_first ? s_hi : c_hi;
-      const uint32_t c_lo = depth_word(depth + 1);
-      const uint32_t a_lo = c_first ? c_lo : hlo, b_lo = c_first ? hlo : c_lo;
-      const uint32_t c_me = pack_meta(pos, 0, 0), s_me = pack_meta(parent, rank + 1, pos);
-      const uint32_t a_me = c_first ? c_me : s_me, b_me = c_first ? s_me : c_me;
-      const float a_ps = c_first ? score : hps, b_ps = c_first ? hps : score;
+      const uint32_t a_lo = c_first ? c_lo : s_lo, b_lo = c_first ? s_lo : c_lo;
+      const int a_par = c_first ? pos : parent, b_par = c_first ? parent : pos;
 
       // new positions of A and B: the entries (head excluded) before them, plus A for B. Keys
-      // compare as 64-bit (score bits, depth word); equal keys (an exact tie of score and
-      // depth) go to the rank-path walk, which a warp vote skips when no lane has one.
+      // with the same score and depth (bits 26 and up) are exact ties of the total order's
+      // first two keys: the rank paths decide (a walk a warp vote skips when no lane has one).
       const uint64_t ka = (uint64_t(a_hi) << 32) | a_lo, kb = (uint64_t(b_hi) << 32) | b_lo;
       int ca = 0, cb = 0;
       bool tie = false;
@@ -705,54 +701,51 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
         const int q = lane * ITEMS + j;
         const bool live = q >= 1 && q < len;
         const uint64_t ek = (uint64_t(khi[j]) << 32) | klo[j];
-        ca += live && has_a && ek > ka ? 1 : 0;
-        cb += live && has_b && ek > kb ? 1 : 0;
-        tie = tie || (live && ((has_a && ek == ka) || (has_b && ek == kb)));
+        const bool ta = ((ek ^ ka) >> 26) == 0, tb = ((ek ^ kb) >> 26) == 0;
+        ca += live && has_a && !ta && ek > ka ? 1 : 0;
+        cb += live && has_b && !tb && ek > kb ? 1 : 0;
+        tie = tie || (live && ((has_a && ta) || (has_b && tb)));
       }
       if (__any_sync(kFullWarp, tie)) {
 #pragma unroll
         for (int j = 0; j < ITEMS; ++j) {
           const int q = lane * ITEMS + j;
-          const bool live = q >= 1 && q < len;
           const uint64_t ek = (uint64_t(khi[j]) << 32) | klo[j];
-          if (live && has_a && ek == ka && lex_before(meta[j], a_me, p_parent, p_rank)) ++ca;
-          if (live && has_b && ek == kb && lex_before(meta[j], b_me, p_parent, p_rank)) ++cb;
+          if (q < 1 || q >= len) continue;
+          const int e_par = int(rec_link[klo[j] & 0xFFFFu] & 0xFFFFu);
+          const int e_rank = int((klo[j] >> 16) & 0x3FFu);
+          if (has_a && ((ek ^ ka) >> 26) == 0 &&
+              path_before(e_par, e_rank, a_par, int((a_lo >> 16) & 0x3FFu), p_parent, p_rank))
+            ++ca;
+          if (has_b && ((ek ^ kb) >> 26) == 0 &&
+              path_before(e_par, e_rank, b_par, int((b_lo >> 16) & 0x3FFu), p_parent, p_rank))
+            ++cb;
         }
       }
       const int pa = has_a ? int(__reduce_add_sync(kFullWarp, unsigned(ca))) : (1 << 30);
       const int pb = has_b ? int(__reduce_add_sync(kFullWarp, unsigned(cb))) + 1 : (1 << 30);
 
-      // rebuild: new position q holds A, B, or the old entry at q + 1 - (new keys before q)
-      uint32_t xhi[ITEMS], xlo[ITEMS], xme[ITEMS];
-      float xps[ITEMS];
+      // rebuild: new position q holds A, B, or the old entry at q + 1 - (new keys before q),
+      // chosen by selects on values (indexing by that count would put the list in local memory)
+      uint32_t xhi[ITEMS], xlo[ITEMS];
 #pragma unroll
       for (int j = 0; j < ITEMS; ++j) {
         const int q = lane * ITEMS + j;
         const int nb = (pa < q ? 1 : 0) + (pb < q ? 1 : 0);
-        // candidates: the old entry one to the right (nb = 0), here (1), one to the left (2);
-        // chosen by selects on values (indexing by nb would put the arrays in local memory)
         const int jr = j + 1 < ITEMS ? j + 1 : ITEMS - 1, jl = j >= 1 ? j - 1 : 0;
         const uint32_t rh = j + 1 < ITEMS ? khi[jr] : nhi, lh = j >= 1 ? khi[jl] : phi;
         const uint32_t rl = j + 1 < ITEMS ? klo[jr] : nlo, ll = j >= 1 ? klo[jl] : plo;
-        const uint32_t rm = j + 1 < ITEMS ? meta[jr] : nme, lm = j >= 1 ? meta[jl] : pme;
-        const float rp = j + 1 < ITEMS ? pscore[jr] : nps, lpv = j >= 1 ? pscore[jl] : pps;
         uint32_t h = nb == 0 ? rh : (nb == 1 ? khi[j] : lh);
         uint32_t l = nb == 0 ? rl : (nb == 1 ? klo[j] : ll);
-        uint32_t m = nb == 0 ? rm : (nb == 1 ? meta[j] : lm);
-        float ps = nb == 0 ? rp : (nb == 1 ? pscore[j] : lpv);
-        if (q == pa) { h = a_hi; l = a_lo; m = a_me; ps = a_ps; }
-        if (q == pb) { h = b_hi; l = b_lo; m = b_me; ps = b_ps; }
+        if (q == pa) { h = a_hi; l = a_lo; }
+        if (q == pb) { h = b_hi; l = b_lo; }
         xhi[j] = h;
         xlo[j] = l;
-        xme[j] = m;
-        xps[j] = ps;
       }
 #pragma unroll
       for (int j = 0; j < ITEMS; ++j) {
         khi[j] = xhi[j];
         klo[j] = xlo[j];
-        meta[j] = xme[j];
-        pscore[j] = xps[j];
       }
       len += (has_a ? 1 : 0) + (has_b ? 1 : 0) - 1;
     }

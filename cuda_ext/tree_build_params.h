@@ -139,7 +139,7 @@ DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
 }
 
 struct FrontierSmemLayout {
-  int64_t lp, p_parent, p_depth, p_rank, p_sib, first_child, score, anc, misc, wbuf,
+  int64_t lp, p_parent, p_depth, p_rank, p_sib, first_child, score, anc, rec_link, rec_ps, misc, wbuf,
       total;
 };
 
@@ -155,6 +155,10 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
   L.first_child = o; o = ddtree_align16(o + 4 * N);                 // int[N]
   L.score = o;       o = ddtree_align16(o + 4 * N);                 // float[N]
   L.anc = o;         o = ddtree_align16(o + 2 * N * (D + 1));       // u16[N][D+1]
+  // frontier entries' records, 2 per pop plus the root's first child: parent position | previous
+  // sibling position << 16, and the parent's score
+  L.rec_link = o;    o = ddtree_align16(o + 4 * (2 * int64_t(B) + 2));
+  L.rec_ps = o;      o = ddtree_align16(o + 4 * (2 * int64_t(B) + 2));
   L.misc = o;        o = ddtree_align16(o + 4 * 4);                 // int[4]: n
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                // 64-bit[32]: block scans
   L.total = o;
