@@ -33,6 +33,8 @@ import random
 import statistics
 import sys
 
+from sglang_ddtree.provenance import checkout_digest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -206,6 +208,7 @@ def main():
     timer_budgets = budgets if args.timer_budgets is None else \
         [int(b) for b in args.timer_budgets.split(",") if b]
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
+              "source_digest": checkout_digest(__file__),
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "scripts/bench_cost_curves.py"] + sys.argv[1:]),

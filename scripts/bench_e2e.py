@@ -32,6 +32,8 @@ import sys
 import time
 import urllib.request
 
+from sglang_ddtree.provenance import checkout_digest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_lossless import (  # noqa: E402  (server handling and its log readers)
     Server, accept_by_budget, stage_times, stage_times_by_bs, stop_on_sigterm,
@@ -205,6 +207,7 @@ def main():
                 for b in args.triton_verify_budgets.split(",") if b]
     result = {
         "sglang_version": sglang.__version__, "torch_version": torch.__version__,
+        "source_digest": checkout_digest(__file__),
         "gpu": torch.cuda.get_device_name(0),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_ddtree.provenance import checkout_digest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -310,7 +312,8 @@ def main(argv=None) -> int:
         tuned = tune(args, layers, make_inputs, dev)
         meta = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "triton": __import__("triton").__version__, "git": _git_rev()}
+                "triton": __import__("triton").__version__, "git": _git_rev(),
+                "source_digest": checkout_digest(__file__)}
         os.makedirs(os.path.dirname(os.path.abspath(args.tune_out)), exist_ok=True)
         write_table(args.tune_out, tuned, meta)
         for err in tuned["errors"]:
@@ -332,7 +335,8 @@ def main(argv=None) -> int:
         "gpu": _device_name(dev),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
                      "python": platform.python_version(), "sglang": _sglang_version()},
-        "git": _git_rev(),
+        "git": _git_rev(),  # the device's .git can be stale: source_digest is what counts
+        "source_digest": checkout_digest(__file__),
         "shapes": {"experts": args.experts, "topk": args.topk, "hidden": args.hidden,
                    "inter": args.inter, "group": 32, "layers_per_graph": args.layers},
         "copy_bandwidth_gbs": copy_gbs,

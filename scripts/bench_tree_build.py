@@ -31,6 +31,7 @@ import sys
 import torch
 
 from sglang_ddtree import tree_backend
+from sglang_ddtree.provenance import checkout_digest
 from sglang_ddtree.tree import DraftTree, build_tree
 
 
@@ -155,7 +156,8 @@ def main():
             goal[r["dist"]] = dict(fused_us=r["fused_us"], under_20us=r["fused_us"] <= 20.0,
                                    speedup=r["speedup"], at_least_10x=r["speedup"] >= 10.0)
     meta = dict(
-        command=" ".join([sys.executable] + sys.argv), torch=torch.__version__,
+        command=" ".join([sys.executable] + sys.argv), source_digest=checkout_digest(__file__),
+        torch=torch.__version__,
         cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
         settings=dict(depth=args.depth, vocab=args.vocab, k="min(budget, k_cap)" if args.k_cap

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from sglang_ddtree.provenance import checkout_digest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -385,6 +387,7 @@ def main(argv=None):
     meta = dict(command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                 date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=__import__("triton").__version__,
+                source_digest=checkout_digest(__file__),
                 python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
                 sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
                 peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,

@@ -30,6 +30,8 @@ import json
 import os
 import sys
 
+from sglang_ddtree.provenance import checkout_digest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -90,6 +92,7 @@ def main(argv=None):
     if args.dummy_range > 0:
         seed_env["SGLANG_DDTREE_DUMMY_INIT_RANGE"] = str(args.dummy_range)
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
+              "source_digest": checkout_digest(__file__),
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "scripts/e2e_fused_moe.py"] + (argv or sys.argv[1:])),

@@ -34,6 +34,8 @@ import tempfile
 import time
 import urllib.request
 
+from sglang_ddtree.provenance import checkout_digest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = os.path.join(HERE, "..", "tests", "gpu", "models")
 
@@ -481,6 +483,7 @@ def main():
     speed = parse(args.speed)
     result = {
         "sglang_version": sglang.__version__, "torch_version": torch.__version__,
+        "source_digest": checkout_digest(__file__),
         "gpu": torch.cuda.get_device_name(0),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),

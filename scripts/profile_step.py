@@ -27,6 +27,8 @@ import sys
 import time
 import urllib.request
 
+from sglang_ddtree.provenance import checkout_digest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 STEP_FUNCTION = "forward_batch_generation"  # one call per scheduler step in the spec worker
@@ -205,6 +207,7 @@ def main():
                "ddtree": ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget",
                           args.budget] + spec}
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
+              "source_digest": checkout_digest(__file__),
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "scripts/profile_step.py"] + sys.argv[1:]),
