@@ -281,16 +281,21 @@ def install_dummy_int4_fill(seed: int) -> bool:
     return True
 
 
+def _env_value(environ, name: str, parse, what: str):
+    """``parse`` of the variable's value, None when unset or empty; a clear error otherwise."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+
+
 def maybe_install_dummy_int4_fill(environ=os.environ) -> bool:
     """Install the seeded packed-weight fill when ``SGLANG_DDTREE_MOE_DUMMY_INT4_SEED`` is set."""
-    raw = environ.get(ENV_DUMMY_SEED, "").strip()
-    if not raw:
-        return False
-    try:
-        seed = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_DUMMY_SEED} must be an integer seed, got {raw!r}") from None
-    return install_dummy_int4_fill(seed)
+    seed = _env_value(environ, ENV_DUMMY_SEED, int, "an integer seed")
+    return seed is not None and install_dummy_int4_fill(seed)
 
 
 def install_dummy_init_range(bound: float) -> bool:
@@ -327,13 +332,9 @@ def install_dummy_init_range(bound: float) -> bool:
 
 def maybe_install_dummy_init_range(environ=os.environ) -> bool:
     """Install :func:`install_dummy_init_range` when ``SGLANG_DDTREE_DUMMY_INIT_RANGE`` is set."""
-    raw = environ.get(ENV_DUMMY_RANGE, "").strip()
-    if not raw:
+    bound = _env_value(environ, ENV_DUMMY_RANGE, float, "a positive number")
+    if bound is None:
         return False
-    try:
-        bound = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_DUMMY_RANGE} must be a positive number, got {raw!r}") from None
     if not bound > 0:
-        raise ValueError(f"{ENV_DUMMY_RANGE} must be a positive number, got {raw!r}")
+        raise ValueError(f"{ENV_DUMMY_RANGE} must be a positive number, got {bound!r}")
     return install_dummy_init_range(bound)
