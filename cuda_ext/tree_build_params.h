@@ -143,24 +143,29 @@ struct FrontierSmemLayout {
       total;
 };
 
+// The arrays a pop writes come first, at offsets fixed for every budget (sized for the largest,
+// kFrontierMaxBudget): their addresses are then a constant plus the position, which keeps the
+// pop loop free of address arithmetic. The rest depends on (B, Kp, D).
+constexpr int64_t kFrontierN = kFrontierMaxBudget + 1;          // positions
+constexpr int64_t kFrontierRecords = 2 * kFrontierMaxBudget + 2;  // 2 per pop + the first
 DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, int Kp, int D) {
   const int64_t N = B + 1;
   FrontierSmemLayout L;
   int64_t o = 0;
+  L.p_parent = o;    o += 4 * kFrontierN;                  // int per output index
+  L.p_depth = o;     o += 4 * kFrontierN;                  // int, -1 = padding
+  L.p_rank = o;      o += 4 * kFrontierN;                  // int
+  L.p_sib = o;       o += 4 * kFrontierN;                  // int
+  L.first_child = o; o += 4 * kFrontierN;                  // int
+  L.score = o;       o += 4 * kFrontierN;                  // float
+  // frontier entries' records: parent position | previous sibling position << 16, and the
+  // parent's score
+  L.rec_link = o;    o += 4 * kFrontierRecords;
+  L.rec_ps = o;      o += 4 * kFrontierRecords;
+  L.misc = o;        o = ddtree_align16(o + 4 * 4);        // int[4]: n
+  L.wbuf = o;        o = ddtree_align16(o + 8 * 32);       // 64-bit[32]: block scans
   L.lp = o;          o = ddtree_align16(o + 4 * int64_t(D) * Kp);   // float[D][Kp]
-  L.p_parent = o;    o = ddtree_align16(o + 4 * N);                 // int[N] per output index
-  L.p_depth = o;     o = ddtree_align16(o + 4 * N);                 // int[N], -1 = padding
-  L.p_rank = o;      o = ddtree_align16(o + 4 * N);                 // int[N]
-  L.p_sib = o;       o = ddtree_align16(o + 4 * N);                 // int[N]
-  L.first_child = o; o = ddtree_align16(o + 4 * N);                 // int[N]
-  L.score = o;       o = ddtree_align16(o + 4 * N);                 // float[N]
   L.anc = o;         o = ddtree_align16(o + 2 * N * (D + 1));       // u16[N][D+1]
-  // frontier entries' records, 2 per pop plus the root's first child: parent position | previous
-  // sibling position << 16, and the parent's score
-  L.rec_link = o;    o = ddtree_align16(o + 4 * (2 * int64_t(B) + 2));
-  L.rec_ps = o;      o = ddtree_align16(o + 4 * (2 * int64_t(B) + 2));
-  L.misc = o;        o = ddtree_align16(o + 4 * 4);                 // int[4]: n
-  L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                // 64-bit[32]: block scans
   L.total = o;
   return L;
 }
