@@ -633,8 +633,10 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
         }
         len = 1;
       }
-      rec_link[0] = 0u;
-      rec_ps[0] = 0.0f;
+      if (lane == 0) {
+        rec_link[0] = 0u;
+        rec_ps[0] = 0.0f;
+      }
       __syncwarp();
     }
     int nrec = 1;
@@ -663,16 +665,17 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
       const float ss = rank + 1 < Kp ? hps + lp[(depth - 1) * Kp + rank + 1] : -INFINITY;
       const int id_c = nrec, id_s = nrec + 1;
       nrec += 2;
-      // every lane stores the same values (one transaction each, no divergent branch)
-      p_parent[pos] = parent;
-      p_depth[pos] = depth;
-      p_rank[pos] = rank;
-      p_score[pos] = score;
-      *(rank == 0 ? first_child + parent : p_sib + int(link >> 16)) = pos;
-      rec_link[id_c] = uint32_t(pos);
-      rec_ps[id_c] = score;
-      rec_link[id_s] = uint32_t(parent) | (uint32_t(pos) << 16);
-      rec_ps[id_s] = hps;
+      if (lane == 0) {  // predicated stores: fixed offsets keep this branch-free
+        p_parent[pos] = parent;
+        p_depth[pos] = depth;
+        p_rank[pos] = rank;
+        p_score[pos] = score;
+        *(rank == 0 ? first_child + parent : p_sib + int(link >> 16)) = pos;
+        rec_link[id_c] = uint32_t(pos);
+        rec_ps[id_c] = score;
+        rec_link[id_s] = uint32_t(parent) | (uint32_t(pos) << 16);
+        rec_ps[id_s] = hps;
+      }
       __syncwarp();  // later pops read these records; the tie walk below may pass this node
       n = pos;
 
