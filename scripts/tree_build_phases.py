@@ -4,9 +4,10 @@
 The kernel (``cuda_ext/tree_build_kernel.cuh``) runs one thread block per request through a
 sequence of block-wide phases (one ``__syncthreads`` each): per depth a candidate count, radix
 passes and a compaction, then the output writes. When each phase's work is small, as at the
-budgets DDTree uses, the number of phases bounds the kernel's latency: dividing the H200
-times in ``bench_results/tree_build_h200.json`` by these counts gives 0.3-0.7 us per phase
-(peaked inputs take about twice the phases and twice the time of random ones). This script compiles the kernel against the CPU emulation in
+budgets DDTree uses, the number of phases bounds the kernel's latency: dividing session 5's H200
+times (``bench_results/tree_build_h200_s5.json``) by these counts gives 0.3-0.7 us per phase
+(peaked inputs take about twice the phases and twice the time of random ones). It counts the
+level-wise kernel (the frontier kernel has no block phases in its pop loop). This script compiles the kernel against the CPU emulation in
 ``tests/cuda_ext_emu`` (host C++20 compiler), runs it on ``scripts/bench_tree_build.py``'s input
 distributions and prints the block barriers per block, so a change to the kernel's structure
 can be judged before GPU time is spent on it. The GPU benchmark stays the measure of speed.

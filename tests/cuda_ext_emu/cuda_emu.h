@@ -58,27 +58,7 @@ inline void __syncthreads() {
   g_emu_block_bar->arrive_and_wait();
 }
 
-enum class EmuShfl { kUp, kXor };
-
-template <typename T>
-inline T emu_shfl(T v, EmuShfl kind, int arg) {
-  static_assert(sizeof(T) <= 8, "64-bit values at most");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint64_t raw = 0;
-  std::memcpy(&raw, &v, sizeof(T));
-  g_emu_warp_buf[warp][lane] = raw;
-  g_emu_warp_bar[warp]->arrive_and_wait();
-  const int src = kind == EmuShfl::kUp ? (lane >= arg ? lane - arg : lane) : (lane ^ arg);
-  const uint64_t got = g_emu_warp_buf[warp][src];
-  g_emu_warp_bar[warp]->arrive_and_wait();
-  T out;
-  std::memcpy(&out, &got, sizeof(T));
-  return out;
-}
-template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kUp, d); }
-template <typename T> inline T __shfl_xor_sync(unsigned, T v, int d) { return emu_shfl(v, EmuShfl::kXor, d); }
-
-// Every lane publishes a value; fn folds the 32 values (all lanes get the same result).
+// Every lane publishes a value; fn folds the 32 values (each lane gets fn's result for it).
 template <typename Fold>
 inline uint64_t emu_warp_all(uint64_t v, Fold fn) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,46 +68,32 @@ inline uint64_t emu_warp_all(uint64_t v, Fold fn) {
   g_emu_warp_bar[warp]->arrive_and_wait();
   return acc;
 }
+
+// A shuffle: this lane reads lane src's value.
 template <typename T>
-inline T __shfl_sync(unsigned, T v, int src) {
+inline T emu_shfl(T v, int src) {
   static_assert(sizeof(T) <= 8, "64-bit values at most");
   uint64_t raw = 0;
   std::memcpy(&raw, &v, sizeof(T));
-  const uint64_t got = emu_warp_all(raw, [src](const std::vector<uint64_t>& b) { return b[src & 31]; });
+  const uint64_t got = emu_warp_all(raw, [src](const std::vector<uint64_t>& b) { return b[src]; });
   T out;
   std::memcpy(&out, &got, sizeof(T));
   return out;
 }
-template <typename T>
-inline T __shfl_down_sync(unsigned, T v, int d) {
-  static_assert(sizeof(T) <= 8, "64-bit values at most");
-  const int lane = threadIdx.x & 31;
-  uint64_t raw = 0;
-  std::memcpy(&raw, &v, sizeof(T));
-  const uint64_t got = emu_warp_all(raw, [lane, d](const std::vector<uint64_t>& b) {
-    return b[lane + d < 32 ? lane + d : lane];
-  });
-  T out;
-  std::memcpy(&out, &got, sizeof(T));
-  return out;
+inline int emu_lane() { return threadIdx.x & 31; }
+template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src & 31); }
+template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) {
+  return emu_shfl(v, emu_lane() >= d ? emu_lane() - d : emu_lane());
 }
+template <typename T> inline T __shfl_down_sync(unsigned, T v, int d) {
+  return emu_shfl(v, emu_lane() + d < 32 ? emu_lane() + d : emu_lane());
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int d) { return emu_shfl(v, emu_lane() ^ d); }
 inline unsigned __reduce_add_sync(unsigned, unsigned v) {
   return unsigned(emu_warp_all(v, [](const std::vector<uint64_t>& b) {
     uint64_t t = 0;
     for (uint64_t x : b) t += x;
     return t;
-  }));
-}
-inline unsigned __reduce_max_sync(unsigned, unsigned v) {
-  return unsigned(emu_warp_all(v, [](const std::vector<uint64_t>& b) {
-    return *std::max_element(b.begin(), b.end());
-  }));
-}
-inline unsigned __ballot_sync(unsigned, int pred) {
-  return unsigned(emu_warp_all(pred ? 1 : 0, [](const std::vector<uint64_t>& b) {
-    uint64_t m = 0;
-    for (int i = 0; i < 32; ++i) m |= (b[i] & 1ull) << i;
-    return m;
   }));
 }
 // Also orders the warp's shared-memory accesses (the emulation's memory is sequentially
@@ -142,8 +108,6 @@ inline bool __any_sync(unsigned, int pred) {
     return any;
   }) != 0;
 }
-inline int __ffs(int x) { return __builtin_ffs(x); }
-inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 inline int atomicAdd(int* p, int v) {
   {
