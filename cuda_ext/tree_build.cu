@@ -20,7 +20,12 @@ constexpr int64_t kDefaultSmemLimit = 48 * 1024;  // above this the kernel needs
 
 using KernelFn = void (*)(ddtree::TreeBuildParams);
 
-// Kernel slot 0 is the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3, 5, 9 items.
+// Slot 0 is the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3, 5, 9 slots per lane.
+constexpr KernelFn kKernelFns[kKernels] = {
+    ddtree::tree_build_kernel, ddtree::tree_build_frontier_kernel<1>,
+    ddtree::tree_build_frontier_kernel<2>, ddtree::tree_build_frontier_kernel<3>,
+    ddtree::tree_build_frontier_kernel<5>, ddtree::tree_build_frontier_kernel<9>};
+
 int kernel_slot(bool frontier, int B) {
   if (!frontier) return 0;
   switch (ddtree::frontier_items(B)) {
@@ -29,17 +34,6 @@ int kernel_slot(bool frontier, int B) {
     case 3: return 3;
     case 5: return 4;
     default: return 5;
-  }
-}
-
-KernelFn kernel_fn(int slot) {
-  switch (slot) {
-    case 1: return ddtree::tree_build_frontier_kernel<1>;
-    case 2: return ddtree::tree_build_frontier_kernel<2>;
-    case 3: return ddtree::tree_build_frontier_kernel<3>;
-    case 4: return ddtree::tree_build_frontier_kernel<5>;
-    case 5: return ddtree::tree_build_frontier_kernel<9>;
-    default: return ddtree::tree_build_kernel;
   }
 }
 
@@ -68,7 +62,7 @@ cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
                                   int algo) noexcept {
   const bool frontier = use_frontier(algo, p.B, p.Kp, p.D);
   const int slot = kernel_slot(frontier, p.B);
-  const KernelFn fn = kernel_fn(slot);
+  const KernelFn fn = kKernelFns[slot];
   // the frontier kernel's launch bound; the block size changes no result, only the output phase
   if (frontier && threads > kFrontierMaxThreads) threads = kFrontierMaxThreads;
   if (smem_bytes > kDefaultSmemLimit) {
