@@ -83,9 +83,6 @@ def same(a: DraftTree, b: DraftTree) -> bool:
     return all(torch.equal(v, getattr(b, k)) for k, v in a.tensors().items())
 
 
-ALGOS = {"levelwise": 1, "frontier": 2}  # ddtree::TreeAlgo
-
-
 def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_torch=True):
     roots, lp, ids = make_topk(bs, depth, k, vocab, dist, seed=bs * 7919 + budget)
     ext = tree_backend._loader().load_tree_build_ext(required=True)
@@ -93,7 +90,8 @@ def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_
     row = dict(dist=dist, bs=bs, budget=budget, depth=depth, k=k, threads=threads or "auto",
                kernel=served)
     outs = {}
-    for name, algo in ALGOS.items():
+    for name in ("levelwise", "frontier"):
+        algo = tree_backend.KERNEL_ALGOS[name]
         if ext.kernel_name(budget, k, depth, algo) != name:
             continue  # the frontier kernel cannot take this point
         out = DraftTree.empty(bs, budget, "cuda")

@@ -116,12 +116,15 @@ build_tree_cuda.single_launch = True
 build_tree_cuda.writes_layout = True
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel_fits(budget: int, k: int, depth: int, device_index: int) -> bool:
+    return _kernel_fits_algo(budget, k, depth, device_index, kernel_algo_from_env())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_fits_algo(budget: int, k: int, depth: int, device_index: int, algo: int) -> bool:
     if min(depth, budget) > KERNEL_MAX_DEPTH:
         return False
-    need = _loader().load_tree_build_ext(required=True).smem_bytes(budget, k, depth,
-                                                                   kernel_algo_from_env())
+    need = _loader().load_tree_build_ext(required=True).smem_bytes(budget, k, depth, algo)
     props = torch.cuda.get_device_properties(device_index)
     have = getattr(props, "shared_memory_per_block_optin", None)
     return have is None or need <= have
@@ -193,7 +196,7 @@ def get_tree_builder() -> TreeBuilder:
 def _reset_for_tests() -> None:
     with _choice_lock:
         _choice["builder"] = None
-    _kernel_fits.cache_clear()
+    _kernel_fits_algo.cache_clear()
     _loader()._reset_for_tests()
 
 

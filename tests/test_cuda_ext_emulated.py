@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sglang_ddtree.tree import DraftTree, build_tree_reference, full_mask_layout
+from sglang_ddtree.tree_backend import KERNEL_ALGOS
 from tests.gpu.test_cuda_ext_tree_gpu import make_inputs
 from tests.test_tree import assert_same_tree
 
@@ -117,7 +118,7 @@ CASES = [
 ]
 
 
-ALGO_LEVELWISE, ALGO_FRONTIER = 1, 2  # ddtree::TreeAlgo
+ALGO_LEVELWISE, ALGO_FRONTIER = KERNEL_ALGOS["levelwise"], KERNEL_ALGOS["frontier"]
 FRONTIER_MAX_BUDGET = 287  # ddtree::kFrontierMaxBudget
 
 
