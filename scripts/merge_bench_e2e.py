@@ -44,8 +44,8 @@ def merge(runs: list, names: list) -> dict:
                         raise ValueError(f"{name}: {method} {mode} c={c} is in two inputs")
                     dst[c] = row
         for k in BY_METHOD:
-            for method, v in r.get(k, {}).items():
-                out[k].setdefault(f"{method}" if method not in out[k] else f"{method}@{name}", v)
+            for method, v in r.get(k, {}).items():  # a second input's table keeps its file name
+                out[k][method if method not in out[k] else f"{method}@{name}"] = v
         for k, v in r.get("errors", {}).items():
             out["errors"][f"{k}@{name}"] = v
     out["date"] = min(r["date"] for r in runs)
