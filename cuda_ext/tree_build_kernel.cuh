@@ -5,7 +5,11 @@
 // depth order (parent score + child log-prob), and the tree is the first min(B, #finite) nodes of
 // the total order "score desc, depth asc, rank path lexicographic asc".
 //
-// Algorithm (level-wise, exact even when fp32 rounding creates ties):
+// Two kernels compute it: tree_build_kernel (level-wise, below; any budget) and
+// tree_build_frontier_kernel (best-first, at the end of this file; budgets up to 287). Both end
+// in write_tree_layout.
+//
+// Level-wise algorithm (exact even when fp32 rounding creates ties):
 //   G   = the best <= B nodes found so far (an unordered set kept in shared memory),
 //   C_d = the depth-d members of G right after level d (kept in rank-path lexicographic order).
 //   For d = 1..D: candidates are the children p.r of C_{d-1} (r < min(K, B): a node of rank >= B
