@@ -42,6 +42,26 @@ constexpr uint32_t kLexMask = (1u << kLexBits) - 1u;
 constexpr uint16_t kNoPos = 0xFFFFu;
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 
+// Phase clocks for scripts/tree_build_clocks.py only (never defined in the extension build):
+// thread 0 of each of the first DDTREE_PHASE_CLOCKS blocks records (mark id, clock64()) pairs.
+#ifdef DDTREE_PHASE_CLOCKS
+constexpr int kClockPairs = 96;
+__device__ long long g_phase_clocks[DDTREE_PHASE_CLOCKS][2 * kClockPairs + 1];
+#define DDTREE_MARK_INIT int ddtree_mark_n_ = 0
+#define DDTREE_MARK(id)                                                                \
+  do {                                                                                 \
+    if (threadIdx.x == 0 && blockIdx.x < DDTREE_PHASE_CLOCKS && ddtree_mark_n_ < kClockPairs) { \
+      long long* c_ = g_phase_clocks[blockIdx.x];                                      \
+      c_[1 + 2 * ddtree_mark_n_] = (id);                                               \
+      c_[2 + 2 * ddtree_mark_n_] = clock64();                                          \
+      c_[0] = ++ddtree_mark_n_;                                                        \
+    }                                                                                  \
+  } while (0)
+#else
+#define DDTREE_MARK_INIT (void)0
+#define DDTREE_MARK(id) (void)0
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Keys: a larger key comes earlier in the total order.
 
@@ -298,6 +318,8 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   const int64_t b = blockIdx.x;
   const SmemLayout L = make_smem_layout(B, Kp, D);
   const bool preload = preload_rows(Kp, D);
+  DDTREE_MARK_INIT;
+  DDTREE_MARK(0);
 
   float* const lp_base = reinterpret_cast<float*>(smem + L.lp);
   int* off = reinterpret_cast<int*>(smem + L.off);
@@ -335,6 +357,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     // With every depth staged up front, the previous level's closing barrier already orders
     // its writes before this level's reads; the first level waits for the staging.
     if (!preload || d == 1) __syncthreads();
+    DDTREE_MARK(100 * d);
 
     const float* gs_old = gscore + cur * B;
     const uint32_t* gm_old = gmeta + cur * B;
@@ -383,6 +406,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       if (tid == 0) off[m] = M;
       __syncthreads();
     }
+    DDTREE_MARK(100 * d + 1);
     if (M == 0) break;  // no depth-d node can enter the tree, hence none deeper either
 
     const int cper = (M + T - 1) / T;
@@ -449,6 +473,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       }
       thr_key = prefix;
     }
+    DDTREE_MARK(100 * d + 2);
 
     // Compaction into the other buffer: survivors of G, then the selected candidates in
     // lexicographic order (they form C_d). Both counts are <= B < 2^16: one packed scan.
@@ -459,6 +484,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     int packed_total = 0;
     const int packed = block_exclusive_sum((n_surv << 16) | n_sel, wbuf_i, packed_total);
     const int surv_total = packed_total >> 16, sel_total = packed_total & 0xFFFF;
+    DDTREE_MARK(100 * d + 3);
     int ws = packed >> 16;
     int wc = packed & 0xFFFF;
     float my_min = INFINITY;
@@ -496,9 +522,11 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       const float g_min = block_min(my_min, wbuf_min);
       if (g_size == B) thr = g_min;
     }
+    DDTREE_MARK(100 * d + 4);
     if (sel_total == 0) break;
   }
   __syncthreads();
+  DDTREE_MARK(9000);
 
   // ---- Final order: output index of each member of G = 1 + number of better members.
   const int n = g_size;
@@ -515,6 +543,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     pos_of[(int(gm[j] >> 16) - 1) * B + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
   }
   __syncthreads();
+  DDTREE_MARK(9001);
 
   int64_t* tokens = p.tokens + b * N;
   int64_t* parents = p.parents + b * N;
@@ -537,6 +566,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     scores[pos] = gs[j];
   }
   __syncthreads();
+  DDTREE_MARK(9002);
   // Next sibling of p.r is p.(r+1) if it is in the tree: siblings in the tree are a rank prefix,
   // and p.(r+1) directly follows p.r in its depth's lexicographic order.
   for (int j = tid; j < n; j += T) {
@@ -550,7 +580,9 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   __syncthreads();
 
   // pos_of is dead: its space holds the ancestor table now.
+  DDTREE_MARK(9003);
   write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, anc, wbuf_ll);
+  DDTREE_MARK(9009);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -610,10 +642,13 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
   float* rec_ps = reinterpret_cast<float*>(smem + L.rec_ps);
   int* misc = reinterpret_cast<int*>(smem + L.misc);
   long long* wbuf_ll = reinterpret_cast<long long*>(smem + L.wbuf);
+  DDTREE_MARK_INIT;
+  DDTREE_MARK(0);
 
   stage_logp_rows(p, b, Kp, 1, D, lp);  // every depth
   init_positions(N, p_parent, p_depth, p_sib, first_child);
   __syncthreads();
+  DDTREE_MARK(100);
 
   if (tid < 32) {
     // The frontier as a list sorted in the total order (best first): position q in slot
@@ -752,10 +787,12 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
         klo[j] = xlo[j];
       }
       len += (has_a ? 1 : 0) + (has_b ? 1 : 0) - 1;
+      DDTREE_MARK(1000 + pos);
     }
     if (lane == 0) misc[0] = n;
   }
   __syncthreads();
+  DDTREE_MARK(9000);
 
   const int n = misc[0];
   int64_t* tokens = p.tokens + b * N;
@@ -768,7 +805,9 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
     p.valid[b * N + q] = true;
     p.scores[b * N + q] = p_score[q];
   }
+  DDTREE_MARK(9003);
   write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, anc, wbuf_ll);
+  DDTREE_MARK(9009);
 }
 
 }  // namespace ddtree

@@ -7,7 +7,8 @@
 # Argument i holds the steps for GPU i ("" leaves that GPU idle: do that for speed runs).
 # Each GPU's results land in $OUT/g<i>, packed at the end into $OUT/results.tgz (the JSON files
 # also loose as $OUT/g<i>_<name>.json: the device tool returns at most 8 files); step limits and arguments come from the environment as
-# gpu_session.sh reads them (BENCH_E2E_ARGS, SYNCS_CASES, ...).
+# gpu_session.sh reads them (BENCH_E2E_ARGS, SYNCS_CASES, ...); G<i>_NAME=value sets NAME for
+# GPU i only (e.g. G1_BENCH_E2E_ARGS: two benchmarks at once need their own --port and --workdir).
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -26,8 +27,11 @@ gpu=0
 for steps in "$@"; do
   if [ -n "$steps" ]; then
     mkdir -p "$OUT/g$gpu"
+    # per-GPU settings: G<i>_NAME=value becomes NAME=value for GPU i's steps only
+    overrides=()
+    for var in $(compgen -v "G${gpu}_"); do overrides+=("${var#G${gpu}_}=${!var}"); done
     # shellcheck disable=SC2086  # the steps are words
-    CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/g$gpu" bash scripts/gpu_session.sh $steps \
+    env "${overrides[@]}" CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/g$gpu" bash scripts/gpu_session.sh $steps \
       > "$OUT/g$gpu/console.txt" 2>&1 &
     pids+=($!)
   fi

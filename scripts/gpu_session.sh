@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treeclocks treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -24,6 +24,9 @@ for s in "$@"; do
                tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
     cudaext) step cudaext ${CUDAEXT_LIMIT:-240} python3 -m pytest -q -x tests/gpu/test_cuda_ext_tree_gpu.py ${CUDAEXT_K:+-k "$CUDAEXT_K"}
              step cudaext-bench ${CUDAEXT_BENCH_LIMIT:-120} python3 scripts/bench_tree_build.py --out "$OUT/tree_build_h200.json" ${CUDAEXT_BENCH_ARGS:-} ;;
+    treeclocks) # where the tree kernels spend their time (clock64 marks; a diagnostic)
+             step tree-clocks ${TREE_CLOCKS_LIMIT:-150} python3 scripts/tree_build_clocks.py \
+               --out "$OUT/tree_clocks_h200.json" ${TREE_CLOCKS_ARGS:-} ;;
     treebench) # only the tree-build benchmark (after quick, which already ran the parity tests)
              step cudaext-bench ${CUDAEXT_BENCH_LIMIT:-120} python3 scripts/bench_tree_build.py --out "$OUT/tree_build_h200.json" ${CUDAEXT_BENCH_ARGS:-} ;;
     moe)     step moe 120 python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
@@ -76,7 +79,7 @@ for s in "$@"; do
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -51,17 +51,24 @@ def build_driver(workdir: str) -> str:
     return exe
 
 
+def write_input(path: str, roots, lp, ids, budget: int, threads: int = 0, algo: int = 1,
+                fill: int = 0) -> None:
+    """The driver input of tests/cuda_ext_emu/emu_driver.cpp (also read by
+    scripts/tree_build_clocks.cu): header, log-probs, ids, roots, zero prefix lengths."""
+    bs, depth, k = lp.shape
+    with open(path, "wb") as f:
+        np.array([bs, depth, k, budget, threads, fill, algo], np.int64).tofile(f)
+        lp.cpu().numpy().astype(np.float32).tofile(f)
+        ids.cpu().numpy().astype(np.int64).tofile(f)
+        roots.cpu().numpy().astype(np.int64).tofile(f)
+        np.zeros(bs, np.int64).tofile(f)
+
+
 def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0):
     """(mean block barriers per block, threads per block) of one emulated launch; threads 0:
     the launcher's choice for the budget."""
-    bs, depth, k = lp.shape
     fin, fout = os.path.join(workdir, "in.bin"), os.path.join(workdir, "out.bin")
-    with open(fin, "wb") as f:
-        np.array([bs, depth, k, budget, threads, 0, 1], np.int64).tofile(f)  # algo 1: level-wise
-        lp.numpy().astype(np.float32).tofile(f)
-        ids.numpy().astype(np.int64).tofile(f)
-        roots.numpy().astype(np.int64).tofile(f)
-        np.zeros(bs, np.int64).tofile(f)
+    write_input(fin, roots, lp, ids, budget, threads, algo=1)  # algo 1: level-wise
     r = subprocess.run([exe, fin, fout], check=True, capture_output=True, text=True, timeout=600)
     m, a = PHASES_RE.search(r.stderr), ATOMICS_RE.search(r.stderr)
     return (float(m.group(1)), int(m.group(2)), float(a.group(1)), float(a.group(2)),
