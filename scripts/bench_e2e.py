@@ -85,6 +85,14 @@ def run_pass(port, prompts, max_new, conc, sampling):
 MODES = (("greedy", {"temperature": 0.0}), ("t1", {"temperature": 1.0, "top_p": 1.0}))
 
 
+def pass_prompts(prompts, c, args):
+    """The requests of one pass at concurrency c: max(prompts-per-pass, waves * c) of the
+    held-out prompts, cycled when that is more than there are (a repeated prompt then hits
+    SGLang's prefix cache, the same for every method)."""
+    n = max(args.prompts_per_pass, args.waves * c)
+    return (prompts * -(-n // len(prompts)))[:n]
+
+
 def median_row(reps):
     """Per-field median of a point's passes (None where the passes have none)."""
     return {k: statistics.median(r[k] for r in reps) if reps[0][k] is not None else None
@@ -99,7 +107,7 @@ def measure(port, prompts, args, concs):
         run_pass(port, prompts[: max(concs)], args.max_new_tokens, max(concs), sampling)  # warm
         out[mode] = {}
         for c in concs:
-            reps = [run_pass(port, prompts[: max(c, args.prompts_per_pass)], args.max_new_tokens,
+            reps = [run_pass(port, pass_prompts(prompts, c, args), args.max_new_tokens,
                              c, sampling) for _ in range(args.repeats)]
             out[mode][str(c)] = median_row(reps)
             print(mode, c, json.dumps(out[mode][str(c)]), flush=True)
@@ -132,7 +140,7 @@ def measure_interleaved(ports, prompts, args, concs, errors, on_point=lambda out
             reps = {name: [] for name in live}
             for _ in range(args.repeats):
                 for name in list(live):
-                    r = one(name, prompts[: max(c, args.prompts_per_pass)], args.max_new_tokens,
+                    r = one(name, pass_prompts(prompts, c, args), args.max_new_tokens,
                             c, sampling)
                     if r is not None:
                         reps[name].append(r)
@@ -164,6 +172,9 @@ def main():
     ap.add_argument("--modes", default="greedy,t1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-pass", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=1,
+                    help="at least this many full batches per pass (more requests at high "
+                    "concurrency, where a pass of one or two waves lasts under a second)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=30300)
     ap.add_argument("--attention-backend", default="triton")
@@ -212,7 +223,8 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(["python", "scripts/bench_e2e.py"] + sys.argv[1:]),
         "target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "concurrent_start": args.concurrent_start,
+        "repeats": args.repeats, "prompts_per_pass": args.prompts_per_pass, "waves": args.waves,
+        "concurrent_start": args.concurrent_start,
         "interleaved": bool(args.concurrent_start and args.interleave),
         "results": {}, "stage_ms_per_step": {}, "cpu_stage_ms_per_step": {},
         "stage_ms_by_batch_size": {}, "cpu_stage_ms_by_batch_size": {},
@@ -284,7 +296,7 @@ def main():
                 if name.endswith("-timers"):  # the timers synchronize per stage: no speed here
                     for c in (1, max(concs)):
                         for _ in range(2):
-                            run_pass(srv.port, prompts[: max(c, args.prompts_per_pass)],
+                            run_pass(srv.port, pass_prompts(prompts, c, args),
                                      args.max_new_tokens, c, {"temperature": 0.0})
                     srv.stop()
                     base = name[: -len("-timers")]

@@ -78,10 +78,26 @@ def test_default_table_is_the_one_derived_from_the_committed_run():
     import make_auto_table
 
     data = json.load(open(os.path.join(here, "..", "bench_results",
-                                       "bench_e2e_tiny_h200_partial.json")))
-    win = make_auto_table.winners(data)
-    assert {c: b for c, (b, _, _) in win.items()} == {1: 32, 4: 8, 16: 8, 64: 8}
-    assert make_auto_table.table_from(win) == cfg.DEFAULT_AUTO_TABLE
+                                       "bench_e2e_tiny_h200_sweep_s7.json")))
+    rat = make_auto_table.ratios(data)
+    assert sorted(rat) == [1, 4, 8, 16, 32, 64] and all(len(r) == 5 for r in rat.values())
+    assert make_auto_table.table_from_bands(rat, [8]) == cfg.DEFAULT_AUTO_TABLE
+
+
+def test_band_table_takes_the_best_geometric_mean_per_band():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    import make_auto_table
+
+    rat = {1: {32: 1.2, 64: 1.3}, 4: {32: 1.2, 64: 1.1}, 16: {32: 0.9, 64: 2.0},
+           64: {32: 1.5, 64: 1.0, 8: 3.0}}
+    # band <= 4: gm(1.2, 1.2) = 1.2 > gm(1.3, 1.1) = 1.196; band > 4: gm(0.9, 1.5) < gm(2, 1);
+    # budget 8 was not measured at 16, so it cannot win the band
+    assert make_auto_table.table_from_bands(rat, [4]) == "4:32,inf:64"
+    assert make_auto_table.table_from_bands(rat, []) == "inf:64"  # 1.94 < 2.86 over all four
+    assert make_auto_table.table_from_bands({1: {32: 1.0}, 2: {32: 1.1}}, [1]) == "inf:32"
 
 
 def test_table_derivation_boundaries_and_merging():

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location(
@@ -223,7 +224,7 @@ def test_interleaved_points_take_turns_and_drop_a_failing_server(monkeypatch):
 
     monkeypatch.setattr(bench_e2e, "run_pass", fake_pass)
     args = types.SimpleNamespace(modes=["greedy"], max_new_tokens=8, prompts_per_pass=4,
-                                 repeats=2)
+                                 repeats=2, waves=1)
     errors, points = {}, []
     out = bench_e2e.measure_interleaved({"a": 1, "b": 2, "c": 3}, [[1]] * 8, args, [1, 4],
                                         errors, on_point=lambda o: points.append(1))
@@ -235,3 +236,18 @@ def test_interleaved_points_take_turns_and_drop_a_failing_server(monkeypatch):
     assert out["a"]["greedy"]["4"]["tokens_per_s"] == 10.0
     assert out["b"]["greedy"]["1"]["tokens_per_s"] == 20.0
     assert len(points) == 2  # saved after each point
+
+
+def test_pass_prompts_waves_cycle_the_prompts():
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+
+    args = types.SimpleNamespace(prompts_per_pass=3, waves=1)
+    prompts = [[1], [2], [3], [4], [5]]
+    assert bench_e2e.pass_prompts(prompts, 1, args) == [[1], [2], [3]]
+    assert bench_e2e.pass_prompts(prompts, 4, args) == [[1], [2], [3], [4]]
+    args.waves = 3
+    assert bench_e2e.pass_prompts(prompts, 1, args) == [[1], [2], [3]]
+    assert bench_e2e.pass_prompts(prompts, 4, args) == prompts * 2 + [[1], [2]]
