@@ -208,11 +208,27 @@ __device__ __forceinline__ void warp_fill_true(bool* dst, int64_t len, int lane)
 // tree._normalize_logp's normalisation: NaN -> -inf (unreachable), > 0 (misuse) -> 0, -0 -> +0.
 __device__ __forceinline__ void stage_logp_rows(const TreeBuildParams& p, int64_t b, int Kp,
                                                 int d_first, int rows, float* dst) {
+  // Eight loads in flight per thread before any store: a loop of load-then-store waited one
+  // global-memory latency per element (2 us at budget 64, scripts/tree_build_clocks.py).
+  constexpr int kBatch = 8;
   const float* logp_b = p.logp + b * p.logp_sb;
-  for (int e = threadIdx.x; e < rows * Kp; e += blockDim.x) {
-    const int rr = e / Kp, r = e - rr * Kp;
-    const float v = logp_b[int64_t(d_first + rr - 1) * p.logp_sd + r];
-    dst[e] = v <= 0.0f ? v + 0.0f : (v > 0.0f ? 0.0f : -INFINITY);
+  const int total = rows * Kp, T = blockDim.x;
+  for (int base = threadIdx.x; base < total; base += kBatch * T) {
+    float v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = base + u * T;
+      v[u] = 0.0f;
+      if (e < total) {
+        const int rr = e / Kp, r = e - rr * Kp;
+        v[u] = logp_b[int64_t(d_first + rr - 1) * p.logp_sd + r];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = base + u * T;
+      if (e < total) dst[e] = v[u] <= 0.0f ? v[u] + 0.0f : (v[u] > 0.0f ? 0.0f : -INFINITY);
+    }
   }
 }
 
@@ -232,26 +248,45 @@ __device__ __forceinline__ void init_positions(int N, int* p_parent, int* p_dept
 // per-position arrays (p_parent / p_depth / first_child / p_sib, written for positions 1..n;
 // p_depth = -1 marks padding) before it. Writes the root and padding entries of the per-node
 // outputs (the caller writes positions 1..n), the retrieve arrays, the positions and both masks.
-// `anc` is scratch of N * (D + 1) u16 that nobody reads any more.
+// `scratch` is layout_scratch_bytes(N, D) of shared memory that nobody reads any more.
+//
+// Mask entry (i, j) is true iff j is i or an ancestor of i (padding rows: only themselves). Up to
+// kBitRowsMaxN positions each row is a bit set (its node and the node's ancestors), and the
+// request's N x N bytes go out as 16-byte stores over the flat block; above, rows are written a
+// byte per lane from an ancestor table. (The byte-per-lane rows cost 6 us of a 20 us launch at
+// budget 64 on the H200: scripts/tree_build_clocks.py.)
 __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int64_t b, int N, int D,
                                                   int n, const int* p_parent, const int* p_depth,
                                                   const int* first_child, const int* p_sib,
-                                                  uint16_t* anc, long long* wbuf_ll) {
+                                                  unsigned char* scratch, long long* wbuf_ll) {
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int nwarps = T >> 5, A = D + 1;
+  const int nwarps = T >> 5, A = D + 1, W = bit_row_words(N);
+  const bool bit_rows = N <= kBitRowsMaxN;
+  uint32_t* rows = reinterpret_cast<uint32_t*>(scratch);  // bit_rows: [N][W]
+  uint16_t* anc = reinterpret_cast<uint16_t*>(scratch);   // otherwise: anc[q][k], k <= depth of q
   int64_t* tokens = p.tokens + b * N;
   int64_t* parents = p.parents + b * N;
   int64_t* depths = p.depths + b * N;
   bool* valid = p.valid + b * N;
   float* scores = p.scores + b * N;
-  // anc[q][k] = ancestor of q at depth k (k <= depth of q).
   const int64_t seq_len = p.seq_lens != nullptr ? p.seq_lens[b] : 0;
   for (int q = tid; q < N; q += T) {
     const int dq = p_depth[q];
-    int x = q;
-    for (int k = dq; k >= 0; --k) {
-      anc[q * A + k] = uint16_t(x);
-      x = p_parent[x];
+    if (bit_rows) {
+      uint32_t* row = rows + q * W;
+      for (int w = 0; w < W; ++w) row[w] = 0u;
+      int x = q;
+      row[x >> 5] = 1u << (x & 31);
+      for (int k = dq; k > 0; --k) {  // a padding row (dq = -1) keeps its own bit only
+        x = p_parent[x];
+        row[x >> 5] |= 1u << (x & 31);
+      }
+    } else {
+      int x = q;
+      for (int k = dq; k >= 0; --k) {
+        anc[q * A + k] = uint16_t(x);
+        x = p_parent[x];
+      }
     }
     if (q == 0) {
       tokens[0] = p.root_ids[b];
@@ -284,8 +319,52 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
     __syncthreads();
   }
 
-  // Masks, one warp per row: j is visible from i iff j is i or an ancestor of i; padding rows
-  // see only themselves.
+  if (bit_rows) {
+    auto bit = [&](int i, int j) -> uint32_t { return (rows[i * W + (j >> 5)] >> (j & 31)) & 1u; };
+    // ancestor_mask: the request's N * N bytes as one flat run; bytes before the first 16-byte
+    // boundary and after the last one singly, the middle 16 at a time
+    unsigned char* am = reinterpret_cast<unsigned char*>(p.ancestor_mask + b * int64_t(N) * N);
+    const int total = N * N;
+    int head = int((16 - (reinterpret_cast<uintptr_t>(am) & 15)) & 15);
+    if (head > total) head = total;
+    const int nvec = (total - head) >> 4, tail = head + (nvec << 4);
+    for (int e = tid; e < head + (total - tail); e += T) {
+      const int f = e < head ? e : tail + (e - head);
+      const int i = f / N;
+      am[f] = static_cast<unsigned char>(bit(i, f - i * N));
+    }
+    uint4* av = reinterpret_cast<uint4*>(am + head);
+    for (int k = tid; k < nvec; k += T) {
+      const int e0 = head + (k << 4);
+      int i = e0 / N, j = e0 - i * N;
+      uint32_t w4[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        uint32_t x = 0u;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          x |= bit(i, j) << (8 * v);  // little-endian: the lowest address is the low byte
+          if (++j == N) {
+            j = 0;
+            ++i;
+          }
+        }
+        w4[u] = x;
+      }
+      av[k] = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+    }
+    if (p.full_mask != nullptr) {  // per row: seq_len trues, then the row's N entries
+      for (int i = warp; i < N; i += nwarps) {
+        bool* frow = p.full_mask + full_base + int64_t(i) * (seq_len + N);
+        warp_fill_true(frow, seq_len, lane);
+        frow += seq_len;
+        for (int j = lane; j < N; j += 32) frow[j] = bit(i, j) != 0u;
+      }
+    }
+    return;
+  }
+
+  // Masks from the ancestor table, one warp per row.
   for (int i = warp; i < N; i += nwarps) {
     const int di = p_depth[i];
     bool* arow = p.ancestor_mask + (b * N + i) * int64_t(N);
@@ -329,7 +408,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem + L.keys);
   uint64_t* thr_slot = reinterpret_cast<uint64_t*>(smem + L.thr);
   uint16_t* pos_of = reinterpret_cast<uint16_t*>(smem + L.posanc);
-  uint16_t* anc = pos_of;  // reused once pos_of is dead
+  unsigned char* layout_scratch = smem + L.posanc;  // the masks' scratch once pos_of is dead
   int* lvl_cnt = reinterpret_cast<int*>(smem + L.lvl_cnt);
   int* hist = reinterpret_cast<int*>(smem + L.hist);
   int* wbuf_i = reinterpret_cast<int*>(smem + L.wbuf);
@@ -440,13 +519,24 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       visit([&](uint64_t key, bool is_g, int idx, int, int, float) {
         keys[is_g ? idx : g_size + idx] = key;
       });
+      // an odd count gets a zero key after it (below every node key: never counted as larger)
+      // so that the keys can be read two at a time; n_tot <= 128 <= the keys' slots
+      if (tid == 0 && (n_tot & 1)) keys[n_tot] = 0;
       __syncthreads();
+      // 16-byte reads and 16 keys in flight per thread: the loop waited on each read before
+      // (3-5 k cycles per level on the H200, scripts/tree_build_clocks.py)
+      const ulonglong2* keys2 = reinterpret_cast<const ulonglong2*>(keys);
+      const int n2 = (n_tot + 1) >> 1;
       for (int e = tid; e < n_tot; e += T) {
         const uint64_t k = keys[e];
-        int greater = 0;
-#pragma unroll 4
-        for (int f = 0; f < n_tot; ++f) greater += keys[f] > k ? 1 : 0;
-        if (greater == B - 1) *thr_slot = k;
+        int g0 = 0, g1 = 0;
+#pragma unroll 8
+        for (int f = 0; f < n2; ++f) {
+          const ulonglong2 x = keys2[f];
+          g0 += x.x > k ? 1 : 0;
+          g1 += x.y > k ? 1 : 0;
+        }
+        if (g0 + g1 == B - 1) *thr_slot = k;
       }
       __syncthreads();
       thr_key = *thr_slot;
@@ -579,9 +669,9 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   }
   __syncthreads();
 
-  // pos_of is dead: its space holds the ancestor table now.
+  // pos_of is dead: its space holds the masks' scratch now.
   DDTREE_MARK(9003);
-  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, anc, wbuf_ll);
+  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, layout_scratch, wbuf_ll);
   DDTREE_MARK(9009);
 }
 
@@ -637,7 +727,7 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
   int* p_sib = reinterpret_cast<int*>(smem + L.p_sib);
   int* first_child = reinterpret_cast<int*>(smem + L.first_child);
   float* p_score = reinterpret_cast<float*>(smem + L.score);
-  uint16_t* anc = reinterpret_cast<uint16_t*>(smem + L.anc);
+  unsigned char* layout_scratch = smem + L.anc;
   uint32_t* rec_link = reinterpret_cast<uint32_t*>(smem + L.rec_link);
   float* rec_ps = reinterpret_cast<float*>(smem + L.rec_ps);
   int* misc = reinterpret_cast<int*>(smem + L.misc);
@@ -806,7 +896,7 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
     p.scores[b * N + q] = p_score[q];
   }
   DDTREE_MARK(9003);
-  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, anc, wbuf_ll);
+  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, layout_scratch, wbuf_ll);
   DDTREE_MARK(9009);
 }
 

@@ -63,6 +63,15 @@ DDTREE_HOST_DEVICE inline int64_t ddtree_align16(int64_t x) { return (x + 15) & 
 // budgets of 128 and more (every selection has more than 128 items) keep the radix select.
 DDTREE_HOST_DEVICE inline int rank_select_limit(int) { return 128; }
 
+// The masks are written from ancestor bit rows (row q: one bit per position, set for q and its
+// ancestors; (N + 31) / 32 words) when N is at most this, else from an ancestor table
+// (anc[q][k] = ancestor of q at depth k, u16). Returns the bytes of whichever serves.
+constexpr int kBitRowsMaxN = 288;
+DDTREE_HOST_DEVICE inline int bit_row_words(int N) { return (N + 31) / 32; }
+DDTREE_HOST_DEVICE inline int64_t layout_scratch_bytes(int N, int D) {
+  return N <= kBitRowsMaxN ? 4 * int64_t(N) * bit_row_words(N) : 2 * int64_t(N) * (D + 1);
+}
+
 struct SmemLayout {
   int64_t lp, off, gscore, gmeta, gpar, keys, thr, posanc, lvl_cnt, hist, wbuf, wbuf_min;
   int64_t p_parent, p_depth, p_sib, first_child, total;
@@ -86,10 +95,10 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
   const int64_t nkeys = B > rank_select_limit(B) ? B : rank_select_limit(B);
   L.keys = o;        o = ddtree_align16(o + 8 * nkeys);
   L.thr = o;         o = ddtree_align16(o + 8);                       // u64: selected cut key
-  // u16: pos_of[D][B] (output index of (depth, lex)) during the build, then the ancestor table
-  // anc[N][D+1] (ancestor of node q at depth k) for the masks.
-  const int64_t pos_n = int64_t(D) * B, anc_n = N * (D + 1);
-  L.posanc = o;      o = ddtree_align16(o + 2 * (pos_n > anc_n ? pos_n : anc_n));
+  // u16: pos_of[D][B] (output index of (depth, lex)) during the build, then the masks' scratch
+  // (ancestor bit rows or table: layout_scratch_bytes).
+  const int64_t pos_bytes = 2 * int64_t(D) * B, anc_bytes = layout_scratch_bytes(int(N), D);
+  L.posanc = o;      o = ddtree_align16(o + (pos_bytes > anc_bytes ? pos_bytes : anc_bytes));
   L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
   L.hist = o;        o = ddtree_align16(o + 4 * 3 * 256);            // int[3][256]: radix histograms
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
@@ -165,7 +174,7 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
   L.misc = o;        o = ddtree_align16(o + 4 * 4);        // int[4]: n
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);       // 64-bit[32]: block scans
   L.lp = o;          o = ddtree_align16(o + 4 * int64_t(D) * Kp);   // float[D][Kp]
-  L.anc = o;         o = ddtree_align16(o + 2 * N * (D + 1));       // u16[N][D+1]
+  L.anc = o;         o = ddtree_align16(o + layout_scratch_bytes(int(N), D));  // masks' scratch
   L.total = o;
   return L;
 }

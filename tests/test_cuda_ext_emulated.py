@@ -115,6 +115,9 @@ CASES = [
     (2, 33, 40, 5, 32, "peaked"),
     (1, 20, 70, 4, 32, "peaked"),
     (2, 1, 15, 64, 32, "random"),
+    # the masks' two writers: N = 288 (bit rows, ddtree::kBitRowsMaxN) and 289 (ancestor table)
+    (2, 287, 5, 64, 256, "ties"),
+    (2, 288, 5, 64, 256, "ties"),
 ]
 
 

@@ -29,6 +29,7 @@ inline EmuDim3 blockDim;
 
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct alignas(16) ulonglong2 { unsigned long long x, y; };
 
 // Shared-memory atomics: the total, and per phase (between two block barriers) the count on the
 // busiest address, summed over phases -- how many atomics a block must serialize at least when
