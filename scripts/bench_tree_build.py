@@ -11,7 +11,7 @@ Each builder is captured ``--reps`` times back to back in one CUDA graph; a repl
 CUDA events and the median over ``--iters`` replays divided by ``--reps`` is the time per step
 (launch gaps included, as in a real step). The fused output is compared with the torch output
 field by field, and the number of kernels one call launches is counted with the profiler.
-A threads-per-block sweep runs at batch 64 x budget 64.
+A threads-per-block sweep runs at batch 64 for each budget of ``--sweep-budgets`` (default 64).
 Both kernels of the extension are timed at every point (``levelwise_us``, ``frontier_us``: the
 best-first kernel serves budgets up to 287) and checked equal; ``fused_us`` is the one that
 ``SGLANG_DDTREE_TREE_KERNEL=auto`` serves there.
@@ -129,6 +129,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20, help="calls captured per graph")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sweep-threads", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--sweep-budgets", type=int, nargs="*", default=[64])
     ap.add_argument("--out", default="bench_results/tree_build_h200.json")
     args = ap.parse_args()
 
@@ -143,10 +144,11 @@ def main():
                 print(results[-1], flush=True)
     sweep = []
     for dist in args.dists:
-        for t in args.sweep_threads:
-            sweep.append(bench_point(64, 64, args.depth, min(64, args.k_cap or 64), args.vocab,
-                                     dist, args.reps, args.iters, threads=t, with_torch=False))
-            print(sweep[-1], flush=True)
+        for sb in args.sweep_budgets:
+            for t in args.sweep_threads:
+                sweep.append(bench_point(64, sb, args.depth, min(sb, args.k_cap or sb), args.vocab,
+                                         dist, args.reps, args.iters, threads=t, with_torch=False))
+                print(sweep[-1], flush=True)
 
     goal = {}
     for r in results:
@@ -172,8 +174,8 @@ def main():
     print(" ".join(f"{c:>14}" for c in cols))
     for r in results:
         print(" ".join(f"{str(r.get(c)):>14}" for c in cols))
-    print("threads sweep (bs 64, budget 64):",
-          ", ".join(f"{r['dist']}/{r['threads']}: {r['fused_us']} us" for r in sweep))
+    print("threads sweep (bs 64):", ", ".join(
+        f"{r['dist']}/b{r['budget']}/{r['threads']}: {r['fused_us']} us" for r in sweep))
     print("goal (bs 64, budget 64: <= 20 us and >= 10x):", goal)
     print(f"wrote {args.out}")
 
