@@ -45,8 +45,11 @@ struct TreeBuildParams {
 
 // Threads per block when the caller does not choose: the launcher's rule, shared with the CPU
 // emulation (tests/cuda_ext_emu) so that phase counts are taken at the threads that serve.
+// On the H200 (bench_results/tree_build_h200.json, threads sweep at batch 64): 128 threads were
+// as fast as 256 up to budget 64 (peaked 28.4 / 28.3 us, random 14.3 / 13.7 at budget 64) and
+// slower at 128 (52.2 vs 50.9 peaked, 21.1 vs 18.9 random).
 DDTREE_HOST_DEVICE inline int default_threads(int budget) {
-  if (budget <= 128) return 128;
+  if (budget <= 64) return 128;
   if (budget <= 256) return 256;
   if (budget <= 512) return 512;
   return 1024;

@@ -74,13 +74,15 @@ def plots(data: dict, stem: str) -> list:
     except ImportError:
         return []
     out = []
+    # greedy when the run has it, else T = 1 (a run of one mode)
+    mode = "greedy" if any("greedy" in r for r in data["results"].values()) else "t1"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m, res in data["results"].items():
-        pts = sorted((int(c), r["tokens_per_s"]) for c, r in res.get("greedy", {}).items())
+        pts = sorted((int(c), r["tokens_per_s"]) for c, r in res.get(mode, {}).items())
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s (greedy)")
+    ax.set_ylabel(f"output tokens/s ({mode})")
     ax.legend(fontsize=8)
     ax.set_title(f"{data['gpu']} / SGLang {data['sglang_version']}")
     fig.tight_layout()
@@ -93,7 +95,7 @@ def plots(data: dict, stem: str) -> list:
                      if m.startswith("ddtree_b") and m[len("ddtree_b"):].isdigit())
     if budgets:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        c1 = lambda m, k: data["results"][m].get("greedy", {}).get("1", {}).get(k)  # noqa: E731
+        c1 = lambda m, k: data["results"][m].get(mode, {}).get("1", {}).get(k)  # noqa: E731
         ax.plot([b for b, _ in budgets], [c1(m, "accept_length") for _, m in budgets],
                 marker="o", label="DDTREE accept length")
         if "dflash" in data["results"]:
