@@ -191,7 +191,7 @@ def main():
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--accept-json", default=os.path.join(
-        HERE, "..", "bench_results", "bench_e2e_tiny_h200.json"),
+        HERE, "..", "bench_results", "bench_e2e_tiny_h200_sweep_s7.json"),
         help="a scripts/bench_e2e.py JSON whose greedy c=1 accept lengths feed the projection")
     ap.add_argument("--published-accept", default=None,
                     help="JSON {source, dflash, ddtree_b<budget>...} of published accept lengths")
