@@ -208,8 +208,8 @@ __device__ __forceinline__ void warp_fill_true(bool* dst, int64_t len, int lane)
 // tree._normalize_logp's normalisation: NaN -> -inf (unreachable), > 0 (misuse) -> 0, -0 -> +0.
 __device__ __forceinline__ void stage_logp_rows(const TreeBuildParams& p, int64_t b, int Kp,
                                                 int d_first, int rows, float* dst) {
-  // Eight loads in flight per thread before any store: a loop of load-then-store waited one
-  // global-memory latency per element (2 us at budget 64, scripts/tree_build_clocks.py).
+  // Eight loads in flight per thread before any store (staging took 3,900 cycles at budget 64 on
+  // the H200 with one load at a time, 3,150 with eight: scripts/tree_build_clocks.py).
   constexpr int kBatch = 8;
   const float* logp_b = p.logp + b * p.logp_sb;
   const int total = rows * Kp, T = blockDim.x;
@@ -253,8 +253,8 @@ __device__ __forceinline__ void init_positions(int N, int* p_parent, int* p_dept
 // Mask entry (i, j) is true iff j is i or an ancestor of i (padding rows: only themselves). Up to
 // kBitRowsMaxN positions each row is a bit set (its node and the node's ancestors), and the
 // request's N x N bytes go out as 16-byte stores over the flat block; above, rows are written a
-// byte per lane from an ancestor table. (The byte-per-lane rows cost 6 us of a 20 us launch at
-// budget 64 on the H200: scripts/tree_build_clocks.py.)
+// byte per lane from an ancestor table. (Written that way, the masks took 12,000 cycles, 6 us, of
+// a launch at budget 64 on the H200; 3,750 as bit rows: scripts/tree_build_clocks.py.)
 __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int64_t b, int N, int D,
                                                   int n, const int* p_parent, const int* p_depth,
                                                   const int* first_child, const int* p_sib,
@@ -523,8 +523,9 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
       // so that the keys can be read two at a time; n_tot <= 128 <= the keys' slots
       if (tid == 0 && (n_tot & 1)) keys[n_tot] = 0;
       __syncthreads();
-      // 16-byte reads and 16 keys in flight per thread: the loop waited on each read before
-      // (3-5 k cycles per level on the H200, scripts/tree_build_clocks.py)
+      // 16-byte reads, 16 keys in flight per thread (this phase: 3,100-4,700 cycles per depth at
+      // budget 64 on the H200 with one 8-byte read at a time, 1,900-3,200 now:
+      // scripts/tree_build_clocks.py)
       const ulonglong2* keys2 = reinterpret_cast<const ulonglong2*>(keys);
       const int n2 = (n_tot + 1) >> 1;
       for (int e = tid; e < n_tot; e += T) {

@@ -47,7 +47,7 @@ struct TreeBuildParams {
 // emulation (tests/cuda_ext_emu) so that phase counts are taken at the threads that serve.
 // On the H200 (bench_results/tree_build_h200.json, threads sweep at batch 64): 128 threads were
 // as fast as 256 up to budget 64 (peaked 28.4 / 28.3 us, random 14.3 / 13.7 at budget 64) and
-// slower at 128 (52.2 vs 50.9 peaked, 21.1 vs 18.9 random).
+// slower at budget 128 (52.2 vs 50.9 us peaked, 21.1 vs 18.9 random).
 DDTREE_HOST_DEVICE inline int default_threads(int budget) {
   if (budget <= 64) return 128;
   if (budget <= 256) return 256;

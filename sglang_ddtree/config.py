@@ -39,14 +39,13 @@ ENV_AUTO_TABLE = "SGLANG_DDTREE_AUTO_TABLE"
 ENV_AUTO_MODE = "SGLANG_DDTREE_AUTO_MODE"
 AUTO_MODES = ("table", "online")
 INF_BS = 1 << 30
-# From the session-7 H200 run with the trained tiny pair (bench_results/
-# bench_e2e_tiny_h200_sweep_s7.json, greedy, budgets 8-128 interleaved with DFLASH): budget 128
-# led at concurrency 1 and 4 (1.38x / 1.52x DFLASH) and was within noise at 8; from 16 on budget
-# 64 was the steadier one (1.12x / 1.48x / 1.59x at 16 / 32 / 64; 128 was 0.99x / 1.20x / 1.88x,
-# and session 6's run had 64 at 1.28x / 1.56x at 32 / 64). The per-point winner
-# (scripts/make_auto_table.py) would follow that run's noise with four switches. On this
-# host-bound model a bigger tree costs little; on a big model it does not (docs/auto_budget.md):
-# measure your own pair with scripts/bench_e2e.py and derive yours.
+# Derived by `scripts/make_auto_table.py --bands 8` from the session-7 H200 budget sweep with the
+# trained tiny pair (bench_results/bench_e2e_tiny_h200_sweep_s7.json, greedy, budgets 8-128
+# interleaved with DFLASH): per batch-size band the budget with the best geometric-mean ratio to
+# DFLASH over the band's concurrencies, budget 128 up to 8 (1.43x over c = 1/4/8) and 64 above
+# (1.38x over c = 16/32/64). Checked in a second run (bench_results/bench_e2e_tiny_h200.json).
+# On this host-bound model a bigger tree costs little; on a big model it does not
+# (docs/auto_budget.md): measure your own pair with scripts/bench_e2e.py and derive yours.
 DEFAULT_AUTO_TABLE = "8:128,inf:64"
 
 ALGORITHM_NAME = "DDTREE"
