@@ -131,12 +131,17 @@ def measure_interleaved(ports, prompts, args, concs, errors, on_point=lambda out
             del live[name]
             return None
 
+    deadline = getattr(args, "deadline", None)
     for mode, sampling in MODES:
         if mode not in args.modes:
             continue
         for name in list(live):  # warm-up
             one(name, prompts[: max(concs)], args.max_new_tokens, max(concs), sampling)
         for c in concs:
+            if deadline is not None and time.time() > deadline:
+                # leave the rest of the step's time to the timers servers and the final dump
+                errors.setdefault("skipped_points", []).append(f"{mode} c={c}: --time-budget")
+                continue
             reps = {name: [] for name in live}
             for _ in range(args.repeats):
                 for name in list(live):
@@ -176,6 +181,9 @@ def main():
                     help="at least this many full batches per pass (more requests at high "
                     "concurrency, where a pass of one or two waves lasts under a second)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds from the start after which no new interleaved point starts "
+                    "(the -timers servers still run): keeps a time-boxed call from losing them")
     ap.add_argument("--port", type=int, default=30300)
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--workdir", default="/tmp/ddtree_bench_e2e")
@@ -190,6 +198,7 @@ def main():
                     "every point; 0: one method's whole sweep after another")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
+    args.deadline = None if args.time_budget is None else time.time() + args.time_budget
 
     import sglang
     import torch

@@ -251,3 +251,23 @@ def test_pass_prompts_waves_cycle_the_prompts():
     args.waves = 3
     assert bench_e2e.pass_prompts(prompts, 1, args) == [[1], [2], [3]]
     assert bench_e2e.pass_prompts(prompts, 4, args) == prompts * 2 + [[1], [2]]
+
+
+def test_interleaved_points_stop_at_the_deadline(monkeypatch):
+    """--time-budget: once the deadline has passed no new point starts, and the skipped points
+    are named in the errors (the timers servers and the dump still get their time)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+
+    clock = iter([0.0, 0.0, 100.0, 100.0, 100.0])
+    monkeypatch.setattr(bench_e2e.time, "time", lambda: next(clock))
+    monkeypatch.setattr(bench_e2e, "run_pass", lambda *a: {
+        "tokens_per_s": 1.0, "ttft_ms": 1.0, "tpot_ms": 1.0, "accept_length": None})
+    args = types.SimpleNamespace(modes=["greedy"], max_new_tokens=8, prompts_per_pass=2,
+                                 repeats=1, waves=1, deadline=50.0)
+    errors = {}
+    out = bench_e2e.measure_interleaved({"a": 1}, [[1]] * 4, args, [1, 4, 8], errors)
+    assert list(out["a"]["greedy"]) == ["1", "4"]
+    assert errors["skipped_points"] == ["greedy c=8: --time-budget"]
