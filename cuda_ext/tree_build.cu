@@ -15,18 +15,21 @@
 namespace {
 
 constexpr int kTrackedDevices = 64;
-constexpr int kKernels = 6;  // the level-wise kernel, then the frontier kernel per item count
+constexpr int kKernels = 7;  // level-wise, frontier per item count, level-wise merge variant
 constexpr int64_t kDefaultSmemLimit = 48 * 1024;  // above this the kernel needs an opt-in
 
 using KernelFn = void (*)(ddtree::TreeBuildParams);
 
-// Slot 0 is the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3, 5, 9 slots per lane.
+// Slot 0 is the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3, 5, 9 slots per lane, 6
+// the level-wise kernel's merge variant.
 constexpr KernelFn kKernelFns[kKernels] = {
-    ddtree::tree_build_kernel, ddtree::tree_build_frontier_kernel<1>,
+    ddtree::tree_build_kernel<false>,       ddtree::tree_build_frontier_kernel<1>,
     ddtree::tree_build_frontier_kernel<2>, ddtree::tree_build_frontier_kernel<3>,
-    ddtree::tree_build_frontier_kernel<5>, ddtree::tree_build_frontier_kernel<9>};
+    ddtree::tree_build_frontier_kernel<5>, ddtree::tree_build_frontier_kernel<9>,
+    ddtree::tree_build_kernel<true>};
 
-int kernel_slot(bool frontier, int B) {
+int kernel_slot(bool frontier, bool merge, int B) {
+  if (merge) return 6;
   if (!frontier) return 0;
   switch (ddtree::frontier_items(B)) {
     case 1: return 1;
@@ -61,7 +64,7 @@ cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
                                   int64_t smem_bytes, int device, cudaStream_t stream,
                                   int algo) noexcept {
   const bool frontier = use_frontier(algo, p.B, p.Kp, p.D);
-  const int slot = kernel_slot(frontier, p.B);
+  const int slot = kernel_slot(frontier, use_merge(algo, p.B, p.Kp, p.D), p.B);
   const KernelFn fn = kKernelFns[slot];
   // the frontier kernel's launch bound; the block size changes no result, only the output phase
   if (frontier && threads > kFrontierMaxThreads) threads = kFrontierMaxThreads;

@@ -389,7 +389,131 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
 }
 
 // ---------------------------------------------------------------------------------------------
+// The merge variant's narrow depths (tree_build_kernel<true>): warp 0 alone, G kept sorted by key
+// (best first) in shared memory with its keys in gkey, C_{d-1}'s scores in cscore (lex order).
+// A depth whose parents and candidates are at most 32 each: candidate c (lane c, flat index c =
+// lex order) finds its parent, its rank among the candidates (32 shuffles) and among G (binary
+// search); G member j moves down by the candidates before it; whatever lands below B drops out.
+// Keys are distinct, so the new positions are a permutation. Runs depths until one has no
+// candidate or survivor (status kMergeDone), or more than 32 candidates (kMergePending: off[]
+// and off[m] = M are written for that depth, which the block then takes over).
+constexpr int kMergeDone = 1, kMergePending = 2;
 
+struct MergeState {
+  int d, cur, g, m, csb, status;
+  float thr;
+};
+
+__device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, int B,
+                                                const float* lp_base, int* off, float* gscore,
+                                                uint32_t* gmeta, uint32_t* gpar, uint64_t* gkey,
+                                                float* cscore, uint16_t* pos_of, int* lvl_cnt) {
+  const int lane = threadIdx.x & 31;
+  for (; st.d <= D; ++st.d) {
+    const int d = st.d, m = st.m, g = st.g;
+    const float* lp = lp_base + (d - 1) * Kp;
+    const float* ps = cscore + st.csb * B;
+    const int cnt = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, st.thr) : 0;
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFullWarp, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int M = __shfl_sync(kFullWarp, incl, 31);
+    if (lane < m) off[lane] = incl - cnt;
+    if (lane == 31) off[m] = incl;
+    __syncwarp();
+    if (M == 0) {
+      st.status = kMergeDone;
+      return st;
+    }
+    if (M > 32) {
+      st.status = kMergePending;
+      return st;
+    }
+    const float* gs_old = gscore + st.cur * B;
+    const uint32_t* gm_old = gmeta + st.cur * B;
+    const uint32_t* gp_old = gpar + st.cur * B;
+    const uint64_t* gk_old = gkey + st.cur * B;
+    const int nb = st.cur ^ 1;
+    // this lane's candidate (flat index = lane)
+    const bool has = lane < M;
+    int i = 0, r = 0;
+    float sc = 0.0f;
+    uint64_t key = 0;
+    if (has) {
+      i = find_parent(off, m, lane);
+      r = lane - off[i];
+      sc = (d == 1 ? 0.0f : ps[i]) + lp[r];
+      key = node_key(sc, d, uint32_t(lane));
+    }
+    // this lane's G members j = lane + 32 t (B <= 128: t < 4)
+    uint64_t gk[4];
+    int before[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int j = lane + 32 * t;
+      gk[t] = j < g ? gk_old[j] : 0;
+      before[t] = 0;
+    }
+    int rc = 0;
+    for (int src = 0; src < 32; ++src) {
+      const uint64_t ks = __shfl_sync(kFullWarp, key, src);
+      if (src < M) {
+        rc += ks > key ? 1 : 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) before[t] += ks > gk[t] ? 1 : 0;
+      }
+    }
+    int lo = 0, hi = g;  // G members before the candidate: G is sorted best first
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (gk_old[mid] > key) lo = mid + 1; else hi = mid;
+    }
+    const int nc = rc + lo;
+    const bool sel = has && nc < B;
+    const unsigned selmask = __ballot_sync(kFullWarp, sel);
+    const int nsel = __popc(selmask);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int j = lane + 32 * t, q = j + before[t];
+      if (j < g && q < B) {
+        gscore[nb * B + q] = gs_old[j];
+        gmeta[nb * B + q] = gm_old[j];
+        gpar[nb * B + q] = gp_old[j];
+        gkey[nb * B + q] = gk[t];
+      }
+    }
+    if (sel) {
+      const int lex = __popc(selmask & ((1u << lane) - 1u));
+      gscore[nb * B + nc] = sc;
+      gmeta[nb * B + nc] = (uint32_t(d) << 16) | uint32_t(lex);
+      gpar[nb * B + nc] = (uint32_t(i) << 16) | uint32_t(r);
+      gkey[nb * B + nc] = node_key(sc, d, uint32_t(lex));  // same order among depth d
+      pos_of[(d - 1) * B + lex] = kNoPos;
+      cscore[(st.csb ^ 1) * B + lex] = sc;
+    }
+    if (lane == 0) lvl_cnt[d] = nsel;
+    st.g = g + M < B ? g + M : B;
+    st.m = nsel;
+    st.cur = nb;
+    st.csb ^= 1;
+    __syncwarp();
+    // once G is full a deeper node must beat its worst score (a tie loses on depth)
+    if (st.g == B) st.thr = fmaxf(st.thr, gscore[nb * B + B - 1]);
+    if (nsel == 0) {
+      st.status = kMergeDone;
+      return st;
+    }
+  }
+  st.status = kMergeDone;
+  return st;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+template <bool MERGE>
 __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
@@ -418,6 +542,9 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   int* p_depth = reinterpret_cast<int*>(smem + L.p_depth);
   int* p_sib = reinterpret_cast<int*>(smem + L.p_sib);
   int* first_child = reinterpret_cast<int*>(smem + L.first_child);
+  uint64_t* gkey = reinterpret_cast<uint64_t*>(smem + L.gkey);  // MERGE only
+  float* cscore = reinterpret_cast<float*>(smem + L.cscore);     // MERGE only
+  int* mstate = reinterpret_cast<int*>(smem + L.mstate);         // MERGE only
 
   // Same normalisation as tree._normalize_logp: NaN -> -inf (unreachable), log-probs > 0
   // (misuse) -> 0, -0 -> +0.
@@ -429,14 +556,81 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   int c_begin = 0;    // C_{d-1} = G[c_begin, c_begin + c_size), lexicographic order
   int c_size = 1;     // level 0 is the root alone
   float thr = -INFINITY;
+  // MERGE: whether G is sorted best first (with gkey), and whether C_{d-1}'s scores are in
+  // cscore[csb] (after a merge run) rather than in G[c_begin, c_begin + c_size)
+  bool g_sorted = true;  // the empty G
+  bool c_in_cscore = false;
+  int csb = 0;
 
   for (int d = 1; d <= D; ++d) {
-    const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
     if (!preload) stage_logp_rows(p, b, Kp, d, 1, lp_base);
     // With every depth staged up front, the previous level's closing barrier already orders
     // its writes before this level's reads; the first level waits for the staging.
     if (!preload || d == 1) __syncthreads();
     DDTREE_MARK(100 * d);
+    bool counted = false;  // MERGE: a merge run left this depth's off[] for the block
+    if constexpr (MERGE) {
+      // a merge run needs at most 32 parents; the root's candidates are the first row's finite
+      // entries, more than 32 whenever Kp is, so depth 1 tries only when Kp <= 32
+      if (c_size <= 32 && (d > 1 || Kp <= 32)) {
+        if (!g_sorted) {
+          // sort G best first into the other buffer (rank = larger keys), C_{d-1} to cscore
+          const float* gs0 = gscore + cur * B;
+          const uint32_t* gm0 = gmeta + cur * B;
+          const uint32_t* gp0 = gpar + cur * B;
+          for (int j = tid; j < g_size; j += T)
+            keys[j] = node_key(gs0[j], int(gm0[j] >> 16), gm0[j] & 0xFFFFu);
+          __syncthreads();
+          const int nb = cur ^ 1;
+          for (int j = tid; j < g_size; j += T) {
+            const uint64_t kj = keys[j];
+            int q = 0;
+            for (int f = 0; f < g_size; ++f) q += keys[f] > kj ? 1 : 0;
+            gscore[nb * B + q] = gs0[j];
+            gmeta[nb * B + q] = gm0[j];
+            gpar[nb * B + q] = gp0[j];
+            gkey[nb * B + q] = kj;
+          }
+          if (!c_in_cscore) {
+            for (int i = tid; i < c_size; i += T) cscore[(csb ^ 1) * B + i] = gs0[c_begin + i];
+            csb ^= 1;
+            c_in_cscore = true;
+          }
+          cur = nb;
+          g_sorted = true;
+          __syncthreads();
+        }
+        // the first radix pass's histogram, for a depth the run hands back (ordered by the
+        // barrier below)
+        for (int q = tid; q < 256; q += T) hist[q] = 0;
+        if (warp == 0) {
+          MergeState st{d, cur, g_size, c_size, csb, 0, thr};
+          st = merge_run(st, D, Kp, B, lp_base, off, gscore, gmeta, gpar, gkey, cscore, pos_of,
+                         lvl_cnt);
+          if (lane == 0) {
+            mstate[0] = st.d;
+            mstate[1] = st.cur;
+            mstate[2] = st.g;
+            mstate[3] = st.m;
+            mstate[4] = st.csb;
+            mstate[5] = st.status;
+            mstate[6] = int(__float_as_uint(st.thr));
+          }
+        }
+        __syncthreads();
+        const int status = mstate[5];
+        cur = mstate[1];
+        g_size = mstate[2];
+        c_size = mstate[3];
+        csb = mstate[4];
+        thr = __uint_as_float(uint32_t(mstate[6]));
+        c_in_cscore = true;
+        if (status == kMergeDone) break;
+        d = mstate[0];  // kMergePending: depth d's candidate offsets are in off[]
+        counted = true;
+      }
+    }
+    const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
 
     const float* gs_old = gscore + cur * B;
     const uint32_t* gm_old = gmeta + cur * B;
@@ -446,13 +640,18 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     uint32_t* gp_new = gpar + (cur ^ 1) * B;
     const int m = c_size;
     const int cb = c_begin;
-    auto parent_score = [&](int i) -> float { return d == 1 ? 0.0f : gs_old[cb + i]; };
+    const float* ps = (MERGE && c_in_cscore) ? cscore + csb * B : gs_old + cb;
+    auto parent_score = [&](int i) -> float { return d == 1 ? 0.0f : ps[i]; };
 
     // Candidate offsets: parent i owns flat indices [off[i], off[i+1]); contiguous parent ranges
     // per thread so that the flat order is the lexicographic order.
-    for (int q = tid; q < 256; q += T) hist[q] = 0;  // first radix pass's histogram
+    if (!counted) {
+      for (int q = tid; q < 256; q += T) hist[q] = 0;  // first radix pass's histogram
+    }
     int M = 0;
-    if (m <= 32) {
+    if (counted) {
+      M = off[m];  // written by the merge run, before its barrier
+    } else if (m <= 32) {
       // Narrow level (typical of deep trees): one warp scans, no block-wide scan.
       if (warp == 0) {
         const int cnt = lane < m ? count_above(parent_score(lane), lp, Kp, thr) : 0;
@@ -602,6 +801,8 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     c_begin = surv_total;
     c_size = sel_total;
     cur ^= 1;
+    g_sorted = false;
+    c_in_cscore = false;
     // Once G is full, a deeper node must score strictly above G's worst to get in. After a
     // selection every member's key is >= thr_key, whose top half bounds the worst score from
     // below (a looser threshold only lets through candidates that the selection then drops).

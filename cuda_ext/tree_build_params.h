@@ -75,8 +75,14 @@ DDTREE_HOST_DEVICE inline int64_t layout_scratch_bytes(int N, int D) {
   return N <= kBitRowsMaxN ? 4 * int64_t(N) * bit_row_words(N) : 2 * int64_t(N) * (D + 1);
 }
 
+// The level-wise kernel's merge variant (algo kAlgoMerge, opt-in): up to this budget, a depth
+// with at most 32 parents and 32 candidates is done by one warp that keeps the best-B set sorted
+// and merges the candidates into it, with no block barrier (tree_build_kernel<true>).
+constexpr int kMergeMaxBudget = 128;
+
 struct SmemLayout {
   int64_t lp, off, gscore, gmeta, gpar, keys, thr, posanc, lvl_cnt, hist, wbuf, wbuf_min;
+  int64_t gkey, cscore, mstate;  // the merge variant's (budgets <= kMergeMaxBudget only)
   int64_t p_parent, p_depth, p_sib, first_child, total;
 };
 
@@ -106,6 +112,10 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
   L.hist = o;        o = ddtree_align16(o + 4 * 3 * 256);            // int[3][256]: radix histograms
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
   L.wbuf_min = o;    o = ddtree_align16(o + 4 * 32);                 // float[32]: block_min
+  const int64_t mb = B <= kMergeMaxBudget ? B : 0;
+  L.gkey = o;        o = ddtree_align16(o + 8 * 2 * mb);             // u64[2][B]: keys of sorted G
+  L.cscore = o;      o = ddtree_align16(o + 4 * 2 * mb);             // float[2][B]: C_d scores, lex order
+  L.mstate = o;      o = ddtree_align16(o + (mb ? 4 * 8 : 0));        // int[8]: a merge run's result
   L.p_parent = o;    o = ddtree_align16(o + 4 * N);                  // int[N] per output index
   L.p_depth = o;     o = ddtree_align16(o + 4 * N);                  // int[N], -1 = padding
   L.p_sib = o;       o = ddtree_align16(o + 4 * N);                  // int[N]
@@ -140,14 +150,20 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 // level-wise one above it.
 constexpr int kFrontierDefaultMaxBudget = 16;
 
-enum TreeAlgo : int { kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2 };
+enum TreeAlgo : int { kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3 };
+
+// The merge variant serves only when asked for and the budget allows it, and needs every
+// depth's log-probs staged up front.
+DDTREE_HOST_DEVICE inline bool use_merge(int algo, int B, int Kp, int D) {
+  return algo == kAlgoMerge && B <= kMergeMaxBudget && preload_rows(Kp, D);
+}
 
 DDTREE_HOST_DEVICE inline bool frontier_fits(int B, int Kp, int D) {
   return frontier_items(B) > 0 && preload_rows(Kp, D);
 }
 
 DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
-  if (algo == kAlgoLevelwise || !frontier_fits(B, Kp, D)) return false;
+  if (algo == kAlgoLevelwise || algo == kAlgoMerge || !frontier_fits(B, Kp, D)) return false;
   return algo == kAlgoFrontier || B <= kFrontierDefaultMaxBudget;
 }
 

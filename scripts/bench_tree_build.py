@@ -12,7 +12,8 @@ CUDA events and the median over ``--iters`` replays divided by ``--reps`` is the
 (launch gaps included, as in a real step). The fused output is compared with the torch output
 field by field, and the number of kernels one call launches is counted with the profiler.
 A threads-per-block sweep runs at batch 64 for each budget of ``--sweep-budgets`` (default 64).
-Both kernels of the extension are timed at every point (``levelwise_us``, ``frontier_us``: the
+Every kernel of the extension is timed at every point it can take (``levelwise_us``,
+``merge_us``: the level-wise kernel's merge variant, budgets up to 128; ``frontier_us``: the
 best-first kernel serves budgets up to 287) and checked equal; ``fused_us`` is the one that
 ``SGLANG_DDTREE_TREE_KERNEL=auto`` serves there.
 
@@ -90,10 +91,10 @@ def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_
     row = dict(dist=dist, bs=bs, budget=budget, depth=depth, k=k, threads=threads or "auto",
                kernel=served)
     outs = {}
-    for name in ("levelwise", "frontier"):
+    for name in ("levelwise", "frontier", "merge"):
         algo = tree_backend.KERNEL_ALGOS[name]
         if ext.kernel_name(budget, k, depth, algo) != name:
-            continue  # the frontier kernel cannot take this point
+            continue  # the frontier kernel / the merge variant cannot take this point
         out = DraftTree.empty(bs, budget, "cuda")
         call = lambda out=out, algo=algo: tree_backend.build_tree_cuda(  # noqa: E731
             roots, lp, ids, budget, out, threads=threads, algo=algo)
@@ -102,8 +103,8 @@ def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_
         outs[name] = (out, call)
     fused_out, fused = outs[served]
     row["fused_us"] = row[f"{served}_us"]
-    if len(outs) == 2:
-        row["kernels_equal"] = same(outs["levelwise"][0], outs["frontier"][0])
+    if len(outs) >= 2:
+        row["kernels_equal"] = all(same(outs["levelwise"][0], o[0]) for o in outs.values())
     row["mean_tree_depth"] = round(fused_out.depths.max(1).values.float().mean().item(), 2)
     if with_torch:
         torch_out = DraftTree.empty(bs, budget, "cuda")
@@ -168,7 +169,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(meta, f, indent=1)
 
-    cols = ["dist", "bs", "budget", "k", "mean_tree_depth", "levelwise_us", "frontier_us",
+    cols = ["dist", "bs", "budget", "k", "mean_tree_depth", "levelwise_us", "frontier_us", "merge_us",
             "kernel", "fused_us", "torch_us", "speedup", "fused_kernels", "fused_equals_torch",
             "kernels_equal"]
     print(" ".join(f"{c:>14}" for c in cols))

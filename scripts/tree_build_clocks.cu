@@ -89,7 +89,9 @@ int main(int argc, char** argv) {
 
   const bool frontier = ddtree::use_frontier(algo, B, p.Kp, p.D);
   const int64_t smem = ddtree::tree_build_smem(algo, B, p.Kp, p.D);
-  void (*fn)(ddtree::TreeBuildParams) = ddtree::tree_build_kernel;
+  const bool merge = ddtree::use_merge(algo, B, p.Kp, p.D);
+  void (*fn)(ddtree::TreeBuildParams) = merge ? ddtree::tree_build_kernel<true>
+                                              : ddtree::tree_build_kernel<false>;
   if (frontier) {
     switch (ddtree::frontier_items(B)) {
       case 1: fn = ddtree::tree_build_frontier_kernel<1>; break;
@@ -123,6 +125,6 @@ int main(int argc, char** argv) {
   fwrite(&us, sizeof(float), 1, o);
   fclose(o);
   fprintf(stderr, "kernel %s, threads %d, smem %lld: %.2f us per launch\n",
-          frontier ? "frontier" : "levelwise", threads, (long long)smem, us);
+          merge ? "merge" : (frontier ? "frontier" : "levelwise"), threads, (long long)smem, us);
   return 0;
 }

@@ -6,7 +6,8 @@ Compiles ``scripts/tree_build_clocks.cu`` (nvcc, the running GPU's arch) with th
 has no marks), runs it on ``scripts/bench_tree_build.py``'s input distributions and prints, per
 mark, the mean cycles since the previous mark over blocks, and the slowest block's whole
 sequence. Mark ids: 0 start; level-wise 100 d + (0 level start, 1 candidate counts, 2 select,
-3 compaction scan, 4 level end); frontier 100 staged, 1000 + i after pop i; both 9000 build done,
+3 compaction scan, 4 level end; with ``merge``, depths done by a merge run have no marks of
+their own: the next mark after 100 d counts them); frontier 100 staged, 1000 + i after pop i; both 9000 build done,
 9003 node outputs written, 9009 end (9001 / 9002: the level-wise kernel's final order / outputs).
 The marks cost a few cycles each; the per-launch time printed beside them is measured without a
 CUDA graph. A diagnostic: ``scripts/bench_tree_build.py`` stays the measure of speed.
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_tree_build import make_topk  # noqa: E402
 from tree_build_phases import write_input  # noqa: E402
 
-ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2}  # ddtree::TreeAlgo
+ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3}  # ddtree::TreeAlgo
 MAX_BLOCKS = 64
 PAIRS = 96  # kClockPairs in tree_build_kernel.cuh
 

@@ -64,11 +64,11 @@ def write_input(path: str, roots, lp, ids, budget: int, threads: int = 0, algo: 
         np.zeros(bs, np.int64).tofile(f)
 
 
-def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0):
+def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0, algo: int = 1):
     """(mean block barriers per block, threads per block) of one emulated launch; threads 0:
-    the launcher's choice for the budget."""
+    the launcher's choice for the budget; algo 1 the level-wise kernel, 3 its merge variant."""
     fin, fout = os.path.join(workdir, "in.bin"), os.path.join(workdir, "out.bin")
-    write_input(fin, roots, lp, ids, budget, threads, algo=1)  # algo 1: level-wise
+    write_input(fin, roots, lp, ids, budget, threads, algo=algo)
     r = subprocess.run([exe, fin, fout], check=True, capture_output=True, text=True, timeout=600)
     m, a = PHASES_RE.search(r.stderr), ATOMICS_RE.search(r.stderr)
     return (float(m.group(1)), int(m.group(2)), float(a.group(1)), float(a.group(2)),
@@ -84,6 +84,7 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=0, help="0: the launcher's choice")
+    ap.add_argument("--algo", default="levelwise", choices=("levelwise", "merge"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -94,8 +95,9 @@ def main(argv=None):
                 roots, lp, ids = make_topk(args.bs, args.depth, budget, args.vocab, dist,
                                            seed=args.bs * 7919 + budget, device="cpu")
                 count, t, atomics, depth, most = phases(exe, work, roots, lp, ids, budget,
-                                                        args.threads)
-                rows.append(dict(dist=dist, budget=budget, threads=t, bs=args.bs,
+                                                        args.threads,
+                                                        1 if args.algo == "levelwise" else 3)
+                rows.append(dict(dist=dist, budget=budget, threads=t, bs=args.bs, algo=args.algo,
                                  phases_per_block=count, phases_max_block=most,
                                  atomics_per_block=atomics, atomic_depth_per_block=depth))
                 print(f"{dist:7s} budget {budget:4d} threads {t:4d}: {count:.1f} block barriers "

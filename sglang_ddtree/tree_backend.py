@@ -13,8 +13,11 @@ min(D, budget) > 63, more shared memory than the GPU has) go to ``build_tree``.
 The extension holds two kernels with the same output: the level-wise one (any budget up to
 1024; its time grows with the tree's depth) and the best-first "frontier" one (budgets up to
 287; its time grows with the budget, not the depth). ``SGLANG_DDTREE_TREE_KERNEL``
-(auto|levelwise|frontier, default auto) picks one; auto takes the frontier kernel up to budget
-16, where the H200 measured it faster (``bench_results/tree_build_h200.json``).
+(auto|levelwise|frontier|merge, default auto) picks one; auto takes the frontier kernel up to
+budget 16, where the H200 measured it faster (``bench_results/tree_build_h200.json``). ``merge``
+(opt-in, budgets up to 128, else the level-wise kernel) is the level-wise kernel with one warp
+doing each narrow depth (at most 32 parents and 32 candidates) by merging into a sorted best-B
+set without block barriers: exact in the CPU emulation, not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -35,11 +38,12 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
 
 ENV_KERNEL = "SGLANG_DDTREE_TREE_KERNEL"
-KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2}  # ddtree::TreeAlgo
+KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3}  # ddtree::TreeAlgo
 
 
 def kernel_algo_from_env() -> int:
-    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier, default auto) as ddtree::TreeAlgo."""
+    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge, default auto) as
+    ddtree::TreeAlgo."""
     value = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if value not in KERNEL_ALGOS:
         raise ValueError(f"{ENV_KERNEL}: expected one of {'|'.join(KERNEL_ALGOS)}, got {value!r}")
@@ -89,7 +93,8 @@ def build_tree_cuda(root_ids: torch.Tensor, topk_logp: torch.Tensor, topk_ids: t
         (not checked: that needs a sync), the FULL_MASK layout of ``tree.full_mask_layout``;
         elements past the used length are left untouched.
     threads : threads per block, a multiple of 32 up to 1024 (0 = by budget: 128..1024).
-    algo : which kernel (0 auto, 1 level-wise, 2 frontier); None = ``SGLANG_DDTREE_TREE_KERNEL``.
+    algo : which kernel (0 auto, 1 level-wise, 2 frontier, 3 merge); None =
+        ``SGLANG_DDTREE_TREE_KERNEL``.
         The frontier kernel serves budgets up to 287 with every depth's log-probs in shared
         memory; outside that the level-wise kernel serves whatever was asked.
     """

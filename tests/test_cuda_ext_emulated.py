@@ -159,7 +159,38 @@ def test_emulated_frontier_kernel_matches_reference(driver, tmp_path, bs, budget
           algo=ALGO_FRONTIER)
 
 
-@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER])
+# The level-wise kernel's merge variant (budgets <= 128, every depth staged up front): every
+# level-wise case it can take, plus deep narrow trees (peaked), the hand-over from merged depths
+# back to block depths (wide top-K after narrow depths), G not yet full, and exact ties.
+ALGO_MERGE = KERNEL_ALGOS["merge"]
+MERGE_MAX_BUDGET = 128  # ddtree::kMergeMaxBudget
+
+
+def merge_fits(budget, depth, k):
+    return budget <= MERGE_MAX_BUDGET and min(k, budget) * min(depth, budget) <= 8192
+
+
+MERGE_CASES = [c for c in CASES if merge_fits(c[1], c[2], c[3])] + [
+    (3, 64, 15, 64, 128, "peaked"),
+    (3, 64, 15, 64, 64, "ties"),
+    (2, 128, 15, 128, 128, "peaked"),
+    (2, 128, 12, 128, 256, "round"),
+    (3, 32, 15, 32, 32, "peaked"),
+    (3, 16, 15, 8, 64, "random"),
+    (2, 100, 10, 20, 128, "ninf"),
+    (4, 48, 15, 48, 96, "dead_depth"),
+    (2, 64, 15, 64, 128, "short_vocab"),
+]
+
+
+@pytest.mark.parametrize("bs, budget, depth, k, threads, mode", MERGE_CASES)
+def test_emulated_merge_variant_matches_reference(driver, tmp_path, bs, budget, depth, k, threads,
+                                                  mode):
+    check(driver, tmp_path, bs, budget, depth, k, threads, mode, seed=budget * 3 + depth,
+          algo=ALGO_MERGE)
+
+
+@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER, ALGO_MERGE])
 def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path, algo):
     roots, lp, ids, seq, first = check(driver, tmp_path, 2, 64, 15, 64, 64, "ties", seed=5,
                                        algo=algo)

@@ -102,6 +102,15 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) {
   g_emu_warp_bar[threadIdx.x >> 5]->arrive_and_wait();
 }
+inline unsigned __ballot_sync(unsigned, int pred) {
+  const int lane = emu_lane();
+  return unsigned(emu_warp_all(pred ? (uint64_t(1) << lane) : 0, [](const std::vector<uint64_t>& b) {
+    uint64_t bits = 0;
+    for (uint64_t x : b) bits |= x;
+    return bits;
+  }));
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline bool __any_sync(unsigned, int pred) {
   return emu_warp_all(pred ? 1 : 0, [](const std::vector<uint64_t>& b) {
     uint64_t any = 0;

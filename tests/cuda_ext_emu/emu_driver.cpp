@@ -63,8 +63,11 @@ int main(int argc, char** argv) {
   if (smem_total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)smem_total); return 2; }
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
   const bool frontier = ddtree::use_frontier(algo, B, p.Kp, p.D);
-  if (!frontier) {
-    emu_launch(ddtree::tree_build_kernel, bs, T, p);
+  const bool merge = ddtree::use_merge(algo, B, p.Kp, p.D);
+  if (merge) {
+    emu_launch(ddtree::tree_build_kernel<true>, bs, T, p);
+  } else if (!frontier) {
+    emu_launch(ddtree::tree_build_kernel<false>, bs, T, p);
   } else {
     switch (ddtree::frontier_items(B)) {
       case 1: emu_launch(ddtree::tree_build_frontier_kernel<1>, bs, T, p); break;
@@ -74,7 +77,7 @@ int main(int argc, char** argv) {
       default: emu_launch(ddtree::tree_build_frontier_kernel<9>, bs, T, p); break;
     }
   }
-  fprintf(stderr, "kernel: %s\n", frontier ? "frontier" : "levelwise");
+  fprintf(stderr, "kernel: %s\n", merge ? "merge" : (frontier ? "frontier" : "levelwise"));
   fprintf(stderr, "block barriers per block: %.2f (threads %d), most in one block: %ld\n",
           double(g_emu_block_syncs) / bs, T, g_emu_block_syncs_max);
   fprintf(stderr, "shared atomics per block: %.1f, busiest-address depth per block: %.1f\n",

@@ -29,10 +29,10 @@ def ext():
     return tree_backend._loader().load_tree_build_ext(required=True)
 
 
-@pytest.fixture(autouse=True, params=["levelwise", "frontier"])
+@pytest.fixture(autouse=True, params=["levelwise", "frontier", "merge"])
 def kernel_algo(request, monkeypatch):
-    """Every test runs on both kernels (``SGLANG_DDTREE_TREE_KERNEL``); budgets above 287 go to
-    the level-wise kernel either way."""
+    """Every test runs on each kernel (``SGLANG_DDTREE_TREE_KERNEL``); budgets above 287 go to
+    the level-wise kernel either way, and above 128 the merge variant is the level-wise kernel."""
     monkeypatch.setenv(tree_backend.ENV_KERNEL, request.param)
     return request.param
 
