@@ -391,12 +391,14 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
 // ---------------------------------------------------------------------------------------------
 // The merge variant's narrow depths (tree_build_kernel<true>): warp 0 alone, G kept sorted by key
 // (best first) in shared memory with its keys in gkey, C_{d-1}'s scores in cscore (lex order).
-// A depth whose parents and candidates are at most 32 each: candidate c (lane c, flat index c =
-// lex order) finds its parent, its rank among the candidates (32 shuffles) and among G (binary
-// search); G member j moves down by the candidates before it; whatever lands below B drops out.
-// Keys are distinct, so the new positions are a permutation. Runs depths until one has no
-// candidate or survivor (status kMergeDone), or more than 32 candidates (kMergePending: off[]
-// and off[m] = M are written for that depth, which the block then takes over).
+// A depth whose parents and candidates are at most kMergeWidth each: item x (parent or candidate
+// x, lane x % 32, slot x / 32; flat candidate index = lex order) finds its parent, its rank among
+// the candidates (32 rounds of shuffles) and among G (binary search); G member j moves down by
+// the candidates before it; whatever lands at B or below drops out. Keys are distinct, so the
+// new positions are a permutation. Runs depths until one has no candidate or survivor (status
+// kMergeDone), or more than kMergeWidth candidates (kMergePending: off[] and off[m] = M are
+// written for that depth, which the block then takes over).
+constexpr int kMergeWidth = 64;  // two items per lane
 constexpr int kMergeDone = 1, kMergePending = 2;
 
 struct MergeState {
@@ -409,26 +411,38 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
                                                 uint32_t* gmeta, uint32_t* gpar, uint64_t* gkey,
                                                 float* cscore, uint16_t* pos_of, int* lvl_cnt) {
   const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
   for (; st.d <= D; ++st.d) {
     const int d = st.d, m = st.m, g = st.g;
     const float* lp = lp_base + (d - 1) * Kp;
     const float* ps = cscore + st.csb * B;
-    const int cnt = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, st.thr) : 0;
-    int incl = cnt;
+    // candidate counts of parents lane and lane + 32, scanned in parent order
+    int cnt[2], excl[2];
+    int base = 0;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(kFullWarp, incl, o);
-      if (lane >= o) incl += y;
+    for (int t = 0; t < 2; ++t) {
+      const int x = lane + 32 * t;
+      cnt[t] = x < m ? count_above(d == 1 ? 0.0f : ps[x], lp, Kp, st.thr) : 0;
+      int incl = cnt[t];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFullWarp, incl, o);
+        if (lane >= o) incl += y;
+      }
+      excl[t] = base + incl - cnt[t];
+      base += __shfl_sync(kFullWarp, incl, 31);
     }
-    const int M = __shfl_sync(kFullWarp, incl, 31);
-    if (lane < m) off[lane] = incl - cnt;
-    if (lane == 31) off[m] = incl;
+    const int M = base;
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+      if (lane + 32 * t < m) off[lane + 32 * t] = excl[t];
+    if (lane == 0) off[m] = M;
     __syncwarp();
     if (M == 0) {
       st.status = kMergeDone;
       return st;
     }
-    if (M > 32) {
+    if (M > kMergeWidth) {
       st.status = kMergePending;
       return st;
     }
@@ -437,62 +451,84 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
     const uint32_t* gp_old = gpar + st.cur * B;
     const uint64_t* gk_old = gkey + st.cur * B;
     const int nb = st.cur ^ 1;
-    // this lane's candidate (flat index = lane)
-    const bool has = lane < M;
-    int i = 0, r = 0;
-    float sc = 0.0f;
-    uint64_t key = 0;
-    if (has) {
-      i = find_parent(off, m, lane);
-      r = lane - off[i];
-      sc = (d == 1 ? 0.0f : ps[i]) + lp[r];
-      key = node_key(sc, d, uint32_t(lane));
+    // this lane's candidates c = lane + 32 t
+    bool has[2];
+    int par[2], rk[2], rc[2];
+    float sc[2];
+    uint64_t key[2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int c = lane + 32 * t;
+      has[t] = c < M;
+      par[t] = 0;
+      rk[t] = 0;
+      sc[t] = 0.0f;
+      key[t] = 0;
+      rc[t] = 0;
+      if (has[t]) {
+        par[t] = find_parent(off, m, c);
+        rk[t] = c - off[par[t]];
+        sc[t] = (d == 1 ? 0.0f : ps[par[t]]) + lp[rk[t]];
+        key[t] = node_key(sc[t], d, uint32_t(c));
+      }
     }
-    // this lane's G members j = lane + 32 t (B <= 128: t < 4)
+    // this lane's G members j = lane + 32 u (B <= kMergeMaxBudget = 128: u < 4)
     uint64_t gk[4];
     int before[4];
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int j = lane + 32 * t;
-      gk[t] = j < g ? gk_old[j] : 0;
-      before[t] = 0;
+    for (int u = 0; u < 4; ++u) {
+      const int j = lane + 32 * u;
+      gk[u] = j < g ? gk_old[j] : 0;
+      before[u] = 0;
     }
-    int rc = 0;
     for (int src = 0; src < 32; ++src) {
-      const uint64_t ks = __shfl_sync(kFullWarp, key, src);
-      if (src < M) {
-        rc += ks > key ? 1 : 0;
 #pragma unroll
-        for (int t = 0; t < 4; ++t) before[t] += ks > gk[t] ? 1 : 0;
+      for (int ts = 0; ts < 2; ++ts) {
+        const uint64_t ks = __shfl_sync(kFullWarp, key[ts], src);
+        if (src + 32 * ts < M) {
+#pragma unroll
+          for (int t = 0; t < 2; ++t) rc[t] += ks > key[t] ? 1 : 0;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) before[u] += ks > gk[u] ? 1 : 0;
+        }
       }
     }
-    int lo = 0, hi = g;  // G members before the candidate: G is sorted best first
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (gk_old[mid] > key) lo = mid + 1; else hi = mid;
-    }
-    const int nc = rc + lo;
-    const bool sel = has && nc < B;
-    const unsigned selmask = __ballot_sync(kFullWarp, sel);
-    const int nsel = __popc(selmask);
+    bool sel[2];
+    int nc[2];
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int j = lane + 32 * t, q = j + before[t];
+    for (int t = 0; t < 2; ++t) {
+      int lo = 0, hi = g;  // G members before the candidate: G is sorted best first
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (gk_old[mid] > key[t]) lo = mid + 1; else hi = mid;
+      }
+      nc[t] = rc[t] + lo;
+      sel[t] = has[t] && nc[t] < B;
+    }
+    const unsigned mask0 = __ballot_sync(kFullWarp, sel[0]);
+    const unsigned mask1 = __ballot_sync(kFullWarp, sel[1]);
+    const int nsel = __popc(mask0) + __popc(mask1);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int j = lane + 32 * u, q = j + before[u];
       if (j < g && q < B) {
         gscore[nb * B + q] = gs_old[j];
         gmeta[nb * B + q] = gm_old[j];
         gpar[nb * B + q] = gp_old[j];
-        gkey[nb * B + q] = gk[t];
+        gkey[nb * B + q] = gk[u];
       }
     }
-    if (sel) {
-      const int lex = __popc(selmask & ((1u << lane) - 1u));
-      gscore[nb * B + nc] = sc;
-      gmeta[nb * B + nc] = (uint32_t(d) << 16) | uint32_t(lex);
-      gpar[nb * B + nc] = (uint32_t(i) << 16) | uint32_t(r);
-      gkey[nb * B + nc] = node_key(sc, d, uint32_t(lex));  // same order among depth d
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (!sel[t]) continue;
+      const int lex = t == 0 ? __popc(mask0 & below) : __popc(mask0) + __popc(mask1 & below);
+      const int q = nc[t];
+      gscore[nb * B + q] = sc[t];
+      gmeta[nb * B + q] = (uint32_t(d) << 16) | uint32_t(lex);
+      gpar[nb * B + q] = (uint32_t(par[t]) << 16) | uint32_t(rk[t]);
+      gkey[nb * B + q] = node_key(sc[t], d, uint32_t(lex));  // same order among depth d
       pos_of[(d - 1) * B + lex] = kNoPos;
-      cscore[(st.csb ^ 1) * B + lex] = sc;
+      cscore[(st.csb ^ 1) * B + lex] = sc[t];
     }
     if (lane == 0) lvl_cnt[d] = nsel;
     st.g = g + M < B ? g + M : B;
@@ -570,9 +606,10 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
     DDTREE_MARK(100 * d);
     bool counted = false;  // MERGE: a merge run left this depth's off[] for the block
     if constexpr (MERGE) {
-      // a merge run needs at most 32 parents; the root's candidates are the first row's finite
-      // entries, more than 32 whenever Kp is, so depth 1 tries only when Kp <= 32
-      if (c_size <= 32 && (d > 1 || Kp <= 32)) {
+      // a merge run needs at most kMergeWidth parents; the root's candidates are the first
+      // row's finite entries, more than kMergeWidth whenever Kp is, so depth 1 tries only when
+      // Kp <= kMergeWidth
+      if (c_size <= kMergeWidth && (d > 1 || Kp <= kMergeWidth)) {
         if (!g_sorted) {
           // sort G best first into the other buffer (rank = larger keys), C_{d-1} to cscore
           const float* gs0 = gscore + cur * B;

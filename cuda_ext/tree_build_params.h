@@ -76,7 +76,7 @@ DDTREE_HOST_DEVICE inline int64_t layout_scratch_bytes(int N, int D) {
 }
 
 // The level-wise kernel's merge variant (algo kAlgoMerge, opt-in): up to this budget, a depth
-// with at most 32 parents and 32 candidates is done by one warp that keeps the best-B set sorted
+// with at most 64 parents and 64 candidates is done by one warp that keeps the best-B set sorted
 // and merges the candidates into it, with no block barrier (tree_build_kernel<true>).
 constexpr int kMergeMaxBudget = 128;
 

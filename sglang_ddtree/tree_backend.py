@@ -16,7 +16,7 @@ The extension holds two kernels with the same output: the level-wise one (any bu
 (auto|levelwise|frontier|merge, default auto) picks one; auto takes the frontier kernel up to
 budget 16, where the H200 measured it faster (``bench_results/tree_build_h200.json``). ``merge``
 (opt-in, budgets up to 128, else the level-wise kernel) is the level-wise kernel with one warp
-doing each narrow depth (at most 32 parents and 32 candidates) by merging into a sorted best-B
+doing each narrow depth (at most 64 parents and 64 candidates) by merging into a sorted best-B
 set without block barriers: exact in the CPU emulation, not yet run on a GPU.
 """
 from __future__ import annotations
