@@ -66,8 +66,10 @@ cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
   const bool frontier = use_frontier(algo, p.B, p.Kp, p.D);
   const int slot = kernel_slot(frontier, use_merge(algo, p.B, p.Kp, p.D), p.B);
   const KernelFn fn = kKernelFns[slot];
-  // the frontier kernel's launch bound; the block size changes no result, only the output phase
+  // the frontier kernel's and the merge variant's launch bounds; the block size changes no
+  // result, only the time
   if (frontier && threads > kFrontierMaxThreads) threads = kFrontierMaxThreads;
+  if (slot == 6 && threads > kMergeMaxThreads) threads = kMergeMaxThreads;
   if (smem_bytes > kDefaultSmemLimit) {
     if (device < 0 || device >= kTrackedDevices) {
       const cudaError_t err = grant_smem(fn, smem_bytes);

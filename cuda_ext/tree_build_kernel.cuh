@@ -550,7 +550,7 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
 // ---------------------------------------------------------------------------------------------
 
 template <bool MERGE>
-__global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams p) {
+__global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_kernel(const TreeBuildParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -857,18 +857,24 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(const TreeBuildParams 
   __syncthreads();
   DDTREE_MARK(9000);
 
-  // ---- Final order: output index of each member of G = 1 + number of better members.
+  // ---- Final order: output index of each member of G = 1 + number of better members (its index
+  // + 1 when a merge run left G sorted).
   const int n = g_size;
   const float* gs = gscore + cur * B;
   const uint32_t* gm = gmeta + cur * B;
   const uint32_t* gp = gpar + cur * B;
-  for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
+  const bool sorted_at_end = MERGE && g_sorted;  // block-uniform
+  if (!sorted_at_end)
+    for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
   init_positions(N, p_parent, p_depth, p_sib, first_child);
   __syncthreads();
   for (int j = tid; j < n; j += T) {
-    const uint64_t kj = keys[j];
-    int better = 0;
-    for (int k = 0; k < n; ++k) better += keys[k] > kj ? 1 : 0;
+    int better = j;
+    if (!sorted_at_end) {
+      const uint64_t kj = keys[j];
+      better = 0;
+      for (int k = 0; k < n; ++k) better += keys[k] > kj ? 1 : 0;
+    }
     pos_of[(int(gm[j] >> 16) - 1) * B + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
   }
   __syncthreads();

@@ -79,6 +79,7 @@ DDTREE_HOST_DEVICE inline int64_t layout_scratch_bytes(int N, int D) {
 // with at most 64 parents and 64 candidates is done by one warp that keeps the best-B set sorted
 // and merges the candidates into it, with no block barrier (tree_build_kernel<true>).
 constexpr int kMergeMaxBudget = 128;
+constexpr int kMergeMaxThreads = 256;  // its launch bound (the launcher clamps): no spills
 
 struct SmemLayout {
   int64_t lp, off, gscore, gmeta, gpar, keys, thr, posanc, lvl_cnt, hist, wbuf, wbuf_min;

@@ -101,7 +101,8 @@ int main(int argc, char** argv) {
       default: fn = ddtree::tree_build_frontier_kernel<9>; break;
     }
   }
-  const int threads = frontier && T > ddtree::kFrontierMaxThreads ? ddtree::kFrontierMaxThreads : T;
+  const int cap = frontier ? ddtree::kFrontierMaxThreads : (merge ? ddtree::kMergeMaxThreads : 1024);
+  const int threads = T > cap ? cap : T;
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   for (int i = 0; i < 50; ++i) fn<<<bs, threads, smem>>>(p);
   CHECK(cudaGetLastError());

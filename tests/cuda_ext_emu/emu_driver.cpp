@@ -64,8 +64,8 @@ int main(int argc, char** argv) {
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
   const bool frontier = ddtree::use_frontier(algo, B, p.Kp, p.D);
   const bool merge = ddtree::use_merge(algo, B, p.Kp, p.D);
-  if (merge) {
-    emu_launch(ddtree::tree_build_kernel<true>, bs, T, p);
+  if (merge) {  // the launcher's clamp to the variant's launch bound
+    emu_launch(ddtree::tree_build_kernel<true>, bs, T > ddtree::kMergeMaxThreads ? ddtree::kMergeMaxThreads : T, p);
   } else if (!frontier) {
     emu_launch(ddtree::tree_build_kernel<false>, bs, T, p);
   } else {
