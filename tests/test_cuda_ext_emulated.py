@@ -152,13 +152,6 @@ FRONTIER_CASES = [c for c in CASES if frontier_fits(c[1], c[2], c[3])] + [
 ]
 
 
-@pytest.mark.parametrize("bs, budget, depth, k, threads, mode", FRONTIER_CASES)
-def test_emulated_frontier_kernel_matches_reference(driver, tmp_path, bs, budget, depth, k,
-                                                    threads, mode):
-    check(driver, tmp_path, bs, budget, depth, k, threads, mode, seed=budget * 5 + depth,
-          algo=ALGO_FRONTIER)
-
-
 # The level-wise kernel's merge variant (budgets <= 128, every depth staged up front): every
 # level-wise case it can take, plus deep narrow trees (peaked), the hand-over from merged depths
 # back to block depths (wide top-K after narrow depths), G not yet full, and exact ties.
@@ -183,11 +176,16 @@ MERGE_CASES = [c for c in CASES if merge_fits(c[1], c[2], c[3])] + [
 ]
 
 
-@pytest.mark.parametrize("bs, budget, depth, k, threads, mode", MERGE_CASES)
-def test_emulated_merge_variant_matches_reference(driver, tmp_path, bs, budget, depth, k, threads,
-                                                  mode):
-    check(driver, tmp_path, bs, budget, depth, k, threads, mode, seed=budget * 3 + depth,
-          algo=ALGO_MERGE)
+# (kernel, case) for the frontier kernel and the merge variant; the seed differs per kernel
+VARIANT_CASES = ([("frontier", c) for c in FRONTIER_CASES] + [("merge", c) for c in MERGE_CASES])
+SEED_STEP = {"frontier": 5, "merge": 3}
+
+
+@pytest.mark.parametrize("name, case", VARIANT_CASES)
+def test_emulated_variant_matches_reference(driver, tmp_path, name, case):
+    bs, budget, depth, k, threads, mode = case
+    check(driver, tmp_path, bs, budget, depth, k, threads, mode,
+          seed=budget * SEED_STEP[name] + depth, algo=KERNEL_ALGOS[name])
 
 
 @pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER, ALGO_MERGE])
