@@ -254,14 +254,16 @@ def test_pass_prompts_waves_cycle_the_prompts():
 
 
 def test_interleaved_points_stop_at_the_deadline(monkeypatch):
-    """--time-budget: once the deadline has passed no new point starts, and the skipped points
-    are named in the errors (the timers servers and the dump still get their time)."""
+    """--time-budget: a point that would end after the deadline (judged by the longest point
+    so far) does not start, and the skipped points are named in the errors (the timers servers
+    and the dump still get their time)."""
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
     import bench_e2e
 
-    clock = iter([0.0, 0.0, 100.0, 100.0, 100.0])
+    # time.time() per point: the check, the point's start and end (the points take 10 s, 10 s)
+    clock = iter([0.0, 0.0, 10.0, 15.0, 15.0, 25.0, 45.0])
     monkeypatch.setattr(bench_e2e.time, "time", lambda: next(clock))
     monkeypatch.setattr(bench_e2e, "run_pass", lambda *a: {
         "tokens_per_s": 1.0, "ttft_ms": 1.0, "tpot_ms": 1.0, "accept_length": None})
@@ -269,5 +271,6 @@ def test_interleaved_points_stop_at_the_deadline(monkeypatch):
                                  repeats=1, waves=1, deadline=50.0)
     errors = {}
     out = bench_e2e.measure_interleaved({"a": 1}, [[1]] * 4, args, [1, 4, 8], errors)
+    # c=1 at 0 (ends 10), c=4 at 15 (15 + 10 <= 50, ends 25), c=8 at 45: 45 + 10 > 50
     assert list(out["a"]["greedy"]) == ["1", "4"]
     assert errors["skipped_points"] == ["greedy c=8: --time-budget"]
