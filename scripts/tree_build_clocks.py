@@ -83,7 +83,8 @@ def main(argv=None):
     ap.add_argument("--budgets", type=int, nargs="+", default=[64])
     ap.add_argument("--bs", type=int, nargs="+", default=[64])
     ap.add_argument("--dists", nargs="+", default=["peaked", "random"])
-    ap.add_argument("--algo", nargs="+", default=["levelwise", "frontier"], choices=list(ALGOS))
+    ap.add_argument("--algo", nargs="+", default=["levelwise", "frontier", "merge"],
+                    choices=list(ALGOS))
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="0: the launcher's choice")
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=151936)

@@ -127,7 +127,6 @@ def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
     triton-verify budgets included) gets results, the timer server its stage records, and the
     JSON is written; catches script bugs before GPU time is spent on them."""
     import sys
-    import types
 
     import pytest
 
@@ -208,7 +207,6 @@ def test_interleaved_points_take_turns_and_drop_a_failing_server(monkeypatch):
     """At every point the methods alternate pass by pass; a server that fails mid-run is
     reported and leaves the rotation while the others finish."""
     import sys
-    import types
 
     sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
     import bench_e2e
