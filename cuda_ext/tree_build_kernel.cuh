@@ -642,8 +642,10 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
         for (int q = tid; q < 256; q += T) hist[q] = 0;
         if (warp == 0) {
           MergeState st{d, cur, g_size, c_size, csb, 0, thr};
+          DDTREE_MARK(100 * d + 5);  // a merge run from depth d ...
           st = merge_run(st, D, Kp, B, lp_base, off, gscore, gmeta, gpar, gkey, cscore, pos_of,
                          lvl_cnt);
+          DDTREE_MARK(100 * st.d + 6);  // ... up to depth st.d (done there, or handed back)
           if (lane == 0) {
             mstate[0] = st.d;
             mstate[1] = st.cur;

@@ -6,8 +6,8 @@ Compiles ``scripts/tree_build_clocks.cu`` (nvcc, the running GPU's arch) with th
 has no marks), runs it on ``scripts/bench_tree_build.py``'s input distributions and prints, per
 mark, the mean cycles since the previous mark over blocks, and the slowest block's whole
 sequence. Mark ids: 0 start; level-wise 100 d + (0 level start, 1 candidate counts, 2 select,
-3 compaction scan, 4 level end; with ``merge``, depths done by a merge run have no marks of
-their own: the next mark after 100 d counts them); frontier 100 staged, 1000 + i after pop i; both 9000 build done,
+3 compaction scan, 4 level end; with ``merge`` also 5 a merge run starts at this depth, 6 it
+ended at this depth: the depths between have no marks of their own); frontier 100 staged, 1000 + i after pop i; both 9000 build done,
 9003 node outputs written, 9009 end (9001 / 9002: the level-wise kernel's final order / outputs).
 The marks cost a few cycles each; the per-launch time printed beside them is measured without a
 CUDA graph. A diagnostic: ``scripts/bench_tree_build.py`` stays the measure of speed.
