@@ -223,9 +223,8 @@ int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D, int64_t algo
 std::string tree_build_kernel_name(int64_t budget, int64_t K, int64_t D, int64_t algo) {
   const int Kp = static_cast<int>(K < budget ? K : budget);
   const int d_eff = static_cast<int>(D < budget ? D : budget);
-  const int a = static_cast<int>(algo), B = static_cast<int>(budget);
-  if (ddtree::use_frontier(a, B, Kp, d_eff)) return "frontier";
-  return ddtree::use_merge(a, B, Kp, d_eff) ? "merge" : "levelwise";
+  return ddtree::tree_kernel_name(ddtree::tree_kernel_index(static_cast<int>(algo),
+                                                             static_cast<int>(budget), Kp, d_eff));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -15,30 +15,10 @@
 namespace {
 
 constexpr int kTrackedDevices = 64;
-constexpr int kKernels = 7;  // level-wise, frontier per item count, level-wise merge variant
+constexpr int kKernels = ddtree::kTreeKernels;
 constexpr int64_t kDefaultSmemLimit = 48 * 1024;  // above this the kernel needs an opt-in
 
-using KernelFn = void (*)(ddtree::TreeBuildParams);
-
-// Slot 0 is the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3, 5, 9 slots per lane, 6
-// the level-wise kernel's merge variant.
-constexpr KernelFn kKernelFns[kKernels] = {
-    ddtree::tree_build_kernel<false>,       ddtree::tree_build_frontier_kernel<1>,
-    ddtree::tree_build_frontier_kernel<2>, ddtree::tree_build_frontier_kernel<3>,
-    ddtree::tree_build_frontier_kernel<5>, ddtree::tree_build_frontier_kernel<9>,
-    ddtree::tree_build_kernel<true>};
-
-int kernel_slot(bool frontier, bool merge, int B) {
-  if (merge) return 6;
-  if (!frontier) return 0;
-  switch (ddtree::frontier_items(B)) {
-    case 1: return 1;
-    case 2: return 2;
-    case 3: return 3;
-    case 5: return 4;
-    default: return 5;
-  }
-}
+using KernelFn = ddtree::TreeKernelFn;
 
 // Per kernel and device: the largest dynamic shared memory already granted (0 = none). Only
 // grows; raising it holds g_smem_lock so that a smaller grant never overwrites a larger one. A
@@ -56,20 +36,16 @@ cudaError_t grant_smem(KernelFn fn, int64_t smem_bytes) {
 namespace ddtree {
 
 // Launches one block of `threads` threads per request on `stream` (device `device` must be
-// current): the kernel use_frontier(algo, ...) picks, first raising its dynamic shared-memory
+// current): the kernel tree_kernel_index(algo, ...) picks, first raising its dynamic shared-memory
 // limit to `smem_bytes` when the default 48 KB does not suffice. Enqueues no allocation and no
 // host sync, and cudaFuncSetAttribute is not a stream operation, so the call is CUDA-graph
 // capturable. Returns the first CUDA error (cudaSuccess when the launch was accepted).
 cudaError_t tree_build_launch_raw(const TreeBuildParams& p, int bs, int threads,
                                   int64_t smem_bytes, int device, cudaStream_t stream,
                                   int algo) noexcept {
-  const bool frontier = use_frontier(algo, p.B, p.Kp, p.D);
-  const int slot = kernel_slot(frontier, use_merge(algo, p.B, p.Kp, p.D), p.B);
-  const KernelFn fn = kKernelFns[slot];
-  // the frontier kernel's and the merge variant's launch bounds; the block size changes no
-  // result, only the time
-  if (frontier && threads > kFrontierMaxThreads) threads = kFrontierMaxThreads;
-  if (slot == 6 && threads > kMergeMaxThreads) threads = kMergeMaxThreads;
+  const int slot = tree_kernel_index(algo, p.B, p.Kp, p.D);
+  const KernelFn fn = tree_kernel_fn(slot);
+  threads = tree_kernel_threads(slot, threads);  // the kernels' launch bounds
   if (smem_bytes > kDefaultSmemLimit) {
     if (device < 0 || device >= kTrackedDevices) {
       const cudaError_t err = grant_smem(fn, smem_bytes);

@@ -1147,4 +1147,18 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
   DDTREE_MARK(9009);
 }
 
+// The entry point of kernel `index` (tree_kernel_index in tree_build_params.h).
+using TreeKernelFn = void (*)(TreeBuildParams);
+inline TreeKernelFn tree_kernel_fn(int index) {
+  switch (index) {
+    case 1: return tree_build_frontier_kernel<1>;
+    case 2: return tree_build_frontier_kernel<2>;
+    case 3: return tree_build_frontier_kernel<3>;
+    case 4: return tree_build_frontier_kernel<5>;
+    case 5: return tree_build_frontier_kernel<9>;
+    case kMergeKernelIndex: return tree_build_kernel<true>;
+    default: return tree_build_kernel<false>;
+  }
+}
+
 }  // namespace ddtree

@@ -200,6 +200,36 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
   return L;
 }
 
+// The kernel that serves (algo, B, Kp, D), as an index shared by the launcher (tree_build.cu,
+// which keeps per-kernel state), the host-compiled bindings, the CPU emulation and
+// scripts/tree_build_clocks.cu: 0 the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3,
+// 5, 9 slots per lane, 6 the level-wise kernel's merge variant (tree_kernel_fn in
+// tree_build_kernel.cuh maps an index to its entry point).
+constexpr int kTreeKernels = 7;
+constexpr int kMergeKernelIndex = 6;
+DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) {
+  if (use_merge(algo, B, Kp, D)) return kMergeKernelIndex;
+  if (!use_frontier(algo, B, Kp, D)) return 0;
+  switch (frontier_items(B)) {
+    case 1: return 1;
+    case 2: return 2;
+    case 3: return 3;
+    case 5: return 4;
+    default: return 5;
+  }
+}
+
+DDTREE_HOST_DEVICE inline const char* tree_kernel_name(int index) {
+  return index == 0 ? "levelwise" : (index == kMergeKernelIndex ? "merge" : "frontier");
+}
+
+// Threads per block the kernel `index` runs with when asked for `threads`: the frontier kernel
+// and the merge variant are compiled for at most 256 (the block size changes no result).
+DDTREE_HOST_DEVICE inline int tree_kernel_threads(int index, int threads) {
+  const int cap = index == 0 ? 1024 : (index == kMergeKernelIndex ? kMergeMaxThreads : kFrontierMaxThreads);
+  return threads > cap ? cap : threads;
+}
+
 // Dynamic shared memory of the kernel that serves (algo, B, Kp, D).
 DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D) {
   return use_frontier(algo, B, Kp, D) ? make_frontier_smem_layout(B, Kp, D).total

@@ -87,22 +87,10 @@ int main(int argc, char** argv) {
   p.retrive_next_sibling = zeros<int64_t>(nn);
   // no verify layout, as in scripts/bench_tree_build.py
 
-  const bool frontier = ddtree::use_frontier(algo, B, p.Kp, p.D);
   const int64_t smem = ddtree::tree_build_smem(algo, B, p.Kp, p.D);
-  const bool merge = ddtree::use_merge(algo, B, p.Kp, p.D);
-  void (*fn)(ddtree::TreeBuildParams) = merge ? ddtree::tree_build_kernel<true>
-                                              : ddtree::tree_build_kernel<false>;
-  if (frontier) {
-    switch (ddtree::frontier_items(B)) {
-      case 1: fn = ddtree::tree_build_frontier_kernel<1>; break;
-      case 2: fn = ddtree::tree_build_frontier_kernel<2>; break;
-      case 3: fn = ddtree::tree_build_frontier_kernel<3>; break;
-      case 5: fn = ddtree::tree_build_frontier_kernel<5>; break;
-      default: fn = ddtree::tree_build_frontier_kernel<9>; break;
-    }
-  }
-  const int cap = frontier ? ddtree::kFrontierMaxThreads : (merge ? ddtree::kMergeMaxThreads : 1024);
-  const int threads = T > cap ? cap : T;
+  const int kernel = ddtree::tree_kernel_index(algo, B, p.Kp, p.D);
+  const ddtree::TreeKernelFn fn = ddtree::tree_kernel_fn(kernel);
+  const int threads = ddtree::tree_kernel_threads(kernel, T);
   CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   for (int i = 0; i < 50; ++i) fn<<<bs, threads, smem>>>(p);
   CHECK(cudaGetLastError());
@@ -126,6 +114,6 @@ int main(int argc, char** argv) {
   fwrite(&us, sizeof(float), 1, o);
   fclose(o);
   fprintf(stderr, "kernel %s, threads %d, smem %lld: %.2f us per launch\n",
-          merge ? "merge" : (frontier ? "frontier" : "levelwise"), threads, (long long)smem, us);
+          ddtree::tree_kernel_name(kernel), threads, (long long)smem, us);
   return 0;
 }

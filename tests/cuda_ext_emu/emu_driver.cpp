@@ -62,22 +62,10 @@ int main(int argc, char** argv) {
   const int64_t smem_total = ddtree::tree_build_smem(algo, B, p.Kp, p.D);
   if (smem_total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)smem_total); return 2; }
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
-  const bool frontier = ddtree::use_frontier(algo, B, p.Kp, p.D);
-  const bool merge = ddtree::use_merge(algo, B, p.Kp, p.D);
-  if (merge) {  // the launcher's clamp to the variant's launch bound
-    emu_launch(ddtree::tree_build_kernel<true>, bs, T > ddtree::kMergeMaxThreads ? ddtree::kMergeMaxThreads : T, p);
-  } else if (!frontier) {
-    emu_launch(ddtree::tree_build_kernel<false>, bs, T, p);
-  } else {
-    switch (ddtree::frontier_items(B)) {
-      case 1: emu_launch(ddtree::tree_build_frontier_kernel<1>, bs, T, p); break;
-      case 2: emu_launch(ddtree::tree_build_frontier_kernel<2>, bs, T, p); break;
-      case 3: emu_launch(ddtree::tree_build_frontier_kernel<3>, bs, T, p); break;
-      case 5: emu_launch(ddtree::tree_build_frontier_kernel<5>, bs, T, p); break;
-      default: emu_launch(ddtree::tree_build_frontier_kernel<9>, bs, T, p); break;
-    }
-  }
-  fprintf(stderr, "kernel: %s\n", merge ? "merge" : (frontier ? "frontier" : "levelwise"));
+  const int kernel = ddtree::tree_kernel_index(algo, B, p.Kp, p.D);
+  // the launcher's block size for that kernel (its launch bound)
+  emu_launch(ddtree::tree_kernel_fn(kernel), bs, ddtree::tree_kernel_threads(kernel, T), p);
+  fprintf(stderr, "kernel: %s\n", ddtree::tree_kernel_name(kernel));
   fprintf(stderr, "block barriers per block: %.2f (threads %d), most in one block: %ld\n",
           double(g_emu_block_syncs) / bs, T, g_emu_block_syncs_max);
   fprintf(stderr, "shared atomics per block: %.1f, busiest-address depth per block: %.1f\n",
