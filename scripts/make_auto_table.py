@@ -31,9 +31,9 @@ import sys
 BUDGET_RE = re.compile(r"^ddtree_b(\d+)$")
 
 
-def winners(data: dict, mode: str = "greedy") -> dict:
-    """{concurrency: (best budget, its tokens/s, dflash tokens/s or None)} over fixed budgets."""
-    out = {}
+def budget_points(data: dict, mode: str = "greedy"):
+    """(concurrency, budget, DDTREE tokens/s, DFLASH tokens/s or None) of every fixed-budget
+    point measured in ``mode``."""
     results = data.get("results", {})
     dflash = results.get("dflash", {}).get(mode, {})
     for method, modes in results.items():
@@ -41,13 +41,17 @@ def winners(data: dict, mode: str = "greedy") -> dict:
         if not m:
             continue
         for c, row in modes.get(mode, {}).items():
-            tps = row.get("tokens_per_s")
-            if tps is None:
-                continue
-            best = out.get(int(c))
-            if best is None or tps > best[1]:
-                ref = dflash.get(c, {}).get("tokens_per_s")
-                out[int(c)] = (int(m.group(1)), tps, ref)
+            if row.get("tokens_per_s") is not None:
+                yield (int(c), int(m.group(1)), row["tokens_per_s"],
+                       dflash.get(c, {}).get("tokens_per_s"))
+
+
+def winners(data: dict, mode: str = "greedy") -> dict:
+    """{concurrency: (best budget, its tokens/s, dflash tokens/s or None)} over fixed budgets."""
+    out = {}
+    for c, budget, tps, ref in budget_points(data, mode):
+        if c not in out or tps > out[c][1]:
+            out[c] = (budget, tps, ref)
     return dict(sorted(out.items()))
 
 
@@ -69,17 +73,10 @@ def table_from(win: dict) -> str:
 
 def ratios(data: dict, mode: str = "greedy") -> dict:
     """{concurrency: {budget: DDTREE / DFLASH tokens/s}} where both were measured."""
-    results = data.get("results", {})
-    dflash = results.get("dflash", {}).get(mode, {})
     out: dict = {}
-    for method, modes in results.items():
-        m = BUDGET_RE.match(method)
-        if not m:
-            continue
-        for c, row in modes.get(mode, {}).items():
-            ref = dflash.get(c, {}).get("tokens_per_s")
-            if ref and row.get("tokens_per_s") is not None:
-                out.setdefault(int(c), {})[int(m.group(1))] = row["tokens_per_s"] / ref
+    for c, budget, tps, ref in budget_points(data, mode):
+        if ref:
+            out.setdefault(c, {})[budget] = tps / ref
     return dict(sorted(out.items()))
 
 
