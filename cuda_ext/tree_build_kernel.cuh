@@ -95,6 +95,13 @@ __device__ __forceinline__ int count_above(float parent_score, const float* lp, 
   return lo;
 }
 
+// Keys of keys[0, n) larger than k: k's position in the best-first order of distinct keys.
+__device__ __forceinline__ int count_larger(const uint64_t* keys, int n, uint64_t k) {
+  int r = 0;
+  for (int f = 0; f < n; ++f) r += keys[f] > k ? 1 : 0;
+  return r;
+}
+
 // Largest i in [0, m) with off[i] <= c (off[0] == 0 <= c).
 __device__ __forceinline__ int find_parent(const int* off, int m, int c) {
   int lo = 0, hi = m;
@@ -621,8 +628,7 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
           const int nb = cur ^ 1;
           for (int j = tid; j < g_size; j += T) {
             const uint64_t kj = keys[j];
-            int q = 0;
-            for (int f = 0; f < g_size; ++f) q += keys[f] > kj ? 1 : 0;
+            const int q = count_larger(keys, g_size, kj);
             gscore[nb * B + q] = gs0[j];
             gmeta[nb * B + q] = gm0[j];
             gpar[nb * B + q] = gp0[j];
@@ -872,11 +878,7 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
   __syncthreads();
   for (int j = tid; j < n; j += T) {
     int better = j;
-    if (!sorted_at_end) {
-      const uint64_t kj = keys[j];
-      better = 0;
-      for (int k = 0; k < n; ++k) better += keys[k] > kj ? 1 : 0;
-    }
+    if (!sorted_at_end) better = count_larger(keys, n, keys[j]);
     pos_of[(int(gm[j] >> 16) - 1) * B + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
   }
   __syncthreads();
