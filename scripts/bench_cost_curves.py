@@ -77,11 +77,12 @@ def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -
     return out
 
 
-def plan_runs(budgets, timer_budgets, spec):
+def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu"):
     """[(method, extra server args, env)]: AR, DFLASH, DDTREE per budget with host-only stage
     timers (no synchronization, so overlap scheduling and TPOT are those of a plain server),
-    and ``-timers`` servers with GPU-synchronized stage timers (their TPOT is not used: the
-    syncs defeat overlap scheduling) for the verify-forward split."""
+    and ``-timers`` servers with stage timers on the GPU's stream (``timer_mode`` gpu: CUDA
+    events; sync: a synchronization per stage, which defeats overlap scheduling) for the
+    verify-forward split; their TPOT is not used."""
     def ddtree(b):
         return ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b)] + spec
 
@@ -89,8 +90,8 @@ def plan_runs(budgets, timer_budgets, spec):
     runs = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
     runs += [(f"ddtree_b{b}", ddtree(b), {"SGLANG_DDTREE_TIMERS": "cpu", **every})
              for b in budgets]
-    runs += [(f"ddtree_b{b}-timers", ddtree(b), {"SGLANG_DDTREE_TIMERS": "1", **every})
-             for b in timer_budgets]
+    timed = {"SGLANG_DDTREE_TIMERS": "1" if timer_mode == "sync" else timer_mode, **every}
+    runs += [(f"ddtree_b{b}-timers", ddtree(b), timed) for b in timer_budgets]
     return runs
 
 
@@ -112,7 +113,7 @@ def derive(res: dict) -> dict:
 
 
 def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
-                  res=None, dump=lambda: None, timer_budgets=()):
+                  res=None, dump=lambda: None, timer_budgets=(), timer_mode="gpu"):
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
     ``dump`` after each: a run cut short by its time limit keeps the methods it measured."""
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
@@ -133,7 +134,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
                 "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
                 "stage_ms": {}, "host_stage_ms": {}, "startup_s": {}, "errors": {}})
     greedy = {"temperature": 0.0}
-    for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec)):
+    for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec,
+                                                           timer_mode)):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
             srv = Server(common + extra, log, args.port + i, env=env)
@@ -184,6 +186,9 @@ def main():
                     help="DDTREE budgets (the tiny pair's, so its accept lengths project)")
     ap.add_argument("--timer-budgets", default=None,
                     help="budgets that also get a GPU-synchronized timers server (default: all)")
+    ap.add_argument("--timer-mode", default="gpu", choices=("gpu", "sync"),
+                    help="stage timers of the -timers servers: gpu (CUDA events, no per-step "
+                    "sync) or sync (a synchronization at every stage boundary)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -212,8 +217,10 @@ def main():
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "scripts/bench_cost_curves.py"] + sys.argv[1:]),
-              "notes": "dummy weights; ms are medians; ddtree ms are GPU-synchronized stage "
-                       "timers at batch size = concurrency; 'projection' multiplies these "
+              "timer_mode": args.timer_mode,
+              "notes": "dummy weights; ms are medians; ddtree stage ms come from the -timers "
+                       "servers (timer_mode: gpu = CUDA events, sync = a synchronization per "
+                       "stage) at batch size = concurrency; 'projection' multiplies these "
                        "measured step costs by accept lengths measured elsewhere (named)",
               "models": {}, "projection": {}}
 
@@ -234,7 +241,8 @@ def main():
     for name in args.models.split(","):
         result["models"][name] = {}
         measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
-                      res=result["models"][name], dump=dump, timer_budgets=timer_budgets)
+                      res=result["models"][name], dump=dump, timer_budgets=timer_budgets,
+                      timer_mode=args.timer_mode)
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

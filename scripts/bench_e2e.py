@@ -10,8 +10,9 @@ sampling mode and concurrency send the held-out prompts with streaming and recor
 slowest request. By default (``--interleave 1``) the methods take turns pass by pass at every
 point, so that host noise falls on all of them alike; ``--interleave 0`` measures one method's
 whole sweep after another. DDTREE speed servers log host-only stage times
-(``SGLANG_DDTREE_TIMERS=cpu``: no synchronization); GPU-synchronized stage times come from
-separate ``-timers`` servers (``--timer-budgets``) afterwards, whose speed is not used.
+(``SGLANG_DDTREE_TIMERS=cpu``: no synchronization); stage times on the GPU's stream (CUDA events,
+``--timer-mode gpu``, or per-stage synchronization, ``sync``) come from separate ``-timers``
+servers (``--timer-budgets``, any budget) afterwards, whose speed is not used.
 
 Default pair: bench_assets/tiny-code (scripts/train_tiny_pair.py), prompts from its
 eval_prompts.jsonl. Writes JSON (``--out``) with command, versions, GPU and date; plots come
@@ -169,6 +170,13 @@ def add_pair_args(ap, out):
     ap.add_argument("--prompts-file", default=os.path.join(ASSETS, "eval_prompts.jsonl"))
 
 
+def ddtree_args(budget, spec):
+    """Server flags of DDTREE at ``budget`` (a number, ``auto``, or ``online``: auto with
+    SGLANG_DDTREE_AUTO_MODE=online, set by the caller)."""
+    return ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget",
+            "auto" if budget == "online" else str(budget)] + spec
+
+
 def main():
     ap = argparse.ArgumentParser()
     add_pair_args(ap, "bench_results/bench_e2e_tiny_h200.json")
@@ -193,7 +201,13 @@ def main():
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--workdir", default="/tmp/ddtree_bench_e2e")
     ap.add_argument("--timer-budgets", default="32",
-                    help="DDTREE budgets that also get a server with the stage timers on")
+                    help="DDTREE budgets (fixed or auto, measured for speed or not) that get a "
+                    "server with the stage timers on, measured after the speed points")
+    ap.add_argument("--timer-mode", default="gpu", choices=("gpu", "sync"),
+                    help="SGLANG_DDTREE_TIMERS of the -timers servers: gpu (CUDA events, no "
+                    "per-step sync) or sync (a synchronization at every stage boundary)")
+    ap.add_argument("--timer-concurrency", default="1,8,32",
+                    help="concurrencies of the -timers servers' passes (two passes each)")
     ap.add_argument("--concurrent-start", type=int, default=1,
                     help="1: start all servers at once (fixed KV pools, --sleep-on-idle), then "
                     "measure one at a time; 0: one server at a time")
@@ -221,9 +235,7 @@ def main():
     spec = ["--speculative-draft-model-path", args.draft]
     methods = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
     # "online": --speculative-ddtree-budget auto with SGLANG_DDTREE_AUTO_MODE=online
-    methods += [(f"ddtree_b{b}", ["--speculative-algorithm", "DDTREE",
-                                  "--speculative-ddtree-budget",
-                                  "auto" if b == "online" else b] + spec,
+    methods += [(f"ddtree_b{b}", ddtree_args(b, spec),
                  {"SGLANG_DDTREE_AUTO_MODE": "online"} if b == "online" else {})
                 for b in args.budgets.split(",")]
     methods += [(f"ddtree_tv_b{b}", ["--speculative-algorithm", "DDTREE",
@@ -251,10 +263,10 @@ def main():
                                      if name.startswith("ddtree") else {})})
             for name, extra, env in methods]
     # a stage line every 10 steps: the few steps of the high-concurrency passes get one too
-    jobs += [(name + "-timers", extra, {**env, "SGLANG_DDTREE_TIMERS": "1",
-                                        "SGLANG_DDTREE_TIMERS_EVERY": "10"})
-             for name, extra, env in methods if name.split("_b")[-1] in timer_budgets
-             and name.startswith("ddtree_b")]
+    jobs += [(f"ddtree_b{b}-timers", ddtree_args(b, spec),
+              {"SGLANG_DDTREE_TIMERS": "1" if args.timer_mode == "sync" else args.timer_mode,
+               "SGLANG_DDTREE_TIMERS_EVERY": "10"})
+             for b in sorted(timer_budgets, key=str)]
     servers = {}
 
     def start(i, job):
@@ -307,8 +319,8 @@ def main():
             servers[name] = srv
             srv.wait_ready()
             try:
-                if name.endswith("-timers"):  # the timers synchronize per stage: no speed here
-                    for c in (1, max(concs)):
+                if name.endswith("-timers"):  # timed servers: stage times, no speed here
+                    for c in [int(c) for c in args.timer_concurrency.split(",") if c]:
                         for _ in range(2):
                             run_pass(srv.port, pass_prompts(prompts, c, args),
                                      args.max_new_tokens, c, {"temperature": 0.0})

@@ -75,11 +75,12 @@ MODEL_SETS["tiny_fp32"] = dict(MODEL_SETS["tiny"], extra_args=["--dtype", "float
 # SGLang's default sampling backend (the suite pins pytorch): T > 0 nodes through flashinfer
 MODEL_SETS["tiny_fisample"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
                                    ddtree_args=["--sampling-backend", "flashinfer"])
-# the accepted path's KV moved by one Triton launch for all layers (opt-in SGLANG_DDTREE_KV_MOVE)
-MODEL_SETS["tiny_kvfused"] = dict(MODEL_SETS["tiny"], ddtree_env={"SGLANG_DDTREE_KV_MOVE": "fused"},
-                                  ar_of="tiny")
-MODEL_SETS["mla_kvfused"] = dict(MODEL_SETS["mla"], ddtree_env={"SGLANG_DDTREE_KV_MOVE": "fused"},
-                                 ar_of="mla")
+# the accepted path's KV moved by SGLang's move_kv_cache per path column (the fused one-launch
+# mover is the default since session 8; SGLANG_DDTREE_KV_MOVE=sglang keeps SGLang's way)
+MODEL_SETS["tiny_kvsglang"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
+                                   ddtree_env={"SGLANG_DDTREE_KV_MOVE": "sglang"})
+MODEL_SETS["mla_kvsglang"] = dict(MODEL_SETS["mla"], ar_of="mla",
+                                  ddtree_env={"SGLANG_DDTREE_KV_MOVE": "sglang"})
 MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of="mla")
 
 
@@ -463,7 +464,7 @@ def main():
                     help="small, so that prompts longer than it are prefilled in chunks")
     ap.add_argument("--ddtree-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every DDTREE server, e.g. "
-                    "SGLANG_DDTREE_KV_MOVE=fused (repeatable)")
+                    "SGLANG_DDTREE_KV_MOVE=sglang (repeatable)")
     args = ap.parse_args()
     ddtree_env = dict(kv.split("=", 1) for kv in args.ddtree_env)
     # the speed servers leave out debug switches that synchronize the host every step

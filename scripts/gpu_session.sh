@@ -61,7 +61,7 @@ for s in "$@"; do
     e2e2gpu) # the suite split over the two GPUs of nvidia-h200-x2, both halves at once:
              # GPU 0 the core cases (+ speed, deterministic pair), GPU 1 the other backends and paging
              CUDA_VISIBLE_DEVICES=1 step e2e-b ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py \
-               --cases "${E2E_B_CASES:-tiny_page16:32;tiny_flashinfer:32;tiny_tv:32;mla_tv:32,auto;tiny_kvfused:32;mla_kvfused:32;tiny_fisample:32}" \
+               --cases "${E2E_B_CASES:-tiny_page16:32;tiny_flashinfer:32;tiny_tv:32;mla_tv:32,auto;tiny_kvsglang:32;mla_kvsglang:32;tiny_fisample:32}" \
                --eager-check= --speed= --deterministic= --port 32100 --workdir /tmp/ddtree_e2e_b \
                --out "$OUT/e2e_lossless_h200_backends.json" &
              CUDA_VISIBLE_DEVICES=0 step e2e-a ${E2E_LIMIT:-540} python3 scripts/e2e_lossless.py \

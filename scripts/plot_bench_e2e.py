@@ -42,27 +42,43 @@ def table(data: dict, mode: str = "greedy") -> str:
 OWN_STAGES = ("tree", "accept", "commit")  # what DDTREE adds to a chain step (StepTimers)
 
 
+MODE_WORDS = {
+    "sync": "GPU-synchronized stage timers (`SGLANG_DDTREE_TIMERS=1`: each stage also pays a "
+            "host-GPU round trip)",
+    "gpu": "CUDA-event stage timers (`SGLANG_DDTREE_TIMERS=gpu`: each stage's time on the GPU's "
+           "stream, no per-step sync)",
+    "cpu": "host stage timers of the speed servers (`SGLANG_DDTREE_TIMERS=cpu`: the host time "
+           "each stage takes to issue its work)",
+}
+
+
 def overhead_table(data: dict) -> str:
     """DDTree's own share of the step (tree + accept + commit over the sum of all stages) per
-    batch size, from the GPU-synchronized timer servers (``stage_ms_by_batch_size``); '' when
-    the JSON has none. Runs from before the ``draft_kv`` stage counted DFlash's drafter KV append
-    inside commit: their share is an upper bound and says so."""
-    rows = []
-    for method, rec in sorted((data.get("stage_ms_by_batch_size") or {}).items()):
-        for bs, st in sorted(((rec or {}).get("bs") or {}).items(), key=lambda x: int(x[0])):
-            total = sum(v for k, v in st.items() if k != "steps")
-            if not total:
-                continue
-            own = sum(st.get(k, 0.0) for k in OWN_STAGES)
-            bound = "" if "draft_kv" in st else " (upper bound: commit includes draft_kv)"
-            rows.append(f"| {method} | {bs} | {st['steps']} | {total:.3f} | {own:.3f} | "
-                        f"{100 * own / total:.1f} %{bound} |")
-    if not rows:
-        return ""
-    head = ["| method | batch size | steps | step ms | tree + accept + commit ms | share |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    return ("DDTree's own per-step overhead, GPU-synchronized stage timers (goal: at most 3 % "
-            "at budget 32, batch 1..32):\n\n" + "\n".join(head + rows))
+    batch size: from the ``-timers`` servers (``stage_ms_by_batch_size``, CUDA-event or
+    synchronized timers) and, where the JSON has them, the speed servers' host timers
+    (``cpu_stage_ms_by_batch_size``); '' when it has neither. Runs from before the
+    ``draft_kv`` stage counted DFlash's drafter KV append inside commit: their share is an upper
+    bound and says so."""
+    blocks = []
+    for key in ("stage_ms_by_batch_size", "cpu_stage_ms_by_batch_size"):
+        by_mode = {}
+        for method, rec in sorted((data.get(key) or {}).items()):
+            rec = rec or {}
+            for bs, st in sorted((rec.get("bs") or {}).items(), key=lambda x: int(x[0])):
+                total = sum(v for k, v in st.items() if k != "steps")
+                if not total:
+                    continue
+                own = sum(st.get(k, 0.0) for k in OWN_STAGES)
+                bound = "" if "draft_kv" in st else " (upper bound: commit includes draft_kv)"
+                by_mode.setdefault(rec.get("mode") or "sync", []).append(
+                    f"| {method} | {bs} | {st['steps']} | {total:.3f} | {own:.3f} | "
+                    f"{100 * own / total:.1f} %{bound} |")
+        for mode, rows in by_mode.items():
+            head = ["| method | batch size | steps | step ms | tree + accept + commit ms | share |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+            blocks.append(f"DDTree's own per-step overhead, {MODE_WORDS.get(mode, mode)} (goal: at "
+                          "most 3 % at budget 32, batch 1..32):\n\n" + "\n".join(head + rows))
+    return "\n\n".join(blocks)
 
 
 def plots(data: dict, stem: str) -> list:

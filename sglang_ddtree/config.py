@@ -28,7 +28,7 @@ ENV_RANK_CHECK = "SGLANG_DDTREE_CHECK_RANKS"  # debug: compare tree hashes acros
 ENV_SYNC_CHECK = "SGLANG_DDTREE_CHECK_SYNCS"  # debug: log host syncs inside the decode step
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
 ENV_VERIFY_BACKEND = "SGLANG_DDTREE_VERIFY_BACKEND"
-ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # sglang (per-column move_kv_cache) | fused (kv_move.py)
+ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # fused (kv_move.py, default) | sglang (per column)
 
 MIN_BUDGET = 1
 MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
@@ -274,11 +274,13 @@ def timers_every(environ=os.environ) -> int:
 
 def timers_mode(environ=os.environ) -> str:
     """SGLANG_DDTREE_TIMERS: off (unset/0), ``cpu`` (host time per stage, no synchronization:
-    what the step costs the scheduler thread), anything else: GPU-synchronized wall time."""
+    what the step costs the scheduler thread), ``gpu`` (CUDA events at the stage boundaries,
+    read once per log line: the time each stage holds the GPU's stream, no per-step sync),
+    anything else: GPU-synchronized wall time (``sync``)."""
     raw = environ.get(ENV_TIMERS, "").strip().lower()
     if raw in ("", "0"):
         return "off"
-    return "cpu" if raw == "cpu" else "sync"
+    return raw if raw in ("cpu", "gpu") else "sync"
 
 
 def sync_check_enabled(environ=os.environ) -> bool:
@@ -289,10 +291,12 @@ def sync_check_enabled(environ=os.environ) -> bool:
 
 
 def kv_move_fused(environ=os.environ) -> bool:
-    """SGLANG_DDTREE_KV_MOVE=fused: relocate the accepted path's KV with kv_move.py's one
-    launch. Default ``sglang`` (SGLang's move_kv_cache per path column) until the fused kernel
-    has passed the lossless suite on a GPU."""
-    raw = environ.get(ENV_KV_MOVE, "sglang").strip().lower() or "sglang"
+    """SGLANG_DDTREE_KV_MOVE: ``fused`` (default) relocates the accepted path's KV with
+    kv_move.py's one launch for every layer and path column (a pool layout it does not know
+    still gets SGLang's move); ``sglang`` forces SGLang's ``move_kv_cache`` per path column --
+    for an MLA pool a gather and a scatter per layer per column, 1,830 captured kernels per step
+    at Kimi's 61 layers. The fused mover served the lossless suite on the H200 (session 4)."""
+    raw = environ.get(ENV_KV_MOVE, "fused").strip().lower() or "fused"
     if raw not in ("sglang", "fused"):
         raise DDTreeConfigError(f"{ENV_KV_MOVE}: expected sglang or fused, got {raw!r}")
     return raw == "fused"

@@ -168,7 +168,7 @@ def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
         "bench_e2e.py", "--out", str(out), "--prompts-file", str(prompts), "--budgets",
         "8,auto,online",
         "--triton-verify-budgets", "32", "--concurrency", "1,4", "--modes", "greedy",
-        "--repeats", "1", "--timer-budgets", "8", "--workdir", str(tmp_path / "w")])
+        "--repeats", "1", "--timer-budgets", "8,32", "--workdir", str(tmp_path / "w")])
     bench_e2e.main()
     res = json.loads(out.read_text())
     assert set(res["results"]) == {"ar", "dflash", "ddtree_b8", "ddtree_bauto", "ddtree_bonline",
@@ -179,6 +179,12 @@ def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
     assert sum(s.env.get("SGLANG_DDTREE_AUTO_MODE") == "online" for s in started) == 1
     assert res["results"]["ddtree_b8"]["greedy"]["4"]["tokens_per_s"] == 400.0
     assert res["stage_ms_by_batch_size"]["ddtree_b8"]["bs"]["1"]["draft_kv"] == 0.6
+    # a timer-only budget (32 is not among the speed budgets) still gets its -timers server,
+    # with CUDA-event timers by default
+    timed = {s.log.rsplit("/", 1)[-1]: s for s in started if s.log.endswith("-timers.log")}
+    assert set(timed) == {"ddtree_b8-timers.log", "ddtree_b32-timers.log"}
+    assert timed["ddtree_b32-timers.log"].env["SGLANG_DDTREE_TIMERS"] == "gpu"
+    assert "ddtree_b32" in res["stage_ms_by_batch_size"] and "ddtree_b32" not in res["results"]
     assert not res["errors"]
     tv = next(s for s in started if "--speculative-ddtree-verify-backend" in s.args)
     assert tv.args[tv.args.index("--speculative-ddtree-budget") + 1] == "32"
@@ -272,3 +278,66 @@ def test_interleaved_points_stop_at_the_deadline(monkeypatch):
     # c=1 at 0 (ends 10), c=4 at 15 (15 + 10 <= 50, ends 25), c=8 at 45: 45 + 10 > 50
     assert list(out["a"]["greedy"]) == ["1", "4"]
     assert errors["skipped_points"] == ["greedy c=8: --time-budget"]
+
+
+class _FakeEvent:
+    """torch.cuda.Event stand-in: ``record`` reads a fake clock (ms), counts syncs."""
+    clock = 0.0
+    syncs = 0
+    made = 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        _FakeEvent.made += 1
+        self.t = None
+
+    def record(self):
+        self.t = _FakeEvent.clock
+
+    def synchronize(self):
+        _FakeEvent.syncs += 1
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_step_timers_gpu_mode_reads_events_once_per_log_line(monkeypatch, tmp_path, caplog):
+    import logging
+
+    import torch
+
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+    from sglang_ddtree.worker import StepTimers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    _FakeEvent.clock, _FakeEvent.syncs, _FakeEvent.made = 0.0, 0, 0
+    # stage i of a step lasts (i + 1) ms on the fake stream, at batch size 2 in every 4th step
+    t = StepTimers(mode="gpu", every=10)
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+        for step in range(20):
+            t.start()
+            for i, stage in enumerate(StepTimers.STAGES):
+                _FakeEvent.clock += i + 1
+                t.mark(stage)
+            t.finish(2 if step % 4 == 0 else 1)
+            if step == 8:  # nothing is read before the first log line
+                assert _FakeEvent.syncs == 0 and t.totals["draft"] == 0.0
+    assert _FakeEvent.syncs == 2  # one per log line, not one per stage or step
+    assert _FakeEvent.made == 80  # one window of 10 steps x 8; the second reuses them
+    per = t.per_batch_size()
+    assert per["1"]["steps"] == 15 and per["2"]["steps"] == 5
+    assert [per["1"][s] for s in StepTimers.STAGES] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    log = tmp_path / "srv.log"
+    log.write_text("\n".join(r.getMessage() for r in caplog.records) + "\n")
+    got = bench_e2e.stage_times(str(log))
+    assert got["mode"] == "gpu" and got["steps"] == 20 and got["commit"] == 5.0
+
+
+def test_timers_mode_names(monkeypatch):
+    from sglang_ddtree import config as cfg
+
+    for raw, mode in (("", "off"), ("0", "off"), ("cpu", "cpu"), ("GPU", "gpu"), ("1", "sync"),
+                      ("sync", "sync")):
+        assert cfg.timers_mode({cfg.ENV_TIMERS: raw}) == mode

@@ -16,7 +16,9 @@ def test_plan_runs_times_ddtree_without_syncs_and_splits_stages_on_extra_servers
     env = {name: e for name, _, e in runs}
     assert env["ar"] == {} and env["dflash"] == {}
     assert env["ddtree_b8"]["SGLANG_DDTREE_TIMERS"] == "cpu"  # no synchronization: real TPOT
-    assert env["ddtree_b32-timers"]["SGLANG_DDTREE_TIMERS"] == "1"
+    assert env["ddtree_b32-timers"]["SGLANG_DDTREE_TIMERS"] == "gpu"  # CUDA events
+    sync = {name: e for name, _, e in cc.plan_runs([8], [8], [], timer_mode="sync")}
+    assert sync["ddtree_b8-timers"]["SGLANG_DDTREE_TIMERS"] == "1"
     args = {name: a for name, a, _ in runs}
     assert args["ddtree_b32"] == args["ddtree_b32-timers"] == [
         "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "32", "--spec"]
@@ -75,12 +77,13 @@ def test_measure_model_times_ddtree_unsynced_and_takes_verify_from_the_timers_se
             self.port, self.startup_s, self.log = port, 1.0, log
             self.env = env or {}
             logs[log] = self.env
-            sync = self.env.get("SGLANG_DDTREE_TIMERS") == "1"
-            row = {"steps": 50, "draft": 1.0, "tree": 0.1, "verify": 3.0 if sync else 0.7,
+            mode = self.env.get("SGLANG_DDTREE_TIMERS", "cpu")
+            row = {"steps": 50, "draft": 1.0, "tree": 0.1,
+                   "verify": 0.7 if mode == "cpu" else 3.0,
                    "accept": 0.1, "commit": 0.2, "draft_kv": 0.5}
             open(log, "w").write(
                 "DDTREE stage ms/step by batch size (%s): %s\n"
-                % ("sync" if sync else "cpu", json.dumps({"1": row, "8": row})))
+                % (mode, json.dumps({"1": row, "8": row})))
 
         def stop(self):
             pass
@@ -98,9 +101,9 @@ def test_measure_model_times_ddtree_unsynced_and_takes_verify_from_the_timers_se
                            stage_times_by_bs, dump=lambda: saved.append(1), timer_budgets=[32])
     assert len(saved) == 5  # ar, dflash, b8, b32, b32-timers
     assert res["step_ms"]["ddtree_b32"] == {"1": 3.0, "8": 3.0}  # TPOT 2.0 x accept 1.5
-    assert res["verify_ms"] == {"ddtree_b32": {"1": 3.0, "8": 3.0}}  # the synced server's
+    assert res["verify_ms"] == {"ddtree_b32": {"1": 3.0, "8": 3.0}}  # the -timers server's
     assert res["verify_over_decode"]["ddtree_b32"] == {"1": 1.5, "8": 1.5}  # / AR's 2.0
     assert res["host_stage_ms"]["ddtree_b8"]["1"]["verify"] == 0.7
     assert "ddtree_b32-timers" not in res["tpot_ms"]  # its TPOT is never used
     timers = [env for log, env in logs.items() if log.endswith("ddtree_b32-timers.log")]
-    assert timers and timers[0]["SGLANG_DDTREE_TIMERS"] == "1"
+    assert timers and timers[0]["SGLANG_DDTREE_TIMERS"] == "gpu"

@@ -78,12 +78,12 @@ def _run(monkeypatch, tmp_path, *extra):
 def test_dry_run_all_phases(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = None
-    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:8,auto;mla:8;tiny_tv:8;tiny_kvfused:8",
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny:8,auto;mla:8;tiny_tv:8;tiny_kvsglang:8",
                    "--eager-check", "tiny:8", "--speed", "tiny:8", "--deterministic", "tiny:8")
     assert res["errors"] == [] and rc == 0, res["failures"]
     assert len(res["cases"]) == 5 * 2 + 2  # 5 graph cases + 1 eager case, x 2 batch sizes
-    fused = [s for s in FakeServer.started if "tiny_kvfused" in s.log]
-    assert fused and fused[0].env["SGLANG_DDTREE_KV_MOVE"] == "fused"
+    per_column = [s for s in FakeServer.started if "tiny_kvsglang" in s.log]
+    assert per_column and per_column[0].env["SGLANG_DDTREE_KV_MOVE"] == "sglang"
     # tiny_tv differs from tiny only on the DDTREE side: one AR server for both
     ars = [s for s in FakeServer.started if not s.spec and "deterministic" not in str(s.args)]
     assert len(ars) == 2
@@ -106,7 +106,7 @@ def test_dry_run_all_phases(monkeypatch, tmp_path):
 def test_sets_sharing_an_absent_base_share_one_ar(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = None
-    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny_tv:8;tiny_kvfused:8", "--eager-check=",
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny_tv:8;tiny_kvsglang:8", "--eager-check=",
                    "--speed=", "--deterministic=")
     assert rc == 0 and res["errors"] == []
     assert len([s for s in FakeServer.started if not s.spec]) == 1

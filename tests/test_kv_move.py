@@ -131,12 +131,14 @@ def test_empty_batch_is_a_no_op():
     assert torch.equal(pool.kv_buffer[0], before)
 
 
-def test_fused_path_is_opt_in(monkeypatch):
+def test_fused_path_is_the_default(monkeypatch):
     from sglang_ddtree import config as cfg
 
     monkeypatch.delenv(cfg.ENV_KV_MOVE, raising=False)
+    assert cfg.kv_move_fused() is True
+    monkeypatch.setenv(cfg.ENV_KV_MOVE, "sglang")
     assert cfg.kv_move_fused() is False
-    monkeypatch.setenv(cfg.ENV_KV_MOVE, "fused")
+    monkeypatch.setenv(cfg.ENV_KV_MOVE, " Fused ")
     assert cfg.kv_move_fused() is True
     monkeypatch.setenv(cfg.ENV_KV_MOVE, "fast")
     with pytest.raises(cfg.DDTreeConfigError, match="expected sglang or fused"):
