@@ -77,7 +77,7 @@ def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -
     return out
 
 
-def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu"):
+def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "dflash")):
     """[(method, extra server args, env)]: AR, DFLASH, DDTREE per budget with host-only stage
     timers (no synchronization, so overlap scheduling and TPOT are those of a plain server),
     and ``-timers`` servers with stage timers on the GPU's stream (``timer_mode`` gpu: CUDA
@@ -87,7 +87,8 @@ def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu"):
         return ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b)] + spec
 
     every = {"SGLANG_DDTREE_TIMERS_EVERY": "10"}
-    runs = [("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec, {})]
+    runs = [r for r in (("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec,
+                                           {})) if r[0] in baselines]
     runs += [(f"ddtree_b{b}", ddtree(b), {"SGLANG_DDTREE_TIMERS": "cpu", **every})
              for b in budgets]
     timed = {"SGLANG_DDTREE_TIMERS": "1" if timer_mode == "sync" else timer_mode, **every}
@@ -113,7 +114,8 @@ def derive(res: dict) -> dict:
 
 
 def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
-                  res=None, dump=lambda: None, timer_budgets=(), timer_mode="gpu"):
+                  res=None, dump=lambda: None, timer_budgets=(), timer_mode="gpu",
+                  baselines=("ar", "dflash")):
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
     ``dump`` after each: a run cut short by its time limit keeps the methods it measured."""
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
@@ -135,7 +137,7 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
                 "stage_ms": {}, "host_stage_ms": {}, "startup_s": {}, "errors": {}})
     greedy = {"temperature": 0.0}
     for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec,
-                                                           timer_mode)):
+                                                           timer_mode, baselines)):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
             srv = Server(common + extra, log, args.port + i, env=env)
@@ -189,6 +191,8 @@ def main():
     ap.add_argument("--timer-mode", default="gpu", choices=("gpu", "sync"),
                     help="stage timers of the -timers servers: gpu (CUDA events, no per-step "
                     "sync) or sync (a synchronization at every stage boundary)")
+    ap.add_argument("--baselines", default="ar,dflash",
+                    help="which of ar / dflash get a server (verify/decode needs ar)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -209,7 +213,7 @@ def main():
 
     os.makedirs(args.workdir, exist_ok=True)
     concs = [int(c) for c in args.concurrency.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
     timer_budgets = budgets if args.timer_budgets is None else \
         [int(b) for b in args.timer_budgets.split(",") if b]
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
@@ -242,7 +246,7 @@ def main():
         result["models"][name] = {}
         measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
                       res=result["models"][name], dump=dump, timer_budgets=timer_budgets,
-                      timer_mode=args.timer_mode)
+                      timer_mode=args.timer_mode, baselines=args.baselines.split(","))
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

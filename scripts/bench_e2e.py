@@ -133,16 +133,18 @@ def measure_interleaved(ports, prompts, args, concs, errors, on_point=lambda out
             return None
 
     deadline = getattr(args, "deadline", None)
-    longest = 0.0  # seconds of the longest point measured so far
+    took = {}  # concurrency -> seconds its last point took (an earlier mode's)
+    last = 0.0  # seconds of the point just measured
     for mode, sampling in MODES:
         if mode not in args.modes:
             continue
         for name in list(live):  # warm-up
             one(name, prompts[: max(concs)], args.max_new_tokens, max(concs), sampling)
         for c in concs:
-            # no point that would end after the deadline, judged by the longest point so far:
-            # the rest of the step's time is for the timers servers and the final dump
-            if deadline is not None and time.time() + longest > deadline:
+            # no point that would end after the deadline, judged by the same concurrency in an
+            # earlier mode, else by 1.5x the point just measured (concurrencies ascend): the
+            # rest of the step's time is for the timers servers and the final dump
+            if deadline is not None and time.time() + took.get(c, 1.5 * last) > deadline:
                 errors.setdefault("skipped_points", []).append(f"{mode} c={c}: --time-budget")
                 continue
             t_point = time.time()
@@ -157,7 +159,7 @@ def measure_interleaved(ports, prompts, args, concs, errors, on_point=lambda out
                 if rs and name in live:
                     out[name].setdefault(mode, {})[str(c)] = median_row(rs)
                     print(name, mode, c, json.dumps(out[name][mode][str(c)]), flush=True)
-            longest = max(longest, time.time() - t_point)
+            last = took[c] = time.time() - t_point
             on_point(out)
     return out
 

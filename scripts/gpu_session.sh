@@ -19,7 +19,7 @@ for s in "$@"; do
   case $s in
     quick)   step quick ${QUICK_LIMIT:-200} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
                tests/gpu/test_step_graph_gpu.py tests/gpu/test_tree_graph_gpu.py tests/test_kv_move.py \
-               tests/test_step_prep.py tests/gpu/test_sampling_gpu.py ;;
+               tests/test_step_prep.py tests/gpu/test_sampling_gpu.py tests/gpu/test_step_timers_gpu.py ;;
     unit)    step unit 180 python3 -m pytest -q tests/gpu/test_tree_gpu.py \
                tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
     cudaext) step cudaext ${CUDAEXT_LIMIT:-240} python3 -m pytest -q -x tests/gpu/test_cuda_ext_tree_gpu.py ${CUDAEXT_K:+-k "$CUDAEXT_K"}

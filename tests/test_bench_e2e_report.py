@@ -258,8 +258,8 @@ def test_pass_prompts_waves_cycle_the_prompts():
 
 
 def test_interleaved_points_stop_at_the_deadline(monkeypatch):
-    """--time-budget: a point that would end after the deadline (judged by the longest point
-    so far) does not start, and the skipped points are named in the errors (the timers servers
+    """--time-budget: a point that would end after the deadline (judged by 1.5x the point
+    before it) does not start, and the skipped points are named in the errors (the timers servers
     and the dump still get their time)."""
     import sys
 
@@ -275,9 +275,27 @@ def test_interleaved_points_stop_at_the_deadline(monkeypatch):
                                  repeats=1, waves=1, deadline=50.0)
     errors = {}
     out = bench_e2e.measure_interleaved({"a": 1}, [[1]] * 4, args, [1, 4, 8], errors)
-    # c=1 at 0 (ends 10), c=4 at 15 (15 + 10 <= 50, ends 25), c=8 at 45: 45 + 10 > 50
+    # c=1 at 0 (ends 10), c=4 at 15 (15 + 15 <= 50, ends 25), c=8 at 45: 45 + 15 > 50
     assert list(out["a"]["greedy"]) == ["1", "4"]
     assert errors["skipped_points"] == ["greedy c=8: --time-budget"]
+
+
+def test_deadline_judges_a_point_by_the_same_concurrency_of_the_earlier_mode(monkeypatch):
+    """The second mode's c=1 point is as long as the first mode's c=1 (20 s), not 1.5x the
+    short c=4 point just before it: it is skipped at 45 s of a 60 s budget; c=4 still runs."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "scripts"))
+    import bench_e2e
+
+    clock = iter([0.0, 0.0, 20.0, 20.0, 20.0, 22.0, 45.0, 46.0, 46.0, 48.0])
+    monkeypatch.setattr(bench_e2e.time, "time", lambda: next(clock))
+    monkeypatch.setattr(bench_e2e, "run_pass", lambda *a: {
+        "tokens_per_s": 1.0, "ttft_ms": 1.0, "tpot_ms": 1.0, "accept_length": None})
+    args = types.SimpleNamespace(modes=["greedy", "t1"], max_new_tokens=8, prompts_per_pass=2,
+                                 repeats=1, waves=1, deadline=60.0)
+    errors = {}
+    out = bench_e2e.measure_interleaved({"a": 1}, [[1]] * 4, args, [1, 4], errors)
+    assert list(out["a"]["greedy"]) == ["1", "4"] and list(out["a"]["t1"]) == ["4"]
+    assert errors["skipped_points"] == ["t1 c=1: --time-budget"]
 
 
 class _FakeEvent:

@@ -19,6 +19,8 @@ def test_plan_runs_times_ddtree_without_syncs_and_splits_stages_on_extra_servers
     assert env["ddtree_b32-timers"]["SGLANG_DDTREE_TIMERS"] == "gpu"  # CUDA events
     sync = {name: e for name, _, e in cc.plan_runs([8], [8], [], timer_mode="sync")}
     assert sync["ddtree_b8-timers"]["SGLANG_DDTREE_TIMERS"] == "1"
+    only = cc.plan_runs([], [32], [], baselines=["ar"])
+    assert [r[0] for r in only] == ["ar", "ddtree_b32-timers"]
     args = {name: a for name, a, _ in runs}
     assert args["ddtree_b32"] == args["ddtree_b32-timers"] == [
         "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "32", "--spec"]
