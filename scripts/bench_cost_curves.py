@@ -91,7 +91,9 @@ def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "
                                            {})) if r[0] in baselines]
     runs += [(f"ddtree_b{b}", ddtree(b), {"SGLANG_DDTREE_TIMERS": "cpu", **every})
              for b in budgets]
-    timed = {"SGLANG_DDTREE_TIMERS": "1" if timer_mode == "sync" else timer_mode, **every}
+    # each batch size's first 16 steps are left out: one-time costs are not the step's
+    timed = {"SGLANG_DDTREE_TIMERS": "1" if timer_mode == "sync" else timer_mode,
+             "SGLANG_DDTREE_TIMERS_SKIP": "16", **every}
     runs += [(f"ddtree_b{b}-timers", ddtree(b), timed) for b in timer_budgets]
     return runs
 

@@ -267,7 +267,7 @@ def main():
     # a stage line every 10 steps: the few steps of the high-concurrency passes get one too
     jobs += [(f"ddtree_b{b}-timers", ddtree_args(b, spec),
               {"SGLANG_DDTREE_TIMERS": "1" if args.timer_mode == "sync" else args.timer_mode,
-               "SGLANG_DDTREE_TIMERS_EVERY": "10"})
+               "SGLANG_DDTREE_TIMERS_EVERY": "10", "SGLANG_DDTREE_TIMERS_SKIP": "16"})
              for b in sorted(timer_budgets, key=str)]
     servers = {}
 

@@ -266,6 +266,14 @@ def oracle_enabled(environ=os.environ) -> bool:
     return environ.get(ENV_ORACLE, "") not in ("", "0")
 
 
+def timers_skip(environ=os.environ) -> int:
+    """SGLANG_DDTREE_TIMERS_SKIP: steps of each batch size left out of the stage times (default
+    0): a batch size's first steps can carry one-time costs (a lazily captured graph, a kernel
+    compiled on first use) that are not the step's per-step cost."""
+    raw = environ.get(ENV_TIMERS + "_SKIP", "")
+    return max(0, _parse_int(ENV_TIMERS + "_SKIP", raw)) if raw else 0
+
+
 def timers_every(environ=os.environ) -> int:
     """SGLANG_DDTREE_TIMERS_EVERY: steps between two timer log lines (default 200)."""
     raw = environ.get(ENV_TIMERS + "_EVERY", "")

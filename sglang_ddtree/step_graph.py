@@ -5,7 +5,8 @@ After the target's verify forward a step needs only static-shape work: SGLang's
 accepted path (one ``move_kv_cache`` per path column) and the row index of the accepted nodes'
 hidden states. As eager launches that is about fifty small kernels, whose launch cost lands on
 the critical path of every decode step. Here it is captured once per batch size and replayed
-(inputs copied in, outputs cloned out). The worker captures every batch size up to the largest
+(inputs copied in -- the target's tokens written in place where the caller asks for the
+buffer, ``predicted_buffer`` -- outputs cloned out, three of them as one packed clone). The worker captures every batch size up to the largest
 CUDA-graph batch size at start-up (``prewarm``); a batch size beyond it is captured on first use.
 
 The tree is not copied in: the tree builder hands out the same per-batch-size buffers every step
@@ -64,6 +65,15 @@ class _Entry:
     slots: torch.Tensor
     prefix: torch.Tensor
     out: AcceptCommit
+    # [bs * B + 2 * bs] int64, written by the graph: out_tokens, new_seq_lens, bonus (one clone
+    # hands all three out instead of three)
+    packed: torch.Tensor
+
+
+def _pack(out: AcceptCommit) -> torch.Tensor:
+    s = out.step
+    return torch.cat([s.out_tokens.reshape(-1), s.new_seq_lens.to(torch.int64),
+                      s.bonus.to(torch.int64)])
 
 
 class AcceptCommitGraphs:
@@ -93,18 +103,34 @@ class AcceptCommitGraphs:
                 return self._eager(tree, predicted, slots, prefix, pool)
         if e.tree_ptr != tree.tokens.data_ptr():  # not the builder's static buffers
             return self._eager(tree, predicted, slots, prefix, pool)
-        e.predicted.copy_(predicted)
+        if predicted.data_ptr() != e.predicted.data_ptr():  # not written in place already
+            e.predicted.copy_(predicted)
         e.slots.copy_(slots)
         e.prefix.copy_(prefix)
         e.graph.replay()
         s = e.out.step
         # outputs that outlive the step (next step's lengths/bonus, SGLang's result) are cloned:
         # the next replay at this batch size overwrites the static buffers
+        bs, width = s.out_tokens.shape
+        packed = e.packed.clone()
         return AcceptCommit(
-            step=StepCommit(out_tokens=s.out_tokens.clone(), commit_lens=s.commit_lens.clone(),
-                            new_seq_lens=s.new_seq_lens.clone(), path_nodes=s.path_nodes,
-                            bonus=s.bonus.clone()),
+            step=StepCommit(out_tokens=packed[: bs * width].view(bs, width),
+                            commit_lens=s.commit_lens.clone(),
+                            new_seq_lens=packed[bs * width: bs * width + bs],
+                            path_nodes=s.path_nodes, bonus=packed[bs * width + bs:]),
             hidden_rows=e.out.hidden_rows)
+
+    def predicted_buffer(self, tree: DraftTree, slots: torch.Tensor, prefix: torch.Tensor,
+                         pool):
+        """The [bs, N] int64 buffer the graph of this step's shapes reads the target's tokens
+        from, for the caller to write them in place (one copy fewer per step), or None (no
+        graph yet, graphs off, or not the builder's tree buffers: pass a tensor as usual)."""
+        if not self.use_graphs:
+            return None
+        e = self._entries.get(self._key(tree, slots, prefix, pool))
+        if e is None or e.tree_ptr != tree.tokens.data_ptr():
+            return None
+        return e.predicted
 
     @staticmethod
     def _key(tree, slots, prefix, pool) -> Tuple:
@@ -148,6 +174,12 @@ class AcceptCommitGraphs:
         st_slots = torch.zeros_like(slots)
         st_prefix = torch.zeros_like(prefix)
         # the warm-up runs on placeholders: it must not count towards the budget statistics
-        warm_up(lambda: self._eager(tree, st_pred, st_slots, st_prefix, pool, count=False), dev)
-        graph, out = capture(lambda: self._eager(tree, st_pred, st_slots, st_prefix, pool), dev)
-        return _Entry(graph, tree.tokens.data_ptr(), st_pred, st_slots, st_prefix, out)
+        warm_up(lambda: _pack(self._eager(tree, st_pred, st_slots, st_prefix, pool,
+                                          count=False)), dev)
+
+        def step():
+            out = self._eager(tree, st_pred, st_slots, st_prefix, pool)
+            return out, _pack(out)
+
+        graph, (out, packed) = capture(step, dev)
+        return _Entry(graph, tree.tokens.data_ptr(), st_pred, st_slots, st_prefix, out, packed)

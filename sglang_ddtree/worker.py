@@ -117,7 +117,8 @@ def _make_worker_class(sgl):
                 from .oracle import OracleDraft
 
                 self._oracle = OracleDraft.from_env()
-            self._timers = StepTimers(mode=timers_mode, every=cfg.timers_every())
+            self._timers = StepTimers(mode=timers_mode, every=cfg.timers_every(),
+                                      skip=cfg.timers_skip())
             self._sync_check = SyncCheck(cfg.sync_check_enabled(), every=cfg.timers_every())
             # T > 0 nodes draw as this server's Sampler does: with flashinfer, its own kernels
             self._row_draw = None
@@ -421,7 +422,13 @@ def _make_worker_class(sgl):
             if sampling_info is not None:
                 sgl.apply_verify_logits_adjustments(logits, sampling_info, n)
             if sampling_info is None or sampling_info.is_all_greedy:
-                predicted = torch.argmax(logits, dim=-1).view(bs, n)
+                # straight into the accept/commit graph's input buffer when it has one
+                buf = self._accept_commit.predicted_buffer(
+                    tree, slots, prefix, self.model_runner.token_to_kv_pool)
+                if buf is not None:
+                    predicted = torch.argmax(logits, dim=-1, out=buf.view(-1)).view(bs, n)
+                else:
+                    predicted = torch.argmax(logits, dim=-1).view(bs, n)
             else:
                 predicted = sample_per_node(
                     logits, sampling_info, n, positions=positions.reshape(-1),
@@ -632,7 +639,7 @@ class StepTimers:
 
     STAGES = ("draft", "tree", "verify", "accept", "commit", "publish", "draft_kv")
 
-    def __init__(self, mode: str = "off", every: int = 200):
+    def __init__(self, mode: str = "off", every: int = 200, skip: int = 0):
         if mode == "gpu" and not torch.cuda.is_available():
             raise cfg.DDTreeConfigError("SGLANG_DDTREE_TIMERS=gpu needs a CUDA device; use "
                                         "cpu or 1 (sync)")
@@ -642,9 +649,12 @@ class StepTimers:
         self._sync = mode == "sync"
         self._gpu = mode == "gpu"
         self.totals = {s: 0.0 for s in self.STAGES}
-        self.steps = 0
+        self.steps = 0  # steps finished
+        self.steps_counted = 0  # of which in the stage times (past each batch size's skip)
         self._step = {s: 0.0 for s in self.STAGES}
         self.by_bs = {}  # bs -> [steps, {stage: seconds}]
+        self.skip = skip  # first steps of each batch size left out (one-time costs)
+        self._seen = {}  # bs -> steps finished at that batch size, counted or not
         # gpu mode: this step's (stage, end event) after its start event; finished steps not
         # yet read; events to reuse once read
         self._events = []
@@ -677,6 +687,10 @@ class StepTimers:
             self._t = now
 
     def _add(self, bs, per_stage):
+        self._seen[bs] = self._seen.get(bs, 0) + 1
+        if self._seen[bs] <= self.skip:
+            return
+        self.steps_counted += 1
         entry = self.by_bs.setdefault(bs, [0, {s: 0.0 for s in self.STAGES}])
         entry[0] += 1
         for stage, v in per_stage.items():
@@ -710,9 +724,10 @@ class StepTimers:
         if self.steps % self.every == 0:
             if self._gpu:
                 self._read_events()
-            per = {s: round(1e3 * v / self.steps, 3) for s, v in self.totals.items()}
+            n = max(1, self.steps_counted)
+            per = {s: round(1e3 * v / n, 3) for s, v in self.totals.items()}
             logger.info("DDTREE stage ms/step (%s) over %d steps (last bs=%d): %s", self.mode,
-                        self.steps, bs, per)
+                        self.steps_counted, bs, per)
             logger.info("DDTREE stage ms/step by batch size (%s): %s", self.mode,
                         json.dumps(self.per_batch_size()))
 

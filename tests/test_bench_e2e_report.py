@@ -353,6 +353,19 @@ def test_step_timers_gpu_mode_reads_events_once_per_log_line(monkeypatch, tmp_pa
     assert got["mode"] == "gpu" and got["steps"] == 20 and got["commit"] == 5.0
 
 
+def test_step_timers_skip_each_batch_sizes_first_steps():
+    from sglang_ddtree.worker import StepTimers
+
+    t = StepTimers(mode="cpu", skip=3)
+    for i in range(10):
+        t.start()
+        t.mark("draft")
+        t.finish(1 if i < 5 else 4)
+    per = t.per_batch_size()
+    assert per["1"]["steps"] == 2 and per["4"]["steps"] == 2 and t.steps_counted == 4
+    assert t.steps == 10
+
+
 def test_timers_mode_names(monkeypatch):
     from sglang_ddtree import config as cfg
 

@@ -173,3 +173,41 @@ def test_prewarm_captures_at_start_up_and_serving_only_replays(fused, monkeypatc
         _step_both(trees, graphs, (pool_g, pool_e), _inputs(bs, depth, k, seed), rng, block,
                    width)
     assert len(graphs._entries) == 3 and not graphs.failed
+
+
+def test_target_tokens_written_in_place_equal_a_copied_tensor():
+    """The worker writes its argmax straight into ``predicted_buffer`` (no copy into the
+    graph's input): same outputs and KV as the eager path; no buffer before a capture, for
+    another tree, or with graphs off."""
+    rng = random.Random(3)
+    budget, depth, k = 16, 7, 8
+    block = depth + 1
+    trees = TreeBuildGraphs(budget, depth, k, "cuda")
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda")
+    width = budget + 1
+    size = 4 * width * 2 + 1
+    pool_g, pool_e = GpuPool(size), GpuPool(size)
+    for seed in range(3):
+        tree = trees(*_inputs(4, depth, k, seed))
+        pred = _predict(tree, rng)
+        slots = (torch.randperm(4 * width * 2, device="cuda")[: 4 * width] + 1).view(4, width)
+        prefix = torch.randint(0, 100, (4,), device="cuda")
+        buf = graphs.predicted_buffer(tree, slots, prefix, pool_g)
+        if seed == 0:
+            assert buf is None  # not captured yet
+            got = graphs(tree, pred, slots, prefix, pool_g)
+        else:
+            assert buf is not None and buf.shape == pred.shape
+            buf.copy_(pred)  # what argmax(out=buf) does
+            got = graphs(tree, buf, slots, prefix, pool_g)
+        want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool_e)
+        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+            assert torch.equal(getattr(got.step, name), getattr(want.step, name)), name
+        for a, b in zip(pool_g.bufs, pool_e.bufs):
+            assert torch.equal(a, b)
+    # another builder's tree buffers: the graph does not read them, so no buffer either
+    other = TreeBuildGraphs(budget, depth, k, "cuda")(*_inputs(4, depth, k, 9))
+    assert other.tokens.data_ptr() != tree.tokens.data_ptr()
+    assert graphs.predicted_buffer(other, slots, prefix, pool_g) is None
+    off = AcceptCommitGraphs(block, _walk, use_graphs=False, device="cuda")
+    assert off.predicted_buffer(tree, slots, prefix, pool_g) is None
