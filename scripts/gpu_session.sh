@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick unit cudaext treeclocks treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -20,6 +20,7 @@ for s in "$@"; do
     quick)   step quick ${QUICK_LIMIT:-200} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
                tests/gpu/test_step_graph_gpu.py tests/gpu/test_tree_graph_gpu.py tests/test_kv_move.py \
                tests/test_step_prep.py tests/gpu/test_sampling_gpu.py tests/gpu/test_step_timers_gpu.py ;;
+    pytest)  step pytest ${PYTEST_LIMIT:-200} python3 -m pytest -q ${PYTEST_ARGS:-tests/gpu} ;;
     unit)    step unit 180 python3 -m pytest -q tests/gpu/test_tree_gpu.py \
                tests/gpu/test_tree_graph_gpu.py tests/gpu/test_tree_attention_gpu.py ;;
     cudaext) step cudaext ${CUDAEXT_LIMIT:-240} python3 -m pytest -q -x tests/gpu/test_cuda_ext_tree_gpu.py ${CUDAEXT_K:+-k "$CUDAEXT_K"}
