@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Where a decode step's host time goes: DFLASH vs DDTREE under SGLang's own profiler.
+"""Where a decode step's time goes: AR / DFLASH / DDTREE under SGLang's own profiler.
 
 Starts one server per method (same flags; by default the trained tiny pair), warms it up, then
 asks SGLang for a torch-profiler trace of ``--steps`` decode steps (``/start_profile`` with
 CPU + GPU activities and Python stacks) while a concurrency-``--concurrency`` load runs, and
 summarises each trace: per decode step, the host time inside every Python function (inclusive),
-the count and time of CUDA runtime calls (kernel / graph launches), and the GPU kernel time.
+the count and time of CUDA runtime calls (kernel / graph launches), and the GPU kernel time,
+in total and by kernel name. ``--dummy`` profiles a config-only pair (e.g. the Kimi rank
+emulation under bench_assets/model-configs) with dummy weights.
 The profiler slows the host side down, so compare the two methods with each other, not with
 the benchmark's tokens/s.
 
@@ -59,6 +61,7 @@ def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
     py = collections.defaultdict(lambda: [0.0, 0])
     rt = collections.defaultdict(lambda: [0.0, 0])
     ops = collections.defaultdict(lambda: [0.0, 0])
+    kern = collections.defaultdict(lambda: [0.0, 0])
     kernel_us, kernels = 0.0, 0
     step_spans = []
     for e in events:
@@ -78,6 +81,8 @@ def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
         elif cat == "kernel":
             kernel_us += dur
             kernels += 1
+            kern[name[:160]][0] += dur
+            kern[name[:160]][1] += 1
     # outermost worker calls only (a subclass calling super() nests one inside the other)
     step_spans.sort()
     outer, end = [], -1.0
@@ -103,6 +108,7 @@ def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
         "python_inclusive": table(py),
         "cuda_runtime": table(rt),
         "cpu_ops": table(ops),
+        "gpu_kernels": table(kern),  # GPU time by kernel name (graph-replayed ones included)
     }
 
 
@@ -190,6 +196,10 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=30500)
     ap.add_argument("--workdir", default="/tmp/ddtree_profile")
+    ap.add_argument("--methods", default="dflash,ddtree", help="of ar, dflash, ddtree")
+    ap.add_argument("--dummy", action="store_true",
+                    help="config-only target and drafter (bench_assets/model-configs): "
+                    "--load-format dummy for both, no tokenizer")
     args = ap.parse_args()
 
     import sglang
@@ -203,9 +213,13 @@ def main():
               "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-prefill-cuda-graph", "--sleep-on-idle"]
     spec = ["--speculative-draft-model-path", args.draft]
-    methods = {"dflash": ["--speculative-algorithm", "DFLASH"] + spec,
+    if args.dummy:
+        common += ["--load-format", "dummy", "--skip-tokenizer-init"]
+        spec += ["--speculative-draft-load-format", "dummy"]
+    methods = {"ar": [], "dflash": ["--speculative-algorithm", "DFLASH"] + spec,
                "ddtree": ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget",
                           args.budget] + spec}
+    methods = {m: methods[m] for m in args.methods.split(",")}
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
               "source_digest": checkout_digest(__file__),
               "gpu": torch.cuda.get_device_name(0),

@@ -51,6 +51,8 @@ def test_summary_counts_outermost_worker_calls_as_steps():
     assert py["tp_worker.py:forward_batch_generation"]["ms_per_step"] == 1.5
     assert py["step_graph.py:__call__"]["calls_per_step"] == 1.0
     assert s["cpu_ops"][0]["name"] == "aten::argmax"
+    assert s["gpu_kernels"] == [{"name": "some_kernel", "ms_per_step": 0.7,
+                                 "calls_per_step": 1.0}]
 
 
 def test_step_tree_nests_frames_and_attributes_launches():
