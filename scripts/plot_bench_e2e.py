@@ -54,7 +54,7 @@ MODE_WORDS = {
 
 def overhead_table(data: dict) -> str:
     """DDTree's own share of the step (tree + accept + commit over the sum of all stages) per
-    batch size: from the ``-timers`` servers (``stage_ms_by_batch_size``, CUDA-event or
+    batch size (powers of two): from the ``-timers`` servers (``stage_ms_by_batch_size``, CUDA-event or
     synchronized timers) and, where the JSON has them, the speed servers' host timers
     (``cpu_stage_ms_by_batch_size``); '' when it has neither. Runs from before the
     ``draft_kv`` stage counted DFlash's drafter KV append inside commit: their share is an upper
@@ -65,6 +65,8 @@ def overhead_table(data: dict) -> str:
         for method, rec in sorted((data.get(key) or {}).items()):
             rec = rec or {}
             for bs, st in sorted((rec.get("bs") or {}).items(), key=lambda x: int(x[0])):
+                if int(bs) & (int(bs) - 1):  # batch sizes 1, 2, 4, 8, ...: a readable table
+                    continue
                 total = sum(v for k, v in st.items() if k != "steps")
                 if not total:
                     continue
