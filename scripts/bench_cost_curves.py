@@ -77,14 +77,16 @@ def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -
     return out
 
 
-def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "dflash")):
+def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "dflash"),
+              ddtree_extra=()):
     """[(method, extra server args, env)]: AR, DFLASH, DDTREE per budget with host-only stage
     timers (no synchronization, so overlap scheduling and TPOT are those of a plain server),
     and ``-timers`` servers with stage timers on the GPU's stream (``timer_mode`` gpu: CUDA
     events; sync: a synchronization per stage, which defeats overlap scheduling) for the
     verify-forward split; their TPOT is not used."""
     def ddtree(b):
-        return ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b)] + spec
+        return (["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b)]
+                + list(ddtree_extra) + spec)
 
     every = {"SGLANG_DDTREE_TIMERS_EVERY": "10"}
     runs = [r for r in (("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec,
@@ -117,7 +119,7 @@ def derive(res: dict) -> dict:
 
 def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
                   res=None, dump=lambda: None, timer_budgets=(), timer_mode="gpu",
-                  baselines=("ar", "dflash")):
+                  baselines=("ar", "dflash"), ddtree_extra=()):
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
     ``dump`` after each: a run cut short by its time limit keeps the methods it measured."""
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
@@ -139,7 +141,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
                 "stage_ms": {}, "host_stage_ms": {}, "startup_s": {}, "errors": {}})
     greedy = {"temperature": 0.0}
     for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec,
-                                                           timer_mode, baselines)):
+                                                           timer_mode, baselines,
+                                                           ddtree_extra)):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
             srv = Server(common + extra, log, args.port + i, env=env)
@@ -195,6 +198,9 @@ def main():
                     "sync) or sync (a synchronization at every stage boundary)")
     ap.add_argument("--baselines", default="ar,dflash",
                     help="which of ar / dflash get a server (verify/decode needs ar)")
+    ap.add_argument("--ddtree-args", default="",
+                    help="extra flags of every DDTREE server, e.g. "
+                    "'--speculative-ddtree-verify-backend triton'")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -248,7 +254,9 @@ def main():
         result["models"][name] = {}
         measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
                       res=result["models"][name], dump=dump, timer_budgets=timer_budgets,
-                      timer_mode=args.timer_mode, baselines=args.baselines.split(","))
+                      timer_mode=args.timer_mode,
+                      baselines=[b for b in args.baselines.split(",") if b],
+                      ddtree_extra=args.ddtree_args.split())
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

@@ -21,6 +21,12 @@ def test_plan_runs_times_ddtree_without_syncs_and_splits_stages_on_extra_servers
     assert sync["ddtree_b8-timers"]["SGLANG_DDTREE_TIMERS"] == "1"
     only = cc.plan_runs([], [32], [], baselines=["ar"])
     assert [r[0] for r in only] == ["ar", "ddtree_b32-timers"]
+    tv = cc.plan_runs([], [32], ["--spec"], baselines=[],
+                      ddtree_extra=["--speculative-ddtree-verify-backend", "triton"])
+    assert tv == [("ddtree_b32-timers", ["--speculative-algorithm", "DDTREE",
+                                         "--speculative-ddtree-budget", "32",
+                                         "--speculative-ddtree-verify-backend", "triton",
+                                         "--spec"], tv[0][2])]
     args = {name: a for name, a, _ in runs}
     assert args["ddtree_b32"] == args["ddtree_b32-timers"] == [
         "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "32", "--spec"]
