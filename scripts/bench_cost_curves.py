@@ -84,9 +84,10 @@ def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "
     and ``-timers`` servers with stage timers on the GPU's stream (``timer_mode`` gpu: CUDA
     events; sync: a synchronization per stage, which defeats overlap scheduling) for the
     verify-forward split; their TPOT is not used."""
+    from bench_e2e import ddtree_args
+
     def ddtree(b):
-        return (["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", str(b)]
-                + list(ddtree_extra) + spec)
+        return ddtree_args(b, list(ddtree_extra) + spec)
 
     every = {"SGLANG_DDTREE_TIMERS_EVERY": "10"}
     runs = [r for r in (("ar", [], {}), ("dflash", ["--speculative-algorithm", "DFLASH"] + spec,

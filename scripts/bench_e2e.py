@@ -240,9 +240,8 @@ def main():
     methods += [(f"ddtree_b{b}", ddtree_args(b, spec),
                  {"SGLANG_DDTREE_AUTO_MODE": "online"} if b == "online" else {})
                 for b in args.budgets.split(",")]
-    methods += [(f"ddtree_tv_b{b}", ["--speculative-algorithm", "DDTREE",
-                                     "--speculative-ddtree-budget", b,
-                                     "--speculative-ddtree-verify-backend", "triton"] + spec, {})
+    methods += [(f"ddtree_tv_b{b}", ddtree_args(
+                    b, ["--speculative-ddtree-verify-backend", "triton"] + spec), {})
                 for b in args.triton_verify_budgets.split(",") if b]
     result = {
         "sglang_version": sglang.__version__, "torch_version": torch.__version__,

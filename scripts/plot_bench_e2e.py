@@ -54,8 +54,8 @@ MODE_WORDS = {
 
 def overhead_table(data: dict) -> str:
     """DDTree's own share of the step (tree + accept + commit over the sum of all stages) per
-    batch size (powers of two): from the ``-timers`` servers (``stage_ms_by_batch_size``, CUDA-event or
-    synchronized timers) and, where the JSON has them, the speed servers' host timers
+    batch size (powers of two): from the ``-timers`` servers (``stage_ms_by_batch_size``,
+    CUDA-event or synchronized timers) and, where the JSON has them, the speed servers' host timers
     (``cpu_stage_ms_by_batch_size``); '' when it has neither. Runs from before the
     ``draft_kv`` stage counted DFlash's drafter KV append inside commit: their share is an upper
     bound and says so."""

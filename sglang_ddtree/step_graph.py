@@ -6,8 +6,9 @@ accepted path (one ``move_kv_cache`` per path column) and the row index of the a
 hidden states. As eager launches that is about fifty small kernels, whose launch cost lands on
 the critical path of every decode step. Here it is captured once per batch size and replayed
 (inputs copied in -- the target's tokens written in place where the caller asks for the
-buffer, ``predicted_buffer`` -- outputs cloned out, three of them as one packed clone). The worker captures every batch size up to the largest
-CUDA-graph batch size at start-up (``prewarm``); a batch size beyond it is captured on first use.
+buffer, ``predicted_buffer`` -- outputs cloned out, three of them as one packed clone). The
+worker captures every batch size up to the largest CUDA-graph batch size at start-up
+(``prewarm``); a batch size beyond it is captured on first use.
 
 The tree is not copied in: the tree builder hands out the same per-batch-size buffers every step
 (``TreeBuildGraphs``), so the graph reads them where they are. A call with other tree buffers (or
