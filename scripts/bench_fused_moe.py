@@ -191,15 +191,35 @@ def sglang_baselines(layers, args):
 # warps runs wgmma (~190-220 per KB at small block_m, better MMA use at large block_m).
 _GU = {"v2": (32, 256, 2, 3), "v2s4": (32, 256, 2, 4), "w64": (64, 256, 4, 3), "w64k128": (64, 128, 4, 4),
        "w64s2": (64, 256, 4, 2), "w128": (128, 128, 8, 3)}
+_GU.update({"v2k512": (32, 512, 2, 3), "v2k512s2": (32, 512, 2, 2),
+            # split dequant (nibbles 0-3, then 4-7): 168 -> 128 registers, more programs per SM
+            "v2d": (32, 256, 2, 3, 0, 1), "v2ds2": (32, 256, 2, 2, 0, 1),
+            "v2dk128": (32, 128, 2, 4, 0, 1), "w64d": (64, 256, 4, 3, 0, 1),
+            "w64ds2": (64, 256, 4, 2, 0, 1),
+            # K split over 2 / 4 programs per tile (+ a reduce kernel): more loads in flight
+            # when few experts are touched
+            "v2dk2": (32, 256, 2, 3, 0, 1, 2), "v2dk4": (32, 256, 2, 3, 0, 1, 4),
+            "v2ds2k4": (32, 256, 2, 2, 0, 1, 4), "w64dk2": (64, 256, 4, 3, 0, 1, 2)})
 _DN = {"v2": (32, 256, 2, 2), "w64": (64, 128, 4, 3), "w128": (128, 128, 4, 2),
        "w128k256": (128, 256, 4, 2), "w64k256": (64, 256, 4, 2), "w128w8": (128, 128, 8, 3)}
+# The down GEMM as one column loop per program (_down_loop_kernel; block_k = intermediate 256):
+# (block_n, 256, num_warps, num_stages, n_per_cta).
+_DL = {"l32": (32, 256, 2, 3, 512), "l32b": (32, 256, 2, 4, 896), "l64": (64, 256, 4, 3, 512),
+       "l64b": (64, 256, 4, 3, 1024), "l128": (128, 256, 4, 2, 1792),
+       "l128b": (128, 256, 4, 3, 1024), "l64w8": (64, 256, 8, 3, 1024)}
+_LOOPS = [_DL[k] for k in ("l32", "l32b", "l64", "l64b", "l128", "l128b")]
 CANDIDATES = {
-    16: ([_GU[k] for k in ("v2", "v2s4", "w64", "w64k128", "w64s2")],
-         [_DN[k] for k in ("v2", "w64", "w128", "w128k256", "w64k256")]),
-    32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128")], list(_DN.values())),
+    16: ([_GU[k] for k in ("v2", "v2s4", "w64", "w64k128", "w64s2", "v2k512", "v2k512s2", "v2d",
+                           "v2ds2", "v2dk128", "w64d", "w64ds2", "v2dk2", "v2dk4", "v2ds2k4",
+                           "w64dk2")],
+         [_DN[k] for k in ("v2", "w64", "w128", "w128k256", "w64k256")] + _LOOPS),
+    32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2")],
+         list(_DN.values()) + _LOOPS),
     64: ([_GU[k] for k in ("w64", "w64k128", "w64s2", "w128")],
-         [_DN[k] for k in ("v2", "w64", "w128", "w64k256", "w128w8")]),
-    128: ([_GU[k] for k in ("w64k128", "w128")], [_DN[k] for k in ("w64", "w64k256", "w128w8")]),
+         [_DN[k] for k in ("v2", "w64", "w128", "w64k256", "w128w8")]
+         + [_DL[k] for k in ("l64b", "l128", "l128b", "l64w8")]),
+    128: ([_GU[k] for k in ("w64k128", "w128")],
+          [_DN[k] for k in ("w64", "w64k256", "w128w8")] + [_DL[k] for k in ("l128", "l128b")]),
 }
 
 
@@ -248,6 +268,52 @@ def tune(args, layers, make_inputs, dev) -> dict:
     return {"bands": bands, "errors": log}
 
 
+def breakdown(args, layers, make_inputs, dev) -> dict:
+    """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
+
+    Each M is timed with the config table's choice and with every down candidate of that band's
+    block_m (gate-up fixed to the table's); gate-up and down bandwidth use their own bytes.
+    """
+    w13_bytes = args.hidden // 8 * 2 * args.inter * 4 + args.hidden // 32 * 2 * args.inter * 2
+    w2_bytes = args.inter // 8 * args.hidden * 4 + args.inter // 32 * args.hidden * 2
+    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+           "source_digest": checkout_digest(__file__),
+           "copy_bandwidth_gbs": copy_bandwidth_gbs(dev), "rows": []}
+    for m in args.ms:
+        xs, tws, tis, _ = make_inputs(m)
+        touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
+        base = mw.select_config(m)
+        cands = [base] + [mw.MoeConfig(base.block_m, base.gate_up, mw.GemmConfig(*c))
+                          for c in CANDIDATES.get(base.block_m, ([], []))[1]]
+        for cfg in cands:
+            t = []
+            for upto in (1, 2, 3, 4):
+                def run(upto=upto):
+                    for i, lw in enumerate(layers):
+                        mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"],
+                                           lw["w2_packed"], lw["w2_scale"], tws[i], tis[i],
+                                           config=cfg, _upto=upto)
+                try:
+                    t.append(graph_time_us(run, args.iters, dev) / len(layers))
+                except Exception as exc:
+                    t.append(float("nan"))
+                    print(f"M={m} {cfg}: {exc!r}"[:300], flush=True)
+            k = {"align": t[0], "gate_up": t[1] - t[0], "down": t[2] - t[1],
+                 "combine": t[3] - t[2], "total": t[3]}
+            row = {"m": m, "touched_experts": touched, "config": dataclasses.asdict(cfg),
+                   "table_config": cfg is base, "us": k,
+                   "gbs": {"gate_up": touched * w13_bytes / k["gate_up"] / 1e3,
+                           "down": touched * w2_bytes / k["down"] / 1e3}}
+            out["rows"].append(row)
+            print(f"M={m:5d} dn={dataclasses.astuple(cfg.down)} "
+                  + " ".join(f"{n} {v:7.1f}" for n, v in k.items())
+                  + f" | GB/s gu {row['gbs']['gate_up']:.0f} dn {row['gbs']['down']:.0f}",
+                  flush=True)
+    return out
+
+
 def write_table(path: str, tuned: dict, meta: dict) -> None:
     """Merge tuned bands into the config table at ``path`` (bands with other max_m are kept)."""
     old = {"bands": []}
@@ -288,6 +354,12 @@ def main(argv=None) -> int:
                     help="search launch configs per M instead of benchmarking (see --tune-out)")
     ap.add_argument("--tune-out", default="bench_results/fused_moe_tuned_configs.json",
                     help="config table to write/merge the tuned bands into")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-kernel times (align, gate-up, down, combine) by differences of "
+                         "graphs that stop after each kernel, for the table's config and the "
+                         "down-kernel candidates; JSON to --out")
+    ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
+                    help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -308,6 +380,23 @@ def main(argv=None) -> int:
         return (xs, [r.values.float().contiguous() for r in routes],
                 [r.indices.to(torch.int32).contiguous() for r in routes], logits)
 
+    if args.profile_ms:  # eager calls for an outside profiler (ncu): no graphs, no timing
+        for m in args.profile_ms:
+            xs, tws, tis, _ = make_inputs(m)
+            for _ in range(3):
+                lw = layers[0]
+                mw.fused_moe_w4a16(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                                   lw["w2_scale"], tws[0], tis[0])
+            _sync(dev)
+            print(f"profiled M={m} with {mw.select_config(m)}", flush=True)
+        return 0
+    if args.breakdown:
+        result = breakdown(args, layers, make_inputs, dev)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+        return 0
     if args.tune:
         tuned = tune(args, layers, make_inputs, dev)
         meta = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),

@@ -10,7 +10,10 @@ weights once per step, dequantizes them in registers and fuses the rest around t
    the plane-major order described below.
 2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
    fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
-3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot).
+   With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials and
+   ``_gate_up_reduce_kernel`` adds them in fixed order before the epilogue (few touched experts).
+3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
+   the same with one long column loop per program (intermediate sizes that fit one K tile).
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
@@ -182,7 +185,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     max_blocks = max_padded // block_m
     xp = None if x is None else torch.empty(x.shape, dtype=x.dtype, device=dev)
     rows = 0 if x is None else x.shape[0]
-    block_t = 1024
+    # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
+    block_t = min(1024, max(16, triton.next_power_of_2(max(t, 1))))
     _prologue_kernel[(num_experts + rows,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
         sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
@@ -197,28 +201,34 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 # --------------------------------------------------------------------------------------------
 # shared pieces: nibble planes of a packed weight tile and the matching activation planes
 # --------------------------------------------------------------------------------------------
-def _dequant_ptx() -> str:
-    """PTX for two packed words ``$8, $9`` and their scales ``$10`` (bf16x2) -> 8 bf16x2 planes.
+def _dequant_ptx(first_byte: int = 0, n_bytes: int = 4) -> str:
+    """PTX for two packed words and their scales (bf16x2) -> ``2 * n_bytes`` bf16x2 planes.
 
-    Output ``$j`` = (nibble j of ``$8``, nibble j of ``$9``), the pair order of bf16 MMA operands.
-    Byte t of both words goes into the two halves of one register (prmt); then ``0x4300 | n`` is
-    bf16 ``128 + n``, minus 136 is ``n - 8 = q`` exactly, and the multiply by the scales rounds
-    once, like ``(q * s).to(bf16)``. ``lop3`` with 0xEA computes ``(a & b) | c``.
+    Outputs come first (``$0 .. $(2 n_bytes - 1)``), then the words and the scales. Output ``$i`` =
+    (nibble ``j`` of word 0, nibble ``j`` of word 1) with ``j = 2 * first_byte + i``, the pair order
+    of bf16 MMA operands. Byte t of both words goes into the two halves of one register (prmt); then
+    ``0x4300 | n`` is bf16 ``128 + n``, minus 136 is ``n - 8 = q`` exactly, and the multiply by the
+    scales rounds once, like ``(q * s).to(bf16)``. ``lop3`` with 0xEA computes ``(a & b) | c``.
     """
+    n_out = 2 * n_bytes
+    w0, w1, sc = f"${n_out}", f"${n_out + 1}", f"${n_out + 2}"
     lines = [".reg .b32 d, t, m, k, one, bias, nz;", "mov.b32 m, 0x000F000F;",
              "mov.b32 k, 0x43004300;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;",
              "mov.b32 nz, 0x80008000;"]
-    for t in range(4):
-        lines.append(f"prmt.b32 d, $8, $9, 0x{0x0400 + 0x0101 * t:04X};")
-        for j, src in ((2 * t, "d"), (2 * t + 1, "t")):
+    for i, t in enumerate(range(first_byte, first_byte + n_bytes)):
+        lines.append(f"prmt.b32 d, {w0}, {w1}, 0x{0x0400 + 0x0101 * t:04X};")
+        for j, src in ((2 * i, "d"), (2 * i + 1, "t")):
             if src == "t":
                 lines.append("shr.u32 t, d, 4;")
             lines += [f"lop3.b32 t, {src}, m, k, 0xEA;", "fma.rn.bf16x2 t, t, one, bias;",
-                      f"fma.rn.bf16x2 ${j}, t, $10, nz;"]
+                      f"fma.rn.bf16x2 ${j}, t, {sc}, nz;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 _DEQUANT_PTX = tl.constexpr(_dequant_ptx())
+# The same conversion in two halves (nibbles 0-3, then 4-7): half the planes live at a time.
+_DEQUANT_PTX_LO = tl.constexpr(_dequant_ptx(0, 2))
+_DEQUANT_PTX_HI = tl.constexpr(_dequant_ptx(2, 2))
 
 
 @triton.jit
@@ -239,6 +249,27 @@ def _dequant8(w, s, PORTABLE: tl.constexpr):
                 ((((w >> 20) & 15) - 8).to(tl.float32) * sf),
                 ((((w >> 24) & 15) - 8).to(tl.float32) * sf),
                 ((((w >> 28) & 15) - 8).to(tl.float32) * sf))
+
+
+@triton.jit
+def _dequant4(w, s, HI: tl.constexpr, PORTABLE: tl.constexpr):
+    """Like _dequant8 for nibbles 0-3 (``HI`` False) or 4-7 (``HI`` True) only."""
+    if not PORTABLE:
+        if HI:
+            return tl.inline_asm_elementwise(
+                _DEQUANT_PTX_HI, "=r,=r,=r,=r,r,r,r", [w, s], dtype=(tl.bfloat16,) * 4,
+                is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                _DEQUANT_PTX_LO, "=r,=r,=r,=r,r,r,r", [w, s], dtype=(tl.bfloat16,) * 4,
+                is_pure=True, pack=2)
+    else:
+        sf = s.to(tl.float32)
+        sh: tl.constexpr = 16 if HI else 0
+        return (((((w >> (sh + 0)) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> (sh + 4)) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> (sh + 8)) & 15) - 8).to(tl.float32) * sf),
+                ((((w >> (sh + 12)) & 15) - 8).to(tl.float32) * sf))
 
 
 @triton.jit
@@ -263,7 +294,7 @@ def _plane(acc, acc2, w, w2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.con
 
 @triton.jit
 def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.constexpr,
-          PORTABLE: tl.constexpr):
+          PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False):
     """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (acc2 with W2).
 
     ``w``/``s``: [BN, KP] packed words and their scales; ``a_ptrs``: [KP, BM] pointers to the
@@ -271,6 +302,25 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
     rows nibble j of word r holds). With ``TWO`` (gate and up) a second weight tile shares the
     activation loads.
     """
+    if SPLIT_DQ:
+        # Halves: planes 0-3 of both tiles, their dots, then 4-7 (fewer planes live at once).
+        p0, p1, p2, p3 = _dequant4(w, s, False, PORTABLE)
+        q0, q1, q2, q3 = p0, p1, p2, p3
+        if TWO:
+            q0, q1, q2, q3 = _dequant4(w2, s2, False, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
+        p4, p5, p6, p7 = _dequant4(w, s, True, PORTABLE)
+        q4, q5, q6, q7 = p4, p5, p6, p7
+        if TWO:
+            q4, q5, q6, q7 = _dequant4(w2, s2, True, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p4, q4, a_ptrs + 4 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p5, q5, a_ptrs + 5 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p6, q6, a_ptrs + 6 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p7, q7, a_ptrs + 7 * KP, a_mask, TWO, PORTABLE)
+        return acc, acc2
     p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
     q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
     if TWO:
@@ -297,7 +347,9 @@ def _gate_up_kernel(
     sorted_ids_ptr,  # [max_padded] int32
     block_expert_ptr,  # [max_blocks] int32
     h_ptr,  # [max_padded, I] bf16 out, row = padded position, plane-major for DOWN_BLOCK_K tiles
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, max_padded, 2 I] fp32 out (gate then up partial sums)
     T,
+    max_padded,
     K: tl.constexpr,
     I: tl.constexpr,
     TOPK: tl.constexpr,
@@ -306,13 +358,18 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOWN_BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
+    SPLIT_DQ: tl.constexpr = False,  # dequantize nibbles 0-3, then 4-7 (fewer live registers)
+    SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
+    K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
     pid = tl.program_id(0)
-    pid_m = pid // NUM_N
-    pid_n = pid % NUM_N
+    pid_k = pid % SPLIT_K
+    pid_mn = pid // SPLIT_K
+    pid_m = pid_mn // NUM_N
+    pid_n = pid_mn % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
@@ -324,22 +381,67 @@ def _gate_up_kernel(
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
     # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
-    w_ptrs = w_ptr + e64 * (K // _PACK * N2) + offs_r[None, :] * N2 + offs_n[:, None]
-    s_ptrs = s_ptr + e64 * (K // _GROUP * N2) + (offs_r[None, :] // 4) * N2 + offs_n[:, None]
-    x_ptrs = xp_ptr + tok[None, :] * K + offs_r[:, None]  # [KP, BLOCK_M], plane 0 of tile 0
+    k0 = pid_k * (K_STEPS * BLOCK_K)  # first input row of this program's K range
+    w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
+              + offs_n[:, None])
+    s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
+              + offs_n[:, None])
+    x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BLOCK_M], plane 0
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for _ in range(0, K // BLOCK_K):
+    for _ in range(0, K_STEPS):
         acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
-                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE)
+                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
         x_ptrs += BLOCK_K
         w_ptrs += KP * N2
         s_ptrs += (BLOCK_K // _GROUP) * N2
+    if SPLIT_K > 1:
+        # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
+        p_ptrs = (part_ptr + (pid_k.to(tl.int64) * max_padded + offs_m[None, :]) * N2
+                  + offs_n[:, None])
+        tl.store(p_ptrs, acc_g, mask=x_mask)
+        tl.store(p_ptrs + I, acc_u, mask=x_mask)
+        return
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
     h_cols = _plane_major_cols(offs_n, DOWN_BLOCK_K)
     h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + h_cols[:, None]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gate_up_reduce_kernel(
+    part_ptr,  # [SPLIT_K, max_padded, 2 I] fp32 partial sums (real rows written)
+    sorted_ids_ptr,  # [max_padded] int32
+    block_expert_ptr,  # [max_blocks] int32
+    h_ptr,  # [max_padded, I] bf16 out, plane-major for DOWN_BLOCK_K tiles
+    T,
+    max_padded,
+    I: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    DOWN_BLOCK_K: tl.constexpr,
+):
+    """Split-K gate-up epilogue: sum the partials in fixed order, then SiLU(gate) * up -> h."""
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.load(sorted_ids_ptr + offs_m) < T
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = row_ok[:, None]
+    g = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(SPLIT_K):
+        p_ptrs = part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I) + offs_c[None, :]
+        g += tl.load(p_ptrs, mask=mask, other=0.0)
+        u += tl.load(p_ptrs + I, mask=mask, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u
+    h_cols = _plane_major_cols(offs_c, DOWN_BLOCK_K)
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * I + h_cols[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,6 +495,76 @@ def _down_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[None, :])
 
 
+@triton.jit
+def _down_loop_kernel(
+    h_ptr,  # [max_padded, I] bf16, plane-major for one BLOCK_K = I tile
+    w_ptr,  # [E, I // 8, N] int32
+    s_ptr,  # [E, I // 32, N] bf16
+    sorted_ids_ptr,  # [max_padded] int32
+    block_expert_ptr,  # [max_blocks] int32
+    topk_w_ptr,  # [T] fp32/bf16 routing weight of pair t
+    y_ptr,  # [T, N] bf16 out, row = pair id
+    T,
+    N: tl.constexpr,
+    I: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
+    PORTABLE: tl.constexpr,
+):
+    """Down GEMM for a small intermediate size (the whole K = I in one tile).
+
+    ``_down_kernel`` gives every program one [BLOCK_N, I] weight tile: with I = 256 that is a
+    single K step (~4 KB), so a program is mostly its start-up latency (block expert, then row
+    ids, then weights) and nothing overlaps inside it. Here a program loads the expert block's
+    activation planes once and then walks ``N_PER_CTA`` output columns in BLOCK_N steps: a loop
+    whose weight loads the compiler pipelines (``num_stages``), one long stream per program.
+    """
+    NUM_S: tl.constexpr = N // N_PER_CTA
+    KP: tl.constexpr = I // _PACK
+    pid = tl.program_id(0)
+    pid_m = pid // NUM_S
+    pid_s = pid % NUM_S
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = rows < T
+    offs_r = tl.arange(0, KP)
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]  # [KP, BLOCK_M], plane 0
+    a_mask = row_ok[None, :]
+    a0 = tl.load(h_ptrs + 0 * KP, mask=a_mask, other=0.0)
+    a1 = tl.load(h_ptrs + 1 * KP, mask=a_mask, other=0.0)
+    a2 = tl.load(h_ptrs + 2 * KP, mask=a_mask, other=0.0)
+    a3 = tl.load(h_ptrs + 3 * KP, mask=a_mask, other=0.0)
+    a4 = tl.load(h_ptrs + 4 * KP, mask=a_mask, other=0.0)
+    a5 = tl.load(h_ptrs + 5 * KP, mask=a_mask, other=0.0)
+    a6 = tl.load(h_ptrs + 6 * KP, mask=a_mask, other=0.0)
+    a7 = tl.load(h_ptrs + 7 * KP, mask=a_mask, other=0.0)
+    wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    e64 = e.to(tl.int64)
+    offs_n = pid_s * N_PER_CTA + tl.arange(0, BLOCK_N)
+    w_ptrs = w_ptr + e64 * (KP * N) + offs_r[None, :] * N + offs_n[:, None]
+    s_ptrs = s_ptr + e64 * (I // _GROUP * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
+    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]
+    for _ in range(N_PER_CTA // BLOCK_N):
+        p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs), tl.load(s_ptrs), PORTABLE)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = _dot(p0, a0, acc, PORTABLE)
+        acc = _dot(p1, a1, acc, PORTABLE)
+        acc = _dot(p2, a2, acc, PORTABLE)
+        acc = _dot(p3, a3, acc, PORTABLE)
+        acc = _dot(p4, a4, acc, PORTABLE)
+        acc = _dot(p5, a5, acc, PORTABLE)
+        acc = _dot(p6, a6, acc, PORTABLE)
+        acc = _dot(p7, a7, acc, PORTABLE)
+        tl.store(y_ptrs, (acc * wt[None, :]).to(y_ptr.dtype.element_ty), mask=a_mask)
+        w_ptrs += BLOCK_N
+        s_ptrs += BLOCK_N
+        y_ptrs += BLOCK_N
+
+
 # --------------------------------------------------------------------------------------------
 # 4. weighted top-k combine
 # --------------------------------------------------------------------------------------------
@@ -430,6 +602,15 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # down GEMM only: > 0 selects _down_loop_kernel (each program walks n_per_cta output columns;
+    # needs block_k == intermediate size); 0 keeps one [block_n, block_k] tile per program.
+    n_per_cta: int = 0
+    # gate-up GEMM only: 1 dequantizes nibbles 0-3, then 4-7 (fewer live registers, so more
+    # programs per SM: 168 -> 128 registers at block_n 32 / 2 warps on sm_90).
+    split_dq: int = 0
+    # gate-up GEMM only: > 1 splits K over that many programs per tile (more programs in flight
+    # when few experts are touched); a small reduce kernel adds the fp32 partials in fixed order.
+    split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -472,10 +653,16 @@ def select_config(m: int) -> MoeConfig:
 
 
 def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
-    """Shrink tiles that exceed a small problem (tests use tiny hidden / FFN sizes)."""
+    """Fit a table config to the problem: shrink tiles that exceed a small problem (tests use tiny
+    hidden / FFN sizes), and drop the shape-bound options where the shape rules them out (the
+    looped down kernel needs the whole K in one tile; split-K needs the K steps to divide), so
+    that one table serves any hidden / intermediate size."""
     block_n = min(cfg.block_n, n)
     block_k = min(cfg.block_k, k)
-    return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages)
+    n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
+    split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
+    return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
+                      split_k)
 
 
 def _portable(device: torch.device) -> bool:
@@ -505,6 +692,7 @@ def fused_moe_w4a16(
     routed_scaling_factor: float = 1.0,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
+    _upto: int = 4,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
 
@@ -531,6 +719,9 @@ def fused_moe_w4a16(
         ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
+    _upto : int
+        Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
+        combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
 
     Returns
     -------
@@ -564,25 +755,48 @@ def fused_moe_w4a16(
     dn = _fit(cfg.down, hidden, inter)
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
-            or gu.block_k % 128 or dn.block_k % 128 or bm < 16):
+            or gu.block_k % 128 or dn.block_k % 128 or bm < 16
+            or gu.split_k < 1 or (hidden // gu.block_k) % gu.split_k
+            or (dn.n_per_cta and (dn.block_k != inter or dn.n_per_cta % dn.block_n
+                                  or hidden % dn.n_per_cta))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable = _portable(hidden_states.device)
     t = m * topk
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
+    if _upto < 2:
+        return out
     max_padded = sorted_ids.numel()
     h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=hidden_states.device)
     y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
     n_blocks = max_padded // bm
 
-    _gate_up_kernel[(n_blocks * (inter // gu.block_n),)](
-        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, t, K=hidden, I=inter, TOPK=topk,
-        BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, DOWN_BLOCK_K=dn.block_k,
-        PORTABLE=portable, num_warps=gu.num_warps, num_stages=gu.num_stages)
-    _down_kernel[(n_blocks * (hidden // dn.block_n),)](
-        h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden, I=inter,
-        BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
-        num_warps=dn.num_warps, num_stages=dn.num_stages)
+    part = h if gu.split_k == 1 else torch.empty(
+        gu.split_k, max_padded, 2 * inter, dtype=torch.float32, device=hidden_states.device)
+    _gate_up_kernel[(n_blocks * (inter // gu.block_n) * gu.split_k,)](
+        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part, t, max_padded, K=hidden,
+        I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
+        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages)
+    if gu.split_k > 1:
+        block_c = min(inter, 128)
+        _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
+            part, sorted_ids, block_expert, h, t, max_padded, I=inter, SPLIT_K=gu.split_k,
+            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k)
+    if _upto < 3:
+        return out
+    if dn.n_per_cta:
+        _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
+            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
+            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,
+            num_warps=dn.num_warps, num_stages=dn.num_stages)
+    else:
+        _down_kernel[(n_blocks * (hidden // dn.block_n),)](
+            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
+            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
+            num_warps=dn.num_warps, num_stages=dn.num_stages)
+    if _upto < 4:
+        return out
     block_c = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_c))](
         y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk,

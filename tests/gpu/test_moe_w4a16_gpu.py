@@ -79,6 +79,37 @@ def test_kimi_shapes_vs_reference(K, w, m):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
+def _candidate_configs(K):
+    """Every launch config the tuner may pick (scripts/bench_fused_moe.py CANDIDATES)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_fused_moe.py"
+    src = path.read_text()
+    # only the candidate tables: the script itself imports kernels under its own name
+    start, end = src.index("_GU = {"), src.index("def block_m_candidates")
+    ns: dict = {}
+    exec(compile(src[start:end], str(path), "exec"), ns)
+    for bm, (gus, dns) in ns["CANDIDATES"].items():
+        for gu in gus:
+            yield K.moe.MoeConfig(bm, K.moe.GemmConfig(*gu), K.moe.GemmConfig(*dns[0]))
+        for dn in dns:
+            yield K.moe.MoeConfig(bm, K.moe.GemmConfig(*gus[0]), K.moe.GemmConfig(*dn))
+
+
+def test_every_tuning_candidate_vs_reference(K, w):
+    # The tuner may write any candidate into the shipped table: each must be correct.
+    m = 96
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    tw, ti, _ = routing(m, seed=11)
+    ref = reference(K, w, x, tw, ti, 2.0)
+    bad = []
+    for cfg in _candidate_configs(K):
+        out = K.moe.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                    w["w2_scale"], tw, ti, routed_scaling_factor=2.0, config=cfg)
+        rel, mx = errors(out, ref)
+        if not (rel <= REL_FRO and mx <= REL_MAX):
+            bad.append((cfg, rel, mx))
+    assert not bad, bad
+
+
 def test_all_tokens_one_expert_set(K, w):
     # 300 tokens all routed to the same 8 experts: 376 experts idle, 8 with 300 rows each.
     m = 300

@@ -24,6 +24,13 @@ REL_FRO, REL_MAX = 2e-2, 3e-2
 # gate-up (intermediate 128, block_n 64) and 4 N tiles in down (block_n 64).
 H, I = 256, 128
 CFG = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1))
+# Gate-up with the dequant in two halves (SPLIT_DQ).
+CFG_SPLIT = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1), MOE.GemmConfig(64, 128, 4, 1))
+# Gate-up split over K in 2 programs per tile, plus the reduce kernel.
+CFG_SPLITK = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
+                           MOE.GemmConfig(64, 128, 4, 1, 128))
+# The down GEMM as one loop per program (_down_loop_kernel): 2 programs per block, 2 column steps.
+CFG_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 128))
 
 
 @pytest.fixture(autouse=True)
@@ -44,10 +51,10 @@ def check(out, ref):
     assert rel <= REL_FRO and mx <= REL_MAX, f"rel fro {rel:.3e}, rel max {mx:.3e}"
 
 
-def run(w, x, tw, ti, scale=1.0):
+def run(w, x, tw, ti, scale=1.0, cfg=CFG):
     out = torch.full((x.shape[0], H), float("nan"), dtype=torch.bfloat16)
     got = MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
-                              tw, ti, routed_scaling_factor=scale, out=out, config=CFG)
+                              tw, ti, routed_scaling_factor=scale, out=out, config=cfg)
     assert got is out
     ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                   w["w2_scale"], tw, ti, scale)
@@ -70,6 +77,63 @@ def test_matches_reference(experts, m, e, topk, id_dtype):
     x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
     tw, ti = random_routing(m, e, topk, seed=100 + m, id_dtype=id_dtype)
     check(*run(experts[e], x, tw, ti, scale=2.5))
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_down_loop_kernel_matches_reference(experts, m):
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=200 + m)
+    ti[-1, 0] = -1  # a dropped slot: its y row is never written nor read
+    out, ref = run(experts[9], x, tw, ti, scale=1.5, cfg=CFG_LOOP)
+    check(out, ref)
+    plain, _ = run(experts[9], x, tw, ti, scale=1.5)
+    assert torch.equal(out, plain), "loop and per-tile down kernels must round identically"
+
+
+def test_split_dequant_matches_reference():
+    w = REF.make_random_moe(9, H, I, seed=3)
+    x = torch.randn(20, H, generator=torch.Generator().manual_seed(20)).bfloat16()
+    tw, ti = random_routing(20, 9, 3, seed=21)
+    out, ref = run(w, x, tw, ti, cfg=CFG_SPLIT)
+    check(out, ref)
+    plain, _ = run(w, x, tw, ti)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_split_k_gate_up_matches_reference(experts, m):
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(30 + m)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=31 + m)
+    ti[0, 1] = -1
+    out, ref = run(experts[9], x, tw, ti, scale=0.7, cfg=CFG_SPLITK)
+    check(out, ref)
+    again, _ = run(experts[9], x, tw, ti, scale=0.7, cfg=CFG_SPLITK)
+    assert torch.equal(out, again), "split-K must be deterministic (fixed-order reduce)"
+
+
+def test_down_loop_config_must_tile():
+    w = REF.make_random_moe(4, H, I, seed=1)
+    x = torch.randn(3, H).bfloat16()
+    tw, ti = random_routing(3, 4, 2, seed=1)
+    bad = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 96))
+    with pytest.raises(ValueError, match="does not tile"):
+        run(w, x, tw, ti, cfg=bad)
+
+
+
+def test_shape_bound_options_fall_back():
+    # A table written for Kimi shapes must serve other sizes: split-K 4 over 2 K steps and a
+    # looped down kernel whose tile is not the whole intermediate size both fall back.
+    cfg = MOE.GemmConfig(64, 128, 4, 1, 0, 1, 4)
+    assert MOE._fit(cfg, 128, 256).split_k == 1 and MOE._fit(cfg, 128, 512).split_k == 4
+    down = MOE.GemmConfig(64, 256, 4, 1, 512)
+    assert MOE._fit(down, 7168, 768).n_per_cta == 0 and MOE._fit(down, 7168, 256).n_per_cta == 512
+    assert MOE._fit(down, 256, 128) == MOE.GemmConfig(64, 128, 4, 1, 256)
+    w = REF.make_random_moe(4, H, I, seed=2)
+    x = torch.randn(5, H).bfloat16()
+    tw, ti = random_routing(5, 4, 2, seed=2)
+    odd = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 4), MOE.GemmConfig(64, 128, 4, 1))
+    check(*run(w, x, tw, ti, cfg=odd))
 
 
 def test_all_tokens_one_expert_and_idle_experts(experts):
@@ -170,7 +234,7 @@ def test_pack_layout_matches_compressed_tensors():
     assert torch.equal(REF.pack_int4(q.t()[None].to(torch.int32)), loaded)
 
 
-def _emulate_ptx(ptx: str, w0: int, w1: int, s_pair: int) -> dict:
+def _emulate_ptx(ptx: str, w0: int, w1: int, s_pair: int, n_out=8) -> dict:
     """Execute the dequant PTX's instruction subset on Python ints (fma.rn.bf16x2 exactly:
     the products and sums of these bf16 values are exact in float64, then one RNE rounding)."""
     def bf(h):
@@ -181,7 +245,7 @@ def _emulate_ptx(ptx: str, w0: int, w1: int, s_pair: int) -> dict:
         return torch.tensor([x], dtype=torch.float64).float().bfloat16().view(
             torch.int16).item() & 0xFFFF
 
-    regs = {"$8": w0, "$9": w1, "$10": s_pair}
+    regs = {f"${n_out}": w0, f"${n_out + 1}": w1, f"${n_out + 2}": s_pair}
     val = lambda a: regs[a] if a in regs else int(a, 16) if a.startswith("0x") else int(a)  # noqa
     out = {}
     for line in ptx.splitlines():
@@ -225,3 +289,9 @@ def test_dequant_ptx_semantics():
                 got = torch.tensor([(out[f"${j}"] >> half) & 0xFFFF], dtype=torch.int32).to(
                     torch.int16).view(torch.bfloat16)[0]
                 assert got.item() == want.item(), (j, q, got, want)
+        # the two halves (nibbles 0-3 / 4-7) give the same planes
+        s_pair = (sb[0] & 0xFFFF) | (sb[1] & 0xFFFF) << 16
+        lo = _emulate_ptx(MOE._DEQUANT_PTX_LO.value, w[0], w[1], s_pair, n_out=4)
+        hi = _emulate_ptx(MOE._DEQUANT_PTX_HI.value, w[0], w[1], s_pair, n_out=4)
+        for i in range(4):
+            assert lo[f"${i}"] == out[f"${i}"] and hi[f"${i}"] == out[f"${i + 4}"], i

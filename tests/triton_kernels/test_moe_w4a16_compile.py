@@ -53,15 +53,21 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
 
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple):
-    bn, bk, warps, stages = tiles
+    """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
+    split_dq, split_k]) as in GemmConfig."""
+    bn, bk, warps, stages, n_per_cta, split_dq, split_k = (tuple(tiles) + (0, 0, 1)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-               "block_expert_ptr": "*i32", "h_ptr": "*bf16", "T": "i32"}
+               "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
+               "max_padded": "i32"}
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
-                     PORTABLE=False)
+                     PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
+    if n_per_cta:
+        const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False)
+        return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
 
@@ -73,7 +79,8 @@ def _shipped():
         for kind in ("gate_up", "down"):
             g = band[kind]
             key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
-                                           g["num_stages"]))
+                                           g["num_stages"], g.get("n_per_cta", 0),
+                                           g.get("split_dq", 0), g.get("split_k", 1)))
             if key not in seen:
                 seen.append(key)
     return seen
@@ -107,6 +114,16 @@ def test_prologue_and_combine_compile(MOE):
     sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
+    sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+           "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"}
+    _compile(MOE._gate_up_reduce_kernel, sig, dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128,
+                                                     DOWN_BLOCK_K=256), 4, 1)
+
+
+@pytest.mark.parametrize("tiles", [(32, 256, 2, 3, 0, 1, 2), (32, 256, 2, 2, 0, 1, 4),
+                                   (64, 256, 4, 3, 0, 1, 2)], ids=str)
+def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
+    test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
 
 
 def test_rerun_in_clean_process():
