@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moeq moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -40,6 +40,9 @@ for s in "$@"; do
              # the repo's untuned configs (the comparison with SGLang's paths and tuning: moe)
              step moe ${MOE_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
              step moe-bench ${MOE_BENCH_LIMIT:-240} python3 scripts/bench_fused_moe.py --check --out "$OUT/fused_moe_h200.json" ;;
+    moebench) # the fused MoE kernel vs SGLang's paths in one run (table configs; no tuning)
+             step moe-bench ${MOE_BENCH_LIMIT:-240} python3 scripts/bench_fused_moe.py --check \
+               --out "$OUT/fused_moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
     moee2e)  # issue 5's end-to-end check: a few-layer int4 Kimi rank, stock MoE vs ours
              step moe-e2e ${MOE_E2E_LIMIT:-300} python3 scripts/e2e_fused_moe.py \
                --out "$OUT/e2e_fused_moe_h200.json" ${MOE_E2E_ARGS:-}
@@ -83,7 +86,7 @@ for s in "$@"; do
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moeq moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moeq moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

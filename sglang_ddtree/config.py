@@ -62,6 +62,14 @@ TREE_VERIFY_BACKENDS = {
 # prefill and decode keep the target's backend; "auto" (default) = native where the target's
 # backend can express a tree, else triton where it can sit behind that backend.
 VERIFY_BACKENDS = ("auto", "native", "triton")
+# Target backends that can express a tree natively but where "auto" still picks our kernels,
+# because they verify faster: SGLang's triton MLA extend kernel on the Kimi K2.6 TP8-rank
+# emulation, verify stage 13-28 % shorter at budget 32, batch 1 / 8 / 32 (session 8, H200,
+# bench_results/cost_curves_kimi_timers_tv_h200_s8.json vs cost_curves_kimi_timers_h200_s8.json).
+AUTO_PREFERS_TRITON_VERIFY = {
+    "mha": (),
+    "mla": ("triton",),
+}
 DEFAULT_VERIFY_BACKEND = "auto"
 # Target attention backends (runtime names, as compat.attention_backend_name reports them) that
 # the "triton" verify backend can sit behind: they keep SGLang's token-granular KV pools
@@ -243,13 +251,17 @@ def validate_verify_backend(name: str) -> str:
     return name
 
 
-def resolve_verify_backend(requested: str, backend: str, native_ok, triton_ok) -> str:
+def resolve_verify_backend(requested: str, backend: str, native_ok, triton_ok,
+                           prefer_triton=()) -> str:
     """"native" or "triton" for the target attention backend ``backend``: ``requested`` unless it
-    is "auto", which picks native where ``backend`` is in ``native_ok`` (it can express a tree)
-    and triton where it is in ``triton_ok`` (ours can sit behind it). Anything else stays
-    "native", whose checks then refuse the backend with the list of the ones that work."""
+    is "auto", which picks triton where ``backend`` is in ``prefer_triton`` (ours is faster),
+    native where ``backend`` is in ``native_ok`` (it can express a tree) and triton where it is
+    in ``triton_ok`` (ours can sit behind it). Anything else stays "native", whose checks then
+    refuse the backend with the list of the ones that work."""
     if requested != "auto":
         return requested
+    if backend in prefer_triton and backend in triton_ok:
+        return "triton"
     if backend in native_ok:
         return "native"
     return "triton" if backend in triton_ok else "native"

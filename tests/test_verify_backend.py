@@ -187,6 +187,20 @@ def test_worker_installs_triton_verify_behind_non_tree_backends(worker_class, mo
     assert installed[-1] == (w.model_runner, 8) and w._tree_verify == "wrapper"
 
 
+def test_resolve_verify_backend_table():
+    native, ours = ("triton", "flashinfer"), ("triton", "flashinfer", "fa3")
+    assert cfg.resolve_verify_backend("native", "fa3", native, ours) == "native"
+    assert cfg.resolve_verify_backend("triton", "triton", native, ours) == "triton"
+    assert cfg.resolve_verify_backend("auto", "triton", native, ours) == "native"
+    assert cfg.resolve_verify_backend("auto", "fa3", native, ours) == "triton"
+    assert cfg.resolve_verify_backend("auto", "torch_native", native, ours) == "native"
+    assert cfg.resolve_verify_backend("auto", "triton", native, ours, ("triton",)) == "triton"
+    # a preference never picks ours where it cannot sit
+    assert cfg.resolve_verify_backend("auto", "x", ("x",), ours, ("x",)) == "native"
+    assert cfg.AUTO_PREFERS_TRITON_VERIFY["mla"] == ("triton",)
+    assert cfg.AUTO_PREFERS_TRITON_VERIFY["mha"] == ()
+
+
 def test_worker_refuses_unsupported_backend_naming_the_flag(worker_class, monkeypatch):
     monkeypatch.setattr(verify_backend, "install", lambda *a: pytest.fail("installed"))
     monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "triton")
@@ -194,14 +208,24 @@ def test_worker_refuses_unsupported_backend_naming_the_flag(worker_class, monkey
     with pytest.raises(cfg.DDTreeConfigError,
                        match="--speculative-ddtree-verify-backend triton.*TorchNativeAttnBackend"):
         w.init_attention_backends()
-    # native keeps today's behaviour: triton target backend, nothing wrapped; so does auto
+    # native verifies with tree-capable target backends themselves: nothing wrapped; so does
+    # auto for MHA ...
     for requested in ("native", "auto"):
         monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, requested)
         for arch, cls in (("mha", "TritonAttnBackend"), ("mha", "FlashInferAttnBackend"),
                           ("mla", "TritonAttnBackend")):
+            if requested == "auto" and arch == "mla":
+                continue
             w = _bare_worker(worker_class, arch, cls)
             w.init_attention_backends()
             assert w._tree_verify is None
+    # ... but auto prefers our kernels behind SGLang's triton MLA backend (measured faster)
+    installed = []
+    monkeypatch.setattr(verify_backend, "install",
+                        lambda mr, n, sgl: installed.append(n) or "wrapper")
+    w = _bare_worker(worker_class, "mla", "TritonAttnBackend")
+    w.init_attention_backends()
+    assert installed and w._tree_verify == "wrapper"
     # auto behind a backend neither path can serve: the native refusal, naming what works
     monkeypatch.setenv(cfg.ENV_VERIFY_BACKEND, "auto")
     w = _bare_worker(worker_class, "mha", "TorchNativeAttnBackend")
