@@ -110,6 +110,24 @@ def graph_time_us(fn, iters: int, device: torch.device = torch.device("cuda")) -
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def profiler_time_us(fn, iters: int) -> float:
+    """GPU time of ``fn`` in microseconds: the sum of its kernels' durations from the CUDA
+    profiler over ``iters`` eager calls (launch gaps left out). For paths whose CUDA-graph timing
+    does not complete (session 9: SGLang's Marlin MoE made no progress in graph timing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    # kernel (and memset/memcpy) events only: op-level events also carry their kernels' time
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time_total for e in kernels) / iters  # us
+
+
 def expert_bytes(hidden: int, inter: int) -> int:
     """Packed weights + bf16 scales of one expert (gate-up and down)."""
     w = hidden // 8 * 2 * inter * 4 + inter // 8 * hidden * 4
@@ -376,6 +394,10 @@ def main(argv=None) -> int:
                     help="per-kernel times (align, gate-up, down, combine) by differences of "
                          "graphs that stop after each kernel, for the table's config and the "
                          "down-kernel candidates; JSON to --out")
+    ap.add_argument("--profiler", action="store_true",
+                    help="time by kernel durations from the CUDA profiler over eager calls "
+                         "(no CUDA graphs; each implementation over all M before the next, "
+                         "ours first, saved after every row)")
     ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
                     help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
@@ -459,6 +481,42 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     print(f"setup done (weights, baselines, copy bandwidth {copy_gbs:.0f} GB/s)", flush=True)
+    if args.profiler:
+        result["timing"] = "CUDA profiler kernel-duration sums over eager calls (no graphs)"
+        inputs = {m: make_inputs(m) for m in args.ms}
+        by_m = {}
+        for name in ["ours"] + list(baselines):
+            for m in args.ms:
+                xs, tws, tis, logits = inputs[m]
+                if m not in by_m:
+                    touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
+                    by_m[m] = {"m": m, "touched_experts": touched,
+                               "bytes": touched * per_expert + 2 * m * args.hidden * 2,
+                               "us": {}, "gbs": {}}
+                    rows.append(by_m[m])
+                row = by_m[m]
+                if name == "ours":
+                    fn = (lambda: [mw.fused_moe_w4a16(
+                        xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                        lw["w2_scale"], tws[i], tis[i], routed_scaling_factor=args.routed_scaling)
+                        for i, lw in enumerate(layers)])
+                else:
+                    prep, bfn = baselines[name]
+                    fn = (lambda prep=prep, bfn=bfn: [bfn(xs[i], prep[i], tws[i], tis[i],
+                                                          logits[i]) for i in range(len(layers))])
+                print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: profiling {name}",
+                      flush=True)
+                us = profiler_time_us(fn, args.iters) / len(layers)
+                row["us"][name], row["gbs"][name] = us, row["bytes"] / (us * 1e-6) / 1e9
+                base = [v for k, v in row["us"].items() if k != "ours"]
+                if base and "ours" in row["us"]:
+                    row["best_sglang"] = min((v, k) for k, v in row["us"].items()
+                                             if k != "ours")[1]
+                    row["speedup_vs_best_sglang"] = min(base) / row["us"]["ours"]
+                dump()
+                print(f"M={m} {name}: {us:.1f} us", flush=True)
+        print(f"wrote {args.out}")
+        return 0
     for m in args.ms:
         xs, tws, tis, logits = make_inputs(m)
         touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
