@@ -142,9 +142,10 @@ class _Skip(Exception):
 def sglang_baselines(layers, args, wanted=("sglang_marlin", "sglang_triton")):
     """Build SGLang callables; returns {name: (prepared_layers, fn(x, layer, tw, ti, logits))}.
 
-    Only the ``wanted`` ones are set up: the Triton path publishes SGLang's server args first
-    (``ensure_runtime_context``), and after that the Marlin path's first timing made no progress
-    in 140 s on the H200 (session 9; Marlin alone ran in session 6).
+    Only the ``wanted`` ones are set up (the Triton path publishes SGLang's server args first,
+    ``ensure_runtime_context``, which a Marlin-only run does not need). SGLang 0.5.17 compiles the
+    Marlin MoE kernel with nvcc at its first call (``load_jit``, minutes; see ``gpu_session.sh
+    jitbg``): a first Marlin row can sit in that build for longer than a short step allows.
     """
     out, errors = {}, {}
     if "sglang_marlin" not in wanted:
