@@ -121,7 +121,8 @@ def test_prologue_and_combine_compile(MOE):
 
 
 @pytest.mark.parametrize("tiles", [(32, 256, 2, 3, 0, 1, 2), (32, 256, 2, 2, 0, 1, 4),
-                                   (64, 256, 4, 3, 0, 1, 2)], ids=str)
+                                   (64, 256, 4, 3, 0, 1, 2), (32, 128, 2, 4, 0, 1, 2),
+                                   (32, 128, 2, 4, 0, 1, 4)], ids=str)
 def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
 
