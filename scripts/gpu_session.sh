@@ -9,6 +9,12 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 SGLANG_DDTREE_CACHE_DIR=/tmp/ddtree_cache
 [ -n "${DDTREE_SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 | grep -v WARN | tail -2
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/session.log"; }
+# SGLang's JIT kernels (its Marlin MoE: minutes of nvcc on first use) from a cache an earlier call
+# saved (jitwait writes it): carry .devkit/tvm_ffi_cache.tgz and it is unpacked here, once
+if [ -f .devkit/tvm_ffi_cache.tgz ] && [ ! -d "$HOME/.cache/tvm-ffi" ]; then
+  mkdir -p "$HOME/.cache" && tar xzf .devkit/tvm_ffi_cache.tgz -C "$HOME/.cache" \
+    && log "tvm-ffi JIT cache unpacked from .devkit/tvm_ffi_cache.tgz"
+fi
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   log "$name (limit ${secs}s): $*"
@@ -46,9 +52,15 @@ for s in "$@"; do
              log "jit-bg: building SGLang's Marlin MoE JIT module in the background"
              ( timeout "${JITBG_LIMIT:-900}" python3 scripts/bench_fused_moe.py --profiler \
                  --baselines sglang_marlin --ms 8 --layers 1 --iters 1 --out "$OUT/jitwarm.json" \
-                 > "$OUT/jitwarm.log" 2>&1; log "jit-bg rc=$?" ) & ;;
-    jitwait) step jit-wait ${JITWAIT_LIMIT:-600} bash -c \
-               'while pgrep -f "bench_fused_moe.py --profiler --baselines sglang_marlin --ms 8" >/dev/null; do sleep 5; done' ;;
+                 > "$OUT/jitwarm.log" 2>&1; log "jit-bg rc=$?" ) &
+             echo $! > "$OUT/jitbg.pid" ;;
+    jitwait) # (a pid file: a pgrep for the command line would also match this waiting shell)
+             step jit-wait ${JITWAIT_LIMIT:-600} bash -c \
+               'p=$(cat "$1" 2>/dev/null) || exit 0; while kill -0 "$p" 2>/dev/null; do sleep 5; done' \
+               _ "$OUT/jitbg.pid"
+             # the built cache, for later calls to carry (outside results.tgz: it may be large)
+             [ -d "$HOME/.cache/tvm-ffi" ] && tar czf "${JIT_CACHE_OUT:-$OUT/tvm_ffi_cache.tgz}" \
+               -C "$HOME/.cache" tvm-ffi && log "jit cache saved: $(du -h "${JIT_CACHE_OUT:-$OUT/tvm_ffi_cache.tgz}" | cut -f1)" ;;
     moebench) # the fused MoE kernel vs SGLang's paths in one run (table configs; no tuning)
              step moe-bench ${MOE_BENCH_LIMIT:-240} python3 scripts/bench_fused_moe.py --check \
                --out "$OUT/fused_moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
