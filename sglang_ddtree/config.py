@@ -59,8 +59,9 @@ TREE_VERIFY_BACKENDS = {
 # Which kernels run the target's verify forward (--speculative-ddtree-verify-backend):
 # "native" = the target's own attention backend with the FULL_MASK custom mask (the backends
 # above); "triton" = our Triton tree-attention kernels (sglang_ddtree/verify_backend.py) while
-# prefill and decode keep the target's backend; "auto" (default) = native where the target's
-# backend can express a tree, else triton where it can sit behind that backend.
+# prefill and decode keep the target's backend; "auto" (default) = triton where
+# AUTO_PREFERS_TRITON_VERIFY lists the target's backend, else native where it can express a
+# tree, else triton where it can sit behind that backend.
 VERIFY_BACKENDS = ("auto", "native", "triton")
 # Target backends that can express a tree natively but where "auto" still picks our kernels,
 # because they verify faster: SGLang's triton MLA extend kernel on the Kimi K2.6 TP8-rank

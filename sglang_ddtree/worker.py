@@ -218,12 +218,16 @@ def _make_worker_class(sgl):
                                                 cfg.AUTO_PREFERS_TRITON_VERIFY[arch])
             self._tree_verify = None
             if verify == "triton" and requested == "auto":  # one line per rank, at start-up
-                why = ("verifies faster with" if backend in cfg.TREE_VERIFY_BACKENDS[arch]
-                       else "cannot express a tree; verifying with")
-                logger.info("DDTREE: the target's attention backend '%s' %s DDTREE's Triton "
-                            "tree-attention kernels (prefill and decode stay on '%s'; "
-                            "--speculative-ddtree-verify-backend native keeps '%s' for verify)",
-                            backend, why, backend, backend)
+                if backend in cfg.TREE_VERIFY_BACKENDS[arch]:
+                    logger.info("DDTREE: verifying with DDTREE's Triton tree-attention kernels, "
+                                "faster than the target's attention backend '%s' on %s targets "
+                                "(prefill and decode stay on '%s'; --speculative-ddtree-verify-"
+                                "backend native verifies on '%s' too)", backend, arch.upper(),
+                                backend, backend)
+                else:
+                    logger.info("DDTREE: the target's attention backend '%s' cannot express a "
+                                "tree; verifying with DDTREE's Triton tree-attention kernels "
+                                "(prefill and decode stay on '%s')", backend, backend)
             if verify == "triton":
                 allowed = cfg.TRITON_VERIFY_TARGET_BACKENDS[arch]
                 if backend not in allowed:
