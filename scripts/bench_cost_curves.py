@@ -120,9 +120,10 @@ def derive(res: dict) -> dict:
 
 def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
                   res=None, dump=lambda: None, timer_budgets=(), timer_mode="gpu",
-                  baselines=("ar", "dflash"), ddtree_extra=()):
+                  baselines=("ar", "dflash"), ddtree_extra=(), server_env=None):
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
-    ``dump`` after each: a run cut short by its time limit keeps the methods it measured."""
+    ``dump`` after each: a run cut short by its time limit keeps the methods it measured.
+    ``server_env`` goes to every server, AR and DFLASH included (e.g. the fused MoE switch)."""
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
     target = os.path.join(CONFIGS, name)
     draft = os.path.join(CONFIGS, pairs[name])
@@ -137,7 +138,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
               "--context-length", str(args.prompt_len + args.max_new_tokens + 1024)]
     spec = ["--speculative-draft-model-path", draft, "--speculative-draft-load-format", "dummy"]
     res = {} if res is None else res
-    res.update({"target": name, "draft": pairs[name], "drafter_block": block, "tpot_ms": {},
+    res.update({"target": name, "draft": pairs[name], "drafter_block": block,
+                "server_env": dict(server_env or {}), "tpot_ms": {},
                 "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
                 "stage_ms": {}, "host_stage_ms": {}, "startup_s": {}, "errors": {}})
     greedy = {"temperature": 0.0}
@@ -146,7 +148,7 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
                                                            ddtree_extra)):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
-            srv = Server(common + extra, log, args.port + i, env=env)
+            srv = Server(common + extra, log, args.port + i, env={**(server_env or {}), **env})
         except Exception as e:  # e.g. out of memory for this shape: keep the other methods
             res["errors"][method] = repr(e)[:1500]
             continue
@@ -202,6 +204,11 @@ def main():
     ap.add_argument("--ddtree-args", default="",
                     help="extra flags of every DDTREE server, e.g. "
                     "'--speculative-ddtree-verify-backend triton'")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for every server of the run, AR and DFLASH included "
+                         "(repeatable), e.g. SGLANG_DDTREE_FUSED_MOE=1 for the int4 Kimi rank "
+                         "on our fused MoE kernel instead of SGLang's Marlin (whose first call "
+                         "builds with nvcc for minutes: gpu_session.sh jitbg)")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -257,7 +264,8 @@ def main():
                       res=result["models"][name], dump=dump, timer_budgets=timer_budgets,
                       timer_mode=args.timer_mode,
                       baselines=[b for b in args.baselines.split(",") if b],
-                      ddtree_extra=args.ddtree_args.split())
+                      ddtree_extra=args.ddtree_args.split(),
+                      server_env=dict(kv.split("=", 1) for kv in args.server_env))
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

@@ -115,3 +115,12 @@ def test_measure_model_times_ddtree_unsynced_and_takes_verify_from_the_timers_se
     assert "ddtree_b32-timers" not in res["tpot_ms"]  # its TPOT is never used
     timers = [env for log, env in logs.items() if log.endswith("ddtree_b32-timers.log")]
     assert timers and timers[0]["SGLANG_DDTREE_TIMERS"] == "gpu"
+    # --server-env reaches every server, AR and DFLASH too, under the per-method settings
+    logs.clear()
+    res = cc.measure_model("qwen3-8b", args, [1], [8], FakeServer, run_pass, stage_times_by_bs,
+                           timer_budgets=[8], server_env={"SGLANG_DDTREE_FUSED_MOE": "1",
+                                                          "SGLANG_DDTREE_TIMERS": "x"})
+    assert len(logs) == 4 and all(e["SGLANG_DDTREE_FUSED_MOE"] == "1" for e in logs.values())
+    assert [e["SGLANG_DDTREE_TIMERS"] for log, e in logs.items() if log.endswith("-timers.log")] \
+        == ["gpu"]
+    assert res["server_env"] == {"SGLANG_DDTREE_FUSED_MOE": "1", "SGLANG_DDTREE_TIMERS": "x"}
