@@ -232,6 +232,15 @@ _DEQUANT_PTX_HI = tl.constexpr(_dequant_ptx(2, 2))
 
 
 @triton.jit
+def _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
+    """Padded positions of expert block ``pid_m``, the pair ids there, and which are real
+    (padding slots hold the sentinel ``T``)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ids_ptr + offs_m)
+    return offs_m, rows, rows < T
+
+
+@triton.jit
 def _dequant8(w, s, PORTABLE: tl.constexpr):
     """Packed int32 tile + bf16 scale tile (same shape) -> 8 planes, plane j = q_j * s."""
     if not PORTABLE:
@@ -373,9 +382,7 @@ def _gate_up_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = rows < T
+    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
@@ -428,8 +435,7 @@ def _gate_up_reduce_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = tl.load(sorted_ids_ptr + offs_m) < T
+    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = row_ok[:, None]
     g = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
@@ -472,9 +478,7 @@ def _down_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = rows < T
+    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
@@ -528,9 +532,7 @@ def _down_loop_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ids_ptr + offs_m)
-    row_ok = rows < T
+    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     offs_r = tl.arange(0, KP)
     h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]  # [KP, BLOCK_M], plane 0
     a_mask = row_ok[None, :]
@@ -755,11 +757,10 @@ def fused_moe_w4a16(
     dn = _fit(cfg.down, hidden, inter)
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
-            or gu.block_k % 128 or dn.block_k % 128 or bm < 16
-            or gu.split_k < 1 or (hidden // gu.block_k) % gu.split_k
-            or (dn.n_per_cta and (dn.block_k != inter or dn.n_per_cta % dn.block_n
-                                  or hidden % dn.n_per_cta))):
-        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum.
+            or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
+            or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
+        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
+        # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable = _portable(hidden_states.device)
     t = m * topk
