@@ -128,6 +128,23 @@ def profiler_time_us(fn, iters: int) -> float:
     return sum(e.device_time_total for e in kernels) / iters  # us
 
 
+def run_ours(layers, xs, tws, tis, n=None, **kw):
+    """Our kernel on the first ``n`` weight sets (default all), each with its own inputs;
+    ``kw`` goes to ``fused_moe_w4a16``. Returns the last output."""
+    for i, lw in enumerate(layers[:n]):
+        out = mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
+                                 lw["w2_scale"], tws[i], tis[i], **kw)
+    return out
+
+
+def compare_with_sglang(row: dict) -> None:
+    """Name the fastest SGLang path of a row and our speed-up over it (when both ran)."""
+    base = {k: v for k, v in row["us"].items() if k != "ours" and v}
+    if base and row["us"].get("ours"):
+        row["best_sglang"] = min(base, key=base.get)
+        row["speedup_vs_best_sglang"] = base[row["best_sglang"]] / row["us"]["ours"]
+
+
 def expert_bytes(hidden: int, inter: int) -> int:
     """Packed weights + bf16 scales of one expert (gate-up and down)."""
     w = hidden // 8 * 2 * inter * 4 + inter // 8 * hidden * 4
@@ -283,12 +300,9 @@ def tune(args, layers, make_inputs, dev) -> dict:
         xs, tws, tis, _ = make_inputs(m)
 
         def timed(cfg):
-            def run():
-                for i, lw in enumerate(layers):
-                    mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
-                                       lw["w2_scale"], tws[i], tis[i], config=cfg)
             try:
-                return graph_time_us(run, args.iters, dev) / len(layers)
+                return graph_time_us(lambda: run_ours(layers, xs, tws, tis, config=cfg),
+                                     args.iters, dev) / len(layers)
             except Exception as exc:  # e.g. out of shared memory for a tile: skip the candidate
                 log.append({"m": m, "config": repr(cfg), "error": repr(exc)[:300]})
                 return float("inf")
@@ -330,10 +344,7 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
             t = []
             for upto in (1, 2, 3, 4):
                 def run(upto=upto):
-                    for i, lw in enumerate(layers):
-                        mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"],
-                                           lw["w2_packed"], lw["w2_scale"], tws[i], tis[i],
-                                           config=cfg, _upto=upto)
+                    run_ours(layers, xs, tws, tis, config=cfg, _upto=upto)
                 try:
                     t.append(graph_time_us(run, args.iters, dev) / len(layers))
                 except Exception as exc:
@@ -427,9 +438,7 @@ def main(argv=None) -> int:
         for m in args.profile_ms:
             xs, tws, tis, _ = make_inputs(m)
             for _ in range(3):
-                lw = layers[0]
-                mw.fused_moe_w4a16(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
-                                   lw["w2_scale"], tws[0], tis[0])
+                run_ours(layers, xs, tws, tis, n=1)
             _sync(dev)
             print(f"profiled M={m} with {mw.select_config(m)}", flush=True)
         return 0
@@ -482,61 +491,45 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
+    def new_row(m, tis):
+        touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
+        return {"m": m, "touched_experts": touched,
+                "bytes": touched * per_expert + 2 * m * args.hidden * 2, "us": {}, "gbs": {}}
+
+    def implementations(xs, tws, tis, logits):
+        """{name: one call over every weight set}: ours first, then the SGLang baselines."""
+        impls = {"ours": lambda: run_ours(layers, xs, tws, tis,
+                                          routed_scaling_factor=args.routed_scaling)}
+        for name, (prep, fn) in baselines.items():
+            impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
+                                                     for i in range(len(layers))])
+        return impls
+
     t_start = time.perf_counter()
     print(f"setup done (weights, baselines, copy bandwidth {copy_gbs:.0f} GB/s)", flush=True)
     if args.profiler:
         result["timing"] = "CUDA profiler kernel-duration sums over eager calls (no graphs)"
         inputs = {m: make_inputs(m) for m in args.ms}
-        by_m = {}
+        impls = {m: implementations(*inputs[m]) for m in args.ms}
+        by_m = {m: new_row(m, inputs[m][2]) for m in args.ms}
+        rows.extend(by_m.values())
         for name in ["ours"] + list(baselines):
             for m in args.ms:
-                xs, tws, tis, logits = inputs[m]
-                if m not in by_m:
-                    touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
-                    by_m[m] = {"m": m, "touched_experts": touched,
-                               "bytes": touched * per_expert + 2 * m * args.hidden * 2,
-                               "us": {}, "gbs": {}}
-                    rows.append(by_m[m])
                 row = by_m[m]
-                if name == "ours":
-                    fn = (lambda: [mw.fused_moe_w4a16(
-                        xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
-                        lw["w2_scale"], tws[i], tis[i], routed_scaling_factor=args.routed_scaling)
-                        for i, lw in enumerate(layers)])
-                else:
-                    prep, bfn = baselines[name]
-                    fn = (lambda prep=prep, bfn=bfn: [bfn(xs[i], prep[i], tws[i], tis[i],
-                                                          logits[i]) for i in range(len(layers))])
                 print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: profiling {name}",
                       flush=True)
-                us = profiler_time_us(fn, args.iters) / len(layers)
+                us = profiler_time_us(impls[m][name], args.iters) / len(layers)
                 row["us"][name], row["gbs"][name] = us, row["bytes"] / (us * 1e-6) / 1e9
-                base = [v for k, v in row["us"].items() if k != "ours"]
-                if base and "ours" in row["us"]:
-                    row["best_sglang"] = min((v, k) for k, v in row["us"].items()
-                                             if k != "ours")[1]
-                    row["speedup_vs_best_sglang"] = min(base) / row["us"]["ours"]
+                compare_with_sglang(row)
                 dump()
                 print(f"M={m} {name}: {us:.1f} us", flush=True)
         print(f"wrote {args.out}")
         return 0
     for m in args.ms:
         xs, tws, tis, logits = make_inputs(m)
-        touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
-        nbytes = touched * per_expert + 2 * m * args.hidden * 2
-        row = {"m": m, "touched_experts": touched, "bytes": nbytes, "us": {}, "gbs": {}}
-
-        def ours():
-            for i, lw in enumerate(layers):
-                mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
-                                   lw["w2_scale"], tws[i], tis[i],
-                                   routed_scaling_factor=args.routed_scaling)
-
-        impls = {"ours": ours}
-        for name, (prep, fn) in baselines.items():
-            impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
-                                                     for i in range(len(layers))])
-        for name, fn in impls.items():
+        row = new_row(m, tis)
+        nbytes = row["bytes"]
+        for name, fn in implementations(xs, tws, tis, logits).items():
             print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: timing {name}", flush=True)
             try:
                 us = graph_time_us(fn, args.iters, dev) / len(layers)
@@ -547,9 +540,8 @@ def main(argv=None) -> int:
                 row.setdefault("errors", {})[name] = repr(exc)
         if args.check:
             lw = layers[0]
-            got = mw.fused_moe_w4a16(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
-                                     lw["w2_scale"], tws[0], tis[0],
-                                     routed_scaling_factor=args.routed_scaling).float()
+            got = run_ours(layers, xs, tws, tis, n=1,
+                           routed_scaling_factor=args.routed_scaling).float()
             ref = moe_w4a16_reference(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
                                       lw["w2_scale"], tws[0], tis[0], args.routed_scaling)
             row["rel_err_vs_ref"] = float((got - ref).norm() / ref.norm())
@@ -558,10 +550,7 @@ def main(argv=None) -> int:
                     continue  # failed to run: the error is in row["errors"]
                 other = fn(xs[0], prep[0], tws[0], tis[0], logits[0]).float()
                 row[f"rel_err_{name}_vs_ref"] = float((other - ref).norm() / ref.norm())
-        base = [v for k, v in row["us"].items() if k != "ours" and v]
-        if base and row["us"].get("ours"):
-            row["best_sglang"] = min((v, k) for k, v in row["us"].items() if k != "ours" and v)[1]
-            row["speedup_vs_best_sglang"] = min(base) / row["us"]["ours"]
+        compare_with_sglang(row)
         rows.append(row)
         dump()
         print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: "
