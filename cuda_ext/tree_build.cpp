@@ -164,8 +164,10 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
                 "full_mask must be a contiguous 1-D bool tensor on ", device);
   }
   DDT_CHECK(algo == ddtree::kAlgoAuto || algo == ddtree::kAlgoLevelwise ||
-                algo == ddtree::kAlgoFrontier || algo == ddtree::kAlgoMerge,
-            "algo must be 0 (auto), 1 (level-wise), 2 (frontier) or 3 (merge), got ", algo);
+                algo == ddtree::kAlgoFrontier || algo == ddtree::kAlgoMerge ||
+                algo == ddtree::kAlgoDeferred,
+            "algo must be 0 (auto), 1 (level-wise), 2 (frontier), 3 (merge) or 4 (deferred), got ",
+            algo);
   if (bs == 0) return "";
 
   const int B = static_cast<int>(budget);
@@ -219,7 +221,7 @@ int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D, int64_t algo
   return ddtree::tree_build_smem(static_cast<int>(algo), static_cast<int>(budget), Kp, d_eff);
 }
 
-// Which kernel serves (algo, budget, K, D): "frontier", "merge" or "levelwise".
+// Which kernel serves (algo, budget, K, D): "frontier", "merge", "deferred" or "levelwise".
 std::string tree_build_kernel_name(int64_t budget, int64_t K, int64_t D, int64_t algo) {
   const int Kp = static_cast<int>(K < budget ? K : budget);
   const int d_eff = static_cast<int>(D < budget ? D : budget);
@@ -239,8 +241,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("full_mask") = py::none(), py::arg("threads") = 0, py::arg("algo") = 0);
   m.def("smem_bytes", &tree_build_smem_bytes,
         "Dynamic shared memory per block for (budget, K, D) and algo (0 auto, 1 level-wise, "
-        "2 frontier, 3 merge).", py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
+        "2 frontier, 3 merge, 4 deferred).", py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
   m.def("kernel_name", &tree_build_kernel_name,
-        "The kernel that serves (budget, K, D, algo): 'frontier', 'merge' or 'levelwise'.",
+        "The kernel that serves (budget, K, D, algo): 'frontier', 'merge', 'deferred' or "
+        "'levelwise'.",
         py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
 }

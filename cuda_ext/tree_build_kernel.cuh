@@ -396,6 +396,63 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
 }
 
 // ---------------------------------------------------------------------------------------------
+// The deferred variant's score histogram (tree_build_params.h: kDeferBins).
+
+// Fine bin of a finite score s <= 0: f = floor(-8 s), so bin f holds (-(f+1)/8, -f/8]; the last
+// bin also takes everything lower. Scaling by 8 is exact, so the edges are exact.
+__device__ __forceinline__ int defer_bin(float s) {
+  const float x = -s * 8.0f;
+  return x < float(kDeferBins - 1) ? int(x) : kDeferBins - 1;
+}
+
+__device__ __forceinline__ void defer_count(int* dhist, float s) {
+  const int f = defer_bin(s);
+  atomicAdd(&dhist[f], 1);
+  atomicAdd(&dhist[kDeferBins + (f >> 5)], 1);
+}
+
+// Warp-wide (every lane gets the result): the score t such that at least B counted nodes score
+// strictly above t, from the histogram: the upper edge ... of the fine bin holding the B-th best,
+// i.e. t = -(f+1)/8; -inf when fewer than B nodes are counted or the B-th lies in the last bin.
+__device__ __forceinline__ float defer_threshold(const int* dhist, int B, int lane) {
+  const int* coarse = dhist + kDeferBins;
+  constexpr int kPer = kDeferCoarseBins / 32;  // coarse bins per lane
+  int c[kPer];
+  int cs = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    c[k] = coarse[kPer * lane + k];
+    cs += c[k];
+  }
+  int inc = cs;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullWarp, inc, o);
+    if (lane >= o) inc += y;
+  }
+  const unsigned hit = __ballot_sync(kFullWarp, inc >= B);
+  if (hit == 0u) return -INFINITY;  // fewer than B nodes so far
+  const int L = __ffs(int(hit)) - 1;
+  // the coarse bin inside lane L's group that holds the B-th best, and the count before it
+  int acc = inc - cs, cb = kPer * lane, found = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (!found && acc + c[k] >= B) found = 1; else if (!found) { acc += c[k]; ++cb; }
+  }
+  acc = __shfl_sync(kFullWarp, acc, L);
+  cb = __shfl_sync(kFullWarp, cb, L);
+  int finc = dhist[32 * cb + lane];
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFullWarp, finc, o);
+    if (lane >= o) finc += y;
+  }
+  const unsigned fh = __ballot_sync(kFullWarp, acc + finc >= B);  // non-zero: cb holds the B-th
+  const int f = 32 * cb + __ffs(int(fh)) - 1;
+  return f >= kDeferBins - 1 ? -INFINITY : -float(f + 1) * 0.125f;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The merge variant's narrow depths (tree_build_kernel<true>): warp 0 alone, G kept sorted by key
 // (best first) in shared memory with its keys in gkey, C_{d-1}'s scores in cscore (lex order).
 // A depth whose parents and candidates are at most kMergeWidth each: item x (parent or candidate
@@ -556,13 +613,21 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
 
 // ---------------------------------------------------------------------------------------------
 
-template <bool MERGE>
-__global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_kernel(const TreeBuildParams p) {
+// MODE: kModeLevel (the level-wise kernel), kModeMerge (its merge variant), kModeDeferred (its
+// deferred variant: tree_build_params.h, kDeferMaxBudget).
+constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2;
+
+template <int MODE>
+__global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
+    tree_build_kernel(const TreeBuildParams p) {
+  constexpr bool MERGE = MODE == kModeMerge, DEFER = MODE == kModeDeferred;
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const int64_t b = blockIdx.x;
-  const SmemLayout L = make_smem_layout(B, Kp, D);
+  // G's capacity, also the stride of its two buffers and of pos_of's rows
+  const int GC = DEFER ? defer_cap(B) : B;
+  const SmemLayout L = make_smem_layout(B, Kp, D, GC);
   const bool preload = preload_rows(Kp, D);
   DDTREE_MARK_INIT;
   DDTREE_MARK(0);
@@ -588,6 +653,11 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
   uint64_t* gkey = reinterpret_cast<uint64_t*>(smem + L.gkey);  // MERGE only
   float* cscore = reinterpret_cast<float*>(smem + L.cscore);     // MERGE only
   int* mstate = reinterpret_cast<int*>(smem + L.mstate);         // MERGE only
+  int* dhist = reinterpret_cast<int*>(smem + L.dhist);           // DEFER only
+  float* thr_f = reinterpret_cast<float*>(smem + L.thrf);        // DEFER only
+  if constexpr (DEFER) {
+    for (int q = tid; q < kDeferBins + kDeferCoarseBins; q += T) dhist[q] = 0;
+  }
 
   // Same normalisation as tree._normalize_logp: NaN -> -inf (unreachable), log-probs > 0
   // (misuse) -> 0, -0 -> +0.
@@ -619,9 +689,9 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
       if (c_size <= kMergeWidth && (d > 1 || Kp <= kMergeWidth)) {
         if (!g_sorted) {
           // sort G best first into the other buffer (rank = larger keys), C_{d-1} to cscore
-          const float* gs0 = gscore + cur * B;
-          const uint32_t* gm0 = gmeta + cur * B;
-          const uint32_t* gp0 = gpar + cur * B;
+          const float* gs0 = gscore + cur * GC;
+          const uint32_t* gm0 = gmeta + cur * GC;
+          const uint32_t* gp0 = gpar + cur * GC;
           for (int j = tid; j < g_size; j += T)
             keys[j] = node_key(gs0[j], int(gm0[j] >> 16), gm0[j] & 0xFFFFu);
           __syncthreads();
@@ -677,12 +747,12 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
     }
     const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
 
-    const float* gs_old = gscore + cur * B;
-    const uint32_t* gm_old = gmeta + cur * B;
-    const uint32_t* gp_old = gpar + cur * B;
-    float* gs_new = gscore + (cur ^ 1) * B;
-    uint32_t* gm_new = gmeta + (cur ^ 1) * B;
-    uint32_t* gp_new = gpar + (cur ^ 1) * B;
+    const float* gs_old = gscore + cur * GC;
+    const uint32_t* gm_old = gmeta + cur * GC;
+    const uint32_t* gp_old = gpar + cur * GC;
+    float* gs_new = gscore + (cur ^ 1) * GC;
+    uint32_t* gm_new = gmeta + (cur ^ 1) * GC;
+    uint32_t* gp_new = gpar + (cur ^ 1) * GC;
     const int m = c_size;
     const int cb = c_begin;
     const float* ps = (MERGE && c_in_cscore) ? cscore + csb * B : gs_old + cb;
@@ -699,6 +769,11 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
     } else if (m <= 32) {
       // Narrow level (typical of deep trees): one warp scans, no block-wide scan.
       if (warp == 0) {
+        if constexpr (DEFER) {
+          // the histogram holds every node of depths < d (none at d = 1)
+          if (d > 1) thr = fmaxf(thr, defer_threshold(dhist, B, lane));
+          if (lane == 0) *thr_f = thr;
+        }
         const int cnt = lane < m ? count_above(parent_score(lane), lp, Kp, thr) : 0;
         int incl = cnt;
 #pragma unroll
@@ -710,8 +785,17 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
         if (lane == 31) off[m] = incl;  // lanes >= m count 0: lane 31 holds the total
       }
       __syncthreads();
+      if constexpr (DEFER) thr = *thr_f;
       M = off[m];
     } else {
+      if constexpr (DEFER) {  // m > 1, hence d > 1
+        if (warp == 0) {
+          const float t = defer_threshold(dhist, B, lane);
+          if (lane == 0) *thr_f = fmaxf(thr, t);
+        }
+        __syncthreads();
+        thr = *thr_f;
+      }
       const int per = (m + T - 1) / T;
       const int i0 = min(m, tid * per), i1 = min(m, i0 + per);
       int nloc = 0;
@@ -751,6 +835,36 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
         }
       }
     };
+
+    // DEFER: while G has room, the candidates are appended in lexicographic order (they form
+    // C_d, lex = flat index) and counted in the histogram; the best B are kept at the end.
+    if constexpr (DEFER) {
+      if (g_size + M <= GC) {
+        float* gs_w = gscore + cur * GC;
+        uint32_t* gm_w = gmeta + cur * GC;
+        uint32_t* gp_w = gpar + cur * GC;
+        if (c0 < c1) {
+          int i = i_first;
+          for (int c = c0; c < c1; ++c) {
+            while (off[i + 1] <= c) ++i;
+            const int r = c - off[i];
+            const float s = parent_score(i) + lp[r];
+            gs_w[g_size + c] = s;
+            gm_w[g_size + c] = (uint32_t(d) << 16) | uint32_t(c);
+            gp_w[g_size + c] = (uint32_t(i) << 16) | uint32_t(r);
+            pos_of[(d - 1) * GC + c] = kNoPos;
+            defer_count(dhist, s);
+          }
+        }
+        if (tid == 0) lvl_cnt[d] = M;
+        c_begin = g_size;
+        c_size = M;
+        g_size += M;
+        __syncthreads();  // end of level
+        DDTREE_MARK(100 * d + 4);
+        continue;
+      }
+    }
 
     // Threshold key: the B-th largest key of G u candidates (0 = keep everything).
     uint64_t thr_key = 0;
@@ -837,7 +951,8 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
         gs_new[slot] = s;
         gm_new[slot] = (uint32_t(d) << 16) | uint32_t(lex);
         gp_new[slot] = (uint32_t(i) << 16) | uint32_t(r);
-        pos_of[(d - 1) * B + lex] = kNoPos;
+        pos_of[(d - 1) * GC + lex] = kNoPos;
+        if constexpr (DEFER) defer_count(dhist, s);
         my_min = fminf(my_min, s);
       }
     });
@@ -866,20 +981,39 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
   DDTREE_MARK(9000);
 
   // ---- Final order: output index of each member of G = 1 + number of better members (its index
-  // + 1 when a merge run left G sorted).
+  // + 1 when a merge run left G sorted). DEFER: G may hold more than B nodes; those with B or more
+  // better members are not in the tree (pos_of stays kNoPos) and the tree is closed under
+  // "parent of" (a parent beats its children).
   const int n = g_size;
-  const float* gs = gscore + cur * B;
-  const uint32_t* gm = gmeta + cur * B;
-  const uint32_t* gp = gpar + cur * B;
+  const int n_tree = n < B ? n : B;
+  const float* gs = gscore + cur * GC;
+  const uint32_t* gm = gmeta + cur * GC;
+  const uint32_t* gp = gpar + cur * GC;
   const bool sorted_at_end = MERGE && g_sorted;  // block-uniform
   if (!sorted_at_end)
     for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
+  if (DEFER && tid == 0 && (n & 1)) keys[n] = 0;  // pads an odd count (below every node key)
   init_positions(N, p_parent, p_depth, p_sib, first_child);
   __syncthreads();
   for (int j = tid; j < n; j += T) {
     int better = j;
-    if (!sorted_at_end) better = count_larger(keys, n, keys[j]);
-    pos_of[(int(gm[j] >> 16) - 1) * B + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
+    if constexpr (DEFER) {
+      // 16-byte reads, two keys each
+      const uint64_t k = keys[j];
+      const ulonglong2* keys2 = reinterpret_cast<const ulonglong2*>(keys);
+      int g0 = 0, g1 = 0;
+#pragma unroll 8
+      for (int f = 0; f < ((n + 1) >> 1); ++f) {
+        const ulonglong2 x = keys2[f];
+        g0 += x.x > k ? 1 : 0;
+        g1 += x.y > k ? 1 : 0;
+      }
+      better = g0 + g1;
+      if (better >= B) continue;
+    } else if (!sorted_at_end) {
+      better = count_larger(keys, n, keys[j]);
+    }
+    pos_of[(int(gm[j] >> 16) - 1) * GC + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
   }
   __syncthreads();
   DDTREE_MARK(9001);
@@ -893,8 +1027,9 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
   for (int j = tid; j < n; j += T) {
     const int dj = int(gm[j] >> 16), lex = int(gm[j] & 0xFFFFu);
     const int plex = int(gp[j] >> 16), r = int(gp[j] & 0xFFFFu);
-    const int pos = pos_of[(dj - 1) * B + lex];
-    const int par = dj == 1 ? 0 : int(pos_of[(dj - 2) * B + plex]);  // parents are in the tree
+    const int pos = pos_of[(dj - 1) * GC + lex];
+    if (DEFER && pos == kNoPos) continue;  // not among the best B
+    const int par = dj == 1 ? 0 : int(pos_of[(dj - 2) * GC + plex]);  // parents are in the tree
     p_parent[pos] = par;
     p_depth[pos] = dj;
     if (r == 0) first_child[par] = pos;  // rank 0 is the best, hence first, child
@@ -910,9 +1045,10 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
   // and p.(r+1) directly follows p.r in its depth's lexicographic order.
   for (int j = tid; j < n; j += T) {
     const int dj = int(gm[j] >> 16), lex = int(gm[j] & 0xFFFFu);
-    const int pos = pos_of[(dj - 1) * B + lex];
+    const int pos = pos_of[(dj - 1) * GC + lex];
+    if (DEFER && pos == kNoPos) continue;
     if (lex + 1 < lvl_cnt[dj]) {
-      const int q = pos_of[(dj - 1) * B + lex + 1];
+      const int q = pos_of[(dj - 1) * GC + lex + 1];
       if (q != kNoPos && p_parent[q] == p_parent[pos]) p_sib[pos] = q;
     }
   }
@@ -920,7 +1056,8 @@ __global__ void __launch_bounds__(MERGE ? kMergeMaxThreads : 1024) tree_build_ke
 
   // pos_of is dead: its space holds the masks' scratch now.
   DDTREE_MARK(9003);
-  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, layout_scratch, wbuf_ll);
+  write_tree_layout(p, b, N, D, n_tree, p_parent, p_depth, first_child, p_sib, layout_scratch,
+                    wbuf_ll);
   DDTREE_MARK(9009);
 }
 
@@ -1158,8 +1295,9 @@ inline TreeKernelFn tree_kernel_fn(int index) {
     case 3: return tree_build_frontier_kernel<3>;
     case 4: return tree_build_frontier_kernel<5>;
     case 5: return tree_build_frontier_kernel<9>;
-    case kMergeKernelIndex: return tree_build_kernel<true>;
-    default: return tree_build_kernel<false>;
+    case kMergeKernelIndex: return tree_build_kernel<kModeMerge>;
+    case kDeferKernelIndex: return tree_build_kernel<kModeDeferred>;
+    default: return tree_build_kernel<kModeLevel>;
   }
 }
 

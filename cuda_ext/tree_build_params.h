@@ -81,8 +81,18 @@ DDTREE_HOST_DEVICE inline int64_t layout_scratch_bytes(int N, int D) {
 constexpr int kMergeMaxBudget = 128;
 constexpr int kMergeMaxThreads = 256;  // its launch bound (the launcher clamps): no spills
 
+// The deferred variant (algo kAlgoDeferred, tree_build_kernel<kModeDeferred>): up to this budget,
+// G may hold up to defer_cap(B) nodes, so a depth only appends its candidates (no selection) while
+// they fit; a histogram of every generated node's score (kDeferBins bins of 1/8 nat, grouped by
+// 32 into coarse bins) gives the pruning threshold, and one count over G at the end keeps the
+// best B. A depth whose candidates would overflow G selects the best B as the level-wise kernel does.
+constexpr int kDeferMaxBudget = 256;
+constexpr int kDeferBins = 4096;        // fine bins: bin f holds scores in (-(f+1)/8, -f/8]
+constexpr int kDeferCoarseBins = kDeferBins / 32;
+DDTREE_HOST_DEVICE inline int defer_cap(int B) { return B <= 128 ? 4 * B : 2 * B; }
+
 struct SmemLayout {
-  int64_t lp, off, gscore, gmeta, gpar, keys, thr, posanc, lvl_cnt, hist, wbuf, wbuf_min;
+  int64_t lp, off, gscore, gmeta, gpar, keys, thr, thrf, posanc, lvl_cnt, hist, dhist, wbuf, wbuf_min;
   int64_t gkey, cscore, mstate;  // the merge variant's (budgets <= kMergeMaxBudget only)
   int64_t p_parent, p_depth, p_sib, first_child, total;
 };
@@ -91,26 +101,32 @@ struct SmemLayout {
 // when they take at most 32 KB.
 DDTREE_HOST_DEVICE inline bool preload_rows(int Kp, int D) { return int64_t(Kp) * D <= 8192; }
 
-DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D) {
+// gcap: G's capacity (B, or defer_cap(B) for the deferred variant): G's buffers, the sort keys
+// and pos_of are sized by it.
+DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D, int gcap) {
   const int64_t N = B + 1;
   const int64_t lp_rows = preload_rows(Kp, D) ? D : 1;
   SmemLayout L;
   int64_t o = 0;
   L.lp = o;          o = ddtree_align16(o + 4 * lp_rows * Kp);       // float[rows][Kp]: log-probs
-  L.off = o;         o = ddtree_align16(o + 4 * int64_t(B + 1));     // int[B+1]: candidate offsets
-  L.gscore = o;      o = ddtree_align16(o + 4 * 2 * int64_t(B));     // float[2][B]: G (double buffer)
-  L.gmeta = o;       o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: depth<<16 | lex
-  L.gpar = o;        o = ddtree_align16(o + 4 * 2 * int64_t(B));     // u32[2][B]: parent lex<<16 | rank
-  // u64: the rank-counting select's keys during the build, the final sort keys after it
-  const int64_t nkeys = B > rank_select_limit(B) ? B : rank_select_limit(B);
-  L.keys = o;        o = ddtree_align16(o + 8 * nkeys);
+  L.off = o;         o = ddtree_align16(o + 4 * int64_t(gcap + 1));  // int[gcap+1]: candidate offsets
+  L.gscore = o;      o = ddtree_align16(o + 4 * 2 * int64_t(gcap));  // float[2][gcap]: G (double buffer)
+  L.gmeta = o;       o = ddtree_align16(o + 4 * 2 * int64_t(gcap));  // u32[2][gcap]: depth<<16 | lex
+  L.gpar = o;        o = ddtree_align16(o + 4 * 2 * int64_t(gcap));  // u32[2][gcap]: parent lex<<16 | rank
+  // u64: the rank-counting select's keys during the build, the final sort keys after it (one
+  // more: a zero key pads an odd count)
+  const int64_t nkeys = gcap > rank_select_limit(B) ? gcap : rank_select_limit(B);
+  L.keys = o;        o = ddtree_align16(o + 8 * (nkeys + 1));
   L.thr = o;         o = ddtree_align16(o + 8);                       // u64: selected cut key
-  // u16: pos_of[D][B] (output index of (depth, lex)) during the build, then the masks' scratch
-  // (ancestor bit rows or table: layout_scratch_bytes).
-  const int64_t pos_bytes = 2 * int64_t(D) * B, anc_bytes = layout_scratch_bytes(int(N), D);
+  L.thrf = o;        o = ddtree_align16(o + 4);                       // float: a depth's threshold
+  // u16: pos_of[D][gcap] (output index of (depth, lex)) during the build, then the masks'
+  // scratch (ancestor bit rows or table: layout_scratch_bytes).
+  const int64_t pos_bytes = 2 * int64_t(D) * gcap, anc_bytes = layout_scratch_bytes(int(N), D);
   L.posanc = o;      o = ddtree_align16(o + (pos_bytes > anc_bytes ? pos_bytes : anc_bytes));
   L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
   L.hist = o;        o = ddtree_align16(o + 4 * 3 * 256);            // int[3][256]: radix histograms
+  // int[kDeferBins + kDeferCoarseBins]: the deferred variant's score histogram (fine, coarse)
+  L.dhist = o;       o = ddtree_align16(o + (gcap > B ? 4 * (kDeferBins + kDeferCoarseBins) : 0));
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
   L.wbuf_min = o;    o = ddtree_align16(o + 4 * 32);                 // float[32]: block_min
   const int64_t mb = B <= kMergeMaxBudget ? B : 0;
@@ -151,7 +167,14 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 // level-wise one above it.
 constexpr int kFrontierDefaultMaxBudget = 16;
 
-enum TreeAlgo : int { kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3 };
+enum TreeAlgo : int {
+  kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4
+};
+
+// The deferred variant serves only when asked for and the budget allows it.
+DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
+  return algo == kAlgoDeferred && B <= kDeferMaxBudget;
+}
 
 // The merge variant serves only when asked for and the budget allows it, and needs every
 // depth's log-probs staged up front.
@@ -164,7 +187,8 @@ DDTREE_HOST_DEVICE inline bool frontier_fits(int B, int Kp, int D) {
 }
 
 DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
-  if (algo == kAlgoLevelwise || algo == kAlgoMerge || !frontier_fits(B, Kp, D)) return false;
+  if (algo == kAlgoLevelwise || algo == kAlgoMerge || algo == kAlgoDeferred || !frontier_fits(B, Kp, D))
+    return false;
   return algo == kAlgoFrontier || B <= kFrontierDefaultMaxBudget;
 }
 
@@ -203,12 +227,14 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
 // The kernel that serves (algo, B, Kp, D), as an index shared by the launcher (tree_build.cu,
 // which keeps per-kernel state), the host-compiled bindings, the CPU emulation and
 // scripts/tree_build_clocks.cu: 0 the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3,
-// 5, 9 slots per lane, 6 the level-wise kernel's merge variant (tree_kernel_fn in
-// tree_build_kernel.cuh maps an index to its entry point).
-constexpr int kTreeKernels = 7;
+// 5, 9 slots per lane, 6 the level-wise kernel's merge variant, 7 its deferred variant
+// (tree_kernel_fn in tree_build_kernel.cuh maps an index to its entry point).
+constexpr int kTreeKernels = 8;
 constexpr int kMergeKernelIndex = 6;
+constexpr int kDeferKernelIndex = 7;
 DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) {
   if (use_merge(algo, B, Kp, D)) return kMergeKernelIndex;
+  if (use_defer(algo, B)) return kDeferKernelIndex;
   if (!use_frontier(algo, B, Kp, D)) return 0;
   switch (frontier_items(B)) {
     case 1: return 1;
@@ -220,20 +246,24 @@ DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) 
 }
 
 DDTREE_HOST_DEVICE inline const char* tree_kernel_name(int index) {
-  return index == 0 ? "levelwise" : (index == kMergeKernelIndex ? "merge" : "frontier");
+  if (index == 0) return "levelwise";
+  if (index == kMergeKernelIndex) return "merge";
+  return index == kDeferKernelIndex ? "deferred" : "frontier";
 }
 
 // Threads per block the kernel `index` runs with when asked for `threads`: the frontier kernel
 // and the merge variant are compiled for at most 256 (the block size changes no result).
 DDTREE_HOST_DEVICE inline int tree_kernel_threads(int index, int threads) {
-  const int cap = index == 0 ? 1024 : (index == kMergeKernelIndex ? kMergeMaxThreads : kFrontierMaxThreads);
+  const int cap = (index == 0 || index == kDeferKernelIndex)
+                      ? 1024
+                      : (index == kMergeKernelIndex ? kMergeMaxThreads : kFrontierMaxThreads);
   return threads > cap ? cap : threads;
 }
 
 // Dynamic shared memory of the kernel that serves (algo, B, Kp, D).
 DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D) {
-  return use_frontier(algo, B, Kp, D) ? make_frontier_smem_layout(B, Kp, D).total
-                                      : make_smem_layout(B, Kp, D).total;
+  if (use_frontier(algo, B, Kp, D)) return make_frontier_smem_layout(B, Kp, D).total;
+  return make_smem_layout(B, Kp, D, use_defer(algo, B) ? defer_cap(B) : B).total;
 }
 
 }  // namespace ddtree

@@ -13,8 +13,9 @@ CUDA events and the median over ``--iters`` replays divided by ``--reps`` is the
 field by field, and the number of kernels one call launches is counted with the profiler.
 A threads-per-block sweep runs at batch 64 for each budget of ``--sweep-budgets`` (default 64).
 Every kernel of the extension is timed at every point it can take (``levelwise_us``,
-``merge_us``: the level-wise kernel's merge variant, budgets up to 128; ``frontier_us``: the
-best-first kernel serves budgets up to 287) and checked equal; ``fused_us`` is the one that
+``merge_us``: the level-wise kernel's merge variant, budgets up to 128; ``deferred_us``: its
+deferred variant, budgets up to 256; ``frontier_us``: the best-first kernel serves budgets up to
+287) and checked equal; ``fused_us`` is the one that
 ``SGLANG_DDTREE_TREE_KERNEL=auto`` serves there.
 
 Writes JSON (command, versions, GPU, date, settings, results) to ``--out`` and prints a table.
@@ -91,10 +92,10 @@ def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_
     row = dict(dist=dist, bs=bs, budget=budget, depth=depth, k=k, threads=threads or "auto",
                kernel=served)
     outs = {}
-    for name in ("levelwise", "frontier", "merge"):
+    for name in ("levelwise", "frontier", "merge", "deferred"):
         algo = tree_backend.KERNEL_ALGOS[name]
         if ext.kernel_name(budget, k, depth, algo) != name:
-            continue  # the frontier kernel / the merge variant cannot take this point
+            continue  # the frontier kernel / the merge or deferred variant cannot take this point
         out = DraftTree.empty(bs, budget, "cuda")
         call = lambda out=out, algo=algo: tree_backend.build_tree_cuda(  # noqa: E731
             roots, lp, ids, budget, out, threads=threads, algo=algo)
@@ -170,6 +171,7 @@ def main():
         json.dump(meta, f, indent=1)
 
     cols = ["dist", "bs", "budget", "k", "mean_tree_depth", "levelwise_us", "frontier_us", "merge_us",
+            "deferred_us",
             "kernel", "fused_us", "torch_us", "speedup", "fused_kernels", "fused_equals_torch",
             "kernels_equal"]
     print(" ".join(f"{c:>14}" for c in cols))

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_tree_build import make_topk  # noqa: E402
 from tree_build_phases import write_input  # noqa: E402
 
-ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3}  # ddtree::TreeAlgo
+ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3, "deferred": 4}  # ddtree::TreeAlgo
 MAX_BLOCKS = 64
 PAIRS = 96  # kClockPairs in tree_build_kernel.cuh
 
@@ -83,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--budgets", type=int, nargs="+", default=[64])
     ap.add_argument("--bs", type=int, nargs="+", default=[64])
     ap.add_argument("--dists", nargs="+", default=["peaked", "random"])
-    ap.add_argument("--algo", nargs="+", default=["levelwise", "frontier", "merge"],
+    ap.add_argument("--algo", nargs="+", default=["levelwise", "frontier", "deferred"],
                     choices=list(ALGOS))
     ap.add_argument("--threads", type=int, nargs="+", default=[0], help="0: the launcher's choice")
     ap.add_argument("--depth", type=int, default=15)

@@ -7,7 +7,7 @@ passes and a compaction, then the output writes. When each phase's work is small
 budgets DDTree uses, the number of phases bounds the kernel's latency: dividing session 5's H200
 times (``bench_results/tree_build_h200_s5.json``) by these counts gives 0.3-0.7 us per phase
 (peaked inputs take about twice the phases and twice the time of random ones). It counts the
-level-wise kernel (the frontier kernel has no block phases in its pop loop). This script compiles the kernel against the CPU emulation in
+level-wise kernel and its variants (the frontier kernel has no block phases in its pop loop). This script compiles the kernel against the CPU emulation in
 ``tests/cuda_ext_emu`` (host C++20 compiler), runs it on ``scripts/bench_tree_build.py``'s input
 distributions and prints the block barriers per block, so a change to the kernel's structure
 can be judged before GPU time is spent on it. The GPU benchmark stays the measure of speed.
@@ -36,6 +36,7 @@ EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
 KERNEL_DIR = ROOT / "cuda_ext"
 PHASES_RE = re.compile(r"block barriers per block: ([\d.]+) \(threads (\d+)\), most in one "
                        r"block: (\d+)")
+ALGOS = {"levelwise": 1, "merge": 3, "deferred": 4}  # ddtree::TreeAlgo (block-phase kernels)
 ATOMICS_RE = re.compile(r"shared atomics per block: ([\d.]+), busiest-address depth per block: "
                         r"([\d.]+)")
 
@@ -66,7 +67,8 @@ def write_input(path: str, roots, lp, ids, budget: int, threads: int = 0, algo: 
 
 def phases(exe: str, workdir: str, roots, lp, ids, budget: int, threads: int = 0, algo: int = 1):
     """(mean block barriers per block, threads per block) of one emulated launch; threads 0:
-    the launcher's choice for the budget; algo 1 the level-wise kernel, 3 its merge variant."""
+    the launcher's choice for the budget; algo (ALGOS) 1 the level-wise kernel, 3 its merge
+    variant, 4 its deferred variant."""
     fin, fout = os.path.join(workdir, "in.bin"), os.path.join(workdir, "out.bin")
     write_input(fin, roots, lp, ids, budget, threads, algo=algo)
     r = subprocess.run([exe, fin, fout], check=True, capture_output=True, text=True, timeout=600)
@@ -84,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=0, help="0: the launcher's choice")
-    ap.add_argument("--algo", default="levelwise", choices=("levelwise", "merge"))
+    ap.add_argument("--algo", default="levelwise", choices=tuple(ALGOS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -95,8 +97,7 @@ def main(argv=None):
                 roots, lp, ids = make_topk(args.bs, args.depth, budget, args.vocab, dist,
                                            seed=args.bs * 7919 + budget, device="cpu")
                 count, t, atomics, depth, most = phases(exe, work, roots, lp, ids, budget,
-                                                        args.threads,
-                                                        1 if args.algo == "levelwise" else 3)
+                                                        args.threads, ALGOS[args.algo])
                 rows.append(dict(dist=dist, budget=budget, threads=t, bs=args.bs, algo=args.algo,
                                  phases_per_block=count, phases_max_block=most,
                                  atomics_per_block=atomics, atomic_depth_per_block=depth))

@@ -38,11 +38,12 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
 
 ENV_KERNEL = "SGLANG_DDTREE_TREE_KERNEL"
-KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3}  # ddtree::TreeAlgo
+KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3,
+                "deferred": 4}  # ddtree::TreeAlgo
 
 
 def kernel_algo_from_env() -> int:
-    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge, default auto) as
+    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred, default auto) as
     ddtree::TreeAlgo."""
     value = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if value not in KERNEL_ALGOS:

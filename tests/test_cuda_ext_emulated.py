@@ -176,9 +176,35 @@ MERGE_CASES = [c for c in CASES if merge_fits(c[1], c[2], c[3])] + [
 ]
 
 
-# (kernel, case) for the frontier kernel and the merge variant; the seed differs per kernel
-VARIANT_CASES = ([("frontier", c) for c in FRONTIER_CASES] + [("merge", c) for c in MERGE_CASES])
-SEED_STEP = {"frontier": 5, "merge": 3}
+# The level-wise kernel's deferred variant (budgets <= 256: G holds up to 2B nodes, a score
+# histogram prunes): every level-wise case it takes, plus deep narrow trees, G overflowing 2B
+# (flat rows: many candidates beat the histogram's threshold), scores below the histogram's
+# range (-512 nats), K < B (no threshold until B nodes exist), and exact ties across parents.
+ALGO_DEFERRED = KERNEL_ALGOS["deferred"]
+DEFER_MAX_BUDGET = 256  # ddtree::kDeferMaxBudget
+
+DEFER_CASES = [c for c in CASES if c[1] <= DEFER_MAX_BUDGET] + [
+    (3, 64, 15, 64, 128, "peaked"),
+    (3, 64, 15, 64, 64, "ties"),
+    (2, 128, 15, 128, 128, "peaked"),
+    (2, 128, 12, 128, 256, "round"),
+    (3, 32, 15, 32, 32, "peaked"),
+    (3, 16, 15, 8, 64, "random"),
+    (2, 100, 10, 20, 128, "ninf"),
+    (4, 48, 15, 48, 96, "dead_depth"),
+    (2, 64, 15, 64, 128, "short_vocab"),
+    (2, 256, 8, 256, 256, "peaked"),
+    (2, 256, 15, 64, 256, "ties"),
+    (2, 64, 15, 64, 128, "flat"),
+    (2, 64, 15, 64, 128, "far"),
+    (3, 64, 6, 8, 64, "random"),
+]
+
+# (kernel, case) for the frontier kernel and the merge and deferred variants; the seed differs
+# per kernel
+VARIANT_CASES = ([("frontier", c) for c in FRONTIER_CASES] + [("merge", c) for c in MERGE_CASES]
+                 + [("deferred", c) for c in DEFER_CASES])
+SEED_STEP = {"frontier": 5, "merge": 3, "deferred": 11}
 
 
 @pytest.mark.parametrize("name, case", VARIANT_CASES)
@@ -188,7 +214,7 @@ def test_emulated_variant_matches_reference(driver, tmp_path, name, case):
           seed=budget * SEED_STEP[name] + depth, algo=KERNEL_ALGOS[name])
 
 
-@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER, ALGO_MERGE])
+@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER, ALGO_MERGE, ALGO_DEFERRED])
 def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path, algo):
     roots, lp, ids, seq, first = check(driver, tmp_path, 2, 64, 15, 64, 64, "ties", seed=5,
                                        algo=algo)

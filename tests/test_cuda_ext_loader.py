@@ -92,12 +92,13 @@ def test_backend_env_is_validated(monkeypatch):
 def test_kernel_env_is_validated_at_start_up(monkeypatch):
     kenv = tree_backend.ENV_KERNEL
     assert tree_backend.kernel_algo_from_env() == 0  # auto
-    for value, algo in (("LevelWise", 1), (" frontier", 2), ("merge", 3), ("auto", 0)):
+    for value, algo in (("LevelWise", 1), (" frontier", 2), ("merge", 3), ("Deferred", 4),
+                        ("auto", 0)):
         monkeypatch.setenv(kenv, value)
         assert tree_backend.kernel_algo_from_env() == algo
     monkeypatch.setenv(ENV, "torch")
     monkeypatch.setenv(kenv, "heap")
-    with pytest.raises(ValueError, match=f"{kenv}: expected one of auto\\|levelwise\\|frontier\\|merge, "
+    with pytest.raises(ValueError, match=f"{kenv}: expected one of auto\\|levelwise\\|frontier\\|merge\\|deferred, "
                                          "got 'heap'"):
         tree_backend.get_tree_builder()
 

@@ -111,6 +111,7 @@ inline unsigned __ballot_sync(unsigned, int pred) {
   }));
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline bool __any_sync(unsigned, int pred) {
   return emu_warp_all(pred ? 1 : 0, [](const std::vector<uint64_t>& b) {
     uint64_t any = 0;

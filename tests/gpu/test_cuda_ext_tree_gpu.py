@@ -20,7 +20,7 @@ from tests.test_tree import assert_same_tree
 pytestmark = pytest.mark.gpu
 
 NEG_INF = float("-inf")
-MODES = ["random", "ties", "ninf", "short_vocab", "peaked", "round", "dead_depth"]
+MODES = ["random", "ties", "ninf", "short_vocab", "peaked", "round", "dead_depth", "flat", "far"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,10 +29,11 @@ def ext():
     return tree_backend._loader().load_tree_build_ext(required=True)
 
 
-@pytest.fixture(autouse=True, params=["levelwise", "frontier", "merge"])
+@pytest.fixture(autouse=True, params=["levelwise", "frontier", "merge", "deferred"])
 def kernel_algo(request, monkeypatch):
     """Every test runs on each kernel (``SGLANG_DDTREE_TREE_KERNEL``); budgets above 287 go to
-    the level-wise kernel either way, and above 128 the merge variant is the level-wise kernel."""
+    the level-wise kernel either way, above 128 the merge variant and above 256 the deferred
+    variant are the level-wise kernel."""
     monkeypatch.setenv(tree_backend.ENV_KERNEL, request.param)
     return request.param
 
@@ -46,6 +47,16 @@ def make_inputs(bs, depth, k, seed, mode):
         lp = torch.empty(bs, depth, k)
         lp[:, 0] = -1.0 - torch.randint(0, 6, (bs, k), generator=g).float() * 1.2e-7
         lp[:, 1:] = -3000.0 - torch.randint(0, 3, (bs, depth - 1, k), generator=g).float() * 1e-4
+        lp = lp.sort(-1, descending=True).values
+        ids = torch.stack([torch.randperm(max(k, 2), generator=g)[:k] for _ in range(bs * depth)])
+        return (torch.randint(0, 100, (bs,), generator=g), lp.contiguous(),
+                ids.view(bs, depth, k).contiguous())
+    if mode in ("flat", "far"):
+        # flat: close log-probs, so many more nodes score within a bin of the B-th best than B
+        # (the deferred variant's G overflows); far: scores beyond the deferred variant's
+        # histogram range (-512 nats) after a few depths
+        base, spread = (0.0, 0.08) if mode == "flat" else (-130.0, 4.0)
+        lp = base - torch.rand(bs, depth, k, generator=g) * spread * k / 8
         lp = lp.sort(-1, descending=True).values
         ids = torch.stack([torch.randperm(max(k, 2), generator=g)[:k] for _ in range(bs * depth)])
         return (torch.randint(0, 100, (bs,), generator=g), lp.contiguous(),
