@@ -58,9 +58,20 @@ for s in "$@"; do
              step jit-wait ${JITWAIT_LIMIT:-600} bash -c \
                'p=$(cat "$1" 2>/dev/null) || exit 0; while kill -0 "$p" 2>/dev/null; do sleep 5; done' \
                _ "$OUT/jitbg.pid"
-             # the built cache, for later calls to carry (outside results.tgz: it may be large)
-             [ -d "$HOME/.cache/tvm-ffi" ] && tar czf "${JIT_CACHE_OUT:-$OUT/tvm_ffi_cache.tgz}" \
-               -C "$HOME/.cache" tvm-ffi && log "jit cache saved: $(du -h "${JIT_CACHE_OUT:-$OUT/tvm_ffi_cache.tgz}" | cut -f1)" ;;
+             # the built cache, for later calls to carry (outside results.tgz: it may be large),
+             # only once the build has ended and every module has its .so (session 10: a cache
+             # saved while nvcc still ran held no Marlin MoE module)
+             if p=$(cat "$OUT/jitbg.pid" 2>/dev/null) && kill -0 "$p" 2>/dev/null; then
+               log "jit cache not saved: the build is still running"
+             elif [ -d "$HOME/.cache/tvm-ffi" ]; then
+               missing=$(for d in "$HOME"/.cache/tvm-ffi/*/; do ls "$d"*.so >/dev/null 2>&1 || echo "$d"; done)
+               if [ -n "$missing" ]; then
+                 log "jit cache not saved: modules without a .so: $missing"
+               else
+                 tar czf "${JIT_CACHE_OUT:-$OUT/tvm_ffi_cache.tgz}" -C "$HOME/.cache" tvm-ffi \
+                   && log "jit cache saved: $(du -h "${JIT_CACHE_OUT:-$OUT/tvm_ffi_cache.tgz}" | cut -f1)"
+               fi
+             fi ;;
     moebench) # the fused MoE kernel vs SGLang's paths in one run (table configs; no tuning)
              step moe-bench ${MOE_BENCH_LIMIT:-240} python3 scripts/bench_fused_moe.py --check \
                --out "$OUT/fused_moe_h200.json" ${MOE_BENCH_ARGS:-} ;;
