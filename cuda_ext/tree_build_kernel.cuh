@@ -405,51 +405,52 @@ __device__ __forceinline__ int defer_bin(float s) {
   return x < float(kDeferBins - 1) ? int(x) : kDeferBins - 1;
 }
 
-__device__ __forceinline__ void defer_count(int* dhist, float s) {
-  const int f = defer_bin(s);
-  atomicAdd(&dhist[f], 1);
-  atomicAdd(&dhist[kDeferBins + (f >> 5)], 1);
+__device__ __forceinline__ void defer_count(int* dhist, float s) { atomicAdd(&dhist[defer_bin(s)], 1); }
+
+// The pruning threshold of bin f: every node counted in bins 0..f scores strictly above it.
+__device__ __forceinline__ float defer_tau(int f) {
+  return f >= kDeferBins - 1 ? -INFINITY : -float(f + 1) * 0.125f;
 }
 
-// Warp-wide (every lane gets the result): the score t such that at least B counted nodes score
-// strictly above t, from the histogram: the upper edge ... of the fine bin holding the B-th best,
-// i.e. t = -(f+1)/8; -inf when fewer than B nodes are counted or the B-th lies in the last bin.
-__device__ __forceinline__ float defer_threshold(const int* dhist, int B, int lane) {
-  const int* coarse = dhist + kDeferBins;
-  constexpr int kPer = kDeferCoarseBins / 32;  // coarse bins per lane
-  int c[kPer];
-  int cs = 0;
+// Warp-wide (every lane ends with the same f and cnt): lowers the threshold bin f while at least B
+// counted nodes stay in bins 0..f. cnt = the nodes counted in bins 0..f; it only grows between
+// calls (every node generated since scores above defer_tau(f), so it lands in bins 0..f), and f
+// only falls. The first time B nodes are counted, per-lane sums of kDeferBins / 32 bins find the
+// chunk of the B-th best; then windows of 32 bins walk down from f (one window per call, usually).
+__device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, int& f, int& cnt) {
+  if (cnt < B) return;
+  if (f == kDeferBins - 1) {
+    constexpr int kChunk = kDeferBins / 32;
+    int cs = 0;
+#pragma unroll 8
+    for (int q = 0; q < kChunk; ++q) cs += dhist[kChunk * lane + q];
+    int inc = cs;
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    c[k] = coarse[kPer * lane + k];
-    cs += c[k];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFullWarp, inc, o);
+      if (lane >= o) inc += y;
+    }
+    // every counted node is in some bin, so the last lane's sum is cnt >= B
+    const int L = __ffs(int(__ballot_sync(kFullWarp, inc >= B))) - 1;
+    f = kChunk * L + kChunk - 1;
+    cnt = __shfl_sync(kFullWarp, inc, L);
   }
-  int inc = cs;
+  for (;;) {
+    const int bin = f - lane;
+    int S = bin >= 0 ? dhist[bin] : 0;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(kFullWarp, inc, o);
-    if (lane >= o) inc += y;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFullWarp, S, o);
+      if (lane >= o) S += y;
+    }
+    // lane i: may f drop below bins f..f-i? (a prefix of the lanes; never below bin 0, where
+    // S reaches cnt)
+    const int n = __popc(__ballot_sync(kFullWarp, cnt - S >= B));
+    if (n == 0) break;
+    cnt -= __shfl_sync(kFullWarp, S, n - 1);
+    f -= n;
+    if (n < 32) break;
   }
-  const unsigned hit = __ballot_sync(kFullWarp, inc >= B);
-  if (hit == 0u) return -INFINITY;  // fewer than B nodes so far
-  const int L = __ffs(int(hit)) - 1;
-  // the coarse bin inside lane L's group that holds the B-th best, and the count before it
-  int acc = inc - cs, cb = kPer * lane, found = 0;
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    if (!found && acc + c[k] >= B) found = 1; else if (!found) { acc += c[k]; ++cb; }
-  }
-  acc = __shfl_sync(kFullWarp, acc, L);
-  cb = __shfl_sync(kFullWarp, cb, L);
-  int finc = dhist[32 * cb + lane];
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(kFullWarp, finc, o);
-    if (lane >= o) finc += y;
-  }
-  const unsigned fh = __ballot_sync(kFullWarp, acc + finc >= B);  // non-zero: cb holds the B-th
-  const int f = 32 * cb + __ffs(int(fh)) - 1;
-  return f >= kDeferBins - 1 ? -INFINITY : -float(f + 1) * 0.125f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -656,7 +657,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   int* dhist = reinterpret_cast<int*>(smem + L.dhist);           // DEFER only
   float* thr_f = reinterpret_cast<float*>(smem + L.thrf);        // DEFER only
   if constexpr (DEFER) {
-    for (int q = tid; q < kDeferBins + kDeferCoarseBins; q += T) dhist[q] = 0;
+    for (int q = tid; q < kDeferBins; q += T) dhist[q] = 0;
   }
 
   // Same normalisation as tree._normalize_logp: NaN -> -inf (unreachable), log-probs > 0
@@ -669,6 +670,9 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   int c_begin = 0;    // C_{d-1} = G[c_begin, c_begin + c_size), lexicographic order
   int c_size = 1;     // level 0 is the root alone
   float thr = -INFINITY;
+  // DEFER (meaningful in warp 0, which picks the thresholds): the histogram's threshold bin and
+  // the nodes counted in bins 0..f_cur (defer_walk)
+  int f_cur = kDeferBins - 1, cnt_above = 0;
   // MERGE: whether G is sorted best first (with gkey), and whether C_{d-1}'s scores are in
   // cscore[csb] (after a merge run) rather than in G[c_begin, c_begin + c_size)
   bool g_sorted = true;  // the empty G
@@ -771,7 +775,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
       if (warp == 0) {
         if constexpr (DEFER) {
           // the histogram holds every node of depths < d (none at d = 1)
-          if (d > 1) thr = fmaxf(thr, defer_threshold(dhist, B, lane));
+          defer_walk(dhist, B, lane, f_cur, cnt_above);
+          thr = fmaxf(thr, defer_tau(f_cur));
           if (lane == 0) *thr_f = thr;
         }
         const int cnt = lane < m ? count_above(parent_score(lane), lp, Kp, thr) : 0;
@@ -790,8 +795,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     } else {
       if constexpr (DEFER) {  // m > 1, hence d > 1
         if (warp == 0) {
-          const float t = defer_threshold(dhist, B, lane);
-          if (lane == 0) *thr_f = fmaxf(thr, t);
+          defer_walk(dhist, B, lane, f_cur, cnt_above);
+          if (lane == 0) *thr_f = fmaxf(thr, defer_tau(f_cur));
         }
         __syncthreads();
         thr = *thr_f;
@@ -857,6 +862,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
           }
         }
         if (tid == 0) lvl_cnt[d] = M;
+        cnt_above += M;
         c_begin = g_size;
         c_size = M;
         g_size += M;
@@ -957,6 +963,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
       }
     });
     if (tid == 0) lvl_cnt[d] = sel_total;
+    if constexpr (DEFER) cnt_above += sel_total;  // counted in the histogram above
     g_size = surv_total + sel_total;
     c_begin = surv_total;
     c_size = sel_total;

@@ -83,12 +83,10 @@ constexpr int kMergeMaxThreads = 256;  // its launch bound (the launcher clamps)
 
 // The deferred variant (algo kAlgoDeferred, tree_build_kernel<kModeDeferred>): up to this budget,
 // G may hold up to defer_cap(B) nodes, so a depth only appends its candidates (no selection) while
-// they fit; a histogram of every generated node's score (kDeferBins bins of 1/8 nat, grouped by
-// 32 into coarse bins) gives the pruning threshold, and one count over G at the end keeps the
-// best B. A depth whose candidates would overflow G selects the best B as the level-wise kernel does.
+// they fit; a histogram of every generated node's score (kDeferBins bins of 1/8 nat) gives the
+// pruning threshold, and one count over G at the end keeps the best B. A depth whose candidates would overflow G selects the best B as the level-wise kernel does.
 constexpr int kDeferMaxBudget = 256;
 constexpr int kDeferBins = 4096;        // fine bins: bin f holds scores in (-(f+1)/8, -f/8]
-constexpr int kDeferCoarseBins = kDeferBins / 32;
 DDTREE_HOST_DEVICE inline int defer_cap(int B) { return B <= 128 ? 4 * B : 2 * B; }
 
 struct SmemLayout {
@@ -125,8 +123,8 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D, int 
   L.posanc = o;      o = ddtree_align16(o + (pos_bytes > anc_bytes ? pos_bytes : anc_bytes));
   L.lvl_cnt = o;     o = ddtree_align16(o + 4 * int64_t(D + 1));     // int[D+1]: |C_d|
   L.hist = o;        o = ddtree_align16(o + 4 * 3 * 256);            // int[3][256]: radix histograms
-  // int[kDeferBins + kDeferCoarseBins]: the deferred variant's score histogram (fine, coarse)
-  L.dhist = o;       o = ddtree_align16(o + (gcap > B ? 4 * (kDeferBins + kDeferCoarseBins) : 0));
+  // int[kDeferBins]: the deferred variant's score histogram
+  L.dhist = o;       o = ddtree_align16(o + (gcap > B ? 4 * kDeferBins : 0));
   L.wbuf = o;        o = ddtree_align16(o + 8 * 32);                 // 64-bit[32]: block scans
   L.wbuf_min = o;    o = ddtree_align16(o + 4 * 32);                 // float[32]: block_min
   const int64_t mb = B <= kMergeMaxBudget ? B : 0;
