@@ -172,7 +172,9 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
 
   const int B = static_cast<int>(budget);
   const int Kp = static_cast<int>(K < budget ? K : budget);
-  const int T = threads > 0 ? static_cast<int>(threads) : ddtree::default_threads(B);
+  const int T = threads > 0 ? static_cast<int>(threads)
+                            : ddtree::default_threads_for(static_cast<int>(algo), B, Kp,
+                                                          static_cast<int>(d_eff));
   DDT_CHECK(T % 32 == 0 && T >= 32 && T <= 1024, "threads must be a multiple of 32 in "
               "[32, 1024], got ", T);
 

@@ -997,30 +997,60 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   const uint32_t* gm = gmeta + cur * GC;
   const uint32_t* gp = gpar + cur * GC;
   const bool sorted_at_end = MERGE && g_sorted;  // block-uniform
-  if (!sorted_at_end)
-    for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
-  if (DEFER && tid == 0 && (n & 1)) keys[n] = 0;  // pads an odd count (below every node key)
   init_positions(N, p_parent, p_depth, p_sib, first_child);
-  __syncthreads();
-  for (int j = tid; j < n; j += T) {
-    int better = j;
-    if constexpr (DEFER) {
-      // 16-byte reads, two keys each
-      const uint64_t k = keys[j];
-      const ulonglong2* keys2 = reinterpret_cast<const ulonglong2*>(keys);
+  if constexpr (DEFER) {
+    // Only nodes at or above the final threshold can be in the tree (B counted nodes score
+    // strictly above the histogram's; a selection's bounds the B-th best score from below):
+    // their keys, in any order (a count of larger keys does not depend on it),
+    // take slots from a warp-aggregated counter; each of them counts the larger ones.
+    int* live_cnt = reinterpret_cast<int*>(smem + L.thrf) + 1;
+    if (warp == 0) {
+      defer_walk(dhist, B, lane, f_cur, cnt_above);
+      if (lane == 0) {
+        *thr_f = fmaxf(thr, defer_tau(f_cur));
+        *live_cnt = 0;
+      }
+    }
+    __syncthreads();
+    const float thr_end = *thr_f;
+    for (int j0 = 0; j0 < n; j0 += T) {  // block-uniform trip count: whole warps ballot
+      const int j = j0 + tid;
+      const bool live = j < n && gs[j] >= thr_end;
+      const unsigned mask = __ballot_sync(kFullWarp, live);
+      int base = 0;
+      if (lane == 0 && mask != 0u) base = atomicAdd(live_cnt, __popc(mask));
+      base = __shfl_sync(kFullWarp, base, 0);
+      if (live)
+        keys[base + __popc(mask & ((1u << lane) - 1u))] =
+            node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
+    }
+    __syncthreads();
+    const int n_live = *live_cnt;
+    const ulonglong2* keys2 = reinterpret_cast<const ulonglong2*>(keys);
+    for (int j = tid; j < n; j += T) {
+      if (!(gs[j] >= thr_end)) continue;
+      const uint64_t k = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
+      // 16-byte reads, two keys each; an odd count's last key alone
       int g0 = 0, g1 = 0;
 #pragma unroll 8
-      for (int f = 0; f < ((n + 1) >> 1); ++f) {
+      for (int f = 0; f < (n_live >> 1); ++f) {
         const ulonglong2 x = keys2[f];
         g0 += x.x > k ? 1 : 0;
         g1 += x.y > k ? 1 : 0;
       }
-      better = g0 + g1;
-      if (better >= B) continue;
-    } else if (!sorted_at_end) {
-      better = count_larger(keys, n, keys[j]);
+      if (n_live & 1) g0 += keys[n_live - 1] > k ? 1 : 0;
+      const int better = g0 + g1;
+      if (better < B) pos_of[(int(gm[j] >> 16) - 1) * GC + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
     }
-    pos_of[(int(gm[j] >> 16) - 1) * GC + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
+  } else {
+    if (!sorted_at_end)
+      for (int j = tid; j < n; j += T) keys[j] = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
+    __syncthreads();
+    for (int j = tid; j < n; j += T) {
+      int better = j;
+      if (!sorted_at_end) better = count_larger(keys, n, keys[j]);
+      pos_of[(int(gm[j] >> 16) - 1) * GC + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
+    }
   }
   __syncthreads();
   DDTREE_MARK(9001);

@@ -116,7 +116,7 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D, int 
   const int64_t nkeys = gcap > rank_select_limit(B) ? gcap : rank_select_limit(B);
   L.keys = o;        o = ddtree_align16(o + 8 * (nkeys + 1));
   L.thr = o;         o = ddtree_align16(o + 8);                       // u64: selected cut key
-  L.thrf = o;        o = ddtree_align16(o + 4);                       // float: a depth's threshold
+  L.thrf = o;        o = ddtree_align16(o + 8);  // float: a depth's threshold; int: live keys
   // u16: pos_of[D][gcap] (output index of (depth, lex)) during the build, then the masks'
   // scratch (ancestor bit rows or table: layout_scratch_bytes).
   const int64_t pos_bytes = 2 * int64_t(D) * gcap, anc_bytes = layout_scratch_bytes(int(N), D);
@@ -169,9 +169,14 @@ enum TreeAlgo : int {
   kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4
 };
 
-// The deferred variant serves only when asked for and the budget allows it.
+// The deferred variant serves when asked for and the budget allows it, and by default (kAlgoAuto)
+// above the frontier kernel's budgets up to kDeferAutoMaxBudget: on the H200 it was faster than
+// the level-wise kernel there (bench_results/tree_build_h200.json, session 10) and no faster at
+// budget 256.
+constexpr int kDeferAutoMaxBudget = 128;
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
-  return algo == kAlgoDeferred && B <= kDeferMaxBudget;
+  if (algo == kAlgoDeferred) return B <= kDeferMaxBudget;
+  return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferAutoMaxBudget;
 }
 
 // The merge variant serves only when asked for and the budget allows it, and needs every
@@ -262,6 +267,15 @@ DDTREE_HOST_DEVICE inline int tree_kernel_threads(int index, int threads) {
 DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D) {
   if (use_frontier(algo, B, Kp, D)) return make_frontier_smem_layout(B, Kp, D).total;
   return make_smem_layout(B, Kp, D, use_defer(algo, B) ? defer_cap(B) : B).total;
+}
+
+// Threads per block when the caller does not choose, for the kernel that serves (algo, B, Kp, D):
+// 256 for the deferred variant (its append, final count and histogram walk gain from more
+// threads: bench_results/tree_build_h200.json, session 10, batch 64 / budget 64, peaked 25.8 us
+// at 128 threads and 22.5 at 256), default_threads(B) otherwise.
+DDTREE_HOST_DEVICE inline int default_threads_for(int algo, int B, int Kp, int D) {
+  if (tree_kernel_index(algo, B, Kp, D) == kDeferKernelIndex) return B <= 256 ? 256 : default_threads(B);
+  return default_threads(B);
 }
 
 }  // namespace ddtree

@@ -57,7 +57,8 @@ int main(int argc, char** argv) {
   FILE* f = fopen(argv[1], "rb");
   const std::vector<int64_t> h = read_vec<int64_t>(f, 7);
   const int bs = int(h[0]), D = int(h[1]), K = int(h[2]), B = int(h[3]), algo = int(h[6]);
-  const int T = h[4] > 0 ? int(h[4]) : ddtree::default_threads(B);
+  const int T = h[4] > 0 ? int(h[4])
+                         : ddtree::default_threads_for(int(h[6]), B, std::min(K, B), std::min(D, B));
   const int N = B + 1;
   const size_t nl = size_t(bs) * D * K, nn = size_t(bs) * N;
   const auto logp = read_vec<float>(f, nl);
