@@ -5,9 +5,9 @@
 // depth order (parent score + child log-prob), and the tree is the first min(B, #finite) nodes of
 // the total order "score desc, depth asc, rank path lexicographic asc".
 //
-// Two kernels compute it: tree_build_kernel (level-wise, below; any budget) and
-// tree_build_frontier_kernel (best-first, at the end of this file; budgets up to 287). Both end
-// in write_tree_layout.
+// Two kernels compute it: tree_build_kernel (level-wise, below; any budget; with a merge and a
+// deferred variant) and tree_build_frontier_kernel (best-first, at the end of this file; budgets
+// up to 287). All end in write_tree_layout.
 //
 // Level-wise algorithm (exact even when fp32 rounding creates ties):
 //   G   = the best <= B nodes found so far (an unordered set kept in shared memory),
@@ -25,6 +25,16 @@
 // Children of one parent are monotone in r (lp is sorted descending and fp32 addition is
 // monotone), so "score > thr" keeps a prefix of each parent's ranks and lexicographic order of
 // the candidates is the order of a flat index c = offset[parent] + r.
+//
+// Deferred variant (tree_build_kernel<kModeDeferred>, budgets up to kDeferMaxBudget): G may hold
+// up to defer_cap(B) nodes (2B-4B). A level whose candidates fit is not selected at all: they are
+// appended (C_d = all of them, lex = flat index) and counted in a histogram of scores (bins of
+// 1/8 nat). Warp 0 keeps the lowest bin f such that at least B counted nodes lie in bins 0..f;
+// every node in those bins scores strictly above -(f+1)/8, so that value is a valid threshold
+// for any later (deeper) candidate, whatever G holds. A level whose candidates would overflow G
+// selects the best B exactly as above. At the end only the nodes at or above the final
+// threshold count the larger keys among themselves, and the best B are the tree. Per narrow
+// level: two block barriers (counts, append) instead of four or more.
 //
 // This header has no torch dependency: tree_build.cu launches it, and a host-side emulation can
 // include it for CPU testing. The launch parameters and the shared-memory layout live in
@@ -405,7 +415,18 @@ __device__ __forceinline__ int defer_bin(float s) {
   return x < float(kDeferBins - 1) ? int(x) : kDeferBins - 1;
 }
 
-__device__ __forceinline__ void defer_count(int* dhist, float s) { atomicAdd(&dhist[defer_bin(s)], 1); }
+// Counts s in the histogram; returns 1 when its bin is at most f (the walker's published bin).
+__device__ __forceinline__ int defer_count(int* dhist, float s, int f) {
+  const int bin = defer_bin(s);
+  atomicAdd(&dhist[bin], 1);
+  return bin <= f ? 1 : 0;
+}
+
+// Adds a warp's counts of nodes at or below the published bin to the walker's inbox.
+__device__ __forceinline__ void defer_inbox_add(int* inbox, int v, int lane) {
+  v = int(__reduce_add_sync(kFullWarp, unsigned(v)));
+  if (lane == 0 && v != 0) atomicAdd(inbox, v);
+}
 
 // The pruning threshold of bin f: every node counted in bins 0..f scores strictly above it.
 __device__ __forceinline__ float defer_tau(int f) {
@@ -413,12 +434,28 @@ __device__ __forceinline__ float defer_tau(int f) {
 }
 
 // Warp-wide (every lane ends with the same f and cnt): lowers the threshold bin f while at least B
-// counted nodes stay in bins 0..f. cnt = the nodes counted in bins 0..f; it only grows between
-// calls (every node generated since scores above defer_tau(f), so it lands in bins 0..f), and f
-// only falls. The first time B nodes are counted, per-lane sums of kDeferBins / 32 bins find the
-// chunk of the B-th best; then windows of 32 bins walk down from f (one window per call, usually).
-__device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, int& f, int& cnt) {
+// counted nodes stay in bins 0..f. cnt = the nodes counted in bins 0..f. The first time B nodes
+// are counted: when they are exactly sorted[0, cnt) (scores, descending: the depth-1 nodes), the
+// B-th one's bin and a count of the nodes up to that bin; otherwise per-lane sums of
+// kDeferBins / 32 bins find the chunk of the B-th best. Then windows of 32 bins walk down from f
+// (one window per call, usually).
+__device__ __forceinline__ void defer_walk_bins(const int* dhist, int B, int lane, int& f, int& cnt,
+                                                const float* sorted) {
   if (cnt < B) return;
+  if (f == kDeferBins - 1 && sorted != nullptr) {
+    const int fb = defer_bin(sorted[B - 1]);
+    if (fb < kDeferBins - 1) {
+      int c = B;  // sorted[0, B) are in bins <= fb; the rest of that bin follows them
+      for (int r0 = B; r0 < cnt; r0 += 32) {
+        const int r = r0 + lane;
+        const unsigned in = __ballot_sync(kFullWarp, r < cnt && defer_bin(sorted[r]) <= fb);
+        c += __popc(in);
+        if (in != kFullWarp) break;  // sorted: the first node past the bin ends it
+      }
+      f = fb;
+      cnt = c;
+    }
+  }
   if (f == kDeferBins - 1) {
     constexpr int kChunk = kDeferBins / 32;
     int cs = 0;
@@ -449,8 +486,23 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
     if (n == 0) break;
     cnt -= __shfl_sync(kFullWarp, S, n - 1);
     f -= n;
-    if (n < 32) break;
+    if (n < 32 || f < 0) break;
   }
+}
+
+
+// defer_walk_bins for the walker warp, which also keeps cnt exact: the writers of the histogram
+// count the nodes they add in bins <= *f_pub into *inbox (f only falls, so a node above the
+// published bin never lies in bins 0..f later); the walk takes the inbox first and publishes the
+// new f after.
+__device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, int& f, int& cnt,
+                                           const float* sorted, int* inbox, int* f_pub) {
+  int add = lane == 0 ? *inbox : 0;
+  add = __shfl_sync(kFullWarp, add, 0);
+  cnt += add;
+  if (lane == 0) *inbox = 0;
+  defer_walk_bins(dhist, B, lane, f, cnt, sorted);
+  if (lane == 0) *f_pub = f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -616,12 +668,16 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
 
 // MODE: kModeLevel (the level-wise kernel), kModeMerge (its merge variant), kModeDeferred (its
 // deferred variant: tree_build_params.h, kDeferMaxBudget).
-constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2;
+// kModeDeferredSync: the deferred variant with the histogram's threshold walked before each
+// level's count (one barrier more per level, no lag): a measurement aid (algo kAlgoDeferredSync).
+constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2, kModeDeferredSync = 3;
 
 template <int MODE>
 __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     tree_build_kernel(const TreeBuildParams p) {
-  constexpr bool MERGE = MODE == kModeMerge, DEFER = MODE == kModeDeferred;
+  constexpr bool MERGE = MODE == kModeMerge;
+  constexpr bool DEFER = MODE == kModeDeferred || MODE == kModeDeferredSync;
+  constexpr bool DEFER_SYNC = MODE == kModeDeferredSync;
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -656,8 +712,16 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   int* mstate = reinterpret_cast<int*>(smem + L.mstate);         // MERGE only
   int* dhist = reinterpret_cast<int*>(smem + L.dhist);           // DEFER only
   float* thr_f = reinterpret_cast<float*>(smem + L.thrf);        // DEFER only
+  int* d_fpub = reinterpret_cast<int*>(thr_f + 4);              // DEFER: the walker's bin
+  int* d_inbox = reinterpret_cast<int*>(thr_f + 5);             // DEFER: nodes added <= it
   if constexpr (DEFER) {
-    for (int q = tid; q < kDeferBins; q += T) dhist[q] = 0;
+    uint4* dh4 = reinterpret_cast<uint4*>(dhist);
+    for (int q = tid; q < kDeferBins / 4; q += T) dh4[q] = make_uint4(0u, 0u, 0u, 0u);
+    if (tid == 0) {
+      thr_f[2] = thr_f[3] = -INFINITY;
+      *d_fpub = kDeferBins - 1;
+      *d_inbox = 0;
+    }
   }
 
   // Same normalisation as tree._normalize_logp: NaN -> -inf (unreachable), log-probs > 0
@@ -670,9 +734,12 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   int c_begin = 0;    // C_{d-1} = G[c_begin, c_begin + c_size), lexicographic order
   int c_size = 1;     // level 0 is the root alone
   float thr = -INFINITY;
-  // DEFER (meaningful in warp 0, which picks the thresholds): the histogram's threshold bin and
-  // the nodes counted in bins 0..f_cur (defer_walk)
+  // DEFER (meaningful in the walker warp, which walks the histogram: warp 1, or warp 0 in a
+  // one-warp block): the histogram's threshold bin and the nodes counted in bins 0..f_cur
+  // (defer_walk); thr_next[d & 1]: the threshold the walker found during level d
   int f_cur = kDeferBins - 1, cnt_above = 0;
+  const int walker = T >= 64 ? 1 : 0;
+  float* thr_next = thr_f + 2;
   // MERGE: whether G is sorted best first (with gkey), and whether C_{d-1}'s scores are in
   // cscore[csb] (after a merge run) rather than in G[c_begin, c_begin + c_size)
   bool g_sorted = true;  // the empty G
@@ -767,18 +834,31 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     if (!counted) {
       for (int q = tid; q < 256; q += T) hist[q] = 0;  // first radix pass's histogram
     }
+    if constexpr (DEFER) {
+      // This level prunes with the histogram's threshold as the walker warp left it during the
+      // previous level (nodes of depths < d - 1), and at d = 2 with the B-th best depth-1 score
+      // (exact: level 1 appended the depth-1 nodes, sorted, at G[0, g_size)). Meanwhile the
+      // walker walks the histogram as it stands now (depths < d) for the next level: off the
+      // count's critical path.
+      if (d >= 2) {
+        thr = fmaxf(thr, thr_next[(d - 1) & 1]);
+        if (d == 2 && g_size >= B) thr = fmaxf(thr, gs_old[B - 1]);
+      }
+      if (warp == walker) {
+        defer_walk(dhist, B, lane, f_cur, cnt_above, d == 2 ? gs_old : nullptr, d_inbox, d_fpub);
+        if (lane == 0) thr_next[d & 1] = defer_tau(f_cur);
+      }
+      if constexpr (DEFER_SYNC) {
+        __syncthreads();
+        thr = fmaxf(thr, thr_next[d & 1]);
+      }
+    }
     int M = 0;
     if (counted) {
       M = off[m];  // written by the merge run, before its barrier
     } else if (m <= 32) {
       // Narrow level (typical of deep trees): one warp scans, no block-wide scan.
       if (warp == 0) {
-        if constexpr (DEFER) {
-          // the histogram holds every node of depths < d (none at d = 1)
-          defer_walk(dhist, B, lane, f_cur, cnt_above);
-          thr = fmaxf(thr, defer_tau(f_cur));
-          if (lane == 0) *thr_f = thr;
-        }
         const int cnt = lane < m ? count_above(parent_score(lane), lp, Kp, thr) : 0;
         int incl = cnt;
 #pragma unroll
@@ -790,17 +870,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
         if (lane == 31) off[m] = incl;  // lanes >= m count 0: lane 31 holds the total
       }
       __syncthreads();
-      if constexpr (DEFER) thr = *thr_f;
       M = off[m];
     } else {
-      if constexpr (DEFER) {  // m > 1, hence d > 1
-        if (warp == 0) {
-          defer_walk(dhist, B, lane, f_cur, cnt_above);
-          if (lane == 0) *thr_f = fmaxf(thr, defer_tau(f_cur));
-        }
-        __syncthreads();
-        thr = *thr_f;
-      }
       const int per = (m + T - 1) / T;
       const int i0 = min(m, tid * per), i1 = min(m, i0 + per);
       int nloc = 0;
@@ -848,6 +919,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
         float* gs_w = gscore + cur * GC;
         uint32_t* gm_w = gmeta + cur * GC;
         uint32_t* gp_w = gpar + cur * GC;
+        const int fp = *d_fpub;
+        int n_in = 0;
         if (c0 < c1) {
           int i = i_first;
           for (int c = c0; c < c1; ++c) {
@@ -858,11 +931,11 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
             gm_w[g_size + c] = (uint32_t(d) << 16) | uint32_t(c);
             gp_w[g_size + c] = (uint32_t(i) << 16) | uint32_t(r);
             pos_of[(d - 1) * GC + c] = kNoPos;
-            defer_count(dhist, s);
+            n_in += defer_count(dhist, s, fp);
           }
         }
+        defer_inbox_add(d_inbox, n_in, lane);
         if (tid == 0) lvl_cnt[d] = M;
-        cnt_above += M;
         c_begin = g_size;
         c_size = M;
         g_size += M;
@@ -943,6 +1016,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     int ws = packed >> 16;
     int wc = packed & 0xFFFF;
     float my_min = INFINITY;
+    const int fp = DEFER ? *d_fpub : 0;
+    int n_in = 0;
     visit([&](uint64_t key, bool is_g, int idx, int i, int r, float s) {
       if (key < thr_key) return;
       if (is_g) {
@@ -958,12 +1033,12 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
         gm_new[slot] = (uint32_t(d) << 16) | uint32_t(lex);
         gp_new[slot] = (uint32_t(i) << 16) | uint32_t(r);
         pos_of[(d - 1) * GC + lex] = kNoPos;
-        if constexpr (DEFER) defer_count(dhist, s);
+        if constexpr (DEFER) n_in += defer_count(dhist, s, fp);
         my_min = fminf(my_min, s);
       }
     });
     if (tid == 0) lvl_cnt[d] = sel_total;
-    if constexpr (DEFER) cnt_above += sel_total;  // counted in the histogram above
+    if constexpr (DEFER) defer_inbox_add(d_inbox, n_in, lane);
     g_size = surv_total + sel_total;
     c_begin = surv_total;
     c_size = sel_total;
@@ -998,14 +1073,14 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   const uint32_t* gp = gpar + cur * GC;
   const bool sorted_at_end = MERGE && g_sorted;  // block-uniform
   init_positions(N, p_parent, p_depth, p_sib, first_child);
-  if constexpr (DEFER) {
+  if (DEFER && n > B) {  // block-uniform (at most B nodes: all of them are the tree, as below)
     // Only nodes at or above the final threshold can be in the tree (B counted nodes score
     // strictly above the histogram's; a selection's bounds the B-th best score from below):
     // their keys, in any order (a count of larger keys does not depend on it),
     // take slots from a warp-aggregated counter; each of them counts the larger ones.
     int* live_cnt = reinterpret_cast<int*>(smem + L.thrf) + 1;
-    if (warp == 0) {
-      defer_walk(dhist, B, lane, f_cur, cnt_above);
+    if (warp == walker) {
+      defer_walk(dhist, B, lane, f_cur, cnt_above, nullptr, d_inbox, d_fpub);
       if (lane == 0) {
         *thr_f = fmaxf(thr, defer_tau(f_cur));
         *live_cnt = 0;
@@ -1334,6 +1409,7 @@ inline TreeKernelFn tree_kernel_fn(int index) {
     case 5: return tree_build_frontier_kernel<9>;
     case kMergeKernelIndex: return tree_build_kernel<kModeMerge>;
     case kDeferKernelIndex: return tree_build_kernel<kModeDeferred>;
+    case kDeferSyncKernelIndex: return tree_build_kernel<kModeDeferredSync>;
     default: return tree_build_kernel<kModeLevel>;
   }
 }

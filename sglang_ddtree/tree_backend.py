@@ -39,11 +39,12 @@ KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
 
 ENV_KERNEL = "SGLANG_DDTREE_TREE_KERNEL"
 KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3,
-                "deferred": 4}  # ddtree::TreeAlgo
+                "deferred": 4, "deferred_sync": 5}  # ddtree::TreeAlgo
 
 
 def kernel_algo_from_env() -> int:
-    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred, default auto) as
+    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_sync,
+    default auto) as
     ddtree::TreeAlgo."""
     value = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if value not in KERNEL_ALGOS:
