@@ -668,16 +668,13 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
 
 // MODE: kModeLevel (the level-wise kernel), kModeMerge (its merge variant), kModeDeferred (its
 // deferred variant: tree_build_params.h, kDeferMaxBudget).
-// kModeDeferredSync: the deferred variant with the histogram's threshold walked before each
-// level's count (one barrier more per level, no lag): a measurement aid (algo kAlgoDeferredSync).
-constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2, kModeDeferredSync = 3;
+constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2;
 
 template <int MODE>
 __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     tree_build_kernel(const TreeBuildParams p) {
   constexpr bool MERGE = MODE == kModeMerge;
-  constexpr bool DEFER = MODE == kModeDeferred || MODE == kModeDeferredSync;
-  constexpr bool DEFER_SYNC = MODE == kModeDeferredSync;
+  constexpr bool DEFER = MODE == kModeDeferred;
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -736,7 +733,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   float thr = -INFINITY;
   // DEFER (meaningful in the walker warp, which walks the histogram: warp 1, or warp 0 in a
   // one-warp block): the histogram's threshold bin and the nodes counted in bins 0..f_cur
-  // (defer_walk); thr_next[d & 1]: the threshold the walker found during level d
+  // (defer_walk); thr_next[d & 1]: the threshold the walker found at level d
   int f_cur = kDeferBins - 1, cnt_above = 0;
   const int walker = T >= 64 ? 1 : 0;
   float* thr_next = thr_f + 2;
@@ -835,11 +832,11 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
       for (int q = tid; q < 256; q += T) hist[q] = 0;  // first radix pass's histogram
     }
     if constexpr (DEFER) {
-      // This level prunes with the histogram's threshold as the walker warp left it during the
-      // previous level (nodes of depths < d - 1), and at d = 2 with the B-th best depth-1 score
-      // (exact: level 1 appended the depth-1 nodes, sorted, at G[0, g_size)). Meanwhile the
-      // walker walks the histogram as it stands now (depths < d) for the next level: off the
-      // count's critical path.
+      // This level prunes with the histogram's threshold over every node of depths < d (the
+      // walker warp walks it, then a barrier), and at d = 2 also with the B-th best depth-1
+      // score (exact: level 1 appended the depth-1 nodes, sorted, at G[0, g_size)). (Walking
+      // during the count instead, one level behind, saved the barrier but pruned less: slower
+      // on the H200, bench_results/README.md, session 10.)
       if (d >= 2) {
         thr = fmaxf(thr, thr_next[(d - 1) & 1]);
         if (d == 2 && g_size >= B) thr = fmaxf(thr, gs_old[B - 1]);
@@ -848,10 +845,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
         defer_walk(dhist, B, lane, f_cur, cnt_above, d == 2 ? gs_old : nullptr, d_inbox, d_fpub);
         if (lane == 0) thr_next[d & 1] = defer_tau(f_cur);
       }
-      if constexpr (DEFER_SYNC) {
-        __syncthreads();
-        thr = fmaxf(thr, thr_next[d & 1]);
-      }
+      __syncthreads();
+      thr = fmaxf(thr, thr_next[d & 1]);
     }
     int M = 0;
     if (counted) {
@@ -1409,7 +1404,6 @@ inline TreeKernelFn tree_kernel_fn(int index) {
     case 5: return tree_build_frontier_kernel<9>;
     case kMergeKernelIndex: return tree_build_kernel<kModeMerge>;
     case kDeferKernelIndex: return tree_build_kernel<kModeDeferred>;
-    case kDeferSyncKernelIndex: return tree_build_kernel<kModeDeferredSync>;
     default: return tree_build_kernel<kModeLevel>;
   }
 }

@@ -168,8 +168,7 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 constexpr int kFrontierDefaultMaxBudget = 16;
 
 enum TreeAlgo : int {
-  kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4,
-  kAlgoDeferredSync = 5  // the deferred variant without the walker's lag (a measurement aid)
+  kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4
 };
 
 // The deferred variant serves when asked for and the budget allows it, and by default (kAlgoAuto)
@@ -178,7 +177,7 @@ enum TreeAlgo : int {
 // budget 256.
 constexpr int kDeferAutoMaxBudget = 128;
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
-  if (algo == kAlgoDeferred || algo == kAlgoDeferredSync) return B <= kDeferMaxBudget;
+  if (algo == kAlgoDeferred) return B <= kDeferMaxBudget;
   return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferAutoMaxBudget;
 }
 
@@ -193,8 +192,7 @@ DDTREE_HOST_DEVICE inline bool frontier_fits(int B, int Kp, int D) {
 }
 
 DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
-  if (algo == kAlgoLevelwise || algo == kAlgoMerge || algo == kAlgoDeferred ||
-      algo == kAlgoDeferredSync || !frontier_fits(B, Kp, D))
+  if (algo == kAlgoLevelwise || algo == kAlgoMerge || algo == kAlgoDeferred || !frontier_fits(B, Kp, D))
     return false;
   return algo == kAlgoFrontier || B <= kFrontierDefaultMaxBudget;
 }
@@ -236,13 +234,12 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
 // scripts/tree_build_clocks.cu: 0 the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3,
 // 5, 9 slots per lane, 6 the level-wise kernel's merge variant, 7 its deferred variant
 // (tree_kernel_fn in tree_build_kernel.cuh maps an index to its entry point).
-constexpr int kTreeKernels = 9;
+constexpr int kTreeKernels = 8;
 constexpr int kMergeKernelIndex = 6;
 constexpr int kDeferKernelIndex = 7;
-constexpr int kDeferSyncKernelIndex = 8;
 DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) {
   if (use_merge(algo, B, Kp, D)) return kMergeKernelIndex;
-  if (use_defer(algo, B)) return algo == kAlgoDeferredSync ? kDeferSyncKernelIndex : kDeferKernelIndex;
+  if (use_defer(algo, B)) return kDeferKernelIndex;
   if (!use_frontier(algo, B, Kp, D)) return 0;
   switch (frontier_items(B)) {
     case 1: return 1;
@@ -256,14 +253,13 @@ DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) 
 DDTREE_HOST_DEVICE inline const char* tree_kernel_name(int index) {
   if (index == 0) return "levelwise";
   if (index == kMergeKernelIndex) return "merge";
-  if (index == kDeferSyncKernelIndex) return "deferred_sync";
   return index == kDeferKernelIndex ? "deferred" : "frontier";
 }
 
 // Threads per block the kernel `index` runs with when asked for `threads`: the frontier kernel
 // and the merge variant are compiled for at most 256 (the block size changes no result).
 DDTREE_HOST_DEVICE inline int tree_kernel_threads(int index, int threads) {
-  const int cap = (index == 0 || index == kDeferKernelIndex || index == kDeferSyncKernelIndex)
+  const int cap = (index == 0 || index == kDeferKernelIndex)
                       ? 1024
                       : (index == kMergeKernelIndex ? kMergeMaxThreads : kFrontierMaxThreads);
   return threads > cap ? cap : threads;
@@ -280,8 +276,7 @@ DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D
 // threads: bench_results/tree_build_h200.json, session 10, batch 64 / budget 64, peaked 25.8 us
 // at 128 threads and 22.5 at 256), default_threads(B) otherwise.
 DDTREE_HOST_DEVICE inline int default_threads_for(int algo, int B, int Kp, int D) {
-  const int k = tree_kernel_index(algo, B, Kp, D);
-  if (k == kDeferKernelIndex || k == kDeferSyncKernelIndex) return B <= 256 ? 256 : default_threads(B);
+  if (tree_kernel_index(algo, B, Kp, D) == kDeferKernelIndex) return B <= 256 ? 256 : default_threads(B);
   return default_threads(B);
 }
 

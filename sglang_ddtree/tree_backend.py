@@ -10,14 +10,16 @@ Both take ``(root_ids, topk_logp, topk_ids, budget, out=None)`` and return the s
 first call, never at import. In ``auto`` mode calls the kernel cannot serve (CPU tensors,
 min(D, budget) > 63, more shared memory than the GPU has) go to ``build_tree``.
 
-The extension holds two kernels with the same output: the level-wise one (any budget up to
-1024; its time grows with the tree's depth) and the best-first "frontier" one (budgets up to
-287; its time grows with the budget, not the depth). ``SGLANG_DDTREE_TREE_KERNEL``
-(auto|levelwise|frontier|merge, default auto) picks one; auto takes the frontier kernel up to
-budget 16, where the H200 measured it faster (``bench_results/tree_build_h200.json``). ``merge``
-(opt-in, budgets up to 128, else the level-wise kernel) is the level-wise kernel with one warp
-doing each narrow depth (at most 64 parents and 64 candidates) by merging into a sorted best-B
-set without block barriers: exact in the CPU emulation, not yet run on a GPU.
+The extension holds kernels with the same output: the level-wise one (any budget up to 1024;
+its time grows with the tree's depth), its deferred variant (budgets up to 256: a depth appends
+its candidates to a set of up to 4B nodes instead of selecting the best B, a score histogram
+prunes, one count at the end keeps the best B; about half the block barriers per depth), and
+the best-first "frontier" one (budgets up to 287; its time grows with the budget, not the
+depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred, default auto)
+picks one; auto takes the frontier kernel up to budget 16, the deferred variant
+from 17 to 128 and the level-wise kernel above, as the H200 measured fastest
+(``bench_results/tree_build_h200.json``). ``merge`` (budgets up to 128) is the level-wise kernel
+with one warp merging each narrow depth into a sorted best-B set (measured slower).
 """
 from __future__ import annotations
 
@@ -39,12 +41,11 @@ KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
 
 ENV_KERNEL = "SGLANG_DDTREE_TREE_KERNEL"
 KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3,
-                "deferred": 4, "deferred_sync": 5}  # ddtree::TreeAlgo
+                "deferred": 4}  # ddtree::TreeAlgo
 
 
 def kernel_algo_from_env() -> int:
-    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_sync,
-    default auto) as
+    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred, default auto) as
     ddtree::TreeAlgo."""
     value = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if value not in KERNEL_ALGOS:
@@ -243,8 +244,11 @@ def verified_tree_builder(budget: int, depth: int, k: int, device) -> TreeBuilde
             reason = f"differs from build_tree in {bad} (bs={bs}, seed={seed})"
             break
     else:
-        logger.info("sglang_ddtree: %s passed the start-up parity check (budget=%d, D=%d, K=%d)",
-                    builder.__name__, budget, depth, k)
+        ext = _loader().load_tree_build_ext()  # which kernel serves, for the log (if built)
+        kernel = (ext.kernel_name(budget, k, depth, kernel_algo_from_env())
+                  if ext is not None else "n/a")
+        logger.info("sglang_ddtree: %s passed the start-up parity check (budget=%d, D=%d, K=%d; "
+                    "kernel %s)", getattr(builder, "__name__", builder), budget, depth, k, kernel)
         return builder
     logger.error("sglang_ddtree: %s failed the start-up parity check (%s); using build_tree",
                  builder.__name__, reason)

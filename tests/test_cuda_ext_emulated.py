@@ -203,9 +203,8 @@ DEFER_CASES = [c for c in CASES if c[1] <= DEFER_MAX_BUDGET] + [
 # (kernel, case) for the frontier kernel and the merge and deferred variants; the seed differs
 # per kernel
 VARIANT_CASES = ([("frontier", c) for c in FRONTIER_CASES] + [("merge", c) for c in MERGE_CASES]
-                 + [("deferred", c) for c in DEFER_CASES]
-                 + [("deferred_sync", c) for c in DEFER_CASES])
-SEED_STEP = {"frontier": 5, "merge": 3, "deferred": 11, "deferred_sync": 13}
+                 + [("deferred", c) for c in DEFER_CASES])
+SEED_STEP = {"frontier": 5, "merge": 3, "deferred": 11}
 
 
 @pytest.mark.parametrize("name, case", VARIANT_CASES)
