@@ -198,6 +198,9 @@ DEFER_CASES = [c for c in CASES if c[1] <= DEFER_MAX_BUDGET] + [
     (2, 64, 15, 64, 128, "flat"),
     (2, 64, 15, 64, 128, "far"),
     (3, 64, 6, 8, 64, "random"),
+    # K x D > 8192: each depth's log-probs staged when it is reached (not up front)
+    (1, 200, 50, 200, 256, "peaked"),
+    (1, 160, 60, 160, 128, "flat"),
 ]
 
 # (kernel, case) for the frontier kernel and the merge and deferred variants; the seed differs
