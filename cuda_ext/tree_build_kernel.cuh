@@ -890,21 +890,26 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     const int cper = (M + T - 1) / T;
     const int c0 = min(M, tid * cper), c1 = min(M, c0 + cper);
     const int i_first = c0 < c1 ? find_parent(off, m, c0) : 0;
+    // This thread's candidates: fn(flat index c, parent i, rank r, score).
+    auto each_candidate = [&](auto&& fn) {
+      if (c0 < c1) {
+        int i = i_first;
+        for (int c = c0; c < c1; ++c) {
+          while (off[i + 1] <= c) ++i;
+          const int r = c - off[i];
+          fn(c, i, r, parent_score(i) + lp[r]);
+        }
+      }
+    };
     // Visit every item (old G members, then this thread's candidate range) with its key.
     auto visit = [&](auto&& fn) {
       for (int j = tid; j < g_size; j += T) {
         const uint32_t meta = gm_old[j];
         fn(node_key(gs_old[j], int(meta >> 16), meta & 0xFFFFu), true, j, 0, 0, 0.0f);
       }
-      if (c0 < c1) {
-        int i = i_first;
-        for (int c = c0; c < c1; ++c) {
-          while (off[i + 1] <= c) ++i;
-          const int r = c - off[i];
-          const float s = parent_score(i) + lp[r];
-          fn(node_key(s, d, uint32_t(c)), false, c, i, r, s);
-        }
-      }
+      each_candidate([&](int c, int i, int r, float s) {
+        fn(node_key(s, d, uint32_t(c)), false, c, i, r, s);
+      });
     };
 
     // DEFER: while G has room, the candidates are appended in lexicographic order (they form
@@ -916,19 +921,13 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
         uint32_t* gp_w = gpar + cur * GC;
         const int fp = *d_fpub;
         int n_in = 0;
-        if (c0 < c1) {
-          int i = i_first;
-          for (int c = c0; c < c1; ++c) {
-            while (off[i + 1] <= c) ++i;
-            const int r = c - off[i];
-            const float s = parent_score(i) + lp[r];
-            gs_w[g_size + c] = s;
-            gm_w[g_size + c] = (uint32_t(d) << 16) | uint32_t(c);
-            gp_w[g_size + c] = (uint32_t(i) << 16) | uint32_t(r);
-            pos_of[(d - 1) * GC + c] = kNoPos;
-            n_in += defer_count(dhist, s, fp);
-          }
-        }
+        each_candidate([&](int c, int i, int r, float s) {
+          gs_w[g_size + c] = s;
+          gm_w[g_size + c] = (uint32_t(d) << 16) | uint32_t(c);
+          gp_w[g_size + c] = (uint32_t(i) << 16) | uint32_t(r);
+          pos_of[(d - 1) * GC + c] = kNoPos;
+          n_in += defer_count(dhist, s, fp);
+        });
         defer_inbox_add(d_inbox, n_in, lane);
         if (tid == 0) lvl_cnt[d] = M;
         c_begin = g_size;
