@@ -84,7 +84,8 @@ constexpr int kMergeMaxThreads = 256;  // its launch bound (the launcher clamps)
 // The deferred variant (algo kAlgoDeferred, tree_build_kernel<kModeDeferred>): up to this budget,
 // G may hold up to defer_cap(B) nodes, so a depth only appends its candidates (no selection) while
 // they fit; a histogram of every generated node's score (kDeferBins bins of 1/8 nat) gives the
-// pruning threshold, and one count over G at the end keeps the best B. A depth whose candidates would overflow G selects the best B as the level-wise kernel does.
+// pruning threshold, and one count over G at the end keeps the best B. A depth whose candidates
+// would overflow G selects the best B as the level-wise kernel does.
 constexpr int kDeferMaxBudget = 256;
 constexpr int kDeferBins = 4096;        // fine bins: bin f holds scores in (-(f+1)/8, -f/8]
 DDTREE_HOST_DEVICE inline int defer_cap(int B) { return B <= 128 ? 4 * B : 2 * B; }
@@ -163,8 +164,8 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 
 // Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
 // it is faster on the H200 (bench_results/tree_build_h200.json, session 7: 8.3-9.1 us at budget
-// 16 against 7.3-22.4 for the level-wise kernel; at 32 they trade places with the inputs), the
-// level-wise one above it.
+// 16 against 7.3-22.4 for the level-wise kernel; at 32 they trade places with the inputs), then
+// the deferred variant up to kDeferAutoMaxBudget and the level-wise kernel above (use_defer).
 constexpr int kFrontierDefaultMaxBudget = 16;
 
 enum TreeAlgo : int {
@@ -272,9 +273,10 @@ DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D
 }
 
 // Threads per block when the caller does not choose, for the kernel that serves (algo, B, Kp, D):
-// 256 for the deferred variant (its append, final count and histogram walk gain from more
-// threads: bench_results/tree_build_h200.json, session 10, batch 64 / budget 64, peaked 25.8 us
-// at 128 threads and 22.5 at 256), default_threads(B) otherwise.
+// 256 for the deferred variant (its appends and final count gain from more threads:
+// bench_results/tree_build_h200.json, session 10, batch 64 / budget 64, peaked 31.1 / 24.7 /
+// 23.5 us at 64 / 128 / 256 threads; budget 128 in tree_build_h200_s10b.json 39.8 / 34.8 at
+// 128 / 256), default_threads(B) otherwise.
 DDTREE_HOST_DEVICE inline int default_threads_for(int algo, int B, int Kp, int D) {
   if (tree_kernel_index(algo, B, Kp, D) == kDeferKernelIndex) return B <= 256 ? 256 : default_threads(B);
   return default_threads(B);
