@@ -165,9 +165,9 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
   }
   DDT_CHECK(algo == ddtree::kAlgoAuto || algo == ddtree::kAlgoLevelwise ||
                 algo == ddtree::kAlgoFrontier || algo == ddtree::kAlgoMerge ||
-                algo == ddtree::kAlgoDeferred,
-            "algo must be 0 (auto), 1 (level-wise), 2 (frontier), 3 (merge) or 4 (deferred), got ",
-            algo);
+                algo == ddtree::kAlgoDeferred || algo == ddtree::kAlgoDeferredWarp,
+            "algo must be 0 (auto), 1 (level-wise), 2 (frontier), 3 (merge), 4 (deferred) or 5 "
+            "(deferred_warp), got ", algo);
   if (bs == 0) return "";
 
   const int B = static_cast<int>(budget);
@@ -243,9 +243,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("full_mask") = py::none(), py::arg("threads") = 0, py::arg("algo") = 0);
   m.def("smem_bytes", &tree_build_smem_bytes,
         "Dynamic shared memory per block for (budget, K, D) and algo (0 auto, 1 level-wise, "
-        "2 frontier, 3 merge, 4 deferred).", py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
+        "2 frontier, 3 merge, 4 deferred, 5 deferred_warp).", py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
   m.def("kernel_name", &tree_build_kernel_name,
-        "The kernel that serves (budget, K, D, algo): 'frontier', 'merge', 'deferred' or "
+        "The kernel that serves (budget, K, D, algo): 'frontier', 'merge', 'deferred', 'deferred_warp' or "
         "'levelwise'.",
         py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
 }

@@ -506,6 +506,87 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 }
 
 // ---------------------------------------------------------------------------------------------
+// The deferred variant's warp runs (tree_build_kernel<kModeDeferredWarp>): warp 0 alone takes
+// consecutive narrow levels (at most 32 parents, at most kRunMaxCandidates candidates that fit
+// in G), each with no block barrier: it walks the histogram (it is the walker), counts each
+// parent's children above the threshold, scans them, appends the candidates (two per lane at
+// most) and counts them in the histogram, __syncwarp between the steps. It stops at a level it
+// cannot take: kRunHandBack (more than 32 parents: the block does the level from its start),
+// kRunCounted (the counts are done and in off[]: the block selects or appends), or kRunDone (no
+// candidate: the tree is complete; or past depth D).
+constexpr int kRunMaxCandidates = 64;
+constexpr int kRunDone = 1, kRunHandBack = 2, kRunCounted = 3;
+
+struct DeferRun {
+  int d, g, cb, cs, status;
+  float thr;
+};
+
+__device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B, int GC,
+                                              const float* lp_base, int* off, float* gs,
+                                              uint32_t* gm, uint32_t* gp, uint16_t* pos_of,
+                                              int* lvl_cnt, int* dhist, int& f, int& cnt,
+                                              int* inbox, int* f_pub) {
+  const int lane = threadIdx.x & 31;
+  for (;;) {
+    const int d = st.d;
+    if (d > D) {
+      st.status = kRunDone;
+      return st;
+    }
+    const int m = st.cs;
+    if (m > 32) {
+      st.status = kRunHandBack;
+      return st;
+    }
+    // every node of depths < d is in the histogram (ordered by the caller's barrier or by the
+    // __syncwarp below)
+    defer_walk(dhist, B, lane, f, cnt, d == 2 ? gs : nullptr, inbox, f_pub);
+    float thr = fmaxf(st.thr, defer_tau(f));
+    if (d == 2 && st.g >= B) thr = fmaxf(thr, gs[B - 1]);
+    st.thr = thr;
+    const float* lp = lp_base + (d - 1) * Kp;
+    const float* ps = gs + st.cb;
+    const int c_i = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, thr) : 0;
+    int incl = c_i;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFullWarp, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int M = __shfl_sync(kFullWarp, incl, 31);
+    if (lane < m) off[lane] = incl - c_i;
+    if (lane == 31) off[m] = M;
+    __syncwarp();
+    if (M == 0) {
+      st.status = kRunDone;
+      return st;
+    }
+    if (M > kRunMaxCandidates || st.g + M > GC) {
+      st.status = kRunCounted;  // off[0, m] holds the offsets, off[m] = M
+      return st;
+    }
+    for (int c = lane; c < M; c += 32) {
+      const int i = find_parent(off, m, c);
+      const int r = c - off[i];
+      const float s = (d == 1 ? 0.0f : ps[i]) + lp[r];
+      gs[st.g + c] = s;
+      gm[st.g + c] = (uint32_t(d) << 16) | uint32_t(c);
+      gp[st.g + c] = (uint32_t(i) << 16) | uint32_t(r);
+      pos_of[(d - 1) * GC + c] = kNoPos;
+      atomicAdd(&dhist[defer_bin(s)], 1);
+    }
+    cnt += M;  // they score above defer_tau(f): all in bins 0..f
+    if (lane == 0) lvl_cnt[d] = M;
+    __syncwarp();
+    st.cb = st.g;
+    st.cs = M;
+    st.g += M;
+    st.d = d + 1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The merge variant's narrow depths (tree_build_kernel<true>): warp 0 alone, G kept sorted by key
 // (best first) in shared memory with its keys in gkey, C_{d-1}'s scores in cscore (lex order).
 // A depth whose parents and candidates are at most kMergeWidth each: item x (parent or candidate
@@ -668,13 +749,15 @@ __device__ __forceinline__ MergeState merge_run(MergeState st, int D, int Kp, in
 
 // MODE: kModeLevel (the level-wise kernel), kModeMerge (its merge variant), kModeDeferred (its
 // deferred variant: tree_build_params.h, kDeferMaxBudget).
-constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2;
+// kModeDeferredWarp: the deferred variant with warp runs over narrow levels (defer_run).
+constexpr int kModeLevel = 0, kModeMerge = 1, kModeDeferred = 2, kModeDeferredWarp = 3;
 
 template <int MODE>
 __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     tree_build_kernel(const TreeBuildParams p) {
   constexpr bool MERGE = MODE == kModeMerge;
-  constexpr bool DEFER = MODE == kModeDeferred;
+  constexpr bool DEFER = MODE == kModeDeferred || MODE == kModeDeferredWarp;
+  constexpr bool DEFER_WARP = MODE == kModeDeferredWarp;
   extern __shared__ __align__(16) unsigned char smem[];
   const int B = p.B, Kp = p.Kp, D = p.D, N = B + 1;
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -735,7 +818,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   // one-warp block): the histogram's threshold bin and the nodes counted in bins 0..f_cur
   // (defer_walk); thr_next[d & 1]: the threshold the walker found at level d
   int f_cur = kDeferBins - 1, cnt_above = 0;
-  const int walker = T >= 64 ? 1 : 0;
+  const int walker = (DEFER_WARP || T < 64) ? 0 : 1;  // the warp runs walk in warp 0
+  int* d_run = reinterpret_cast<int*>(thr_f + 6);    // DEFER_WARP: a run's result
   float* thr_next = thr_f + 2;
   // MERGE: whether G is sorted best first (with gkey), and whether C_{d-1}'s scores are in
   // cscore[csb] (after a merge run) rather than in G[c_begin, c_begin + c_size)
@@ -813,6 +897,36 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
         counted = true;
       }
     }
+    if constexpr (DEFER_WARP) {
+      if (preload && c_size <= 32) {
+        for (int q = tid; q < 256; q += T) hist[q] = 0;  // a counted level's first radix pass
+        if (warp == 0) {
+          DeferRun st{d, g_size, c_begin, c_size, 0, thr};
+          DDTREE_MARK(100 * d + 5);  // a warp run from depth d ...
+          st = defer_run(st, D, Kp, B, GC, lp_base, off, gscore + cur * GC, gmeta + cur * GC,
+                         gpar + cur * GC, pos_of, lvl_cnt, dhist, f_cur, cnt_above, d_inbox,
+                         d_fpub);
+          DDTREE_MARK(100 * st.d + 6);  // ... up to depth st.d
+          if (lane == 0) {
+            d_run[0] = st.d;
+            d_run[1] = st.g;
+            d_run[2] = st.cb;
+            d_run[3] = st.cs;
+            d_run[4] = st.status;
+            d_run[5] = int(__float_as_uint(st.thr));
+          }
+        }
+        __syncthreads();
+        const int status = d_run[4];
+        g_size = d_run[1];
+        c_begin = d_run[2];
+        c_size = d_run[3];
+        thr = __uint_as_float(uint32_t(d_run[5]));
+        if (status == kRunDone) break;
+        d = d_run[0];
+        counted = status == kRunCounted;  // else kRunHandBack: the block does level d
+      }
+    }
     const float* lp = preload ? lp_base + (d - 1) * Kp : lp_base;
 
     const float* gs_old = gscore + cur * GC;
@@ -831,7 +945,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     if (!counted) {
       for (int q = tid; q < 256; q += T) hist[q] = 0;  // first radix pass's histogram
     }
-    if constexpr (DEFER) {
+    if (DEFER && !counted) {
       // This level prunes with the histogram's threshold over every node of depths < d (the
       // walker warp walks it, then a barrier), and at d = 2 also with the B-th best depth-1
       // score (exact: level 1 appended the depth-1 nodes, sorted, at G[0, g_size)). (Walking
@@ -1403,6 +1517,7 @@ inline TreeKernelFn tree_kernel_fn(int index) {
     case 5: return tree_build_frontier_kernel<9>;
     case kMergeKernelIndex: return tree_build_kernel<kModeMerge>;
     case kDeferKernelIndex: return tree_build_kernel<kModeDeferred>;
+    case kDeferWarpKernelIndex: return tree_build_kernel<kModeDeferredWarp>;
     default: return tree_build_kernel<kModeLevel>;
   }
 }

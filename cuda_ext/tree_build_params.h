@@ -118,8 +118,8 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D, int 
   L.keys = o;        o = ddtree_align16(o + 8 * (nkeys + 1));
   L.thr = o;         o = ddtree_align16(o + 8);                       // u64: selected cut key
   // float: the final threshold; int: live keys; float[2]: the walker's thresholds; int: its
-  // published bin; int: its inbox
-  L.thrf = o;        o = ddtree_align16(o + 24);
+  // published bin; int: its inbox; int[6]: a warp run's result
+  L.thrf = o;        o = ddtree_align16(o + 48);
   // u16: pos_of[D][gcap] (output index of (depth, lex)) during the build, then the masks'
   // scratch (ancestor bit rows or table: layout_scratch_bytes).
   const int64_t pos_bytes = 2 * int64_t(D) * gcap, anc_bytes = layout_scratch_bytes(int(N), D);
@@ -169,7 +169,8 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 constexpr int kFrontierDefaultMaxBudget = 16;
 
 enum TreeAlgo : int {
-  kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4
+  kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4,
+  kAlgoDeferredWarp = 5  // the deferred variant with warp runs over narrow levels (opt-in)
 };
 
 // The deferred variant serves when asked for and the budget allows it, and by default (kAlgoAuto)
@@ -178,7 +179,7 @@ enum TreeAlgo : int {
 // budget 256.
 constexpr int kDeferAutoMaxBudget = 128;
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
-  if (algo == kAlgoDeferred) return B <= kDeferMaxBudget;
+  if (algo == kAlgoDeferred || algo == kAlgoDeferredWarp) return B <= kDeferMaxBudget;
   return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferAutoMaxBudget;
 }
 
@@ -193,7 +194,8 @@ DDTREE_HOST_DEVICE inline bool frontier_fits(int B, int Kp, int D) {
 }
 
 DDTREE_HOST_DEVICE inline bool use_frontier(int algo, int B, int Kp, int D) {
-  if (algo == kAlgoLevelwise || algo == kAlgoMerge || algo == kAlgoDeferred || !frontier_fits(B, Kp, D))
+  if (algo == kAlgoLevelwise || algo == kAlgoMerge || algo == kAlgoDeferred ||
+      algo == kAlgoDeferredWarp || !frontier_fits(B, Kp, D))
     return false;
   return algo == kAlgoFrontier || B <= kFrontierDefaultMaxBudget;
 }
@@ -233,14 +235,16 @@ DDTREE_HOST_DEVICE inline FrontierSmemLayout make_frontier_smem_layout(int B, in
 // The kernel that serves (algo, B, Kp, D), as an index shared by the launcher (tree_build.cu,
 // which keeps per-kernel state), the host-compiled bindings, the CPU emulation and
 // scripts/tree_build_clocks.cu: 0 the level-wise kernel, 1..5 the frontier kernel for 1, 2, 3,
-// 5, 9 slots per lane, 6 the level-wise kernel's merge variant, 7 its deferred variant
-// (tree_kernel_fn in tree_build_kernel.cuh maps an index to its entry point).
-constexpr int kTreeKernels = 8;
+// 5, 9 slots per lane, 6 the level-wise kernel's merge variant, 7 its deferred variant, 8 the
+// deferred variant with warp runs (tree_kernel_fn in tree_build_kernel.cuh maps an index to its
+// entry point).
+constexpr int kTreeKernels = 9;
 constexpr int kMergeKernelIndex = 6;
 constexpr int kDeferKernelIndex = 7;
+constexpr int kDeferWarpKernelIndex = 8;
 DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) {
   if (use_merge(algo, B, Kp, D)) return kMergeKernelIndex;
-  if (use_defer(algo, B)) return kDeferKernelIndex;
+  if (use_defer(algo, B)) return algo == kAlgoDeferredWarp ? kDeferWarpKernelIndex : kDeferKernelIndex;
   if (!use_frontier(algo, B, Kp, D)) return 0;
   switch (frontier_items(B)) {
     case 1: return 1;
@@ -254,13 +258,14 @@ DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) 
 DDTREE_HOST_DEVICE inline const char* tree_kernel_name(int index) {
   if (index == 0) return "levelwise";
   if (index == kMergeKernelIndex) return "merge";
+  if (index == kDeferWarpKernelIndex) return "deferred_warp";
   return index == kDeferKernelIndex ? "deferred" : "frontier";
 }
 
 // Threads per block the kernel `index` runs with when asked for `threads`: the frontier kernel
 // and the merge variant are compiled for at most 256 (the block size changes no result).
 DDTREE_HOST_DEVICE inline int tree_kernel_threads(int index, int threads) {
-  const int cap = (index == 0 || index == kDeferKernelIndex)
+  const int cap = (index == 0 || index == kDeferKernelIndex || index == kDeferWarpKernelIndex)
                       ? 1024
                       : (index == kMergeKernelIndex ? kMergeMaxThreads : kFrontierMaxThreads);
   return threads > cap ? cap : threads;
@@ -278,7 +283,8 @@ DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D
 // 23.5 us at 64 / 128 / 256 threads; budget 128 in tree_build_h200_s10b.json 39.8 / 34.8 at
 // 128 / 256), default_threads(B) otherwise.
 DDTREE_HOST_DEVICE inline int default_threads_for(int algo, int B, int Kp, int D) {
-  if (tree_kernel_index(algo, B, Kp, D) == kDeferKernelIndex) return B <= 256 ? 256 : default_threads(B);
+  const int k = tree_kernel_index(algo, B, Kp, D);
+  if (k == kDeferKernelIndex || k == kDeferWarpKernelIndex) return B <= 256 ? 256 : default_threads(B);
   return default_threads(B);
 }
 

@@ -14,7 +14,8 @@ field by field, and the number of kernels one call launches is counted with the 
 A threads-per-block sweep runs at batch 64 for each budget of ``--sweep-budgets`` (default 64).
 Every kernel of the extension is timed at every point it can take (``levelwise_us``,
 ``merge_us``: the level-wise kernel's merge variant, budgets up to 128; ``deferred_us``: its
-deferred variant, budgets up to 256; ``frontier_us``: the best-first kernel serves budgets up to
+deferred variant, budgets up to 256 (``deferred_warp_us``: with warp runs over narrow levels);
+``frontier_us``: the best-first kernel serves budgets up to
 287) and checked equal; ``fused_us`` is the one that
 ``SGLANG_DDTREE_TREE_KERNEL=auto`` serves there.
 
@@ -92,7 +93,7 @@ def bench_point(bs, budget, depth, k, vocab, dist, reps, iters, threads=0, with_
     row = dict(dist=dist, bs=bs, budget=budget, depth=depth, k=k, threads=threads or "auto",
                kernel=served)
     outs = {}
-    for name in ("levelwise", "frontier", "merge", "deferred"):
+    for name in ("levelwise", "frontier", "merge", "deferred", "deferred_warp"):
         algo = tree_backend.KERNEL_ALGOS[name]
         if ext.kernel_name(budget, k, depth, algo) != name:
             continue  # the frontier kernel / the merge or deferred variant cannot take this point
@@ -171,7 +172,7 @@ def main():
         json.dump(meta, f, indent=1)
 
     cols = ["dist", "bs", "budget", "k", "mean_tree_depth", "levelwise_us", "frontier_us", "merge_us",
-            "deferred_us",
+            "deferred_us", "deferred_warp_us",
             "kernel", "fused_us", "torch_us", "speedup", "fused_kernels", "fused_equals_torch",
             "kernels_equal"]
     print(" ".join(f"{c:>14}" for c in cols))

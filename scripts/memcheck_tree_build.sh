@@ -32,7 +32,7 @@ for bs, budget, depth, k, quant, p_ninf, threads in [
     flat = torch.zeros(int((n_nodes * (seq + n_nodes)).sum()), dtype=torch.bool, device="cuda")
     pos = torch.empty(bs, n_nodes, dtype=torch.int64, device="cuda")
     ref = build_tree_reference(roots, lp, ids, budget)
-    for algo in (1, 2, 3, 4):  # level-wise, frontier, merge, deferred (else: level-wise)
+    for algo in (1, 2, 3, 4, 5):  # level-wise, frontier, merge, deferred, deferred_warp
         out = tree_backend.build_tree_cuda(roots.cuda(), lp.cuda(), ids.cuda(), budget,
                                            DraftTree.empty(bs, budget, "cuda"),
                                            seq_lens=seq.cuda(), positions=pos, full_mask=flat,

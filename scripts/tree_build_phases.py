@@ -36,7 +36,7 @@ EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
 KERNEL_DIR = ROOT / "cuda_ext"
 PHASES_RE = re.compile(r"block barriers per block: ([\d.]+) \(threads (\d+)\), most in one "
                        r"block: (\d+)")
-ALGOS = {"levelwise": 1, "merge": 3, "deferred": 4}  # ddtree::TreeAlgo (block-phase kernels)
+ALGOS = {"levelwise": 1, "merge": 3, "deferred": 4, "deferred_warp": 5}  # ddtree::TreeAlgo (block-phase kernels)
 ATOMICS_RE = re.compile(r"shared atomics per block: ([\d.]+), busiest-address depth per block: "
                         r"([\d.]+)")
 

@@ -15,11 +15,14 @@ its time grows with the tree's depth), its deferred variant (budgets up to 256: 
 its candidates to a set of up to 4B nodes instead of selecting the best B, a score histogram
 prunes, one count at the end keeps the best B; about half the block barriers per depth), and
 the best-first "frontier" one (budgets up to 287; its time grows with the budget, not the
-depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred, default auto)
-picks one; auto takes the frontier kernel up to budget 16, the deferred variant
+depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_warp,
+default auto) picks one; auto takes the frontier kernel up to budget 16, the deferred variant
 from 17 to 128 and the level-wise kernel above, as the H200 measured fastest
 (``bench_results/tree_build_h200.json``). ``merge`` (budgets up to 128) is the level-wise kernel
 with one warp merging each narrow depth into a sorted best-B set (measured slower).
+``deferred_warp`` (opt-in, budgets up to 256) is the deferred variant with warp 0 alone taking
+runs of narrow levels (at most 32 parents, 64 candidates) with no block barrier: exact in the
+CPU emulation, not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -41,11 +44,12 @@ KERNEL_MAX_DEPTH = 63  # ddtree::kMaxDepth: min(D, budget) must not exceed it
 
 ENV_KERNEL = "SGLANG_DDTREE_TREE_KERNEL"
 KERNEL_ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3,
-                "deferred": 4}  # ddtree::TreeAlgo
+                "deferred": 4, "deferred_warp": 5}  # ddtree::TreeAlgo
 
 
 def kernel_algo_from_env() -> int:
-    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred, default auto) as
+    """``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_warp,
+    default auto) as
     ddtree::TreeAlgo."""
     value = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if value not in KERNEL_ALGOS:

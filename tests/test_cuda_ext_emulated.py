@@ -200,8 +200,9 @@ DEFER_CASES = [c for c in CASES if c[1] <= DEFER_MAX_BUDGET] + VARIANT_EXTRA_CAS
 # (kernel, case) for the frontier kernel and the merge and deferred variants; the seed differs
 # per kernel
 VARIANT_CASES = ([("frontier", c) for c in FRONTIER_CASES] + [("merge", c) for c in MERGE_CASES]
-                 + [("deferred", c) for c in DEFER_CASES])
-SEED_STEP = {"frontier": 5, "merge": 3, "deferred": 11}
+                 + [("deferred", c) for c in DEFER_CASES]
+                 + [("deferred_warp", c) for c in DEFER_CASES])
+SEED_STEP = {"frontier": 5, "merge": 3, "deferred": 11, "deferred_warp": 13}
 
 
 @pytest.mark.parametrize("name, case", VARIANT_CASES)
@@ -211,7 +212,8 @@ def test_emulated_variant_matches_reference(driver, tmp_path, name, case):
           seed=budget * SEED_STEP[name] + depth, algo=KERNEL_ALGOS[name])
 
 
-@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER, ALGO_MERGE, ALGO_DEFERRED])
+@pytest.mark.parametrize("algo", [ALGO_LEVELWISE, ALGO_FRONTIER, ALGO_MERGE, ALGO_DEFERRED,
+                                  KERNEL_ALGOS["deferred_warp"]])
 def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path, algo):
     roots, lp, ids, seq, first = check(driver, tmp_path, 2, 64, 15, 64, 64, "ties", seed=5,
                                        algo=algo)

@@ -98,7 +98,8 @@ def test_kernel_env_is_validated_at_start_up(monkeypatch):
         assert tree_backend.kernel_algo_from_env() == algo
     monkeypatch.setenv(ENV, "torch")
     monkeypatch.setenv(kenv, "heap")
-    with pytest.raises(ValueError, match=f"{kenv}: expected one of auto\\|levelwise\\|frontier\\|merge\\|deferred, "
+    with pytest.raises(ValueError, match=f"{kenv}: expected one of auto\\|levelwise\\|frontier\\|merge\\|deferred\\|"
+                                         "deferred_warp, "
                                          "got 'heap'"):
         tree_backend.get_tree_builder()
 

@@ -29,7 +29,8 @@ def ext():
     return tree_backend._loader().load_tree_build_ext(required=True)
 
 
-@pytest.fixture(autouse=True, params=["levelwise", "frontier", "merge", "deferred"])
+@pytest.fixture(autouse=True, params=["levelwise", "frontier", "merge", "deferred",
+                                      "deferred_warp"])
 def kernel_algo(request, monkeypatch):
     """Every test runs on each kernel (``SGLANG_DDTREE_TREE_KERNEL``); budgets above 287 go to
     the level-wise kernel either way, above 128 the merge variant and above 256 the deferred
