@@ -507,14 +507,16 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 
 // ---------------------------------------------------------------------------------------------
 // The deferred variant's warp runs (tree_build_kernel<kModeDeferredWarp>): warp 0 alone takes
-// consecutive narrow levels (at most 32 parents, at most kRunMaxCandidates candidates that fit
-// in G), each with no block barrier: it walks the histogram (it is the walker), counts each
-// parent's children above the threshold, scans them, appends the candidates (two per lane at
-// most) and counts them in the histogram, __syncwarp between the steps. It stops at a level it
-// cannot take: kRunHandBack (more than 32 parents: the block does the level from its start),
+// consecutive narrow levels (at most kRunMaxParents parents, at most kRunMaxCandidates candidates
+// that fit in G), each with no block barrier: it walks the histogram (it is the walker), counts
+// each parent's children above the threshold (parents lane and lane + 32), scans them, appends
+// the candidates (c = lane + 32 k) and counts them in the histogram, __syncwarp between the
+// steps. It stops at a level it cannot take: kRunHandBack (more parents: the block does the level
+// from its start),
 // kRunCounted (the counts are done and in off[]: the block selects or appends), or kRunDone (no
 // candidate: the tree is complete; or past depth D).
-constexpr int kRunMaxCandidates = 64;
+constexpr int kRunMaxParents = 64;
+constexpr int kRunMaxCandidates = 128;
 constexpr int kRunDone = 1, kRunHandBack = 2, kRunCounted = 3;
 
 struct DeferRun {
@@ -535,7 +537,7 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
       return st;
     }
     const int m = st.cs;
-    if (m > 32) {
+    if (m > kRunMaxParents) {
       st.status = kRunHandBack;
       return st;
     }
@@ -547,16 +549,25 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     st.thr = thr;
     const float* lp = lp_base + (d - 1) * Kp;
     const float* ps = gs + st.cb;
-    const int c_i = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, thr) : 0;
-    int incl = c_i;
+    // parents lane (first half) and lane + 32 (second half): scanned as two runs of 32, the
+    // second after the first's total, so that the offsets follow the parents' order
+    const int c_a = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, thr) : 0;
+    const int c_b = lane + 32 < m ? count_above(ps[lane + 32], lp, Kp, thr) : 0;
+    int inc_a = c_a, inc_b = c_b;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(kFullWarp, incl, o);
-      if (lane >= o) incl += y;
+      const int ya = __shfl_up_sync(kFullWarp, inc_a, o);
+      const int yb = __shfl_up_sync(kFullWarp, inc_b, o);
+      if (lane >= o) {
+        inc_a += ya;
+        inc_b += yb;
+      }
     }
-    const int M = __shfl_sync(kFullWarp, incl, 31);
-    if (lane < m) off[lane] = incl - c_i;
-    if (lane == 31) off[m] = M;
+    const int tot_a = __shfl_sync(kFullWarp, inc_a, 31);
+    const int M = tot_a + __shfl_sync(kFullWarp, inc_b, 31);
+    if (lane < m) off[lane] = inc_a - c_a;
+    if (lane + 32 < m) off[lane + 32] = tot_a + inc_b - c_b;
+    if (lane == 0) off[m] = M;
     __syncwarp();
     if (M == 0) {
       st.status = kRunDone;
@@ -898,7 +909,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
       }
     }
     if constexpr (DEFER_WARP) {
-      if (preload && c_size <= 32) {
+      if (preload && c_size <= kRunMaxParents) {
         for (int q = tid; q < 256; q += T) hist[q] = 0;  // a counted level's first radix pass
         if (warp == 0) {
           DeferRun st{d, g_size, c_begin, c_size, 0, thr};

@@ -21,7 +21,7 @@ from 17 to 128 and the level-wise kernel above, as the H200 measured fastest
 (``bench_results/tree_build_h200.json``). ``merge`` (budgets up to 128) is the level-wise kernel
 with one warp merging each narrow depth into a sorted best-B set (measured slower).
 ``deferred_warp`` (opt-in, budgets up to 256) is the deferred variant with warp 0 alone taking
-runs of narrow levels (at most 32 parents, 64 candidates) with no block barrier: exact in the
+runs of narrow levels (at most 64 parents, 128 candidates) with no block barrier: exact in the
 CPU emulation, not yet run on a GPU.
 """
 from __future__ import annotations
