@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS CMD...
 }
 for s in "$@"; do
   case $s in
-    quick)   step quick ${QUICK_LIMIT:-200} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
+    quick)   step quick ${QUICK_LIMIT:-280} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
                tests/gpu/test_step_graph_gpu.py tests/gpu/test_tree_graph_gpu.py tests/test_kv_move.py \
                tests/test_step_prep.py tests/gpu/test_sampling_gpu.py tests/gpu/test_step_timers_gpu.py ;;
     pytest)  step pytest ${PYTEST_LIMIT:-200} python3 -m pytest -q ${PYTEST_ARGS:-tests/gpu} ;;
