@@ -39,6 +39,14 @@ def kernel_algo(request, monkeypatch):
     return request.param
 
 
+def _sorted_with_perm_ids(lp, g):
+    """(roots, lp sorted descending along K, distinct ids per row) for hand-made log-probs."""
+    bs, depth, k = lp.shape
+    ids = torch.stack([torch.randperm(max(k, 2), generator=g)[:k] for _ in range(bs * depth)])
+    return (torch.randint(0, 100, (bs,), generator=g),
+            lp.sort(-1, descending=True).values.contiguous(), ids.view(bs, depth, k).contiguous())
+
+
 def make_inputs(bs, depth, k, seed, mode):
     """(roots [bs], topk_logp [bs, D, K] sorted desc, topk_ids [bs, D, K]) on the CPU."""
     g = torch.Generator().manual_seed(seed)
@@ -48,20 +56,14 @@ def make_inputs(bs, depth, k, seed, mode):
         lp = torch.empty(bs, depth, k)
         lp[:, 0] = -1.0 - torch.randint(0, 6, (bs, k), generator=g).float() * 1.2e-7
         lp[:, 1:] = -3000.0 - torch.randint(0, 3, (bs, depth - 1, k), generator=g).float() * 1e-4
-        lp = lp.sort(-1, descending=True).values
-        ids = torch.stack([torch.randperm(max(k, 2), generator=g)[:k] for _ in range(bs * depth)])
-        return (torch.randint(0, 100, (bs,), generator=g), lp.contiguous(),
-                ids.view(bs, depth, k).contiguous())
+        return _sorted_with_perm_ids(lp, g)
     if mode in ("flat", "far"):
         # flat: close log-probs, so many more nodes score within a bin of the B-th best than B
         # (the deferred variant's G overflows); far: scores beyond the deferred variant's
         # histogram range (-512 nats) after a few depths
         base, spread = (0.0, 0.08) if mode == "flat" else (-130.0, 4.0)
-        lp = base - torch.rand(bs, depth, k, generator=g) * spread * k / 8
-        lp = lp.sort(-1, descending=True).values
-        ids = torch.stack([torch.randperm(max(k, 2), generator=g)[:k] for _ in range(bs * depth)])
-        return (torch.randint(0, 100, (bs,), generator=g), lp.contiguous(),
-                ids.view(bs, depth, k).contiguous())
+        return _sorted_with_perm_ids(base - torch.rand(bs, depth, k, generator=g) * spread * k / 8,
+                                     g)
     kw = dict(scale=1.0 + seed % 3)
     vocab = max(64, 2 * k)
     if mode == "ties":
