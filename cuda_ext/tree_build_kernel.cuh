@@ -809,7 +809,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     uint4* dh4 = reinterpret_cast<uint4*>(dhist);
     for (int q = tid; q < kDeferBins / 4; q += T) dh4[q] = make_uint4(0u, 0u, 0u, 0u);
     if (tid == 0) {
-      thr_f[2] = thr_f[3] = -INFINITY;
+      thr_f[2] = -INFINITY;
       *d_fpub = kDeferBins - 1;
       *d_inbox = 0;
     }
@@ -827,7 +827,8 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   float thr = -INFINITY;
   // DEFER (meaningful in the walker warp, which walks the histogram: warp 1, or warp 0 in a
   // one-warp block): the histogram's threshold bin and the nodes counted in bins 0..f_cur
-  // (defer_walk); thr_next[d & 1]: the threshold the walker found at level d
+  // (defer_walk); *thr_next: the threshold the walker found at this level (one slot: the next
+  // level's walker writes it only after this level's later barriers)
   int f_cur = kDeferBins - 1, cnt_above = 0;
   const int walker = (DEFER_WARP || T < 64) ? 0 : 1;  // the warp runs walk in warp 0
   int* d_run = reinterpret_cast<int*>(thr_f + 6);    // DEFER_WARP: a run's result
@@ -962,16 +963,13 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
       // score (exact: level 1 appended the depth-1 nodes, sorted, at G[0, g_size)). (Walking
       // during the count instead, one level behind, saved the barrier but pruned less: slower
       // on the H200, bench_results/README.md, session 10.)
-      if (d >= 2) {
-        thr = fmaxf(thr, thr_next[(d - 1) & 1]);
-        if (d == 2 && g_size >= B) thr = fmaxf(thr, gs_old[B - 1]);
-      }
+      if (d == 2 && g_size >= B) thr = fmaxf(thr, gs_old[B - 1]);
       if (warp == walker) {
         defer_walk(dhist, B, lane, f_cur, cnt_above, d == 2 ? gs_old : nullptr, d_inbox, d_fpub);
-        if (lane == 0) thr_next[d & 1] = defer_tau(f_cur);
+        if (lane == 0) *thr_next = defer_tau(f_cur);
       }
       __syncthreads();
-      thr = fmaxf(thr, thr_next[d & 1]);
+      thr = fmaxf(thr, *thr_next);
     }
     int M = 0;
     if (counted) {
