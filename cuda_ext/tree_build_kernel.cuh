@@ -112,6 +112,25 @@ __device__ __forceinline__ int count_larger(const uint64_t* keys, int n, uint64_
   return r;
 }
 
+// count_above for two parents at once, a fixed number of steps (log2 Kp) for both: the two
+// searches' loads are independent and overlap (the warp runs' counts).
+__device__ __forceinline__ void count_above2(float ps_a, float ps_b, bool use_a, bool use_b,
+                                             const float* lp, int Kp, float thr, int& c_a,
+                                             int& c_b) {
+  int lo_a = 0, lo_b = 0;
+  int step = 1;
+  while (step * 2 <= Kp) step *= 2;  // the largest power of two <= Kp (Kp >= 1)
+  for (; step > 0; step >>= 1) {
+    // lp is sorted descending, so "ps + lp[r] > thr" holds for a prefix of r: lo grows by every
+    // step that stays inside it
+    const int ta = lo_a + step, tb = lo_b + step;
+    if (ta <= Kp && ps_a + lp[ta - 1] > thr) lo_a = ta;
+    if (tb <= Kp && ps_b + lp[tb - 1] > thr) lo_b = tb;
+  }
+  c_a = use_a ? lo_a : 0;
+  c_b = use_b ? lo_b : 0;
+}
+
 // Largest i in [0, m) with off[i] <= c (off[0] == 0 <= c).
 __device__ __forceinline__ int find_parent(const int* off, int m, int c) {
   int lo = 0, hi = m;
@@ -354,20 +373,28 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
     for (int k = tid; k < nvec; k += T) {
       const int e0 = head + (k << 4);
       int i = e0 / N, j = e0 - i * N;
+      // the vector's 16 entries as 16 bits (entry v at bit v): runs of whole row words, shifted
+      // (a row's bits at N and above are 0)
+      uint32_t x16 = 0u;
+      for (int filled = 0; filled < 16;) {
+        const uint32_t* r = rows + i * W;
+        const int w = j >> 5, sh = j & 31;
+        uint32_t bits = r[w] >> sh;
+        if (sh != 0 && w + 1 < W) bits |= r[w + 1] << (32 - sh);
+        const int take = min(16 - filled, N - j);
+        x16 |= (bits & ((1u << take) - 1u)) << filled;
+        filled += take;
+        j += take;
+        if (j == N) {
+          j = 0;
+          ++i;
+        }
+      }
+      // four bits to four bytes (little-endian: bit v of a nibble to byte v): the multiply's
+      // shifted copies (0, 7, 14, 21) do not overlap, so it is an OR
       uint32_t w4[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        uint32_t x = 0u;
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          x |= bit(i, j) << (8 * v);  // little-endian: the lowest address is the low byte
-          if (++j == N) {
-            j = 0;
-            ++i;
-          }
-        }
-        w4[u] = x;
-      }
+      for (int u = 0; u < 4; ++u) w4[u] = (((x16 >> (4 * u)) & 0xFu) * 0x00204081u) & 0x01010101u;
       av[k] = make_uint4(w4[0], w4[1], w4[2], w4[3]);
     }
     if (p.full_mask != nullptr) {  // per row: seq_len trues, then the row's N entries
@@ -551,8 +578,9 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     const float* ps = gs + st.cb;
     // parents lane (first half) and lane + 32 (second half): scanned as two runs of 32, the
     // second after the first's total, so that the offsets follow the parents' order
-    const int c_a = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, thr) : 0;
-    const int c_b = lane + 32 < m ? count_above(ps[lane + 32], lp, Kp, thr) : 0;
+    int c_a, c_b;
+    count_above2(d == 1 || lane >= m ? 0.0f : ps[lane], lane + 32 < m ? ps[lane + 32] : 0.0f,
+                 lane < m, lane + 32 < m, lp, Kp, thr, c_a, c_b);
     int inc_a = c_a, inc_b = c_b;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -577,15 +605,33 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
       st.status = kRunCounted;  // off[0, m] holds the offsets, off[m] = M
       return st;
     }
-    for (int c = lane; c < M; c += 32) {
-      const int i = find_parent(off, m, c);
-      const int r = c - off[i];
-      const float s = (d == 1 ? 0.0f : ps[i]) + lp[r];
-      gs[st.g + c] = s;
-      gm[st.g + c] = (uint32_t(d) << 16) | uint32_t(c);
-      gp[st.g + c] = (uint32_t(i) << 16) | uint32_t(r);
-      pos_of[(d - 1) * GC + c] = kNoPos;
-      atomicAdd(&dhist[defer_bin(s)], 1);
+    // candidates lane + 32 u (u < kU: M <= kRunMaxCandidates), their parents' binary searches
+    // interleaved (fixed steps over kRunMaxParents: independent loads that overlap)
+    constexpr int kU = kRunMaxCandidates / 32;
+    int par[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) par[u] = 0;
+#pragma unroll
+    for (int step = kRunMaxParents / 2; step > 0; step >>= 1) {
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int t = par[u] + step;
+        if (t < m && off[t] <= lane + 32 * u) par[u] = t;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = lane + 32 * u;
+      if (c < M) {
+        const int i = par[u];
+        const int r = c - off[i];
+        const float s = (d == 1 ? 0.0f : ps[i]) + lp[r];
+        gs[st.g + c] = s;
+        gm[st.g + c] = (uint32_t(d) << 16) | uint32_t(c);
+        gp[st.g + c] = (uint32_t(i) << 16) | uint32_t(r);
+        pos_of[(d - 1) * GC + c] = kNoPos;
+        atomicAdd(&dhist[defer_bin(s)], 1);
+      }
     }
     cnt += M;  // they score above defer_tau(f): all in bins 0..f
     if (lane == 0) lvl_cnt[d] = M;
@@ -1219,20 +1265,34 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     __syncthreads();
     const int n_live = *live_cnt;
     const ulonglong2* keys2 = reinterpret_cast<const ulonglong2*>(keys);
-    for (int j = tid; j < n; j += T) {
-      if (!(gs[j] >= thr_end)) continue;
-      const uint64_t k = node_key(gs[j], int(gm[j] >> 16), gm[j] & 0xFFFFu);
-      // 16-byte reads, two keys each; an odd count's last key alone
+    // s threads per live key (a power of two up to 8 while s * n_live <= T: idle threads share
+    // the count), each over every s-th pair of keys, summed over the s neighbouring lanes
+    int sl = 0;  // log2 s
+    while (sl < 3 && (n_live << (sl + 1)) <= T) ++sl;
+    const int s = 1 << sl, npair = n_live >> 1;
+    for (int t0 = 0; t0 < (n_live << sl); t0 += T) {  // block-uniform trip count
+      const int t = t0 + tid, jj = t >> sl, part = t & (s - 1);
+      const bool act = jj < n_live;
+      const uint64_t k = act ? keys[jj] : 0;
+      // 16-byte reads, two keys each; an odd count's last key alone (by part 0)
       int g0 = 0, g1 = 0;
-#pragma unroll 8
-      for (int f = 0; f < (n_live >> 1); ++f) {
-        const ulonglong2 x = keys2[f];
-        g0 += x.x > k ? 1 : 0;
-        g1 += x.y > k ? 1 : 0;
+      if (act) {
+#pragma unroll 4
+        for (int f = part; f < npair; f += s) {
+          const ulonglong2 x = keys2[f];
+          g0 += x.x > k ? 1 : 0;
+          g1 += x.y > k ? 1 : 0;
+        }
+        if ((n_live & 1) && part == 0) g0 += keys[n_live - 1] > k ? 1 : 0;
       }
-      if (n_live & 1) g0 += keys[n_live - 1] > k ? 1 : 0;
-      const int better = g0 + g1;
-      if (better < B) pos_of[(int(gm[j] >> 16) - 1) * GC + int(gm[j] & 0xFFFFu)] = uint16_t(1 + better);
+      int better = g0 + g1;
+      for (int o = 1; o < s; o <<= 1) better += __shfl_xor_sync(kFullWarp, better, o);
+      if (act && part == 0 && better < B) {
+        // the key holds the node's depth and lex (node_key)
+        const int dj = kMaxDepth - int((k >> kLexBits) & 0xFFFu);
+        const int lex = int(kLexMask - uint32_t(k & kLexMask));
+        pos_of[(dj - 1) * GC + lex] = uint16_t(1 + better);
+      }
     }
   } else {
     if (!sorted_at_end)

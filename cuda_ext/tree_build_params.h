@@ -163,21 +163,22 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 }
 
 // Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
-// it is faster on the H200 (bench_results/tree_build_h200.json, session 7: 8.3-9.1 us at budget
-// 16 against 7.3-22.4 for the level-wise kernel; at 32 they trade places with the inputs), then
-// the deferred variant up to kDeferAutoMaxBudget and the level-wise kernel above (use_defer).
+// it is faster on the H200 (bench_results/tree_build_h200.json, session 11: 8.2-8.8 us at budget
+// 16 against 10.2-15.4 for the deferred variant with warp runs, peaked inputs), then that variant
+// up to kDeferAutoMaxBudget (use_defer).
 constexpr int kFrontierDefaultMaxBudget = 16;
 
 enum TreeAlgo : int {
   kAlgoAuto = 0, kAlgoLevelwise = 1, kAlgoFrontier = 2, kAlgoMerge = 3, kAlgoDeferred = 4,
-  kAlgoDeferredWarp = 5  // the deferred variant with warp runs over narrow levels (opt-in)
+  kAlgoDeferredWarp = 5  // the deferred variant with warp runs over narrow levels (auto above 16)
 };
 
 // The deferred variant serves when asked for and the budget allows it, and by default (kAlgoAuto)
-// above the frontier kernel's budgets up to kDeferAutoMaxBudget: on the H200 it was faster than
-// the level-wise kernel there (bench_results/tree_build_h200.json, session 10) and no faster at
-// budget 256.
-constexpr int kDeferAutoMaxBudget = 128;
+// above the frontier kernel's budgets, with warp runs (kAlgoDeferredWarp): on the H200 it was
+// the fastest kernel at every batch (1, 8, 64) x budget (32 to 256) point but one (batch 1,
+// budget 256: 3 % behind the level-wise kernel), in both input distributions
+// (bench_results/tree_build_h200.json, session 11).
+constexpr int kDeferAutoMaxBudget = kDeferMaxBudget;
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
   if (algo == kAlgoDeferred || algo == kAlgoDeferredWarp) return B <= kDeferMaxBudget;
   return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferAutoMaxBudget;
@@ -244,7 +245,7 @@ constexpr int kDeferKernelIndex = 7;
 constexpr int kDeferWarpKernelIndex = 8;
 DDTREE_HOST_DEVICE inline int tree_kernel_index(int algo, int B, int Kp, int D) {
   if (use_merge(algo, B, Kp, D)) return kMergeKernelIndex;
-  if (use_defer(algo, B)) return algo == kAlgoDeferredWarp ? kDeferWarpKernelIndex : kDeferKernelIndex;
+  if (use_defer(algo, B)) return algo == kAlgoDeferred ? kDeferKernelIndex : kDeferWarpKernelIndex;
   if (!use_frontier(algo, B, Kp, D)) return 0;
   switch (frontier_items(B)) {
     case 1: return 1;

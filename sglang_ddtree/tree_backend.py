@@ -16,13 +16,12 @@ its candidates to a set of up to 4B nodes instead of selecting the best B, a sco
 prunes, one count at the end keeps the best B; about half the block barriers per depth), and
 the best-first "frontier" one (budgets up to 287; its time grows with the budget, not the
 depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_warp,
-default auto) picks one; auto takes the frontier kernel up to budget 16, the deferred variant
-from 17 to 128 and the level-wise kernel above, as the H200 measured fastest
-(``bench_results/tree_build_h200.json``). ``merge`` (budgets up to 128) is the level-wise kernel
-with one warp merging each narrow depth into a sorted best-B set (measured slower).
-``deferred_warp`` (opt-in, budgets up to 256) is the deferred variant with warp 0 alone taking
-runs of narrow levels (at most 64 parents, 128 candidates) with no block barrier: exact in the
-CPU emulation, not yet run on a GPU.
+default auto) picks one; auto takes the frontier kernel up to budget 16 and above it the
+deferred variant with warp runs (``deferred_warp``: warp 0 alone takes runs of narrow levels, at
+most 64 parents and 128 candidates, with no block barrier), as the H200 measured fastest
+(``bench_results/tree_build_h200.json``, session 11). ``merge`` (budgets up to 128) is the
+level-wise kernel with one warp merging each narrow depth into a sorted best-B set (measured
+slower).
 """
 from __future__ import annotations
 
