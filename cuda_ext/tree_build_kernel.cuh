@@ -551,6 +551,20 @@ struct DeferRun {
   float thr;
 };
 
+// A warp run's candidate c (parent i, rank r) appended to G after its g members and counted in
+// the histogram.
+__device__ __forceinline__ void append_run_candidate(int d, int c, int i, int r, const float* ps,
+                                                     const float* lp, int g, int GC, float* gs,
+                                                     uint32_t* gm, uint32_t* gp, uint16_t* pos_of,
+                                                     int* dhist) {
+  const float s = (d == 1 ? 0.0f : ps[i]) + lp[r];
+  gs[g + c] = s;
+  gm[g + c] = (uint32_t(d) << 16) | uint32_t(c);
+  gp[g + c] = (uint32_t(i) << 16) | uint32_t(r);
+  pos_of[(d - 1) * GC + c] = kNoPos;
+  atomicAdd(&dhist[defer_bin(s)], 1);
+}
+
 __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B, int GC,
                                               const float* lp_base, int* off, float* gs,
                                               uint32_t* gm, uint32_t* gp, uint16_t* pos_of,
@@ -578,9 +592,16 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     const float* ps = gs + st.cb;
     // parents lane (first half) and lane + 32 (second half): scanned as two runs of 32, the
     // second after the first's total, so that the offsets follow the parents' order
-    int c_a, c_b;
-    count_above2(d == 1 || lane >= m ? 0.0f : ps[lane], lane + 32 < m ? ps[lane + 32] : 0.0f,
-                 lane < m, lane + 32 < m, lp, Kp, thr, c_a, c_b);
+    // (a level of at most 32 parents, the usual narrow one, searches once per lane; wider ones
+    // search both parents at once: on the H200, searching both always and placing four
+    // candidates per lane always was slower, session 11)
+    int c_a, c_b = 0;
+    if (m <= 32) {
+      c_a = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, thr) : 0;
+    } else {
+      count_above2(lane < m ? ps[lane] : 0.0f, lane + 32 < m ? ps[lane + 32] : 0.0f, lane < m,
+                   lane + 32 < m, lp, Kp, thr, c_a, c_b);
+    }
     int inc_a = c_a, inc_b = c_b;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -605,32 +626,34 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
       st.status = kRunCounted;  // off[0, m] holds the offsets, off[m] = M
       return st;
     }
-    // candidates lane + 32 u (u < kU: M <= kRunMaxCandidates), their parents' binary searches
-    // interleaved (fixed steps over kRunMaxParents: independent loads that overlap)
-    constexpr int kU = kRunMaxCandidates / 32;
-    int par[kU];
+    if (M <= 32) {  // one candidate per lane (the usual narrow level)
+      if (lane < M) {
+        const int i = find_parent(off, m, lane);
+        append_run_candidate(d, lane, i, lane - off[i], ps, lp, st.g, GC, gs, gm, gp, pos_of,
+                             dhist);
+      }
+    } else {
+      // candidates lane + 32 u (u < kU: M <= kRunMaxCandidates), their parents' binary searches
+      // interleaved (independent loads that overlap)
+      constexpr int kU = kRunMaxCandidates / 32;
+      int par[kU];
 #pragma unroll
-    for (int u = 0; u < kU; ++u) par[u] = 0;
+      for (int u = 0; u < kU; ++u) par[u] = 0;
+      int top = 1;
+      while (top * 2 < m) top *= 2;  // the largest power of two below m (1 when m <= 2)
+      for (int step = top; step > 0; step >>= 1) {
 #pragma unroll
-    for (int step = kRunMaxParents / 2; step > 0; step >>= 1) {
+        for (int u = 0; u < kU; ++u) {
+          const int t = par[u] + step;
+          if (t < m && off[t] <= lane + 32 * u) par[u] = t;
+        }
+      }
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const int t = par[u] + step;
-        if (t < m && off[t] <= lane + 32 * u) par[u] = t;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int c = lane + 32 * u;
-      if (c < M) {
-        const int i = par[u];
-        const int r = c - off[i];
-        const float s = (d == 1 ? 0.0f : ps[i]) + lp[r];
-        gs[st.g + c] = s;
-        gm[st.g + c] = (uint32_t(d) << 16) | uint32_t(c);
-        gp[st.g + c] = (uint32_t(i) << 16) | uint32_t(r);
-        pos_of[(d - 1) * GC + c] = kNoPos;
-        atomicAdd(&dhist[defer_bin(s)], 1);
+        const int c = lane + 32 * u;
+        if (c < M)
+          append_run_candidate(d, c, par[u], c - off[par[u]], ps, lp, st.g, GC, gs, gm, gp,
+                               pos_of, dhist);
       }
     }
     cnt += M;  // they score above defer_tau(f): all in bins 0..f

@@ -66,13 +66,14 @@ def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
     out = tmp_path / "r.json"
     rc = em.main(["--out", str(out), "--workdir", str(tmp_path / "w"), "--prompts", "6",
-                  "--max-new-tokens", "8", "--concurrency", "2"])
+                  "--max-new-tokens", "8", "--concurrency", "2", "--greedy-concurrency", "1,2"])
     res = json.loads(out.read_text())
     assert rc == 0 and res["status"] == "complete" and not res["errors"]
     assert res["next_token"]["top1_equal"] == 6
     assert res["next_token"]["max_abs_logprob_diff"] == pytest.approx(0.02)
-    g = res["greedy"]
-    assert g["identical"] + g["near_ties"] == 6 and g["near_ties"] > 0 and not g["mismatches"]
+    assert sorted(res["greedy"]) == ["c1", "c2"]  # one comparison per greedy concurrency
+    for g in res["greedy"].values():
+        assert g["identical"] + g["near_ties"] == 6 and g["near_ties"] > 0 and not g["mismatches"]
     stock, ours = started
     assert "SGLANG_DDTREE_FUSED_MOE" not in stock.env
     assert stock.env["SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"] == ours.env[
