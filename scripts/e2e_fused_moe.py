@@ -57,6 +57,32 @@ def logprob_agreement(a_top, b_top):
     return diff, a_top[0][1] == b_top[0][1]
 
 
+def diagnose(stock, ours, prompts, outs, ref):
+    """Every greedy divergence, looked at from both sides: at the diverging position, both
+    servers' next-token log-probs by a prefill of prompt + the shared prefix (top-4 of each,
+    their largest difference) next to the token each emitted there while decoding. A decode
+    path that disagrees with its own prefill shows as ``*_decode_is_prefill_top1: false``."""
+    from e2e_lossless import first_diff
+
+    rows = []
+    for p, o, r in zip(prompts, outs, ref):
+        i = first_diff(o, r)
+        if i is None or i >= len(o) or i >= len(r):
+            continue
+        a = stock.generate(p + r[:i], 1, logprob=True)["meta_info"]["output_top_logprobs"][0]
+        b = ours.generate(p + r[:i], 1, logprob=True)["meta_info"]["output_top_logprobs"][0]
+        diff, same_top1 = logprob_agreement(a, b)
+        rows.append({
+            "prompt_len": len(p), "position": i,
+            "stock_decode_token": r[i], "ours_decode_token": o[i],
+            "stock_prefill_top4": [[t[1], round(float(t[0]), 4)] for t in a[:4]],
+            "ours_prefill_top4": [[t[1], round(float(t[0]), 4)] for t in b[:4]],
+            "prefill_max_abs_logprob_diff": diff, "prefill_top1_equal": same_top1,
+            "stock_decode_is_prefill_top1": r[i] == a[0][1],
+            "ours_decode_is_prefill_top1": o[i] == b[0][1]})
+    return rows
+
+
 def write_target(workdir: str, layers: int, vocab: int) -> str:
     """The int4 Kimi rank config (``config.json`` only) under ``workdir``; returns its path."""
     import make_model_configs as mmc
@@ -158,7 +184,8 @@ def main(argv=None):
             result["greedy"][f"c{conc}"] = {
                 "concurrency": conc, "prompts": len(prompts), "identical": ident,
                 "near_ties": near, "mismatches": bad, "max_new_tokens": args.max_new_tokens,
-                "wall_s": {"stock": round(t_stock, 3), "ours": round(t_ours, 3)}}
+                "wall_s": {"stock": round(t_stock, 3), "ours": round(t_ours, 3)},
+                "divergences": diagnose(stock, ours, prompts, outs, ref)}
             dump()
         result["status"] = "complete"
     except Exception as e:  # record, never hide

@@ -74,6 +74,12 @@ def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
     assert sorted(res["greedy"]) == ["c1", "c2"]  # one comparison per greedy concurrency
     for g in res["greedy"].values():
         assert g["identical"] + g["near_ties"] == 6 and g["near_ties"] > 0 and not g["mismatches"]
+        # each divergence seen from both sides: the fake ours decodes token 2 where its own
+        # prefill's best is token 1
+        assert [d["position"] for d in g["divergences"]] == [3] * g["near_ties"]
+        assert all(d["stock_decode_token"] == 1 and d["ours_decode_token"] == 2
+                   and d["stock_decode_is_prefill_top1"] and not d["ours_decode_is_prefill_top1"]
+                   and d["prefill_top1_equal"] for d in g["divergences"])
     stock, ours = started
     assert "SGLANG_DDTREE_FUSED_MOE" not in stock.env
     assert stock.env["SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"] == ours.env[
