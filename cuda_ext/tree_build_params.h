@@ -163,8 +163,8 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 }
 
 // Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
-// it is faster on the H200 (bench_results/tree_build_h200.json, session 11: 8.2-8.8 us at budget
-// 16 against 10.2-15.4 for the deferred variant with warp runs, peaked inputs), then that variant
+// it is faster on the H200 (bench_results/tree_build_h200.json, session 11: 8.2-9.4 us at budget
+// 16 against 10.4-15.7 for the deferred variant with warp runs, peaked inputs), then that variant
 // up to kDeferAutoMaxBudget (use_defer).
 constexpr int kFrontierDefaultMaxBudget = 16;
 
@@ -175,9 +175,10 @@ enum TreeAlgo : int {
 
 // The deferred variant serves when asked for and the budget allows it, and by default (kAlgoAuto)
 // above the frontier kernel's budgets, with warp runs (kAlgoDeferredWarp): on the H200 it was
-// the fastest kernel at every batch (1, 8, 64) x budget (32 to 256) point but one (batch 1,
-// budget 256: 3 % behind the level-wise kernel), in both input distributions
-// (bench_results/tree_build_h200.json, session 11).
+// the fastest kernel at every batch (1, 8, 64) x budget (32 to 256) point in both input
+// distributions but three: batch 1 / budget 256 (20.7 vs 20.1 us for the level-wise kernel
+// peaked, 20.3 vs 20.0 random) and batch 64 / budget 128 random (16.0 vs 15.9 for the deferred
+// variant without runs) (bench_results/tree_build_h200.json, session 11).
 constexpr int kDeferAutoMaxBudget = kDeferMaxBudget;
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
   if (algo == kAlgoDeferred || algo == kAlgoDeferredWarp) return B <= kDeferMaxBudget;
@@ -280,7 +281,7 @@ DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D
 
 // Threads per block when the caller does not choose, for the kernel that serves (algo, B, Kp, D):
 // 256 for the deferred variant (its appends and final count gain from more threads:
-// bench_results/tree_build_h200.json, session 10, batch 64 / budget 64, peaked 31.1 / 24.7 /
+// bench_results/tree_build_h200_s10.json, session 10, batch 64 / budget 64, peaked 31.1 / 24.7 /
 // 23.5 us at 64 / 128 / 256 threads; budget 128 in tree_build_h200_s10b.json 39.8 / 34.8 at
 // 128 / 256), default_threads(B) otherwise.
 DDTREE_HOST_DEVICE inline int default_threads_for(int algo, int B, int Kp, int D) {
