@@ -25,10 +25,15 @@ Checks, per random prompt:
 
 - next-token log-probs at the prompt's end: the top-8 of both servers, the largest absolute
   difference over the tokens both list, and whether the top-1 token agrees;
-- greedy generations of ``--max-new-tokens`` at each of ``--greedy-concurrency``: identical, or
-  the first divergence is a near tie (the token ours emitted is within ``--tie-tol`` nats of the
-  stock path's best there, asked of the stock server, as scripts/e2e_lossless.py does), or a
-  mismatch.
+- greedy generations of ``--max-new-tokens`` at each of ``--greedy-concurrency``, with every
+  step's top-8 log-probs: identical, or the first divergence is a near tie, or a mismatch. Two
+  near-tie rules are reported. ``near_ties`` / ``mismatches`` ask a prefill of the stock server
+  (as scripts/e2e_lossless.py does). ``decode_near_ties`` / ``not_decode_near_ties`` ask the
+  diverging step itself: the token ours emitted is within ``--tie-tol`` nats of the best token
+  in the stock path's own decode log-probs at that step. The run passes when every divergence is
+  a decode near tie. On these near-flat logits a server's decode and its prefill round
+  differently, so the prefill rule can flag a step that was a tie where it was taken: session 11
+  saw this on both servers (``diagnose`` records both views of every divergence).
 
     python scripts/e2e_fused_moe.py --out bench_results/e2e_fused_moe_h200.json
 """
@@ -36,10 +41,12 @@ Checks, per random prompt:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import datetime
 import json
 import os
 import sys
+import time
 
 from sglang_ddtree.provenance import checkout_digest
 
@@ -57,29 +64,57 @@ def logprob_agreement(a_top, b_top):
     return diff, a_top[0][1] == b_top[0][1]
 
 
-def diagnose(stock, ours, prompts, outs, ref):
-    """Every greedy divergence, looked at from both sides: at the diverging position, both
-    servers' next-token log-probs by a prefill of prompt + the shared prefix (top-4 of each,
-    their largest difference) next to the token each emitted there while decoding. A decode
-    path that disagrees with its own prefill shows as ``*_decode_is_prefill_top1: false``."""
+def run_greedy(server, prompts, max_new, concurrency):
+    """Greedy generations with the top-8 log-probs of every step, taken from the decode forward
+    that chose the token: (outputs, per-step top lists, wall seconds)."""
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        res = list(ex.map(lambda p: server.generate(p, max_new, logprob=True), prompts))
+    return ([r["output_ids"] for r in res],
+            [r["meta_info"].get("output_top_logprobs") or [] for r in res], time.time() - t0)
+
+
+def _top4(top):
+    return [[t[1], round(float(t[0]), 4)] for t in top[:4]]
+
+
+def diagnose(stock, ours, prompts, outs, ref, out_tops, ref_tops, tie_tol):
+    """Every greedy divergence, looked at from both sides.
+
+    Decode: both servers' top-8 log-probs at the diverging step, from the decode forwards that
+    chose the tokens (same prompt and prefix in both), their largest difference, and the gap in
+    the stock path's own decode distribution between its best token and the token ours emitted
+    (``decode_near_tie``: within ``tie_tol``). This is the near-tie rule asked of the step that
+    diverged. Prefill: both servers' next-token log-probs by a prefill of prompt + the shared
+    prefix, next to the token each decoded there (``*_decode_is_prefill_top1``): on near-flat
+    logits decode and prefill round differently, on either server."""
     from e2e_lossless import first_diff
 
     rows = []
-    for p, o, r in zip(prompts, outs, ref):
+    for p, o, r, ot, rt in zip(prompts, outs, ref, out_tops, ref_tops):
         i = first_diff(o, r)
         if i is None or i >= len(o) or i >= len(r):
             continue
         a = stock.generate(p + r[:i], 1, logprob=True)["meta_info"]["output_top_logprobs"][0]
         b = ours.generate(p + r[:i], 1, logprob=True)["meta_info"]["output_top_logprobs"][0]
         diff, same_top1 = logprob_agreement(a, b)
-        rows.append({
+        row = {
             "prompt_len": len(p), "position": i,
             "stock_decode_token": r[i], "ours_decode_token": o[i],
-            "stock_prefill_top4": [[t[1], round(float(t[0]), 4)] for t in a[:4]],
-            "ours_prefill_top4": [[t[1], round(float(t[0]), 4)] for t in b[:4]],
+            "stock_prefill_top4": _top4(a), "ours_prefill_top4": _top4(b),
             "prefill_max_abs_logprob_diff": diff, "prefill_top1_equal": same_top1,
             "stock_decode_is_prefill_top1": r[i] == a[0][1],
-            "ours_decode_is_prefill_top1": o[i] == b[0][1]})
+            "ours_decode_is_prefill_top1": o[i] == b[0][1]}
+        if i < len(rt) and i < len(ot) and rt[i] and ot[i]:
+            sd, od = rt[i], ot[i]
+            ddiff, _ = logprob_agreement(sd, od)
+            got = next((float(lp) for lp, tok, *_ in sd if tok == o[i]), None)
+            gap = None if got is None else float(sd[0][0]) - got
+            row.update({"stock_decode_top4": _top4(sd), "ours_decode_top4": _top4(od),
+                        "decode_max_abs_logprob_diff": ddiff,
+                        "ours_token_gap_in_stock_decode": gap,
+                        "decode_near_tie": gap is not None and gap <= tie_tol})
+        rows.append(row)
     return rows
 
 
@@ -95,7 +130,7 @@ def write_target(workdir: str, layers: int, vocab: int) -> str:
 
 
 def main(argv=None):
-    from e2e_lossless import Server, compare, make_prompts, run_batch, stop_on_sigterm
+    from e2e_lossless import Server, compare, make_prompts, stop_on_sigterm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_results/e2e_fused_moe_h200.json")
@@ -177,15 +212,19 @@ def main(argv=None):
 
         result["greedy"] = {}
         for conc in [int(c) for c in args.greedy_concurrency.split(",") if c.strip()]:
-            ref, _, t_stock = run_batch(stock, prompts, args.max_new_tokens, conc)
-            outs, _, t_ours = run_batch(ours, prompts, args.max_new_tokens, conc)
+            ref, ref_tops, t_stock = run_greedy(stock, prompts, args.max_new_tokens, conc)
+            outs, out_tops, t_ours = run_greedy(ours, prompts, args.max_new_tokens, conc)
             ident, near, bad = compare(stock, prompts, outs, ref, args.tie_tol,
                                        f"fused MoE c={conc}")
+            div = diagnose(stock, ours, prompts, outs, ref, out_tops, ref_tops, args.tie_tol)
             result["greedy"][f"c{conc}"] = {
                 "concurrency": conc, "prompts": len(prompts), "identical": ident,
                 "near_ties": near, "mismatches": bad, "max_new_tokens": args.max_new_tokens,
                 "wall_s": {"stock": round(t_stock, 3), "ours": round(t_ours, 3)},
-                "divergences": diagnose(stock, ours, prompts, outs, ref)}
+                # the near-tie rule asked of the diverging decode step itself
+                "decode_near_ties": sum(bool(d.get("decode_near_tie")) for d in div),
+                "not_decode_near_ties": sum(not d.get("decode_near_tie") for d in div),
+                "divergences": div}
             dump()
         result["status"] = "complete"
     except Exception as e:  # record, never hide
@@ -197,8 +236,10 @@ def main(argv=None):
         dump()
     print(json.dumps({k: v for k, v in result.items() if k not in ("next_token",)}, indent=1))
     print("->", args.out)
+    # pass: every greedy divergence is a near tie of the step that diverged (the stock path's
+    # decode log-probs there); the prefill-based rule of compare() is reported beside it
     ok = result.get("status") == "complete" and not any(
-        g["mismatches"] for g in result.get("greedy", {}).values())
+        g["not_decode_near_ties"] for g in result.get("greedy", {}).values())
     return 0 if ok else 1
 
 

@@ -45,16 +45,20 @@ def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
             return self
 
         def generate(self, input_ids, max_new_tokens, sampling=None, logprob=False, timeout=180):
-            n = len(input_ids)
-            if logprob:  # the stock path's view: token 1 best, token 2 close behind
-                top = [(-0.5, 1, ""), (-0.6, 2, ""), (-3.0, 3, "")]
-                if self.ours:
-                    top = [(-0.52, 1, ""), (-0.61, 2, ""), (-3.0, 3, "")]
-                return {"output_ids": [1], "meta_info": {"output_top_logprobs": [top]}}
-            out = [1] * max_new_tokens
-            if self.ours and n % 2:  # ours picks the runner-up at position 3 on odd prompts
+            # the stock path's view: token 1 best, token 2 close behind (prefill and decode)
+            top = [(-0.5, 1, ""), (-0.6, 2, ""), (-3.0, 3, "")]
+            if self.ours:
+                top = [(-0.52, 1, ""), (-0.61, 2, ""), (-3.0, 3, "")]
+            out, tops = [1] * max_new_tokens, [top] * max_new_tokens
+            if self.ours and len(input_ids) % 2 and max_new_tokens > 3:
+                # ours decodes the runner-up at position 3 of odd prompts: its decode forward
+                # there ranks token 2 first, its prefill of the same prefix does not
                 out = [1, 1, 1, 2] + [1] * (max_new_tokens - 4)
-            return {"output_ids": out, "meta_info": {"completion_tokens": max_new_tokens}}
+                tops = tops[:3] + [[(-0.55, 2, ""), (-0.56, 1, ""), (-3.0, 3, "")]] + tops[4:]
+            meta = {"completion_tokens": max_new_tokens}
+            if logprob:
+                meta["output_top_logprobs"] = tops
+            return {"output_ids": out, "meta_info": meta}
 
         def stop(self):
             pass
@@ -80,6 +84,13 @@ def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
         assert all(d["stock_decode_token"] == 1 and d["ours_decode_token"] == 2
                    and d["stock_decode_is_prefill_top1"] and not d["ours_decode_is_prefill_top1"]
                    and d["prefill_top1_equal"] for d in g["divergences"])
+        # the diverging decode step itself: ours' token 2 is 0.1 nats behind the stock path's
+        # best there, a near tie; both decode lists agree within 0.06
+        assert g["decode_near_ties"] == g["near_ties"] and g["not_decode_near_ties"] == 0
+        for d in g["divergences"]:
+            assert d["ours_token_gap_in_stock_decode"] == pytest.approx(0.1)
+            assert d["decode_max_abs_logprob_diff"] == pytest.approx(0.06)
+            assert d["ours_decode_top4"][0] == [2, -0.55]
     stock, ours = started
     assert "SGLANG_DDTREE_FUSED_MOE" not in stock.env
     assert stock.env["SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"] == ours.env[
@@ -88,3 +99,11 @@ def test_dry_run_with_fake_servers(tmp_path, monkeypatch):
     assert stock.env["SGLANG_DDTREE_DUMMY_INIT_RANGE"] == ours.env[
         "SGLANG_DDTREE_DUMMY_INIT_RANGE"] == "0.05"
     assert res["dummy_init_range"] == 0.05
+    # a tighter tie tolerance than ours' 0.1-nat gap: the same divergences now fail the run
+    started.clear()
+    rc = em.main(["--out", str(out), "--workdir", str(tmp_path / "w"), "--prompts", "6",
+                  "--max-new-tokens", "8", "--concurrency", "2", "--greedy-concurrency", "1",
+                  "--tie-tol", "0.05"])
+    g = json.loads(out.read_text())["greedy"]["c1"]
+    assert rc == 1 and g["decode_near_ties"] == 0
+    assert g["not_decode_near_ties"] == len(g["mismatches"]) > 0
