@@ -223,7 +223,8 @@ int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D, int64_t algo
   return ddtree::tree_build_smem(static_cast<int>(algo), static_cast<int>(budget), Kp, d_eff);
 }
 
-// Which kernel serves (algo, budget, K, D): "frontier", "merge", "deferred" or "levelwise".
+// Which kernel serves (algo, budget, K, D): "frontier", "merge", "deferred", "deferred_warp" or
+// "levelwise".
 std::string tree_build_kernel_name(int64_t budget, int64_t K, int64_t D, int64_t algo) {
   const int Kp = static_cast<int>(K < budget ? K : budget);
   const int d_eff = static_cast<int>(D < budget ? D : budget);
@@ -243,9 +244,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("full_mask") = py::none(), py::arg("threads") = 0, py::arg("algo") = 0);
   m.def("smem_bytes", &tree_build_smem_bytes,
         "Dynamic shared memory per block for (budget, K, D) and algo (0 auto, 1 level-wise, "
-        "2 frontier, 3 merge, 4 deferred, 5 deferred_warp).", py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
+        "2 frontier, 3 merge, 4 deferred, 5 deferred_warp).",
+        py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
   m.def("kernel_name", &tree_build_kernel_name,
-        "The kernel that serves (budget, K, D, algo): 'frontier', 'merge', 'deferred', 'deferred_warp' or "
-        "'levelwise'.",
+        "The kernel that serves (budget, K, D, algo): 'frontier', 'merge', 'deferred', "
+        "'deferred_warp' or 'levelwise'.",
         py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
 }

@@ -165,7 +165,7 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 // Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
 // it is faster on the H200 (bench_results/tree_build_h200.json, session 11: 8.2-9.4 us at budget
 // 16 against 10.4-15.7 for the deferred variant with warp runs, peaked inputs), then that variant
-// up to kDeferAutoMaxBudget (use_defer).
+// up to its largest budget, kDeferMaxBudget (use_defer).
 constexpr int kFrontierDefaultMaxBudget = 16;
 
 enum TreeAlgo : int {
@@ -179,10 +179,9 @@ enum TreeAlgo : int {
 // distributions but three: batch 1 / budget 256 (20.7 vs 20.1 us for the level-wise kernel
 // peaked, 20.3 vs 20.0 random) and batch 64 / budget 128 random (16.0 vs 15.9 for the deferred
 // variant without runs) (bench_results/tree_build_h200.json, session 11).
-constexpr int kDeferAutoMaxBudget = kDeferMaxBudget;
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
   if (algo == kAlgoDeferred || algo == kAlgoDeferredWarp) return B <= kDeferMaxBudget;
-  return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferAutoMaxBudget;
+  return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferMaxBudget;
 }
 
 // The merge variant serves only when asked for and the budget allows it, and needs every
