@@ -55,9 +55,13 @@ constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 // Phase clocks for scripts/tree_build_clocks.py only (never defined in the extension build):
 // thread 0 of each of the first DDTREE_PHASE_CLOCKS blocks records (mark id, clock64()) pairs.
 #ifdef DDTREE_PHASE_CLOCKS
-constexpr int kClockPairs = 96;
+constexpr int kClockPairs = 192;
 __device__ long long g_phase_clocks[DDTREE_PHASE_CLOCKS][2 * kClockPairs + 1];
 #define DDTREE_MARK_INIT int ddtree_mark_n_ = 0
+// a helper that marks takes the kernel's counter: DDTREE_MARK_PARAM in its parameters,
+// DDTREE_MARK_ARG in the call
+#define DDTREE_MARK_PARAM , int& ddtree_mark_n_
+#define DDTREE_MARK_ARG , ddtree_mark_n_
 #define DDTREE_MARK(id)                                                                \
   do {                                                                                 \
     if (threadIdx.x == 0 && blockIdx.x < DDTREE_PHASE_CLOCKS && ddtree_mark_n_ < kClockPairs) { \
@@ -69,6 +73,8 @@ __device__ long long g_phase_clocks[DDTREE_PHASE_CLOCKS][2 * kClockPairs + 1];
   } while (0)
 #else
 #define DDTREE_MARK_INIT (void)0
+#define DDTREE_MARK_PARAM
+#define DDTREE_MARK_ARG
 #define DDTREE_MARK(id) (void)0
 #endif
 
@@ -96,11 +102,24 @@ __device__ __forceinline__ uint64_t node_key(float score, int depth, uint32_t le
 }
 
 // Number of ranks r < Kp with parent_score + lp[r] > thr; a prefix because lp is descending.
+// Radix-8 search: each round probes 8 ranks at once, independent loads that overlap, so a count
+// costs ceil(log8 Kp) shared-memory latencies (2 at Kp = 64) instead of log2 Kp dependent ones.
+// Invariant: the count lies in [lo, lo + 8 * step]; a round keeps the passing probes' prefix.
+__device__ __forceinline__ int radix8_top(int Kp) {
+  int step = 1;
+  while (8 * step < Kp) step *= 8;
+  return step;
+}
 __device__ __forceinline__ int count_above(float parent_score, const float* lp, int Kp, float thr) {
-  int lo = 0, hi = Kp;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (parent_score + lp[mid] > thr) lo = mid + 1; else hi = mid;
+  int lo = 0;
+  for (int step = radix8_top(Kp); step > 0; step >>= 3) {
+    int add = 0;
+#pragma unroll
+    for (int t = 1; t <= 8; ++t) {
+      const int r = lo + t * step - 1;
+      add += (r < Kp && parent_score + lp[r] > thr) ? 1 : 0;
+    }
+    lo += add * step;
   }
   return lo;
 }
@@ -112,23 +131,28 @@ __device__ __forceinline__ int count_larger(const uint64_t* keys, int n, uint64_
   return r;
 }
 
-// count_above for two parents at once, a fixed number of steps (log2 Kp) for both: the two
-// searches' loads are independent and overlap (the warp runs' counts).
-__device__ __forceinline__ void count_above2(float ps_a, float ps_b, bool use_a, bool use_b,
-                                             const float* lp, int Kp, float thr, int& c_a,
-                                             int& c_b) {
-  int lo_a = 0, lo_b = 0;
-  int step = 1;
-  while (step * 2 <= Kp) step *= 2;  // the largest power of two <= Kp (Kp >= 1)
-  for (; step > 0; step >>= 1) {
-    // lp is sorted descending, so "ps + lp[r] > thr" holds for a prefix of r: lo grows by every
-    // step that stays inside it
-    const int ta = lo_a + step, tb = lo_b + step;
-    if (ta <= Kp && ps_a + lp[ta - 1] > thr) lo_a = ta;
-    if (tb <= Kp && ps_b + lp[tb - 1] > thr) lo_b = tb;
+// count_above for U parents at once (the warp runs' parents lane + 32 u), their probes
+// interleaved; a parent with use[u] false counts 0.
+template <int U>
+__device__ __forceinline__ void count_above_multi(const float (&ps)[U], const bool (&use)[U],
+                                                  const float* lp, int Kp, float thr, int (&cnt)[U]) {
+  int lo[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) lo[u] = 0;
+  for (int step = radix8_top(Kp); step > 0; step >>= 3) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int add = 0;
+#pragma unroll
+      for (int t = 1; t <= 8; ++t) {
+        const int r = lo[u] + t * step - 1;
+        add += (r < Kp && ps[u] + lp[r] > thr) ? 1 : 0;
+      }
+      lo[u] += add * step;
+    }
   }
-  c_a = use_a ? lo_a : 0;
-  c_b = use_b ? lo_b : 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) cnt[u] = use[u] ? lo[u] : 0;
 }
 
 // Largest i in [0, m) with off[i] <= c (off[0] == 0 <= c).
@@ -280,6 +304,24 @@ __device__ __forceinline__ void init_positions(int N, int* p_parent, int* p_dept
 }
 
 // ---------------------------------------------------------------------------------------------
+// The tail's inputs from global memory, loaded when a kernel starts so that their latency (a
+// global load: hundreds of cycles) hides behind the build instead of adding to the tail.
+struct LayoutInputs {
+  int64_t root_id;       // thread 0's: the request's root token
+  int64_t seq_len;       // the request's prefix length (0 without seq_lens)
+  long long seq_before;  // this thread's part of sum_{b' < b} seq_lens[b'] (FULL_MASK only)
+};
+__device__ __forceinline__ LayoutInputs load_layout_inputs(const TreeBuildParams& p, int64_t b) {
+  LayoutInputs in;
+  in.root_id = threadIdx.x == 0 ? p.root_ids[b] : 0;
+  in.seq_len = p.seq_lens != nullptr ? p.seq_lens[b] : 0;
+  in.seq_before = 0;
+  if (p.full_mask != nullptr)
+    for (int64_t t = threadIdx.x; t < b; t += blockDim.x) in.seq_before += p.seq_lens[t];
+  return in;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Shared tail of both kernels: every thread of the block calls it after a barrier that orders the
 // per-position arrays (p_parent / p_depth / first_child / p_sib, written for positions 1..n;
 // p_depth = -1 marks padding) before it. Writes the root and padding entries of the per-node
@@ -294,7 +336,8 @@ __device__ __forceinline__ void init_positions(int N, int* p_parent, int* p_dept
 __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int64_t b, int N, int D,
                                                   int n, const int* p_parent, const int* p_depth,
                                                   const int* first_child, const int* p_sib,
-                                                  unsigned char* scratch, long long* wbuf_ll) {
+                                                  unsigned char* scratch, long long* wbuf_ll,
+                                                  const LayoutInputs& in DDTREE_MARK_PARAM) {
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const int nwarps = T >> 5, A = D + 1, W = bit_row_words(N);
   const bool bit_rows = N <= kBitRowsMaxN;
@@ -305,7 +348,7 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
   int64_t* depths = p.depths + b * N;
   bool* valid = p.valid + b * N;
   float* scores = p.scores + b * N;
-  const int64_t seq_len = p.seq_lens != nullptr ? p.seq_lens[b] : 0;
+  const int64_t seq_len = in.seq_len;
   for (int q = tid; q < N; q += T) {
     const int dq = p_depth[q];
     if (bit_rows) {
@@ -325,7 +368,7 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
       }
     }
     if (q == 0) {
-      tokens[0] = p.root_ids[b];
+      tokens[0] = in.root_id;  // q == 0: thread 0
       parents[0] = -1;
       depths[0] = 0;
       valid[0] = true;
@@ -343,18 +386,18 @@ __device__ __forceinline__ void write_tree_layout(const TreeBuildParams& p, int6
     if (p.positions != nullptr) p.positions[b * N + q] = seq_len + (dq > 0 ? dq : 0);
   }
 
+  DDTREE_MARK(9005);  // layout: rows and per-position outputs
   // FULL_MASK block of this request starts at N * (sum_{b' < b} seq_lens[b'] + b * N).
   int64_t full_base = 0;
   if (p.full_mask != nullptr) {
-    long long part = 0;
-    for (int64_t t = tid; t < b; t += T) part += p.seq_lens[t];
     long long before = 0;
-    block_exclusive_sum(part, wbuf_ll, before);  // includes a barrier
+    block_exclusive_sum(in.seq_before, wbuf_ll, before);  // includes a barrier
     full_base = int64_t(N) * (int64_t(before) + b * N);
   } else {
     __syncthreads();
   }
 
+  DDTREE_MARK(9006);  // layout: the barrier after them
   if (bit_rows) {
     auto bit = [&](int i, int j) -> uint32_t { return (rows[i * W + (j >> 5)] >> (j & 31)) & 1u; };
     // ancestor_mask: the request's N * N bytes as one flat run; bytes before the first 16-byte
@@ -502,6 +545,8 @@ __device__ __forceinline__ void defer_walk_bins(const int* dhist, int B, int lan
   for (;;) {
     const int bin = f - lane;
     int S = bin >= 0 ? dhist[bin] : 0;
+    // bin f alone cannot go (the usual case): no scan
+    if (!__any_sync(kFullWarp, lane == 0 && cnt - S >= B)) break;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(kFullWarp, S, o);
@@ -522,12 +567,15 @@ __device__ __forceinline__ void defer_walk_bins(const int* dhist, int B, int lan
 // count the nodes they add in bins <= *f_pub into *inbox (f only falls, so a node above the
 // published bin never lies in bins 0..f later); the walk takes the inbox first and publishes the
 // new f after.
-__device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, int& f, int& cnt,
-                                           const float* sorted, int* inbox, int* f_pub) {
+__device__ __forceinline__ void defer_take_inbox(int lane, int& cnt, int* inbox) {
   int add = lane == 0 ? *inbox : 0;
   add = __shfl_sync(kFullWarp, add, 0);
   cnt += add;
   if (lane == 0) *inbox = 0;
+}
+__device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, int& f, int& cnt,
+                                           const float* sorted, int* inbox, int* f_pub) {
+  defer_take_inbox(lane, cnt, inbox);
   defer_walk_bins(dhist, B, lane, f, cnt, sorted);
   if (lane == 0) *f_pub = f;
 }
@@ -551,26 +599,43 @@ struct DeferRun {
   float thr;
 };
 
-// A warp run's candidate c (parent i, rank r) appended to G after its g members and counted in
-// the histogram.
-__device__ __forceinline__ void append_run_candidate(int d, int c, int i, int r, const float* ps,
-                                                     const float* lp, int g, int GC, float* gs,
-                                                     uint32_t* gm, uint32_t* gp, uint16_t* pos_of,
-                                                     int* dhist) {
+// A warp run's candidate c (parent i, rank r) appended to G after its g members; returns its
+// histogram bin (warp_hist_add counts it).
+__device__ __forceinline__ int append_run_candidate(int d, int c, int i, int r, const float* ps,
+                                                    const float* lp, int g, int GC, float* gs,
+                                                    uint32_t* gm, uint32_t* gp, uint16_t* pos_of) {
   const float s = (d == 1 ? 0.0f : ps[i]) + lp[r];
   gs[g + c] = s;
   gm[g + c] = (uint32_t(d) << 16) | uint32_t(c);
   gp[g + c] = (uint32_t(i) << 16) | uint32_t(r);
   pos_of[(d - 1) * GC + c] = kNoPos;
-  atomicAdd(&dhist[defer_bin(s)], 1);
+  return defer_bin(s);
+}
+
+// Warp-wide (every lane calls it): counts each active lane's bin in the histogram, one atomic per
+// run of equal bins in consecutive active lanes. A parent's candidates sit in consecutive lanes
+// with non-decreasing bins, so siblings sharing a bin (the usual case) cost one atomic instead
+// of colliding on one address.
+__device__ __forceinline__ void warp_hist_add(int* dhist, bool act, int bin, int lane) {
+  const int prev = __shfl_up_sync(kFullWarp, bin, 1);
+  const bool head = act && (lane == 0 || prev != bin);
+  const unsigned ends = __ballot_sync(kFullWarp, head) | ~__ballot_sync(kFullWarp, act);
+  if (head) {
+    const unsigned after = lane == 31 ? 0u : ends & (~0u << (lane + 1));
+    const int len = (after != 0u ? __ffs(int(after)) - 1 : 32) - lane;
+    atomicAdd(&dhist[bin], len);
+  }
 }
 
 __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B, int GC,
                                               const float* lp_base, int* off, float* gs,
                                               uint32_t* gm, uint32_t* gp, uint16_t* pos_of,
                                               int* lvl_cnt, int* dhist, int& f, int& cnt,
-                                              int* inbox, int* f_pub) {
+                                              int* inbox, int* f_pub DDTREE_MARK_PARAM) {
   const int lane = threadIdx.x & 31;
+  // the inbox holds the nodes block levels added at or below the published bin; a run adds
+  // none there (it counts its own appends in cnt), so one read serves the whole run
+  defer_take_inbox(lane, cnt, inbox);
   for (;;) {
     const int d = st.d;
     if (d > D) {
@@ -584,7 +649,9 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     }
     // every node of depths < d is in the histogram (ordered by the caller's barrier or by the
     // __syncwarp below)
-    defer_walk(dhist, B, lane, f, cnt, d == 2 ? gs : nullptr, inbox, f_pub);
+    defer_walk_bins(dhist, B, lane, f, cnt, d == 2 ? gs : nullptr);
+    if (lane == 0) *f_pub = f;
+    DDTREE_MARK(100 * d + 7);  // run: walked
     float thr = fmaxf(st.thr, defer_tau(f));
     if (d == 2 && st.g >= B) thr = fmaxf(thr, gs[B - 1]);
     st.thr = thr;
@@ -599,9 +666,14 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     if (m <= 32) {
       c_a = lane < m ? count_above(d == 1 ? 0.0f : ps[lane], lp, Kp, thr) : 0;
     } else {
-      count_above2(lane < m ? ps[lane] : 0.0f, lane + 32 < m ? ps[lane + 32] : 0.0f, lane < m,
-                   lane + 32 < m, lp, Kp, thr, c_a, c_b);
+      const float pv[2] = {lane < m ? ps[lane] : 0.0f, lane + 32 < m ? ps[lane + 32] : 0.0f};
+      const bool use[2] = {lane < m, lane + 32 < m};
+      int cv[2];
+      count_above_multi<2>(pv, use, lp, Kp, thr, cv);
+      c_a = cv[0];
+      c_b = cv[1];
     }
+    DDTREE_MARK(10000 + 100 * d + 1);  // run: counted
     int inc_a = c_a, inc_b = c_b;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -618,6 +690,7 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     if (lane + 32 < m) off[lane + 32] = tot_a + inc_b - c_b;
     if (lane == 0) off[m] = M;
     __syncwarp();
+    DDTREE_MARK(100 * d + 8);  // run: counted and scanned
     if (M == 0) {
       st.status = kRunDone;
       return st;
@@ -627,11 +700,14 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
       return st;
     }
     if (M <= 32) {  // one candidate per lane (the usual narrow level)
+      int bin = 0;
       if (lane < M) {
         const int i = find_parent(off, m, lane);
-        append_run_candidate(d, lane, i, lane - off[i], ps, lp, st.g, GC, gs, gm, gp, pos_of,
-                             dhist);
+        bin = append_run_candidate(d, lane, i, lane - off[i], ps, lp, st.g, GC, gs, gm, gp,
+                                   pos_of);
       }
+      DDTREE_MARK(10000 + 100 * d + 2);  // run: appended, not yet counted in the histogram
+      warp_hist_add(dhist, lane < M, bin, lane);
     } else {
       // candidates lane + 32 u (u < kU: M <= kRunMaxCandidates), their parents' binary searches
       // interleaved (independent loads that overlap)
@@ -648,17 +724,23 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
           if (t < m && off[t] <= lane + 32 * u) par[u] = t;
         }
       }
+      int bin[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int c = lane + 32 * u;
+        bin[u] = 0;
         if (c < M)
-          append_run_candidate(d, c, par[u], c - off[par[u]], ps, lp, st.g, GC, gs, gm, gp,
-                               pos_of, dhist);
+          bin[u] = append_run_candidate(d, c, par[u], c - off[par[u]], ps, lp, st.g, GC, gs, gm,
+                                        gp, pos_of);
       }
+      DDTREE_MARK(10000 + 100 * d + 2);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) warp_hist_add(dhist, lane + 32 * u < M, bin[u], lane);
     }
     cnt += M;  // they score above defer_tau(f): all in bins 0..f
     if (lane == 0) lvl_cnt[d] = M;
     __syncwarp();
+    DDTREE_MARK(100 * d + 9);  // run: appended
     st.cb = st.g;
     st.cs = M;
     st.g += M;
@@ -845,6 +927,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   // G's capacity, also the stride of its two buffers and of pos_of's rows
   const int GC = DEFER ? defer_cap(B) : B;
   const SmemLayout L = make_smem_layout(B, Kp, D, GC);
+  const LayoutInputs lin = load_layout_inputs(p, b);
   const bool preload = preload_rows(Kp, D);
   DDTREE_MARK_INIT;
   DDTREE_MARK(0);
@@ -986,7 +1069,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
           DDTREE_MARK(100 * d + 5);  // a warp run from depth d ...
           st = defer_run(st, D, Kp, B, GC, lp_base, off, gscore + cur * GC, gmeta + cur * GC,
                          gpar + cur * GC, pos_of, lvl_cnt, dhist, f_cur, cnt_above, d_inbox,
-                         d_fpub);
+                         d_fpub DDTREE_MARK_ARG);
           DDTREE_MARK(100 * st.d + 6);  // ... up to depth st.d
           if (lane == 0) {
             d_run[0] = st.d;
@@ -1258,6 +1341,11 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   const uint32_t* gm = gmeta + cur * GC;
   const uint32_t* gp = gpar + cur * GC;
   const bool sorted_at_end = MERGE && g_sorted;  // block-uniform
+  const int64_t* ids_b = p.ids + b * p.ids_sb;
+  // the token of this thread's first member (j = tid), loaded now: the order below hides the
+  // global load's latency
+  int64_t tok_first = 0;
+  if (tid < n) tok_first = ids_b[int64_t(int(gm[tid] >> 16) - 1) * p.ids_sd + int(gp[tid] & 0xFFFFu)];
   init_positions(N, p_parent, p_depth, p_sib, first_child);
   if (DEFER && n > B) {  // block-uniform (at most B nodes: all of them are the tree, as below)
     // Only nodes at or above the final threshold can be in the tree (B counted nodes score
@@ -1335,7 +1423,6 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   int64_t* depths = p.depths + b * N;
   bool* valid = p.valid + b * N;
   float* scores = p.scores + b * N;
-  const int64_t* ids_b = p.ids + b * p.ids_sb;
   for (int j = tid; j < n; j += T) {
     const int dj = int(gm[j] >> 16), lex = int(gm[j] & 0xFFFFu);
     const int plex = int(gp[j] >> 16), r = int(gp[j] & 0xFFFFu);
@@ -1345,7 +1432,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
     p_parent[pos] = par;
     p_depth[pos] = dj;
     if (r == 0) first_child[par] = pos;  // rank 0 is the best, hence first, child
-    tokens[pos] = ids_b[int64_t(dj - 1) * p.ids_sd + r];
+    tokens[pos] = j == tid ? tok_first : ids_b[int64_t(dj - 1) * p.ids_sd + r];
     parents[pos] = par;
     depths[pos] = dj;
     valid[pos] = true;
@@ -1369,7 +1456,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   // pos_of is dead: its space holds the masks' scratch now.
   DDTREE_MARK(9003);
   write_tree_layout(p, b, N, D, n_tree, p_parent, p_depth, first_child, p_sib, layout_scratch,
-                    wbuf_ll);
+                    wbuf_ll, lin DDTREE_MARK_ARG);
   DDTREE_MARK(9009);
 }
 
@@ -1418,6 +1505,7 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
   const FrontierSmemLayout L = make_frontier_smem_layout(B, Kp, D);
+  const LayoutInputs lin = load_layout_inputs(p, b);
   float* lp = reinterpret_cast<float*>(smem + L.lp);
   int* p_parent = reinterpret_cast<int*>(smem + L.p_parent);
   int* p_depth = reinterpret_cast<int*>(smem + L.p_depth);
@@ -1594,7 +1682,8 @@ __global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_ke
     p.scores[b * N + q] = p_score[q];
   }
   DDTREE_MARK(9003);
-  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, layout_scratch, wbuf_ll);
+  write_tree_layout(p, b, N, D, n, p_parent, p_depth, first_child, p_sib, layout_scratch, wbuf_ll,
+                    lin DDTREE_MARK_ARG);
   DDTREE_MARK(9009);
 }
 

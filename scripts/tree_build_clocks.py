@@ -34,7 +34,7 @@ from tree_build_phases import write_input  # noqa: E402
 
 ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3, "deferred": 4, "deferred_warp": 5}  # ddtree::TreeAlgo
 MAX_BLOCKS = 64
-PAIRS = 96  # kClockPairs in tree_build_kernel.cuh
+PAIRS = 192  # kClockPairs in tree_build_kernel.cuh
 
 
 def build(workdir: str, arch: str) -> str:
