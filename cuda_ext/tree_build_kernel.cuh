@@ -591,7 +591,7 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 // kRunCounted (the counts are done and in off[]: the block selects or appends), or kRunDone (no
 // candidate: the tree is complete; or past depth D).
 constexpr int kRunMaxParents = 64;
-constexpr int kRunMaxCandidates = 128;
+constexpr int kRunMaxCandidates = 64;
 constexpr int kRunDone = 1, kRunHandBack = 2, kRunCounted = 3;
 
 struct DeferRun {
