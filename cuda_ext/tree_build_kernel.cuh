@@ -590,6 +590,11 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 // from its start),
 // kRunCounted (the counts are done and in off[]: the block selects or appends), or kRunDone (no
 // candidate: the tree is complete; or past depth D).
+// Limits measured on the H200 (bench_results/README.md, session 12; batch 64 / budget 64,
+// peaked): the block appends a level of more than 64 candidates faster than the warp does
+// (20.2 us with 64 here, 20.7 with 128, 20.5 with 32); a warp count of up to 128 parents (four
+// per lane) and an always-unrolled four-parent search were slower than the block's (24.4 us).
+// Smaller warp-run code also ran faster in every variant tried: keep the loop lean.
 constexpr int kRunMaxParents = 64;
 constexpr int kRunMaxCandidates = 64;
 constexpr int kRunDone = 1, kRunHandBack = 2, kRunCounted = 3;
