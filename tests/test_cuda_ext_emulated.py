@@ -192,6 +192,10 @@ DEFER_CASES = [c for c in CASES if c[1] <= DEFER_MAX_BUDGET] + VARIANT_EXTRA_CAS
     (2, 64, 15, 64, 128, "flat"),
     (2, 64, 15, 64, 128, "far"),
     (3, 64, 6, 8, 64, "random"),
+    # the served block size: warp-run levels of 33-64 candidates (the warp appends them) and of
+    # more (handed to the block, ddtree::kRunMaxCandidates), next to narrow ones
+    (4, 64, 15, 64, 256, "peaked"),
+    (2, 96, 15, 96, 256, "flat"),
     # K x D > 8192: each depth's log-probs staged when it is reached (not up front)
     (1, 200, 50, 200, 256, "peaked"),
     (1, 160, 60, 160, 128, "flat"),
