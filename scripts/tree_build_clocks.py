@@ -6,11 +6,15 @@ Compiles ``scripts/tree_build_clocks.cu`` (nvcc, the running GPU's arch) with th
 has no marks), runs it on ``scripts/bench_tree_build.py``'s input distributions and prints, per
 mark, the mean cycles since the previous mark over blocks, and the slowest block's whole
 sequence. Mark ids: 0 start; level-wise 100 d + (0 level start, 1 candidate counts, 2 select,
-3 compaction scan, 4 level end; with ``merge`` also 5 a merge run starts at this depth, 6 it
-ended at this depth: the depths between have no marks of their own); frontier 100 staged, 1000 + i after pop i; both 9000 build done,
-9003 node outputs written, 9009 end (9001 / 9002: the level-wise kernel's final order / outputs).
-The marks cost a few cycles each; the per-launch time printed beside them is measured without a
-CUDA graph. A diagnostic: ``scripts/bench_tree_build.py`` stays the measure of speed.
+3 compaction scan, 4 level end; with ``merge`` and ``deferred_warp`` also 5 a run starts at
+this depth, 6 it ended at this depth; inside a ``deferred_warp`` run, per depth, 7 walked, 8
+counted and scanned, 9 appended, and 10000 + 100 d + 1 / + 2 counted (before the scan) /
+appended (before the histogram adds)); frontier 100 staged, 1000 + i after pop i; both 9000
+build done, 9003 node outputs written, 9005 / 9006 the layout's rows and per-position outputs /
+the barrier after them, 9009 end (9001 / 9002: the level-wise kernel's final order / outputs).
+Each mark is a clock read and three global stores by thread 0, so the marks slow a block down;
+the per-launch time printed beside them is measured without a CUDA graph. A diagnostic:
+``scripts/bench_tree_build.py`` stays the measure of speed.
 
     python scripts/tree_build_clocks.py --budgets 64 --bs 64 [--algo levelwise frontier] [--out f.json]
 """
