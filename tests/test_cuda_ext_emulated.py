@@ -254,3 +254,22 @@ def test_phase_count_of_the_emulated_kernel(driver, tmp_path):
     _, _, atomics, depth, _ = phases_mod.phases(str(driver), str(tmp_path), roots, flat_lp,
                                                 flat_ids, 16, 64)
     assert atomics > 0 and 0 < depth <= atomics
+
+
+def test_radix8_child_count_matches_a_linear_count(tmp_path):
+    """ddtree::count_above (8 probes per round) on sorted rows with ties and -inf tails, at
+    every row sum as the threshold and one float step either side, Kp = 1 to 1024."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path / "count_driver"
+    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
+           f"-I{KERNEL_DIR}", str(EMU_DIR / "count_driver.cpp"), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "barrier" in r.stderr:
+        pytest.skip(f"{cxx} lacks C++20 <barrier>")
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = subprocess.run([str(exe), "7", "340"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    bad, checked = map(int, out.stdout.split())
+    assert bad == 0 and checked > 100_000
