@@ -620,7 +620,8 @@ __device__ __forceinline__ int append_run_candidate(int d, int c, int i, int r, 
 // Warp-wide (every lane calls it): counts each active lane's bin in the histogram, one atomic per
 // run of equal bins in consecutive active lanes. A parent's candidates sit in consecutive lanes
 // with non-decreasing bins, so siblings sharing a bin (the usual case) cost one atomic instead
-// of colliding on one address.
+// of colliding on one address. The active lanes must be a prefix of the warp (the warp runs'
+// candidates c < M): an active lane after an inactive one with the same bin would go uncounted.
 __device__ __forceinline__ void warp_hist_add(int* dhist, bool act, int bin, int lane) {
   const int prev = __shfl_up_sync(kFullWarp, bin, 1);
   const bool head = act && (lane == 0 || prev != bin);

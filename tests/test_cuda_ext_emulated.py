@@ -256,9 +256,12 @@ def test_phase_count_of_the_emulated_kernel(driver, tmp_path):
     assert atomics > 0 and 0 < depth <= atomics
 
 
-def test_radix8_child_count_matches_a_linear_count(tmp_path):
+def test_warp_run_helpers_match_direct_counts(tmp_path):
     """ddtree::count_above (8 probes per round) on sorted rows with ties and -inf tails, at
-    every row sum as the threshold and one float step either side, Kp = 1 to 1024."""
+    every row sum as the threshold and one float step either side, Kp = 1 to 1024; and
+    ddtree::warp_hist_add (one atomic per run of equal bins) against one count per active lane.
+    A histogram that undercounts would only loosen the pruning, which the tree tests cannot
+    see."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")

@@ -1,7 +1,12 @@
-// Checks ddtree::count_above (the radix-8 child count) against a linear count on rows that the
-// kernel can meet: sorted descending, -inf tails, runs of equal values, thresholds equal to a
-// row's sums. Usage: count_driver SEED CASES; prints the number of mismatches (0 expected) and
-// exits 1 on any.
+// Checks two warp-run helpers against direct computations:
+// - ddtree::count_above (the radix-8 child count) vs a linear count, on rows the kernel can meet:
+//   sorted descending, -inf tails, runs of equal values, thresholds equal to a row's sums;
+// - ddtree::warp_hist_add (one atomic per run of equal bins in consecutive active lanes) vs one
+//   count per active lane, on one emulated warp: runs of equal bins, a bin repeated after another,
+//   active lanes a prefix of every length 0-32 (the helper's precondition: the warp runs'
+//   candidates c < M).
+// Usage: count_driver SEED CASES; prints the mismatches (0 expected) and the checks, exits 1 on
+// any mismatch.
 #include "cuda_emu.h"
 
 #include <cstdio>
@@ -50,6 +55,35 @@ int main(int argc, char** argv) {
         if (bad < 10) fprintf(stderr, "Kp=%d ps=%g thr=%g: got %d want %d\n", Kp, ps, thr, got, want);
         ++bad;
       }
+    }
+  }
+  // warp_hist_add: each case a warp's (active, bin) per lane
+  struct HistCase {
+    const std::vector<int>* bins;
+    const std::vector<int>* act;
+    int* hist;
+  };
+  std::uniform_int_distribution<int> nbins(1, 6), pick(0, 7), coin(0, 3);  // coin: a new run
+  for (int c = 0; c < cases; ++c) {
+    std::vector<int> bins(32), act(32);
+    const int spread = nbins(rng);
+    int b = pick(rng);
+    for (int l = 0; l < 32; ++l) {
+      if (coin(rng) == 0) b = (b + 1 + pick(rng)) % (spread + 4);  // a new run, maybe a repeat
+      bins[l] = b;
+      act[l] = l < c % 33;
+    }
+    std::vector<int> hist(16, 0), want(16, 0);
+    for (int l = 0; l < 32; ++l) want[bins[l]] += act[l];
+    const HistCase hc{&bins, &act, hist.data()};
+    emu_launch([](const HistCase& h) {
+      const int lane = int(threadIdx.x) & 31;
+      ddtree::warp_hist_add(h.hist, (*h.act)[lane] != 0, (*h.bins)[lane], lane);
+    }, 1, 32, hc);
+    ++checked;
+    if (hist != want) {
+      if (bad < 10) fprintf(stderr, "warp_hist_add case %d: histogram differs\n", c);
+      ++bad;
     }
   }
   printf("%ld %ld\n", bad, checked);
