@@ -175,10 +175,11 @@ enum TreeAlgo : int {
 
 // The deferred variant serves when asked for and the budget allows it, and by default (kAlgoAuto)
 // above the frontier kernel's budgets, with warp runs (kAlgoDeferredWarp): on the H200 it was
-// the fastest kernel at every batch (1, 8, 64) x budget (32 to 256) point in both input
-// distributions but three: batch 1 / budget 256 (20.7 vs 20.1 us for the level-wise kernel
-// peaked, 20.3 vs 20.0 random) and batch 64 / budget 128 random (16.0 vs 15.9 for the deferred
-// variant without runs) (bench_results/tree_build_h200.json, session 11).
+// the fastest kernel at every batch (1, 8, 64) x budget 32 / 64 point in both input
+// distributions; at budget 128 the variant without runs was 0.2-0.4 us faster at the random
+// points and at batch 1 peaked, and at budget 256 the level-wise kernel or that variant was
+// ahead at five of six points by up to 0.9 us (bench_results/tree_build_h200.json and
+// tree_build_h200_s12a.json, session 12).
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
   if (algo == kAlgoDeferred || algo == kAlgoDeferredWarp) return B <= kDeferMaxBudget;
   return algo == kAlgoAuto && B > kFrontierDefaultMaxBudget && B <= kDeferMaxBudget;

@@ -97,13 +97,6 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
     return t;
   }));
 }
-inline unsigned __reduce_or_sync(unsigned, unsigned v) {
-  return unsigned(emu_warp_all(v, [](const std::vector<uint64_t>& b) {
-    uint64_t t = 0;
-    for (uint64_t x : b) t |= x;
-    return t;
-  }));
-}
 // Also orders the warp's shared-memory accesses (the emulation's memory is sequentially
 // consistent enough through the barrier's synchronisation).
 inline void __syncwarp(unsigned = 0xFFFFFFFFu) {
@@ -119,7 +112,6 @@ inline unsigned __ballot_sync(unsigned, int pred) {
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
-inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
 inline bool __any_sync(unsigned, int pred) {
   return emu_warp_all(pred ? 1 : 0, [](const std::vector<uint64_t>& b) {
     uint64_t any = 0;
