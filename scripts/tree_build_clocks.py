@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_tree_build import make_topk  # noqa: E402
 from tree_build_phases import write_input  # noqa: E402
 
-ALGOS = {"auto": 0, "levelwise": 1, "frontier": 2, "merge": 3, "deferred": 4, "deferred_warp": 5}  # ddtree::TreeAlgo
+from sglang_ddtree.tree_backend import KERNEL_ALGOS as ALGOS  # noqa: E402  (ddtree::TreeAlgo)
 MAX_BLOCKS = 64
 PAIRS = 192  # kClockPairs in tree_build_kernel.cuh
 

@@ -31,14 +31,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_tree_build import make_topk  # noqa: E402
+from sglang_ddtree.tree_backend import KERNEL_ALGOS  # noqa: E402  (ddtree::TreeAlgo)
 
 EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
 KERNEL_DIR = ROOT / "cuda_ext"
 PHASES_RE = re.compile(r"block barriers per block: ([\d.]+) \(threads (\d+)\), most in one "
                        r"block: (\d+)")
-ALGOS = {"levelwise": 1, "merge": 3, "deferred": 4, "deferred_warp": 5}  # ddtree::TreeAlgo (block-phase kernels)
 ATOMICS_RE = re.compile(r"shared atomics per block: ([\d.]+), busiest-address depth per block: "
                         r"([\d.]+)")
+ALGOS = {k: KERNEL_ALGOS[k] for k in ("levelwise", "merge", "deferred", "deferred_warp")}  # block phases
 
 
 def build_driver(workdir: str) -> str:
