@@ -12,7 +12,7 @@ different flags give different code).
     python scripts/ncu_stall_lines.py --csv bench_results/ncu_tree_build_h200_s13_sass.csv.gz \\
         --build --arch 90 --kernel tree_build_kernelILi3E --top 70
 
-Prints, per source line: samples not at a barrier, then ``stall_wait``, ``stall_no_inst``
+Prints, per source line (``--by function``: per enclosing function): samples not at a barrier, then ``stall_wait``, ``stall_no_inst``
 (instruction fetch), ``stall_selected``, ``stall_short_sb``, ``stall_branch_resolving``, then
 barrier samples, the line's SASS instruction count and the most warp-level executions of one of
 them. Samples are over all warps: a phase every warp runs is sampled about four times as often per
@@ -39,6 +39,11 @@ SHOWN = ["stall_wait", "stall_no_inst", "stall_selected", "stall_short_sb",
 _LINE_RE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
 _INSN_RE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SECTION_RE = re.compile(r"^\.text\.(\S+):")
+# a function definition's first line in the kernel sources; its name is the first word before a
+# "(" once any __launch_bounds__(...) is removed
+_FUNC_START_RE = re.compile(r"^(?:__device__|__global__|DDTREE_HOST_DEVICE)\b")
+_BOUNDS_RE = re.compile(r"__launch_bounds__\([^()]*\)")
+_NAME_RE = re.compile(r"(\w+)\s*\(")
 
 
 def opcode(text: str) -> str:
@@ -106,6 +111,37 @@ def per_line(rows: list, sass: dict) -> dict:
     return by
 
 
+def function_of_lines(source_lines: list) -> list:
+    """Per 1-based line, the function whose definition most recently started at or above it
+    (a file-level line before any definition maps to "(file scope)"). A definition may put its
+    name on the line after the qualifiers (``__global__ void __launch_bounds__(...)`` then
+    ``name(...)``)."""
+    out, cur = [], "(file scope)"
+    for i, text in enumerate(source_lines):
+        if _FUNC_START_RE.match(text):
+            head = _BOUNDS_RE.sub("", text)
+            if "(" not in head and i + 1 < len(source_lines):
+                head += " " + source_lines[i + 1]
+            m = _NAME_RE.search(head)
+            if m:
+                cur = m.group(1)
+        out.append(cur)
+    return out
+
+
+def by_function(by_line: dict, sources: dict) -> dict:
+    """per_line's counts summed per enclosing function (file:function)."""
+    funcs = {f: function_of_lines(lines) for f, lines in sources.items()}
+    out = collections.defaultdict(collections.Counter)
+    for (f, l), c in by_line.items():
+        name = funcs[f][l - 1] if f in funcs and 0 < l <= len(funcs[f]) else "?"
+        tgt = out[(f, name)]
+        exec_ = c["exec"]
+        tgt.update({k: v for k, v in c.items() if k != "exec"})
+        tgt["exec"] = max(tgt["exec"], exec_)
+    return out
+
+
 def table(by: dict, top: int, sources: dict) -> str:
     def nonbar(c):
         return sum(v for k, v in c.items() if k.startswith("stall_") and k != "stall_barrier")
@@ -115,8 +151,12 @@ def table(by: dict, top: int, sources: dict) -> str:
              "file:line      nonbar  wait noinst  sel shortsb  br | barrier ninstr maxexec | source"]
     for (f, l), c in sorted(by.items(), key=lambda kv: -nonbar(kv[1]))[:top]:
         src = sources.get(f, [])
-        text = src[l - 1].strip()[:70] if 0 < l <= len(src) else ""
-        lines.append(f"{f[:10]}:{l:<5d} {nonbar(c):6d} " + " ".join(
+        if isinstance(l, str):  # by_function's keys: (file, function)
+            head, text = f"{f[:10]}:{l}"[:30].ljust(30), ""
+        else:
+            head = f"{f[:10]}:{l:<5d}"
+            text = src[l - 1].strip()[:70] if 0 < l <= len(src) else ""
+        lines.append(f"{head} {nonbar(c):6d} " + " ".join(
             f"{c[k]:5d}" for k in SHOWN) + f" | {c['stall_barrier']:6d} {c['n']:6d} "
             f"{c['exec']:7d} | {text}")
     return "\n".join(lines)
@@ -156,6 +196,8 @@ def main():
     ap.add_argument("--kernel", default="tree_build_kernelILi3E",
                     help="substring of the kernel's mangled name (ILi3E: deferred_warp)")
     ap.add_argument("--top", type=int, default=70)
+    ap.add_argument("--by", choices=("line", "function"), default="line",
+                    help="sum per source line, or per enclosing function (kernel bodies whole)")
     args = ap.parse_args()
     opener = gzip.open if args.csv.endswith(".gz") else open
     with opener(args.csv, "rt") as f:
@@ -171,7 +213,10 @@ def main():
     for name in ("tree_build_kernel.cuh", "tree_build_params.h"):
         with open(os.path.join(ROOT, "cuda_ext", name)) as f:
             sources[name] = f.read().split("\n")
-    print(table(per_line(rows, sass), args.top, sources))
+    by = per_line(rows, sass)
+    if args.by == "function":
+        by = by_function(by, sources)
+    print(table(by, args.top, sources))
 
 
 if __name__ == "__main__":

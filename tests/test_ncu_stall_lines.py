@@ -63,3 +63,39 @@ def test_a_csv_without_the_table_is_refused():
 def test_opcode_drops_the_predicate():
     assert nsl.opcode("      @!P0 BRA 0x80 ;") == "BRA"
     assert nsl.opcode("LDS.128 R4, [R2]") == "LDS.128"
+
+
+SOURCE = """// file scope
+constexpr int k = 1;
+__device__ __forceinline__ int count_above(float s, const float* lp) {
+  return 0;
+}
+template <int MODE>
+__global__ void __launch_bounds__(MODE == 0 ? 256 : 1024)
+    tree_build_kernel(const TreeBuildParams p) {
+  int x = 0;
+}
+__global__ void __launch_bounds__(kFrontierMaxThreads, 1) tree_build_frontier_kernel(const P p) {
+  int y = 0;
+}
+""".split("\n")
+
+
+def test_lines_map_to_their_enclosing_function():
+    f = nsl.function_of_lines(SOURCE)
+    assert f[0] == f[1] == "(file scope)"
+    assert f[2] == f[3] == "count_above"
+    # the template line still belongs to the previous function; the kernel's name is on the
+    # line after its __launch_bounds__
+    assert f[6] == f[7] == f[8] == "tree_build_kernel"
+    assert f[10] == f[11] == "tree_build_frontier_kernel"
+
+
+def test_per_function_sums_add_lines_and_keep_the_most_executions():
+    by_line = {("k.cuh", 3): nsl.collections.Counter(stall_wait=2, n=1, exec=10),
+               ("k.cuh", 4): nsl.collections.Counter(stall_wait=3, n=2, exec=7),
+               ("k.cuh", 9): nsl.collections.Counter(stall_no_inst=5, n=1, exec=4)}
+    by = nsl.by_function(by_line, {"k.cuh": SOURCE})
+    assert by[("k.cuh", "count_above")] == nsl.collections.Counter(stall_wait=5, n=3, exec=10)
+    assert by[("k.cuh", "tree_build_kernel")]["stall_no_inst"] == 5
+    assert "k.cuh:count_above" in nsl.table(by, 5, {"k.cuh": SOURCE})
