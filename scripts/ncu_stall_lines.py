@@ -163,6 +163,7 @@ def table(by: dict, top: int, sources: dict) -> str:
 
 
 def find_tool(name: str) -> str:
+    """nvdisasm: on PATH, in CUDA_HOME/bin, or the copy triton's wheel bundles."""
     cands = [shutil.which(name), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"),
                                               "bin", name)]
     try:
@@ -178,10 +179,18 @@ def find_tool(name: str) -> str:
 
 
 def build_cubin(arch: str, out_dir: str) -> str:
+    """cuda_ext/tree_build.cu as one sm_<arch> cubin, with the extension's nvcc, includes and
+    flags (its loader's), plus the C++ standard."""
+    from torch.utils import cpp_extension
+
+    from sglang_ddtree import tree_backend
+
+    loader = tree_backend._loader()
+    includes, _ = loader._toolkit_flags()
     cubin = os.path.join(out_dir, "tree_build.cubin")
-    cmd = [find_tool("nvcc"), "-O3", "-lineinfo", "-std=c++17",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-o", cubin,
-           os.path.join(ROOT, "cuda_ext", "tree_build.cu")]
+    cmd = [os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), *loader._CUDA_CFLAGS, "-std=c++17",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", *[f"-I{i}" for i in includes],
+           "-cubin", "-o", cubin, os.path.join(ROOT, "cuda_ext", "tree_build.cu")]
     subprocess.run(cmd, check=True)
     return cubin
 

@@ -28,19 +28,25 @@ KERNEL_DIR = ROOT / "cuda_ext"
 GUARD = 16  # guard bytes (value 2) on each side of the FULL_MASK buffer
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory):
+def build_emu(source: str, exe) -> None:
+    """Compile tests/cuda_ext_emu/<source> against the kernel headers on the host (skips the
+    test without a C++20 compiler)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("cuda_ext_emu") / "emu_driver"
     cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
-           f"-I{KERNEL_DIR}", str(EMU_DIR / "emu_driver.cpp"), "-o", str(exe)]
+           f"-I{KERNEL_DIR}", str(EMU_DIR / source), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         if "barrier" in r.stderr and ("No such file" in r.stderr or "not found" in r.stderr):
             pytest.skip(f"{cxx} lacks C++20 <barrier>")
         pytest.fail(f"emulation build failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    exe = tmp_path_factory.mktemp("cuda_ext_emu") / "emu_driver"
+    build_emu("emu_driver.cpp", exe)
     return exe
 
 
@@ -262,16 +268,8 @@ def test_warp_run_helpers_match_direct_counts(tmp_path):
     ddtree::warp_hist_add (one atomic per run of equal bins) against one count per active lane.
     A histogram that undercounts would only loosen the pruning, which the tree tests cannot
     see."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     exe = tmp_path / "count_driver"
-    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", f"-I{EMU_DIR}",
-           f"-I{KERNEL_DIR}", str(EMU_DIR / "count_driver.cpp"), "-o", str(exe)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and "barrier" in r.stderr:
-        pytest.skip(f"{cxx} lacks C++20 <barrier>")
-    assert r.returncode == 0, r.stderr[-4000:]
+    build_emu("count_driver.cpp", exe)
     out = subprocess.run([str(exe), "7", "340"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     bad, checked = map(int, out.stdout.split())
