@@ -130,9 +130,12 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
     vocab = json.load(open(os.path.join(target, "config.json")))["vocab_size"]
     block = json.load(open(os.path.join(draft, "config.json")))["block_size"]
     prompts = random_prompts(max(concs) * 2, args.prompt_len, vocab)
+    graph_bs = (["--cuda-graph-bs"] + [str(c) for c in sorted(set(concs))]
+                if getattr(args, "graph_bs_concurrency", False) else
+                ["--cuda-graph-max-bs", str(max(concs))])
     common = ["--model-path", target, "--load-format", "dummy", "--skip-tokenizer-init",
-              "--attention-backend", args.attention_backend, "--cuda-graph-max-bs",
-              str(max(concs)), "--max-running-requests", str(max(concs)),
+              "--attention-backend", args.attention_backend] + graph_bs + [
+              "--max-running-requests", str(max(concs)),
               "--mem-fraction-static", str(args.mem_fraction), "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--disable-prefill-cuda-graph",
               "--context-length", str(args.prompt_len + args.max_new_tokens + 1024)]
@@ -141,7 +144,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
     res.update({"target": name, "draft": pairs[name], "drafter_block": block,
                 "server_env": dict(server_env or {}), "tpot_ms": {},
                 "accept_length": {}, "step_ms": {}, "verify_ms": {}, "verify_over_decode": {},
-                "stage_ms": {}, "host_stage_ms": {}, "startup_s": {}, "errors": {}})
+                "stage_ms": {}, "host_stage_ms": {}, "moe_distinct_experts": {},
+                "startup_s": {}, "errors": {}})
     greedy = {"temperature": 0.0}
     for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec,
                                                            timer_mode, baselines,
@@ -171,6 +175,10 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
         finally:
             srv.stop()
         if method.startswith("ddtree"):
+            from e2e_lossless import moe_distinct_experts
+
+            if os.path.exists(log) and moe_distinct_experts(log):  # SGLANG_DDTREE_MOE_STATS=1
+                res["moe_distinct_experts"][method] = moe_distinct_experts(log)
             by_bs = stage_times_by_bs(log)
             rows = {str(c): (by_bs or {}).get("bs", {}).get(str(c)) for c in concs}
             rows = {c: r for c, r in rows.items() if r}
@@ -210,6 +218,10 @@ def main():
                          "on our fused MoE kernel instead of SGLang's Marlin (whose first call "
                          "builds with nvcc for minutes: gpu_session.sh jitbg)")
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--graph-bs-concurrency", action="store_true",
+                    help="capture CUDA graphs only at the measured concurrencies "
+                         "(--cuda-graph-bs) instead of every size up to the largest: shorter "
+                         "server starts for deep models (the 61-layer Kimi rank: ~2-3 min each)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)

@@ -213,6 +213,8 @@ def tail(path, n=40):
 STAGE_RE = re.compile(r"DDTREE stage ms/step(?: \((\w+)\))? over (\d+) steps .*?: (\{.*\})")
 BY_BUDGET_RE = re.compile(r"DDTREE accept length by budget \(this server's trees\): (\{.*\})")
 BY_BS_RE = re.compile(r"DDTREE stage ms/step by batch size \((\w+)\): (\{.*\})")
+MOE_STATS_RE = re.compile(r"DDTREE MoE distinct experts per call by tokens M \(mean, calls\): "
+                          r"(\{.*\})")
 
 
 def _last_match(log, regex, build):
@@ -234,6 +236,12 @@ def stage_times_by_bs(log):
     """The last per-batch-size stage line: {"mode": ..., "bs": {bs: {"steps", stage: ms}}}."""
     return _last_match(log, BY_BS_RE,
                        lambda m: {"mode": m.group(1), "bs": json.loads(m.group(2))})
+
+
+def moe_distinct_experts(log):
+    """{M: [mean distinct experts per MoE call, calls]} from the last SGLANG_DDTREE_MOE_STATS
+    line, or None."""
+    return _last_match(log, MOE_STATS_RE, lambda m: json.loads(m.group(1)))
 
 
 def stage_times(log):

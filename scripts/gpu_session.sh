@@ -114,7 +114,8 @@ for s in "$@"; do
     memchecktree) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh ;;
     memcheck) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh
              step memcheck-verify ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_verify.sh ;;
-    costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-} ;;
+    costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-}
+             (cd /tmp && tar czf "$OUT/cost_curves_logs.tgz" ddtree_cost_curves/*.log 2>/dev/null) ;;
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;

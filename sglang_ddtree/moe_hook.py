@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "SGLANG_DDTREE_FUSED_MOE"
 ENV_DUMMY_SEED = "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED"
 ENV_DUMMY_RANGE = "SGLANG_DDTREE_DUMMY_INIT_RANGE"
+ENV_DUMMY_ROUTER = "SGLANG_DDTREE_DUMMY_ROUTER_LOGIT_STD"
+ENV_STATS = "SGLANG_DDTREE_MOE_STATS"
 _SCHEME_MODULE = "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe"
 _MARLIN_CLASS = "CompressedTensorsWNA16MoE"
 _TRITON_CLASS = "CompressedTensorsWNA16TritonMoE"
@@ -186,12 +188,60 @@ def _apply_weights(self, layer: torch.nn.Module, dispatch_output):
                                 "(was it installed after the model loaded?)")
     x = dispatch_output.hidden_states
     topk_weights, topk_ids, _ = dispatch_output.topk_output
+    if _stats["on"]:
+        record_distinct_experts(topk_ids, layer.w13_weight_packed.shape[0])
     out = fused_moe_w4a16(
         x, layer.w13_weight_packed, layer.w13_weight_scale, layer.w2_weight_packed,
         layer.w2_weight_scale, topk_weights.contiguous(), topk_ids.contiguous(),
         routed_scaling_factor=1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor,
         out=zero_copy_context.get_moe_output(x))
     return StandardCombineInput(hidden_states=out)
+
+
+# SGLANG_DDTREE_MOE_STATS=1: how many distinct experts each MoE call touches, by its token count M
+# (what a verify's extra weight bytes come from). Accumulated on the GPU with fixed-shape ops, so
+# it works inside CUDA graphs; read only by moe_stats_summary (a host sync: diagnostic use).
+_STATS_MAX_M = 8192
+_stats = {"on": False, "buf": None, "warned": False}
+
+
+def record_distinct_experts(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Add this call's distinct-expert count to row min(M, 8192) of the stats buffer (column 0:
+    sum of counts, column 1: calls). Negative ids (tokens routed nowhere) are not counted."""
+    if _stats["buf"] is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if not _stats["warned"]:  # the buffer must outlive the graph pools: make it eagerly
+                _stats["warned"] = True
+                logger.warning("%s: first MoE call inside a CUDA graph capture; not counted "
+                               "until an eager call", ENV_STATS)
+            return
+        _stats["buf"] = torch.zeros((_STATS_MAX_M + 1, 2), dtype=torch.int64,
+                                    device=topk_ids.device)
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    ids = torch.where(ids < 0, torch.full_like(ids, num_experts), ids)
+    mark = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    mark.scatter_(0, ids, 1)
+    one = torch.ones(1, dtype=torch.int64, device=ids.device)
+    row = _stats["buf"][min(topk_ids.shape[0], _STATS_MAX_M)]
+    row.add_(torch.cat([mark[:num_experts].sum().reshape(1), one]))
+
+
+def moe_stats_summary() -> dict:
+    """{M: [mean distinct experts per call, calls]} over the calls so far (a host sync)."""
+    buf = _stats["buf"]
+    if buf is None:
+        return {}
+    rows = buf.tolist()
+    return {m: [round(tot / n, 2), n] for m, (tot, n) in enumerate(rows) if n}
+
+
+def maybe_enable_stats(environ=os.environ) -> bool:
+    """Turn the distinct-expert counts on when ``SGLANG_DDTREE_MOE_STATS`` is 1/true/yes."""
+    _stats["on"] = environ.get(ENV_STATS, "").strip().lower() in ("1", "true", "yes")
+    if _stats["on"]:
+        logger.warning("sglang-ddtree: %s=1: counting distinct experts per fused-MoE call "
+                       "(diagnostic; DDTREE's stage-timer log lines print the counts)", ENV_STATS)
+    return _stats["on"]
 
 
 def install(hook_registry=None) -> list[str]:
@@ -328,6 +378,77 @@ def install_dummy_init_range(bound: float) -> bool:
     logger.warning("sglang-ddtree: %s=%g: dummy weights uniform in +-%g, norm weights 1",
                    ENV_DUMMY_RANGE, bound, bound)
     return True
+
+
+def spread_router_logits_(model: torch.nn.Module, std: float, seed: int = 1234) -> int:
+    """Give every MoE router (a module named ``*.mlp.gate`` with a 2-D ``[experts, hidden]``
+    weight) normal weights whose logits have standard deviation ``std`` on its actual input,
+    and zero its ``e_score_correction_bias`` if it has one; returns the number of routers.
+
+    Why: SGLang's dummy fill gives every parameter the same values for a given size (one seed),
+    so each layer's correction bias (+-1e-3) outweighs router logits of ~1e-4 and every token
+    picks the same top-k experts: a verify then reads no more expert weights than a decode step.
+    The router's input is the layer's ``post_attention_layernorm`` output, x / rms(x) * w, whose
+    norm is ||w||, so weights N(0, std / ||w||) give logits of about ``std``; a seed per layer
+    makes layers route differently. Real routers lie between the two: this is the upper bound on
+    distinct experts per token set (independent routing), the stock dummy fill the lower one."""
+    modules = dict(model.named_modules())
+    n = 0
+    for name, mod in modules.items():
+        w = getattr(mod, "weight", None)
+        if not name.endswith(".mlp.gate") or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            continue
+        norm = modules.get(name[: -len(".mlp.gate")] + ".post_attention_layernorm")
+        if norm is None or getattr(norm, "weight", None) is None:
+            raise FusedMoeHookError(f"{ENV_DUMMY_ROUTER}: no post_attention_layernorm next to "
+                                    f"{name}; cannot scale its router")
+        scale = float(norm.weight.detach().float().norm())
+        if not scale > 0:
+            raise FusedMoeHookError(f"{ENV_DUMMY_ROUTER}: {name}'s input norm weight is zero")
+        g = torch.Generator(device=w.device).manual_seed(seed + n)
+        with torch.no_grad():
+            w.copy_(torch.randn(w.shape, generator=g, device=w.device,
+                                dtype=torch.float32) * (std / scale))
+            bias = getattr(mod, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
+        n += 1
+    return n
+
+
+def install_dummy_router_spread(std: float) -> bool:
+    """Wrap the loader's ``initialize_dummy_weights`` so that, after it (and after
+    :func:`install_dummy_init_range`'s wrapper, when installed first), MoE routers get
+    :func:`spread_router_logits_`. For cost measurements with ``--load-format dummy``. Returns
+    False when already installed."""
+    from sglang.srt.model_loader import loader
+
+    original = loader.initialize_dummy_weights
+    if getattr(original, "_ddtree_router_std", None) is not None:
+        return False
+
+    @functools.wraps(original)
+    def initialize_dummy_weights(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        n = spread_router_logits_(model, std)
+        logger.warning("sglang-ddtree: %s=%g: %d MoE routers re-initialised (logit std %g, "
+                       "correction bias 0): tokens route independently", ENV_DUMMY_ROUTER, std,
+                       n, std)
+
+    initialize_dummy_weights._ddtree_router_std = std
+    loader.initialize_dummy_weights = initialize_dummy_weights
+    return True
+
+
+def maybe_install_dummy_router_spread(environ=os.environ) -> bool:
+    """Install :func:`install_dummy_router_spread` when ``SGLANG_DDTREE_DUMMY_ROUTER_LOGIT_STD``
+    is set."""
+    std = _env_value(environ, ENV_DUMMY_ROUTER, float, "a positive number")
+    if std is None:
+        return False
+    if not std > 0:
+        raise ValueError(f"{ENV_DUMMY_ROUTER} must be a positive number, got {std!r}")
+    return install_dummy_router_spread(std)
 
 
 def maybe_install_dummy_init_range(environ=os.environ) -> bool:

@@ -125,19 +125,24 @@ def _register() -> None:
 
 def _maybe_install_fused_moe() -> None:
     """Opt-in (SGLANG_DDTREE_FUSED_MOE=1 / SGLANG_DDTREE_MOE_DUMMY_INT4_SEED /
-    SGLANG_DDTREE_DUMMY_INIT_RANGE): in every process,
+    SGLANG_DDTREE_DUMMY_INIT_RANGE / SGLANG_DDTREE_DUMMY_ROUTER_LOGIT_STD /
+    SGLANG_DDTREE_MOE_STATS): in every process,
     before weights load. A layout SGLang does not match raises FusedMoeHookError: no fallback."""
     import os
 
     if not (os.environ.get("SGLANG_DDTREE_FUSED_MOE") or
             os.environ.get("SGLANG_DDTREE_MOE_DUMMY_INT4_SEED") or
-            os.environ.get("SGLANG_DDTREE_DUMMY_INIT_RANGE")):
+            os.environ.get("SGLANG_DDTREE_DUMMY_INIT_RANGE") or
+            os.environ.get("SGLANG_DDTREE_DUMMY_ROUTER_LOGIT_STD") or
+            os.environ.get("SGLANG_DDTREE_MOE_STATS")):
         return
     from . import moe_hook
 
     moe_hook.maybe_install()
     moe_hook.maybe_install_dummy_int4_fill()
-    moe_hook.maybe_install_dummy_init_range()
+    moe_hook.maybe_install_dummy_init_range()  # before the router spread: it wraps this one
+    moe_hook.maybe_install_dummy_router_spread()
+    moe_hook.maybe_enable_stats()
 
 
 def check_hooks_applied() -> list:

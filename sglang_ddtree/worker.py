@@ -738,6 +738,11 @@ class StepTimers:
                         self.steps_counted, bs, per)
             logger.info("DDTREE stage ms/step by batch size (%s): %s", self.mode,
                         json.dumps(self.per_batch_size()))
+            from . import moe_hook
+
+            if moe_hook._stats["on"]:  # SGLANG_DDTREE_MOE_STATS=1 (a host sync; diagnostic)
+                logger.info("DDTREE MoE distinct experts per call by tokens M (mean, calls): %s",
+                            json.dumps(moe_hook.moe_stats_summary()))
 
     def per_batch_size(self):
         """{bs: {"steps": n, stage: ms per step}} over every step so far."""

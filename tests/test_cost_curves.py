@@ -124,3 +124,49 @@ def test_measure_model_times_ddtree_unsynced_and_takes_verify_from_the_timers_se
     assert [e["SGLANG_DDTREE_TIMERS"] for log, e in logs.items() if log.endswith("-timers.log")] \
         == ["gpu"]
     assert res["server_env"] == {"SGLANG_DDTREE_FUSED_MOE": "1", "SGLANG_DDTREE_TIMERS": "x"}
+
+
+def test_measure_model_keeps_moe_expert_counts_and_can_capture_only_measured_sizes(tmp_path):
+    """A DDTREE server run with SGLANG_DDTREE_MOE_STATS=1 logs distinct experts per MoE call by
+    token count: measure_model keeps the last line per method. --graph-bs-concurrency captures
+    CUDA graphs at the measured concurrencies only."""
+    import types
+
+    seen = []
+
+    class FakeServer:
+        def __init__(self, args, log, port, env=None):
+            self.port, self.startup_s = port, 1.0
+            seen.append(args)
+            with open(log, "w") as f:
+                if "DDTREE" in args:
+                    row = {"steps": 9, "draft": 1.0, "tree": 0.1, "verify": 3.0, "accept": 0.1,
+                           "commit": 0.2, "draft_kv": 0.5}
+                    f.write("DDTREE stage ms/step by batch size (gpu): %s\n"
+                            % json.dumps({"1": row}))
+                    for mean in (10.0, 41.5):  # the last line wins
+                        f.write("DDTREE MoE distinct experts per call by tokens M (mean, "
+                                "calls): %s\n" % json.dumps({"33": [mean, 600], "512": [230.0, 60]}))
+
+        def stop(self):
+            pass
+
+    args = types.SimpleNamespace(prompt_len=16, max_new_tokens=8, attention_backend="triton",
+                                 mem_fraction=0.8, repeats=1, port=40000, workdir=str(tmp_path),
+                                 graph_bs_concurrency=True)
+    from e2e_lossless import stage_times_by_bs
+
+    res = cc.measure_model("qwen3-8b", args, [8, 1], [], FakeServer,
+                           lambda *a: {"tpot_ms": 2.0, "accept_length": 1.0}, stage_times_by_bs,
+                           timer_budgets=[32], baselines=["ar"])
+    assert res["moe_distinct_experts"] == {"ddtree_b32-timers": {"33": [41.5, 600],
+                                                                 "512": [230.0, 60]}}
+    ar_args = seen[0]
+    i = ar_args.index("--cuda-graph-bs")
+    assert ar_args[i + 1: i + 3] == ["1", "8"] and "--cuda-graph-max-bs" not in ar_args
+    args.graph_bs_concurrency = False
+    seen.clear()
+    cc.measure_model("qwen3-8b", args, [8, 1], [], FakeServer,
+                     lambda *a: {"tpot_ms": 2.0, "accept_length": 1.0}, stage_times_by_bs,
+                     timer_budgets=[], baselines=["ar"])
+    assert seen[0][seen[0].index("--cuda-graph-max-bs") + 1] == "8"

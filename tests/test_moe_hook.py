@@ -211,3 +211,91 @@ def test_dummy_init_range_gives_a_non_degenerate_model(monkeypatch):
     assert torch.equal(w, b.proj.weight)  # seeded: two servers get the same weights
     assert bool((a.input_layernorm.weight == 1).all())
     assert bool((a.packed == 0).all())
+
+
+def _toy_moe_model(layers=2, experts=64, hidden=256):
+    """DeepSeek-V3-like names: model.layers.i.{post_attention_layernorm, mlp.gate}."""
+
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(experts, hidden))
+            self.e_score_correction_bias = torch.nn.Parameter(torch.empty(experts))
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.post_attention_layernorm = torch.nn.Module()
+            self.post_attention_layernorm.weight = torch.nn.Parameter(torch.empty(hidden))
+            self.mlp = torch.nn.Module()
+            self.mlp.gate = Gate()
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
+    return model
+
+
+def _distinct_experts(layer, tokens, topk=8):
+    """Distinct experts the tokens pick, noaux_tc style: sigmoid(logits) + bias, top-k."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, layer.mlp.gate.weight.shape[1], generator=g)
+    h = x / x.pow(2).mean(-1, keepdim=True).sqrt() * layer.post_attention_layernorm.weight
+    logits = h @ layer.mlp.gate.weight.t()
+    scores = logits.sigmoid() + layer.mlp.gate.e_score_correction_bias
+    return scores.topk(topk, dim=-1).indices.unique().numel(), logits
+
+
+def test_dummy_router_spread_makes_tokens_route_independently(monkeypatch):
+    """SGLANG_DDTREE_DUMMY_ROUTER_LOGIT_STD: under SGLang's stock dummy fill every token picks
+    the same experts (the correction bias outweighs the logits); after the spread the logits
+    have the asked standard deviation, the bias is 0, layers differ, and 32 tokens touch about
+    as many experts as independent routing would."""
+    loader = pytest.importorskip("sglang.srt.model_loader.loader")
+    monkeypatch.setattr(loader, "initialize_dummy_weights", loader.initialize_dummy_weights)
+    stock = _toy_moe_model()
+    loader.initialize_dummy_weights(stock)
+    assert _distinct_experts(stock.model.layers[0], 32)[0] == 8  # one expert set for all
+
+    assert not moe_hook.maybe_install_dummy_router_spread({})
+    with pytest.raises(ValueError, match="ROUTER_LOGIT_STD must be a positive"):
+        moe_hook.maybe_install_dummy_router_spread({moe_hook.ENV_DUMMY_ROUTER: "0"})
+    assert moe_hook.maybe_install_dummy_router_spread({moe_hook.ENV_DUMMY_ROUTER: "1.0"})
+    assert not moe_hook.install_dummy_router_spread(1.0)  # idempotent
+    model = _toy_moe_model()
+    loader.initialize_dummy_weights(model)
+    l0, l1 = model.model.layers
+    assert bool((l0.mlp.gate.e_score_correction_bias == 0).all())
+    assert not torch.equal(l0.mlp.gate.weight, l1.mlp.gate.weight)  # a seed per layer
+    distinct, logits = _distinct_experts(l0, 32)
+    assert 0.85 < float(logits.std()) < 1.15
+    # 32 tokens x 8 of 64 experts drawn independently: 64 * (1 - (56/64)^32) = 63.3 expected
+    assert distinct >= 56, distinct
+    model2 = _toy_moe_model()
+    loader.initialize_dummy_weights(model2)
+    assert torch.equal(model2.model.layers[1].mlp.gate.weight, l1.mlp.gate.weight)  # seeded
+
+    orphan = torch.nn.Module()
+    orphan.mlp = torch.nn.Module()
+    orphan.mlp.gate = torch.nn.Linear(8, 4, bias=False)
+    wrapped = torch.nn.Module()
+    wrapped.layer = orphan
+    with pytest.raises(moe_hook.FusedMoeHookError, match="no post_attention_layernorm"):
+        moe_hook.spread_router_logits_(wrapped, 1.0)
+
+
+def test_distinct_expert_counts_by_token_count(monkeypatch):
+    """SGLANG_DDTREE_MOE_STATS: per call, the distinct experts of its top-k ids (negative ids not
+    counted), summed by the call's token count M; the summary is the mean per call."""
+    monkeypatch.setitem(moe_hook._stats, "buf", None)
+    assert moe_hook.moe_stats_summary() == {}
+    assert not moe_hook.maybe_enable_stats({})
+    moe_hook.record_distinct_experts(torch.tensor([[0, 1], [1, 2], [-1, 2]]), 4)  # 3 distinct
+    moe_hook.record_distinct_experts(torch.tensor([[3, 3], [3, -1], [3, 3]]), 4)  # 1
+    moe_hook.record_distinct_experts(torch.tensor([[0, 1]], dtype=torch.int32), 4)  # 2, M = 1
+    assert moe_hook.moe_stats_summary() == {1: [2.0, 1], 3: [2.0, 2]}
+    big = torch.zeros((9000, 1), dtype=torch.int64)
+    moe_hook.record_distinct_experts(big, 4)  # M past the table: counted in its last row
+    assert moe_hook.moe_stats_summary()[moe_hook._STATS_MAX_M] == [1.0, 1]
+    monkeypatch.setitem(moe_hook._stats, "on", False)
+    assert moe_hook.maybe_enable_stats({moe_hook.ENV_STATS: "1"})

@@ -30,3 +30,29 @@ def test_gpu_mode_sees_gpu_work_the_host_does_not_wait_for():
     assert per["steps"] == 20
     assert per["verify"] > 0.3, per  # ms: the GPU work, whatever the clock rate
     assert all(per[s] < 0.1 * per["verify"] for s in StepTimers.STAGES if s != "verify"), per
+
+
+def test_moe_distinct_expert_counts_accumulate_inside_a_cuda_graph(monkeypatch):
+    """SGLANG_DDTREE_MOE_STATS: the counts are fixed-shape GPU ops, so a captured MoE call adds
+    to them at every replay (the buffer is made by the first, eager, call)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sglang_ddtree import moe_hook
+
+    monkeypatch.setitem(moe_hook._stats, "buf", None)
+    ids = torch.tensor([[0, 5], [5, 7], [9, 0]], device="cuda", dtype=torch.int32)
+    moe_hook.record_distinct_experts(ids, 16)  # eager: makes the buffer, 4 distinct
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_hook.record_distinct_experts(ids, 16)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        moe_hook.record_distinct_experts(ids, 16)
+    for _ in range(3):
+        g.replay()
+    ids.copy_(torch.tensor([[1, 1], [1, 1], [1, 1]], device="cuda"))  # 1 distinct from now on
+    g.replay()
+    torch.cuda.synchronize()
+    assert moe_hook.moe_stats_summary() == {3: [round((4 * 5 + 1) / 6, 2), 6]}
