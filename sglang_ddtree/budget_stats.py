@@ -36,9 +36,10 @@ class BudgetAcceptStats:
         self.candidates = candidate_budgets(budget)
         self.budgets = torch.tensor(self.candidates, dtype=torch.int64, device=device)
         # [C] accepted draft tokens summed over request-steps, then the request-step count
-        self.totals = torch.zeros(len(self.candidates) + 1, dtype=torch.float64, device=device)
+        # (int64: exact, and what the fused walk's atomic adds take)
+        self.totals = torch.zeros(len(self.candidates) + 1, dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
-        self._host = torch.zeros(len(self.candidates) + 1, dtype=torch.float64,
+        self._host = torch.zeros(len(self.candidates) + 1, dtype=torch.int64,
                                  pin_memory=self._cuda)
         self._copied = None  # event recorded after the last non-blocking copy
 
@@ -49,8 +50,8 @@ class BudgetAcceptStats:
         j = torch.arange(1, width, device=path_nodes.device)
         live = j[None, :] <= accept_len.to(torch.int64)[:, None]  # [bs, B-1]
         within = (path_nodes[None, :, 1:] <= self.budgets[:, None, None]) & live[None]
-        self.totals[:-1] += within.sum(dim=(1, 2)).to(torch.float64)
-        self.totals[-1:] += float(bs)
+        self.totals[:-1] += within.sum(dim=(1, 2))
+        self.totals[-1:] += bs
 
     def report(self) -> Optional[Dict[int, float]]:
         """{budget: tokens per step (accepted drafts + 1)} as of the previous call (no sync),

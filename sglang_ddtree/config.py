@@ -29,6 +29,7 @@ ENV_SYNC_CHECK = "SGLANG_DDTREE_CHECK_SYNCS"  # debug: log host syncs inside the
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
 ENV_VERIFY_BACKEND = "SGLANG_DDTREE_VERIFY_BACKEND"
 ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # fused (kv_move.py, default) | sglang (per column)
+ENV_COMMIT = "SGLANG_DDTREE_COMMIT"  # ops (default) | fused (triton_kernels/walk_commit.py)
 
 MIN_BUDGET = 1
 MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
@@ -320,6 +321,18 @@ def kv_move_fused(environ=os.environ) -> bool:
     raw = environ.get(ENV_KV_MOVE, "fused").strip().lower() or "fused"
     if raw not in ("sglang", "fused"):
         raise DDTreeConfigError(f"{ENV_KV_MOVE}: expected sglang or fused, got {raw!r}")
+    return raw == "fused"
+
+
+def commit_fused(environ=os.environ) -> bool:
+    """SGLANG_DDTREE_COMMIT: ``ops`` (default) walks the tree with SGLang's ``verify_tree_greedy``
+    and does the commit bookkeeping in PyTorch ops (about forty kernels in the accept/commit
+    graph); ``fused`` does the walk and all of the bookkeeping in one Triton launch
+    (``triton_kernels/walk_commit.py``, exact parity with the ops in the CPU interpreter; not yet
+    run on a GPU, hence opt-in)."""
+    raw = environ.get(ENV_COMMIT, "ops").strip().lower() or "ops"
+    if raw not in ("ops", "fused"):
+        raise DDTreeConfigError(f"{ENV_COMMIT}: expected ops or fused, got {raw!r}")
     return raw == "fused"
 
 

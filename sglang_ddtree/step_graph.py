@@ -38,14 +38,28 @@ class AcceptCommit:
 
 def accept_and_commit(tree: DraftTree, predicted: torch.Tensor, slots: torch.Tensor,
                       prefix: torch.Tensor, path_width: int, walk: Callable,
-                      pool, stats=None) -> AcceptCommit:
+                      pool, stats=None, fused: bool = False) -> AcceptCommit:
     """Walk ``tree`` against the target's ``predicted`` tokens and commit the accepted path.
 
     tree: [bs, N] DraftTree; predicted: [bs, N] int64 target token at every node; slots:
     [bs, W >= N] int64 KV slots of positions prefix..prefix+W-1; prefix: [bs] lengths;
     path_width: the drafter block B; walk: ``compat.tree_greedy_walk``; pool: SGLang KV pool
     (None: skip the KV relocation); stats: optional ``BudgetAcceptStats`` updated in place.
+    fused: walk and bookkeeping in one Triton launch (``triton_kernels/walk_commit.py``, the
+    same integers; ``walk`` unused) instead of SGLang's walk and PyTorch ops.
     """
+    if fused:
+        from .triton_kernels.walk_commit import walk_commit
+
+        wc = walk_commit(tree, predicted, slots, prefix, path_width,
+                         None if stats is None else stats.budgets,
+                         None if stats is None else stats.totals)
+        if pool is not None:
+            move_accepted_kv(pool, wc.kv_dst, wc.kv_src)
+        return AcceptCommit(step=StepCommit(out_tokens=wc.out_tokens, commit_lens=wc.commit_lens,
+                                            new_seq_lens=wc.new_seq_lens,
+                                            path_nodes=wc.path_nodes, bonus=wc.bonus),
+                            hidden_rows=wc.hidden_rows)
     accept_len, accepted_nodes, bonus = walk(tree, predicted, path_width)
     step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
     if stats is not None:
@@ -80,8 +94,9 @@ def _pack(out: AcceptCommit) -> torch.Tensor:
 class AcceptCommitGraphs:
     """``accept_and_commit`` per batch size from a CUDA graph (captured on first use)."""
 
-    def __init__(self, path_width: int, walk: Callable, use_graphs: bool, device, stats=None):
-        self.path_width, self.walk, self.stats = path_width, walk, stats
+    def __init__(self, path_width: int, walk: Callable, use_graphs: bool, device, stats=None,
+                 fused: bool = False):
+        self.path_width, self.walk, self.stats, self.fused = path_width, walk, stats, fused
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._entries: Dict[Tuple, _Entry] = {}
@@ -165,7 +180,7 @@ class AcceptCommitGraphs:
 
     def _eager(self, tree, predicted, slots, prefix, pool, count=True):
         return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool,
-                                 stats=self.stats if count else None)
+                                 stats=self.stats if count else None, fused=self.fused)
 
     def _capture(self, tree, predicted, slots, prefix, pool) -> _Entry:
         dev = self.device

@@ -110,7 +110,7 @@ def _make_worker_class(sgl):
             self._accept_commit = AcceptCommitGraphs(
                 int(block), sgl.tree_greedy_walk,
                 use_graphs=sgl.decode_graphs_enabled(server_args), device=self.device,
-                stats=self._budget_stats)
+                stats=self._budget_stats, fused=cfg.commit_fused())
             self._tree_verify = None  # the triton verify backend, set in init_attention_backends
             self._oracle = None
             if cfg.oracle_enabled():

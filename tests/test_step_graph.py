@@ -70,3 +70,47 @@ def test_prewarm_is_a_no_op_off_gpu_and_the_tree_builder_has_no_static_buffers_t
     assert not graphs.prewarm(tree, 9, FakePool(64))
     assert not graphs._entries and not graphs.failed
     assert all(torch.equal(v, before[k]) for k, v in tree.tensors().items())  # left untouched
+
+
+def test_fused_commit_equals_the_op_path_with_stats_and_kv():
+    """accept_and_commit(fused=True): one walk_commit launch + the KV move gives the op path's
+    outputs, hidden rows, KV and budget statistics (Triton interpreter on CPU)."""
+    from sglang_ddtree.budget_stats import BudgetAcceptStats
+
+    rng = random.Random(4)
+    for seed in range(6):
+        bs, depth, k, budget = 3, 7, 3, 18
+        block = depth + 1
+        tree = _random_tree(bs, depth, k, budget, seed)
+        n = tree.tokens.shape[1]
+        pred = _predict_path(tree, rng)
+        prefix = torch.tensor([3, 0, 11], dtype=torch.int32)
+        slots = torch.arange(bs * (n + 2)).view(bs, n + 2) * 3 + 5
+        pools = FakePool(int(slots.max()) + 1), FakePool(int(slots.max()) + 1)
+        stats = BudgetAcceptStats(budget, "cpu"), BudgetAcceptStats(budget, "cpu")
+        got = accept_and_commit(tree, pred, slots, prefix, block, _walk, pools[0],
+                                stats=stats[0], fused=True)
+        want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pools[1],
+                                 stats=stats[1])
+        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+            a, b = getattr(got.step, name), getattr(want.step, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, seed)
+        assert torch.equal(got.hidden_rows, want.hidden_rows)
+        for a, b in zip(*(p.bufs for p in pools)):
+            assert torch.equal(a, b)
+        assert torch.equal(stats[0].totals, stats[1].totals)
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=False, device="cpu", fused=True)
+    got = graphs(tree, pred, slots, prefix, None)
+    assert torch.equal(got.step.out_tokens, want.step.out_tokens)
+
+
+def test_commit_switch():
+    from sglang_ddtree import config as cfg
+
+    assert cfg.commit_fused({}) is False  # opt-in until it has run on a GPU
+    assert cfg.commit_fused({cfg.ENV_COMMIT: "fused"}) is True
+    assert cfg.commit_fused({cfg.ENV_COMMIT: " OPS "}) is False
+    import pytest
+
+    with pytest.raises(cfg.DDTreeConfigError, match="expected ops or fused"):
+        cfg.commit_fused({cfg.ENV_COMMIT: "fast"})

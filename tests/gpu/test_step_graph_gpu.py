@@ -69,12 +69,16 @@ def _step_both(trees, graphs, pools, inputs, rng, block, width):
     return got, want
 
 
+@pytest.mark.parametrize("commit", ["ops", "fused"])
 @pytest.mark.parametrize("budget,depth,k", [(8, 7, 4), (32, 15, 8)])
-def test_replay_equals_eager(budget, depth, k):
+def test_replay_equals_eager(budget, depth, k, commit):
+    """Graph replays (the PyTorch-op body, or the one-launch walk_commit body) equal the eager
+    PyTorch ops: outputs, hidden rows and KV."""
     rng = random.Random(0)
     block = depth + 1
     trees = TreeBuildGraphs(budget, depth, k, "cuda")
-    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda")
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda",
+                                fused=commit == "fused")
     n = budget + 1
     width = max(n, block)
     kept = []
@@ -117,14 +121,16 @@ def test_lazy_capture_neither_synchronizes_nor_flushes_the_allocator(monkeypatch
     assert torch.equal(got.step.out_tokens, want.step.out_tokens)
 
 
-def test_budget_stats_count_the_same_in_graph_and_eager():
+@pytest.mark.parametrize("commit", ["ops", "fused"])
+def test_budget_stats_count_the_same_in_graph_and_eager(commit):
     from sglang_ddtree.budget_stats import BudgetAcceptStats
 
     rng = random.Random(1)
     budget, depth, k, block = 32, 15, 8, 16
     trees = TreeBuildGraphs(budget, depth, k, "cuda")
     s_graph, s_eager = BudgetAcceptStats(budget, "cuda"), BudgetAcceptStats(budget, "cuda")
-    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda", stats=s_graph)
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda", stats=s_graph,
+                                fused=commit == "fused")
     width = budget + 1
     pool_g, pool_e = GpuPool(8 * width * 2 + 1), GpuPool(8 * width * 2 + 1)
     for seed, bs in enumerate([2, 2, 8, 2, 8]):
