@@ -172,6 +172,18 @@ def add_pair_args(ap, out):
     ap.add_argument("--prompts-file", default=os.path.join(ASSETS, "eval_prompts.jsonl"))
 
 
+def parse_variants(specs):
+    """[(tag, {KEY: VALUE})] from ``--variant TAG:KEY=VALUE[,KEY=VALUE]`` strings."""
+    out = []
+    for spec in specs:
+        tag, sep, kvs = spec.partition(":")
+        pairs = [kv.split("=", 1) for kv in kvs.split(",") if kv]
+        if not sep or not tag.isidentifier() or not pairs or any(len(p) != 2 for p in pairs):
+            raise SystemExit(f"--variant {spec!r}: expected TAG:KEY=VALUE[,KEY=VALUE]")
+        out.append((tag, dict(pairs)))
+    return out
+
+
 def ddtree_args(budget, spec):
     """Server flags of DDTREE at ``budget`` (a number, ``auto``, or ``online``: auto with
     SGLANG_DDTREE_AUTO_MODE=online, set by the caller)."""
@@ -217,6 +229,10 @@ def main():
     ap.add_argument("--interleave", type=int, default=1,
                     help="1 (with --concurrent-start 1): the methods take turns pass by pass at "
                     "every point; 0: one method's whole sweep after another")
+    ap.add_argument("--variant", action="append", default=[], metavar="TAG:KEY=VALUE[,KEY=VALUE]",
+                    help="also run every DDTREE speed budget and -timers budget with this "
+                    "environment, as method ddtree_b<budget>_<TAG> (repeatable), e.g. "
+                    "fusedcommit:SGLANG_DDTREE_COMMIT=fused: an A/B in the same run")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
     args.deadline = None if args.time_budget is None else time.time() + args.time_budget
@@ -240,6 +256,9 @@ def main():
     methods += [(f"ddtree_b{b}", ddtree_args(b, spec),
                  {"SGLANG_DDTREE_AUTO_MODE": "online"} if b == "online" else {})
                 for b in args.budgets.split(",")]
+    variants = parse_variants(args.variant)
+    methods += [(f"{name}_{tag}", extra, {**env, **venv}) for name, extra, env in list(methods)
+                if name.startswith("ddtree_b") for tag, venv in variants]
     methods += [(f"ddtree_tv_b{b}", ddtree_args(
                     b, ["--speculative-ddtree-verify-backend", "triton"] + spec), {})
                 for b in args.triton_verify_budgets.split(",") if b]
@@ -264,10 +283,11 @@ def main():
                                      if name.startswith("ddtree") else {})})
             for name, extra, env in methods]
     # a stage line every 10 steps: the few steps of the high-concurrency passes get one too
-    jobs += [(f"ddtree_b{b}-timers", ddtree_args(b, spec),
-              {"SGLANG_DDTREE_TIMERS": "1" if args.timer_mode == "sync" else args.timer_mode,
-               "SGLANG_DDTREE_TIMERS_EVERY": "10", "SGLANG_DDTREE_TIMERS_SKIP": "16"})
-             for b in sorted(timer_budgets, key=str)]
+    timed = {"SGLANG_DDTREE_TIMERS": "1" if args.timer_mode == "sync" else args.timer_mode,
+             "SGLANG_DDTREE_TIMERS_EVERY": "10", "SGLANG_DDTREE_TIMERS_SKIP": "16"}
+    jobs += [(f"ddtree_b{b}{suffix}-timers", ddtree_args(b, spec), {**venv, **timed})
+             for b in sorted(timer_budgets, key=str)
+             for suffix, venv in [("", {})] + [(f"_{t}", e) for t, e in variants]]
     servers = {}
 
     def start(i, job):

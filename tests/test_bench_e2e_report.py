@@ -190,6 +190,26 @@ def test_bench_e2e_dry_run_on_fake_servers(tmp_path, monkeypatch):
     assert tv.args[tv.args.index("--speculative-ddtree-budget") + 1] == "32"
     assert "| 4.000 | 0.400 | 10.0 % |" in plot.overhead_table(res)  # tree+accept+commit / step
 
+    # --variant: every DDTREE budget (speed and -timers) again with the variant's environment
+    started.clear()
+    out2 = tmp_path / "v.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--out", str(out2), "--prompts-file", str(prompts), "--budgets", "8",
+        "--concurrency", "1", "--modes", "greedy", "--repeats", "1", "--timer-budgets", "32",
+        "--variant", "fc:SGLANG_DDTREE_COMMIT=fused", "--workdir", str(tmp_path / "w2")])
+    bench_e2e.main()
+    res = json.loads(out2.read_text())
+    assert set(res["results"]) == {"ar", "dflash", "ddtree_b8", "ddtree_b8_fc"}
+    envs = {s.log.rsplit("/", 1)[-1]: s.env for s in started}
+    assert envs["ddtree_b8_fc.log"]["SGLANG_DDTREE_COMMIT"] == "fused"
+    assert envs["ddtree_b8_fc.log"]["SGLANG_DDTREE_TIMERS"] == "cpu"
+    assert "SGLANG_DDTREE_COMMIT" not in envs["ddtree_b8.log"]
+    assert envs["ddtree_b32_fc-timers.log"]["SGLANG_DDTREE_COMMIT"] == "fused"
+    assert envs["ddtree_b32_fc-timers.log"]["SGLANG_DDTREE_TIMERS"] == "gpu"
+    assert set(res["stage_ms_by_batch_size"]) == {"ddtree_b32", "ddtree_b32_fc"}
+    with pytest.raises(SystemExit, match="expected TAG:KEY=VALUE"):
+        bench_e2e.parse_variants(["fc=SGLANG_DDTREE_COMMIT"])
+
 
 def test_run_pass_reports_stragglers_beside_the_medians(monkeypatch):
     """tokens/s over the pass's wall time, median TTFT/TPOT, and the p90 / slowest request."""
