@@ -51,7 +51,8 @@ def accept_and_commit(tree: DraftTree, predicted: torch.Tensor, slots: torch.Ten
     if fused:
         from .triton_kernels.walk_commit import walk_commit
 
-        wc = walk_commit(tree, predicted, slots, prefix, path_width,
+        wc = walk_commit(tree, predicted.to(torch.int64), slots.to(torch.int64), prefix,
+                         path_width,
                          None if stats is None else stats.budgets,
                          None if stats is None else stats.totals)
         if pool is not None:
