@@ -188,8 +188,6 @@ def _apply_weights(self, layer: torch.nn.Module, dispatch_output):
                                 "(was it installed after the model loaded?)")
     x = dispatch_output.hidden_states
     topk_weights, topk_ids, _ = dispatch_output.topk_output
-    if _stats["on"]:
-        record_distinct_experts(topk_ids, layer.w13_weight_packed.shape[0])
     out = fused_moe_w4a16(
         x, layer.w13_weight_packed, layer.w13_weight_scale, layer.w2_weight_packed,
         layer.w2_weight_scale, topk_weights.contiguous(), topk_ids.contiguous(),
@@ -198,7 +196,7 @@ def _apply_weights(self, layer: torch.nn.Module, dispatch_output):
     return StandardCombineInput(hidden_states=out)
 
 
-# SGLANG_DDTREE_MOE_STATS=1: how many distinct experts each MoE call touches, by its token count M
+# SGLANG_DDTREE_MOE_STATS=1: how many distinct experts each MoE routing call picks, by its token count M
 # (what a verify's extra weight bytes come from). Accumulated on the GPU with fixed-shape ops, so
 # it works inside CUDA graphs; read only by moe_stats_summary (a host sync: diagnostic use).
 _STATS_MAX_M = 8192
@@ -207,7 +205,8 @@ _stats = {"on": False, "buf": None, "warned": False}
 
 def record_distinct_experts(topk_ids: torch.Tensor, num_experts: int) -> None:
     """Add this call's distinct-expert count to row min(M, 8192) of the stats buffer (column 0:
-    sum of counts, column 1: calls). Negative ids (tokens routed nowhere) are not counted."""
+    sum of counts, column 1: calls). Ids outside [0, num_experts) (padding tokens routed nowhere,
+    a fused shared expert) are not counted."""
     if _stats["buf"] is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             if not _stats["warned"]:  # the buffer must outlive the graph pools: make it eagerly
@@ -218,7 +217,8 @@ def record_distinct_experts(topk_ids: torch.Tensor, num_experts: int) -> None:
         _stats["buf"] = torch.zeros((_STATS_MAX_M + 1, 2), dtype=torch.int64,
                                     device=topk_ids.device)
     ids = topk_ids.reshape(-1).to(torch.int64)
-    ids = torch.where(ids < 0, torch.full_like(ids, num_experts), ids)
+    # negative (padding) and out-of-range (fused shared expert) ids land in a slot not counted
+    ids = torch.where((ids < 0) | (ids >= num_experts), torch.full_like(ids, num_experts), ids)
     mark = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     mark.scatter_(0, ids, 1)
     one = torch.ones(1, dtype=torch.int64, device=ids.device)
@@ -235,11 +235,40 @@ def moe_stats_summary() -> dict:
     return {m: [round(tot / n, 2), n] for m, (tot, n) in enumerate(rows) if n}
 
 
+def install_topk_stats() -> bool:
+    """Wrap SGLang's ``TopK.forward_cuda`` / ``forward_native`` (every MoE layer's routing,
+    whatever its experts' format or kernel) to count the distinct experts of each call's
+    top-k ids. Must run before the model is built (``MultiPlatformOp`` binds the method at
+    construction). Outputs without ``topk_ids`` (SGLang's bypassed / triton-kernels formats) are
+    not counted. Returns False when already installed."""
+    from sglang.srt.layers.moe.topk import TopK
+
+    done = False
+    for name in ("forward_cuda", "forward_native"):
+        original = TopK.__dict__.get(name)
+        if original is None or getattr(original, "_ddtree_stats", False):
+            continue
+
+        def wrapped(self, hidden_states, router_logits, *args, _original=original, **kwargs):
+            out = _original(self, hidden_states, router_logits, *args, **kwargs)
+            ids = getattr(out, "topk_ids", None)
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                record_distinct_experts(ids, router_logits.shape[-1])
+            return out
+
+        wrapped = functools.wraps(original)(wrapped)
+        wrapped._ddtree_stats = True
+        setattr(TopK, name, wrapped)
+        done = True
+    return done
+
+
 def maybe_enable_stats(environ=os.environ) -> bool:
     """Turn the distinct-expert counts on when ``SGLANG_DDTREE_MOE_STATS`` is 1/true/yes."""
     _stats["on"] = environ.get(ENV_STATS, "").strip().lower() in ("1", "true", "yes")
     if _stats["on"]:
-        logger.warning("sglang-ddtree: %s=1: counting distinct experts per fused-MoE call "
+        install_topk_stats()
+        logger.warning("sglang-ddtree: %s=1: counting distinct experts per MoE routing call "
                        "(diagnostic; DDTREE's stage-timer log lines print the counts)", ENV_STATS)
     return _stats["on"]
 

@@ -298,4 +298,28 @@ def test_distinct_expert_counts_by_token_count(monkeypatch):
     moe_hook.record_distinct_experts(big, 4)  # M past the table: counted in its last row
     assert moe_hook.moe_stats_summary()[moe_hook._STATS_MAX_M] == [1.0, 1]
     monkeypatch.setitem(moe_hook._stats, "on", False)
-    assert moe_hook.maybe_enable_stats({moe_hook.ENV_STATS: "1"})
+    installed = []
+    monkeypatch.setattr(moe_hook, "install_topk_stats", lambda: installed.append(1))
+    assert moe_hook.maybe_enable_stats({moe_hook.ENV_STATS: "1"}) and installed == [1]
+
+
+def test_topk_stats_count_every_moe_routing_call(monkeypatch):
+    """SGLANG_DDTREE_MOE_STATS wraps SGLang's TopK (any MoE layer's routing): a real TopK's
+    native forward on CPU adds its top-k ids' distinct experts to the buffer."""
+    from sglang.srt.layers.moe import topk as topk_mod
+
+    for name in ("forward_cuda", "forward_native"):
+        monkeypatch.setattr(topk_mod.TopK, name, topk_mod.TopK.__dict__[name])
+    monkeypatch.setitem(moe_hook._stats, "buf", None)
+    monkeypatch.setitem(moe_hook._stats, "on", False)
+    assert moe_hook.install_topk_stats()
+    assert not moe_hook.install_topk_stats()  # idempotent
+    layer = topk_mod.TopK(top_k=2, renormalize=True)
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0, 5.0],
+                           [5.0, 0.0, 0.0, 0.0, 4.0]])
+    out = layer.forward_native(torch.zeros(3, 8), logits)
+    assert sorted(out.topk_ids[0].tolist()) == [0, 1]
+    assert moe_hook.moe_stats_summary() == {3: [4.0, 1]}  # experts 0, 1, 3, 4
+    # out-of-range ids (a fused shared expert) and padding (-1) are not counted
+    moe_hook.record_distinct_experts(torch.tensor([[5, 0], [-1, 0]]), 5)
+    assert moe_hook.moe_stats_summary()[2] == [1.0, 1]
