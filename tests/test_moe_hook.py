@@ -304,22 +304,40 @@ def test_distinct_expert_counts_by_token_count(monkeypatch):
 
 
 def test_topk_stats_count_every_moe_routing_call(monkeypatch):
-    """SGLANG_DDTREE_MOE_STATS wraps SGLang's TopK (any MoE layer's routing): a real TopK's
-    native forward on CPU adds its top-k ids' distinct experts to the buffer."""
+    """SGLANG_DDTREE_MOE_STATS wraps SGLang's TopK forwards (every MoE layer's routing): the
+    wrapped forward returns the original's output and adds its top-k ids' distinct experts to
+    the buffer. The originals are stand-ins here (0.5.23's native top-k needs a published
+    runtime config); that SGLang's TopK has both methods is checked on the real class."""
+    import types
+
     from sglang.srt.layers.moe import topk as topk_mod
 
+    assert {"forward_cuda", "forward_native"} <= set(topk_mod.TopK.__dict__)
+    seen = []
+
+    def fake(self, hidden_states, router_logits, *, num_token_non_padded=None):
+        seen.append(num_token_non_padded)
+        ids = router_logits.topk(2, dim=-1).indices.to(torch.int32)
+        return types.SimpleNamespace(topk_ids=ids)
+
     for name in ("forward_cuda", "forward_native"):
-        monkeypatch.setattr(topk_mod.TopK, name, topk_mod.TopK.__dict__[name])
+        monkeypatch.setattr(topk_mod.TopK, name, fake)
     monkeypatch.setitem(moe_hook._stats, "buf", None)
-    monkeypatch.setitem(moe_hook._stats, "on", False)
     assert moe_hook.install_topk_stats()
     assert not moe_hook.install_topk_stats()  # idempotent
-    layer = topk_mod.TopK(top_k=2, renormalize=True)
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0, 5.0],
                            [5.0, 0.0, 0.0, 0.0, 4.0]])
-    out = layer.forward_native(torch.zeros(3, 8), logits)
-    assert sorted(out.topk_ids[0].tolist()) == [0, 1]
+    out = topk_mod.TopK.forward_native(None, torch.zeros(3, 8), logits, num_token_non_padded=3)
+    assert sorted(out.topk_ids[0].tolist()) == [0, 1] and seen == [3]
     assert moe_hook.moe_stats_summary() == {3: [4.0, 1]}  # experts 0, 1, 3, 4
+    topk_mod.TopK.forward_cuda(None, torch.zeros(3, 8), logits)
+    assert moe_hook.moe_stats_summary() == {3: [4.0, 2]}
+    # an output without top-k ids (SGLang's bypassed format) is not counted
+    monkeypatch.setattr(topk_mod.TopK, "forward_cuda",
+                        lambda self, h, r: types.SimpleNamespace(router_logits=r))
+    assert moe_hook.install_topk_stats()
+    topk_mod.TopK.forward_cuda(None, torch.zeros(3, 8), logits)
+    assert moe_hook.moe_stats_summary() == {3: [4.0, 2]}
     # out-of-range ids (a fused shared expert) and padding (-1) are not counted
     moe_hook.record_distinct_experts(torch.tensor([[5, 0], [-1, 0]]), 5)
     assert moe_hook.moe_stats_summary()[2] == [1.0, 1]
