@@ -165,17 +165,20 @@ class Point:
         self.flops = 2 * bs * self.n * hq * ctx * ((128 + 128) if kind == "mha" else (576 + 512))
 
 
-def bench_ours(ta, mla, p, iters, flush, config):
+def bench_ours(ta, mla, p, iters, flush, config, plan_context=0):
+    """Our kernel at point ``p``; planned for contexts up to max(plan_context, p.ctx) (a server
+    plans for its longest context: more splits, most of them empty on a short prefix)."""
+    max_ctx = max(plan_context, p.ctx)
     if p.kind == "mha":
         attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=32,
-                                     num_kv_heads=8, head_dim=128, max_context_len=p.ctx,
+                                     num_kv_heads=8, head_dim=128, max_context_len=max_ctx,
                                      device="cuda", config=config)
         out = torch.empty(p.q.shape[0], 32, 128, device="cuda", dtype=torch.bfloat16)
         fn = lambda: attn.run(p.q, p.k_cache, p.v_cache, p.layout.out_cache_loc, p.mask,  # noqa
                               out=out, validate=False, **p.layout.table_kwargs())
     else:
         attn = mla.TreeAttentionMLA.plan(max_batch_size=p.bs, num_tree_tokens=p.n,
-                                         num_heads=8, max_context_len=p.ctx, device="cuda",
+                                         num_heads=8, max_context_len=max_ctx, device="cuda",
                                          sm_scale=p.sm_scale, config=config)
         out = torch.empty(p.q.shape[0], 8, 512, device="cuda", dtype=torch.bfloat16)
         fn = lambda: attn.run(p.q, p.k_cache, p.layout.out_cache_loc, p.mask, out=out,  # noqa
@@ -308,6 +311,9 @@ def main(argv=None):
                          "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
                          "default config's)")
+    ap.add_argument("--plan-context", type=int, default=0,
+                    help="plan our kernel for contexts up to this many tokens (as a server "
+                         "does for its --context-length) instead of each point's own context")
     ap.add_argument("--roofline-of", default=None, metavar="JSON",
                     help="print a results JSON against its roofline and exit (no GPU needed)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
@@ -347,7 +353,8 @@ def main(argv=None):
                     assert p.layout.num_slots <= max_tokens
                     r = dict(kind=kind, batch=bs, budget=budget, context=ctx,
                              kv_bytes=p.kv_bytes)
-                    us, ours, splits = bench_ours(ta, mla, p, args.iters, flush, config)
+                    us, ours, splits = bench_ours(ta, mla, p, args.iters, flush, config,
+                                                  args.plan_context)
                     r.update(ours_us=round(us, 2), num_splits=splits,
                              kv_GBps=round(p.kv_bytes / us / 1e3, 1),
                              TFLOPs=round(p.flops / us / 1e6, 1))
@@ -358,7 +365,8 @@ def main(argv=None):
                         for cfg_s in args.sweep.split(";"):
                             try:
                                 cfg = ta.KernelConfig(*parse_ints(cfg_s))
-                                t, o, _ = bench_ours(ta, mla, p, args.iters, flush, cfg)
+                                t, o, _ = bench_ours(ta, mla, p, args.iters, flush, cfg,
+                                                     args.plan_context)
                                 diff = rel_diff(o, ours)
                                 r["sweep_us"][cfg_s] = (round(t, 2) if diff < 2e-2 else
                                                         f"wrong output: rel diff {diff:.3g}")
@@ -394,7 +402,8 @@ def main(argv=None):
                 timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
                 shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
                             mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
-                config=args.config or "default")
+                config=args.config or "default",
+                plan_context=args.plan_context or "each point's own context")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)

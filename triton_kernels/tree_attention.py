@@ -16,9 +16,11 @@ same kernel serves page_size 1 and > 1.
 Work split. One program owns one (request, KV head, block of query rows, prefix split). Its rows are
 ``(tree token, q head of the KV head's group)`` pairs, so a KV tile is loaded once for all ``G`` query
 heads of a GQA group and all tree tokens in the block (SGLang's extend kernel re-reads KV once per
-query head). With ``S > 1`` splits, split ``s`` covers one contiguous chunk of the prefix, the last
-split also covers the tree tokens, and each split writes a normalised partial output plus its
-log2-sum-exp; :func:`_tree_attn_reduce_kernel` merges them.
+query head). With ``S > 1`` splits, split ``s`` covers one contiguous chunk of the prefix (at least
+256 keys: ``S`` is sized for the longest context, so a short prefix leaves later splits empty), the
+last split also covers the tree tokens, and each non-empty split writes a normalised partial output
+plus its log2-sum-exp (an empty one only its -inf log-sum-exp); :func:`_tree_attn_reduce_kernel`
+merges them, reading only the partials of splits with weight.
 
 Capture safety. :meth:`TreeAttention.plan` sizes every buffer from (max batch, N, heads, dims, max
 context) once; :meth:`TreeAttention.run` only launches kernels whose grids depend on static shapes
@@ -44,6 +46,9 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _LOG2E = 1.4426950408889634
+# fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
+# and the kernel enforces it against the actual prefix (MIN_CHUNK)
+_MIN_SPLIT_KEYS = 256
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -210,6 +215,7 @@ def _tree_attn_fwd_kernel(
     INTERPRET: tl.constexpr,
     DV_SPLIT: tl.constexpr = 1,  # programs sharing a row block, each BLOCK_DV output columns
     DK_CHUNK: tl.constexpr = 0,  # > 0: QK in slices of this many dims (query not held whole)
+    MIN_CHUNK: tl.constexpr = 256,  # fewest prefix keys a non-empty split covers
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
     pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
@@ -228,25 +234,6 @@ def _tree_attn_fwd_kernel(
     head = kvh * G + rows % G
     t_glob = (b * N + tok).to(tl.int64)
 
-    q_rows = q_ptr + t_glob * stride_qt + head * stride_qh
-    if DK_CHUNK == 0:
-        offs_dk = tl.arange(0, BLOCK_DK)
-        q = tl.load(q_rows[:, None] + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    else:
-        q = row_ok  # unused: _attend_tile reads the query in slices
-    if D_PE > 0:
-        offs_pe = DK + tl.arange(0, D_PE)
-        q_pe = tl.load(
-            q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_pe[None, :],
-            mask=row_ok[:, None], other=0.0,
-        )
-    else:
-        q_pe = q
-    if INTERPRET:
-        q = q.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-
     if USE_INDPTR:
         row_base = tl.load(kv_row_ptr + b).to(tl.int64)
         prefix_len = (tl.load(kv_row_ptr + b + 1) - row_base).to(tl.int32)
@@ -254,10 +241,36 @@ def _tree_attn_fwd_kernel(
         row_base = tl.load(kv_row_ptr + b).to(tl.int64) * stride_table
         prefix_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
-    # this split's prefix chunk, BLOCK_N-aligned so only the last tile of the prefix is ragged
-    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+    # this split's prefix chunk, BLOCK_N-aligned so only the last tile of the prefix is ragged,
+    # and at least MIN_CHUNK keys: the split count is sized from the longest context the server
+    # allows (static, for CUDA graphs), so a short prefix leaves the later splits empty instead
+    # of cutting it into one-tile chunks whose partial outputs outweigh the keys they cover
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, prefix_len)
+    # an empty split (not the last, which holds the tree tokens) loads nothing and writes only
+    # its -inf log-sum-exp; the reduce kernel skips its partial
+    live = (start < end) | (split == num_splits - 1)
+    row_live = rows < tl.where(live, N * G, 0)  # row_ok, and nothing in an empty split
+
+    q_rows = q_ptr + t_glob * stride_qt + head * stride_qh
+    if DK_CHUNK == 0:
+        offs_dk = tl.arange(0, BLOCK_DK)
+        q = tl.load(q_rows[:, None] + offs_dk[None, :],
+                    mask=row_live[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    else:
+        q = row_ok  # unused: _attend_tile reads the query in slices
+    if D_PE > 0:
+        offs_pe = DK + tl.arange(0, D_PE)
+        q_pe = tl.load(
+            q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_pe[None, :],
+            mask=row_live[:, None], other=0.0,
+        )
+    else:
+        q_pe = q
+    if INTERPRET:
+        q = q.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
 
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -319,16 +332,18 @@ def _tree_attn_fwd_kernel(
         # partial layout is contiguous [T, Hq, num_splits, DV]
         ph = (t_glob * Hq + head) * num_splits + split
         tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+                 mask=row_live[:, None] & (offs_dv[None, :] < DV))
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + ph, lse, mask=row_ok & (dvp == 0))  # the same in every part
 
 
 @triton.jit
 def _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV: tl.constexpr):
-    # split s's partial output times its softmax weight
+    # split s's partial output times its softmax weight; an empty split (weight 0, its partial
+    # never written) is not read
     w_s = tl.sum(tl.where(offs_s == s, w, 0.0), 0)
-    part = tl.load(part_o_ptr + (ph + s) * DV + offs_dv, mask=offs_dv < DV, other=0.0)
+    part = tl.load(part_o_ptr + (ph + s) * DV + offs_dv,
+                   mask=offs_dv < tl.where(w_s > 0.0, DV, 0), other=0.0)
     return w_s * part
 
 
@@ -467,6 +482,12 @@ class TreeAttention:
                             and triton.next_power_of_2(self.head_dim) % dkc == 0),
                "config.dk_chunk", "0 or a power of two >= 16 dividing the padded head dim", dkc)
         self._fixed_splits = num_kv_splits
+        # at most one split per 256 keys of the longest context (the buffers below are sized
+        # from it, so it is fixed here)
+        self._split_cap = max(1, self.max_context_len // _MIN_SPLIT_KEYS)
+        # fewest prefix keys per non-empty split, against the actual prefix (the kernel's
+        # MIN_CHUNK); tests lower it to exercise the split merge on short prefixes
+        self.min_split_keys = _MIN_SPLIT_KEYS
         self._num_sms = _num_sms(self.device)
         self.max_splits = max(self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
         # partial buffers hold bs * N * Hq * S rows; S shrinks as bs grows, so size for the max
@@ -516,8 +537,7 @@ class TreeAttention:
             return max(1, int(self._fixed_splits))
         programs = batch_size * self.num_kv_heads * self.num_blocks_m() * self.config.dv_split
         want = triton.cdiv(2 * self._num_sms, programs)  # about two waves of programs
-        cap = max(1, self.max_context_len // 256)
-        return int(max(1, min(want, cap, 64)))
+        return int(max(1, min(want, self._split_cap, 64)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,
@@ -654,7 +674,7 @@ class TreeAttention:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            MIN_CHUNK=self.min_split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](

@@ -76,6 +76,7 @@ def test_mha_matches_reference(case):
     attn = TA.TreeAttention.plan(max_batch_size=bs + 1, num_tree_tokens=n, num_q_heads=hq,
                                  num_kv_heads=hkv, head_dim=d, max_context_len=64,
                                  device="cpu", logit_cap=cap, num_kv_splits=splits)
+    attn.min_split_keys = 1  # split these short prefixes as before (default: 256 keys a split)
     attn.part_o.fill_(float("nan"))
     attn.part_lse.fill_(float("nan"))
     out = torch.full((bs * n, hq, d), float("nan"), dtype=dtype)
@@ -186,6 +187,7 @@ def test_mla_matches_reference(case):
     attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
                                      max_context_len=64, device="cpu", sm_scale=sm_scale,
                                      kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits)
+    attn.min_split_keys = 1
     attn.part_o.fill_(float("nan"))
     out = torch.full((bs * n, h, rank), float("nan"), dtype=torch.bfloat16)
     attn.run(q, cache, layout.out_cache_loc, mask, kv_scale=scale, out=out,
@@ -289,3 +291,50 @@ def test_dv_split_and_dk_chunk_must_divide_the_head():
         plan(TA.KernelConfig(16, 16, 1, 1, dv_split=3))
     with pytest.raises(ValueError, match="dk_chunk"):
         plan(TA.KernelConfig(16, 16, 1, 1, dk_chunk=64))
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_split_count_sized_for_long_contexts_on_short_prefixes(kind):
+    """Served plans size the split count from the server's longest context (static for CUDA
+    graphs), so a short prefix leaves most splits empty: chunks stay >= 256 keys, an empty
+    split writes nothing but its -inf log-sum-exp and the reduce kernel never reads its
+    (NaN-poisoned) partial. Prefixes below, at and above one chunk, and one past two."""
+    seq_lens, n = [300, 20, 256, 530], 3
+    g, layout, mask = make_layout(seq_lens, n, 1, seed=11)
+    bs = len(seq_lens)
+    if kind == "mha":
+        k = poison_unused(torch.randn(layout.num_slots, 1, 16, generator=g), layout).bfloat16()
+        v = poison_unused(torch.randn(layout.num_slots, 1, 16, generator=g), layout).bfloat16()
+        q = torch.randn(bs * n, 2, 16, generator=g).bfloat16()
+        attn = TA.TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=2,
+                                     num_kv_heads=1, head_dim=16, max_context_len=1 << 17,
+                                     device="cpu", num_kv_splits=6)
+    else:
+        k = poison_unused(torch.randn(layout.num_slots, 1, 48, generator=g), layout).bfloat16()
+        q = torch.randn(bs * n, 2, 48, generator=g).bfloat16()
+        attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=2,
+                                         max_context_len=1 << 17, device="cpu",
+                                         sm_scale=0.2, kv_lora_rank=32, rope_dim=16,
+                                         num_kv_splits=6)
+    assert attn.min_split_keys == 256  # 6 splits: more than these prefixes have chunks
+    attn.part_o.fill_(float("nan"))
+    attn.part_lse.fill_(float("nan"))
+    out = torch.full((bs * n, 2, 16 if kind == "mha" else 32), float("nan"),
+                     dtype=torch.bfloat16)
+    if kind == "mha":
+        attn.run(q, k, v, layout.out_cache_loc, mask, out=out, **layout.table_kwargs())
+        ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask,
+                                           **layout.table_kwargs())
+    else:
+        attn.run(q, k, layout.out_cache_loc, mask, out=out, **layout.table_kwargs())
+        ref = REF.mla_tree_attention_reference(q, k, layout.out_cache_loc, mask,
+                                               kv_lora_rank=32, sm_scale=0.2,
+                                               **layout.table_kwargs())
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+    # the partials of empty splits were never written: still the poison
+    splits = attn.num_splits(bs)
+    lse = attn.part_lse[: bs * n * 2 * splits].view(bs * n, 2, splits)
+    assert bool(torch.isneginf(lse[n:2 * n, :, 1:-1]).all())  # prefix 20: split 0 and the last
+    part = attn.part_o[: bs * n * 2 * splits * out.shape[-1]].view(bs * n, 2, splits, -1)
+    assert bool(part[n:2 * n, :, 1:-1].isnan().all())
