@@ -371,6 +371,14 @@ def _env_value(environ, name: str, parse, what: str):
         raise ValueError(f"{name} must be {what}, got {raw!r}") from None
 
 
+def _positive_env(environ, name: str):
+    """The variable as a positive float, None when unset or empty; a clear error otherwise."""
+    value = _env_value(environ, name, float, "a positive number")
+    if value is not None and not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return value
+
+
 def maybe_install_dummy_int4_fill(environ=os.environ) -> bool:
     """Install the seeded packed-weight fill when ``SGLANG_DDTREE_MOE_DUMMY_INT4_SEED`` is set."""
     seed = _env_value(environ, ENV_DUMMY_SEED, int, "an integer seed")
@@ -472,19 +480,11 @@ def install_dummy_router_spread(std: float) -> bool:
 def maybe_install_dummy_router_spread(environ=os.environ) -> bool:
     """Install :func:`install_dummy_router_spread` when ``SGLANG_DDTREE_DUMMY_ROUTER_LOGIT_STD``
     is set."""
-    std = _env_value(environ, ENV_DUMMY_ROUTER, float, "a positive number")
-    if std is None:
-        return False
-    if not std > 0:
-        raise ValueError(f"{ENV_DUMMY_ROUTER} must be a positive number, got {std!r}")
-    return install_dummy_router_spread(std)
+    std = _positive_env(environ, ENV_DUMMY_ROUTER)
+    return std is not None and install_dummy_router_spread(std)
 
 
 def maybe_install_dummy_init_range(environ=os.environ) -> bool:
     """Install :func:`install_dummy_init_range` when ``SGLANG_DDTREE_DUMMY_INIT_RANGE`` is set."""
-    bound = _env_value(environ, ENV_DUMMY_RANGE, float, "a positive number")
-    if bound is None:
-        return False
-    if not bound > 0:
-        raise ValueError(f"{ENV_DUMMY_RANGE} must be a positive number, got {bound!r}")
-    return install_dummy_init_range(bound)
+    bound = _positive_env(environ, ENV_DUMMY_RANGE)
+    return bound is not None and install_dummy_init_range(bound)

@@ -14,18 +14,25 @@ def _walk(tree, predicted, width):
     return accept_walk(tree, predicted, width - 1)
 
 
+def _case(bs, seed, rng, depth=7, k=3, budget=18):
+    """A random tree, target tokens along a random path, prefix lengths, disjoint KV slots and
+    two identical fake pools (one per path under comparison)."""
+    tree = _random_tree(bs, depth, k, budget, seed)
+    n = tree.tokens.shape[1]
+    pred = _predict_path(tree, rng)
+    prefix = torch.tensor([3, 0, 11, 40][:bs], dtype=torch.int32)
+    slots = torch.arange(bs * (n + 2)).view(bs, n + 2) * 3 + 5
+    pools = FakePool(int(slots.max()) + 1), FakePool(int(slots.max()) + 1)
+    return tree, pred, prefix, slots, pools
+
+
 def test_accept_and_commit_matches_the_step_by_step_composition():
     rng = random.Random(1)
     for seed in range(12):
-        bs, depth, k, budget = 4, 7, 3, 18
+        bs, depth = 4, 7
         block = depth + 1
-        tree = _random_tree(bs, depth, k, budget, seed)
+        tree, pred, prefix, slots, (pool, ref_pool) = _case(bs, seed, rng, depth)
         n = tree.tokens.shape[1]
-        pred = _predict_path(tree, rng)
-        prefix = torch.tensor([3, 0, 11, 40], dtype=torch.int32)
-        slots = torch.arange(bs * (n + 2)).view(bs, n + 2) * 3 + 5
-        pool = FakePool(int(slots.max()) + 1)
-        ref_pool = FakePool(int(slots.max()) + 1)
 
         got = accept_and_commit(tree, pred, slots, prefix, block, _walk, pool)
 
@@ -79,14 +86,8 @@ def test_fused_commit_equals_the_op_path_with_stats_and_kv():
 
     rng = random.Random(4)
     for seed in range(6):
-        bs, depth, k, budget = 3, 7, 3, 18
-        block = depth + 1
-        tree = _random_tree(bs, depth, k, budget, seed)
-        n = tree.tokens.shape[1]
-        pred = _predict_path(tree, rng)
-        prefix = torch.tensor([3, 0, 11], dtype=torch.int32)
-        slots = torch.arange(bs * (n + 2)).view(bs, n + 2) * 3 + 5
-        pools = FakePool(int(slots.max()) + 1), FakePool(int(slots.max()) + 1)
+        block, budget = 8, 18
+        tree, pred, prefix, slots, pools = _case(3, seed, rng, block - 1, budget=budget)
         stats = BudgetAcceptStats(budget, "cpu"), BudgetAcceptStats(budget, "cpu")
         got = accept_and_commit(tree, pred, slots, prefix, block, _walk, pools[0],
                                 stats=stats[0], fused=True)
