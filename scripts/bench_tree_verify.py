@@ -46,7 +46,23 @@ from sglang_ddtree.provenance import checkout_digest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_ours():
+def _import_ours(kernels_dir=None):
+    """(reference, tree_attention, tree_attention_mla): the installed package's, this checkout's,
+    or with ``kernels_dir`` those of another checkout's ``triton_kernels/`` (an A/B of kernel
+    versions on one machine), imported under a private package name."""
+    if kernels_dir:
+        import importlib.util
+
+        path = Path(kernels_dir).resolve()
+        name = "_ddtree_tv_variant"
+        spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
+                                                      submodule_search_locations=[str(path)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[name] = pkg
+        spec.loader.exec_module(pkg)
+        mods = [importlib.import_module(f"{name}.{m}")
+                for m in ("reference", "tree_attention", "tree_attention_mla")]
+        return tuple(mods)
     try:
         from sglang_ddtree.triton_kernels import reference, tree_attention, tree_attention_mla
     except ImportError:  # running from a checkout without the package installed
@@ -311,6 +327,10 @@ def main(argv=None):
                          "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
                          "default config's)")
+    ap.add_argument("--kernels-dir", default=None,
+                    help="time the kernels of another checkout's triton_kernels/ directory "
+                         "(reference.py, tree_attention.py, tree_attention_mla.py and an "
+                         "__init__.py) instead of this one's")
     ap.add_argument("--plan-context", type=int, default=0,
                     help="plan our kernel for contexts up to this many tokens (as a server "
                          "does for its --context-length) instead of each point's own context")
@@ -325,7 +345,7 @@ def main(argv=None):
         print("bench_tree_verify needs a CUDA GPU")
         return 2
 
-    ref, ta, mla = _import_ours()
+    ref, ta, mla = _import_ours(args.kernels_dir)
     config = ta.KernelConfig(*parse_ints(args.config)) if args.config else None
     extend, extend_src = (None, "skipped") if args.no_baselines else \
         load_sglang_extend(args.sglang_src)
@@ -403,7 +423,8 @@ def main(argv=None):
                 shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
                             mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
                 config=args.config or "default",
-                plan_context=args.plan_context or "each point's own context")
+                plan_context=args.plan_context or "each point's own context",
+                kernels_dir=args.kernels_dir or "this checkout")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)

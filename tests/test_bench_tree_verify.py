@@ -37,3 +37,19 @@ def test_roofline_table_reads_the_committed_results(bench):
     table = bench.roofline_table(data)
     assert table.count("\n| mha |") + table.count("\n| mla |") == len(data["results"])
     assert "datasheet" in table
+
+
+def test_kernels_dir_imports_another_checkouts_kernels(bench, tmp_path):
+    """--kernels-dir: the three kernel modules of another triton_kernels/ directory (an A/B of
+    kernel versions), imported under a private name so this checkout's stay untouched."""
+    import shutil
+
+    src = os.path.join(HERE, "..", "triton_kernels")
+    for name in ("__init__.py", "reference.py", "tree_attention.py", "tree_attention_mla.py"):
+        shutil.copy(os.path.join(src, name), tmp_path / name)
+    (tmp_path / "tree_attention.py").write_text(
+        (tmp_path / "tree_attention.py").read_text() + "\nVARIANT_MARK = 7\n")
+    ref, ta, mla = bench._import_ours(str(tmp_path))
+    assert ta.VARIANT_MARK == 7 and ta.__file__.startswith(str(tmp_path))
+    assert mla.TreeAttentionMLA.__mro__[1] is ta.TreeAttention  # its own base, not ours
+    assert hasattr(ref, "tree_attention_reference")
