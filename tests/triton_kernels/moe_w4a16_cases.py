@@ -31,6 +31,8 @@ CFG_SPLITK = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
                            MOE.GemmConfig(64, 128, 4, 1, 128))
 # The down GEMM as one loop per program (_down_loop_kernel): 2 programs per block, 2 column steps.
 CFG_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 128))
+# One-warp 16-column gate-up tiles with the split dequant (the tuner's n16* candidates): 16 N tiles.
+CFG_N16 = MOE.MoeConfig(16, MOE.GemmConfig(16, 128, 1, 1, 0, 1), MOE.GemmConfig(64, 128, 4, 1))
 
 
 @pytest.fixture(autouse=True)
@@ -295,3 +297,9 @@ def test_dequant_ptx_semantics():
         hi = _emulate_ptx(MOE._DEQUANT_PTX_HI.value, w[0], w[1], s_pair, n_out=4)
         for i in range(4):
             assert lo[f"${i}"] == out[f"${i}"] and hi[f"${i}"] == out[f"${i + 4}"], i
+
+
+def test_sixteen_column_gate_up_tiles(experts):
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5)).bfloat16()
+    tw, ti = random_routing(9, 9, 3, seed=77)
+    check(*run(experts[9], x, tw, ti, scale=1.5, cfg=CFG_N16))
