@@ -76,7 +76,7 @@ def test_full_paths_wider_blocks_int32_prefix_and_no_stats():
                 pred[b, par] = tree.tokens[b, node]
                 node = par
         slots = torch.arange(bs * (n + 8)).view(bs, n + 8) + 1
-        for width in (depth + 1, depth + 4):
+        for width in (1, depth + 1, depth + 4):  # 1: a block of the root alone
             prefix = torch.tensor([0, 9, 2**20], dtype=torch.int32)
             args = (_to(tree, DEV), pred.to(DEV), slots.to(DEV), prefix.to(DEV), width)
             got, want = walk_commit(*args), walk_commit_reference(*args)
