@@ -226,6 +226,11 @@ def record_distinct_experts(topk_ids: torch.Tensor, num_experts: int) -> None:
     row.add_(torch.cat([mark[:num_experts].sum().reshape(1), one]))
 
 
+def stats_enabled() -> bool:
+    """Whether ``SGLANG_DDTREE_MOE_STATS`` turned the distinct-expert counts on here."""
+    return _stats["on"]
+
+
 def moe_stats_summary() -> dict:
     """{M: [mean distinct experts per call, calls]} over the calls so far (a host sync)."""
     buf = _stats["buf"]

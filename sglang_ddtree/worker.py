@@ -740,7 +740,7 @@ class StepTimers:
                         json.dumps(self.per_batch_size()))
             from . import moe_hook
 
-            if moe_hook._stats["on"]:  # SGLANG_DDTREE_MOE_STATS=1 (a host sync; diagnostic)
+            if moe_hook.stats_enabled():  # SGLANG_DDTREE_MOE_STATS=1 (a host sync; diagnostic)
                 logger.info("DDTREE MoE distinct experts per call by tokens M (mean, calls): %s",
                             json.dumps(moe_hook.moe_stats_summary()))
 
