@@ -86,6 +86,37 @@ def test_step_timers_by_batch_size_round_trip(tmp_path, caplog):
     assert bench_e2e.stage_times(str(log))["steps"] == 400
 
 
+def test_moe_expert_counts_ride_the_stage_timer_lines(tmp_path, caplog, monkeypatch):
+    """SGLANG_DDTREE_MOE_STATS: the timers' log point also prints the distinct-expert counts,
+    and the scripts' parser reads them back (keys are token counts, as strings after JSON)."""
+    import logging
+
+    import torch
+
+    from e2e_lossless import moe_distinct_experts
+    from sglang_ddtree import moe_hook
+    from sglang_ddtree.worker import StepTimers
+
+    monkeypatch.setitem(moe_hook._stats, "buf", None)
+    monkeypatch.setitem(moe_hook._stats, "on", True)
+    moe_hook.record_distinct_experts(torch.tensor([[0, 1], [2, 1], [0, 3]]), 8)
+    t = StepTimers(mode="cpu", every=2)
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+        for _ in range(2):
+            t.start()
+            t.finish(1)
+    log = tmp_path / "srv.log"
+    log.write_text("\n".join(r.getMessage() for r in caplog.records) + "\n")
+    assert moe_distinct_experts(str(log)) == {"3": [4.0, 1]}
+    monkeypatch.setitem(moe_hook._stats, "on", False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+        for _ in range(2):
+            t.start()
+            t.finish(1)
+    assert not any("distinct experts" in r.getMessage() for r in caplog.records)
+
+
 def test_accept_by_budget_line_is_parsed(tmp_path):
     import bench_e2e
 
