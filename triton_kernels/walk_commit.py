@@ -88,7 +88,8 @@ def _walk_commit_kernel(
         # column t - 1: the node's token on a hit; the bonus (= want, the target's token at the
         # final node) at the first miss; 0 after it -- each column is written once
         emitted = tl.load(tokens_ptr + row + node)
-        col = tl.where(hit, emitted, tl.where(first_miss, want, 0))
+        # (clamped at 0 like the op path's emitted tokens; real target tokens are never < 0)
+        col = tl.where(hit, emitted, tl.where(first_miss, tl.maximum(want, 0), 0))
         tl.store(out_tokens_ptr + b * WIDTH + t - 1, col)
         d = tl.load(slots_ptr + srow + t)
         s = tl.load(slots_ptr + srow + node)
@@ -97,7 +98,8 @@ def _walk_commit_kernel(
         counts += (hit & (node <= budgets)).to(tl.int64)
     bonus = tl.load(pred_ptr + row + cur)
     # the last column holds the bonus only when the whole block was accepted
-    tl.store(out_tokens_ptr + b * WIDTH + WIDTH - 1, tl.where(acc == WIDTH - 1, bonus, 0))
+    tl.store(out_tokens_ptr + b * WIDTH + WIDTH - 1,
+             tl.where(acc == WIDTH - 1, tl.maximum(bonus, 0), 0))
     tl.store(bonus_ptr + b, bonus)
     tl.store(commit_lens_ptr + b, (acc + 1).to(tl.int32))
     tl.store(new_lens_ptr + b, tl.load(prefix_ptr + b).to(tl.int64) + acc + 1)

@@ -87,6 +87,21 @@ def test_full_paths_wider_blocks_int32_prefix_and_no_stats():
                 assert torch.equal(got.out_tokens[:, -1], got.bonus)
 
 
+def test_negative_target_tokens_are_emitted_as_zero_like_the_op_path():
+    # the op path clamps emitted tokens at 0; the bonus field itself keeps the raw value
+    tree = _random_tree(3, 5, 3, 12, 4)
+    n = tree.tokens.shape[1]
+    pred = _predict_path(tree, random.Random(4))
+    pred[pred == 999_999] = -5
+    slots = torch.arange(3 * (n + 2)).view(3, n + 2) + 1
+    args = (_to(tree, DEV), pred.to(DEV), slots.to(DEV), torch.zeros(3, dtype=torch.int64,
+                                                                      device=DEV), 6)
+    got, want = walk_commit(*args), walk_commit_reference(*args)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert bool((got.bonus == -5).any()) and bool((got.out_tokens >= 0).all())
+
+
 def test_padding_nodes_never_match_and_bad_inputs_are_refused():
     tree = _random_tree(2, 4, 3, 6, 0)
     n = tree.tokens.shape[1]
