@@ -6,7 +6,7 @@ when SGLang imports, else the vectorised ``accept_walk``, plus the PyTorch-op bo
 ``fused``: ``triton_kernels/walk_commit.py``), the accept/commit CUDA graph of
 ``step_graph.AcceptCommitGraphs`` is captured as the worker captures it, on a tree from the
 static buffers of ``tree_graph.TreeBuildGraphs`` (peaked draft log-probs, so paths run deep), with
-target tokens that follow the tree's deepest path, disjoint KV slots and an MLA-like KV pool of
+target tokens that follow the tree's deepest path (draft inputs: ``bench_tree_build.make_topk``), disjoint KV slots and an MLA-like KV pool of
 ``--layers`` latent buffers (the fused KV mover serves it, as in serving). Then ``--iters`` calls
 run back to back and the script records:
 
@@ -34,6 +34,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from bench_tree_build import make_topk  # noqa: E402  (the tree benchmark's draft inputs)
 
 from sglang_ddtree.provenance import checkout_digest  # noqa: E402
 from sglang_ddtree.step_graph import AcceptCommitGraphs  # noqa: E402
@@ -69,16 +72,6 @@ def pick_walk(which: str = "auto"):
         if which == "sglang":
             raise
         return torch_walk[0], f"accept_walk (SGLang not importable: {type(e).__name__})"
-
-
-def peaked_topk(bs, depth, k, vocab, seed, device):
-    g = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.randn(bs, depth, vocab, device=device, generator=g) * 3
-    tok = torch.randint(0, vocab, (bs, depth, 1), device=device, generator=g)
-    logits.scatter_add_(-1, tok, 10 + 10 * torch.rand(bs, depth, 1, device=device, generator=g))
-    vals, ids = torch.log_softmax(logits, -1).topk(k, -1)
-    roots = torch.randint(0, vocab, (bs,), device=device, generator=g)
-    return roots, vals.contiguous(), ids.contiguous()
 
 
 def deepest_path_tokens(tree):
@@ -122,7 +115,8 @@ def run_point(bs, budget, layers, depth, iters, repeats, device, walk, vocab=320
     block = depth + 1
     k = min(budget, 64)
     trees = TreeBuildGraphs(budget, depth, k, device, use_graphs=device.type == "cuda")
-    tree = trees(*peaked_topk(bs, depth, k, vocab, seed=bs * 1000 + budget, device=device))
+    tree = trees(*make_topk(bs, depth, k, vocab, "peaked", seed=bs * 1000 + budget,
+                            device=device))
     pred = deepest_path_tokens(tree)
     n = budget + 1
     width = max(n, block)

@@ -124,6 +124,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
     ``dump`` after each: a run cut short by its time limit keeps the methods it measured.
     ``server_env`` goes to every server, AR and DFLASH included (e.g. the fused MoE switch)."""
+    from e2e_lossless import moe_distinct_experts  # the servers' log reader
+
     pairs = json.load(open(os.path.join(CONFIGS, "pairs.json")))
     target = os.path.join(CONFIGS, name)
     draft = os.path.join(CONFIGS, pairs[name])
@@ -175,10 +177,9 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
         finally:
             srv.stop()
         if method.startswith("ddtree"):
-            from e2e_lossless import moe_distinct_experts
-
-            if os.path.exists(log) and moe_distinct_experts(log):  # SGLANG_DDTREE_MOE_STATS=1
-                res["moe_distinct_experts"][method] = moe_distinct_experts(log)
+            counts = moe_distinct_experts(log) if os.path.exists(log) else None
+            if counts:  # SGLANG_DDTREE_MOE_STATS=1
+                res["moe_distinct_experts"][method] = counts
             by_bs = stage_times_by_bs(log)
             rows = {str(c): (by_bs or {}).get("bs", {}).get(str(c)) for c in concs}
             rows = {c: r for c, r in rows.items() if r}

@@ -50,19 +50,14 @@ def _import_ours(kernels_dir=None):
     """(reference, tree_attention, tree_attention_mla): the installed package's, this checkout's,
     or with ``kernels_dir`` those of another checkout's ``triton_kernels/`` (an A/B of kernel
     versions on one machine), imported under a private package name."""
+    names = ("reference", "tree_attention", "tree_attention_mla")
     if kernels_dir:
-        import importlib.util
+        sys.path.insert(0, str(ROOT))
+        from tests.triton_kernels import load_copy
 
-        path = Path(kernels_dir).resolve()
-        name = "_ddtree_tv_variant"
-        spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
-                                                      submodule_search_locations=[str(path)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules[name] = pkg
-        spec.loader.exec_module(pkg)
-        mods = [importlib.import_module(f"{name}.{m}")
-                for m in ("reference", "tree_attention", "tree_attention_mla")]
-        return tuple(mods)
+        mods = load_copy("tv_variant", names, interpret=os.environ.get("TRITON_INTERPRET") == "1",
+                         kernel_dir=kernels_dir)
+        return tuple(mods[m] for m in names)
     try:
         from sglang_ddtree.triton_kernels import reference, tree_attention, tree_attention_mla
     except ImportError:  # running from a checkout without the package installed

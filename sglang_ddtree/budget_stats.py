@@ -30,6 +30,18 @@ def candidate_budgets(budget: int) -> List[int]:
     return out + [budget]
 
 
+def accepted_within_budgets(path_nodes: torch.Tensor, accept_len: torch.Tensor,
+                            budgets: torch.Tensor) -> torch.Tensor:
+    """[C] int64: over the batch, the accepted path nodes (positions 1..accept_len) whose index
+    is at most each budget (path_nodes: [bs, B] int64, root first; accept_len: [bs]; budgets:
+    [C] int64). Static shapes: graph-capturable."""
+    width = path_nodes.shape[1]
+    j = torch.arange(1, width, device=path_nodes.device)
+    live = j[None, :] <= accept_len.to(torch.int64)[:, None]  # [bs, B-1]
+    within = (path_nodes[None, :, 1:] <= budgets[:, None, None]) & live[None]
+    return within.sum(dim=(1, 2))
+
+
 class BudgetAcceptStats:
     def __init__(self, budget: int, device):
         device = torch.device(device)
@@ -46,12 +58,8 @@ class BudgetAcceptStats:
     def update(self, path_nodes: torch.Tensor, accept_len: torch.Tensor) -> None:
         """path_nodes: [bs, B] int64 accepted node per path position (root first, 0-padded);
         accept_len: [bs] accepted draft tokens. Static shapes, in place: graph-capturable."""
-        bs, width = path_nodes.shape
-        j = torch.arange(1, width, device=path_nodes.device)
-        live = j[None, :] <= accept_len.to(torch.int64)[:, None]  # [bs, B-1]
-        within = (path_nodes[None, :, 1:] <= self.budgets[:, None, None]) & live[None]
-        self.totals[:-1] += within.sum(dim=(1, 2))
-        self.totals[-1:] += bs
+        self.totals[:-1] += accepted_within_budgets(path_nodes, accept_len, self.budgets)
+        self.totals[-1:] += path_nodes.shape[0]
 
     def report(self) -> Optional[Dict[int, float]]:
         """{budget: tokens per step (accepted drafts + 1)} as of the previous call (no sync),

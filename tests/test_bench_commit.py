@@ -30,7 +30,7 @@ def test_deepest_path_tokens_walk_to_the_deepest_node():
     import bench_commit
     from sglang_ddtree.accept import accept_walk_reference
 
-    roots, logp, ids = bench_commit.peaked_topk(2, 5, 3, 50, seed=1, device="cpu")
+    roots, logp, ids = bench_commit.make_topk(2, 5, 3, 50, "peaked", seed=1, device="cpu")
     from sglang_ddtree.tree import build_tree
 
     tree = build_tree(roots, logp, ids, 12)

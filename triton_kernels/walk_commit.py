@@ -175,6 +175,7 @@ def walk_commit_reference(tree, predicted: torch.Tensor, slots: torch.Tensor,
                           totals: Optional[torch.Tensor] = None) -> WalkCommit:
     """The same outputs from the PyTorch ops the accept/commit graph otherwise runs."""
     from ..accept import accept_walk
+    from ..budget_stats import accepted_within_budgets
     from ..commit import commit_from_path, kv_moves
 
     _check(tree, predicted, slots, prefix, width)
@@ -183,10 +184,7 @@ def walk_commit_reference(tree, predicted: torch.Tensor, slots: torch.Tensor,
     dst, src = kv_moves(slots, step.path_nodes, accept_len)
     bs, n = tree.tokens.shape
     if budgets is not None and budgets.numel():
-        j = torch.arange(1, width, device=slots.device)
-        live = j[None, :] <= accept_len[:, None]
-        within = (step.path_nodes[None, :, 1:] <= budgets[:, None, None]) & live[None]
-        totals[:-1] += within.sum(dim=(1, 2))
+        totals[:-1] += accepted_within_budgets(step.path_nodes, accept_len, budgets)
         totals[-1:] += bs
     base = torch.arange(bs, device=slots.device, dtype=torch.int64)[:, None] * n
     return WalkCommit(out_tokens=step.out_tokens, commit_lens=step.commit_lens,

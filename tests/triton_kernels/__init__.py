@@ -17,16 +17,18 @@ from pathlib import Path
 _KERNEL_DIR = Path(__file__).resolve().parents[2] / "triton_kernels"
 
 
-def load_copy(tag: str, submodules, interpret: bool) -> dict:
-    """Import ``triton_kernels/<sub>.py`` for each sub under a private package name (one copy per
-    tag and mode); returns {sub: module}."""
+def load_copy(tag: str, submodules, interpret: bool, kernel_dir=None) -> dict:
+    """Import ``triton_kernels/<sub>.py`` (or ``kernel_dir/<sub>.py``: another checkout's kernels)
+    for each sub under a private package name (one copy per tag and mode); returns
+    {sub: module}."""
     name = f"_ddtree_{tag}_{'interp' if interpret else 'compiled'}"
+    kdir = Path(kernel_dir).resolve() if kernel_dir is not None else _KERNEL_DIR
     if name not in sys.modules:
         old = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
         try:
             spec = importlib.util.spec_from_file_location(
-                name, _KERNEL_DIR / "__init__.py", submodule_search_locations=[str(_KERNEL_DIR)])
+                name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
             pkg = importlib.util.module_from_spec(spec)
             sys.modules[name] = pkg
             spec.loader.exec_module(pkg)
