@@ -6,7 +6,8 @@ when SGLang imports, else the vectorised ``accept_walk``, plus the PyTorch-op bo
 ``fused``: ``triton_kernels/walk_commit.py``), the accept/commit CUDA graph of
 ``step_graph.AcceptCommitGraphs`` is captured as the worker captures it, on a tree from the
 static buffers of ``tree_graph.TreeBuildGraphs`` (peaked draft log-probs, so paths run deep), with
-target tokens that follow the tree's deepest path (draft inputs: ``bench_tree_build.make_topk``), disjoint KV slots and an MLA-like KV pool of
+target tokens that follow the tree's deepest path (draft inputs: ``bench_tree_build.make_topk``
+with ``--boost``; ``accepted_mean`` says how deep the paths ran), disjoint KV slots and an MLA-like KV pool of
 ``--layers`` latent buffers (the fused KV mover serves it, as in serving). Then ``--iters`` calls
 run back to back and the script records:
 
@@ -110,13 +111,14 @@ def measure(graphs, args_fn, iters, repeats, device):
     return statistics.median(host), (statistics.median(gpu) if gpu else None)
 
 
-def run_point(bs, budget, layers, depth, iters, repeats, device, walk, vocab=32000):
+def run_point(bs, budget, layers, depth, iters, repeats, device, walk, vocab=32000,
+              boost=(12.0, 10.0)):
     """{path: {host_us, gpu_us}} at one point, plus whether the paths' outputs agree."""
     block = depth + 1
     k = min(budget, 64)
     trees = TreeBuildGraphs(budget, depth, k, device, use_graphs=device.type == "cuda")
     tree = trees(*make_topk(bs, depth, k, vocab, "peaked", seed=bs * 1000 + budget,
-                            device=device))
+                            device=device, boost=boost))
     pred = deepest_path_tokens(tree)
     n = budget + 1
     width = max(n, block)
@@ -156,14 +158,18 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--walk", default="auto", choices=("auto", "sglang", "torch"),
                     help="the op path's walk (auto: SGLang's kernel when it imports on a GPU)")
+    ap.add_argument("--boost", default="12,10", help="LO,SPAN: the draft's top token per depth "
+                    "gets LO + SPAN * U(0, 1) added to its logit (deeper trees and longer "
+                    "accepted paths as LO grows; 25,10: every path runs the full depth)")
     args = ap.parse_args(argv)
+    boost = tuple(float(x) for x in args.boost.split(","))
     device = torch.device(args.device if torch.cuda.is_available() else "cpu")
     walk, walk_name = pick_walk(args.walk)
     result = {"command": " ".join(["python", "scripts/bench_commit.py"] + (argv or sys.argv[1:])),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
               "torch_version": torch.__version__, "source_digest": checkout_digest(__file__),
-              "ops_walk": walk_name,
+              "ops_walk": walk_name, "boost": list(boost),
               "notes": "host_us: host time per accept/commit call; gpu_us: CUDA-event time per "
                        "call over the same back-to-back loop; medians over repeats",
               "results": []}
@@ -171,7 +177,7 @@ def main(argv=None):
         for budget in [int(x) for x in args.budgets.split(",")]:
             for bs in [int(x) for x in args.batch_sizes.split(",")]:
                 row = run_point(bs, budget, layers, args.depth, args.iters, args.repeats, device,
-                                walk)
+                                walk, boost=boost)
                 row.update(bs=bs, budget=budget, layers=layers)
                 result["results"].append(row)
                 print(json.dumps(row), flush=True)

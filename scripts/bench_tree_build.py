@@ -38,13 +38,15 @@ from sglang_ddtree.provenance import checkout_digest
 from sglang_ddtree.tree import DraftTree, build_tree
 
 
-def make_topk(bs, depth, k, vocab, dist, seed, device="cuda"):
+def make_topk(bs, depth, k, vocab, dist, seed, device="cuda", boost=(10.0, 10.0)):
+    """(roots, top-k log-probs, ids) of random draft logits; ``peaked`` adds lo + span * U(0, 1)
+    (``boost``) to one token per depth: the larger, the deeper the tree's main path."""
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(bs, depth, vocab, device=device, generator=g) * 3
     if dist == "peaked":
         tok = torch.randint(0, vocab, (bs, depth, 1), device=device, generator=g)
-        boost = 10 + 10 * torch.rand(bs, depth, 1, device=device, generator=g)
-        logits.scatter_add_(-1, tok, boost)
+        add = boost[0] + boost[1] * torch.rand(bs, depth, 1, device=device, generator=g)
+        logits.scatter_add_(-1, tok, add)
     vals, ids = torch.log_softmax(logits, -1).topk(k, -1)
     roots = torch.randint(0, vocab, (bs,), device=device, generator=g)
     del logits

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -118,8 +118,10 @@ for s in "$@"; do
              (cd /tmp && tar czf "$OUT/cost_curves_logs.tgz" ddtree_cost_curves/*.log 2>/dev/null) ;;
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
+    commit)  # the accept/commit stage per call, op path vs the one-launch walk_commit
+             step commit ${COMMIT_LIMIT:-150} python3 scripts/bench_commit.py --out "$OUT/commit_h200.json" ${COMMIT_ARGS:-} ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor bench)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
