@@ -254,9 +254,10 @@ _GU.update({"v2k512": (32, 512, 2, 3), "v2k512s2": (32, 512, 2, 2),
             # when few experts are touched
             "v2dk2": (32, 256, 2, 3, 0, 1, 2), "v2dk4": (32, 256, 2, 3, 0, 1, 4),
             "v2ds2k4": (32, 256, 2, 2, 0, 1, 4), "w64dk2": (64, 256, 4, 3, 0, 1, 2),
-            # M = 8's winner (v2dk128) with its K split: not yet timed
+            # M = 8's winner (v2dk128) with its K split (timed in session 15: did not win)
             "v2dk128k2": (32, 128, 2, 4, 0, 1, 2), "v2dk128k4": (32, 128, 2, 4, 0, 1, 4),
-            # session 14, not yet timed: deeper pipelines and one-warp 16-column tiles for M <= 16
+            # session 14: deeper pipelines and one-warp 16-column tiles for M <= 16 (timed in
+            # session 15: none won at M = 8-128)
             # (sm_90 AOT: 51 / 36 / 43 KB shared, 95 / 87 / 143 registers, no spills)
             "v2dk128s6": (32, 128, 2, 6, 0, 1), "n16dk128s6": (16, 128, 1, 6, 0, 1),
             "n16d": (16, 256, 1, 4, 0, 1)})

@@ -29,7 +29,7 @@ ENV_SYNC_CHECK = "SGLANG_DDTREE_CHECK_SYNCS"  # debug: log host syncs inside the
 ENV_BLOCK_SIZE = "SGLANG_DDTREE_BLOCK_SIZE"  # internal: set by the launcher for its schedulers
 ENV_VERIFY_BACKEND = "SGLANG_DDTREE_VERIFY_BACKEND"
 ENV_KV_MOVE = "SGLANG_DDTREE_KV_MOVE"  # fused (kv_move.py, default) | sglang (per column)
-ENV_COMMIT = "SGLANG_DDTREE_COMMIT"  # ops (default) | fused (triton_kernels/walk_commit.py)
+ENV_COMMIT = "SGLANG_DDTREE_COMMIT"  # fused (default: triton_kernels/walk_commit.py) | ops
 
 MIN_BUDGET = 1
 MAX_BUDGET = 1024  # SGLang's tree kernels and our builders cap at 1024 nodes
@@ -325,12 +325,14 @@ def kv_move_fused(environ=os.environ) -> bool:
 
 
 def commit_fused(environ=os.environ) -> bool:
-    """SGLANG_DDTREE_COMMIT: ``ops`` (default) walks the tree with SGLang's ``verify_tree_greedy``
-    and does the commit bookkeeping in PyTorch ops (about forty kernels in the accept/commit
-    graph); ``fused`` does the walk and all of the bookkeeping in one Triton launch
-    (``triton_kernels/walk_commit.py``, exact parity with the ops in the CPU interpreter; not yet
-    run on a GPU, hence opt-in)."""
-    raw = environ.get(ENV_COMMIT, "ops").strip().lower() or "ops"
+    """SGLANG_DDTREE_COMMIT: ``fused`` (default) does the accept walk and all of the commit
+    bookkeeping in one Triton launch (``triton_kernels/walk_commit.py``; served losslessly on the
+    H200 in session 15, commit stage 0.02-0.055 ms per step on the GPU's stream against
+    0.086-0.14 ms for the op path); ``ops`` walks the tree with SGLang's ``verify_tree_greedy``
+    and does the bookkeeping in PyTorch ops (about forty kernels in the accept/commit graph). If
+    the fused kernel cannot run (no Triton backend for the device, a compile error), the worker
+    logs why and serves the op path."""
+    raw = environ.get(ENV_COMMIT, "fused").strip().lower() or "fused"
     if raw not in ("ops", "fused"):
         raise DDTreeConfigError(f"{ENV_COMMIT}: expected ops or fused, got {raw!r}")
     return raw == "fused"

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .config import ENV_COMMIT
 from .commit import StepCommit, commit_from_path, kv_moves, move_accepted_kv
 from .graph_capture import capture, warm_up
 from .tree import DraftTree
@@ -98,6 +99,7 @@ class AcceptCommitGraphs:
     def __init__(self, path_width: int, walk: Callable, use_graphs: bool, device, stats=None,
                  fused: bool = False):
         self.path_width, self.walk, self.stats, self.fused = path_width, walk, stats, fused
+        self.fused_error: Optional[str] = None  # why the fused path was given up, if it was
         self.device = torch.device(device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._entries: Dict[Tuple, _Entry] = {}
@@ -180,8 +182,22 @@ class AcceptCommitGraphs:
         return True
 
     def _eager(self, tree, predicted, slots, prefix, pool, count=True):
+        if self.fused:
+            try:
+                return accept_and_commit(tree, predicted, slots, prefix, self.path_width,
+                                         self.walk, pool, stats=self.stats if count else None,
+                                         fused=True)
+            except Exception as err:  # noqa: BLE001 -- reported, then the op path serves
+                # walk_commit checks its inputs and compiles before it launches anything, so a
+                # failure here has written nothing: the op path redoes the whole step
+                self.fused = False
+                self.fused_error = f"{type(err).__name__}: {err}"
+                logger.error(
+                    "DDTREE: the one-launch accept/commit kernel (%s=fused) failed (%s); the "
+                    "op path serves instead (set %s=ops to skip this attempt)", ENV_COMMIT,
+                    self.fused_error, ENV_COMMIT)
         return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool,
-                                 stats=self.stats if count else None, fused=self.fused)
+                                 stats=self.stats if count else None, fused=False)
 
     def _capture(self, tree, predicted, slots, prefix, pool) -> _Entry:
         dev = self.device

@@ -285,7 +285,9 @@ def _make_worker_class(sgl):
                 torch.cuda.current_stream().synchronize()  # start-up only
             if sgl.tp_rank(self) == 0:
                 logger.info("DDTREE: step graphs for batch sizes 1..%d captured in %.1f s (%d "
-                            "accept/commit graphs)", max_bs, time.perf_counter() - t0, captured)
+                            "accept/commit graphs, commit path: %s)", max_bs,
+                            time.perf_counter() - t0, captured,
+                            "fused" if self._accept_commit.fused else "ops")
 
         def _build_verify_states(self):
             """--speculative-ddtree-budget auto: the target's verify graphs exist for the widest

@@ -108,10 +108,42 @@ def test_fused_commit_equals_the_op_path_with_stats_and_kv():
 def test_commit_switch():
     from sglang_ddtree import config as cfg
 
-    assert cfg.commit_fused({}) is False  # opt-in until it has run on a GPU
+    assert cfg.commit_fused({}) is True  # default since it served losslessly on the H200
     assert cfg.commit_fused({cfg.ENV_COMMIT: "fused"}) is True
     assert cfg.commit_fused({cfg.ENV_COMMIT: " OPS "}) is False
     import pytest
 
     with pytest.raises(cfg.DDTreeConfigError, match="expected ops or fused"):
         cfg.commit_fused({cfg.ENV_COMMIT: "fast"})
+
+
+def test_a_fused_commit_that_cannot_run_falls_back_to_the_op_path_once(monkeypatch, caplog):
+    """SGLANG_DDTREE_COMMIT=fused is the default: where walk_commit cannot run (no Triton backend
+    for the device, a compile error) the first call logs why, serves the op path's result, and
+    every later call takes the op path without trying again."""
+    import importlib
+    import logging
+
+    wc_mod = importlib.import_module("sglang_ddtree.triton_kernels.walk_commit")
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no Triton backend here")
+
+    monkeypatch.setattr(wc_mod, "walk_commit", broken)
+    rng = random.Random(9)
+    block = 8
+    tree, pred, prefix, slots, pools = _case(3, 2, rng, block - 1)
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=False, device="cpu", fused=True)
+    with caplog.at_level(logging.ERROR, logger="sglang_ddtree.step_graph"):
+        got = graphs(tree, pred, slots, prefix, pools[0])
+    want = accept_and_commit(tree, pred, slots, prefix, block, _walk, pools[1])
+    for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+        assert torch.equal(getattr(got.step, name), getattr(want.step, name)), name
+    for a, b in zip(pools[0].bufs, pools[1].bufs):
+        assert torch.equal(a, b)  # the KV moved once, by the op path
+    assert graphs.fused is False and "no Triton backend here" in graphs.fused_error
+    assert any("SGLANG_DDTREE_COMMIT=ops" in r.getMessage() for r in caplog.records)
+    graphs(tree, pred, slots, prefix, pools[0])
+    assert len(calls) == 1  # not retried
