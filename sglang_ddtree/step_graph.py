@@ -50,18 +50,8 @@ def accept_and_commit(tree: DraftTree, predicted: torch.Tensor, slots: torch.Ten
     same integers; ``walk`` unused) instead of SGLang's walk and PyTorch ops.
     """
     if fused:
-        from .triton_kernels.walk_commit import walk_commit
-
-        wc = walk_commit(tree, predicted.to(torch.int64), slots.to(torch.int64), prefix,
-                         path_width,
-                         None if stats is None else stats.budgets,
-                         None if stats is None else stats.totals)
-        if pool is not None:
-            move_accepted_kv(pool, wc.kv_dst, wc.kv_src)
-        return AcceptCommit(step=StepCommit(out_tokens=wc.out_tokens, commit_lens=wc.commit_lens,
-                                            new_seq_lens=wc.new_seq_lens,
-                                            path_nodes=wc.path_nodes, bonus=wc.bonus),
-                            hidden_rows=wc.hidden_rows)
+        return _finish_fused(_walk_commit(tree, predicted, slots, prefix, path_width, stats),
+                             pool)
     accept_len, accepted_nodes, bonus = walk(tree, predicted, path_width)
     step = commit_from_path(tree, accepted_nodes, accept_len, bonus, prefix)
     if stats is not None:
@@ -72,6 +62,28 @@ def accept_and_commit(tree: DraftTree, predicted: torch.Tensor, slots: torch.Ten
     bs, n = tree.tokens.shape
     base = torch.arange(bs, device=tree.tokens.device, dtype=torch.int64)[:, None] * n
     return AcceptCommit(step=step, hidden_rows=(base + step.path_nodes).reshape(-1))
+
+
+def _walk_commit(tree, predicted, slots, prefix, path_width, stats):
+    """The fused path's one launch (``triton_kernels/walk_commit.py``): walk, bookkeeping and
+    budget statistics. It checks its inputs and compiles before it launches, so when it raises
+    it has written nothing."""
+    from .triton_kernels.walk_commit import walk_commit
+
+    return walk_commit(tree, predicted.to(torch.int64), slots.to(torch.int64), prefix,
+                       path_width,
+                       None if stats is None else stats.budgets,
+                       None if stats is None else stats.totals)
+
+
+def _finish_fused(wc, pool) -> AcceptCommit:
+    """The KV move of the fused path's result, and its outputs as ``AcceptCommit``."""
+    if pool is not None:
+        move_accepted_kv(pool, wc.kv_dst, wc.kv_src)
+    return AcceptCommit(step=StepCommit(out_tokens=wc.out_tokens, commit_lens=wc.commit_lens,
+                                        new_seq_lens=wc.new_seq_lens,
+                                        path_nodes=wc.path_nodes, bonus=wc.bonus),
+                        hidden_rows=wc.hidden_rows)
 
 
 @dataclass
@@ -182,22 +194,22 @@ class AcceptCommitGraphs:
         return True
 
     def _eager(self, tree, predicted, slots, prefix, pool, count=True):
+        stats = self.stats if count else None
         if self.fused:
             try:
-                return accept_and_commit(tree, predicted, slots, prefix, self.path_width,
-                                         self.walk, pool, stats=self.stats if count else None,
-                                         fused=True)
+                wc = _walk_commit(tree, predicted, slots, prefix, self.path_width, stats)
             except Exception as err:  # noqa: BLE001 -- reported, then the op path serves
-                # walk_commit checks its inputs and compiles before it launches anything, so a
-                # failure here has written nothing: the op path redoes the whole step
+                # nothing was written (the launch never happened): the op path does the step
                 self.fused = False
                 self.fused_error = f"{type(err).__name__}: {err}"
                 logger.error(
                     "DDTREE: the one-launch accept/commit kernel (%s=fused) failed (%s); the "
                     "op path serves instead (set %s=ops to skip this attempt)", ENV_COMMIT,
                     self.fused_error, ENV_COMMIT)
+            else:
+                return _finish_fused(wc, pool)
         return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool,
-                                 stats=self.stats if count else None, fused=False)
+                                 stats=stats, fused=False)
 
     def _capture(self, tree, predicted, slots, prefix, pool) -> _Entry:
         dev = self.device
