@@ -8,7 +8,10 @@ the critical path of every decode step. Here it is captured once per batch size 
 (inputs copied in -- the target's tokens written in place where the caller asks for the
 buffer, ``predicted_buffer`` -- outputs cloned out, three of them as one packed clone). The
 worker captures every batch size up to the largest CUDA-graph batch size at start-up
-(``prewarm``); a batch size beyond it is captured on first use.
+(``prewarm``); a batch size beyond it is captured on first use. By default
+(``SGLANG_DDTREE_COMMIT=fused``) the walk and all of the bookkeeping are one Triton launch
+(``triton_kernels/walk_commit.py``) plus the KV move; where that kernel cannot run, the op path
+above serves, after one logged error.
 
 The tree is not copied in: the tree builder hands out the same per-batch-size buffers every step
 (``TreeBuildGraphs``), so the graph reads them where they are. A call with other tree buffers (or
