@@ -31,6 +31,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_cost_curves import accept_from_bench, project as tokens_per_s  # noqa: E402
 RESULTS = os.path.join(HERE, "..", "bench_results")
 # the committed cost curves this projection reads by default, with what each one's dummy weights
 # do to the step (printed with every row of that model)
@@ -67,17 +69,6 @@ def step_costs(model: dict) -> dict:
     return out
 
 
-def tiny_pair_accepts(path: str, concurrency: str = "1", mode: str = "greedy") -> dict:
-    """{method: accept length} of a scripts/bench_e2e.py JSON at one concurrency."""
-    data = json.load(open(path))
-    out = {"ar": 1.0}
-    for method, modes in data.get("results", {}).items():
-        row = modes.get(mode, {}).get(concurrency)
-        if row and row.get("accept_length"):
-            out[method] = float(row["accept_length"])
-    return out
-
-
 def published_accepts(pub: dict, methods) -> dict:
     """{method: accept length}: the paper's DFLASH value, and its one DDTREE value for every
     DDTREE budget we measured (labelled in the output: the paper's budget is its best one)."""
@@ -92,16 +83,15 @@ def published_accepts(pub: dict, methods) -> dict:
 
 
 def project(costs: dict, accepts: dict) -> dict:
-    """{method: {batch: {"tokens_per_s", "over_ar", "over_dflash", "step_from"}}}."""
-    out = {}
-    for method, per_c in costs.items():
-        a = accepts.get(method)
-        if a is None:
-            continue
-        for c, step in per_c.items():
-            out.setdefault(method, {})[c] = {
-                "tokens_per_s": round(1e3 * int(c) * a / step["ms"], 1),
-                "step_ms": step["ms"], "step_from": step["from"], "accept": a}
+    """{method: {batch: {"tokens_per_s", "step_ms", "step_from", "accept", "over_ar",
+    "over_dflash"}}}: ``bench_cost_curves.project`` on these steps, with where each came from."""
+    concs = sorted({int(c) for per_c in costs.values() for c in per_c})
+    tps = tokens_per_s({m: {c: step["ms"] for c, step in per_c.items()}
+                        for m, per_c in costs.items()}, accepts, concs)
+    out = {m: {c: {"tokens_per_s": v, "step_ms": costs[m][c]["ms"],
+                   "step_from": costs[m][c]["from"], "accept": accepts[m]}
+               for c, v in row.items()}
+           for m, row in tps.items()}
     for method, per_c in out.items():
         for c, row in per_c.items():
             bases = ("ar", "dflash") if method.startswith("ddtree") else \
@@ -143,7 +133,7 @@ def main(argv=None) -> int:
               "label": "PROJECTION, not a measurement: measured step costs x accept lengths "
                        "measured elsewhere (named per row)",
               "step_sources": {}, "accept_sources": {}, "projection": {}}
-    tiny = tiny_pair_accepts(args.accept_json) if args.accept_json else None
+    tiny = dict(accept_from_bench(args.accept_json), ar=1.0) if args.accept_json else None
     if tiny:
         result["accept_sources"]["tiny_pair"] = {
             "file": os.path.basename(args.accept_json), "values": tiny}
