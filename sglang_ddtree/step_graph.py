@@ -97,15 +97,26 @@ class _Entry:
     slots: torch.Tensor
     prefix: torch.Tensor
     out: AcceptCommit
-    # [bs * B + 2 * bs] int64, written by the graph: out_tokens, new_seq_lens, bonus (one clone
-    # hands all three out instead of three)
+    # bytes written by the graph: out_tokens, new_seq_lens, bonus as int64, then commit_lens as
+    # int32 (one clone hands all four out instead of four; _unpack reads them back)
     packed: torch.Tensor
 
 
 def _pack(out: AcceptCommit) -> torch.Tensor:
     s = out.step
-    return torch.cat([s.out_tokens.reshape(-1), s.new_seq_lens.to(torch.int64),
-                      s.bonus.to(torch.int64)])
+    parts = (s.out_tokens.reshape(-1), s.new_seq_lens.to(torch.int64), s.bonus.to(torch.int64),
+             s.commit_lens.to(torch.int32))
+    return torch.cat([t.contiguous().view(torch.uint8) for t in parts])
+
+
+def _unpack(packed: torch.Tensor, bs: int, width: int):
+    """(out_tokens [bs, width] int64, new_seq_lens [bs] int64, bonus [bs] int64, commit_lens
+    [bs] int32): views of one ``_pack`` byte buffer (the int64 parts first, so every view is
+    aligned)."""
+    n64 = bs * width + 2 * bs
+    w = packed[: 8 * n64].view(torch.int64)
+    return (w[: bs * width].view(bs, width), w[bs * width: bs * width + bs], w[bs * width + bs:],
+            packed[8 * n64:].view(torch.int32))
 
 
 class AcceptCommitGraphs:
@@ -137,21 +148,24 @@ class AcceptCommitGraphs:
                 return self._eager(tree, predicted, slots, prefix, pool)
         if e.tree_ptr != tree.tokens.data_ptr():  # not the builder's static buffers
             return self._eager(tree, predicted, slots, prefix, pool)
-        if predicted.data_ptr() != e.predicted.data_ptr():  # not written in place already
+        # inputs the graph does not already read in place: the worker writes the target's tokens
+        # into predicted_buffer, and the step-prep buffers handed to prewarm are the graph's own
+        # slots and prefix
+        if predicted.data_ptr() != e.predicted.data_ptr():
             e.predicted.copy_(predicted)
-        e.slots.copy_(slots)
-        e.prefix.copy_(prefix)
+        if slots.data_ptr() != e.slots.data_ptr():
+            e.slots.copy_(slots)
+        if prefix.data_ptr() != e.prefix.data_ptr():
+            e.prefix.copy_(prefix)
         e.graph.replay()
         s = e.out.step
         # outputs that outlive the step (next step's lengths/bonus, SGLang's result) are cloned:
         # the next replay at this batch size overwrites the static buffers
         bs, width = s.out_tokens.shape
-        packed = e.packed.clone()
+        out_tokens, new_seq_lens, bonus, commit_lens = _unpack(e.packed.clone(), bs, width)
         return AcceptCommit(
-            step=StepCommit(out_tokens=packed[: bs * width].view(bs, width),
-                            commit_lens=s.commit_lens.clone(),
-                            new_seq_lens=packed[bs * width: bs * width + bs],
-                            path_nodes=s.path_nodes, bonus=packed[bs * width + bs:]),
+            step=StepCommit(out_tokens=out_tokens, commit_lens=commit_lens,
+                            new_seq_lens=new_seq_lens, path_nodes=s.path_nodes, bonus=bonus),
             hidden_rows=e.out.hidden_rows)
 
     def predicted_buffer(self, tree: DraftTree, slots: torch.Tensor, prefix: torch.Tensor,
@@ -172,23 +186,33 @@ class AcceptCommitGraphs:
                 slots.dtype, id(pool))
 
     def prewarm(self, tree: DraftTree, width: int, pool, prefix_dtype=torch.int64,
-                slots_dtype=torch.int64) -> bool:
+                slots_dtype=torch.int64, slots: Optional[torch.Tensor] = None,
+                prefix: Optional[torch.Tensor] = None) -> bool:
         """Capture the graph a step with ``tree`` (the tree builder's static buffers of one
         batch size) will replay, before serving: a first capture mid-serving stalls that step
         (tens to hundreds of ms, measured on the H200) and, on a new shape, compiles kernels.
         ``tree`` is overwritten with a valid root-only tree (the capture's warm-up walks it).
-        Returns whether a graph was captured now."""
+        ``slots`` [bs, width] / ``prefix`` [bs]: buffers every step at this batch size passes
+        (the step-prep kernel's), which the graph then reads in place instead of copying them
+        in; they are zeroed here (before serving: nothing reads them yet). Returns whether a
+        graph was captured now."""
         bs, n = tree.tokens.shape
         dev = tree.tokens.device
-        slots = torch.zeros(bs, width, dtype=slots_dtype, device=dev)
-        prefix = torch.zeros(bs, dtype=prefix_dtype, device=dev)
+        if slots is None:
+            slots = torch.zeros(bs, width, dtype=slots_dtype, device=dev)
+        if prefix is None:
+            prefix = torch.zeros(bs, dtype=prefix_dtype, device=dev)
         key = self._key(tree, slots, prefix, pool)
         if not self.use_graphs or key in self._entries or key in self.failed:
             return False
+        if tuple(slots.shape) != (bs, width) or tuple(prefix.shape) != (bs,):
+            raise ValueError(f"prewarm: slots {tuple(slots.shape)} / prefix "
+                             f"{tuple(prefix.shape)} are not [{bs}, {width}] / [{bs}]")
         tree.copy_(DraftTree.make_dummy(bs, n - 1, dev, max_depth=tree.max_depth or 1))
         predicted = torch.zeros(bs, n, dtype=torch.int64, device=dev)
         try:
-            self._entries[key] = self._capture(tree, predicted, slots, prefix, pool)
+            self._entries[key] = self._capture(tree, predicted, slots, prefix, pool,
+                                               in_place=True)
         except Exception as err:  # noqa: BLE001 -- reported; that key then runs eagerly
             self.failed[key] = f"{type(err).__name__}: {err}"
             logger.error("DDTREE: accept/commit graph capture failed for %s (%s); it will run "
@@ -214,13 +238,20 @@ class AcceptCommitGraphs:
         return accept_and_commit(tree, predicted, slots, prefix, self.path_width, self.walk, pool,
                                  stats=stats, fused=False)
 
-    def _capture(self, tree, predicted, slots, prefix, pool) -> _Entry:
+    def _capture(self, tree, predicted, slots, prefix, pool, in_place=False) -> _Entry:
+        """in_place: the graph reads ``slots`` and ``prefix`` themselves (prewarm's buffers,
+        zeroed), not placeholders of their shapes."""
         dev = self.device
         # placeholders for the warm-up run: slot 0 is SGLang's padding slot, so the warm-up's
         # KV "moves" copy slot 0 onto itself
         st_pred = torch.zeros_like(predicted)
-        st_slots = torch.zeros_like(slots)
-        st_prefix = torch.zeros_like(prefix)
+        if in_place:
+            st_slots, st_prefix = slots, prefix
+            st_slots.zero_()
+            st_prefix.zero_()
+        else:
+            st_slots = torch.zeros_like(slots)
+            st_prefix = torch.zeros_like(prefix)
         # the warm-up runs on placeholders: it must not count towards the budget statistics
         warm_up(lambda: _pack(self._eager(tree, st_pred, st_slots, st_prefix, pool,
                                           count=False)), dev)

@@ -2,17 +2,18 @@
 
 Each decode step needs, per request: the KV slots of positions prefix .. prefix + W - 1 (the
 verify tree's, reserved ahead by SGLang; the drafter block uses the first B), the drafter
-block's token ids ``[root, MASK x (B - 1)]`` and its positions ``prefix + 0 .. B - 1``. As torch
-ops that is about ten small kernels and as many host calls per step (index arithmetic, a
-gather, a fill, a copy); :class:`StepPrep` writes all three in one Triton launch into
-per-batch-size buffers. :func:`prepare_step_reference` is the same in torch ops (the CPU path
+block's token ids ``[root, MASK x (B - 1)]`` and its positions ``prefix + 0 .. B - 1``, and the
+prefix lengths themselves as int64 (a snapshot the accept/commit graph reads in place, so that a
+step copies neither the slots nor the lengths into it). As torch ops that is about ten small
+kernels and as many host calls per step (index arithmetic, a gather, a fill, a copy);
+:class:`StepPrep` writes all four in one Triton launch into per-batch-size buffers. :func:`prepare_step_reference` is the same in torch ops (the CPU path
 and the tests' oracle).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -29,11 +30,12 @@ logger = logging.getLogger(__name__)
 
 def prepare_step_reference(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                            prefix: torch.Tensor, bonus: torch.Tensor, width: int, block: int,
-                           mask_token_id: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(slots [bs, width] int64, block_ids [bs, block] int64, positions [bs, block] int64).
+                           mask_token_id: int) -> Tuple[torch.Tensor, ...]:
+    """(slots [bs, width] int64, block_ids [bs, block] int64, positions [bs, block] int64,
+    prefix [bs] int64).
 
     slots[b, j] = req_to_token[req_pool_indices[b], prefix[b] + j]; block_ids = [bonus[b],
-    mask_token_id, ...]; positions[b, j] = prefix[b] + j.
+    mask_token_id, ...]; positions[b, j] = prefix[b] + j; the last is a copy of prefix.
     """
     bs = prefix.shape[0]
     dev = prefix.device
@@ -42,14 +44,14 @@ def prepare_step_reference(req_to_token: torch.Tensor, req_pool_indices: torch.T
     block_ids[:, 0].copy_(bonus)
     positions = prefix.to(torch.int64)[:, None] + torch.arange(block, device=dev,
                                                                dtype=torch.int64)
-    return slots, block_ids, positions
+    return slots, block_ids, positions, prefix.to(torch.int64).clone()
 
 
 if triton is not None:
 
     @triton.jit
     def _step_prep_kernel(req_to_token_ptr, r2t_stride, rpi_ptr, prefix_ptr, bonus_ptr,
-                          slots_ptr, block_ids_ptr, positions_ptr, mask_token_id,
+                          slots_ptr, block_ids_ptr, positions_ptr, prefix_out_ptr, mask_token_id,
                           W: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         p = tl.load(prefix_ptr + b).to(tl.int64)
@@ -63,6 +65,7 @@ if triton is not None:
         ids = tl.where(offs == 0, root, tl.zeros([BLOCK], tl.int64) + mask_token_id)
         tl.store(block_ids_ptr + b * B + offs, ids, mask=in_b)
         tl.store(positions_ptr + b * B + offs, p + offs, mask=in_b)
+        tl.store(prefix_out_ptr + b, p)
 
 
 class StepPrep:
@@ -75,7 +78,7 @@ class StepPrep:
         self.width, self.block, self.mask_token_id = int(width), int(block), int(mask_token_id)
         self.device = torch.device(device)
         self.use_kernel = bool(use_kernel) and triton is not None and self.device.type == "cuda"
-        self._bufs: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._bufs: Dict[int, Tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                  prefix: torch.Tensor, bonus: torch.Tensor):
@@ -83,20 +86,31 @@ class StepPrep:
             return prepare_step_reference(req_to_token, req_pool_indices, prefix, bonus,
                                           self.width, self.block, self.mask_token_id)
         bs = prefix.shape[0]
+        bufs = self.buffers(bs)
+        if bs == 0:
+            return bufs
+        slots, block_ids, positions, prefix_out = bufs
+        _step_prep_kernel[(bs,)](
+            req_to_token, req_to_token.stride(0), req_pool_indices, prefix, bonus,
+            slots, block_ids, positions, prefix_out, self.mask_token_id,
+            W=self.width, B=self.block,
+            BLOCK=triton.next_power_of_2(max(self.width, self.block)))
+        return bufs
+
+    def buffers(self, bs: int) -> Optional[Tuple[torch.Tensor, ...]]:
+        """The (slots, block_ids, positions, prefix) buffers every step at batch size ``bs``
+        writes (allocated zeroed on first use), or None where the torch ops serve (fresh
+        tensors each step). The worker's start-up capture hands the slots and prefix buffers to
+        the accept/commit graph, which then reads them in place."""
+        if not self.use_kernel:
+            return None
         bufs = self._bufs.get(bs)
         if bufs is None:
             i64 = dict(dtype=torch.int64, device=self.device)
-            bufs = self._bufs[bs] = (torch.empty(bs, self.width, **i64),
-                                     torch.empty(bs, self.block, **i64),
-                                     torch.empty(bs, self.block, **i64))
-        if bs == 0:
-            return bufs
-        slots, block_ids, positions = bufs
-        _step_prep_kernel[(bs,)](
-            req_to_token, req_to_token.stride(0), req_pool_indices, prefix, bonus,
-            slots, block_ids, positions, self.mask_token_id,
-            W=self.width, B=self.block,
-            BLOCK=triton.next_power_of_2(max(self.width, self.block)))
+            bufs = self._bufs[bs] = (torch.zeros(bs, self.width, **i64),
+                                     torch.zeros(bs, self.block, **i64),
+                                     torch.zeros(bs, self.block, **i64),
+                                     torch.zeros(bs, **i64))
         return bufs
 
     def self_check(self, req_to_token: torch.Tensor) -> bool:

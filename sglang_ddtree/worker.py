@@ -276,11 +276,15 @@ def _make_worker_class(sgl):
                 # online auto can pick any budget at any batch size; otherwise one per size
                 budgets = (self.tree_cfg.budgets if self._online is not None
                            else (self.tree_cfg.budget_for(bs),))
+                # the step-prep buffers of this batch size: the graph reads a step's slots and
+                # prefix lengths where that kernel wrote them (two copies fewer per step)
+                prep = self._step_prep.buffers(bs)
+                in_place = {} if prep is None else {"slots": prep[0], "prefix": prep[3]}
                 for b in budgets:
                     tree = self._tree_builders[b].static_tree(bs)
                     if tree is not None:
                         captured += self._accept_commit.prewarm(
-                            tree, self.tree_cfg.num_draft_tokens, pool)
+                            tree, self.tree_cfg.num_draft_tokens, pool, **in_place)
             if torch.device(self.device).type == "cuda":
                 torch.cuda.current_stream().synchronize()  # start-up only
             if sgl.tp_rank(self) == 0:
@@ -376,7 +380,7 @@ def _make_worker_class(sgl):
             req_to_token = self.model_runner.req_to_token_pool.req_to_token
             # the KV slots SGLang reserves for the widest tree (tc.num_draft_tokens positions),
             # the drafter block's ids and positions: one launch
-            slots, block_ids, draft_pos = self._step_prep(
+            slots, block_ids, draft_pos, prefix64 = self._step_prep(
                 req_to_token, batch.req_pool_indices, prefix, draft_input.bonus_tokens)
             seq_bound = self._host_seq_bound(batch, draft_input)  # drafter and verify share it
 
@@ -434,7 +438,7 @@ def _make_worker_class(sgl):
             if sampling_info is None or sampling_info.is_all_greedy:
                 # straight into the accept/commit graph's input buffer when it has one
                 buf = self._accept_commit.predicted_buffer(
-                    tree, slots, prefix, self.model_runner.token_to_kv_pool)
+                    tree, slots, prefix64, self.model_runner.token_to_kv_pool)
                 if buf is not None:
                     predicted = torch.argmax(logits, dim=-1, out=buf.view(-1)).view(bs, n)
                 else:
@@ -456,7 +460,8 @@ def _make_worker_class(sgl):
 
             # 5) walk the tree, commit: accepted KV contiguous (one graph replay per step),
             # publish lengths, drafter KV from the accepted nodes' target hidden states
-            done = self._accept_commit(tree, predicted, slots, prefix,
+            # prefix64: the step-prep snapshot of the lengths, read in place by the graph
+            done = self._accept_commit(tree, predicted, slots, prefix64,
                                        self.model_runner.token_to_kv_pool)
             step = done.step
             t.mark("commit")

@@ -841,17 +841,30 @@ def test_step_graphs_are_prewarmed_for_every_batch_size_with_its_budget(
     for b, tb in w._tree_builders.items():
         monkeypatch.setattr(tb, "static_tree", lambda bs, b=b: asked.append((bs, b)) or (b, bs))
     monkeypatch.setattr(w._accept_commit, "prewarm",
-                        lambda tree, width, pool: warmed.append((tree, width, pool)) or True)
+                        lambda tree, width, pool, **kw: warmed.append((tree, width, pool, kw))
+                        or True)
     w.model_runner.token_to_kv_pool = pool = object()
     w._graphs_enabled = False
     with _fake_sglang_process(server_args):
         w._prewarm_step_graphs()
     assert asked == [] and warmed == []
     w._graphs_enabled = True
+    w._step_prep.use_kernel = False  # the torch ops: no buffers to hand over
     with _fake_sglang_process(server_args):  # the start-up log line reads the TP rank
         w._prewarm_step_graphs()
     assert asked == [(1, BUDGET), (2, 6), (3, 6), (4, 6), (5, 3), (6, 3)]
-    assert warmed == [((b, bs), w.tree_cfg.num_draft_tokens, pool) for bs, b in asked]
+    assert warmed == [((b, bs), w.tree_cfg.num_draft_tokens, pool, {}) for bs, b in asked]
+    # the kernel's per-batch-size buffers: the graphs read the step's slots and lengths there
+    w._step_prep.use_kernel = True
+    w._accept_commit.use_graphs = True
+    asked.clear()
+    warmed.clear()
+    with _fake_sglang_process(server_args):
+        w._prewarm_step_graphs()
+    assert len(warmed) == 6
+    for (tree, width, _, kw), (bs, _) in zip(warmed, asked):
+        prep = w._step_prep.buffers(bs)
+        assert kw["slots"] is prep[0] and kw["prefix"] is prep[3]
 
 
 def test_online_auto_mode_asks_the_controller_and_prewarms_every_budget(

@@ -147,3 +147,22 @@ def test_a_fused_commit_that_cannot_run_falls_back_to_the_op_path_once(monkeypat
     assert any("SGLANG_DDTREE_COMMIT=ops" in r.getMessage() for r in caplog.records)
     graphs(tree, pred, slots, prefix, pools[0])
     assert len(calls) == 1  # not retried
+
+
+def test_pack_and_unpack_round_trip_with_their_dtypes():
+    """The graph's outputs leave in one clone: int64 parts, then the int32 commit lengths."""
+    from sglang_ddtree.commit import StepCommit
+    from sglang_ddtree.step_graph import AcceptCommit, _pack, _unpack
+
+    bs, width = 3, 5
+    out = torch.arange(bs * width, dtype=torch.int64).view(bs, width) * 1_000_003
+    step = StepCommit(out_tokens=out, commit_lens=torch.tensor([1, 5, 2], dtype=torch.int32),
+                      new_seq_lens=torch.tensor([9, 10, 2**40]),
+                      path_nodes=torch.zeros(bs, width, dtype=torch.int64),
+                      bonus=torch.tensor([7, 8, 9]))
+    packed = _pack(AcceptCommit(step=step, hidden_rows=torch.zeros(1)))
+    assert packed.dtype == torch.uint8 and packed.numel() == 8 * (bs * width + 2 * bs) + 4 * bs
+    o, lens, bonus, commit = _unpack(packed.clone(), bs, width)
+    assert torch.equal(o, out) and torch.equal(lens, step.new_seq_lens)
+    assert torch.equal(bonus, step.bonus) and torch.equal(commit, step.commit_lens)
+    assert commit.dtype == torch.int32 and o.dtype == lens.dtype == bonus.dtype == torch.int64

@@ -30,8 +30,11 @@ def test_kernel_equals_the_torch_ops(width, block, bs):
     prep = _kernel_prep(width, block)
     got = prep(req_to_token, rpi, prefix, bonus)
     want = prepare_step_reference(req_to_token, rpi, prefix, bonus, width, block, MASK)
-    for name, a, b in zip(("slots", "block_ids", "positions"), got, want):
+    assert len(got) == len(want) == 4
+    for name, a, b in zip(("slots", "block_ids", "positions", "prefix"), got, want):
         assert a.dtype == torch.int64 and torch.equal(a, b), name
+    assert torch.equal(got[3], prefix) and got[3].data_ptr() != prefix.data_ptr()  # a snapshot
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, prep.buffers(bs)))
     # per-batch-size buffers: the next step at this size writes the same tensors
     again = prep(req_to_token, rpi, prefix, bonus)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, again))
@@ -39,9 +42,11 @@ def test_kernel_equals_the_torch_ops(width, block, bs):
 
 def test_reference_layout():
     req_to_token = torch.arange(40).view(2, 20)
-    slots, ids, pos = prepare_step_reference(req_to_token, torch.tensor([1]), torch.tensor([5]),
-                                             torch.tensor([9]), 4, 3, MASK)
-    assert slots.tolist() == [[25, 26, 27, 28]]
+    slots, ids, pos, prefix = prepare_step_reference(
+        req_to_token, torch.tensor([1]), torch.tensor([5], dtype=torch.int32), torch.tensor([9]),
+        4, 3, MASK)
+    assert slots.tolist() == [[25, 26, 27, 28]] and prefix.tolist() == [5]
+    assert prefix.dtype == torch.int64
     assert ids.tolist() == [[9, MASK, MASK]] and pos.tolist() == [[5, 6, 7]]
 
 
@@ -59,6 +64,15 @@ def test_self_check_passes_and_a_broken_kernel_falls_back(monkeypatch):
     prep = _kernel_prep(33, 16)
     assert not prep.self_check(req_to_token) and not prep.use_kernel
     # the torch ops serve from then on
-    slots, _, _ = prep(req_to_token, torch.tensor([2]).to(DEV), torch.tensor([3]).to(DEV),
+    assert prep.buffers(1) is None  # no static buffers for the graph to read in place
+    slots, _, _, _ = prep(req_to_token, torch.tensor([2]).to(DEV), torch.tensor([3]).to(DEV),
                        torch.tensor([1]).to(DEV))
     assert torch.equal(slots, req_to_token[2, 3:36].to(torch.int64)[None])
+
+
+def test_buffers_are_zeroed_and_per_batch_size():
+    prep = _kernel_prep(9, 4)
+    a = prep.buffers(3)
+    assert [tuple(t.shape) for t in a] == [(3, 9), (3, 4), (3, 4), (3,)]
+    assert all(t.dtype == torch.int64 and not t.any() for t in a)
+    assert prep.buffers(3) is a and prep.buffers(2) is not a

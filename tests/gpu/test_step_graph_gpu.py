@@ -217,3 +217,47 @@ def test_target_tokens_written_in_place_equal_a_copied_tensor():
     assert graphs.predicted_buffer(other, slots, prefix, pool_g) is None
     off = AcceptCommitGraphs(block, _walk, use_graphs=False, device="cuda")
     assert off.predicted_buffer(tree, slots, prefix, pool_g) is None
+
+
+@pytest.mark.parametrize("commit", ["ops", "fused"])
+def test_step_prep_buffers_read_in_place_equal_copied_inputs(commit):
+    """The worker hands prewarm its step-prep buffers: the graph reads each step's slots and
+    prefix lengths where that kernel wrote them (no copy in). Same outputs and KV as the eager
+    path, over steps that rewrite the buffers; the packed outputs (int32 commit_lens among
+    int64) come back with their dtypes and owned."""
+    from sglang_ddtree.step_prep import StepPrep
+
+    rng = random.Random(4)
+    budget, depth, k = 16, 7, 8
+    block = depth + 1
+    trees = TreeBuildGraphs(budget, depth, k, "cuda")
+    graphs = AcceptCommitGraphs(block, _walk, use_graphs=True, device="cuda",
+                                fused=commit == "fused")
+    width = budget + 1
+    prep = StepPrep(width, block, 4097, "cuda")
+    rows, cols = 6, 4 * width * 2 + 400
+    # distinct slots everywhere (as SGLang's pool hands out): KV moves never collide
+    req_to_token = (torch.randperm(rows * cols, device="cuda") + 1).view(rows, cols).to(
+        torch.int32)
+    pool_g, pool_e = GpuPool(rows * cols + 1), GpuPool(rows * cols + 1)
+    bufs = prep.buffers(4)
+    assert graphs.prewarm(trees.static_tree(4), width, pool_g, slots=bufs[0], prefix=bufs[3])
+    kept = []
+    for seed in range(4):
+        tree = trees(*_inputs(4, depth, k, seed))
+        pred = _predict(tree, rng)
+        rpi = torch.randperm(rows, device="cuda")[:4]
+        seq = torch.randint(0, 300, (4,), device="cuda")
+        slots, _, _, prefix64 = prep(req_to_token, rpi, seq, tree.tokens[:, 0])
+        assert slots.data_ptr() == bufs[0].data_ptr() and prefix64.data_ptr() == bufs[3].data_ptr()
+        got = graphs(tree, pred, slots, prefix64, pool_g)
+        want = accept_and_commit(tree, pred, slots.clone(), seq, block, _walk, pool_e)
+        for name in ("out_tokens", "commit_lens", "new_seq_lens", "path_nodes", "bonus"):
+            a, b = getattr(got.step, name), getattr(want.step, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, seed)
+        for a, b in zip(pool_g.bufs, pool_e.bufs):
+            assert torch.equal(a, b)
+        kept.append((got.step.commit_lens, want.step.commit_lens.clone()))
+    assert len(graphs._entries) == 1 and not graphs.failed
+    for a, b in kept:
+        assert torch.equal(a, b)
