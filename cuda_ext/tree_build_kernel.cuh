@@ -596,6 +596,11 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 // per lane) and an always-unrolled four-parent search were slower than the block's (24.4 us).
 // Smaller warp-run code also ran faster in every variant tried: keep the loop lean.
 constexpr int kRunMaxParents = 64;
+// A level of at most this many parents (and Kp <= 64) counts by ballots instead (0: never).
+#ifndef DDTREE_FEW_PARENTS
+#define DDTREE_FEW_PARENTS 4
+#endif
+constexpr int kFewParents = DDTREE_FEW_PARENTS > 0 ? DDTREE_FEW_PARENTS : 1;
 constexpr int kRunMaxCandidates = 64;
 constexpr int kRunDone = 1, kRunHandBack = 2, kRunCounted = 3;
 
@@ -663,6 +668,66 @@ __device__ __forceinline__ DeferRun defer_run(DeferRun st, int D, int Kp, int B,
     st.thr = thr;
     const float* lp = lp_base + (d - 1) * Kp;
     const float* ps = gs + st.cb;
+#if DDTREE_FEW_PARENTS > 0
+    if (m <= kFewParents && Kp <= 64) {  // warp-uniform: a chain-like level
+      // every lane holds ranks lane and lane + 32 of this depth; parent i's count is the
+      // population of two ballots (the same comparisons as count_above), so all lanes know
+      // every count and offset at once: no search, no scan, no off[] round trip
+      const float l0 = lane < Kp ? lp[lane] : -INFINITY;
+      const float l1 = lane + 32 < Kp ? lp[lane + 32] : -INFINITY;
+      int po[kFewParents + 1];
+      po[0] = 0;
+#pragma unroll
+      for (int i = 0; i < kFewParents; ++i) {
+        const bool ok = i < m;
+        const float pv = ok && d > 1 ? ps[i] : 0.0f;
+        po[i + 1] = po[i] + __popc(__ballot_sync(kFullWarp, ok && pv + l0 > thr)) +
+                    __popc(__ballot_sync(kFullWarp, ok && pv + l1 > thr));
+      }
+      const int M = po[kFewParents];  // parents i >= m count 0
+      if (M == 0) {
+        st.status = kRunDone;
+        return st;
+      }
+      if (M > kRunMaxCandidates || st.g + M > GC) {
+        // the block takes the level from its counts: off[0, m], off[m] = M
+        int v = 0;
+#pragma unroll
+        for (int i = 0; i <= kFewParents; ++i)
+          if (lane == i) v = po[i];
+        if (lane <= m) off[lane] = v;
+        __syncwarp();
+        st.status = kRunCounted;
+        return st;
+      }
+      constexpr int kU = kRunMaxCandidates / 32;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (32 * u >= M) break;  // warp-uniform
+        const int c = lane + 32 * u;
+        int bin = 0;
+        if (c < M) {
+          int i = 0, base = 0;
+#pragma unroll
+          for (int k = 1; k < kFewParents; ++k)
+            if (k < m && po[k] <= c) {
+              i = k;
+              base = po[k];
+            }
+          bin = append_run_candidate(d, c, i, c - base, ps, lp, st.g, GC, gs, gm, gp, pos_of);
+        }
+        warp_hist_add(dhist, c < M, bin, lane);
+      }
+      cnt += M;  // they score above defer_tau(f): all in bins 0..f
+      if (lane == 0) lvl_cnt[d] = M;
+      __syncwarp();
+      st.cb = st.g;
+      st.cs = M;
+      st.g += M;
+      st.d = d + 1;
+      continue;
+    }
+#endif
     // parents lane (first half) and lane + 32 (second half): scanned as two runs of 32, the
     // second after the first's total, so that the offsets follow the parents' order
     // (a level of at most 32 parents, the usual narrow one, searches once per lane; wider ones

@@ -202,6 +202,9 @@ DEFER_CASES = [c for c in CASES if c[1] <= DEFER_MAX_BUDGET] + VARIANT_EXTRA_CAS
     # more (handed to the block, ddtree::kRunMaxCandidates), next to narrow ones
     (4, 64, 15, 64, 256, "peaked"),
     (2, 96, 15, 96, 256, "flat"),
+    # a level of 2-3 parents with far more children than a warp run appends
+    (2, 64, 15, 64, 128, "fan"),
+    (2, 64, 15, 32, 64, "fan"),
     # K x D > 8192: each depth's log-probs staged when it is reached (not up front)
     (1, 200, 50, 200, 256, "peaked"),
     (1, 160, 60, 160, 128, "flat"),

@@ -20,7 +20,7 @@ from tests.test_tree import assert_same_tree
 pytestmark = pytest.mark.gpu
 
 NEG_INF = float("-inf")
-MODES = ["random", "ties", "ninf", "short_vocab", "peaked", "round", "dead_depth", "flat", "far"]
+MODES = ["random", "ties", "ninf", "short_vocab", "peaked", "round", "dead_depth", "flat", "far", "fan"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,6 +64,13 @@ def make_inputs(bs, depth, k, seed, mode):
         base, spread = (0.0, 0.08) if mode == "flat" else (-130.0, 4.0)
         return _sorted_with_perm_ids(base - torch.rand(bs, depth, k, generator=g) * spread * k / 8,
                                      g)
+    if mode == "fan":
+        # two or three finite depth-1 ranks, then flat rows: a narrow level of a few parents
+        # whose children (up to 3 K) overflow a warp run's candidates (deferred_warp's
+        # few-parent count hands such a level to the block)
+        lp = -torch.rand(bs, depth, k, generator=g) * 1e-3 * k
+        lp[:, 0, 2 + seed % 2:] = NEG_INF
+        return _sorted_with_perm_ids(lp, g)
     kw = dict(scale=1.0 + seed % 3)
     vocab = max(64, 2 * k)
     if mode == "ties":
