@@ -598,7 +598,7 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 constexpr int kRunMaxParents = 64;
 // A level of at most this many parents (and Kp <= 64) counts by ballots instead (0: never).
 #ifndef DDTREE_FEW_PARENTS
-#define DDTREE_FEW_PARENTS 4
+#define DDTREE_FEW_PARENTS 8
 #endif
 constexpr int kFewParents = DDTREE_FEW_PARENTS > 0 ? DDTREE_FEW_PARENTS : 1;
 constexpr int kRunMaxCandidates = 64;
