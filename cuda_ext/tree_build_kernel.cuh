@@ -597,6 +597,10 @@ __device__ __forceinline__ void defer_walk(const int* dhist, int B, int lane, in
 // Smaller warp-run code also ran faster in every variant tried: keep the loop lean.
 constexpr int kRunMaxParents = 64;
 // A level of at most this many parents (and Kp <= 64) counts by ballots instead (0: never).
+// On the H200 (bench_results/README.md, session 16; interleaved A/B medians against the kernel
+// without it): 8 parents took batch 64 / budget 64 from 20.00 to 19.48 us peaked and 10.35 to
+// 9.92 random, budget 32 from 15.02 to 15.29 and budget 128 (Kp > 64: never taken) from 29.29
+// to 29.59; 4 and 2 parents gained less.
 #ifndef DDTREE_FEW_PARENTS
 #define DDTREE_FEW_PARENTS 8
 #endif

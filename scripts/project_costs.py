@@ -19,7 +19,7 @@ The accept lengths come from elsewhere and are named in the output:
 
 A method whose step or accept length is missing is left out, never filled in.
 
-    python scripts/project_costs.py --out bench_results/projection_h200_s15.json
+    python scripts/project_costs.py --out bench_results/projection_h200_s16.json
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ DEFAULT_COSTS = {
         "all 61 layers, int4 experts on our fused MoE; dummy routers that route each token "
         "independently (65 / 188 of 384 experts per 9- / 33-token verify): a real router lies "
         "between this and the stock fill",
-    "cost_curves_qwen3_8b_h200_s15.json": "dense; dummy weights",
+    "cost_curves_qwen3_8b_dflash_h200_s16.json":
+        "dense; dummy weights; AR and DFLASH speed servers (session 16; DFLASH's own accept "
+        "length there is 1.02, the random drafter's) and the DDTREE b32 -timers server",
     "cost_curves_qwen3_30b_a3b_h200_s15.json":
         "dummy weights; a 33-token verify touches 114 of 128 experts",
 }
