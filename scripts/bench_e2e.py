@@ -86,6 +86,13 @@ def run_pass(port, prompts, max_new, conc, sampling):
 MODES = (("greedy", {"temperature": 0.0}), ("t1", {"temperature": 1.0, "top_p": 1.0}))
 
 
+def batch_cap(concurrency: str, timer_concurrency: str) -> int:
+    """Every server's --max-running-requests and --cuda-graph-max-bs: the largest concurrency
+    any pass uses, the -timers servers' included (capped at the speed points' largest, a timers
+    pass at 32 ran at batch sizes up to 8 in session 16)."""
+    return max(int(c) for c in f"{concurrency},{timer_concurrency}".split(",") if c)
+
+
 def pass_prompts(prompts, c, args):
     """The requests of one pass at concurrency c: max(prompts-per-pass, waves * c) of the
     held-out prompts, cycled when that is more than there are (a repeated prompt then hits
@@ -242,9 +249,10 @@ def main():
 
     os.makedirs(args.workdir, exist_ok=True)
     concs = [int(c) for c in args.concurrency.split(",")]
+    cap = batch_cap(args.concurrency, args.timer_concurrency)
     prompts = [json.loads(l)["input_ids"] for l in open(args.prompts_file)]
     common = ["--model-path", args.target, "--attention-backend", args.attention_backend,
-              "--cuda-graph-max-bs", str(max(concs)), "--max-running-requests", str(max(concs)),
+              "--cuda-graph-max-bs", str(cap), "--max-running-requests", str(cap),
               "--mem-fraction-static", "0.7", "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--disable-prefill-cuda-graph", "--sleep-on-idle"]
     if args.concurrent_start:  # fixed pools: SGLang's free-memory sizing races between starts

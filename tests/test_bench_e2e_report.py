@@ -423,3 +423,15 @@ def test_timers_mode_names(monkeypatch):
     for raw, mode in (("", "off"), ("0", "off"), ("cpu", "cpu"), ("GPU", "gpu"), ("1", "sync"),
                       ("sync", "sync")):
         assert cfg.timers_mode({cfg.ENV_TIMERS: raw}) == mode
+
+
+def test_servers_admit_the_timers_passes_concurrency():
+    """The -timers servers' passes (--timer-concurrency) must not be capped by the speed points'
+    largest concurrency: every server is started for the largest of both."""
+    spec_b = importlib.util.spec_from_file_location(
+        "bench_e2e", os.path.join(HERE, "..", "scripts", "bench_e2e.py"))
+    bench = importlib.util.module_from_spec(spec_b)
+    spec_b.loader.exec_module(bench)
+    assert bench.batch_cap("1,8", "1,2,4,8,32") == 32
+    assert bench.batch_cap("1,4,64", "1,8,32") == 64
+    assert bench.batch_cap("16", "") == 16
