@@ -6,8 +6,8 @@ block's token ids ``[root, MASK x (B - 1)]`` and its positions ``prefix + 0 .. B
 prefix lengths themselves as int64 (a snapshot the accept/commit graph reads in place, so that a
 step copies neither the slots nor the lengths into it). As torch ops that is about ten small
 kernels and as many host calls per step (index arithmetic, a gather, a fill, a copy);
-:class:`StepPrep` writes all four in one Triton launch into per-batch-size buffers. :func:`prepare_step_reference` is the same in torch ops (the CPU path
-and the tests' oracle).
+:class:`StepPrep` writes all four in one Triton launch into per-batch-size buffers.
+:func:`prepare_step_reference` is the same in torch ops (the CPU path and the tests' oracle).
 """
 
 from __future__ import annotations
