@@ -151,12 +151,9 @@ class AcceptCommitGraphs:
         # inputs the graph does not already read in place: the worker writes the target's tokens
         # into predicted_buffer, and the step-prep buffers handed to prewarm are the graph's own
         # slots and prefix
-        if predicted.data_ptr() != e.predicted.data_ptr():
-            e.predicted.copy_(predicted)
-        if slots.data_ptr() != e.slots.data_ptr():
-            e.slots.copy_(slots)
-        if prefix.data_ptr() != e.prefix.data_ptr():
-            e.prefix.copy_(prefix)
+        for given, static in ((predicted, e.predicted), (slots, e.slots), (prefix, e.prefix)):
+            if given.data_ptr() != static.data_ptr():
+                static.copy_(given)
         e.graph.replay()
         s = e.out.step
         # outputs that outlive the step (next step's lengths/bonus, SGLang's result) are cloned:

@@ -44,7 +44,7 @@ def prepare_step_reference(req_to_token: torch.Tensor, req_pool_indices: torch.T
     block_ids[:, 0].copy_(bonus)
     positions = prefix.to(torch.int64)[:, None] + torch.arange(block, device=dev,
                                                                dtype=torch.int64)
-    return slots, block_ids, positions, prefix.to(torch.int64).clone()
+    return slots, block_ids, positions, prefix.to(torch.int64, copy=True)
 
 
 if triton is not None:
