@@ -176,9 +176,10 @@ class Point:
         self.flops = 2 * bs * self.n * hq * ctx * ((128 + 128) if kind == "mha" else (576 + 512))
 
 
-def bench_ours(ta, mla, p, iters, flush, config, plan_context=0):
+def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=None):
     """Our kernel at point ``p``; planned for contexts up to max(plan_context, p.ctx) (a server
-    plans for its longest context: more splits, most of them empty on a short prefix)."""
+    plans for its longest context: more splits, most of them empty on a short prefix);
+    ``min_split_keys`` overrides the fewest prefix keys a live split covers."""
     max_ctx = max(plan_context, p.ctx)
     if p.kind == "mha":
         attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=32,
@@ -194,6 +195,8 @@ def bench_ours(ta, mla, p, iters, flush, config, plan_context=0):
         out = torch.empty(p.q.shape[0], 8, 512, device="cuda", dtype=torch.bfloat16)
         fn = lambda: attn.run(p.q, p.k_cache, p.layout.out_cache_loc, p.mask, out=out,  # noqa
                               validate=False, **p.layout.table_kwargs())
+    if min_split_keys is not None:
+        attn.min_split_keys = min_split_keys
     us, _ = time_graph(fn, iters, flush)
     return us, out.clone(), attn.num_splits(p.bs)
 
@@ -322,6 +325,10 @@ def main(argv=None):
                          "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
                          "default config's)")
+    ap.add_argument("--min-split-keys", type=parse_ints, default=[],
+                    help="also time every point with these fewest-keys-per-split values "
+                         "(the kernel's MIN_CHUNK; default 256), under 'min_split_keys_us' "
+                         "(outputs checked against the default's)")
     ap.add_argument("--kernels-dir", default=None,
                     help="time the kernels of another checkout's triton_kernels/ directory "
                          "(reference.py, tree_attention.py, tree_attention_mla.py and an "
@@ -387,6 +394,14 @@ def main(argv=None):
                                                         f"wrong output: rel diff {diff:.3g}")
                             except Exception as exc:  # noqa: BLE001 - recorded per config
                                 r["sweep_us"][cfg_s] = f"error: {type(exc).__name__}: {exc}"[:200]
+                    if args.min_split_keys:
+                        r["min_split_keys_us"] = {}
+                        for keys in args.min_split_keys:
+                            t, o, _ = bench_ours(ta, mla, p, args.iters, flush, config,
+                                                 args.plan_context, min_split_keys=keys)
+                            diff = rel_diff(o, ours)
+                            r["min_split_keys_us"][keys] = (
+                                round(t, 2) if diff < 2e-2 else f"wrong output: rel diff {diff:.3g}")
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
                         if not avail:
@@ -414,6 +429,7 @@ def main(argv=None):
                 python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
                 sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
                 peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
+                min_split_keys=args.min_split_keys,
                 timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
                 shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
                             mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
@@ -435,7 +451,8 @@ def _row(r):
     return (f"{r['kind']:3s} ctx {r['context']:6d} bs {r['batch']:2d} budget {r['budget']:3d} "
             f"splits {r['num_splits']:2d} | ours {r['ours_us']:9.1f} us "
             f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) {r['TFLOPs']:5.0f} TF/s | "
-            f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}")
+            f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}"
+            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us") if key in r))
 
 
 if __name__ == "__main__":
