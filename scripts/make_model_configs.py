@@ -16,7 +16,7 @@ Shapes are those of the public model configs. Drafter shapes follow the target's
 rule (:func:`dflash_target_layer_ids`), restricted to ids below ``num_hidden_layers - 1``,
 because SGLang captures layer k's output at layer k+1's input and so cannot capture the last layer.
 
-    python scripts/make_model_configs.py                       # default: Kimi bf16 L8 + int4 L61
+    python scripts/make_model_configs.py                       # default: Kimi bf16 L8 + int4 L8, L61
     python scripts/make_model_configs.py --kimi-layers 4 8 16  # several depths, for a per-layer fit
     python scripts/make_model_configs.py --kimi-layers auto --kimi-weight-budget-gb 100
     python scripts/make_model_configs.py --check               # also parse every config
@@ -267,8 +267,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_assets/model-configs")
     p.add_argument("--kimi-layers", nargs="+", default=["8"],
                    help="bf16-expert variants: ints, or 'auto' (fit the budget)")
-    p.add_argument("--kimi-int4-layers", nargs="*", default=["61"],
-                   help="int4-expert variants (K2.6's own format); 61 = the whole model fits one H200")
+    p.add_argument("--kimi-int4-layers", nargs="*", default=["8", "61"],
+                   help="int4-expert variants (K2.6's own format); 61 = the whole model fits one "
+                        "H200, 8 = a quick one for step profiles")
     p.add_argument("--kimi-weight-budget-gb", type=float, default=100.0,
                    help="weight budget for 'auto' (H200: 141 GB; leave room for KV cache and graphs)")
     p.add_argument("--kimi-vocab", type=int, default=KIMI_TEXT["vocab_size"],
