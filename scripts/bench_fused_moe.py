@@ -260,7 +260,12 @@ _GU.update({"v2k512": (32, 512, 2, 3), "v2k512s2": (32, 512, 2, 2),
             # session 15: none won at M = 8-128)
             # (sm_90 AOT: 51 / 36 / 43 KB shared, 95 / 87 / 143 registers, no spills)
             "v2dk128s6": (32, 128, 2, 6, 0, 1), "n16dk128s6": (16, 128, 1, 6, 0, 1),
-            "n16d": (16, 256, 1, 4, 0, 1)})
+            "n16d": (16, 256, 1, 4, 0, 1),
+            # session 17: decode-sized calls (M = 1-4 tokens: 8-32 experts, 64-256 tiles of 32
+            # columns) leave most SMs idle without a deeper K split (K = 7168: 56 steps of 128,
+            # 28 of 256)
+            "v2dk128k8": (32, 128, 2, 4, 0, 1, 8), "v2dk7": (32, 256, 2, 3, 0, 1, 7),
+            "w64dk4": (64, 256, 4, 3, 0, 1, 4), "w64dk7": (64, 256, 4, 3, 0, 1, 7)})
 _DN = {"v2": (32, 256, 2, 2), "w64": (64, 128, 4, 3), "w128": (128, 128, 4, 2),
        "w128k256": (128, 256, 4, 2), "w64k256": (64, 256, 4, 2), "w128w8": (128, 128, 8, 3)}
 # The down GEMM as one column loop per program (_down_loop_kernel; block_k = intermediate 256):
@@ -273,7 +278,7 @@ CANDIDATES = {
     16: ([_GU[k] for k in ("v2", "v2s4", "w64", "w64k128", "w64s2", "v2k512", "v2k512s2", "v2d",
                            "v2ds2", "v2dk128", "w64d", "w64ds2", "v2dk2", "v2dk4", "v2ds2k4",
                            "w64dk2", "v2dk128k2", "v2dk128k4", "v2dk128s6", "n16dk128s6",
-                           "n16d")],
+                           "n16d", "v2dk128k8", "v2dk7", "w64dk4", "w64dk7")],
          [_DN[k] for k in ("v2", "w64", "w128", "w128k256", "w64k256")] + _LOOPS),
     32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2")],
          list(_DN.values()) + _LOOPS),

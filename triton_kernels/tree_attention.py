@@ -402,6 +402,15 @@ class KernelConfig:
     # > 0: the QK reduction in slices of this many dims, the query re-read per slice instead of
     # held whole in registers (MLA's 512-dim rows spill otherwise); 0: one full-width dot
     dk_chunk: int = 0
+    # fewest prefix keys a live split covers (the kernel's MIN_CHUNK); it also caps the split
+    # count at the planned context / min_split_keys
+    min_split_keys: int = _MIN_SPLIT_KEYS
+
+
+# MLA at small batches (see _small_batch_config): 16-row tiles with 8 warps and splits of at
+# least 128 keys, twice the programs of the default tile
+_MLA_SMALL_BATCH = KernelConfig(block_m=16, block_n=64, num_warps=8, num_stages=2,
+                                min_split_keys=128)
 
 
 def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device) -> KernelConfig:
@@ -418,6 +427,18 @@ def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device
     if rows >= 128:  # wide trees / big GQA groups: 128-row tiles, 8 warps (-18% at budget 64)
         return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int, num_sms: int,
+                        device: torch.device) -> Optional[KernelConfig]:
+    """A smaller MLA tile for batches too small to fill the GPU, or None (keep the default).
+
+    ``groups`` = batch size x KV heads: the programs per row block before prefix splits."""
+    if device.type != "cuda" or not (dk + d_pe > 256 or dv > 256):
+        return None
+    if groups * triton.cdiv(rows, 32) * 2 > num_sms:  # the default's programs fill half the SMs
+        return None
+    return _MLA_SMALL_BATCH
 
 
 def _num_sms(device: torch.device) -> int:
@@ -470,25 +491,36 @@ class TreeAttention:
         _check(self.rope_dim in (0, 16, 32, 64, 128), "rope_dim", "0 or a power of two >= 16",
                self.rope_dim)
         self.group = self.num_q_heads // self.num_kv_heads
-        self.config = config or _default_config(self.head_dim, self.rope_dim, self.v_head_dim,
-                                                self.num_tree_tokens * self.group, self.device)
-        dvs = self.config.dv_split
-        _check(dvs >= 1 and dvs & (dvs - 1) == 0
-               and triton.next_power_of_2(self.v_head_dim) % dvs == 0
-               and triton.next_power_of_2(self.v_head_dim) // dvs >= 16, "config.dv_split",
-               "a power of two leaving at least 16 columns per program", dvs)
-        dkc = self.config.dk_chunk
-        _check(dkc == 0 or (dkc >= 16 and dkc & (dkc - 1) == 0
-                            and triton.next_power_of_2(self.head_dim) % dkc == 0),
-               "config.dk_chunk", "0 or a power of two >= 16 dividing the padded head dim", dkc)
-        self._fixed_splits = num_kv_splits
-        # at most one split per 256 keys of the longest context (the buffers below are sized
-        # from it, so it is fixed here)
-        self._split_cap = max(1, self.max_context_len // _MIN_SPLIT_KEYS)
-        # fewest prefix keys per non-empty split, against the actual prefix (the kernel's
-        # MIN_CHUNK); tests lower it to exercise the split merge on short prefixes
-        self.min_split_keys = _MIN_SPLIT_KEYS
         self._num_sms = _num_sms(self.device)
+        rows = self.num_tree_tokens * self.group
+        # one config per batch size (each batch size is its own CUDA graph, so the choice is
+        # static): the default tile, or for MLA a smaller one when the batch is too small to
+        # fill the GPU with default-sized programs
+        self.config = config or _default_config(self.head_dim, self.rope_dim, self.v_head_dim,
+                                                rows, self.device)
+        self._configs = {}
+        for bs in range(1, self.max_batch_size + 1):
+            small = None if config else _small_batch_config(
+                self.head_dim, self.rope_dim, self.v_head_dim, rows,
+                bs * self.num_kv_heads, self._num_sms, self.device)
+            self._configs[bs] = small or self.config
+        for cfg in set(self._configs.values()):
+            dvs = cfg.dv_split
+            _check(dvs >= 1 and dvs & (dvs - 1) == 0
+                   and triton.next_power_of_2(self.v_head_dim) % dvs == 0
+                   and triton.next_power_of_2(self.v_head_dim) // dvs >= 16, "config.dv_split",
+                   "a power of two leaving at least 16 columns per program", dvs)
+            dkc = cfg.dk_chunk
+            _check(dkc == 0 or (dkc >= 16 and dkc & (dkc - 1) == 0
+                                and triton.next_power_of_2(self.head_dim) % dkc == 0),
+                   "config.dk_chunk", "0 or a power of two >= 16 dividing the padded head dim",
+                   dkc)
+            _check(cfg.min_split_keys >= 1, "config.min_split_keys", ">= 1", cfg.min_split_keys)
+        self._fixed_splits = num_kv_splits
+        # fewest prefix keys per non-empty split, against the actual prefix (the kernel's
+        # MIN_CHUNK): None takes each config's; tests lower it to exercise the split merge on
+        # short prefixes
+        self.min_split_keys: Optional[int] = None
         self.max_splits = max(self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
         # partial buffers hold bs * N * Hq * S rows; S shrinks as bs grows, so size for the max
         rows = max(bs * self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
@@ -528,16 +560,25 @@ class TreeAttention:
                    logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config,
                    shared_kv=False)
 
-    def num_blocks_m(self) -> int:
-        return triton.cdiv(self.num_tree_tokens * self.group, self.config.block_m)
+    def config_for(self, batch_size: int) -> KernelConfig:
+        """The kernel config ``run`` launches for ``batch_size`` requests."""
+        return self._configs.get(int(batch_size), self.config)
+
+    def num_blocks_m(self, batch_size: Optional[int] = None) -> int:
+        cfg = self.config if batch_size is None else self.config_for(batch_size)
+        return triton.cdiv(self.num_tree_tokens * self.group, cfg.block_m)
 
     def num_splits(self, batch_size: int) -> int:
         """Prefix splits used for ``batch_size`` requests (a pure function of static sizes)."""
         if self._fixed_splits is not None:
             return max(1, int(self._fixed_splits))
-        programs = batch_size * self.num_kv_heads * self.num_blocks_m() * self.config.dv_split
+        cfg = self.config_for(batch_size)
+        programs = batch_size * self.num_kv_heads * self.num_blocks_m(batch_size) * cfg.dv_split
         want = triton.cdiv(2 * self._num_sms, programs)  # about two waves of programs
-        return int(max(1, min(want, self._split_cap, 64)))
+        # at most one split per min_split_keys keys of the longest context (the buffers are
+        # sized from it at plan time, so it is fixed there)
+        cap = max(1, self.max_context_len // cfg.min_split_keys)
+        return int(max(1, min(want, cap, 64)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,
@@ -656,11 +697,11 @@ class TreeAttention:
             table, rows, lens = req_to_token, req_pool_indices, seq_lens
             stride_table = req_to_token.stride(0)
         splits = self.num_splits(bs)
-        cfg = self.config
+        cfg = self.config_for(bs)
         has_cap = self.logit_cap > 0.0
         qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
         part_o, part_lse = self.part_o, self.part_lse
-        grid = (self.num_blocks_m(), self.num_kv_heads * splits * cfg.dv_split, bs)
+        grid = (self.num_blocks_m(bs), self.num_kv_heads * splits * cfg.dv_split, bs)
         _tree_attn_fwd_kernel[grid](
             q, k_cache, v_cache, out, part_o, part_lse,
             table, rows, lens, out_cache_loc, tree_mask,
@@ -674,7 +715,8 @@ class TreeAttention:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
-            MIN_CHUNK=self.min_split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            MIN_CHUNK=self.min_split_keys or cfg.min_split_keys, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](

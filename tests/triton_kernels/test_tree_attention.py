@@ -316,7 +316,7 @@ def test_split_count_sized_for_long_contexts_on_short_prefixes(kind):
                                          max_context_len=1 << 17, device="cpu",
                                          sm_scale=0.2, kv_lora_rank=32, rope_dim=16,
                                          num_kv_splits=6)
-    assert attn.min_split_keys == 256  # 6 splits: more than these prefixes have chunks
+    assert attn.config_for(bs).min_split_keys == 256  # 6 splits: more than these prefixes have chunks
     attn.part_o.fill_(float("nan"))
     attn.part_lse.fill_(float("nan"))
     out = torch.full((bs * n, 2, 16 if kind == "mha" else 32), float("nan"),
