@@ -265,7 +265,9 @@ _GU.update({"v2k512": (32, 512, 2, 3), "v2k512s2": (32, 512, 2, 2),
             # columns) leave most SMs idle without a deeper K split (K = 7168: 56 steps of 128,
             # 28 of 256)
             "v2dk128k8": (32, 128, 2, 4, 0, 1, 8), "v2dk7": (32, 256, 2, 3, 0, 1, 7),
-            "w64dk4": (64, 256, 4, 3, 0, 1, 4), "w64dk7": (64, 256, 4, 3, 0, 1, 7)})
+            "w64dk4": (64, 256, 4, 3, 0, 1, 4), "w64dk7": (64, 256, 4, 3, 0, 1, 7),
+            # M = 1 took the deepest split offered (8 of 56 steps): deeper ones
+            "v2dk128k14": (32, 128, 2, 4, 0, 1, 14), "n16dk128k14": (16, 128, 1, 4, 0, 1, 14)})
 _DN = {"v2": (32, 256, 2, 2), "w64": (64, 128, 4, 3), "w128": (128, 128, 4, 2),
        "w128k256": (128, 256, 4, 2), "w64k256": (64, 256, 4, 2), "w128w8": (128, 128, 8, 3)}
 # The down GEMM as one column loop per program (_down_loop_kernel; block_k = intermediate 256):
@@ -278,7 +280,8 @@ CANDIDATES = {
     16: ([_GU[k] for k in ("v2", "v2s4", "w64", "w64k128", "w64s2", "v2k512", "v2k512s2", "v2d",
                            "v2ds2", "v2dk128", "w64d", "w64ds2", "v2dk2", "v2dk4", "v2ds2k4",
                            "w64dk2", "v2dk128k2", "v2dk128k4", "v2dk128s6", "n16dk128s6",
-                           "n16d", "v2dk128k8", "v2dk7", "w64dk4", "w64dk7")],
+                           "n16d", "v2dk128k8", "v2dk7", "w64dk4", "w64dk7", "v2dk128k14",
+                           "n16dk128k14")],
          [_DN[k] for k in ("v2", "w64", "w128", "w128k256", "w64k256")] + _LOOPS),
     32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2")],
          list(_DN.values()) + _LOOPS),
@@ -383,10 +386,18 @@ def write_table(path: str, tuned: dict, meta: dict) -> None:
             old = json.load(f)
     new_ms = {b["max_m"] for b in tuned["bands"]}
     bands = [b for b in old["bands"] if b["max_m"] not in new_ms] + tuned["bands"]
-    table = {"note": old.get("note", ""), "tuned": meta,
-             "bands": sorted(bands, key=lambda b: b["max_m"])}
-    lines = ["{", f' "note": {json.dumps(table["note"])},', f' "tuned": {json.dumps(meta)},',
-             ' "bands": [']
+    # one entry per tuning run that still owns a band: its metadata and the bands it tuned
+    runs = old.get("tuned", [])
+    runs = [runs] if isinstance(runs, dict) else runs
+    for run in runs:
+        run.setdefault("max_m", [b["max_m"] for b in old["bands"]])
+        run["max_m"] = [m for m in run["max_m"] if m not in new_ms]
+    runs = [r for r in runs if r["max_m"]] + [{**meta, "max_m": sorted(new_ms)}]
+    table = {"note": old.get("note", ""), "bands": sorted(bands, key=lambda b: b["max_m"])}
+    lines = ["{", f' "note": {json.dumps(table["note"])},', ' "tuned": [']
+    lines += [f"  {json.dumps(r)}," for r in runs]
+    lines[-1] = lines[-1].rstrip(",")
+    lines += [" ],", ' "bands": [']
     lines += [f"  {json.dumps(b)}," for b in table["bands"]]
     lines[-1] = lines[-1].rstrip(",")
     with open(path, "w") as f:

@@ -407,10 +407,14 @@ class KernelConfig:
     min_split_keys: int = _MIN_SPLIT_KEYS
 
 
-# MLA at small batches (see _small_batch_config): 16-row tiles with 8 warps and splits of at
-# least 128 keys, twice the programs of the default tile
-_MLA_SMALL_BATCH = KernelConfig(block_m=16, block_n=64, num_warps=8, num_stages=2,
+# MLA with few query rows in the whole batch (see _small_batch_config): 16-row tiles and splits
+# of at least 128 keys, so a batch of one short tree still spreads over the GPU. Timed on the
+# H200 (bench_results/tree_verify_mla_small_h200_s17.json, contexts 512 / 2,048 / 8,192): at batch
+# 1 with budget 8 or 16 and batch 2 with budget 8 (up to 144 rows) it is faster than the default
+# at every context; at 264 rows (batch 1, budget 32) and more it is up to 1.8x slower at 8,192.
+_MLA_SMALL_BATCH = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2,
                                 min_split_keys=128)
+_MLA_SMALL_BATCH_MAX_ROWS = 144
 
 
 def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device) -> KernelConfig:
@@ -429,16 +433,15 @@ def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device
     return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
-def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int, num_sms: int,
+def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
                         device: torch.device) -> Optional[KernelConfig]:
-    """A smaller MLA tile for batches too small to fill the GPU, or None (keep the default).
+    """A smaller MLA tile when the whole batch has few query rows, or None (keep the default).
 
-    ``groups`` = batch size x KV heads: the programs per row block before prefix splits."""
+    ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
+    heads."""
     if device.type != "cuda" or not (dk + d_pe > 256 or dv > 256):
         return None
-    if groups * triton.cdiv(rows, 32) * 2 > num_sms:  # the default's programs fill half the SMs
-        return None
-    return _MLA_SMALL_BATCH
+    return _MLA_SMALL_BATCH if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS else None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -501,8 +504,8 @@ class TreeAttention:
         self._configs = {}
         for bs in range(1, self.max_batch_size + 1):
             small = None if config else _small_batch_config(
-                self.head_dim, self.rope_dim, self.v_head_dim, rows,
-                bs * self.num_kv_heads, self._num_sms, self.device)
+                self.head_dim, self.rope_dim, self.v_head_dim, rows, bs * self.num_kv_heads,
+                self.device)
             self._configs[bs] = small or self.config
         for cfg in set(self._configs.values()):
             dvs = cfg.dv_split

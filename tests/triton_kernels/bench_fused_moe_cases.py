@@ -57,4 +57,21 @@ def test_tune_writes_a_table_the_kernel_reads(bench, tmp_path):
     cfg = table[0][1]
     assert cfg.block_m == 16
     assert (cfg.gate_up.block_n, cfg.gate_up.block_k) == (64, 128)
-    assert json.loads(out.read_text())["tuned"]["command"]
+    assert json.loads(out.read_text())["tuned"][-1]["command"]
+
+
+def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):
+    """A tuning run of some M bands replaces those bands only; the table lists every run that
+    still owns a band with the bands it owns (a dict-valued "tuned" is an older table's)."""
+    out = tmp_path / "table.json"
+    band = lambda m, us: {"max_m": m, "block_m": 16, "us": us,  # noqa: E731
+                          "gate_up": {"block_n": 32}, "down": {"block_n": 64}}
+    out.write_text(json.dumps({"note": "n", "tuned": {"command": "old"},
+                               "bands": [band(8, 1.0), band(16, 2.0)]}))
+    bench.write_table(str(out), {"bands": [band(1, 3.0), band(8, 4.0)]}, {"command": "new"})
+    t = json.loads(out.read_text())
+    assert t["note"] == "n"
+    assert [(b["max_m"], b["us"]) for b in t["bands"]] == [(1, 3.0), (8, 4.0), (16, 2.0)]
+    assert t["tuned"] == [{"command": "old", "max_m": [16]}, {"command": "new", "max_m": [1, 8]}]
+    bench.write_table(str(out), {"bands": [band(16, 5.0)]}, {"command": "newer"})
+    assert [r["command"] for r in json.loads(out.read_text())["tuned"]] == ["new", "newer"]

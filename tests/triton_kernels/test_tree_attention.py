@@ -338,3 +338,46 @@ def test_split_count_sized_for_long_contexts_on_short_prefixes(kind):
     assert bool(torch.isneginf(lse[n:2 * n, :, 1:-1]).all())  # prefix 20: split 0 and the last
     part = attn.part_o[: bs * n * 2 * splits * out.shape[-1]].view(bs * n, 2, splits, -1)
     assert bool(part[n:2 * n, :, 1:-1].isnan().all())
+
+
+def test_small_batch_mla_tile_rule():
+    """The small-batch MLA tile serves a whole batch of at most 144 query rows per KV head, on
+    CUDA only; MHA shapes and bigger batches keep the default tile."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    small = TA._small_batch_config(512, 64, 512, 17 * 8, 1, cuda)  # Kimi TP8: budget 16, batch 1
+    assert small is not None and small.block_m == 16 and small.min_split_keys == 128
+    assert TA._small_batch_config(512, 64, 512, 9 * 8, 2, cuda) == small  # budget 8, batch 2
+    assert TA._small_batch_config(512, 64, 512, 33 * 8, 1, cuda) is None  # budget 32
+    assert TA._small_batch_config(512, 64, 512, 9 * 8, 3, cuda) is None  # budget 8, batch 3
+    assert TA._small_batch_config(128, 0, 128, 9, 1, cuda) is None  # MHA
+    assert TA._small_batch_config(512, 64, 512, 9 * 8, 1, torch.device("cpu")) is None
+
+
+def test_per_batch_size_configs_size_buffers_and_match_reference(monkeypatch):
+    """Batch sizes with their own config (here: batch 1 gets 8-row tiles and 4-key splits) plan
+    their own split counts, the shared partial buffers hold every batch size's, and each batch
+    size's output matches the reference."""
+    small = TA.KernelConfig(block_m=8, block_n=16, num_warps=1, num_stages=1, min_split_keys=4)
+    monkeypatch.setattr(TA, "_small_batch_config",
+                        lambda dk, dpe, dv, rows, groups, device: small if groups == 1 else None)
+    n = 3
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=3, num_tree_tokens=n, num_heads=2,
+                                     max_context_len=64, device="cpu", sm_scale=0.2,
+                                     kv_lora_rank=32, rope_dim=16)
+    assert attn.config_for(1) == small and attn.config_for(2) == attn.config_for(3) == attn.config
+    assert attn.num_blocks_m(1) == 1 and attn.num_splits(1) > attn.num_splits(3)
+    rows_needed = max(bs * attn.num_splits(bs) for bs in (1, 2, 3)) * n * 2
+    assert attn.part_lse.numel() >= rows_needed
+    for seq_lens in ([29], [5, 40, 12]):
+        bs = len(seq_lens)
+        g, layout, mask = make_layout(seq_lens, n, 1, seed=7 + bs)
+        k = poison_unused(torch.randn(layout.num_slots, 1, 48, generator=g), layout).bfloat16()
+        q = torch.randn(bs * n, 2, 48, generator=g).bfloat16()
+        attn.part_o.fill_(float("nan"))
+        out = torch.full((bs * n, 2, 32), float("nan"), dtype=torch.bfloat16)
+        attn.run(q, k, layout.out_cache_loc, mask, out=out, **layout.table_kwargs())
+        ref = REF.mla_tree_attention_reference(q, k, layout.out_cache_loc, mask,
+                                               kv_lora_rank=32, sm_scale=0.2,
+                                               **layout.table_kwargs())
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < TOL[torch.bfloat16], (bs, rel_err(out, ref))
