@@ -724,7 +724,7 @@ class TreeAttention:
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](
                 part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
-                self.num_q_heads, splits, BLOCK_S=triton.next_power_of_2(self.max_splits),
+                self.num_q_heads, splits, BLOCK_S=triton.next_power_of_2(splits),
                 DV=self.v_head_dim, BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
                 INTERPRET=_INTERPRET,
                 num_warps=4 if q.is_cuda else 1,
