@@ -497,8 +497,8 @@ class TreeAttention:
         self._num_sms = _num_sms(self.device)
         rows = self.num_tree_tokens * self.group
         # one config per batch size (each batch size is its own CUDA graph, so the choice is
-        # static): the default tile, or for MLA a smaller one when the batch is too small to
-        # fill the GPU with default-sized programs
+        # static): the default tile, or for MLA a smaller one when the whole batch has few
+        # query rows (_small_batch_config)
         self.config = config or _default_config(self.head_dim, self.rope_dim, self.v_head_dim,
                                                 rows, self.device)
         self._configs = {}
