@@ -267,7 +267,11 @@ _GU.update({"v2k512": (32, 512, 2, 3), "v2k512s2": (32, 512, 2, 2),
             "v2dk128k8": (32, 128, 2, 4, 0, 1, 8), "v2dk7": (32, 256, 2, 3, 0, 1, 7),
             "w64dk4": (64, 256, 4, 3, 0, 1, 4), "w64dk7": (64, 256, 4, 3, 0, 1, 7),
             # M = 1 took the deepest split offered (8 of 56 steps): deeper ones
-            "v2dk128k14": (32, 128, 2, 4, 0, 1, 14), "n16dk128k14": (16, 128, 1, 4, 0, 1, 14)})
+            "v2dk128k14": (32, 128, 2, 4, 0, 1, 14), "n16dk128k14": (16, 128, 1, 4, 0, 1, 14),
+            # the split chosen per call on the device (ceilings 8 / 4; aiming at 2 or 4 programs
+            # per SM): one config for calls that touch 8 experts and calls that touch 200
+            "v2dk128a8p2": (32, 128, 2, 4, 0, 1, 8, 2), "v2dk128a8p4": (32, 128, 2, 4, 0, 1, 8, 4),
+            "w64da4p2": (64, 256, 4, 3, 0, 1, 4, 2), "w64da4p4": (64, 256, 4, 3, 0, 1, 4, 4)})
 _DN = {"v2": (32, 256, 2, 2), "w64": (64, 128, 4, 3), "w128": (128, 128, 4, 2),
        "w128k256": (128, 256, 4, 2), "w64k256": (64, 256, 4, 2), "w128w8": (128, 128, 8, 3)}
 # The down GEMM as one column loop per program (_down_loop_kernel; block_k = intermediate 256):
@@ -281,9 +285,11 @@ CANDIDATES = {
                            "v2ds2", "v2dk128", "w64d", "w64ds2", "v2dk2", "v2dk4", "v2ds2k4",
                            "w64dk2", "v2dk128k2", "v2dk128k4", "v2dk128s6", "n16dk128s6",
                            "n16d", "v2dk128k8", "v2dk7", "w64dk4", "w64dk7", "v2dk128k14",
-                           "n16dk128k14")],
+                           "n16dk128k14", "v2dk128a8p2", "v2dk128a8p4", "w64da4p2",
+                           "w64da4p4")],
          [_DN[k] for k in ("v2", "w64", "w128", "w128k256", "w64k256")] + _LOOPS),
-    32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2")],
+    32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2",
+                           "v2dk128a8p2", "w64da4p2")],
          list(_DN.values()) + _LOOPS),
     64: ([_GU[k] for k in ("w64", "w64k128", "w64s2", "w128")],
          [_DN[k] for k in ("v2", "w64", "w128", "w64k256", "w128w8")]
@@ -322,16 +328,21 @@ def tune(args, layers, make_inputs, dev) -> dict:
                 return float("inf")
 
         best = (float("inf"), None)
+        gate_up_us = {}  # every gate-up candidate's time (down fixed): what the winner beat
         for bm in block_m_candidates(m):
             gus, dns = CANDIDATES[bm]
-            gu = min(gus, key=lambda c: timed(mw.MoeConfig(bm, gemm(c), gemm(dns[0]))))
+            for c in gus:
+                gate_up_us[f"{bm}:{','.join(map(str, c))}"] = timed(
+                    mw.MoeConfig(bm, gemm(c), gemm(dns[0])))
+            gu = min(gus, key=lambda c: gate_up_us[f"{bm}:{','.join(map(str, c))}"])
             for dn in dns:
                 cfg = mw.MoeConfig(bm, gemm(gu), gemm(dn))
                 best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
         us, cfg = best
         print(f"tuned M={m}: {us:.1f} us {cfg}", flush=True)
         bands.append({"max_m": m, "block_m": cfg.block_m, "gate_up": dataclasses.asdict(cfg.gate_up),
-                      "down": dataclasses.asdict(cfg.down), "us": round(us, 2)})
+                      "down": dataclasses.asdict(cfg.down), "us": round(us, 2),
+                      "gate_up_candidates_us": {k: round(v, 2) for k, v in gate_up_us.items()}})
     return {"bands": bands, "errors": log}
 
 
@@ -385,7 +396,9 @@ def write_table(path: str, tuned: dict, meta: dict) -> None:
         with open(path) as f:
             old = json.load(f)
     new_ms = {b["max_m"] for b in tuned["bands"]}
-    bands = [b for b in old["bands"] if b["max_m"] not in new_ms] + tuned["bands"]
+    # the table keeps each band's config and time; the candidates' times go to --out
+    new = [{k: v for k, v in b.items() if k != "gate_up_candidates_us"} for b in tuned["bands"]]
+    bands = [b for b in old["bands"] if b["max_m"] not in new_ms] + new
     # one entry per tuning run that still owns a band: its metadata and the bands it tuned
     runs = old.get("tuned", [])
     runs = [runs] if isinstance(runs, dict) else runs
@@ -415,6 +428,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="distinct weight sets per graph")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--routed-scaling", type=float, default=2.827)
+    ap.add_argument("--routing", default="random",
+                    help="random (top-k of random logits) or concentrated:N (every token's "
+                         "top-k among the same N experts, as under SGLang's stock dummy fill "
+                         "or a tree whose tokens share experts)")
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--baselines", default="sglang_triton,sglang_marlin",
                     help="SGLang paths to compare with, timed in this order (session 5: a run "
@@ -437,6 +454,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
                     help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
+    concentrated = 0
+    if args.routing != "random":
+        kind, _, n = args.routing.partition(":")
+        if kind != "concentrated" or not n.isdigit() or not args.topk <= int(n) <= args.experts:
+            ap.error(f"--routing: random or concentrated:N with {args.topk} <= N <= "
+                     f"{args.experts}, got {args.routing!r}")
+        concentrated = int(n)
     dev = torch.device(args.device)
     torch.manual_seed(0)
     if args.config:
@@ -452,6 +476,11 @@ def main(argv=None) -> int:
         xs = [torch.randn(m, args.hidden, device=dev, generator=g, dtype=torch.bfloat16)
               for _ in layers]
         logits = [torch.randn(m, args.experts, device=dev, generator=g) for _ in layers]
+        if args.routing != "random":
+            # every token's top-k among the same few experts (a distinct set per layer)
+            for lg in logits:
+                few = torch.randperm(args.experts, device=dev, generator=g)[:concentrated]
+                lg[:, few] += 100.0
         routes = [torch.topk(lg.softmax(-1), args.topk) for lg in logits]
         return (xs, [r.values.float().contiguous() for r in routes],
                 [r.indices.to(torch.int32).contiguous() for r in routes], logits)
@@ -474,11 +503,16 @@ def main(argv=None) -> int:
     if args.tune:
         tuned = tune(args, layers, make_inputs, dev)
         meta = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+                "routing": args.routing,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 "triton": __import__("triton").__version__, "git": _git_rev(),
                 "source_digest": checkout_digest(__file__)}
         os.makedirs(os.path.dirname(os.path.abspath(args.tune_out)), exist_ok=True)
         write_table(args.tune_out, tuned, meta)
+        if args.out != ap.get_default("out"):  # every candidate's time, beside the table
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({**meta, **tuned}, f, indent=1)
         for err in tuned["errors"]:
             print("skipped:", err)
         print(f"wrote {args.tune_out}")
@@ -502,6 +536,7 @@ def main(argv=None) -> int:
         "source_digest": checkout_digest(__file__),
         "shapes": {"experts": args.experts, "topk": args.topk, "hidden": args.hidden,
                    "inter": args.inter, "group": 32, "layers_per_graph": args.layers},
+        "routing": args.routing,
         "copy_bandwidth_gbs": copy_gbs,
         "bytes_formula": "touched_experts * (packed w13 + w2 + bf16 scales) + 2 * M * hidden * 2",
         "baseline_errors": baseline_errors,

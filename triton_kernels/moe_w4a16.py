@@ -11,7 +11,8 @@ weights once per step, dequantizes them in registers and fuses the rest around t
 2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
    fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
    With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials and
-   ``_gate_up_reduce_kernel`` adds them in fixed order before the epilogue (few touched experts).
+   ``_gate_up_reduce_kernel`` adds them in fixed order before the epilogue (few touched experts);
+   with ``split_auto`` the split is chosen per call on the device from the blocks it fills.
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
    the same with one long column loop per program (intermediate sizes that fit one K tile).
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
@@ -349,6 +350,26 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
 # 2. gate-up GEMM + SiLU-and-multiply
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _auto_split(block_expert_ptr, max_padded, BLOCK_M: tl.constexpr, NUM_N: tl.constexpr,
+                K_TILES: tl.constexpr, SPLIT_MAX: tl.constexpr, TARGET: tl.constexpr,
+                NB_POW2: tl.constexpr):
+    """The K split of one call, chosen on the device from the blocks the prologue filled: the
+    largest power of two s <= SPLIT_MAX dividing K_TILES with live tiles x s <= TARGET programs
+    (1 when the live tiles alone reach it). Returns (live tiles, s, the block_expert vector) so
+    the caller reads its block's expert from the vector instead of a second load."""
+    offs = tl.arange(0, NB_POW2)
+    experts = tl.load(block_expert_ptr + offs, mask=offs < max_padded // BLOCK_M, other=-1)
+    tiles = tl.sum((experts >= 0).to(tl.int32), 0) * NUM_N  # used blocks come first
+    want = TARGET // tl.maximum(tiles, 1)
+    split = tiles * 0 + 1
+    for _ in tl.static_range(6):  # splits up to 64; doubling stops at the first miss, so the
+        # result divides K_TILES whenever a power of two does
+        ok = (split * 2 <= want) & (split * 2 <= SPLIT_MAX) & (K_TILES % (split * 2) == 0)
+        split = tl.where(ok, split * 2, split)
+    return tiles, split, experts
+
+
+@triton.jit
 def _gate_up_kernel(
     xp_ptr,  # [M, K] bf16, plane-major for BLOCK_K tiles (see _prologue_kernel)
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
@@ -369,26 +390,44 @@ def _gate_up_kernel(
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
     SPLIT_DQ: tl.constexpr = False,  # dequantize nibbles 0-3, then 4-7 (fewer live registers)
     SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
+    # SPLIT_AUTO: the split is chosen per call on the device (_auto_split) with SPLIT_K as its
+    # ceiling; programs enumerate (live tile, K part) densely, the rest exit at once
+    SPLIT_AUTO: tl.constexpr = False,
+    TARGET: tl.constexpr = 1,  # SPLIT_AUTO: the most programs to aim for (split_auto per SM)
+    NB_POW2: tl.constexpr = 1,  # SPLIT_AUTO: next power of two >= max_padded // BLOCK_M
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
-    K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
+    K_TILES: tl.constexpr = K // BLOCK_K
     pid = tl.program_id(0)
-    pid_k = pid % SPLIT_K
-    pid_mn = pid // SPLIT_K
-    pid_m = pid_mn // NUM_N
+    if SPLIT_AUTO:
+        tiles, split, experts = _auto_split(block_expert_ptr, max_padded, BLOCK_M, NUM_N, K_TILES,
+                                            SPLIT_K, TARGET, NB_POW2)
+        if pid >= tiles * split:
+            return
+        pid_k = pid % split
+        pid_mn = pid // split
+        pid_m = pid_mn // NUM_N
+        e = tl.sum(tl.where(tl.arange(0, NB_POW2) == pid_m, experts, 0), 0)
+        k_steps = K_TILES // split
+    else:
+        split: tl.constexpr = SPLIT_K
+        pid_k = pid % SPLIT_K
+        pid_mn = pid // SPLIT_K
+        pid_m = pid_mn // NUM_N
+        e = tl.load(block_expert_ptr + pid_m)
+        k_steps: tl.constexpr = K_TILES // SPLIT_K
+        if e < 0:
+            return
     pid_n = pid_mn % NUM_N
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
     offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
     # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
-    k0 = pid_k * (K_STEPS * BLOCK_K)  # first input row of this program's K range
+    k0 = pid_k * (k_steps * BLOCK_K)  # first input row of this program's K range
     w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
               + offs_n[:, None])
     s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
@@ -397,13 +436,26 @@ def _gate_up_kernel(
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for _ in range(0, K_STEPS):
-        acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
-                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
-        x_ptrs += BLOCK_K
-        w_ptrs += KP * N2
-        s_ptrs += (BLOCK_K // _GROUP) * N2
-    if SPLIT_K > 1:
+    if SPLIT_AUTO and PORTABLE:
+        # the interpreter rejects tensor bounds in range() (numpy >= 2): a while loop
+        step = 0
+        while step < k_steps:
+            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
+                                 True, PORTABLE, SPLIT_DQ)
+            x_ptrs += BLOCK_K
+            w_ptrs += KP * N2
+            s_ptrs += (BLOCK_K // _GROUP) * N2
+            step += 1
+    else:
+        for _ in range(0, k_steps):
+            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
+                                 True, PORTABLE, SPLIT_DQ)
+            x_ptrs += BLOCK_K
+            w_ptrs += KP * N2
+            s_ptrs += (BLOCK_K // _GROUP) * N2
+    if split > 1:
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
         p_ptrs = (part_ptr + (pid_k.to(tl.int64) * max_padded + offs_m[None, :]) * N2
                   + offs_n[:, None])
@@ -429,21 +481,43 @@ def _gate_up_reduce_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     DOWN_BLOCK_K: tl.constexpr,
+    # SPLIT_AUTO: the gate-up kernel's per-call split (same inputs, same choice); a call that
+    # did not split wrote h itself, and every program here exits
+    SPLIT_AUTO: tl.constexpr = False,
+    NUM_N: tl.constexpr = 1,  # SPLIT_AUTO: the gate-up kernel's tiles per block
+    K_TILES: tl.constexpr = 1,  # SPLIT_AUTO: its K tiles
+    TARGET: tl.constexpr = 1,
+    NB_POW2: tl.constexpr = 1,
 ):
     """Split-K gate-up epilogue: sum the partials in fixed order, then SiLU(gate) * up -> h."""
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
+    split = SPLIT_K
+    if SPLIT_AUTO:
+        _, split, _ = _auto_split(block_expert_ptr, max_padded, BLOCK_M, NUM_N, K_TILES, SPLIT_K,
+                                  TARGET, NB_POW2)
+        if split == 1:
+            return
     offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = row_ok[:, None]
     g = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    for k in tl.static_range(SPLIT_K):
-        p_ptrs = part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I) + offs_c[None, :]
-        g += tl.load(p_ptrs, mask=mask, other=0.0)
-        u += tl.load(p_ptrs + I, mask=mask, other=0.0)
+    if SPLIT_AUTO:
+        k = 0
+        while k < split:  # fixed order, as below
+            p_ptrs = (part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I)
+                      + offs_c[None, :])
+            g += tl.load(p_ptrs, mask=mask, other=0.0)
+            u += tl.load(p_ptrs + I, mask=mask, other=0.0)
+            k += 1
+    else:
+        for k in tl.static_range(SPLIT_K):
+            p_ptrs = part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I) + offs_c[None, :]
+            g += tl.load(p_ptrs, mask=mask, other=0.0)
+            u += tl.load(p_ptrs + I, mask=mask, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u
     h_cols = _plane_major_cols(offs_c, DOWN_BLOCK_K)
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * I + h_cols[None, :],
@@ -613,6 +687,11 @@ class GemmConfig:
     # gate-up GEMM only: > 1 splits K over that many programs per tile (more programs in flight
     # when few experts are touched); a small reduce kernel adds the fp32 partials in fixed order.
     split_k: int = 1
+    # gate-up GEMM only: n > 0 makes split_k a ceiling (a power of two) and picks the split per
+    # call on the device from the blocks the call fills: the largest power of two that keeps
+    # the live tiles x split within n programs per SM (so a call whose tokens share few experts
+    # splits K, one that touches many does not), with the same reduce kernel when it splits.
+    split_auto: int = 0
 
 
 @dataclass(frozen=True)
@@ -662,9 +741,20 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     block_n = min(cfg.block_n, n)
     block_k = min(cfg.block_k, k)
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
-    split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
+    if cfg.split_auto:  # a ceiling: the kernel only takes splits that divide the K tiles
+        split_k = cfg.split_k if k % block_k == 0 else 1
+    else:
+        split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
-                      split_k)
+                      split_k, cfg.split_auto if split_k > 1 else 0)
+
+
+def _split_target(device: torch.device, per_sm: int) -> int:
+    """Programs an adaptive K split aims for: ``per_sm`` per SM (the interpreter's "machine"
+    has 4 SMs)."""
+    if device.type == "cuda":
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * per_sm
 
 
 def _portable(device: torch.device) -> bool:
@@ -695,6 +785,7 @@ def fused_moe_w4a16(
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
     _upto: int = 4,
+    _split_target_override: int | None = None,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
 
@@ -724,6 +815,8 @@ def fused_moe_w4a16(
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
+    _split_target_override : int, optional
+        Test-only: the programs an adaptive K split aims for (default two per SM).
 
     Returns
     -------
@@ -758,6 +851,7 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
+            or gu.split_auto < 0 or (gu.split_auto and gu.split_k & (gu.split_k - 1))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
@@ -774,16 +868,28 @@ def fused_moe_w4a16(
 
     part = h if gu.split_k == 1 else torch.empty(
         gu.split_k, max_padded, 2 * inter, dtype=torch.float32, device=hidden_states.device)
-    _gate_up_kernel[(n_blocks * (inter // gu.block_n) * gu.split_k,)](
+    num_n = inter // gu.block_n
+    if gu.split_auto:
+        # static grid (CUDA graphs): enough for every live tile unsplit, or for the target
+        target = _split_target_override or _split_target(hidden_states.device, gu.split_auto)
+        auto = dict(SPLIT_AUTO=True, TARGET=target,
+                    NB_POW2=triton.next_power_of_2(max(n_blocks, 1)))
+        grid_gu = max(n_blocks * num_n, target)
+    else:
+        auto = {}
+        grid_gu = n_blocks * num_n * gu.split_k
+    _gate_up_kernel[(grid_gu,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part, t, max_padded, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
-        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **auto)
     if gu.split_k > 1:
         block_c = min(inter, 128)
+        if auto:
+            auto.update(NUM_N=num_n, K_TILES=hidden // gu.block_k)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
             part, sorted_ids, block_expert, h, t, max_padded, I=inter, SPLIT_K=gu.split_k,
-            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k)
+            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k, **auto)
     if _upto < 3:
         return out
     if dn.n_per_cta:

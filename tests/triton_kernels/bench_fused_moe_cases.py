@@ -19,7 +19,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--no-sglang", "--hidden", "256", "--inter", "128", "--experts", "4",
         "--topk", "2", "--ms", "3", "--layers", "1", "--iters", "1"]
-GATE_UP = [(64, 128, 4, 1), (64, 128, 4, 1, 0, 1, 2)]  # plain; two-half dequant + split-K 2
+# plain; two-half dequant + split-K 2; split-K chosen on the device (ceiling 2)
+GATE_UP = [(64, 128, 4, 1), (64, 128, 4, 1, 0, 1, 2), (64, 128, 4, 1, 0, 0, 2, 1)]
 DOWN = [(64, 128, 4, 1), (64, 128, 4, 1, 128)]  # per-tile; column loop
 
 
@@ -51,13 +52,31 @@ def test_breakdown_times_every_stage(bench, tmp_path):
 
 def test_tune_writes_a_table_the_kernel_reads(bench, tmp_path):
     out = tmp_path / "table.json"
-    assert bench.main(TINY + ["--tune", "--tune-out", str(out)]) == 0
+    times = tmp_path / "tune.json"
+    assert bench.main(TINY + ["--tune", "--tune-out", str(out), "--out", str(times),
+                              "--routing", "concentrated:2"]) == 0
+    tuned = json.loads(times.read_text())
+    assert tuned["routing"] == "concentrated:2"
+    assert len(tuned["bands"][0]["gate_up_candidates_us"]) == len(GATE_UP)
+    assert all(math.isfinite(v) for v in tuned["bands"][0]["gate_up_candidates_us"].values())
+    assert "gate_up_candidates_us" not in json.loads(out.read_text())["bands"][0]
     table = bench.mw._config_table(str(out))
     assert [m for m, _ in table] == [3]
     cfg = table[0][1]
     assert cfg.block_m == 16
     assert (cfg.gate_up.block_n, cfg.gate_up.block_k) == (64, 128)
     assert json.loads(out.read_text())["tuned"][-1]["command"]
+
+
+def test_routing_option_is_checked(bench, tmp_path):
+    for bad in ("concentrated", "concentrated:1", "concentrated:5", "skewed:3"):
+        with pytest.raises(SystemExit):
+            bench.main(TINY + ["--routing", bad, "--out", str(tmp_path / "x.json")])
+    out = tmp_path / "conc.json"
+    assert bench.main(TINY + ["--routing", "concentrated:2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["routing"] == "concentrated:2"
+    assert [r["touched_experts"] for r in result["rows"]] == [2.0]  # 3 tokens, the same 2
 
 
 def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):

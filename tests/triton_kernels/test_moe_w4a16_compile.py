@@ -54,14 +54,17 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k]) as in GemmConfig."""
-    bn, bk, warps, stages, n_per_cta, split_dq, split_k = (tuple(tiles) + (0, 0, 1)[len(tiles) - 4:])
+    split_dq, split_k, split_auto]) as in GemmConfig."""
+    bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_auto = (
+        tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
                "max_padded": "i32"}
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k)
+        if split_auto:  # the H200's target (2 x 132 SMs), a verify-sized call's block count
+            const.update(SPLIT_AUTO=True, TARGET=264, NB_POW2=512)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -118,11 +121,15 @@ def test_prologue_and_combine_compile(MOE):
            "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"}
     _compile(MOE._gate_up_reduce_kernel, sig, dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128,
                                                      DOWN_BLOCK_K=256), 4, 1)
+    _compile(MOE._gate_up_reduce_kernel, sig, dict(I=I, SPLIT_K=8, BLOCK_M=16, BLOCK_C=128,
+                                                     DOWN_BLOCK_K=256, SPLIT_AUTO=True, NUM_N=8,
+                                                     K_TILES=56, TARGET=264, NB_POW2=512), 4, 1)
 
 
 @pytest.mark.parametrize("tiles", [(32, 256, 2, 3, 0, 1, 2), (32, 256, 2, 2, 0, 1, 4),
                                    (64, 256, 4, 3, 0, 1, 2), (32, 128, 2, 4, 0, 1, 2),
-                                   (32, 128, 2, 4, 0, 1, 4)], ids=str)
+                                   (32, 128, 2, 4, 0, 1, 4), (32, 128, 2, 4, 0, 1, 8, 1),
+                                   (64, 256, 4, 3, 0, 1, 4, 1)], ids=str)
 def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
 
