@@ -370,6 +370,20 @@ def _auto_split(block_expert_ptr, max_padded, BLOCK_M: tl.constexpr, NUM_N: tl.c
 
 
 @triton.jit
+def _gate_up_k_tile(acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs, x_mask, I: tl.constexpr,
+                    KP: tl.constexpr, N2: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr):
+    """One BLOCK_K tile of the gate and up dots; returns the sums and the pointers advanced to
+    the next tile."""
+    acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
+                         tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
+    x_next = x_ptrs + BLOCK_K  # in this order, the loop compiles as it did written inline
+    w_next = w_ptrs + KP * N2
+    s_next = s_ptrs + (BLOCK_K // _GROUP) * N2
+    return acc_g, acc_u, w_next, s_next, x_next
+
+
+@triton.jit
 def _gate_up_kernel(
     xp_ptr,  # [M, K] bf16, plane-major for BLOCK_K tiles (see _prologue_kernel)
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
@@ -440,21 +454,13 @@ def _gate_up_kernel(
         # the interpreter rejects tensor bounds in range() (numpy >= 2): a while loop
         step = 0
         while step < k_steps:
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
-            x_ptrs += BLOCK_K
-            w_ptrs += KP * N2
-            s_ptrs += (BLOCK_K // _GROUP) * N2
+            acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs = _gate_up_k_tile(
+                acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs, x_mask, I, KP, N2, BLOCK_K, PORTABLE, SPLIT_DQ)
             step += 1
     else:
         for _ in range(0, k_steps):
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
-            x_ptrs += BLOCK_K
-            w_ptrs += KP * N2
-            s_ptrs += (BLOCK_K // _GROUP) * N2
+            acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs = _gate_up_k_tile(
+                acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs, x_mask, I, KP, N2, BLOCK_K, PORTABLE, SPLIT_DQ)
     if split > 1:
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
         p_ptrs = (part_ptr + (pid_k.to(tl.int64) * max_padded + offs_m[None, :]) * N2

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Digests of the sm_90 PTX of every fused-MoE gate-up config the shipped table serves (and of
+the split-K reduce kernel), compiled ahead of time on a CPU, with debug line info and labels
+stripped: two checkouts whose digests match launch the same code, so a refactor of the kernels
+can be checked for "no change to what is served" without a GPU.
+
+    python scripts/moe_ptx_digest.py            # in each checkout, then compare the lines
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.triton_kernels._moe_kernels import load_moe  # noqa: E402
+import tests.triton_kernels.test_moe_w4a16_compile as aot  # noqa: E402
+
+
+def normalized(ptx: str) -> str:
+    """PTX without line info, comments, debug sections, labels and kernel names."""
+    keep = []
+    for line in ptx.splitlines():
+        t = line.strip()
+        if not t or t.startswith((".loc", ".file", "//", ".section", ".b8", ".b32", ".b64")):
+            continue
+        if t.startswith("$L__") and t.endswith(":"):
+            continue
+        keep.append(re.sub(r"_gate_up_\w*", "K", t))
+    return "\n".join(keep)
+
+
+def main() -> int:
+    moe = load_moe(interpret=False).moe
+    for kind, bm, tiles in aot._shipped():
+        if kind == "gate_up":
+            ptx = aot._gemm(moe, kind, bm, tiles).asm["ptx"]
+            print("gate_up", bm, tiles, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
+    sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+           "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"}
+    for split in (2, 4, 8):
+        ptx = aot._compile(moe._gate_up_reduce_kernel, sig,
+                           dict(I=aot.I, SPLIT_K=split, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256),
+                           4, 1).asm["ptx"]
+        print("reduce", split, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
