@@ -362,8 +362,8 @@ def _auto_split(block_expert_ptr, max_padded, BLOCK_M: tl.constexpr, NUM_N: tl.c
     tiles = tl.sum((experts >= 0).to(tl.int32), 0) * NUM_N  # used blocks come first
     want = TARGET // tl.maximum(tiles, 1)
     split = tiles * 0 + 1
-    for _ in tl.static_range(6):  # splits up to 64; doubling stops at the first miss, so the
-        # result divides K_TILES whenever a power of two does
+    for _ in tl.static_range(6):  # splits up to 64; a doubling is kept only where it still
+        # divides K_TILES and fits the aim, and once one is refused every later one is too
         ok = (split * 2 <= want) & (split * 2 <= SPLIT_MAX) & (K_TILES % (split * 2) == 0)
         split = tl.where(ok, split * 2, split)
     return tiles, split, experts
