@@ -524,9 +524,11 @@ class TreeAttention:
         # MIN_CHUNK): None takes each config's; tests lower it to exercise the split merge on
         # short prefixes
         self.min_split_keys: Optional[int] = None
-        self.max_splits = max(self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
+        # static per batch size: computed once here, read by every run
+        self._splits = {bs: self._count_splits(bs) for bs in range(1, self.max_batch_size + 1)}
+        self.max_splits = max(self._splits.values())
         # partial buffers hold bs * N * Hq * S rows; S shrinks as bs grows, so size for the max
-        rows = max(bs * self.num_splits(bs) for bs in range(1, self.max_batch_size + 1))
+        rows = max(bs * splits for bs, splits in self._splits.items())
         rows = rows * self.num_tree_tokens * self.num_q_heads if self.max_splits > 1 else 1
         self.part_o = torch.empty(rows * self.v_head_dim, dtype=torch.float32, device=self.device)
         self.part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
@@ -573,6 +575,10 @@ class TreeAttention:
 
     def num_splits(self, batch_size: int) -> int:
         """Prefix splits used for ``batch_size`` requests (a pure function of static sizes)."""
+        splits = self._splits.get(int(batch_size))
+        return self._count_splits(batch_size) if splits is None else splits
+
+    def _count_splits(self, batch_size: int) -> int:
         if self._fixed_splits is not None:
             return max(1, int(self._fixed_splits))
         cfg = self.config_for(batch_size)
