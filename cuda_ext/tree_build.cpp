@@ -179,11 +179,11 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
               "[32, 1024], got ", T);
 
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t smem =
-      ddtree::tree_build_smem(static_cast<int>(algo), B, Kp, static_cast<int>(d_eff));
   const int dev = device.index();
   int max_optin = 0;
   DDT_TRY(smem_optin_limit(dev, &max_optin));
+  const int64_t smem = ddtree::tree_build_smem(static_cast<int>(algo), B, Kp,
+                                               static_cast<int>(d_eff), max_optin);
   DDT_CHECK(smem <= max_optin, "budget ", B, " x depth ", d_eff, " needs ", smem,
               " bytes of shared memory per block; this GPU allows ", max_optin);
 
@@ -198,6 +198,8 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
   p.D = static_cast<int>(d_eff);
   p.Kp = Kp;
   p.B = B;
+  p.gcap = ddtree::tree_build_gcap(static_cast<int>(algo), B, Kp, static_cast<int>(d_eff),
+                                   max_optin);
   p.tokens = tokens.data_ptr<int64_t>();
   p.parents = parents.data_ptr<int64_t>();
   p.depths = depths.data_ptr<int64_t>();
@@ -217,10 +219,14 @@ std::string tree_build_launch(const at::Tensor& root_ids, const at::Tensor& topk
                     "kernel launch");
 }
 
-int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D, int64_t algo) {
+// smem_limit: the device's shared memory per block (opt-in); < 0: no limit (the deferred
+// variants' larger G capacity).
+int64_t tree_build_smem_bytes(int64_t budget, int64_t K, int64_t D, int64_t algo,
+                              int64_t smem_limit) {
   const int Kp = static_cast<int>(K < budget ? K : budget);
   const int d_eff = static_cast<int>(D < budget ? D : budget);
-  return ddtree::tree_build_smem(static_cast<int>(algo), static_cast<int>(budget), Kp, d_eff);
+  return ddtree::tree_build_smem(static_cast<int>(algo), static_cast<int>(budget), Kp, d_eff,
+                                 smem_limit < 0 ? INT64_MAX : smem_limit);
 }
 
 // Which kernel serves (algo, budget, K, D): "frontier", "merge", "deferred", "deferred_warp" or
@@ -244,8 +250,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("full_mask") = py::none(), py::arg("threads") = 0, py::arg("algo") = 0);
   m.def("smem_bytes", &tree_build_smem_bytes,
         "Dynamic shared memory per block for (budget, K, D) and algo (0 auto, 1 level-wise, "
-        "2 frontier, 3 merge, 4 deferred, 5 deferred_warp).",
-        py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0);
+        "2 frontier, 3 merge, 4 deferred, 5 deferred_warp) on a device granting smem_limit "
+        "bytes per block (-1: no limit).",
+        py::arg("budget"), py::arg("K"), py::arg("D"), py::arg("algo") = 0,
+        py::arg("smem_limit") = -1);
   m.def("kernel_name", &tree_build_kernel_name,
         "The kernel that serves (budget, K, D, algo): 'frontier', 'merge', 'deferred', "
         "'deferred_warp' or 'levelwise'.",

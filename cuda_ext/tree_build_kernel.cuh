@@ -27,7 +27,7 @@
 // the candidates is the order of a flat index c = offset[parent] + r.
 //
 // Deferred variant (tree_build_kernel<kModeDeferred>, budgets up to kDeferMaxBudget): G may hold
-// up to defer_cap(B) nodes (2B-4B). A level whose candidates fit is not selected at all: they are
+// up to p.gcap nodes (defer_cap: 4B-8B). A level whose candidates fit is not selected at all: they are
 // appended (C_d = all of them, lex = flat index) and counted in a histogram of scores (bins of
 // 1/8 nat). Warp 0 keeps the lowest bin f such that at least B counted nodes lie in bins 0..f;
 // every node in those bins scores strictly above -(f+1)/8, so that value is a valid threshold
@@ -1000,7 +1000,7 @@ __global__ void __launch_bounds__(MODE == kModeMerge ? kMergeMaxThreads : 1024)
   const int tid = threadIdx.x, T = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const int64_t b = blockIdx.x;
   // G's capacity, also the stride of its two buffers and of pos_of's rows
-  const int GC = DEFER ? defer_cap(B) : B;
+  const int GC = DEFER ? p.gcap : B;
   const SmemLayout L = make_smem_layout(B, Kp, D, GC);
   const LayoutInputs lin = load_layout_inputs(p, b);
   const bool preload = preload_rows(Kp, D);

@@ -27,6 +27,7 @@ struct TreeBuildParams {
   int D;                  // depths 1..D (the launcher passes min(D, B): deeper nodes cannot fit)
   int Kp;                 // min(K, B): ranks that can ever be selected
   int B;                  // budget; N = B + 1 verify tokens per request
+  int gcap;               // G's capacity: tree_build_gcap (the launcher sets it; B unless deferred)
   // DraftTree outputs, all contiguous
   int64_t* tokens;        // [bs, N]
   int64_t* parents;       // [bs, N]
@@ -85,10 +86,9 @@ constexpr int kMergeMaxThreads = 256;  // its launch bound (the launcher clamps)
 // G may hold up to defer_cap(B) nodes, so a depth only appends its candidates (no selection) while
 // they fit; a histogram of every generated node's score (kDeferBins bins of 1/8 nat) gives the
 // pruning threshold, and one count over G at the end keeps the best B. A depth whose candidates
-// would overflow G selects the best B as the level-wise kernel does.
+// would overflow G selects the best B as the level-wise kernel does. G's capacity: defer_cap.
 constexpr int kDeferMaxBudget = 256;
 constexpr int kDeferBins = 4096;        // fine bins: bin f holds scores in (-(f+1)/8, -f/8]
-DDTREE_HOST_DEVICE inline int defer_cap(int B) { return B <= 128 ? 4 * B : 2 * B; }
 
 struct SmemLayout {
   int64_t lp, off, gscore, gmeta, gpar, keys, thr, thrf, posanc, lvl_cnt, hist, dhist, wbuf, wbuf_min;
@@ -140,6 +140,18 @@ DDTREE_HOST_DEVICE inline SmemLayout make_smem_layout(int B, int Kp, int D, int 
   L.first_child = o; o = ddtree_align16(o + 4 * N);                  // int[N]
   L.total = o;
   return L;
+}
+
+// The deferred variant's G capacity: 8B up to budget 128 and 4B above, or half that when the
+// larger layout exceeds smem_limit (the device's per-block opt-in; the larger capacity needs
+// 2 * D * cap bytes for pos_of). A larger G means fewer levels that overflow it and select
+// exactly (block-wide, several barriers): on the H200 (bench_results/README.md, session 18;
+// interleaved A/B medians, peaked inputs, batch 64) 4B -> 8B took budget 32 from 15.01 to 12.60
+// us, 64 from 19.52 to 17.84 and 128 from 29.3 to 26.4, and 2B -> 4B took budget 256 from 65.7
+// to 45.6, random inputs unchanged; 16B at budget 64 gained no more.
+DDTREE_HOST_DEVICE inline int defer_cap(int B, int Kp, int D, int64_t smem_limit) {
+  const int big = B <= 128 ? 8 * B : 4 * B;
+  return make_smem_layout(B, Kp, D, big).total <= smem_limit ? big : big / 2;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -273,10 +285,18 @@ DDTREE_HOST_DEVICE inline int tree_kernel_threads(int index, int threads) {
   return threads > cap ? cap : threads;
 }
 
-// Dynamic shared memory of the kernel that serves (algo, B, Kp, D).
-DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D) {
+// TreeBuildParams::gcap for the kernel that serves (algo, B, Kp, D) on a device that grants
+// smem_limit bytes of shared memory per block.
+DDTREE_HOST_DEVICE inline int tree_build_gcap(int algo, int B, int Kp, int D, int64_t smem_limit) {
+  if (use_frontier(algo, B, Kp, D) || !use_defer(algo, B)) return B;
+  return defer_cap(B, Kp, D, smem_limit);
+}
+
+// Dynamic shared memory of the kernel that serves (algo, B, Kp, D) (same smem_limit).
+DDTREE_HOST_DEVICE inline int64_t tree_build_smem(int algo, int B, int Kp, int D,
+                                                  int64_t smem_limit) {
   if (use_frontier(algo, B, Kp, D)) return make_frontier_smem_layout(B, Kp, D).total;
-  return make_smem_layout(B, Kp, D, use_defer(algo, B) ? defer_cap(B) : B).total;
+  return make_smem_layout(B, Kp, D, tree_build_gcap(algo, B, Kp, D, smem_limit)).total;
 }
 
 // Threads per block when the caller does not choose, for the kernel that serves (algo, B, Kp, D):

@@ -88,7 +88,10 @@ int main(int argc, char** argv) {
   p.retrive_next_sibling = zeros<int64_t>(nn);
   // no verify layout, as in scripts/bench_tree_build.py
 
-  const int64_t smem = ddtree::tree_build_smem(algo, B, p.Kp, p.D);
+  int optin = 0;
+  CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  p.gcap = ddtree::tree_build_gcap(algo, B, p.Kp, p.D, optin);  // as the launcher
+  const int64_t smem = ddtree::tree_build_smem(algo, B, p.Kp, p.D, optin);
   const int kernel = ddtree::tree_kernel_index(algo, B, p.Kp, p.D);
   const ddtree::TreeKernelFn fn = ddtree::tree_kernel_fn(kernel);
   const int threads = ddtree::tree_kernel_threads(kernel, T);

@@ -12,7 +12,7 @@ min(D, budget) > 63, more shared memory than the GPU has) go to ``build_tree``.
 
 The extension holds kernels with the same output: the level-wise one (any budget up to 1024;
 its time grows with the tree's depth), its deferred variant (budgets up to 256: a depth appends
-its candidates to a set of up to 4B nodes instead of selecting the best B, a score histogram
+its candidates to a set of up to 8B nodes (4B above budget 128) instead of selecting the best B, a score histogram
 prunes, one count at the end keeps the best B; about half the block barriers per depth), and
 the best-first "frontier" one (budgets up to 287; its time grows with the budget, not the
 depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_warp,
@@ -135,9 +135,11 @@ def _kernel_fits(budget: int, k: int, depth: int, device_index: int) -> bool:
 def _kernel_fits_algo(budget: int, k: int, depth: int, device_index: int, algo: int) -> bool:
     if min(depth, budget) > KERNEL_MAX_DEPTH:
         return False
-    need = _loader().load_tree_build_ext(required=True).smem_bytes(budget, k, depth, algo)
     props = torch.cuda.get_device_properties(device_index)
     have = getattr(props, "shared_memory_per_block_optin", None)
+    # the launcher sizes the deferred variants' G to what the device grants (ddtree::defer_cap)
+    need = _loader().load_tree_build_ext(required=True).smem_bytes(
+        budget, k, depth, algo, -1 if have is None else have)
     return have is None or need <= have
 
 

@@ -50,7 +50,10 @@ def driver(tmp_path_factory):
     return exe
 
 
-def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB, algo=0):
+def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB, algo=0,
+                 smem_limit=None, log=None):
+    """smem_limit: the shared memory per block the emulated launcher sees (default: its
+    buffer's 240 KB); log: a list that gets the driver's stderr lines."""
     bs, depth, k = lp.shape
     n = budget + 1
     fin, fout = tmp_path / "in.bin", tmp_path / "out.bin"
@@ -60,7 +63,13 @@ def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB,
         ids.numpy().astype(np.int64).tofile(f)
         roots.numpy().astype(np.int64).tofile(f)
         seq.numpy().astype(np.int64).tofile(f)
-    subprocess.run([str(exe), str(fin), str(fout)], check=True, timeout=300)
+    env = dict(os.environ)
+    if smem_limit is not None:
+        env["DDTREE_EMU_SMEM_LIMIT"] = str(smem_limit)
+    r = subprocess.run([str(exe), str(fin), str(fout)], check=True, timeout=300, env=env,
+                       capture_output=True, text=True)
+    if log is not None:
+        log.extend(r.stderr.splitlines())
     raw = np.fromfile(fout, np.uint8)
     at = 0
 
@@ -85,12 +94,13 @@ def run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq, fill=0xAB,
     return tree, positions, full
 
 
-def check(exe, tmp_path, bs, budget, depth, k, threads, mode, seed, algo=0):
+def check(exe, tmp_path, bs, budget, depth, k, threads, mode, seed, algo=0, smem_limit=None,
+          log=None):
     roots, lp, ids = make_inputs(bs, depth, k, seed, mode)
     seq = torch.randint(0, 40, (bs,), generator=torch.Generator().manual_seed(seed))
     ref = build_tree_reference(roots, lp, ids, budget)
     tree, positions, full = run_emulated(exe, tmp_path, roots, lp, ids, budget, threads, seq,
-                                         algo=algo)
+                                         algo=algo, smem_limit=smem_limit, log=log)
     tag = f"bs={bs} B={budget} D={depth} K={k} threads={threads} mode={mode} algo={algo}"
     # every element of the (0xAB/77/NaN-poisoned) outputs must be written and equal the oracle
     assert_same_tree(ref, tree, tag)
@@ -185,8 +195,8 @@ VARIANT_EXTRA_CASES = [
 MERGE_CASES = [c for c in CASES if merge_fits(c[1], c[2], c[3])] + VARIANT_EXTRA_CASES
 
 
-# The level-wise kernel's deferred variant (budgets <= 256: G holds up to 4B nodes, 2B above
-# budget 128, and a score histogram prunes): every level-wise case it takes, plus deep narrow trees, G overflowing 2B
+# The level-wise kernel's deferred variant (budgets <= 256: G holds up to 8B nodes, 4B above
+# budget 128, and a score histogram prunes): every level-wise case it takes, plus deep narrow trees, G overflowing
 # (flat rows: many candidates beat the histogram's threshold), scores below the histogram's
 # range (-512 nats), K < B (no threshold until B nodes exist), and exact ties across parents.
 ALGO_DEFERRED = KERNEL_ALGOS["deferred"]
@@ -234,6 +244,29 @@ def test_result_does_not_depend_on_stale_shared_memory(driver, tmp_path, algo):
         again, _, _ = run_emulated(driver, tmp_path, roots, lp, ids, 64, 64, seq, fill=fill,
                                    algo=algo)
         assert_same_tree(first, again, f"fill {fill:#x} algo {algo}")
+
+
+# (budget, D, K, mode, G's capacity with room, the smem limit that forces the smaller one)
+# ddtree::defer_cap: 8B up to budget 128 (4B above), half that when the larger layout exceeds
+# the device's shared memory per block (60,288 bytes at budget 64, 95,584 at 256; depth 15, K 64)
+CAP_CASES = [
+    (64, 15, 64, "flat", 512, 60287),
+    (64, 15, 64, "peaked", 512, 60287),
+    (256, 15, 64, "flat", 1024, 95583),
+]
+
+
+@pytest.mark.parametrize("algo", [ALGO_DEFERRED, KERNEL_ALGOS["deferred_warp"]])
+@pytest.mark.parametrize("budget, depth, k, mode, cap, small_limit", CAP_CASES)
+def test_deferred_capacity_follows_the_smem_limit(driver, tmp_path, algo, budget, depth, k, mode,
+                                                 cap, small_limit):
+    """The launcher gives G the larger capacity where its layout fits the device, half of it
+    where it does not (a GPU with less shared memory per block); the tree is the same."""
+    for limit, want in ((None, cap), (small_limit, cap // 2)):
+        log = []
+        check(driver, tmp_path, 2, budget, depth, k, 0, mode, seed=budget + 3, algo=algo,
+              smem_limit=limit, log=log)
+        assert f"gcap: {want}" in log, (limit, [x for x in log if x.startswith("gcap")])
 
 
 def test_phase_count_of_the_emulated_kernel(driver, tmp_path):

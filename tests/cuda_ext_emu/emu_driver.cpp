@@ -12,6 +12,7 @@
 #include "cuda_emu.h"
 
 #include <cstdio>
+#include <cstdlib>
 
 namespace ddtree {
 alignas(16) unsigned char smem[240 * 1024];
@@ -61,7 +62,13 @@ int main(int argc, char** argv) {
   p.seq_lens = seq.data(); p.positions = pos.data();
   p.full_mask = reinterpret_cast<bool*>(full.data() + 16);
   const int algo = int(h[6]);
-  const int64_t smem_total = ddtree::tree_build_smem(algo, B, p.Kp, p.D);
+  // the device's shared memory per block as the launcher sees it: this emulation's buffer, or
+  // DDTREE_EMU_SMEM_LIMIT (a test of the smaller G capacity of ddtree::defer_cap)
+  const char* lim_env = getenv("DDTREE_EMU_SMEM_LIMIT");
+  const int64_t smem_limit = lim_env ? atoll(lim_env) : int64_t(sizeof(ddtree::smem));
+  p.gcap = ddtree::tree_build_gcap(algo, B, p.Kp, p.D, smem_limit);
+  fprintf(stderr, "gcap: %d\n", p.gcap);
+  const int64_t smem_total = ddtree::tree_build_smem(algo, B, p.Kp, p.D, smem_limit);
   if (smem_total > int64_t(sizeof(ddtree::smem))) { fprintf(stderr, "smem %lld\n", (long long)smem_total); return 2; }
   std::memset(ddtree::smem, int(h[5]), sizeof(ddtree::smem));
   const int kernel = ddtree::tree_kernel_index(algo, B, p.Kp, p.D);
