@@ -33,7 +33,7 @@ The MLA (absorbed, latent KV) variant lives in ``tree_attention_mla.py`` and reu
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -415,6 +415,15 @@ class KernelConfig:
 _MLA_SMALL_BATCH = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2,
                                 min_split_keys=128)
 _MLA_SMALL_BATCH_MAX_ROWS = 144
+# MLA trees of 145-264 query rows per KV head (Kimi TP8: budgets 18-32) in a batch of at most 528
+# rows: the default tile with splits of at least 128 keys instead of 256. On the H200
+# (bench_results/tree_verify_mla_minsplit_h200_s18.json and tree_verify_mla_rows_h200_s18.json,
+# 264 rows per request): batch 1 33.0 -> 29.1 us at 512 keys and 33.7 -> 31.1 at 2,048, batch 2
+# 37.3 -> 29.3 and 39.7 -> 34.8, equal at 8,192; not at 520 rows (budget 64, batch 1: 40.5 ->
+# 59.8 at 2,048) nor at batch 8 (equal).
+_MLA_FEW_ROWS_MIN_SPLIT = 128
+_MLA_FEW_ROWS_MAX_ROWS = 264
+_MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
 
 
 def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device) -> KernelConfig:
@@ -435,13 +444,22 @@ def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device
 
 def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
                         device: torch.device) -> Optional[KernelConfig]:
-    """A smaller MLA tile when the whole batch has few query rows, or None (keep the default).
+    """An MLA config for a batch with few query rows, or None (keep the default): a smaller
+    tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch, and shorter splits for
+    trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in batches of at most
+    _MLA_FEW_ROWS_MAX_BATCH_ROWS.
 
     ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
     heads."""
     if device.type != "cuda" or not (dk + d_pe > 256 or dv > 256):
         return None
-    return _MLA_SMALL_BATCH if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS else None
+    if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
+        return _MLA_SMALL_BATCH
+    if (_MLA_SMALL_BATCH_MAX_ROWS < rows <= _MLA_FEW_ROWS_MAX_ROWS
+            and groups * rows <= _MLA_FEW_ROWS_MAX_BATCH_ROWS):
+        return replace(_default_config(dk, d_pe, dv, rows, device),
+                       min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
+    return None
 
 
 def _num_sms(device: torch.device) -> int:

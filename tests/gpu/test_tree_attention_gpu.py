@@ -88,6 +88,7 @@ MLA_CASES = [
     ([32768], 65, 8, torch.bfloat16, None),
     ([777, 2], 129, 16, torch.bfloat16, 3),
     ([20000], 33, 8, torch.float8_e4m3fn, None),
+    ([3000, 150], 33, 8, torch.bfloat16, None),  # budget 32, batch 2: 128-key splits
     ([100] * 4, 17, 128, torch.float8_e4m3fn, 1),
 ]
 

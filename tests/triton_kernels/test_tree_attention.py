@@ -341,13 +341,21 @@ def test_split_count_sized_for_long_contexts_on_short_prefixes(kind):
 
 
 def test_small_batch_mla_tile_rule():
-    """The small-batch MLA tile serves a whole batch of at most 144 query rows per KV head, on
+    """The small-batch MLA tile serves a whole batch of at most 144 query rows per KV head, the
+    default tile with 128-key splits trees of at most 264 rows in batches of at most 528, on
     CUDA only; MHA shapes and bigger batches keep the default tile."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
     small = TA._small_batch_config(512, 64, 512, 17 * 8, 1, cuda)  # Kimi TP8: budget 16, batch 1
     assert small is not None and small.block_m == 16 and small.min_split_keys == 128
     assert TA._small_batch_config(512, 64, 512, 9 * 8, 2, cuda) == small  # budget 8, batch 2
-    assert TA._small_batch_config(512, 64, 512, 33 * 8, 1, cuda) is None  # budget 32
+    # budget 32 at batch 1 and 2: the default tile with splits of at least 128 keys
+    few = TA._small_batch_config(512, 64, 512, 33 * 8, 1, cuda)
+    default = TA._default_config(512, 64, 512, 33 * 8, cuda)
+    assert few is not None and few.min_split_keys == 128 and default.min_split_keys == 256
+    assert few.block_m == default.block_m and few.block_n == default.block_n
+    assert TA._small_batch_config(512, 64, 512, 33 * 8, 2, cuda) == few
+    assert TA._small_batch_config(512, 64, 512, 33 * 8, 3, cuda) is None  # budget 32, batch 3
+    assert TA._small_batch_config(512, 64, 512, 65 * 8, 1, cuda) is None  # budget 64
     assert TA._small_batch_config(512, 64, 512, 9 * 8, 3, cuda) is None  # budget 8, batch 3
     assert TA._small_batch_config(128, 0, 128, 9, 1, cuda) is None  # MHA
     assert TA._small_batch_config(512, 64, 512, 9 * 8, 1, torch.device("cpu")) is None
