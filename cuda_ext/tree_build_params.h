@@ -46,7 +46,7 @@ struct TreeBuildParams {
 
 // Threads per block when the caller does not choose: the launcher's rule, shared with the CPU
 // emulation (tests/cuda_ext_emu) so that phase counts are taken at the threads that serve.
-// On the H200 (bench_results/tree_build_h200.json, threads sweep at batch 64): 128 threads were
+// On the H200 (bench_results/tree_build_h200_s12.json, threads sweep at batch 64): 128 threads were
 // as fast as 256 up to budget 64 (peaked 28.4 / 28.3 us, random 14.3 / 13.7 at budget 64) and
 // slower at budget 128 (52.2 vs 50.9 us peaked, 21.1 vs 18.9 random).
 DDTREE_HOST_DEVICE inline int default_threads(int budget) {
@@ -175,7 +175,7 @@ DDTREE_HOST_DEVICE inline int frontier_items(int B) {
 }
 
 // Which kernel serves (budget, Kp, D) by default: the frontier kernel up to this budget, where
-// it is faster on the H200 (bench_results/tree_build_h200.json, session 11: 8.2-9.4 us at budget
+// it is faster on the H200 (bench_results/tree_build_h200_s11.json, session 11: 8.2-9.4 us at budget
 // 16 against 10.4-15.7 for the deferred variant with warp runs, peaked inputs), then that variant
 // up to its largest budget, kDeferMaxBudget (use_defer).
 constexpr int kFrontierDefaultMaxBudget = 16;
@@ -190,7 +190,7 @@ enum TreeAlgo : int {
 // the fastest kernel at every batch (1, 8, 64) x budget 32 / 64 point in both input
 // distributions; at budget 128 the variant without runs was 0.2-0.4 us faster at the random
 // points and at batch 1 peaked, and at budget 256 the level-wise kernel or that variant was
-// ahead at five of six points by up to 0.9 us (bench_results/tree_build_h200.json and
+// ahead at five of six points by up to 0.9 us (bench_results/tree_build_h200_s12.json and
 // tree_build_h200_s12a.json, session 12).
 DDTREE_HOST_DEVICE inline bool use_defer(int algo, int B) {
   if (algo == kAlgoDeferred || algo == kAlgoDeferredWarp) return B <= kDeferMaxBudget;

@@ -19,7 +19,7 @@ depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|de
 default auto) picks one; auto takes the frontier kernel up to budget 16 and above it the
 deferred variant with warp runs (``deferred_warp``: warp 0 alone takes runs of narrow levels, at
 most 64 parents and 64 candidates, with no block barrier), as the H200 measured fastest
-(``bench_results/tree_build_h200.json``, session 12). ``merge`` (budgets up to 128) is the
+(``bench_results/tree_build_h200_s12.json``, session 12). ``merge`` (budgets up to 128) is the
 level-wise kernel with one warp merging each narrow depth into a sorted best-B set (measured
 slower).
 """
