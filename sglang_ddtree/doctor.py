@@ -223,6 +223,13 @@ def _write_json(path: str, results: list, settings: dict) -> None:
                 torch=torch.__version__, triton=triton.__version__,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 tolerance=TOLERANCE)
+    # run from a checkout (not an installed wheel): which code it checked, as the benchmarks
+    # record it (scripts/which_commit.py names the commit)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "pyproject.toml")):
+        from .provenance import source_digest
+
+        meta["source_digest"] = source_digest(root)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(dict(meta=meta, results=[asdict(r) for r in results]), f, indent=1)
