@@ -88,8 +88,8 @@ MODES = (("greedy", {"temperature": 0.0}), ("t1", {"temperature": 1.0, "top_p": 
 
 def batch_cap(concurrency: str, timer_concurrency: str) -> int:
     """Every server's --max-running-requests and --cuda-graph-max-bs: the largest concurrency
-    any pass uses, the -timers servers' included (capped at the speed points' largest, a timers
-    pass at 32 ran at batch sizes up to 8 in session 16)."""
+    any pass uses, the -timers servers' included (session 16 capped it at the speed points'
+    largest, so a timers pass at 32 ran at batch sizes up to 8)."""
     return max(int(c) for c in f"{concurrency},{timer_concurrency}".split(",") if c)
 
 

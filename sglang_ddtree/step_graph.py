@@ -199,12 +199,12 @@ class AcceptCommitGraphs:
             slots = torch.zeros(bs, width, dtype=slots_dtype, device=dev)
         if prefix is None:
             prefix = torch.zeros(bs, dtype=prefix_dtype, device=dev)
-        key = self._key(tree, slots, prefix, pool)
-        if not self.use_graphs or key in self._entries or key in self.failed:
-            return False
         if tuple(slots.shape) != (bs, width) or tuple(prefix.shape) != (bs,):
             raise ValueError(f"prewarm: slots {tuple(slots.shape)} / prefix "
                              f"{tuple(prefix.shape)} are not [{bs}, {width}] / [{bs}]")
+        key = self._key(tree, slots, prefix, pool)
+        if not self.use_graphs or key in self._entries or key in self.failed:
+            return False
         tree.copy_(DraftTree.make_dummy(bs, n - 1, dev, max_depth=tree.max_depth or 1))
         predicted = torch.zeros(bs, n, dtype=torch.int64, device=dev)
         try:
