@@ -418,9 +418,9 @@ _MLA_SMALL_BATCH_MAX_ROWS = 144
 # MLA trees of 145-264 query rows per KV head (Kimi TP8: budgets 18-32) in a batch of at most 528
 # rows: the default tile with splits of at least 128 keys instead of 256. On the H200
 # (bench_results/tree_verify_mla_minsplit_h200_s18.json and tree_verify_mla_rows_h200_s18.json,
-# 264 rows per request): batch 1 33.0 -> 29.1 us at 512 keys and 33.7 -> 31.1 at 2,048, batch 2
-# 37.3 -> 29.3 and 39.7 -> 34.8, equal at 8,192; not at 520 rows (budget 64, batch 1: 40.5 ->
-# 59.8 at 2,048) nor at batch 8 (equal).
+# 264 rows per request, same split counts as served): batch 1 33.0 -> 29.1 us at 512 keys and
+# 33.7 -> 31.1 at 2,048, batch 2 37.3 -> 29.3 and 39.7 -> 34.8, equal at 8,192; not at 520 rows
+# (budget 64, batch 1: 40.5 -> 59.8 at 2,048) nor at batch 8 (equal).
 _MLA_FEW_ROWS_MIN_SPLIT = 128
 _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
