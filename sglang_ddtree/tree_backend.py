@@ -12,8 +12,9 @@ min(D, budget) > 63, more shared memory than the GPU has) go to ``build_tree``.
 
 The extension holds kernels with the same output: the level-wise one (any budget up to 1024;
 its time grows with the tree's depth), its deferred variant (budgets up to 256: a depth appends
-its candidates to a set of up to 8B nodes (4B above budget 128) instead of selecting the best B, a score histogram
-prunes, one count at the end keeps the best B; about half the block barriers per depth), and
+its candidates to a set of up to 8B nodes (4B above budget 128) instead of selecting the best B,
+a score histogram prunes, one count at the end keeps the best B; about half the block barriers
+per depth), and
 the best-first "frontier" one (budgets up to 287; its time grows with the budget, not the
 depth). ``SGLANG_DDTREE_TREE_KERNEL`` (auto|levelwise|frontier|merge|deferred|deferred_warp,
 default auto) picks one; auto takes the frontier kernel up to budget 16 and above it the

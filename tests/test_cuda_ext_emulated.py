@@ -196,9 +196,10 @@ MERGE_CASES = [c for c in CASES if merge_fits(c[1], c[2], c[3])] + VARIANT_EXTRA
 
 
 # The level-wise kernel's deferred variant (budgets <= 256: G holds up to 8B nodes, 4B above
-# budget 128, and a score histogram prunes): every level-wise case it takes, plus deep narrow trees, G overflowing
-# (flat rows: many candidates beat the histogram's threshold), scores below the histogram's
-# range (-512 nats), K < B (no threshold until B nodes exist), and exact ties across parents.
+# budget 128, and a score histogram prunes): every level-wise case it takes, plus deep narrow
+# trees, G overflowing (flat rows: many candidates beat the histogram's threshold), scores below
+# the histogram's range (-512 nats), K < B (no threshold until B nodes exist), and exact ties
+# across parents.
 ALGO_DEFERRED = KERNEL_ALGOS["deferred"]
 DEFER_MAX_BUDGET = 256  # ddtree::kDeferMaxBudget
 

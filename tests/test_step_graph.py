@@ -166,3 +166,21 @@ def test_pack_and_unpack_round_trip_with_their_dtypes():
     assert torch.equal(o, out) and torch.equal(lens, step.new_seq_lens)
     assert torch.equal(bonus, step.bonus) and torch.equal(commit, step.commit_lens)
     assert commit.dtype == torch.int32 and o.dtype == lens.dtype == bonus.dtype == torch.int64
+
+
+def test_prewarm_rejects_buffers_of_the_wrong_shape_in_any_state():
+    """The step-prep buffers handed to prewarm must be [bs, width] / [bs], checked before any
+    early return (graphs off here), so a wrong pairing fails at start-up."""
+    import pytest
+
+    graphs = AcceptCommitGraphs(8, _walk, use_graphs=False, device="cpu")
+    tree = _random_tree(3, 7, 4, 8, 0)
+    good_slots = torch.zeros(3, 9, dtype=torch.int64)
+    good_prefix = torch.zeros(3, dtype=torch.int64)
+    assert not graphs.prewarm(tree, 9, FakePool(64), slots=good_slots, prefix=good_prefix)
+    with pytest.raises(ValueError, match="not \\[3, 9\\]"):
+        graphs.prewarm(tree, 9, FakePool(64), slots=torch.zeros(2, 9, dtype=torch.int64),
+                       prefix=good_prefix)
+    with pytest.raises(ValueError, match="not \\[3, 9\\]"):
+        graphs.prewarm(tree, 9, FakePool(64), slots=good_slots,
+                       prefix=torch.zeros(4, dtype=torch.int64))
