@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -139,7 +140,7 @@ def run_ours(layers, xs, tws, tis, n=None, **kw):
 
 def compare_with_sglang(row: dict) -> None:
     """Name the fastest SGLang path of a row and our speed-up over it (when both ran)."""
-    base = {k: v for k, v in row["us"].items() if k != "ours" and v}
+    base = {k: v for k, v in row["us"].items() if not k.startswith("ours") and v}
     if base and row["us"].get("ours"):
         row["best_sglang"] = min(base, key=base.get)
         row["speedup_vs_best_sglang"] = base[row["best_sglang"]] / row["us"]["ours"]
@@ -267,11 +268,7 @@ _GU.update({"v2k512": (32, 512, 2, 3), "v2k512s2": (32, 512, 2, 2),
             "v2dk128k8": (32, 128, 2, 4, 0, 1, 8), "v2dk7": (32, 256, 2, 3, 0, 1, 7),
             "w64dk4": (64, 256, 4, 3, 0, 1, 4), "w64dk7": (64, 256, 4, 3, 0, 1, 7),
             # M = 1 took the deepest split offered (8 of 56 steps): deeper ones
-            "v2dk128k14": (32, 128, 2, 4, 0, 1, 14), "n16dk128k14": (16, 128, 1, 4, 0, 1, 14),
-            # the split chosen per call on the device (ceilings 8 / 4; aiming at 2 or 4 programs
-            # per SM): one config for calls that touch 8 experts and calls that touch 200
-            "v2dk128a8p2": (32, 128, 2, 4, 0, 1, 8, 2), "v2dk128a8p4": (32, 128, 2, 4, 0, 1, 8, 4),
-            "w64da4p2": (64, 256, 4, 3, 0, 1, 4, 2), "w64da4p4": (64, 256, 4, 3, 0, 1, 4, 4)})
+            "v2dk128k14": (32, 128, 2, 4, 0, 1, 14), "n16dk128k14": (16, 128, 1, 4, 0, 1, 14)})
 _DN = {"v2": (32, 256, 2, 2), "w64": (64, 128, 4, 3), "w128": (128, 128, 4, 2),
        "w128k256": (128, 256, 4, 2), "w64k256": (64, 256, 4, 2), "w128w8": (128, 128, 8, 3)}
 # The down GEMM as one column loop per program (_down_loop_kernel; block_k = intermediate 256):
@@ -285,11 +282,9 @@ CANDIDATES = {
                            "v2ds2", "v2dk128", "w64d", "w64ds2", "v2dk2", "v2dk4", "v2ds2k4",
                            "w64dk2", "v2dk128k2", "v2dk128k4", "v2dk128s6", "n16dk128s6",
                            "n16d", "v2dk128k8", "v2dk7", "w64dk4", "w64dk7", "v2dk128k14",
-                           "n16dk128k14", "v2dk128a8p2", "v2dk128a8p4", "w64da4p2",
-                           "w64da4p4")],
+                           "n16dk128k14")],
          [_DN[k] for k in ("v2", "w64", "w128", "w128k256", "w64k256")] + _LOOPS),
-    32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2",
-                           "v2dk128a8p2", "w64da4p2")],
+    32: ([_GU[k] for k in ("v2", "w64", "w64k128", "w64s2", "w128", "v2d", "w64d", "w64ds2")],
          list(_DN.values()) + _LOOPS),
     64: ([_GU[k] for k in ("w64", "w64k128", "w64s2", "w128")],
          [_DN[k] for k in ("v2", "w64", "w128", "w64k256", "w128w8")]
@@ -451,6 +446,13 @@ def main(argv=None) -> int:
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
                          "ours first, saved after every row)")
+    ap.add_argument("--pdl", choices=("default", "off", "on", "ab"), default="default",
+                    help="our kernels' programmatic dependent launch: the module default "
+                         "(SGLANG_DDTREE_MOE_PDL), off, on, or ab: both, as 'ours' (off) and "
+                         "'ours_pdl' (on), timed one after the other in every round")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation this many times per M, interleaved; the "
+                         "row keeps the median (all rounds under 'us_rounds')")
     ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
                     help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
@@ -553,10 +555,16 @@ def main(argv=None) -> int:
         return {"m": m, "touched_experts": touched,
                 "bytes": touched * per_expert + 2 * m * args.hidden * 2, "us": {}, "gbs": {}}
 
+    pdl = {"default": None, "off": False, "on": True, "ab": False}[args.pdl]
+    result["pdl"] = args.pdl
+
     def implementations(xs, tws, tis, logits):
         """{name: one call over every weight set}: ours first, then the SGLang baselines."""
-        impls = {"ours": lambda: run_ours(layers, xs, tws, tis,
+        impls = {"ours": lambda: run_ours(layers, xs, tws, tis, pdl=pdl,
                                           routed_scaling_factor=args.routed_scaling)}
+        if args.pdl == "ab":
+            impls["ours_pdl"] = lambda: run_ours(layers, xs, tws, tis, pdl=True,
+                                                 routed_scaling_factor=args.routed_scaling)
         for name, (prep, fn) in baselines.items():
             impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
                                                      for i in range(len(layers))])
@@ -586,18 +594,27 @@ def main(argv=None) -> int:
         xs, tws, tis, logits = make_inputs(m)
         row = new_row(m, tis)
         nbytes = row["bytes"]
-        for name, fn in implementations(xs, tws, tis, logits).items():
-            print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: timing {name}", flush=True)
-            try:
-                us = graph_time_us(fn, args.iters, dev) / len(layers)
-                row["us"][name] = us
-                row["gbs"][name] = nbytes / (us * 1e-6) / 1e9
-            except Exception as exc:
-                row["us"][name] = None
-                row.setdefault("errors", {})[name] = repr(exc)
+        impls = implementations(xs, tws, tis, logits)
+        times = {name: [] for name in impls}
+        for rnd in range(args.rounds):
+            for name, fn in impls.items():
+                if name in row.get("errors", {}):
+                    continue
+                print(f"[{time.perf_counter() - t_start:6.1f} s] M={m}: timing {name}"
+                      + (f" (round {rnd + 1})" if args.rounds > 1 else ""), flush=True)
+                try:
+                    times[name].append(graph_time_us(fn, args.iters, dev) / len(layers))
+                except Exception as exc:
+                    row.setdefault("errors", {})[name] = repr(exc)
+        for name, ts in times.items():
+            us = statistics.median(ts) if ts and name not in row.get("errors", {}) else None
+            row["us"][name] = us
+            row["gbs"][name] = None if us is None else nbytes / (us * 1e-6) / 1e9
+        if args.rounds > 1:
+            row["us_rounds"] = {name: [round(t, 3) for t in ts] for name, ts in times.items()}
         if args.check:
             lw = layers[0]
-            got = run_ours(layers, xs, tws, tis, n=1,
+            got = run_ours(layers, xs, tws, tis, n=1, pdl=pdl,
                            routed_scaling_factor=args.routed_scaling).float()
             ref = moe_w4a16_reference(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
                                       lw["w2_scale"], tws[0], tis[0], args.routed_scaling)
@@ -616,7 +633,7 @@ def main(argv=None) -> int:
               flush=True)
 
     dump()
-    names = ["ours"] + list(baselines)
+    names = ["ours"] + (["ours_pdl"] if args.pdl == "ab" else []) + list(baselines)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
     print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)
           + f" {'ours GB/s':>9} {'%copy':>6} {'speedup':>7}")

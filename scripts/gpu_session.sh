@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moeauto moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -42,15 +42,12 @@ for s in "$@"; do
                --tune-out triton_kernels/moe_w4a16_configs.json
              cp triton_kernels/moe_w4a16_configs.json "$OUT/"
              step moe-bench 200 python3 scripts/bench_fused_moe.py --check --out "$OUT/fused_moe_h200.json" ;;
-    moeauto) # the adaptive K split (GemmConfig.split_auto) against the table's and the fixed
-             # splits, on random routing and on routing concentrated on 9 experts (as under
-             # SGLang's stock dummy fill): its GPU test, then every gate-up candidate's time at
-             # decode and verify sizes (bands in $OUT only: the shipped table is not touched)
-             step moe-auto-test ${MOE_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
-               -k "adaptive or candidate"
-             step moe-auto-random ${MOE_AUTO_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang --tune \
+    moetune) # every gate-up candidate's time at decode and verify sizes, on random routing and
+             # on routing concentrated on 9 experts (as under SGLang's stock dummy fill); bands
+             # in $OUT only: the shipped table is not touched
+             step moe-tune-random ${MOE_TUNE_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang --tune \
                --ms 1 2 4 8 16 32 64 --out "$OUT/fused_moe_tune_random.json" --tune-out "$OUT/table_random.json"
-             step moe-auto-conc ${MOE_AUTO_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang --tune \
+             step moe-tune-conc ${MOE_TUNE_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang --tune \
                --routing concentrated:9 --ms 1 8 16 32 64 --out "$OUT/fused_moe_tune_conc9.json" \
                --tune-out "$OUT/table_conc9.json" ;;
     moeq)    # the MoE kernel's first GPU run in one call: correctness, then the benchmark with
@@ -132,7 +129,7 @@ for s in "$@"; do
     commit)  # the accept/commit stage per call, op path vs the one-launch walk_commit
              step commit ${COMMIT_LIMIT:-150} python3 scripts/bench_commit.py --out "$OUT/commit_h200.json" ${COMMIT_ARGS:-} ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moeauto moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

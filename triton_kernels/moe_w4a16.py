@@ -11,8 +11,7 @@ weights once per step, dequantizes them in registers and fuses the rest around t
 2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
    fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
    With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials and
-   ``_gate_up_reduce_kernel`` adds them in fixed order before the epilogue (few touched experts);
-   with ``split_auto`` the split is chosen per call on the device from the blocks it fills.
+   ``_gate_up_reduce_kernel`` adds them in fixed order before the epilogue (few touched experts).
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
    the same with one long column loop per program (intermediate sizes that fit one K tile).
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
@@ -83,6 +82,19 @@ def _plane_major_src(o, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90+; ``launch_pdl=True``): this grid may start while
+    the previous kernel of the stream still runs. Wait for that kernel to finish (its writes
+    visible) before reading anything an earlier kernel wrote, then let the next kernel of this
+    MoE launch: its programs become resident behind ours and start the moment we end, instead
+    of after a launch gap. Every program waits before any early exit, so a kernel's completion
+    implies its predecessor's."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
@@ -100,7 +112,9 @@ def _prologue_kernel(
     BLOCK_B: tl.constexpr,  # NUM_EXPERTS * BLOCK_B >= max_blocks
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid >= NUM_EXPERTS:
         # Programs past the experts copy one row of x each (one launch instead of two); strided
@@ -154,7 +168,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              x: torch.Tensor | None = None, block_k: int = 128):
+              x: torch.Tensor | None = None, block_k: int = 128, pdl: bool = False):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -177,6 +191,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ``[max_padded // block_m] int32``: expert of each block, ``-1`` for unused blocks.
     xp : torch.Tensor or None
         ``[M, K]`` plane-major copy of ``x`` (contiguous).
+
+    ``pdl``: launch with programmatic dependent launch (see ``_pdl_enter``; sm_90+ only).
     """
     t = topk_ids.numel()
     max_padded = max_padded_rows(t, num_experts, block_m)
@@ -194,7 +210,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-        K=0 if x is None else x.shape[1], BLOCK_K=block_k,
+        K=0 if x is None else x.shape[1], BLOCK_K=block_k, PDL=pdl, launch_pdl=pdl,
     )
     return sorted_ids, block_expert, xp
 
@@ -350,40 +366,6 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
 # 2. gate-up GEMM + SiLU-and-multiply
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _auto_split(block_expert_ptr, max_padded, BLOCK_M: tl.constexpr, NUM_N: tl.constexpr,
-                K_TILES: tl.constexpr, SPLIT_MAX: tl.constexpr, TARGET: tl.constexpr,
-                NB_POW2: tl.constexpr):
-    """The K split of one call, chosen on the device from the blocks the prologue filled: the
-    largest power of two s <= SPLIT_MAX dividing K_TILES with live tiles x s <= TARGET programs
-    (1 when the live tiles alone reach it). Returns (live tiles, s, the block_expert vector) so
-    the caller reads its block's expert from the vector instead of a second load."""
-    offs = tl.arange(0, NB_POW2)
-    experts = tl.load(block_expert_ptr + offs, mask=offs < max_padded // BLOCK_M, other=-1)
-    tiles = tl.sum((experts >= 0).to(tl.int32), 0) * NUM_N  # used blocks come first
-    want = TARGET // tl.maximum(tiles, 1)
-    split = tiles * 0 + 1
-    for _ in tl.static_range(6):  # splits up to 64; a doubling is kept only where it still
-        # divides K_TILES and fits the aim, and once one is refused every later one is too
-        ok = (split * 2 <= want) & (split * 2 <= SPLIT_MAX) & (K_TILES % (split * 2) == 0)
-        split = tl.where(ok, split * 2, split)
-    return tiles, split, experts
-
-
-@triton.jit
-def _gate_up_k_tile(acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs, x_mask, I: tl.constexpr,
-                    KP: tl.constexpr, N2: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr):
-    """One BLOCK_K tile of the gate and up dots; returns the sums and the pointers advanced to
-    the next tile."""
-    acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
-                         tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
-    x_next = x_ptrs + BLOCK_K  # in this order, the loop compiles as it did written inline
-    w_next = w_ptrs + KP * N2
-    s_next = s_ptrs + (BLOCK_K // _GROUP) * N2
-    return acc_g, acc_u, w_next, s_next, x_next
-
-
-@triton.jit
 def _gate_up_kernel(
     xp_ptr,  # [M, K] bf16, plane-major for BLOCK_K tiles (see _prologue_kernel)
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
@@ -404,44 +386,28 @@ def _gate_up_kernel(
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
     SPLIT_DQ: tl.constexpr = False,  # dequantize nibbles 0-3, then 4-7 (fewer live registers)
     SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
-    # SPLIT_AUTO: the split is chosen per call on the device (_auto_split) with SPLIT_K as its
-    # ceiling; programs enumerate (live tile, K part) densely, the rest exit at once
-    SPLIT_AUTO: tl.constexpr = False,
-    TARGET: tl.constexpr = 1,  # SPLIT_AUTO: the most programs to aim for (split_auto per SM)
-    NB_POW2: tl.constexpr = 1,  # SPLIT_AUTO: next power of two >= max_padded // BLOCK_M
+    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
-    K_TILES: tl.constexpr = K // BLOCK_K
+    K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
-    if SPLIT_AUTO:
-        tiles, split, experts = _auto_split(block_expert_ptr, max_padded, BLOCK_M, NUM_N, K_TILES,
-                                            SPLIT_K, TARGET, NB_POW2)
-        if pid >= tiles * split:
-            return
-        pid_k = pid % split
-        pid_mn = pid // split
-        pid_m = pid_mn // NUM_N
-        e = tl.sum(tl.where(tl.arange(0, NB_POW2) == pid_m, experts, 0), 0)
-        k_steps = K_TILES // split
-    else:
-        split: tl.constexpr = SPLIT_K
-        pid_k = pid % SPLIT_K
-        pid_mn = pid // SPLIT_K
-        pid_m = pid_mn // NUM_N
-        e = tl.load(block_expert_ptr + pid_m)
-        k_steps: tl.constexpr = K_TILES // SPLIT_K
-        if e < 0:
-            return
+    pid_k = pid % SPLIT_K
+    pid_mn = pid // SPLIT_K
+    pid_m = pid_mn // NUM_N
     pid_n = pid_mn % NUM_N
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
     offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
     # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
-    k0 = pid_k * (k_steps * BLOCK_K)  # first input row of this program's K range
+    k0 = pid_k * (K_STEPS * BLOCK_K)  # first input row of this program's K range
     w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
               + offs_n[:, None])
     s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
@@ -450,18 +416,13 @@ def _gate_up_kernel(
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if SPLIT_AUTO and PORTABLE:
-        # the interpreter rejects tensor bounds in range() (numpy >= 2): a while loop
-        step = 0
-        while step < k_steps:
-            acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs = _gate_up_k_tile(
-                acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs, x_mask, I, KP, N2, BLOCK_K, PORTABLE, SPLIT_DQ)
-            step += 1
-    else:
-        for _ in range(0, k_steps):
-            acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs = _gate_up_k_tile(
-                acc_g, acc_u, w_ptrs, s_ptrs, x_ptrs, x_mask, I, KP, N2, BLOCK_K, PORTABLE, SPLIT_DQ)
-    if split > 1:
+    for _ in range(0, K_STEPS):
+        acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
+                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
+        x_ptrs += BLOCK_K
+        w_ptrs += KP * N2
+        s_ptrs += (BLOCK_K // _GROUP) * N2
+    if SPLIT_K > 1:
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
         p_ptrs = (part_ptr + (pid_k.to(tl.int64) * max_padded + offs_m[None, :]) * N2
                   + offs_n[:, None])
@@ -487,43 +448,23 @@ def _gate_up_reduce_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     DOWN_BLOCK_K: tl.constexpr,
-    # SPLIT_AUTO: the gate-up kernel's per-call split (same inputs, same choice); a call that
-    # did not split wrote h itself, and every program here exits
-    SPLIT_AUTO: tl.constexpr = False,
-    NUM_N: tl.constexpr = 1,  # SPLIT_AUTO: the gate-up kernel's tiles per block
-    K_TILES: tl.constexpr = 1,  # SPLIT_AUTO: its K tiles
-    TARGET: tl.constexpr = 1,
-    NB_POW2: tl.constexpr = 1,
+    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     """Split-K gate-up epilogue: sum the partials in fixed order, then SiLU(gate) * up -> h."""
+    _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    split = SPLIT_K
-    if SPLIT_AUTO:
-        _, split, _ = _auto_split(block_expert_ptr, max_padded, BLOCK_M, NUM_N, K_TILES, SPLIT_K,
-                                  TARGET, NB_POW2)
-        if split == 1:
-            return
     offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = row_ok[:, None]
     g = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    if SPLIT_AUTO:
-        k = 0
-        while k < split:  # fixed order, as below
-            p_ptrs = (part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I)
-                      + offs_c[None, :])
-            g += tl.load(p_ptrs, mask=mask, other=0.0)
-            u += tl.load(p_ptrs + I, mask=mask, other=0.0)
-            k += 1
-    else:
-        for k in tl.static_range(SPLIT_K):
-            p_ptrs = part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I) + offs_c[None, :]
-            g += tl.load(p_ptrs, mask=mask, other=0.0)
-            u += tl.load(p_ptrs + I, mask=mask, other=0.0)
+    for k in tl.static_range(SPLIT_K):
+        p_ptrs = part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I) + offs_c[None, :]
+        g += tl.load(p_ptrs, mask=mask, other=0.0)
+        u += tl.load(p_ptrs + I, mask=mask, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u
     h_cols = _plane_major_cols(offs_c, DOWN_BLOCK_K)
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * I + h_cols[None, :],
@@ -549,9 +490,11 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
+    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     NUM_N: tl.constexpr = N // BLOCK_N
     KP: tl.constexpr = BLOCK_K // _PACK
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
@@ -595,6 +538,7 @@ def _down_loop_kernel(
     BLOCK_N: tl.constexpr,
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
+    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -606,6 +550,7 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     KP: tl.constexpr = I // _PACK
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_m = pid // NUM_S
     pid_s = pid % NUM_S
@@ -661,7 +606,9 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
+    _pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
@@ -693,11 +640,6 @@ class GemmConfig:
     # gate-up GEMM only: > 1 splits K over that many programs per tile (more programs in flight
     # when few experts are touched); a small reduce kernel adds the fp32 partials in fixed order.
     split_k: int = 1
-    # gate-up GEMM only: n > 0 makes split_k a ceiling (a power of two) and picks the split per
-    # call on the device from the blocks the call fills: the largest power of two that keeps
-    # the live tiles x split within n programs per SM (so a call whose tokens share few experts
-    # splits K, one that touches many does not), with the same reduce kernel when it splits.
-    split_auto: int = 0
 
 
 @dataclass(frozen=True)
@@ -747,20 +689,9 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     block_n = min(cfg.block_n, n)
     block_k = min(cfg.block_k, k)
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
-    if cfg.split_auto:  # a ceiling: the kernel only takes splits that divide the K tiles
-        split_k = cfg.split_k if k % block_k == 0 else 1
-    else:
-        split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
+    split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
-                      split_k, cfg.split_auto if split_k > 1 else 0)
-
-
-def _split_target(device: torch.device, per_sm: int) -> int:
-    """Programs an adaptive K split aims for: ``per_sm`` per SM (the interpreter's "machine"
-    has 4 SMs)."""
-    if device.type == "cuda":
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4 * per_sm
+                      split_k)
 
 
 def _portable(device: torch.device) -> bool:
@@ -768,6 +699,14 @@ def _portable(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device) < (8, 0)
+
+
+def pdl_default(device: torch.device) -> bool:
+    """Whether calls launch their kernels with programmatic dependent launch (``_pdl_enter``):
+    only with ``SGLANG_DDTREE_MOE_PDL=1``, on sm_90+ outside the interpreter."""
+    if _portable(device) or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return os.environ.get("SGLANG_DDTREE_MOE_PDL", "0") == "1"
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
@@ -790,8 +729,8 @@ def fused_moe_w4a16(
     routed_scaling_factor: float = 1.0,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
+    pdl: bool | None = None,
     _upto: int = 4,
-    _split_target_override: int | None = None,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
 
@@ -818,11 +757,13 @@ def fused_moe_w4a16(
         ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
+    pdl : bool, optional
+        Launch the kernels with programmatic dependent launch, each overlapping its start with
+        the previous kernel's end (``_pdl_enter``). Default ``pdl_default``; refused where the
+        device cannot (before sm_90, or the portable path).
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
-    _split_target_override : int, optional
-        Test-only: the programs an adaptive K split aims for (default two per SM).
 
     Returns
     -------
@@ -857,14 +798,19 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
-            or gu.split_auto < 0 or (gu.split_auto and gu.split_k & (gu.split_k - 1))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable = _portable(hidden_states.device)
+    if pdl is None:
+        pdl = pdl_default(hidden_states.device)
+    elif pdl and (portable or torch.cuda.get_device_capability(hidden_states.device) < (9, 0)):
+        raise ValueError("pdl=True needs an sm_90+ GPU outside the Triton interpreter")
+    launch = dict(PDL=pdl, launch_pdl=pdl)
     t = m * topk
-    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
+                                             pdl=pdl)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -874,44 +820,32 @@ def fused_moe_w4a16(
 
     part = h if gu.split_k == 1 else torch.empty(
         gu.split_k, max_padded, 2 * inter, dtype=torch.float32, device=hidden_states.device)
-    num_n = inter // gu.block_n
-    if gu.split_auto:
-        # static grid (CUDA graphs): enough for every live tile unsplit, or for the target
-        target = _split_target_override or _split_target(hidden_states.device, gu.split_auto)
-        auto = dict(SPLIT_AUTO=True, TARGET=target,
-                    NB_POW2=triton.next_power_of_2(max(n_blocks, 1)))
-        grid_gu = max(n_blocks * num_n, target)
-    else:
-        auto = {}
-        grid_gu = n_blocks * num_n * gu.split_k
-    _gate_up_kernel[(grid_gu,)](
+    _gate_up_kernel[(n_blocks * (inter // gu.block_n) * gu.split_k,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part, t, max_padded, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
-        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **auto)
+        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **launch)
     if gu.split_k > 1:
         block_c = min(inter, 128)
-        if auto:
-            auto.update(NUM_N=num_n, K_TILES=hidden // gu.block_k)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
             part, sorted_ids, block_expert, h, t, max_padded, I=inter, SPLIT_K=gu.split_k,
-            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k, **auto)
+            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k, **launch)
     if _upto < 3:
         return out
     if dn.n_per_cta:
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
+            num_warps=dn.num_warps, num_stages=dn.num_stages, **launch)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
+            num_warps=dn.num_warps, num_stages=dn.num_stages, **launch)
     if _upto < 4:
         return out
     block_c = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_c))](
         y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk,
-        NUM_EXPERTS=num_experts, BLOCK_N=block_c)
+        NUM_EXPERTS=num_experts, BLOCK_N=block_c, **launch)
     return out

@@ -19,8 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--device", "cpu", "--no-sglang", "--hidden", "256", "--inter", "128", "--experts", "4",
         "--topk", "2", "--ms", "3", "--layers", "1", "--iters", "1"]
-# plain; two-half dequant + split-K 2; split-K chosen on the device (ceiling 2)
-GATE_UP = [(64, 128, 4, 1), (64, 128, 4, 1, 0, 1, 2), (64, 128, 4, 1, 0, 0, 2, 1)]
+GATE_UP = [(64, 128, 4, 1), (64, 128, 4, 1, 0, 1, 2)]  # plain; two-half dequant + split-K 2
 DOWN = [(64, 128, 4, 1), (64, 128, 4, 1, 128)]  # per-tile; column loop
 
 
@@ -77,6 +76,19 @@ def test_routing_option_is_checked(bench, tmp_path):
     result = json.loads(out.read_text())
     assert result["routing"] == "concentrated:2"
     assert [r["touched_experts"] for r in result["rows"]] == [2.0]  # 3 tokens, the same 2
+
+
+def test_pdl_ab_rounds(bench, tmp_path):
+    """--pdl ab times 'ours' (plain launches) and 'ours_pdl' in every round and keeps medians;
+    where PDL cannot run (here: the interpreter) the row records why instead of a time."""
+    out = tmp_path / "ab.json"
+    assert bench.main(TINY + ["--pdl", "ab", "--rounds", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
+    assert result["pdl"] == "ab"
+    assert len(row["us_rounds"]["ours"]) == 2 and math.isfinite(row["us"]["ours"])
+    assert row["us"]["ours_pdl"] is None and "sm_90" in row["errors"]["ours_pdl"]
+    assert "best_sglang" not in row  # ours_pdl is not a baseline
 
 
 def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):

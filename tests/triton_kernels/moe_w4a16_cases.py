@@ -29,9 +29,6 @@ CFG_SPLIT = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1), MOE.GemmConfi
 # Gate-up split over K in 2 programs per tile, plus the reduce kernel.
 CFG_SPLITK = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
                            MOE.GemmConfig(64, 128, 4, 1, 128))
-# Gate-up with the K split chosen per call on the device (ceiling 4; 2 K tiles here: 1 or 2).
-CFG_AUTO = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 4, 1),
-                         MOE.GemmConfig(64, 128, 4, 1, 128))
 # The down GEMM as one loop per program (_down_loop_kernel): 2 programs per block, 2 column steps.
 CFG_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 128))
 # One-warp 16-column gate-up tiles with the split dequant (the tuner's n16* candidates): 16 N tiles.
@@ -114,77 +111,6 @@ def test_split_k_gate_up_matches_reference(experts, m):
     check(out, ref)
     again, _ = run(experts[9], x, tw, ti, scale=0.7, cfg=CFG_SPLITK)
     assert torch.equal(out, again), "split-K must be deterministic (fixed-order reduce)"
-
-
-def _auto_run(w, x, tw, ti, target):
-    out = torch.full((x.shape[0], H), float("nan"), dtype=torch.bfloat16)
-    MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"], tw, ti,
-                        routed_scaling_factor=0.5, out=out, config=CFG_AUTO,
-                        _split_target_override=target)
-    return out
-
-
-@pytest.mark.parametrize("m,target", [
-    (1, 8),    # 2 blocks x 2 tiles = 4 live tiles, aim 8: split 2
-    (1, 3),    # aim below the live tiles: no split, the reduce kernel exits
-    (40, 8),   # 9 experts' blocks: 18+ tiles, no split
-    (40, 64),  # 18+ tiles, aim 64: split 2 (capped by the 2 K tiles, not by the ceiling 4)
-])
-def test_adaptive_split_k_matches_reference_and_fixed_split(experts, m, target):
-    """Whatever split the device picks, the result is the reference's, and bit-equal to the
-    fixed split of the same size (same partials, same fixed-order reduce) or to no split."""
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(50 + m)).bfloat16()
-    tw, ti = random_routing(m, 9, 2, seed=51 + m)
-    out = _auto_run(experts[9], x, tw, ti, target)
-    ref = REF.moe_w4a16_reference(x, experts[9]["w13_packed"], experts[9]["w13_scale"],
-                                  experts[9]["w2_packed"], experts[9]["w2_scale"], tw, ti, 0.5)
-    check(out, ref)
-    blocks = MOE.moe_align(ti, 9, 16)[1]
-    tiles = int((blocks >= 0).sum()) * (I // 64)
-    split = 2 if 2 * tiles <= target else 1
-    fixed = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, split), CFG_AUTO.down)
-    same, _ = run(experts[9], x, tw, ti, scale=0.5, cfg=fixed)
-    assert torch.equal(out, same), f"differs from the fixed split {split}"
-
-
-def test_auto_split_choice():
-    """_auto_split's choice: live tiles = used blocks x N tiles; the largest power of two
-    <= the ceiling that divides the K tiles and keeps tiles x split <= the target."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(be_ptr, out_ptr, max_padded, NUM_N: tl.constexpr, K_TILES: tl.constexpr,
-              SPLIT_MAX: tl.constexpr, TARGET: tl.constexpr, NB_POW2: tl.constexpr):
-        tiles, split, _ = MOE._auto_split(be_ptr, max_padded, 16, NUM_N, K_TILES, SPLIT_MAX,
-                                          TARGET, NB_POW2)
-        tl.store(out_ptr, tiles)
-        tl.store(out_ptr + 1, split)
-
-    def choice(used, blocks, num_n, k_tiles, split_max, target):
-        be = torch.tensor([i % 5 if i < used else -1 for i in range(blocks)], dtype=torch.int32)
-        out = torch.zeros(2, dtype=torch.int32)
-        probe[(1,)](be, out, blocks * 16, NUM_N=num_n, K_TILES=k_tiles, SPLIT_MAX=split_max,
-                    TARGET=target, NB_POW2=triton.next_power_of_2(blocks))
-        return out.tolist()
-
-    assert choice(2, 8, 8, 56, 8, 264) == [16, 8]  # Kimi M = 1 shape: 8 experts' 16 tiles x 8
-    assert choice(2, 8, 8, 56, 16, 264) == [16, 8]  # 16 would pass the target, not divide 56
-    assert choice(9, 40, 4, 28, 8, 264) == [36, 4]  # 36 x 4 = 144 <= 264 < 36 x 8; 28 % 8 != 0
-    assert choice(40, 40, 4, 28, 8, 264) == [160, 1]  # 160 tiles: no split
-    assert choice(1, 4, 2, 2, 4, 8) == [2, 2]  # the K tiles cap it
-    assert choice(0, 4, 2, 2, 4, 8) == [0, 2]  # nothing routed: no program works anyway
-
-
-def test_adaptive_split_config_checks():
-    assert MOE._fit(MOE.GemmConfig(64, 128, 4, 1, 0, 0, 8, 1), 128, 256).split_k == 8  # ceiling
-    assert MOE._fit(MOE.GemmConfig(64, 128, 4, 1, 0, 0, 1, 1), 128, 256).split_auto == 0
-    w = REF.make_random_moe(4, H, I, seed=3)
-    x = torch.randn(2, H).bfloat16()
-    tw, ti = random_routing(2, 4, 2, seed=3)
-    bad = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 3, 1), CFG_AUTO.down)
-    with pytest.raises(ValueError, match="does not tile"):
-        run(w, x, tw, ti, cfg=bad)
 
 
 def test_down_loop_config_must_tile():
@@ -377,3 +303,16 @@ def test_sixteen_column_gate_up_tiles(experts):
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(5)).bfloat16()
     tw, ti = random_routing(9, 9, 3, seed=77)
     check(*run(experts[9], x, tw, ti, scale=1.5, cfg=CFG_N16))
+
+
+def test_pdl_is_refused_where_it_cannot_run(monkeypatch):
+    """Programmatic dependent launch needs sm_90+ outside the interpreter: on by request only
+    there, never by default here, whatever SGLANG_DDTREE_MOE_PDL says."""
+    monkeypatch.setenv("SGLANG_DDTREE_MOE_PDL", "1")
+    assert not MOE.pdl_default(torch.device("cpu"))
+    w = REF.make_random_moe(4, H, I, seed=5)
+    x = torch.randn(2, H).bfloat16()
+    tw, ti = random_routing(2, 4, 2, seed=5)
+    with pytest.raises(ValueError, match="sm_90"):
+        MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
+                            tw, ti, pdl=True)

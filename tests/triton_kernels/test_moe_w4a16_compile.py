@@ -54,17 +54,14 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_auto]) as in GemmConfig."""
-    bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_auto = (
-        tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
+    split_dq, split_k]) as in GemmConfig."""
+    bn, bk, warps, stages, n_per_cta, split_dq, split_k = (tuple(tiles) + (0, 0, 1)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
                "max_padded": "i32"}
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k)
-        if split_auto:  # the H200's target (2 x 132 SMs), a verify-sized call's block count
-            const.update(SPLIT_AUTO=True, TARGET=264, NB_POW2=512)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -121,17 +118,59 @@ def test_prologue_and_combine_compile(MOE):
            "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"}
     _compile(MOE._gate_up_reduce_kernel, sig, dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128,
                                                      DOWN_BLOCK_K=256), 4, 1)
-    _compile(MOE._gate_up_reduce_kernel, sig, dict(I=I, SPLIT_K=8, BLOCK_M=16, BLOCK_C=128,
-                                                     DOWN_BLOCK_K=256, SPLIT_AUTO=True, NUM_N=8,
-                                                     K_TILES=56, TARGET=264, NB_POW2=512), 4, 1)
 
 
 @pytest.mark.parametrize("tiles", [(32, 256, 2, 3, 0, 1, 2), (32, 256, 2, 2, 0, 1, 4),
                                    (64, 256, 4, 3, 0, 1, 2), (32, 128, 2, 4, 0, 1, 2),
-                                   (32, 128, 2, 4, 0, 1, 4), (32, 128, 2, 4, 0, 1, 8, 1),
-                                   (64, 256, 4, 3, 0, 1, 4, 1)], ids=str)
+                                   (32, 128, 2, 4, 0, 1, 4)], ids=str)
 def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
+
+
+def test_pdl_variants_wait_then_release(MOE):
+    """With PDL every kernel waits for the previous grid (griddepcontrol.wait) before its first
+    load and then lets the next one launch; without it neither instruction is emitted (the
+    served kernels stay as they were)."""
+    gate_up = (32, 128, 2, 4, 0, 1, 8)  # the M = 1 band's gate-up (split-K 8: the reduce runs)
+    down = (64, 256, 4, 3, 512)
+    gu_sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+              "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
+              "max_padded": "i32"}
+    dn_sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+              "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
+    cases = {
+        "prologue": (MOE._prologue_kernel,
+                     {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+                      "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32",
+                      "stride_xm": "i32"},
+                     dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=16, NUM_T_BLOCKS=1,
+                          BLOCK_B=16, K=H, BLOCK_K=128), 4, 1),
+        "gate_up": (MOE._gate_up_kernel, gu_sig,
+                    dict(K=H, I=I, TOPK=TOPK, BLOCK_M=16, BLOCK_N=gate_up[0], BLOCK_K=gate_up[1],
+                         DOWN_BLOCK_K=256, PORTABLE=False, SPLIT_DQ=True, SPLIT_K=gate_up[6]),
+                    gate_up[2], gate_up[3]),
+        "reduce": (MOE._gate_up_reduce_kernel,
+                   {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+                    "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"},
+                   dict(I=I, SPLIT_K=8, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256), 4, 1),
+        "down": (MOE._down_kernel, dn_sig, dict(N=H, I=I, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+                                                 PORTABLE=False), 4, 2),
+        "down_loop": (MOE._down_loop_kernel, dn_sig,
+                      dict(N=H, I=I, BLOCK_M=16, BLOCK_N=down[0], N_PER_CTA=down[4],
+                           PORTABLE=False), down[2], down[3]),
+        "combine": (MOE._combine_kernel,
+                    {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
+                     "stride_om": "i32"},
+                    dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1),
+    }
+    for name, (fn, sig, const, warps, stages) in cases.items():
+        ptx = _compile(fn, sig, dict(const, PDL=True), warps, stages).asm["ptx"]
+        wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        first_load = ptx.find("ld.global")
+        assert 0 <= wait < release, name
+        assert first_load < 0 or wait < first_load, f"{name}: a load before the wait"
+        plain = _compile(fn, sig, const, warps, stages).asm["ptx"]
+        assert "griddepcontrol" not in plain, name
 
 
 def test_rerun_in_clean_process():
