@@ -446,10 +446,11 @@ def main(argv=None) -> int:
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
                          "ours first, saved after every row)")
-    ap.add_argument("--pdl", choices=("default", "off", "on", "ab"), default="default",
-                    help="our kernels' programmatic dependent launch: the module default "
-                         "(SGLANG_DDTREE_MOE_PDL), off, on, or ab: both, as 'ours' (off) and "
-                         "'ours_pdl' (on), timed one after the other in every round")
+    ap.add_argument("--pdl", choices=("default", "0", "1", "2", "ab"), default="default",
+                    help="our kernels' programmatic dependent launch mode (see moe_w4a16's "
+                         "_pdl_enter): the module default (SGLANG_DDTREE_MOE_PDL), 0 (off), 1, "
+                         "2, or ab: all three, as 'ours' (0), 'ours_pdl1' and 'ours_pdl2', timed "
+                         "one after the other in every round")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation this many times per M, interleaved; the "
                          "row keeps the median (all rounds under 'us_rounds')")
@@ -555,7 +556,7 @@ def main(argv=None) -> int:
         return {"m": m, "touched_experts": touched,
                 "bytes": touched * per_expert + 2 * m * args.hidden * 2, "us": {}, "gbs": {}}
 
-    pdl = {"default": None, "off": False, "on": True, "ab": False}[args.pdl]
+    pdl = {"default": None, "ab": 0}.get(args.pdl) if not args.pdl.isdigit() else int(args.pdl)
     result["pdl"] = args.pdl
 
     def implementations(xs, tws, tis, logits):
@@ -563,8 +564,9 @@ def main(argv=None) -> int:
         impls = {"ours": lambda: run_ours(layers, xs, tws, tis, pdl=pdl,
                                           routed_scaling_factor=args.routed_scaling)}
         if args.pdl == "ab":
-            impls["ours_pdl"] = lambda: run_ours(layers, xs, tws, tis, pdl=True,
-                                                 routed_scaling_factor=args.routed_scaling)
+            for mode in (1, 2):
+                impls[f"ours_pdl{mode}"] = (lambda mode=mode: run_ours(
+                    layers, xs, tws, tis, pdl=mode, routed_scaling_factor=args.routed_scaling))
         for name, (prep, fn) in baselines.items():
             impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
                                                      for i in range(len(layers))])
@@ -633,7 +635,7 @@ def main(argv=None) -> int:
               flush=True)
 
     dump()
-    names = ["ours"] + (["ours_pdl"] if args.pdl == "ab" else []) + list(baselines)
+    names = ["ours"] + (["ours_pdl1", "ours_pdl2"] if args.pdl == "ab" else []) + list(baselines)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
     print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)
           + f" {'ours GB/s':>9} {'%copy':>6} {'speedup':>7}")

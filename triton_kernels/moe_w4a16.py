@@ -85,13 +85,15 @@ def _plane_major_src(o, BLOCK_K: tl.constexpr):
 def _pdl_enter(PDL: tl.constexpr):
     """Programmatic dependent launch (sm_90+; ``launch_pdl=True``): this grid may start while
     the previous kernel of the stream still runs. Wait for that kernel to finish (its writes
-    visible) before reading anything an earlier kernel wrote, then let the next kernel of this
-    MoE launch: its programs become resident behind ours and start the moment we end, instead
-    of after a launch gap. Every program waits before any early exit, so a kernel's completion
-    implies its predecessor's."""
+    visible) before reading anything an earlier kernel wrote. ``PDL`` 1 then lets the next
+    kernel of this MoE launch at once (its programs become resident behind ours); 2 leaves that
+    to each program's exit (the next grid launches when ours has ended, without a launch gap).
+    Every program waits before any early exit, so a kernel's completion implies its
+    predecessor's."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -168,7 +170,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              x: torch.Tensor | None = None, block_k: int = 128, pdl: bool = False):
+              x: torch.Tensor | None = None, block_k: int = 128, pdl: int = 0):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -192,7 +194,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     xp : torch.Tensor or None
         ``[M, K]`` plane-major copy of ``x`` (contiguous).
 
-    ``pdl``: launch with programmatic dependent launch (see ``_pdl_enter``; sm_90+ only).
+    ``pdl``: 1 or 2 launches with programmatic dependent launch (see ``_pdl_enter``; sm_90+).
     """
     t = topk_ids.numel()
     max_padded = max_padded_rows(t, num_experts, block_m)
@@ -210,7 +212,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-        K=0 if x is None else x.shape[1], BLOCK_K=block_k, PDL=pdl, launch_pdl=pdl,
+        K=0 if x is None else x.shape[1], BLOCK_K=block_k, PDL=pdl, launch_pdl=pdl > 0,
     )
     return sorted_ids, block_expert, xp
 
@@ -701,12 +703,13 @@ def _portable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < (8, 0)
 
 
-def pdl_default(device: torch.device) -> bool:
-    """Whether calls launch their kernels with programmatic dependent launch (``_pdl_enter``):
-    only with ``SGLANG_DDTREE_MOE_PDL=1``, on sm_90+ outside the interpreter."""
+def pdl_default(device: torch.device) -> int:
+    """The programmatic-dependent-launch mode of calls (``_pdl_enter``): 0 (plain launches)
+    unless ``SGLANG_DDTREE_MOE_PDL`` is 1 or 2, on sm_90+ outside the interpreter."""
     if _portable(device) or torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    return os.environ.get("SGLANG_DDTREE_MOE_PDL", "0") == "1"
+        return 0
+    mode = os.environ.get("SGLANG_DDTREE_MOE_PDL", "0")
+    return int(mode) if mode in ("1", "2") else 0
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
@@ -729,7 +732,7 @@ def fused_moe_w4a16(
     routed_scaling_factor: float = 1.0,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
-    pdl: bool | None = None,
+    pdl: int | None = None,
     _upto: int = 4,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
@@ -757,10 +760,10 @@ def fused_moe_w4a16(
         ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
-    pdl : bool, optional
-        Launch the kernels with programmatic dependent launch, each overlapping its start with
-        the previous kernel's end (``_pdl_enter``). Default ``pdl_default``; refused where the
-        device cannot (before sm_90, or the portable path).
+    pdl : int, optional
+        1 or 2: launch the kernels with programmatic dependent launch, each overlapping its
+        start with the previous kernel's end (``_pdl_enter``); 0: plain launches. Default
+        ``pdl_default``; refused where the device cannot (before sm_90, or the portable path).
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
@@ -805,9 +808,12 @@ def fused_moe_w4a16(
     portable = _portable(hidden_states.device)
     if pdl is None:
         pdl = pdl_default(hidden_states.device)
+    elif pdl not in (0, 1, 2):
+        raise ValueError(f"pdl: 0, 1 or 2, got {pdl!r}")
     elif pdl and (portable or torch.cuda.get_device_capability(hidden_states.device) < (9, 0)):
-        raise ValueError("pdl=True needs an sm_90+ GPU outside the Triton interpreter")
-    launch = dict(PDL=pdl, launch_pdl=pdl)
+        raise ValueError("pdl needs an sm_90+ GPU outside the Triton interpreter")
+    pdl = int(pdl)
+    launch = dict(PDL=pdl, launch_pdl=pdl > 0)
     t = m * topk
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
                                              pdl=pdl)

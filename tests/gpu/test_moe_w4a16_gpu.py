@@ -122,8 +122,9 @@ def test_all_tokens_one_expert_set(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
+@pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("m", [1, 2, 8, 33, 300])
-def test_pdl_equals_plain_launches(K, w, m):
+def test_pdl_equals_plain_launches(K, w, m, mode):
     """Programmatic dependent launch changes when the kernels start, not what they compute:
     bitwise equal to plain launches, eager and from a CUDA graph whose inputs (activations
     written by a kernel just before, new routing) change between replays. A producer kernel
@@ -137,15 +138,15 @@ def test_pdl_equals_plain_launches(K, w, m):
         x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"], tw, ti,
         routed_scaling_factor=2.0, out=o, pdl=pdl)
     torch.mul(x_src, 1.0, out=x)
-    plain = run(False)
-    assert torch.equal(plain, run(True))
+    plain = run(0)
+    assert torch.equal(plain, run(mode))
     buf = torch.empty_like(plain)
     graph = torch.cuda.CUDAGraph()
     torch.mul(x_src, 1.0, out=x)
-    run(True, buf)
+    run(mode, buf)
     with torch.cuda.graph(graph):
         torch.mul(x_src, 0.5, out=x)  # a kernel the MoE's first launch must wait for
-        run(True, buf)
+        run(mode, buf)
     for seed in (1, 2, 3):
         x_src.copy_(torch.randn(m, H, device="cuda", dtype=torch.bfloat16))
         other_tw, other_ti, _ = routing(m, seed=seed * 1000 + m)
@@ -153,7 +154,7 @@ def test_pdl_equals_plain_launches(K, w, m):
         ti.copy_(other_ti)
         graph.replay()
         torch.mul(x_src, 0.5, out=x)
-        assert torch.equal(buf, run(False)), f"replay {seed} differs from plain launches"
+        assert torch.equal(buf, run(0)), f"replay {seed} differs from plain launches"
 
 
 def test_padding_ids(K, w):

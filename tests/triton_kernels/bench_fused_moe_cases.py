@@ -79,7 +79,8 @@ def test_routing_option_is_checked(bench, tmp_path):
 
 
 def test_pdl_ab_rounds(bench, tmp_path):
-    """--pdl ab times 'ours' (plain launches) and 'ours_pdl' in every round and keeps medians;
+    """--pdl ab times 'ours' (plain launches), 'ours_pdl1' and 'ours_pdl2' in every round and
+    keeps medians;
     where PDL cannot run (here: the interpreter) the row records why instead of a time."""
     out = tmp_path / "ab.json"
     assert bench.main(TINY + ["--pdl", "ab", "--rounds", "2", "--out", str(out)]) == 0
@@ -87,8 +88,9 @@ def test_pdl_ab_rounds(bench, tmp_path):
     row = result["rows"][0]
     assert result["pdl"] == "ab"
     assert len(row["us_rounds"]["ours"]) == 2 and math.isfinite(row["us"]["ours"])
-    assert row["us"]["ours_pdl"] is None and "sm_90" in row["errors"]["ours_pdl"]
-    assert "best_sglang" not in row  # ours_pdl is not a baseline
+    for name in ("ours_pdl1", "ours_pdl2"):
+        assert row["us"][name] is None and "sm_90" in row["errors"][name]
+    assert "best_sglang" not in row  # the PDL variants are not baselines
 
 
 def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):

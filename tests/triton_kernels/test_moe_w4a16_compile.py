@@ -129,8 +129,8 @@ def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
 
 def test_pdl_variants_wait_then_release(MOE):
     """With PDL every kernel waits for the previous grid (griddepcontrol.wait) before its first
-    load and then lets the next one launch; without it neither instruction is emitted (the
-    served kernels stay as they were)."""
+    load; mode 1 then lets the next one launch, mode 2 leaves that to the program's exit;
+    without PDL neither instruction is emitted (the served kernels stay as they were)."""
     gate_up = (32, 128, 2, 4, 0, 1, 8)  # the M = 1 band's gate-up (split-K 8: the reduce runs)
     down = (64, 256, 4, 3, 512)
     gu_sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
@@ -164,11 +164,13 @@ def test_pdl_variants_wait_then_release(MOE):
                     dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1),
     }
     for name, (fn, sig, const, warps, stages) in cases.items():
-        ptx = _compile(fn, sig, dict(const, PDL=True), warps, stages).asm["ptx"]
-        wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-        first_load = ptx.find("ld.global")
-        assert 0 <= wait < release, name
-        assert first_load < 0 or wait < first_load, f"{name}: a load before the wait"
+        for mode in (1, 2):
+            ptx = _compile(fn, sig, dict(const, PDL=mode), warps, stages).asm["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            release = ptx.find("griddepcontrol.launch_dependents")
+            first_load = ptx.find("ld.global")
+            assert wait >= 0 and (wait < release if mode == 1 else release < 0), (name, mode)
+            assert first_load < 0 or wait < first_load, f"{name}: a load before the wait"
         plain = _compile(fn, sig, const, warps, stages).asm["ptx"]
         assert "griddepcontrol" not in plain, name
 
