@@ -140,7 +140,7 @@ def run_ours(layers, xs, tws, tis, n=None, **kw):
 
 def compare_with_sglang(row: dict) -> None:
     """Name the fastest SGLang path of a row and our speed-up over it (when both ran)."""
-    base = {k: v for k, v in row["us"].items() if not k.startswith("ours") and v}
+    base = {k: v for k, v in row["us"].items() if k != "ours" and v}
     if base and row["us"].get("ours"):
         row["best_sglang"] = min(base, key=base.get)
         row["speedup_vs_best_sglang"] = base[row["best_sglang"]] / row["us"]["ours"]
@@ -446,11 +446,6 @@ def main(argv=None) -> int:
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
                          "ours first, saved after every row)")
-    ap.add_argument("--pdl", choices=("default", "0", "1", "2", "ab"), default="default",
-                    help="our kernels' programmatic dependent launch mode (see moe_w4a16's "
-                         "_pdl_enter): the module default (SGLANG_DDTREE_MOE_PDL), 0 (off), 1, "
-                         "2, or ab: all three, as 'ours' (0), 'ours_pdl1' and 'ours_pdl2', timed "
-                         "one after the other in every round")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation this many times per M, interleaved; the "
                          "row keeps the median (all rounds under 'us_rounds')")
@@ -556,17 +551,10 @@ def main(argv=None) -> int:
         return {"m": m, "touched_experts": touched,
                 "bytes": touched * per_expert + 2 * m * args.hidden * 2, "us": {}, "gbs": {}}
 
-    pdl = {"default": None, "ab": 0}.get(args.pdl) if not args.pdl.isdigit() else int(args.pdl)
-    result["pdl"] = args.pdl
-
     def implementations(xs, tws, tis, logits):
         """{name: one call over every weight set}: ours first, then the SGLang baselines."""
-        impls = {"ours": lambda: run_ours(layers, xs, tws, tis, pdl=pdl,
+        impls = {"ours": lambda: run_ours(layers, xs, tws, tis,
                                           routed_scaling_factor=args.routed_scaling)}
-        if args.pdl == "ab":
-            for mode in (1, 2):
-                impls[f"ours_pdl{mode}"] = (lambda mode=mode: run_ours(
-                    layers, xs, tws, tis, pdl=mode, routed_scaling_factor=args.routed_scaling))
         for name, (prep, fn) in baselines.items():
             impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
                                                      for i in range(len(layers))])
@@ -616,7 +604,7 @@ def main(argv=None) -> int:
             row["us_rounds"] = {name: [round(t, 3) for t in ts] for name, ts in times.items()}
         if args.check:
             lw = layers[0]
-            got = run_ours(layers, xs, tws, tis, n=1, pdl=pdl,
+            got = run_ours(layers, xs, tws, tis, n=1,
                            routed_scaling_factor=args.routed_scaling).float()
             ref = moe_w4a16_reference(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
                                       lw["w2_scale"], tws[0], tis[0], args.routed_scaling)
@@ -635,7 +623,7 @@ def main(argv=None) -> int:
               flush=True)
 
     dump()
-    names = ["ours"] + (["ours_pdl1", "ours_pdl2"] if args.pdl == "ab" else []) + list(baselines)
+    names = ["ours"] + list(baselines)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
     print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)
           + f" {'ours GB/s':>9} {'%copy':>6} {'speedup':>7}")

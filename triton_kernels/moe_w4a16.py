@@ -82,21 +82,6 @@ def _plane_major_src(o, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """Programmatic dependent launch (sm_90+; ``launch_pdl=True``): this grid may start while
-    the previous kernel of the stream still runs. Wait for that kernel to finish (its writes
-    visible) before reading anything an earlier kernel wrote. ``PDL`` 1 then lets the next
-    kernel of this MoE launch at once (its programs become resident behind ours); 2 leaves that
-    to each program's exit (the next grid launches when ours has ended, without a launch gap).
-    Every program waits before any early exit, so a kernel's completion implies its
-    predecessor's."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        if PDL == 1:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
@@ -114,9 +99,7 @@ def _prologue_kernel(
     BLOCK_B: tl.constexpr,  # NUM_EXPERTS * BLOCK_B >= max_blocks
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
-    _pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid >= NUM_EXPERTS:
         # Programs past the experts copy one row of x each (one launch instead of two); strided
@@ -170,7 +153,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              x: torch.Tensor | None = None, block_k: int = 128, pdl: int = 0):
+              x: torch.Tensor | None = None, block_k: int = 128):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -193,8 +176,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ``[max_padded // block_m] int32``: expert of each block, ``-1`` for unused blocks.
     xp : torch.Tensor or None
         ``[M, K]`` plane-major copy of ``x`` (contiguous).
-
-    ``pdl``: 1 or 2 launches with programmatic dependent launch (see ``_pdl_enter``; sm_90+).
     """
     t = topk_ids.numel()
     max_padded = max_padded_rows(t, num_experts, block_m)
@@ -212,7 +193,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-        K=0 if x is None else x.shape[1], BLOCK_K=block_k, PDL=pdl, launch_pdl=pdl > 0,
+        K=0 if x is None else x.shape[1], BLOCK_K=block_k,
     )
     return sorted_ids, block_expert, xp
 
@@ -388,13 +369,11 @@ def _gate_up_kernel(
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
     SPLIT_DQ: tl.constexpr = False,  # dequantize nibbles 0-3, then 4-7 (fewer live registers)
     SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
-    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
-    _pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
     pid_mn = pid // SPLIT_K
@@ -450,10 +429,8 @@ def _gate_up_reduce_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     DOWN_BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     """Split-K gate-up epilogue: sum the partials in fixed order, then SiLU(gate) * up -> h."""
-    _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -492,11 +469,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
-    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     NUM_N: tl.constexpr = N // BLOCK_N
     KP: tl.constexpr = BLOCK_K // _PACK
-    _pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
@@ -540,7 +515,6 @@ def _down_loop_kernel(
     BLOCK_N: tl.constexpr,
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
-    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -552,7 +526,6 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     KP: tl.constexpr = I // _PACK
-    _pdl_enter(PDL)
     pid = tl.program_id(0)
     pid_m = pid // NUM_S
     pid_s = pid % NUM_S
@@ -608,9 +581,7 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,  # see _pdl_enter
 ):
-    _pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
@@ -703,15 +674,6 @@ def _portable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < (8, 0)
 
 
-def pdl_default(device: torch.device) -> int:
-    """The programmatic-dependent-launch mode of calls (``_pdl_enter``): 0 (plain launches)
-    unless ``SGLANG_DDTREE_MOE_PDL`` is 1 or 2, on sm_90+ outside the interpreter."""
-    if _portable(device) or torch.cuda.get_device_capability(device) < (9, 0):
-        return 0
-    mode = os.environ.get("SGLANG_DDTREE_MOE_PDL", "0")
-    return int(mode) if mode in ("1", "2") else 0
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -732,7 +694,6 @@ def fused_moe_w4a16(
     routed_scaling_factor: float = 1.0,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
-    pdl: int | None = None,
     _upto: int = 4,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
@@ -760,10 +721,6 @@ def fused_moe_w4a16(
         ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
-    pdl : int, optional
-        1 or 2: launch the kernels with programmatic dependent launch, each overlapping its
-        start with the previous kernel's end (``_pdl_enter``); 0: plain launches. Default
-        ``pdl_default``; refused where the device cannot (before sm_90, or the portable path).
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
@@ -806,17 +763,8 @@ def fused_moe_w4a16(
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable = _portable(hidden_states.device)
-    if pdl is None:
-        pdl = pdl_default(hidden_states.device)
-    elif pdl not in (0, 1, 2):
-        raise ValueError(f"pdl: 0, 1 or 2, got {pdl!r}")
-    elif pdl and (portable or torch.cuda.get_device_capability(hidden_states.device) < (9, 0)):
-        raise ValueError("pdl needs an sm_90+ GPU outside the Triton interpreter")
-    pdl = int(pdl)
-    launch = dict(PDL=pdl, launch_pdl=pdl > 0)
     t = m * topk
-    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
-                                             pdl=pdl)
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -830,28 +778,28 @@ def fused_moe_w4a16(
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part, t, max_padded, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
-        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **launch)
+        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
             part, sorted_ids, block_expert, h, t, max_padded, I=inter, SPLIT_K=gu.split_k,
-            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k, **launch)
+            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k)
     if _upto < 3:
         return out
     if dn.n_per_cta:
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,
-            num_warps=dn.num_warps, num_stages=dn.num_stages, **launch)
+            num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
-            num_warps=dn.num_warps, num_stages=dn.num_stages, **launch)
+            num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     block_c = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_c))](
         y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk,
-        NUM_EXPERTS=num_experts, BLOCK_N=block_c, **launch)
+        NUM_EXPERTS=num_experts, BLOCK_N=block_c)
     return out

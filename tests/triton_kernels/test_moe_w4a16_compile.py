@@ -127,54 +127,6 @@ def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
 
 
-def test_pdl_variants_wait_then_release(MOE):
-    """With PDL every kernel waits for the previous grid (griddepcontrol.wait) before its first
-    load; mode 1 then lets the next one launch, mode 2 leaves that to the program's exit;
-    without PDL neither instruction is emitted (the served kernels stay as they were)."""
-    gate_up = (32, 128, 2, 4, 0, 1, 8)  # the M = 1 band's gate-up (split-K 8: the reduce runs)
-    down = (64, 256, 4, 3, 512)
-    gu_sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-              "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
-              "max_padded": "i32"}
-    dn_sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-              "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
-    cases = {
-        "prologue": (MOE._prologue_kernel,
-                     {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-                      "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32",
-                      "stride_xm": "i32"},
-                     dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=16, NUM_T_BLOCKS=1,
-                          BLOCK_B=16, K=H, BLOCK_K=128), 4, 1),
-        "gate_up": (MOE._gate_up_kernel, gu_sig,
-                    dict(K=H, I=I, TOPK=TOPK, BLOCK_M=16, BLOCK_N=gate_up[0], BLOCK_K=gate_up[1],
-                         DOWN_BLOCK_K=256, PORTABLE=False, SPLIT_DQ=True, SPLIT_K=gate_up[6]),
-                    gate_up[2], gate_up[3]),
-        "reduce": (MOE._gate_up_reduce_kernel,
-                   {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-                    "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"},
-                   dict(I=I, SPLIT_K=8, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256), 4, 1),
-        "down": (MOE._down_kernel, dn_sig, dict(N=H, I=I, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
-                                                 PORTABLE=False), 4, 2),
-        "down_loop": (MOE._down_loop_kernel, dn_sig,
-                      dict(N=H, I=I, BLOCK_M=16, BLOCK_N=down[0], N_PER_CTA=down[4],
-                           PORTABLE=False), down[2], down[3]),
-        "combine": (MOE._combine_kernel,
-                    {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
-                     "stride_om": "i32"},
-                    dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1),
-    }
-    for name, (fn, sig, const, warps, stages) in cases.items():
-        for mode in (1, 2):
-            ptx = _compile(fn, sig, dict(const, PDL=mode), warps, stages).asm["ptx"]
-            wait = ptx.find("griddepcontrol.wait")
-            release = ptx.find("griddepcontrol.launch_dependents")
-            first_load = ptx.find("ld.global")
-            assert wait >= 0 and (wait < release if mode == 1 else release < 0), (name, mode)
-            assert first_load < 0 or wait < first_load, f"{name}: a load before the wait"
-        plain = _compile(fn, sig, const, warps, stages).asm["ptx"]
-        assert "griddepcontrol" not in plain, name
-
-
 def test_rerun_in_clean_process():
     if _mode_ok():
         pytest.skip("ran in this process")
