@@ -37,6 +37,7 @@ import platform
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -176,27 +177,39 @@ class Point:
         self.flops = 2 * bs * self.n * hq * ctx * ((128 + 128) if kind == "mha" else (576 + 512))
 
 
-def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=None):
-    """Our kernel at point ``p``; planned for contexts up to max(plan_context, p.ctx) (a server
-    plans for its longest context: more splits, most of them empty on a short prefix);
-    ``min_split_keys`` overrides the fewest prefix keys a live split covers."""
+def plan_ours(ta, mla, p, config, plan_context=0, num_kv_splits=None):
+    """Our kernel planned for point ``p`` as a server plans it: for contexts up to
+    max(plan_context, p.ctx) (its longest context: more splits, most of them empty on a short
+    prefix); ``num_kv_splits`` fixes the split count instead of the rule's."""
     max_ctx = max(plan_context, p.ctx)
     if p.kind == "mha":
-        attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=32,
+        return ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=32,
                                      num_kv_heads=8, head_dim=128, max_context_len=max_ctx,
-                                     device="cuda", config=config)
+                                     device="cuda", config=config, num_kv_splits=num_kv_splits)
+    return mla.TreeAttentionMLA.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_heads=8,
+                                     max_context_len=max_ctx, device="cuda",
+                                     sm_scale=p.sm_scale, config=config,
+                                     num_kv_splits=num_kv_splits)
+
+
+def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=None,
+               num_kv_splits=None):
+    """Our kernel at point ``p`` (planned by ``plan_ours``). ``min_split_keys`` replaces the
+    config's fewest prefix keys per split (``KernelConfig.min_split_keys``, the served knob:
+    it sets the kernel's minimum chunk and caps the split count at the planned context over
+    it) in the config the plan would launch at this batch size."""
+    attn = plan_ours(ta, mla, p, config, plan_context, num_kv_splits)
+    if min_split_keys is not None:
+        cfg = replace(attn.config_for(p.bs), min_split_keys=min_split_keys)
+        attn = plan_ours(ta, mla, p, cfg, plan_context, num_kv_splits)
+    if p.kind == "mha":
         out = torch.empty(p.q.shape[0], 32, 128, device="cuda", dtype=torch.bfloat16)
         fn = lambda: attn.run(p.q, p.k_cache, p.v_cache, p.layout.out_cache_loc, p.mask,  # noqa
                               out=out, validate=False, **p.layout.table_kwargs())
     else:
-        attn = mla.TreeAttentionMLA.plan(max_batch_size=p.bs, num_tree_tokens=p.n,
-                                         num_heads=8, max_context_len=max_ctx, device="cuda",
-                                         sm_scale=p.sm_scale, config=config)
         out = torch.empty(p.q.shape[0], 8, 512, device="cuda", dtype=torch.bfloat16)
         fn = lambda: attn.run(p.q, p.k_cache, p.layout.out_cache_loc, p.mask, out=out,  # noqa
                               validate=False, **p.layout.table_kwargs())
-    if min_split_keys is not None:
-        attn.min_split_keys = min_split_keys
     us, _ = time_graph(fn, iters, flush)
     return us, out.clone(), attn.num_splits(p.bs)
 
@@ -325,10 +338,16 @@ def main(argv=None):
                          "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
                          "default config's)")
+    ap.add_argument("--splits", type=parse_ints, default=[],
+                    help="also time every point with these fixed split counts (num_kv_splits; "
+                         "the served tile of each batch size), under 'splits_us' (outputs "
+                         "checked against the default's)")
     ap.add_argument("--min-split-keys", type=parse_ints, default=[],
                     help="also time every point with these fewest-keys-per-split values "
-                         "(the kernel's MIN_CHUNK; default 256), under 'min_split_keys_us' "
-                         "(outputs checked against the default's)")
+                         "(KernelConfig.min_split_keys of the tile served at that batch size: "
+                         "the kernel's minimum chunk and the split cap), under "
+                         "'min_split_keys_us' (outputs checked against the default's; before "
+                         "session 19 this moved the minimum chunk only)")
     ap.add_argument("--kernels-dir", default=None,
                     help="time the kernels of another checkout's triton_kernels/ directory "
                          "(reference.py, tree_attention.py, tree_attention_mla.py and an "
@@ -402,6 +421,14 @@ def main(argv=None):
                             diff = rel_diff(o, ours)
                             r["min_split_keys_us"][keys] = (
                                 round(t, 2) if diff < 2e-2 else f"wrong output: rel diff {diff:.3g}")
+                    if args.splits:
+                        r["splits_us"] = {}
+                        for n_splits in args.splits:
+                            t, o, _ = bench_ours(ta, mla, p, args.iters, flush, config,
+                                                 args.plan_context, num_kv_splits=n_splits)
+                            diff = rel_diff(o, ours)
+                            r["splits_us"][n_splits] = (
+                                round(t, 2) if diff < 2e-2 else f"wrong output: rel diff {diff:.3g}")
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
                         if not avail:
@@ -429,7 +456,7 @@ def main(argv=None):
                 python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
                 sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
                 peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
-                min_split_keys=args.min_split_keys,
+                min_split_keys=args.min_split_keys, splits=args.splits,
                 timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
                 shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
                             mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
@@ -452,7 +479,8 @@ def _row(r):
             f"splits {r['num_splits']:2d} | ours {r['ours_us']:9.1f} us "
             f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) {r['TFLOPs']:5.0f} TF/s | "
             f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}"
-            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us") if key in r))
+            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us", "splits_us")
+                    if key in r))
 
 
 if __name__ == "__main__":

@@ -538,10 +538,6 @@ class TreeAttention:
                    dkc)
             _check(cfg.min_split_keys >= 1, "config.min_split_keys", ">= 1", cfg.min_split_keys)
         self._fixed_splits = num_kv_splits
-        # fewest prefix keys per non-empty split, against the actual prefix (the kernel's
-        # MIN_CHUNK): None takes each config's; tests lower it to exercise the split merge on
-        # short prefixes
-        self.min_split_keys: Optional[int] = None
         # static per batch size: computed once here, read by every run
         self._splits = {bs: self._count_splits(bs) for bs in range(1, self.max_batch_size + 1)}
         self.max_splits = max(self._splits.values())
@@ -742,7 +738,7 @@ class TreeAttention:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
-            MIN_CHUNK=self.min_split_keys or cfg.min_split_keys, num_warps=cfg.num_warps,
+            MIN_CHUNK=cfg.min_split_keys, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
         if splits > 1:

@@ -18,6 +18,10 @@ K = load_kernels(interpret=True)
 TA, MLA, REF = K.tree_attention, K.tree_attention_mla, K.reference
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# The interpreter's tile with splits of any length (default: at least 256 keys a split), so that
+# these short prefixes are split as the tests ask
+SHORT_SPLITS = TA.KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1,
+                               min_split_keys=1)
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +79,8 @@ def test_mha_matches_reference(case):
     kv = layout.table_kwargs() if mode == "table" else layout.indptr_kwargs()
     attn = TA.TreeAttention.plan(max_batch_size=bs + 1, num_tree_tokens=n, num_q_heads=hq,
                                  num_kv_heads=hkv, head_dim=d, max_context_len=64,
-                                 device="cpu", logit_cap=cap, num_kv_splits=splits)
-    attn.min_split_keys = 1  # split these short prefixes as before (default: 256 keys a split)
+                                 device="cpu", logit_cap=cap, num_kv_splits=splits,
+                                 config=SHORT_SPLITS)
     attn.part_o.fill_(float("nan"))
     attn.part_lse.fill_(float("nan"))
     out = torch.full((bs * n, hq, d), float("nan"), dtype=dtype)
@@ -186,8 +190,8 @@ def test_mla_matches_reference(case):
     sm_scale = 1.0 / math.sqrt(192)
     attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
                                      max_context_len=64, device="cpu", sm_scale=sm_scale,
-                                     kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits)
-    attn.min_split_keys = 1
+                                     kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits,
+                                     config=SHORT_SPLITS)
     attn.part_o.fill_(float("nan"))
     out = torch.full((bs * n, h, rank), float("nan"), dtype=torch.bfloat16)
     attn.run(q, cache, layout.out_cache_loc, mask, kv_scale=scale, out=out,
