@@ -49,6 +49,8 @@ _LOG2E = 1.4426950408889634
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
 _MIN_SPLIT_KEYS = 256
+# the most fp32 partial-output bytes one launch may split into (see TreeAttention._count_splits)
+_PARTIAL_BYTES = 128 << 20
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -462,6 +464,24 @@ def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
     return None
 
 
+def split_count(programs: int, slots: int, cap: int, max_splits: int = 64,
+                tolerance: float = 0.05) -> int:
+    """Prefix splits for ``programs`` (row blocks x KV heads x column parts) on a GPU that
+    runs ``slots`` programs at once, for a long prefix (every split live): a split's time is
+    its share of the prefix, so a launch costs about waves(S) / S = ceil(programs x S / slots)
+    / S of one unsplit pass. Rounding S x programs up past a wave boundary adds a nearly empty
+    wave (the old rule, ceil(slots / programs), did: 30 splits x 9 programs = 270 programs
+    on 264 slots); this takes the largest S within ``tolerance`` of the best waves(S) / S,
+    among S up to 16 or one full wave of splits (at most ``max_splits`` and ``cap``). On the
+    H200 (bench_results/tree_verify_mla_splits_h200_s19.json, MLA, 2 programs per SM) the
+    measured times follow waves(S) / S: batch 8 / budget 64 at 32,768 keys, 2 splits (3
+    waves of half the prefix) 2,522 us, 14 splits 1,613 us."""
+    limit = max(1, min(cap, max_splits, max(16, slots // max(programs, 1))))
+    cost = {s: -(-programs * s // slots) / s for s in range(1, limit + 1)}
+    best = min(cost.values())
+    return max(s for s, c in cost.items() if c <= best * (1 + tolerance))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -597,11 +617,14 @@ class TreeAttention:
             return max(1, int(self._fixed_splits))
         cfg = self.config_for(batch_size)
         programs = batch_size * self.num_kv_heads * self.num_blocks_m(batch_size) * cfg.dv_split
-        want = triton.cdiv(2 * self._num_sms, programs)  # about two waves of programs
         # at most one split per min_split_keys keys of the longest context (the buffers are
         # sized from it at plan time, so it is fixed there)
         cap = max(1, self.max_context_len // cfg.min_split_keys)
-        return int(max(1, min(want, cap, 64)))
+        # and the fp32 partial outputs of a launch within _PARTIAL_BYTES (each split's are
+        # written and read back by the reduce: at short prefixes that traffic is the cost)
+        per_split = batch_size * self.num_tree_tokens * self.num_q_heads * self.v_head_dim * 4
+        return split_count(programs, 2 * self._num_sms, cap,
+                           max_splits=max(1, min(64, _PARTIAL_BYTES // per_split)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,

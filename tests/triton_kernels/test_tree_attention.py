@@ -122,13 +122,42 @@ def test_plan_is_data_independent():
         assert rel_err(out, ref) < TOL[torch.float16]
 
 
-def test_auto_splits_shrink_with_batch():
+def test_split_count_fills_whole_waves():
+    """H200 MLA cases (264 program slots: 2 per SM) from
+    bench_results/tree_verify_mla_splits_h200_s19.json: the split count does not spill a few
+    programs into an extra wave, and programs that fill several waves split further."""
+    sc = TA.split_count
+    assert sc(9, 264, 10**6) == 29  # batch 1 / budget 32: 261 programs (the old rule: 30, 270)
+    assert sc(10, 264, 10**6) == 26  # 260 (old 27: 270; at 32,768 keys 177 us vs 24's 122)
+    assert sc(12, 264, 10**6) == 22  # 264 exactly, as before
+    assert sc(136, 264, 10**6) == 15  # batch 8 / budget 64 (old 2: three waves of half the keys)
+    assert sc(5, 264, 10**6) == 52  # one full wave of splits may exceed 16
+    for programs in range(1, 600):
+        s = sc(programs, 264, 10**6)
+        limit = min(64, max(16, 264 // programs))
+        cost = lambda n: -(-programs * n // 264) / n  # noqa: E731 - waves per unit of prefix
+        # the largest count within 5 % of the best of 1..limit (16, or one wave of splits)
+        assert s <= limit and cost(s) <= 1.05 * min(map(cost, range(1, limit + 1)))
+        assert all(cost(n) > 1.05 * min(map(cost, range(1, limit + 1)))
+                   for n in range(s + 1, limit + 1)), programs
+    assert sc(9, 264, 7) == 7 and sc(9, 264, 10**6, max_splits=3) == 3  # caps win
+    assert sc(400, 264, 10**6, max_splits=1) == 1
+
+
+def test_auto_splits_are_capped_by_context_and_partial_bytes():
     attn = TA.TreeAttention.plan(max_batch_size=32, num_tree_tokens=9, num_q_heads=8,
                                  num_kv_heads=2, head_dim=16, max_context_len=4096,
                                  device="cpu")
     splits = [attn.num_splits(bs) for bs in (1, 2, 8, 32)]
-    assert splits == sorted(splits, reverse=True) and splits[0] > 1 and splits[-1] == 1
-    assert attn.max_splits == splits[0]
+    assert all(1 < s <= 4096 // 256 for s in splits), splits
+    assert attn.max_splits == max(splits)
+    # partial outputs of bs x N x Hq rows of v_head_dim fp32 per split, within _PARTIAL_BYTES
+    big = TA.TreeAttention.plan(max_batch_size=64, num_tree_tokens=65, num_q_heads=64,
+                                num_kv_heads=8, head_dim=128, max_context_len=1 << 17,
+                                device="cpu")
+    per_split = 8 * 65 * 64 * 128 * 4  # batch 8: 17 MB a split
+    assert big.num_splits(8) == TA._PARTIAL_BYTES // per_split == 7
+    assert big.num_splits(64) == 1  # 136 MB a split
 
 
 def test_validation_names_tensor():
