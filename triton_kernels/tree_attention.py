@@ -623,8 +623,17 @@ class TreeAttention:
         # and the fp32 partial outputs of a launch within _PARTIAL_BYTES (each split's are
         # written and read back by the reduce: at short prefixes that traffic is the cost)
         per_split = batch_size * self.num_tree_tokens * self.num_q_heads * self.v_head_dim * 4
-        return split_count(programs, 2 * self._num_sms, cap,
-                           max_splits=max(1, min(64, _PARTIAL_BYTES // per_split)))
+        max_splits = max(1, min(64, _PARTIAL_BYTES // per_split))
+        if self.head_dim + self.rope_dim > 256 or self.v_head_dim > 256:
+            # MLA's latent rows: whole waves (H200 A/B of both rules, 60 points,
+            # bench_results/tree_verify_ab_splits_h200_s19.json: never slower beyond 1.3 %,
+            # up to 1.67x faster, geometric mean 1.18x)
+            return split_count(programs, 2 * self._num_sms, cap, max_splits=max_splits)
+        # MHA keeps about two waves rounded up: whole waves were up to 1.5x faster at 32,768
+        # keys with batch <= 4 but up to 1.7x slower at 2,048 keys with batch 8-32 (the same
+        # A/B), where the added splits' partial outputs cost more than the waves they even out
+        want = triton.cdiv(2 * self._num_sms, programs)
+        return int(max(1, min(want, cap, max_splits)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,

@@ -144,20 +144,33 @@ def test_split_count_fills_whole_waves():
     assert sc(400, 264, 10**6, max_splits=1) == 1
 
 
-def test_auto_splits_are_capped_by_context_and_partial_bytes():
+def test_auto_splits_mha_shrink_with_batch():
+    """MHA keeps about two waves of programs (rounded up): fewer splits as the batch grows."""
     attn = TA.TreeAttention.plan(max_batch_size=32, num_tree_tokens=9, num_q_heads=8,
                                  num_kv_heads=2, head_dim=16, max_context_len=4096,
                                  device="cpu")
     splits = [attn.num_splits(bs) for bs in (1, 2, 8, 32)]
-    assert all(1 < s <= 4096 // 256 for s in splits), splits
-    assert attn.max_splits == max(splits)
-    # partial outputs of bs x N x Hq rows of v_head_dim fp32 per split, within _PARTIAL_BYTES
-    big = TA.TreeAttention.plan(max_batch_size=64, num_tree_tokens=65, num_q_heads=64,
-                                num_kv_heads=8, head_dim=128, max_context_len=1 << 17,
-                                device="cpu")
-    per_split = 8 * 65 * 64 * 128 * 4  # batch 8: 17 MB a split
-    assert big.num_splits(8) == TA._PARTIAL_BYTES // per_split == 7
-    assert big.num_splits(64) == 1  # 136 MB a split
+    assert splits == sorted(splits, reverse=True) and splits[0] > 1 and splits[-1] == 1
+    assert attn.max_splits == splits[0]
+
+
+def test_auto_splits_mla_whole_waves_capped_by_context_and_partial_bytes():
+    """MLA latent rows (512 + 64) take split_count's whole waves, within the planned context
+    (one split per 256 keys) and _PARTIAL_BYTES of fp32 partial outputs per launch."""
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=64, num_tree_tokens=65, num_heads=8,
+                                     max_context_len=1 << 17, device="cpu", sm_scale=0.1)
+    sms = TA._num_sms(torch.device("cpu"))
+    for bs in (1, 2, 8):
+        programs = bs * attn.num_blocks_m(bs)
+        cap_bytes = min(64, TA._PARTIAL_BYTES // (bs * 65 * 8 * 512 * 4))  # 15 at batch 8
+        assert attn.num_splits(bs) == TA.split_count(programs, 2 * sms, (1 << 17) // 256,
+                                                     max_splits=cap_bytes)
+    assert attn.num_splits(8) == 15
+    per_split = 64 * 65 * 8 * 512 * 4  # batch 64: 68 MB of partials a split
+    assert attn.num_splits(64) <= TA._PARTIAL_BYTES // per_split == 1
+    short = MLA.TreeAttentionMLA.plan(max_batch_size=1, num_tree_tokens=9, num_heads=8,
+                                      max_context_len=1024, device="cpu", sm_scale=0.1)
+    assert short.num_splits(1) <= 1024 // 256
 
 
 def test_validation_names_tensor():
