@@ -38,13 +38,15 @@ def commit_digest(commit: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("digest", help="a digest, or a JSON file with a source_digest field")
+    ap.add_argument("digest", help="a digest, or a JSON file with a source_digest field (at the "
+                    "top level or in its 'meta', as bench_tree_verify and doctor write it)")
     ap.add_argument("--max-count", type=int, default=100, help="newest commits to try")
     args = ap.parse_args(argv)
     want = args.digest
     if os.path.isfile(want):
         with open(want) as f:
-            want = json.load(f).get("source_digest")
+            data = json.load(f)
+        want = data.get("source_digest") or (data.get("meta") or {}).get("source_digest")
         if not want:
             print(f"{args.digest}: no source_digest field", file=sys.stderr)
             return 2

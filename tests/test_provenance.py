@@ -2,6 +2,7 @@
 ``source_digest`` names the code it ran, found again from git history."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,15 @@ def test_which_commit_finds_the_commit_of_a_digest(tmp_path):
     now = source_digest(str(repo))
     r = run(now)
     assert r.returncode == 0 and r.stdout.strip().endswith("tools"), r.stdout + r.stderr
+    # a results JSON with the digest at the top level or in its "meta" (bench_tree_verify, doctor)
+    for i, data in enumerate(({"source_digest": now}, {"meta": {"source_digest": now}})):
+        path = tmp_path / f"result{i}.json"
+        path.write_text(json.dumps(data))
+        r = run(str(path))
+        assert r.returncode == 0 and r.stdout.strip().endswith("tools"), r.stdout + r.stderr
+    path = tmp_path / "none.json"
+    path.write_text(json.dumps({"meta": {}}))
+    assert run(str(path)).returncode == 2
     (repo / "sglang_ddtree" / "a.py").write_text("x = 3\n")  # uncommitted
     r = run(source_digest(str(repo)))
     assert r.returncode == 1 and "uncommitted" in r.stderr
