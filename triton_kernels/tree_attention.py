@@ -225,10 +225,7 @@ def _tree_attn_fwd_kernel(
     dvp = pid_hs % DV_SPLIT
     pid_hs = pid_hs // DV_SPLIT
     kvh = pid_hs // num_splits
-    # the last split (the one that also holds the tree tokens) comes first in launch order:
-    # its programs start before the prefix chunks', and the empty splits of a short prefix
-    # come last (with a static split count sized for the longest context, most of them are)
-    split = (pid_hs % num_splits + num_splits - 1) % num_splits
+    split = pid_hs % num_splits
     Hq = tl.num_programs(1) // DV_SPLIT // num_splits * G
     dv0 = dvp * BLOCK_DV
 
@@ -253,27 +250,23 @@ def _tree_attn_fwd_kernel(
     chunk = tl.maximum(tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, prefix_len)
-    # an empty split (not the last, which holds the tree tokens) writes only its -inf
-    # log-sum-exp and ends (the reduce kernel skips its partial)
-    if (start >= end) & (split != num_splits - 1):
-        if SPLIT:
-            ph = (t_glob * Hq + head) * num_splits + split
-            tl.store(part_lse_ptr + ph, tl.full([BLOCK_M], float("-inf"), tl.float32),
-                     mask=row_ok & (dvp == 0))
-        return
+    # an empty split (not the last, which holds the tree tokens) loads nothing and writes only
+    # its -inf log-sum-exp; the reduce kernel skips its partial
+    live = (start < end) | (split == num_splits - 1)
+    row_live = rows < tl.where(live, N * G, 0)  # row_ok, and nothing in an empty split
 
     q_rows = q_ptr + t_glob * stride_qt + head * stride_qh
     if DK_CHUNK == 0:
         offs_dk = tl.arange(0, BLOCK_DK)
         q = tl.load(q_rows[:, None] + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+                    mask=row_live[:, None] & (offs_dk[None, :] < DK), other=0.0)
     else:
         q = row_ok  # unused: _attend_tile reads the query in slices
     if D_PE > 0:
         offs_pe = DK + tl.arange(0, D_PE)
         q_pe = tl.load(
             q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_pe[None, :],
-            mask=row_ok[:, None], other=0.0,
+            mask=row_live[:, None], other=0.0,
         )
     else:
         q_pe = q
@@ -341,7 +334,7 @@ def _tree_attn_fwd_kernel(
         # partial layout is contiguous [T, Hq, num_splits, DV]
         ph = (t_glob * Hq + head) * num_splits + split
         tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+                 mask=row_live[:, None] & (offs_dv[None, :] < DV))
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + ph, lse, mask=row_ok & (dvp == 0))  # the same in every part
 
