@@ -340,6 +340,29 @@ def _tree_attn_fwd_kernel(
 
 
 @triton.jit
+def _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV: tl.constexpr):
+    # split s's partial output times its softmax weight; an empty split (weight 0, its partial
+    # never written) is not read
+    w_s = tl.sum(tl.where(offs_s == s, w, 0.0), 0)
+    part = tl.load(part_o_ptr + (ph + s) * DV + offs_dv,
+                   mask=offs_dv < tl.where(w_s > 0.0, DV, 0), other=0.0)
+    return w_s * part
+
+
+@triton.jit
+def _weighted_chunk(part_o_ptr, part_lse_ptr, ph, s0, num_splits, m, w_sum, offs_dv,
+                    DV: tl.constexpr, CHUNK_S: tl.constexpr):
+    """Splits s0 .. s0 + CHUNK_S - 1: their partial outputs times their softmax weights,
+    summed over the splits (an empty split, weight 0, is not read)."""
+    offs_c = s0 + tl.arange(0, CHUNK_S)
+    lse_c = tl.load(part_lse_ptr + ph + offs_c, mask=offs_c < num_splits, other=float("-inf"))
+    w_c = tl.exp2(lse_c - m) / w_sum
+    part = tl.load(part_o_ptr + (ph + offs_c)[:, None] * DV + offs_dv[None, :],
+                   mask=(w_c > 0.0)[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    return tl.sum(w_c[:, None] * part, 0)
+
+
+@triton.jit
 def _tree_attn_reduce_kernel(
     part_o_ptr,       # [T, Hq, num_splits, DV] fp32
     part_lse_ptr,     # [T, Hq, num_splits] fp32 (log2 domain, -inf for empty splits)
@@ -349,7 +372,11 @@ def _tree_attn_reduce_kernel(
     Hq, num_splits,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, INTERPRET: tl.constexpr,
-    CHUNK_S: tl.constexpr = 8,  # splits summed per step
+    # > 1: sum that many splits per step as a [CHUNK_S, BLOCK_DV] tile, each thread's columns
+    # in registers; 1: a split per step, its weight picked out of the weight vector by a
+    # block-wide sum (a barrier per split). Both fixed order, deterministic. See
+    # TreeAttention.run for which is launched.
+    CHUNK_S: tl.constexpr = 1,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -360,39 +387,34 @@ def _tree_attn_reduce_kernel(
     # empty prefix and an all-false mask row) get zeros rather than NaN
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.sum(tl.exp2(lse - m), 0)
+    w = tl.exp2(lse - m)
+    w_sum = tl.sum(w, 0)
     w_sum = tl.where(w_sum == 0.0, 1.0, w_sum)
     offs_dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    # CHUNK_S splits at a time as a [CHUNK_S, BLOCK_DV] tile: each thread sums its columns over
-    # the chunk in registers (a split at a time, a weight picked out of the lse vector by a
-    # block-wide sum, cost a barrier per split: ~8 us at 52 splits on an H200). An empty split
-    # (weight 0, its partial never written) is not read. Fixed order: deterministic.
-    if INTERPRET:
-        s0 = 0
-        while s0 < num_splits:
-            acc += _weighted_chunk(part_o_ptr, part_lse_ptr, ph, s0, num_splits, m, w_sum,
-                                   offs_dv, DV, CHUNK_S)
-            s0 += CHUNK_S
+    if CHUNK_S > 1:
+        if INTERPRET:
+            s0 = 0
+            while s0 < num_splits:
+                acc += _weighted_chunk(part_o_ptr, part_lse_ptr, ph, s0, num_splits, m, w_sum,
+                                       offs_dv, DV, CHUNK_S)
+                s0 += CHUNK_S
+        else:
+            for s0 in range(0, num_splits, CHUNK_S):
+                acc += _weighted_chunk(part_o_ptr, part_lse_ptr, ph, s0, num_splits, m, w_sum,
+                                       offs_dv, DV, CHUNK_S)
     else:
-        for s0 in range(0, num_splits, CHUNK_S):
-            acc += _weighted_chunk(part_o_ptr, part_lse_ptr, ph, s0, num_splits, m, w_sum,
-                                   offs_dv, DV, CHUNK_S)
+        w = w / w_sum
+        if INTERPRET:
+            s = 0
+            while s < num_splits:
+                acc += _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV)
+                s += 1
+        else:
+            for s in range(num_splits):
+                acc += _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_dv,
              (acc * v_scale).to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
-
-
-@triton.jit
-def _weighted_chunk(part_o_ptr, part_lse_ptr, ph, s0, num_splits, m, w_sum, offs_dv,
-                    DV: tl.constexpr, CHUNK_S: tl.constexpr):
-    """Splits s0 .. s0 + CHUNK_S - 1: their partial outputs times their softmax weights,
-    summed over the splits."""
-    offs_c = s0 + tl.arange(0, CHUNK_S)
-    lse_c = tl.load(part_lse_ptr + ph + offs_c, mask=offs_c < num_splits, other=float("-inf"))
-    w_c = tl.exp2(lse_c - m) / w_sum
-    part = tl.load(part_o_ptr + (ph + offs_c)[:, None] * DV + offs_dv[None, :],
-                   mask=(w_c > 0.0)[:, None] & (offs_dv < DV)[None, :], other=0.0)
-    return tl.sum(w_c[:, None] * part, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,6 +511,14 @@ def split_count(programs: int, slots: int, cap: int, max_splits: int = 64,
     cost = {s: -(-programs * s // slots) / s for s in range(1, limit + 1)}
     best = min(cost.values())
     return max(s for s, c in cost.items() if c <= best * (1 + tolerance))
+
+
+def _reduce_chunk(v_head_dim: int) -> int:
+    """Splits the reduce kernel sums per step. MLA's 512-dim rows: 8 (H200, same-call A/B,
+    bench_results/tree_verify_reduce_ab_h200_s19.json: batch 1 / budget 8, 52 splits, 26.4 ->
+    18.9 us at 512 keys and 30.2 -> 21.2 at 2,048, 1.16x at 32,768, equal elsewhere). Narrower
+    rows keep one split per step: the chunked tile was up to 1.5x slower there (MHA, 128 dims)."""
+    return 8 if v_head_dim > 256 else 1
 
 
 def _num_sms(device: torch.device) -> int:
@@ -787,7 +817,7 @@ class TreeAttention:
                 part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
                 self.num_q_heads, splits, BLOCK_S=triton.next_power_of_2(splits),
                 DV=self.v_head_dim, BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
-                INTERPRET=_INTERPRET,
+                INTERPRET=_INTERPRET, CHUNK_S=_reduce_chunk(self.v_head_dim),
                 num_warps=4 if q.is_cuda else 1,
             )
         return out

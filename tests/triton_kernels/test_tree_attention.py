@@ -173,6 +173,31 @@ def test_auto_splits_mla_whole_waves_capped_by_context_and_partial_bytes():
     assert short.num_splits(1) <= 1024 // 256
 
 
+@pytest.mark.parametrize("chunk", [1, 8])
+@pytest.mark.parametrize("splits", [1, 5, 13])
+def test_split_reduce_matches_torch(chunk, splits):
+    """The split reduce (one split per step, or CHUNK_S at a time as MLA launches it) against
+    the log-sum-exp merge in torch, with empty splits (-inf, partial never written: NaN) and a
+    row that saw no key at all (zeros)."""
+    g = torch.Generator().manual_seed(splits * 10 + chunk)
+    t, hq, dv = 3, 2, 24
+    lse = torch.randn(t, hq, splits, generator=g) * 4
+    lse[0, 0, ::2] = float("-inf")
+    lse[1, 1, :] = float("-inf")  # a row with no key
+    part = torch.randn(t, hq, splits, dv, generator=g)
+    part[torch.isinf(lse)] = float("nan")  # never written
+    out = torch.empty(t, hq, dv, dtype=torch.float16)
+    TA._tree_attn_reduce_kernel[(t, hq)](
+        part, lse, out, 0.5, out.stride(0), out.stride(1), hq, splits,
+        BLOCK_S=max(2, 1 << (splits - 1).bit_length()), DV=dv, BLOCK_DV=32, INTERPRET=True,
+        CHUNK_S=chunk, num_warps=1)
+    w = torch.softmax(lse * math.log(2.0), -1).nan_to_num(0.0)
+    ref = 0.5 * (w[..., None] * part.nan_to_num(0.0)).sum(-2)
+    assert not out.isnan().any()
+    assert torch.allclose(out.float(), ref, atol=2e-3, rtol=2e-3)
+    assert TA._reduce_chunk(512) == 8 and TA._reduce_chunk(128) == 1
+
+
 def test_validation_names_tensor():
     attn = TA.TreeAttention.plan(max_batch_size=2, num_tree_tokens=3, num_q_heads=2,
                                  num_kv_heads=1, head_dim=16, max_context_len=16, device="cpu")
