@@ -413,22 +413,18 @@ def main(argv=None):
                                                         f"wrong output: rel diff {diff:.3g}")
                             except Exception as exc:  # noqa: BLE001 - recorded per config
                                 r["sweep_us"][cfg_s] = f"error: {type(exc).__name__}: {exc}"[:200]
-                    if args.min_split_keys:
-                        r["min_split_keys_us"] = {}
-                        for keys in args.min_split_keys:
+                    # the served tile with another split minimum, or a fixed split count
+                    for key, values, kw in (("min_split_keys_us", args.min_split_keys,
+                                             "min_split_keys"),
+                                            ("splits_us", args.splits, "num_kv_splits")):
+                        if values:
+                            r[key] = {}
+                        for v in values:
                             t, o, _ = bench_ours(ta, mla, p, args.iters, flush, config,
-                                                 args.plan_context, min_split_keys=keys)
+                                                 args.plan_context, **{kw: v})
                             diff = rel_diff(o, ours)
-                            r["min_split_keys_us"][keys] = (
-                                round(t, 2) if diff < 2e-2 else f"wrong output: rel diff {diff:.3g}")
-                    if args.splits:
-                        r["splits_us"] = {}
-                        for n_splits in args.splits:
-                            t, o, _ = bench_ours(ta, mla, p, args.iters, flush, config,
-                                                 args.plan_context, num_kv_splits=n_splits)
-                            diff = rel_diff(o, ours)
-                            r["splits_us"][n_splits] = (
-                                round(t, 2) if diff < 2e-2 else f"wrong output: rel diff {diff:.3g}")
+                            r[key][v] = (round(t, 2) if diff < 2e-2 else
+                                         f"wrong output: rel diff {diff:.3g}")
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
                         if not avail:
