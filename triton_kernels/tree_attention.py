@@ -374,8 +374,8 @@ def _tree_attn_reduce_kernel(
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, INTERPRET: tl.constexpr,
     # > 1: sum that many splits per step as a [CHUNK_S, BLOCK_DV] tile, each thread's columns
     # in registers; 1: a split per step, its weight picked out of the weight vector by a
-    # block-wide sum (a barrier per split). Both fixed order, deterministic. See
-    # TreeAttention.run for which is launched.
+    # block-wide sum (a barrier per split). Both fixed order, deterministic; _reduce_chunk
+    # says which rows take which.
     CHUNK_S: tl.constexpr = 1,
 ):
     t = tl.program_id(0).to(tl.int64)
