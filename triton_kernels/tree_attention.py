@@ -459,12 +459,18 @@ _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
 
 
+def _latent_rows(dk: int, d_pe: int, dv: int) -> bool:
+    """Rows as wide as MLA's absorbed latent (512 + 64): they take their own tiles, small-batch
+    configs and split counts."""
+    return dk + d_pe > 256 or dv > 256
+
+
 def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device) -> KernelConfig:
     """Tiles measured on an H200 (scripts/bench_tree_verify.py --config, 16k context, bs 1/8,
     budgets 16/64); ``rows`` = N x query heads per KV head."""
     if device.type != "cuda":
         return KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    if dk + d_pe > 256 or dv > 256:
+    if _latent_rows(dk, d_pe, dv):
         # MLA latent rows (512 + 64): a 32-row fp32 accumulator of 512 dims is what fits;
         # 32x64 beat 32x32, 64x32 and 64x64 at every measured point
         return KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
@@ -484,7 +490,7 @@ def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
 
     ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
     heads."""
-    if device.type != "cuda" or not (dk + d_pe > 256 or dv > 256):
+    if device.type != "cuda" or not _latent_rows(dk, d_pe, dv):
         return None
     if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
         return _MLA_SMALL_BATCH
@@ -663,7 +669,7 @@ class TreeAttention:
         # written and read back by the reduce: at short prefixes that traffic is the cost)
         per_split = batch_size * self.num_tree_tokens * self.num_q_heads * self.v_head_dim * 4
         max_splits = max(1, min(64, _PARTIAL_BYTES // per_split))
-        if self.head_dim + self.rope_dim > 256 or self.v_head_dim > 256:
+        if _latent_rows(self.head_dim, self.rope_dim, self.v_head_dim):
             # MLA's latent rows: whole waves (H200 A/B of both rules, 60 points,
             # bench_results/tree_verify_ab_splits_h200_s19.json: never slower beyond 1.3 %,
             # up to 1.67x faster, geometric mean 1.18x)
