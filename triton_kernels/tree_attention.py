@@ -440,7 +440,7 @@ class KernelConfig:
     min_split_keys: int = _MIN_SPLIT_KEYS
 
 
-# MLA with few query rows in the whole batch (see _small_batch_config): 16-row tiles and splits
+# MLA with few query rows in the whole batch (see _batch_config): 16-row tiles and splits
 # of at least 128 keys, so a batch of one short tree still spreads over the GPU. Timed on the
 # H200 (bench_results/tree_verify_mla_small_h200_s17.json, contexts 512 / 2,048 / 8,192): at batch
 # 1 with budget 8 or 16 and batch 2 with budget 8 (up to 144 rows) it is faster than the default
@@ -457,6 +457,16 @@ _MLA_SMALL_BATCH_MAX_ROWS = 144
 _MLA_FEW_ROWS_MIN_SPLIT = 128
 _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
+# MHA (head dim <= 128) tiles. A tree's rows per KV head (N x group) are a power of two plus a
+# group, so a 128-row tile of 132 rows (budget 32 at 4 query heads per KV head) runs a second
+# block for 4 rows. On the H200 (bench_results/tree_verify_mha_rows_h200_s20.json, Qwen3-8B
+# shapes, batch 1 / 8 / 32 x 2,048 / 16,384 / 65,536 keys, split counts as served): at 132 rows
+# three 64-row blocks beat two 128-row ones at all 9 points, 1.08-1.85x; at 260 rows 128-row
+# tiles win at batch 1 and 8 (up to 1.3x) and lose at batch 32 (1.33-1.35x slower).
+_MHA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+_MHA_WIDE_TILE = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+_MHA_WIDE_MIN_ROWS = 256
+_MHA_WIDE_MAX_GROUPS = 64  # batch x KV heads; Qwen3-8B: batch 8 on one GPU
 
 
 def _latent_rows(dk: int, d_pe: int, dv: int) -> bool:
@@ -476,21 +486,27 @@ def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device
         return KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
     if dk > 128 or dv > 128:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if rows >= 128:  # wide trees / big GQA groups: 128-row tiles, 8 warps (-18% at budget 64)
-        return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    if rows >= _MHA_WIDE_MIN_ROWS:  # wide trees / big GQA groups (see _MHA_TILE)
+        return _MHA_WIDE_TILE
+    return _MHA_TILE
 
 
-def _small_batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
-                        device: torch.device) -> Optional[KernelConfig]:
-    """An MLA config for a batch with few query rows, or None (keep the default): a smaller
-    tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch, and shorter splits for
-    trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in batches of at most
-    _MLA_FEW_ROWS_MAX_BATCH_ROWS.
+def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
+                  device: torch.device) -> Optional[KernelConfig]:
+    """The config of one batch size where it differs from the default, else None. MLA with
+    few query rows: a smaller tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch,
+    and shorter splits for trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in
+    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS. MHA trees wide enough for 128-row tiles:
+    64-row tiles again in batches of more than _MHA_WIDE_MAX_GROUPS KV-head groups.
 
     ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
     heads."""
-    if device.type != "cuda" or not _latent_rows(dk, d_pe, dv):
+    if device.type != "cuda":
+        return None
+    if not _latent_rows(dk, d_pe, dv):
+        if (dk <= 128 and dv <= 128 and rows >= _MHA_WIDE_MIN_ROWS
+                and groups > _MHA_WIDE_MAX_GROUPS):
+            return _MHA_TILE
         return None
     if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
         return _MLA_SMALL_BATCH
@@ -580,16 +596,15 @@ class TreeAttention:
         self._num_sms = _num_sms(self.device)
         rows = self.num_tree_tokens * self.group
         # one config per batch size (each batch size is its own CUDA graph, so the choice is
-        # static): the default tile, or for MLA a smaller one when the whole batch has few
-        # query rows (_small_batch_config)
+        # static): the default tile, or another where the batch size decides (_batch_config)
         self.config = config or _default_config(self.head_dim, self.rope_dim, self.v_head_dim,
                                                 rows, self.device)
         self._configs = {}
         for bs in range(1, self.max_batch_size + 1):
-            small = None if config else _small_batch_config(
+            chosen = None if config else _batch_config(
                 self.head_dim, self.rope_dim, self.v_head_dim, rows, bs * self.num_kv_heads,
                 self.device)
-            self._configs[bs] = small or self.config
+            self._configs[bs] = chosen or self.config
         for cfg in set(self._configs.values()):
             dvs = cfg.dv_split
             _check(dvs >= 1 and dvs & (dvs - 1) == 0

@@ -416,20 +416,39 @@ def test_small_batch_mla_tile_rule():
     default tile with 128-key splits trees of at most 264 rows in batches of at most 528, on
     CUDA only; MHA shapes and bigger batches keep the default tile."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
-    small = TA._small_batch_config(512, 64, 512, 17 * 8, 1, cuda)  # Kimi TP8: budget 16, batch 1
+    small = TA._batch_config(512, 64, 512, 17 * 8, 1, cuda)  # Kimi TP8: budget 16, batch 1
     assert small is not None and small.block_m == 16 and small.min_split_keys == 128
-    assert TA._small_batch_config(512, 64, 512, 9 * 8, 2, cuda) == small  # budget 8, batch 2
+    assert TA._batch_config(512, 64, 512, 9 * 8, 2, cuda) == small  # budget 8, batch 2
     # budget 32 at batch 1 and 2: the default tile with splits of at least 128 keys
-    few = TA._small_batch_config(512, 64, 512, 33 * 8, 1, cuda)
+    few = TA._batch_config(512, 64, 512, 33 * 8, 1, cuda)
     default = TA._default_config(512, 64, 512, 33 * 8, cuda)
     assert few is not None and few.min_split_keys == 128 and default.min_split_keys == 256
     assert few.block_m == default.block_m and few.block_n == default.block_n
-    assert TA._small_batch_config(512, 64, 512, 33 * 8, 2, cuda) == few
-    assert TA._small_batch_config(512, 64, 512, 33 * 8, 3, cuda) is None  # budget 32, batch 3
-    assert TA._small_batch_config(512, 64, 512, 65 * 8, 1, cuda) is None  # budget 64
-    assert TA._small_batch_config(512, 64, 512, 9 * 8, 3, cuda) is None  # budget 8, batch 3
-    assert TA._small_batch_config(128, 0, 128, 9, 1, cuda) is None  # MHA
-    assert TA._small_batch_config(512, 64, 512, 9 * 8, 1, torch.device("cpu")) is None
+    assert TA._batch_config(512, 64, 512, 33 * 8, 2, cuda) == few
+    assert TA._batch_config(512, 64, 512, 33 * 8, 3, cuda) is None  # budget 32, batch 3
+    assert TA._batch_config(512, 64, 512, 65 * 8, 1, cuda) is None  # budget 64
+    assert TA._batch_config(512, 64, 512, 9 * 8, 3, cuda) is None  # budget 8, batch 3
+    assert TA._batch_config(128, 0, 128, 9, 1, cuda) is None  # MHA
+    assert TA._batch_config(512, 64, 512, 9 * 8, 1, torch.device("cpu")) is None
+
+
+def test_mha_tile_rule():
+    """MHA: 64-row tiles below 256 rows per KV head (a 132-row tree is three 64-row blocks, not
+    two 128-row ones), 128-row tiles from 256 rows unless the batch has more than 64 KV-head
+    groups; head dims above 128 and CPU keep their own tiles."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    for rows in (36, 68, 132, 255):  # Qwen3-8B (4 query heads per KV head): budgets 8 / 16 / 32
+        cfg = TA._default_config(128, 0, 128, rows, cuda)
+        assert (cfg.block_m, cfg.num_warps) == (64, 4), rows
+        assert TA._batch_config(128, 0, 128, rows, 32 * 8, cuda) is None
+    wide = TA._default_config(128, 0, 128, 65 * 4, cuda)  # budget 64
+    assert (wide.block_m, wide.num_warps) == (128, 8)
+    assert TA._batch_config(128, 0, 128, 65 * 4, 8 * 8, cuda) is None  # batch 8: 64 groups
+    tile = TA._batch_config(128, 0, 128, 65 * 4, 9 * 8, cuda)  # batch 9: 72 groups
+    assert tile is not None and (tile.block_m, tile.num_warps) == (64, 4)
+    assert TA._default_config(128, 0, 128, 132, cuda) == tile
+    assert TA._batch_config(256, 0, 256, 65 * 4, 32 * 8, cuda) is None  # head dim 256
+    assert TA._default_config(128, 0, 128, 132, torch.device("cpu")).block_m == 16
 
 
 def test_per_batch_size_configs_size_buffers_and_match_reference(monkeypatch):
@@ -437,7 +456,7 @@ def test_per_batch_size_configs_size_buffers_and_match_reference(monkeypatch):
     their own split counts, the shared partial buffers hold every batch size's, and each batch
     size's output matches the reference."""
     small = TA.KernelConfig(block_m=8, block_n=16, num_warps=1, num_stages=1, min_split_keys=4)
-    monkeypatch.setattr(TA, "_small_batch_config",
+    monkeypatch.setattr(TA, "_batch_config",
                         lambda dk, dpe, dv, rows, groups, device: small if groups == 1 else None)
     n = 3
     attn = MLA.TreeAttentionMLA.plan(max_batch_size=3, num_tree_tokens=n, num_heads=2,
