@@ -692,7 +692,12 @@ class TreeAttention:
         # MHA keeps about two waves rounded up: whole waves were up to 1.5x faster at 32,768
         # keys with batch <= 4 but up to 1.7x slower at 2,048 keys with batch 8-32 (the same
         # A/B), where the added splits' partial outputs cost more than the waves they even out
-        want = triton.cdiv(2 * self._num_sms, programs)
+        slots = 2 * self._num_sms
+        want = triton.cdiv(slots, programs)
+        if want == 1 and triton.cdiv(2 * programs, slots) < 2 * triton.cdiv(programs, slots):
+            # more programs than slots with a short last wave: two splits in fewer half-length
+            # waves (e.g. 288 programs: 2 waves, or 3 of half the prefix each)
+            want = 2
         return int(max(1, min(want, cap, max_splits)))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
