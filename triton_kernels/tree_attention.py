@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Optional
 
 import torch
@@ -694,11 +695,11 @@ class TreeAttention:
         # A/B), where the added splits' partial outputs cost more than the waves they even out
         slots = 2 * self._num_sms
         want = triton.cdiv(slots, programs)
-        if want == 1 and triton.cdiv(2 * programs, slots) < 2 * triton.cdiv(programs, slots):
-            # more programs than slots with a short last wave: two splits in fewer half-length
-            # waves (e.g. 288 programs: 2 waves, or 3 of half the prefix each)
-            want = 2
-        return int(max(1, min(want, cap, max_splits)))
+        # the fewest splits with the fewest waves per split's share among 1 .. want + 1 (288
+        # programs: 2 splits, 3 waves of half the prefix, not 2 waves of all of it)
+        limit = int(max(1, min(want + 1, cap, max_splits)))
+        return min(range(1, limit + 1),
+                   key=lambda s: (Fraction(triton.cdiv(programs * s, slots), s), s))
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,
