@@ -693,10 +693,11 @@ class TreeAttention:
         # MHA keeps about two waves rounded up: whole waves were up to 1.5x faster at 32,768
         # keys with batch <= 4 but up to 1.7x slower at 2,048 keys with batch 8-32 (the same
         # A/B), where the added splits' partial outputs cost more than the waves they even out
-        slots = 2 * self._num_sms
-        want = triton.cdiv(slots, programs)
+        want = triton.cdiv(2 * self._num_sms, programs)
         # the fewest splits with the fewest waves per split's share among 1 .. want + 1 (288
-        # programs: 2 splits, 3 waves of half the prefix, not 2 waves of all of it)
+        # programs, 2 per SM: 2 splits, 3 waves of half the prefix, not 2 waves of all of it);
+        # a 4-warp MHA tile runs 2 programs per SM, the 8-warp one 1 (registers)
+        slots = self._num_sms * max(1, 8 // cfg.num_warps)
         limit = int(max(1, min(want + 1, cap, max_splits)))
         return min(range(1, limit + 1),
                    key=lambda s: (Fraction(triton.cdiv(programs * s, slots), s), s))
