@@ -536,6 +536,29 @@ def split_count(programs: int, slots: int, cap: int, max_splits: int = 64,
     return max(s for s, c in cost.items() if c <= best * (1 + tolerance))
 
 
+def mha_split_count(programs: int, sms: int, num_warps: int, cap: int,
+                    max_splits: int = 64) -> int:
+    """Prefix splits for an MHA launch of ``programs`` (row blocks x KV heads): the fewest
+    splits with the fewest waves per split's share, ceil(programs x S / slots) / S, among S up
+    to one more than about two waves of programs at 2 per SM (the rule before session 20).
+    ``slots`` counts the programs an SM holds: 2 of the 4-warp tile, 1 of the 8-warp one
+    (registers). 288 programs of the 4-warp tile on 132 SMs: 2 splits (3 waves of half the
+    prefix, not 2 of all of it). Unlike MLA's split_count, ties go to fewer splits: MLA's
+    whole waves up to 16 splits were up to 1.7x slower for MHA at 2,048 keys (session 19).
+
+    On the H200 (bench_results/tree_verify_ab_mha_splits_h200_s20.json, Qwen3-8B shapes,
+    batch 1-32 x budget 8-64 x 2,048-65,536 keys, same-call A/B against about two waves): 69
+    of 120 points changed, 1.17x geometric mean, up to 1.64x. Slower: batch 8 / budget 64 by
+    up to 1.43x while the 8-warp tile counted 2 programs per SM (since then the same split as
+    before, tree_verify_mha_wide_splits_h200_s20.json), and 2-6 % at 5 batch / budget pairs
+    past 16k keys, where a tie now takes one split instead of two (8-13 % faster at 2,048)."""
+    want = -(-2 * sms // max(programs, 1))
+    slots = sms * max(1, 8 // num_warps)
+    limit = int(max(1, min(want + 1, cap, max_splits)))
+    return min(range(1, limit + 1),
+               key=lambda s: (Fraction(-(-programs * s // slots), s), s))
+
+
 def _reduce_chunk(v_head_dim: int) -> int:
     """Splits the reduce kernel sums per step. MLA's 512-dim rows: 8 (H200, same-call A/B,
     bench_results/tree_verify_reduce_ab_h200_s19.json: batch 1 / budget 8, 52 splits, 26.4 ->
@@ -690,17 +713,7 @@ class TreeAttention:
             # bench_results/tree_verify_ab_splits_h200_s19.json: never slower beyond 1.3 %,
             # up to 1.67x faster, geometric mean 1.18x)
             return split_count(programs, 2 * self._num_sms, cap, max_splits=max_splits)
-        # MHA keeps about two waves rounded up: whole waves were up to 1.5x faster at 32,768
-        # keys with batch <= 4 but up to 1.7x slower at 2,048 keys with batch 8-32 (the same
-        # A/B), where the added splits' partial outputs cost more than the waves they even out
-        want = triton.cdiv(2 * self._num_sms, programs)
-        # the fewest splits with the fewest waves per split's share among 1 .. want + 1 (288
-        # programs, 2 per SM: 2 splits, 3 waves of half the prefix, not 2 waves of all of it);
-        # a 4-warp MHA tile runs 2 programs per SM, the 8-warp one 1 (registers)
-        slots = self._num_sms * max(1, 8 // cfg.num_warps)
-        limit = int(max(1, min(want + 1, cap, max_splits)))
-        return min(range(1, limit + 1),
-                   key=lambda s: (Fraction(triton.cdiv(programs * s, slots), s), s))
+        return mha_split_count(programs, self._num_sms, cfg.num_warps, cap, max_splits)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out_cache_loc: torch.Tensor, tree_mask: torch.Tensor, *,

@@ -154,6 +154,20 @@ def test_auto_splits_mha_shrink_with_batch():
     assert attn.max_splits == splits[0]
 
 
+def test_mha_split_count_evens_out_waves():
+    """MHA split counts at H200-measured points (132 SMs): a short last wave takes a second
+    split, equal waves keep the fewer splits, the 8-warp tile counts one program per SM."""
+    f = TA.mha_split_count
+    assert f(288, 132, 4, 512) == 2  # batch 12, budget 32: 2 waves -> 3 half-length ones
+    assert f(768, 132, 4, 512) == 1  # batch 32, budget 32: 3 waves either way
+    assert f(16, 132, 4, 512) == 16  # batch 2, budget 8: 16 x 16 = 256 <= 264 slots
+    assert f(80, 132, 4, 512) == 3   # batch 10, budget 8: 240 programs, one wave
+    assert f(192, 132, 8, 512) == 2  # batch 8, budget 64, 128-row tiles on 132 slots
+    assert f(192, 132, 4, 512) == 1  # the same count of 4-warp programs fits 264 slots
+    assert f(24, 132, 8, 512) == 11  # batch 1, budget 64
+    assert f(8, 132, 4, 4) == 4 and f(8, 132, 4, 512, max_splits=2) == 2  # caps
+
+
 def test_auto_splits_mla_whole_waves_capped_by_context_and_partial_bytes():
     """MLA latent rows (512 + 64) take split_count's whole waves, within the planned context
     (one split per 256 keys) and _PARTIAL_BYTES of fp32 partial outputs per launch."""
