@@ -458,9 +458,9 @@ _MLA_SMALL_BATCH_MAX_ROWS = 144
 _MLA_FEW_ROWS_MIN_SPLIT = 128
 _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
-# MHA (head dim <= 128) tiles. A tree's rows per KV head (N x group) are a power of two plus a
-# group, so a 128-row tile of 132 rows (budget 32 at 4 query heads per KV head) runs a second
-# block for 4 rows. On the H200 (bench_results/tree_verify_mha_rows_h200_s20.json, Qwen3-8B
+# MHA (head dim <= 128) tiles. A tree's rows per KV head are (budget + 1) x group, a power of
+# two plus a group at the usual budgets, so 128-row tiles of 132 rows (budget 32 at 4 query
+# heads per KV head) run a second block for 4 rows. On the H200 (bench_results/tree_verify_mha_rows_h200_s20.json, Qwen3-8B
 # shapes, batch 1 / 8 / 32 x 2,048 / 16,384 / 65,536 keys, split counts as served): at 132 rows
 # three 64-row blocks beat two 128-row ones at all 9 points, 1.08-1.85x; at 260 rows 128-row
 # tiles win at batch 1 and 8 (up to 1.3x) and lose at batch 32 (1.33-1.35x slower).
@@ -547,8 +547,8 @@ def mha_split_count(programs: int, sms: int, num_warps: int, cap: int,
     whole waves up to 16 splits were up to 1.7x slower for MHA at 2,048 keys (session 19).
 
     On the H200 (bench_results/tree_verify_ab_mha_splits_h200_s20.json, Qwen3-8B shapes,
-    batch 1-32 x budget 8-64 x 2,048-65,536 keys, same-call A/B against about two waves): 69
-    of 120 points changed, 1.17x geometric mean, up to 1.64x. Slower: batch 8 / budget 64 by
+    batch 1-32 x budget 8-64 x 2,048-65,536 keys, same-call A/B against about two waves with
+    a second split for a short last wave): 69 of 120 points changed, 1.17x geometric mean, up to 1.64x. Slower: batch 8 / budget 64 by
     up to 1.43x while the 8-warp tile counted 2 programs per SM (since then the same split as
     before, tree_verify_mha_wide_splits_h200_s20.json), and 2-6 % at 5 batch / budget pairs
     past 16k keys, where a tie now takes one split instead of two (8-13 % faster at 2,048)."""
