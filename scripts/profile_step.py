@@ -6,7 +6,8 @@ asks SGLang for a torch-profiler trace of ``--steps`` decode steps (``/start_pro
 CPU + GPU activities and Python stacks) while a concurrency-``--concurrency`` load runs, and
 summarises each trace: per decode step, the host time inside every Python function (inclusive),
 the count and time of CUDA runtime calls (kernel / graph launches), and the GPU kernel time,
-in total and by kernel name. ``--dummy`` profiles a config-only pair (e.g. the Kimi rank
+in total, by kernel name, and by the step frame that launched it (a DDTREE step's verify
+forward apart from its drafter and tree kernels; needs the trace's correlation ids). ``--dummy`` profiles a config-only pair (e.g. the Kimi rank
 emulation under bench_assets/model-configs) with dummy weights.
 The profiler slows the host side down, so compare the two methods with each other, not with
 the benchmark's tokens/s.
@@ -50,7 +51,8 @@ def _pyname(name: str) -> str:
     return name
 
 
-def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
+def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4,
+                    frame_depth: int = 2) -> dict:
     """Per-step host and GPU costs from a chrome trace (torch profiler ``export_chrome_trace``).
 
     Steps are the calls of the spec worker's ``forward_batch_generation`` (the outermost ones);
@@ -98,8 +100,10 @@ def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
                  "calls_per_step": round(v[1] / steps, 2)} for k, v in rows]
 
     launches = sum(v[1] for k, v in rt.items() if "LaunchKernel" in k or "GraphLaunch" in k)
+    launch_paths = {}
+    tree = step_tree(events, outer, steps, max_depth=tree_depth, launch_paths=launch_paths)
     return {
-        "step_tree": step_tree(events, outer, steps, max_depth=tree_depth),
+        "step_tree": tree,
         "steps": len(outer),
         "step_host_ms": round(sum(t - s for s, t, _ in outer) / 1e3 / steps, 4),
         "kernel_ms_per_step": round(kernel_us / 1e3 / steps, 4),
@@ -109,18 +113,56 @@ def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4) -> dict:
         "cuda_runtime": table(rt),
         "cpu_ops": table(ops),
         "gpu_kernels": table(kern),  # GPU time by kernel name (graph-replayed ones included)
+        "gpu_kernels_by_frame": kernels_by_frame(events, launch_paths, steps, frame_depth),
     }
+
+
+OUTSIDE = "(launched outside a step)"
+
+
+def kernels_by_frame(events, launch_paths: dict, steps: int, depth: int = 2,
+                     top: int = 25) -> list:
+    """GPU kernel time per step by the step frame that launched it: each kernel joins its
+    launch call (``cudaLaunchKernel`` / ``cudaGraphLaunch``, which a graph's kernels all
+    share) by the trace's ``correlation`` id, and the launch call the innermost Python frame
+    around it (``launch_paths``, filled by :func:`step_tree`), cut to ``depth`` levels below
+    the step (e.g. ``worker.py:forward_batch_generation > worker.py:_decode_step >
+    worker.py:_verify``). So a DDTREE step's verify forward is told from its drafter and tree
+    kernels. A trace without correlation ids puts every kernel under ``OUTSIDE``.
+    [{"frame", "ms_per_step", "kernels_per_step", "kernels": [{"name", "ms_per_step",
+    "calls_per_step"}]}], most time first."""
+    frames = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        path = launch_paths.get((e.get("args") or {}).get("correlation"))
+        frame = OUTSIDE if path is None else " > ".join(path.split(" > ")[:depth + 1])
+        k = frames[frame][e.get("name", "")[:160]]
+        k[0] += float(e["dur"])
+        k[1] += 1
+    out = []
+    for frame, kern in frames.items():
+        rows = sorted(kern.items(), key=lambda kv: -kv[1][0])
+        out.append({"frame": frame,
+                    "ms_per_step": round(sum(v[0] for v in kern.values()) / 1e3 / steps, 4),
+                    "kernels_per_step": round(sum(v[1] for v in kern.values()) / steps, 1),
+                    "kernels": [{"name": n, "ms_per_step": round(v[0] / 1e3 / steps, 4),
+                                 "calls_per_step": round(v[1] / steps, 2)}
+                                for n, v in rows[:top]]})
+    out.sort(key=lambda f: -f["ms_per_step"])
+    return out
 
 
 def _is_launch(name: str) -> bool:
     return "LaunchKernel" in name or "GraphLaunch" in name
 
 
-def step_tree(events, outer, steps, max_depth=4, min_ms=0.005):
+def step_tree(events, outer, steps, max_depth=4, min_ms=0.005, launch_paths=None):
     """The step's host time as a call tree: one row per call path below the step function
     (``a > b > c``, at most ``max_depth`` levels), with inclusive ms, calls and CUDA launches
     per step, in call order. Nesting is by time containment of Python events on one thread;
-    CUDA runtime calls count towards the innermost Python frame around them."""
+    CUDA runtime calls count towards the innermost Python frame around them. A dict passed as
+    ``launch_paths`` receives each launch call's ``correlation`` id -> that frame's path."""
     spans = {(s, t) for s, t, _ in outer}
     py = sorted((e for e in events if e.get("cat") in ("python_function", "cuda_runtime")),
                 key=lambda e: (e.get("tid", 0), float(e["ts"]), -float(e["dur"])))
@@ -136,6 +178,9 @@ def step_tree(events, outer, steps, max_depth=4, min_ms=0.005):
         if e.get("cat") == "cuda_runtime":
             if stack and stack[-1][1] is not None and _is_launch(e.get("name", "")):
                 rows[stack[-1][1]][2] += 1
+                corr = (e.get("args") or {}).get("correlation")
+                if launch_paths is not None and corr is not None:
+                    launch_paths[corr] = stack[-1][1]
             continue
         name = _pyname(e.get("name", ""))
         parent = stack[-1][1] if stack else None
@@ -274,6 +319,15 @@ def main():
         print("== host ms/step, DDTREE minus DFLASH (inclusive; largest first)")
         for r in result["ddtree_minus_dflash"]:
             print(f"  {r['diff_ms']:+8.3f}  ({r['a_ms']:.3f} -> {r['b_ms']:.3f})  {r['name']}")
+    for name, s in result["methods"].items():
+        print(f"== {name}: GPU kernel time by the step frame that launched it (ms/step)")
+        for f in s.get("gpu_kernels_by_frame", []):
+            if f["ms_per_step"] >= 0.05:
+                print(f"  {f['ms_per_step']:8.3f} ms  {f['kernels_per_step']:7.1f} kernels  "
+                      f"{f['frame']}")
+                for k in f["kernels"][:8]:
+                    print(f"      {k['ms_per_step']:8.4f}  x{k['calls_per_step']:<6} "
+                          f"{k['name'][:90]}")
     for name, s in result["methods"].items():
         print(f"== {name}: the step's host time as a call tree (ms/step, calls, launches)")
         for row in s.get("step_tree", []):

@@ -98,3 +98,43 @@ def test_host_time_diff_ranks_what_ddtree_adds_over_dflash():
     assert rows[0]["diff_ms"] == 6.0 and rows[1]["diff_ms"] == -5.0
     assert rows[2] == {"name": "scheduler.py:run_batch", "a_ms": 6.0, "b_ms": 7.1,
                        "diff_ms": 1.1}
+
+
+def test_kernels_by_frame_follow_their_launch_calls():
+    """Kernels join their launch call by correlation id (all of a graph's kernels share the
+    graph launch's), and the call the frame it ran in, cut to two levels below the step."""
+    def corr(e, c):
+        e["args"] = {"correlation": c}
+        return e
+
+    def inner(t0):
+        c = t0 // 10_000 * 10  # correlation ids unique per step
+        return [
+            _x("python_function", "/x/sglang_ddtree/worker.py(400): _decode_step", t0 + 50, 3900),
+            _x("python_function", "/x/sglang_ddtree/worker.py(410): _draft", t0 + 100, 900),
+            corr(_x("cuda_runtime", "cudaGraphLaunch", t0 + 300, 10), c + 1),
+            _x("python_function", "/x/sglang_ddtree/worker.py(420): _verify", t0 + 1100, 2000),
+            _x("python_function", "/x/sglang/srt/model_executor/model_runner.py(9): forward",
+               t0 + 1200, 1500),  # a third level: folds into _verify
+            corr(_x("cuda_runtime", "cudaGraphLaunch", t0 + 1300, 10), c + 2),
+            corr(_x("kernel", "draft_gemm", t0 + 400, 300), c + 1),
+            corr(_x("kernel", "tree_attn", t0 + 1400, 500), c + 2),
+            corr(_x("kernel", "moe_gate_up", t0 + 1900, 700), c + 2),
+            corr(_x("kernel", "tree_attn", t0 + 2600, 100), c + 2),
+            corr(_x("kernel", "stray", t0 + 5000, 50), c + 9),  # no launch call in a step
+        ]
+    ev = _steps(2, inner)
+    for e in ev:
+        e["tid"] = 1
+    frames = prof.summarize_trace({"traceEvents": ev})["gpu_kernels_by_frame"]
+    step = "worker.py:forward_batch_generation > worker.py:_decode_step"
+    by = {f["frame"]: f for f in frames}
+    assert [f["frame"] for f in frames] == [f"{step} > worker.py:_verify",
+                                            f"{step} > worker.py:_draft", prof.OUTSIDE]
+    verify = by[f"{step} > worker.py:_verify"]
+    assert verify["ms_per_step"] == 1.3 and verify["kernels_per_step"] == 3.0
+    assert verify["kernels"] == [
+        {"name": "moe_gate_up", "ms_per_step": 0.7, "calls_per_step": 1.0},
+        {"name": "tree_attn", "ms_per_step": 0.6, "calls_per_step": 2.0}]
+    assert by[f"{step} > worker.py:_draft"]["kernels"][0]["name"] == "draft_gemm"
+    assert by[prof.OUTSIDE]["ms_per_step"] == 0.05
