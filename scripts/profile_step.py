@@ -7,8 +7,9 @@ CPU + GPU activities and Python stacks) while a concurrency-``--concurrency`` lo
 summarises each trace: per decode step, the host time inside every Python function (inclusive),
 the count and time of CUDA runtime calls (kernel / graph launches), and the GPU kernel time,
 in total, by kernel name, and by the step frame that launched it (a DDTREE step's verify
-forward apart from its drafter and tree kernels; needs the trace's correlation ids). ``--dummy`` profiles a config-only pair (e.g. the Kimi rank
-emulation under bench_assets/model-configs) with dummy weights.
+forward apart from its drafter and tree kernels; needs the trace's correlation ids).
+``--dummy`` profiles a config-only pair (e.g. the Kimi rank emulation under
+bench_assets/model-configs) with dummy weights.
 The profiler slows the host side down, so compare the two methods with each other, not with
 the benchmark's tokens/s.
 

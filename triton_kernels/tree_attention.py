@@ -460,8 +460,9 @@ _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
 # MHA (head dim <= 128) tiles. A tree's rows per KV head are (budget + 1) x group, a power of
 # two plus a group at the usual budgets, so 128-row tiles of 132 rows (budget 32 at 4 query
-# heads per KV head) run a second block for 4 rows. On the H200 (bench_results/tree_verify_mha_rows_h200_s20.json, Qwen3-8B
-# shapes, batch 1 / 8 / 32 x 2,048 / 16,384 / 65,536 keys, split counts as served): at 132 rows
+# heads per KV head) run a second block for 4 rows. On the H200
+# (bench_results/tree_verify_mha_rows_h200_s20.json, Qwen3-8B shapes, batch 1 / 8 / 32 x
+# 2,048 / 16,384 / 65,536 keys, split counts as served): at 132 rows
 # three 64-row blocks beat two 128-row ones at all 9 points, 1.08-1.85x; at 260 rows 128-row
 # tiles win at batch 1 and 8 (up to 1.3x) and lose at batch 32 (1.33-1.35x slower).
 _MHA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
@@ -505,10 +506,8 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
     if device.type != "cuda":
         return None
     if not _latent_rows(dk, d_pe, dv):
-        if (dk <= 128 and dv <= 128 and rows >= _MHA_WIDE_MIN_ROWS
-                and groups > _MHA_WIDE_MAX_GROUPS):
-            return _MHA_TILE
-        return None
+        wide = _default_config(dk, d_pe, dv, rows, device) is _MHA_WIDE_TILE
+        return _MHA_TILE if wide and groups > _MHA_WIDE_MAX_GROUPS else None
     if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
         return _MLA_SMALL_BATCH
     if (_MLA_SMALL_BATCH_MAX_ROWS < rows <= _MLA_FEW_ROWS_MAX_ROWS
@@ -516,6 +515,11 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
         return replace(_default_config(dk, d_pe, dv, rows, device),
                        min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
     return None
+
+
+def _waves(programs: int, splits: int, slots: int) -> int:
+    """Waves of ``programs`` x ``splits`` programs on a GPU running ``slots`` at once."""
+    return -(-programs * splits // slots)
 
 
 def split_count(programs: int, slots: int, cap: int, max_splits: int = 64,
@@ -531,7 +535,7 @@ def split_count(programs: int, slots: int, cap: int, max_splits: int = 64,
     measured times follow waves(S) / S: batch 8 / budget 64 at 32,768 keys, 2 splits (3
     waves of half the prefix) 2,522 us, 14 splits 1,613 us."""
     limit = max(1, min(cap, max_splits, max(16, slots // max(programs, 1))))
-    cost = {s: -(-programs * s // slots) / s for s in range(1, limit + 1)}
+    cost = {s: _waves(programs, s, slots) / s for s in range(1, limit + 1)}
     best = min(cost.values())
     return max(s for s, c in cost.items() if c <= best * (1 + tolerance))
 
@@ -548,15 +552,15 @@ def mha_split_count(programs: int, sms: int, num_warps: int, cap: int,
 
     On the H200 (bench_results/tree_verify_ab_mha_splits_h200_s20.json, Qwen3-8B shapes,
     batch 1-32 x budget 8-64 x 2,048-65,536 keys, same-call A/B against about two waves with
-    a second split for a short last wave): 69 of 120 points changed, 1.17x geometric mean, up to 1.64x. Slower: batch 8 / budget 64 by
-    up to 1.43x while the 8-warp tile counted 2 programs per SM (since then the same split as
-    before, tree_verify_mha_wide_splits_h200_s20.json), and 2-6 % at 5 batch / budget pairs
-    past 16k keys, where a tie now takes one split instead of two (8-13 % faster at 2,048)."""
+    a second split for a short last wave): 69 of 120 points changed, 1.17x geometric mean, up
+    to 1.64x. Slower: batch 8 / budget 64 by up to 1.43x while the 8-warp tile counted 2
+    programs per SM (since then the same split as before,
+    tree_verify_mha_wide_splits_h200_s20.json), and 2-6 % at 5 batch / budget pairs past 16k
+    keys, where a tie now takes one split instead of two (8-13 % faster at 2,048)."""
     want = -(-2 * sms // max(programs, 1))
     slots = sms * max(1, 8 // num_warps)
     limit = int(max(1, min(want + 1, cap, max_splits)))
-    return min(range(1, limit + 1),
-               key=lambda s: (Fraction(-(-programs * s // slots), s), s))
+    return min(range(1, limit + 1), key=lambda s: (Fraction(_waves(programs, s, slots), s), s))
 
 
 def _reduce_chunk(v_head_dim: int) -> int:
