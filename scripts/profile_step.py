@@ -122,7 +122,7 @@ OUTSIDE = "(launched outside a step)"
 
 
 def kernels_by_frame(events, launch_paths: dict, steps: int, depth: int = 2,
-                     top: int = 25) -> list:
+                     top: int = 80) -> list:
     """GPU kernel time per step by the step frame that launched it: each kernel joins its
     launch call (``cudaLaunchKernel`` / ``cudaGraphLaunch``, which a graph's kernels all
     share) by the trace's ``correlation`` id, and the launch call the innermost Python frame
@@ -223,6 +223,61 @@ def host_time_diff(a: dict, b: dict, top: int = 25, min_ms: float = 0.02) -> lis
     return rows[:top]
 
 
+def ddtree_methods(names: list, budgets: list, spec: list) -> dict:
+    """Server flags per profiled method, in the order asked. ``ddtree`` with several budgets
+    becomes one method per budget (``ddtree_b8``, ``ddtree_b16``, ...)."""
+    out = {}
+    for name in names:
+        if name == "ar":
+            out[name] = []
+        elif name == "dflash":
+            out[name] = ["--speculative-algorithm", "DFLASH"] + spec
+        elif name == "ddtree":
+            for b in budgets:
+                key = "ddtree" if len(budgets) == 1 else f"ddtree_b{b}"
+                out[key] = ["--speculative-algorithm", "DDTREE",
+                            "--speculative-ddtree-budget", b] + spec
+        else:
+            raise SystemExit(f"--methods: unknown method {name!r} (ar, dflash, ddtree)")
+    return out
+
+
+TARGET_FORWARD = "tp_worker.py:forward_batch_generation"  # the target model's forward
+
+
+def target_forward_kernels(summary: dict) -> list:
+    """GPU kernels per step of the target model's forward: an AR step is one, a speculative
+    step's verify forward the frames ending in the target worker's forward (graph replays
+    included). [{"name", "ms_per_step", "calls_per_step"}], summed over those frames."""
+    acc = collections.defaultdict(lambda: [0.0, 0.0])
+    for f in summary.get("gpu_kernels_by_frame", []):
+        if TARGET_FORWARD in f["frame"].split(" > "):
+            for k in f["kernels"]:
+                acc[k["name"]][0] += k["ms_per_step"]
+                acc[k["name"]][1] += k["calls_per_step"]
+    return [{"name": n, "ms_per_step": round(v[0], 4), "calls_per_step": round(v[1], 2)}
+            for n, v in sorted(acc.items(), key=lambda kv: -kv[1][0])]
+
+
+def kernel_time_diff(a: list, b: list, top: int = 30, min_ms: float = 0.002) -> list:
+    """Where kernel list ``b`` (ms per step by name) exceeds ``a``: [{"name", "a_ms", "b_ms",
+    "diff_ms", "a_calls", "b_calls"}], largest absolute difference first; a kernel missing
+    from one side counts 0 there."""
+    ka = {r["name"]: r for r in a}
+    kb = {r["name"]: r for r in b}
+    rows = []
+    for n in set(ka) | set(kb):
+        ra, rb = ka.get(n, {}), kb.get(n, {})
+        diff = rb.get("ms_per_step", 0.0) - ra.get("ms_per_step", 0.0)
+        if abs(diff) >= min_ms:
+            rows.append({"name": n, "a_ms": ra.get("ms_per_step", 0.0),
+                         "b_ms": rb.get("ms_per_step", 0.0), "diff_ms": round(diff, 4),
+                         "a_calls": ra.get("calls_per_step", 0.0),
+                         "b_calls": rb.get("calls_per_step", 0.0)})
+    rows.sort(key=lambda r: (-abs(r["diff_ms"]), r["name"]))
+    return rows[:top]
+
+
 def _post(port, path, payload):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -236,7 +291,9 @@ def main():
 
     ap = argparse.ArgumentParser()
     add_pair_args(ap, "bench_results/profile_step_h200.json")
-    ap.add_argument("--budget", default="32")
+    ap.add_argument("--budget", default="32",
+                    help="DDTREE budget; a comma list (8,16) profiles one DDTREE server per "
+                    "budget, named ddtree_b8, ddtree_b16")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -262,10 +319,7 @@ def main():
     if args.dummy:
         common += ["--load-format", "dummy", "--skip-tokenizer-init"]
         spec += ["--speculative-draft-load-format", "dummy"]
-    methods = {"ar": [], "dflash": ["--speculative-algorithm", "DFLASH"] + spec,
-               "ddtree": ["--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget",
-                          args.budget] + spec}
-    methods = {m: methods[m] for m in args.methods.split(",")}
+    methods = ddtree_methods(args.methods.split(","), args.budget.split(","), spec)
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
               "source_digest": checkout_digest(__file__),
               "gpu": torch.cuda.get_device_name(0),
@@ -314,12 +368,28 @@ def main():
     if "python_inclusive" in m.get("dflash", {}) and "python_inclusive" in m.get("ddtree", {}):
         # the question this profile exists for: which functions make DDTREE's step longer
         result["ddtree_minus_dflash"] = host_time_diff(m["dflash"], m["ddtree"])
+    base = "ar" if "python_inclusive" in m.get("ar", {}) else None
+    for name, summ in m.items():
+        if base is None or name == base or "gpu_kernels_by_frame" not in summ:
+            continue
+        # the question for the Kimi ratio: which kernels make a verify forward dearer than a
+        # decode step
+        summ["target_forward_kernels"] = target_forward_kernels(summ)
+        result.setdefault("target_forward_minus_ar", {})[name] = kernel_time_diff(
+            target_forward_kernels(m[base]), summ["target_forward_kernels"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json.dump(result, open(args.out, "w"), indent=1)
     if result.get("ddtree_minus_dflash"):
         print("== host ms/step, DDTREE minus DFLASH (inclusive; largest first)")
         for r in result["ddtree_minus_dflash"]:
             print(f"  {r['diff_ms']:+8.3f}  ({r['a_ms']:.3f} -> {r['b_ms']:.3f})  {r['name']}")
+    for name, rows in result.get("target_forward_minus_ar", {}).items():
+        a = sum(r["ms_per_step"] for r in target_forward_kernels(m["ar"]))
+        b = sum(r["ms_per_step"] for r in m[name]["target_forward_kernels"])
+        print(f"== {name}: target forward's GPU kernels minus AR's ({a:.3f} -> {b:.3f} ms/step)")
+        for r in rows:
+            print(f"  {r['diff_ms']:+8.4f}  ({r['a_ms']:.4f} x{r['a_calls']} -> {r['b_ms']:.4f} "
+                  f"x{r['b_calls']})  {r['name'][:90]}")
     for name, s in result["methods"].items():
         print(f"== {name}: GPU kernel time by the step frame that launched it (ms/step)")
         for f in s.get("gpu_kernels_by_frame", []):

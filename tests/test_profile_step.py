@@ -138,3 +138,38 @@ def test_kernels_by_frame_follow_their_launch_calls():
         {"name": "tree_attn", "ms_per_step": 0.6, "calls_per_step": 2.0}]
     assert by[f"{step} > worker.py:_draft"]["kernels"][0]["name"] == "draft_gemm"
     assert by[prof.OUTSIDE]["ms_per_step"] == 0.05
+
+
+def test_target_forward_kernels_and_their_difference():
+    ar = {"gpu_kernels_by_frame": [
+        {"frame": "tp_worker.py:forward_batch_generation > model_runner.py:forward",
+         "kernels": [{"name": "gemm", "ms_per_step": 0.5, "calls_per_step": 10},
+                     {"name": "attn_decode", "ms_per_step": 0.2, "calls_per_step": 8}]},
+        {"frame": prof.OUTSIDE, "kernels": [{"name": "prefill", "ms_per_step": 9.0,
+                                            "calls_per_step": 1}]}]}
+    dd = {"gpu_kernels_by_frame": [
+        {"frame": "worker.py:forward_batch_generation > worker.py:_decode_step > "
+                  "tp_worker.py:forward_batch_generation",
+         "kernels": [{"name": "gemm", "ms_per_step": 0.7, "calls_per_step": 10},
+                     {"name": "tree_attn", "ms_per_step": 0.3, "calls_per_step": 8}]},
+        {"frame": "worker.py:forward_batch_generation > worker.py:_decode_step > "
+                  "worker.py:_draft",  # the drafter's kernels are not the target's
+         "kernels": [{"name": "gemm", "ms_per_step": 0.4, "calls_per_step": 3}]}]}
+    assert prof.target_forward_kernels(ar) == [
+        {"name": "gemm", "ms_per_step": 0.5, "calls_per_step": 10},
+        {"name": "attn_decode", "ms_per_step": 0.2, "calls_per_step": 8}]
+    diff = prof.kernel_time_diff(prof.target_forward_kernels(ar), prof.target_forward_kernels(dd))
+    assert [(r["name"], r["diff_ms"]) for r in diff] == [
+        ("tree_attn", 0.3), ("attn_decode", -0.2), ("gemm", 0.2)]
+    assert diff[1]["b_calls"] == 0.0 and diff[0]["a_ms"] == 0.0
+
+
+def test_ddtree_methods_one_server_per_budget():
+    spec = ["--speculative-draft-model-path", "d"]
+    one = prof.ddtree_methods(["ar", "ddtree"], ["32"], spec)
+    assert list(one) == ["ar", "ddtree"] and one["ar"] == []
+    assert one["ddtree"][:4] == ["--speculative-algorithm", "DDTREE",
+                                 "--speculative-ddtree-budget", "32"]
+    two = prof.ddtree_methods(["ddtree", "dflash"], ["8", "16"], spec)
+    assert list(two) == ["ddtree_b8", "ddtree_b16", "dflash"]
+    assert two["ddtree_b16"][3] == "16" and two["dflash"][-1] == "d"
