@@ -341,6 +341,76 @@ def tune(args, layers, make_inputs, dev) -> dict:
     return {"bands": bands, "errors": log}
 
 
+def _band_of(m: int) -> int:
+    """max_m of the table band that serves ``m`` (the largest band for bigger ``m``)."""
+    table = mw._config_table(os.environ.get("SGLANG_DDTREE_MOE_CONFIG", mw._CONFIG_PATH))
+    return next((max_m for max_m, _ in table if m <= max_m), table[-1][0])
+
+
+def gate_up_grid(args, layers, make_inputs, dev, grid) -> dict:
+    """Whole-call times of gate-up candidates against the table, per M and routing.
+
+    A band's table entry serves every M up to its max_m under any routing, while the best K
+    split depends on how many experts a call touches (few experts: few row blocks, too few
+    programs without a split). So each candidate is timed at several M and routings, and
+    ``summary`` gives, per table band, its worst ratio to the table on random routing and on
+    the concentrated ones (below 1: faster). Block_m and the down config stay the table's.
+    """
+    routings = args.routings.split(",")
+    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+           "source_digest": checkout_digest(__file__),
+           "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
+                   f"replays over {len(layers)} weight sets; block_m and down from the table",
+           "rows": [], "summary": {}}
+    for m in args.ms:
+        table = mw.select_config(m)
+        for routing in routings:
+            xs, tws, tis, _ = make_inputs(m, routing)
+            touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
+            ref = run_ours(layers, xs, tws, tis, n=1).float().clone()
+
+            def timed(cfg):
+                try:
+                    o = run_ours(layers, xs, tws, tis, n=1, config=cfg).float()
+                    err = float((o - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+                    us = graph_time_us(lambda: run_ours(layers, xs, tws, tis, config=cfg),
+                                       args.iters, dev) / len(layers)
+                    return {"us": round(us, 2), "rel_diff_vs_table": err}
+                except Exception as exc:  # a tile that does not fit: recorded, not fatal
+                    return {"us": None, "error": repr(exc)[:300]}
+
+            row = {"m": m, "band": _band_of(m), "routing": routing, "touched_experts": touched,
+                   "table": dataclasses.asdict(table), "table_us": timed(table)["us"],
+                   "candidates": {}}
+            for c in grid:
+                cfg = mw.MoeConfig(table.block_m, mw.GemmConfig(*c), table.down)
+                row["candidates"][",".join(map(str, c))] = timed(cfg)
+            out["rows"].append(row)
+            best = sorted((v["us"], k) for k, v in row["candidates"].items() if v["us"])[:3]
+            print(f"M={m} {routing} touched {touched:.1f} table {row['table_us']} | "
+                  + "; ".join(f"{u} {k}" for u, k in best), flush=True)
+    out["summary"] = grid_summary(out["rows"])
+    return out
+
+
+def grid_summary(rows: list) -> dict:
+    """Per band and candidate: the worst ratio of its time to the table's over the band's rows,
+    on random routing and on the concentrated routings. {band: {candidate: {"random": r,
+    "concentrated": r}}} (a routing kind without rows, or a failed candidate, is left out)."""
+    acc = {}
+    for r in rows:
+        if not r["table_us"]:
+            continue
+        kind = "random" if r["routing"] == "random" else "concentrated"
+        for name, v in r["candidates"].items():
+            if v.get("us"):
+                cell = acc.setdefault(str(r["band"]), {}).setdefault(name, {})
+                cell[kind] = round(max(cell.get(kind, 0.0), v["us"] / r["table_us"]), 4)
+    return acc
+
+
 def breakdown(args, layers, make_inputs, dev) -> dict:
     """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
 
@@ -442,6 +512,14 @@ def main(argv=None) -> int:
                     help="per-kernel times (align, gate-up, down, combine) by differences of "
                          "graphs that stop after each kernel, for the table's config and the "
                          "down-kernel candidates; JSON to --out")
+    ap.add_argument("--grid", default=None,
+                    help="time the whole call per M and routing for the table's config and "
+                         "for each of these gate-up configs (';'-separated block_n,block_k,"
+                         "num_warps,num_stages[,n_per_cta,split_dq,split_k]; block_m and the "
+                         "down config stay the table's for that M), outputs checked against "
+                         "the table's; with a per-band summary against the table; JSON to --out")
+    ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
+                    help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--profiler", action="store_true",
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
@@ -452,13 +530,28 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
                     help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
-    concentrated = 0
-    if args.routing != "random":
-        kind, _, n = args.routing.partition(":")
+
+    def parse_routing(routing):  # -> experts to concentrate on, 0 for random
+        if routing == "random":
+            return 0
+        kind, _, n = routing.partition(":")
         if kind != "concentrated" or not n.isdigit() or not args.topk <= int(n) <= args.experts:
             ap.error(f"--routing: random or concentrated:N with {args.topk} <= N <= "
-                     f"{args.experts}, got {args.routing!r}")
-        concentrated = int(n)
+                     f"{args.experts}, got {routing!r}")
+        return int(n)
+
+    parse_routing(args.routing)
+    grid = None
+    if args.grid is not None:
+        try:
+            grid = [tuple(int(v) for v in c.split(",")) for c in args.grid.split(";") if c]
+        except ValueError:
+            ap.error(f"--grid: ';'-separated block_n,block_k,num_warps,num_stages"
+                     f"[,n_per_cta,split_dq,split_k] lists, got {args.grid!r}")
+        if not grid or any(not 4 <= len(c) <= 7 for c in grid):
+            ap.error(f"--grid: 4 to 7 integers per gate-up config, got {args.grid!r}")
+        for r in args.routings.split(","):
+            parse_routing(r)
     dev = torch.device(args.device)
     torch.manual_seed(0)
     if args.config:
@@ -469,12 +562,13 @@ def main(argv=None) -> int:
               for i in range(args.layers)]
     print(f"[{time.perf_counter() - t0:6.1f} s] {args.layers} random weight sets", flush=True)
 
-    def make_inputs(m):
+    def make_inputs(m, routing=args.routing):
+        concentrated = parse_routing(routing)
         g = torch.Generator(device=dev).manual_seed(m)
         xs = [torch.randn(m, args.hidden, device=dev, generator=g, dtype=torch.bfloat16)
               for _ in layers]
         logits = [torch.randn(m, args.experts, device=dev, generator=g) for _ in layers]
-        if args.routing != "random":
+        if concentrated:
             # every token's top-k among the same few experts (a distinct set per layer)
             for lg in logits:
                 few = torch.randperm(args.experts, device=dev, generator=g)[:concentrated]
@@ -490,6 +584,13 @@ def main(argv=None) -> int:
                 run_ours(layers, xs, tws, tis, n=1)
             _sync(dev)
             print(f"profiled M={m} with {mw.select_config(m)}", flush=True)
+        return 0
+    if grid is not None:
+        result = gate_up_grid(args, layers, make_inputs, dev, grid)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
         return 0
     if args.breakdown:
         result = breakdown(args, layers, make_inputs, dev)

@@ -103,3 +103,46 @@ def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):
     assert t["tuned"] == [{"command": "old", "max_m": [16]}, {"command": "new", "max_m": [1, 8]}]
     bench.write_table(str(out), {"bands": [band(16, 5.0)]}, {"command": "newer"})
     assert [r["command"] for r in json.loads(out.read_text())["tuned"]] == ["new", "newer"]
+
+
+def test_grid_times_candidates_against_the_table(bench, tmp_path):
+    out = tmp_path / "grid.json"
+    grid = "64,128,4,1;64,128,4,1,0,1,2"
+    assert bench.main(TINY + ["--grid", grid, "--routings", "concentrated:2,random",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["m"], r["routing"]) for r in result["rows"]] == [(3, "concentrated:2"),
+                                                                (3, "random")]
+    assert result["rows"][0]["touched_experts"] == 2.0
+    for r in result["rows"]:
+        assert r["table"] == dataclasses.asdict(bench.mw.select_config(3))
+        assert math.isfinite(r["table_us"])
+        assert list(r["candidates"]) == ["64,128,4,1", "64,128,4,1,0,1,2"]
+        for c in r["candidates"].values():
+            assert math.isfinite(c["us"])
+            assert c["rel_diff_vs_table"] < 2e-2, c  # the same sums in another order
+    band = str(result["rows"][0]["band"])
+    assert set(result["summary"][band]["64,128,4,1"]) == {"random", "concentrated"}
+
+
+def test_grid_option_is_checked(bench, tmp_path):
+    for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "a,b,c,d"):
+        with pytest.raises(SystemExit):
+            bench.main(TINY + ["--grid", bad, "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):
+        bench.main(TINY + ["--grid", "64,128,4,1", "--routings", "random,skewed:3",
+                           "--out", str(tmp_path / "x.json")])
+
+
+def test_grid_summary_keeps_the_worst_ratio_per_band_and_routing_kind(bench):
+    def row(m, band, routing, table_us, **cands):
+        return {"m": m, "band": band, "routing": routing, "table_us": table_us,
+                "candidates": {k: {"us": v} for k, v in cands.items()}}
+    rows = [row(9, 16, "concentrated:8", 40.0, a=36.0, b=44.0),
+            row(16, 16, "concentrated:8", 44.0, a=39.6, b=None),
+            row(9, 16, "random", 90.0, a=91.8, b=90.0),
+            row(17, 32, "random", 140.0, a=130.2)]
+    assert bench.grid_summary(rows) == {
+        "16": {"a": {"concentrated": 0.9, "random": 1.02},
+               "b": {"concentrated": 1.1, "random": 1.0}},
+        "32": {"a": {"random": 0.93}}}
