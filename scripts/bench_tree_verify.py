@@ -350,8 +350,9 @@ def main(argv=None):
                          "session 19 this moved the minimum chunk only)")
     ap.add_argument("--kernels-dir", default=None,
                     help="time the kernels of another checkout's triton_kernels/ directory "
-                         "(reference.py, tree_attention.py, tree_attention_mla.py and an "
-                         "__init__.py) instead of this one's")
+                         "(reference.py, tree_attention.py, tree_attention_mla.py, an "
+                         "__init__.py and, from session 21 on, tree_attention_plan.py) instead "
+                         "of this one's")
     ap.add_argument("--plan-context", type=int, default=0,
                     help="plan our kernel for contexts up to this many tokens (as a server "
                          "does for its --context-length) instead of each point's own context")

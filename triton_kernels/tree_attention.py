@@ -28,18 +28,29 @@ context) once; :meth:`TreeAttention.run` only launches kernels whose grids depen
 and replayed with new inputs. Split chunk bounds are computed inside the kernel from ``seq_lens``;
 empty chunks just write an empty partial.
 
-The MLA (absorbed, latent KV) variant lives in ``tree_attention_mla.py`` and reuses these kernels.
+The MLA (absorbed, latent KV) variant lives in ``tree_attention_mla.py`` and reuses these kernels;
+tile configs and split counts are chosen in ``tree_attention_plan.py``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from fractions import Fraction
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .tree_attention_plan import (
+    _PARTIAL_BYTES,
+    KernelConfig,
+    _batch_config,
+    _default_config,
+    _latent_rows,
+    _num_sms,
+    _reduce_chunk,
+    mha_split_count,
+    split_count,
+)
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by CI) mis-evaluates tl.dot on bf16 tiles
 # (it multiplies raw bit patterns) and rejects tensor loop bounds in range() under numpy >= 2, so
@@ -47,11 +58,6 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _LOG2E = 1.4426950408889634
-# fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
-# and the kernel enforces it against the actual prefix (MIN_CHUNK)
-_MIN_SPLIT_KEYS = 256
-# the most fp32 partial-output bytes one launch may split into (see TreeAttention._count_splits)
-_PARTIAL_BYTES = 128 << 20
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -421,161 +427,6 @@ def _tree_attn_reduce_kernel(
 # --------------------------------------------------------------------------------------------
 # Host side: planning (allocates, not graph-safe) and running (launch-only, graph-safe)
 # --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile sizes and launch options of the forward kernel."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    # programs per row block, each computing v_head_dim / dv_split output columns (the scores
-    # are computed in each): smaller accumulators, so bigger block_m fits (MLA's 512 dims)
-    dv_split: int = 1
-    # > 0: the QK reduction in slices of this many dims, the query re-read per slice instead of
-    # held whole in registers (MLA's 512-dim rows spill otherwise); 0: one full-width dot
-    dk_chunk: int = 0
-    # fewest prefix keys a live split covers (the kernel's MIN_CHUNK); it also caps the split
-    # count at the planned context / min_split_keys
-    min_split_keys: int = _MIN_SPLIT_KEYS
-
-
-# MLA with few query rows in the whole batch (see _batch_config): 16-row tiles and splits
-# of at least 128 keys, so a batch of one short tree still spreads over the GPU. Timed on the
-# H200 (bench_results/tree_verify_mla_small_h200_s17.json, contexts 512 / 2,048 / 8,192): at batch
-# 1 with budget 8 or 16 and batch 2 with budget 8 (up to 144 rows) it is faster than the default
-# at every context; at 264 rows (batch 1, budget 32) and more it is up to 1.8x slower at 8,192.
-_MLA_SMALL_BATCH = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2,
-                                min_split_keys=128)
-_MLA_SMALL_BATCH_MAX_ROWS = 144
-# MLA trees of 145-264 query rows per KV head (Kimi TP8: budgets 18-32) in a batch of at most 528
-# rows: the default tile with splits of at least 128 keys instead of 256. On the H200
-# (bench_results/tree_verify_mla_minsplit_h200_s18.json and tree_verify_mla_rows_h200_s18.json,
-# 264 rows per request, same split counts as served): batch 1 33.0 -> 29.1 us at 512 keys and
-# 33.7 -> 31.1 at 2,048, batch 2 37.3 -> 29.3 and 39.7 -> 34.8, equal at 8,192; not at 520 rows
-# (budget 64, batch 1: 40.5 -> 59.8 at 2,048) nor at batch 8 (equal).
-_MLA_FEW_ROWS_MIN_SPLIT = 128
-_MLA_FEW_ROWS_MAX_ROWS = 264
-_MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
-# MHA (head dim <= 128) tiles. A tree's rows per KV head are (budget + 1) x group, a power of
-# two plus a group at the usual budgets, so 128-row tiles of 132 rows (budget 32 at 4 query
-# heads per KV head) run a second block for 4 rows. On the H200
-# (bench_results/tree_verify_mha_rows_h200_s20.json, Qwen3-8B shapes, batch 1 / 8 / 32 x
-# 2,048 / 16,384 / 65,536 keys, split counts as served): at 132 rows
-# three 64-row blocks beat two 128-row ones at all 9 points, 1.08-1.85x; at 260 rows 128-row
-# tiles win at batch 1 and 8 (up to 1.3x) and lose at batch 32 (1.33-1.35x slower).
-_MHA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-_MHA_WIDE_TILE = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-_MHA_WIDE_MIN_ROWS = 256
-_MHA_WIDE_MAX_GROUPS = 64  # batch x KV heads; Qwen3-8B: batch 8 on one GPU
-
-
-def _latent_rows(dk: int, d_pe: int, dv: int) -> bool:
-    """Rows as wide as MLA's absorbed latent (512 + 64): they take their own tiles, small-batch
-    configs and split counts."""
-    return dk + d_pe > 256 or dv > 256
-
-
-def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device) -> KernelConfig:
-    """Tiles measured on an H200 (scripts/bench_tree_verify.py --config, 16k context, bs 1/8,
-    budgets 16/64); ``rows`` = N x query heads per KV head."""
-    if device.type != "cuda":
-        return KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    if _latent_rows(dk, d_pe, dv):
-        # MLA latent rows (512 + 64): a 32-row fp32 accumulator of 512 dims is what fits;
-        # 32x64 beat 32x32, 64x32 and 64x64 at every measured point
-        return KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
-    if dk > 128 or dv > 128:
-        return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if rows >= _MHA_WIDE_MIN_ROWS:  # wide trees / big GQA groups (see _MHA_TILE)
-        return _MHA_WIDE_TILE
-    return _MHA_TILE
-
-
-def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
-                  device: torch.device) -> Optional[KernelConfig]:
-    """The config of one batch size where it differs from the default, else None. MLA with
-    few query rows: a smaller tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch,
-    and shorter splits for trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in
-    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS. MHA trees wide enough for 128-row tiles:
-    64-row tiles again in batches of more than _MHA_WIDE_MAX_GROUPS KV-head groups.
-
-    ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
-    heads."""
-    if device.type != "cuda":
-        return None
-    if not _latent_rows(dk, d_pe, dv):
-        wide = _default_config(dk, d_pe, dv, rows, device) is _MHA_WIDE_TILE
-        return _MHA_TILE if wide and groups > _MHA_WIDE_MAX_GROUPS else None
-    if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
-        return _MLA_SMALL_BATCH
-    if (_MLA_SMALL_BATCH_MAX_ROWS < rows <= _MLA_FEW_ROWS_MAX_ROWS
-            and groups * rows <= _MLA_FEW_ROWS_MAX_BATCH_ROWS):
-        return replace(_default_config(dk, d_pe, dv, rows, device),
-                       min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
-    return None
-
-
-def _waves(programs: int, splits: int, slots: int) -> int:
-    """Waves of ``programs`` x ``splits`` programs on a GPU running ``slots`` at once."""
-    return -(-programs * splits // slots)
-
-
-def split_count(programs: int, slots: int, cap: int, max_splits: int = 64,
-                tolerance: float = 0.05) -> int:
-    """Prefix splits for ``programs`` (row blocks x KV heads x column parts) on a GPU that
-    runs ``slots`` programs at once, for a long prefix (every split live): a split's time is
-    its share of the prefix, so a launch costs about waves(S) / S = ceil(programs x S / slots)
-    / S of one unsplit pass. Rounding S x programs up past a wave boundary adds a nearly empty
-    wave (the old rule, ceil(slots / programs), did: 30 splits x 9 programs = 270 programs
-    on 264 slots); this takes the largest S within ``tolerance`` of the best waves(S) / S,
-    among S up to 16 or one full wave of splits (at most ``max_splits`` and ``cap``). On the
-    H200 (bench_results/tree_verify_mla_splits_h200_s19.json, MLA, 2 programs per SM) the
-    measured times follow waves(S) / S: batch 8 / budget 64 at 32,768 keys, 2 splits (3
-    waves of half the prefix) 2,522 us, 14 splits 1,613 us."""
-    limit = max(1, min(cap, max_splits, max(16, slots // max(programs, 1))))
-    cost = {s: _waves(programs, s, slots) / s for s in range(1, limit + 1)}
-    best = min(cost.values())
-    return max(s for s, c in cost.items() if c <= best * (1 + tolerance))
-
-
-def mha_split_count(programs: int, sms: int, num_warps: int, cap: int,
-                    max_splits: int = 64) -> int:
-    """Prefix splits for an MHA launch of ``programs`` (row blocks x KV heads): the fewest
-    splits with the fewest waves per split's share, ceil(programs x S / slots) / S, among S up
-    to one more than about two waves of programs at 2 per SM (the rule before session 20).
-    ``slots`` counts the programs an SM holds: 2 of the 4-warp tile, 1 of the 8-warp one
-    (registers). 288 programs of the 4-warp tile on 132 SMs: 2 splits (3 waves of half the
-    prefix, not 2 of all of it). Unlike MLA's split_count, ties go to fewer splits: MLA's
-    whole waves up to 16 splits were up to 1.7x slower for MHA at 2,048 keys (session 19).
-
-    On the H200 (bench_results/tree_verify_ab_mha_splits_h200_s20.json, Qwen3-8B shapes,
-    batch 1-32 x budget 8-64 x 2,048-65,536 keys, same-call A/B against about two waves with
-    a second split for a short last wave): 69 of 120 points changed, 1.17x geometric mean, up
-    to 1.64x. Slower: batch 8 / budget 64 by up to 1.43x while the 8-warp tile counted 2
-    programs per SM (since then the same split as before,
-    tree_verify_mha_wide_splits_h200_s20.json), and 2-6 % at 5 batch / budget pairs past 16k
-    keys, where a tie now takes one split instead of two (8-13 % faster at 2,048)."""
-    want = -(-2 * sms // max(programs, 1))
-    slots = sms * max(1, 8 // num_warps)
-    limit = int(max(1, min(want + 1, cap, max_splits)))
-    return min(range(1, limit + 1), key=lambda s: (Fraction(_waves(programs, s, slots), s), s))
-
-
-def _reduce_chunk(v_head_dim: int) -> int:
-    """Splits the reduce kernel sums per step. MLA's 512-dim rows: 8 (H200, same-call A/B,
-    bench_results/tree_verify_reduce_ab_h200_s19.json: batch 1 / budget 8, 52 splits, 26.4 ->
-    18.9 us at 512 keys and 30.2 -> 21.2 at 2,048, 1.16x at 32,768, equal elsewhere). Narrower
-    rows keep one split per step: the chunked tile was up to 1.5x slower there (MHA, 128 dims)."""
-    return 8 if v_head_dim > 256 else 1
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a small "machine" so that auto splitting is exercised in tests
-
 
 def _check(cond: bool, what: str, expected, actual) -> None:
     if not cond:

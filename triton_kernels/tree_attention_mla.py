@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from .tree_attention import KernelConfig, TreeAttention, _check
+from .tree_attention import TreeAttention, _check
+from .tree_attention_plan import KernelConfig
 
 
 class TreeAttentionMLA(TreeAttention):
