@@ -411,6 +411,77 @@ def grid_summary(rows: list) -> dict:
     return acc
 
 
+def pick_gate_up(rows: list, max_random_loss: float = 0.02) -> dict:
+    """The gate-up config per table band from a --grid run's rows: among the candidates timed
+    at every row of the band and at most ``max_random_loss`` slower than the table on random
+    routing at each of them, the one with the best worst-case ratio on the concentrated
+    routings (ties: the better worst case on random). A band keeps the table's config when no
+    candidate beats it on concentrated routing. Random routing is what a real router's worst
+    case looks like; concentrated routing is the stock dummy fill, and a tree whose tokens
+    share experts. {band: {"gate_up": [ints], "random": worst ratio, "concentrated": worst
+    ratio, "random_us_at_max_m": us}}."""
+    by_band = {}
+    for r in rows:
+        by_band.setdefault(int(r["band"]), []).append(r)
+    picks = {}
+    for band, band_rows in sorted(by_band.items()):
+        if not all(r["table_us"] for r in band_rows):
+            continue
+        best = None
+        for name in band_rows[0]["candidates"]:
+            us = [r["candidates"].get(name, {}).get("us") for r in band_rows]
+            if not all(us):
+                continue
+            ratio = {"random": 0.0, "concentrated": 0.0}
+            for r, u in zip(band_rows, us):
+                kind = "random" if r["routing"] == "random" else "concentrated"
+                ratio[kind] = max(ratio[kind], u / r["table_us"])
+            if ratio["random"] > 1 + max_random_loss or not 0 < ratio["concentrated"] < 1:
+                continue
+            key = (ratio["concentrated"], ratio["random"])
+            if best is None or key < best[0]:
+                best = (key, name, ratio)
+        if best is None:
+            continue
+        _, name, ratio = best
+        top = [r for r in band_rows if r["routing"] == "random"
+               and r["m"] == max(x["m"] for x in band_rows)]
+        picks[band] = {"gate_up": [int(v) for v in name.split(",")],
+                       "random": round(ratio["random"], 4),
+                       "concentrated": round(ratio["concentrated"], 4),
+                       "random_us_at_max_m": top[0]["candidates"][name]["us"] if top else None}
+    return picks
+
+
+def apply_picks(path: str, picks: dict, meta: dict) -> None:
+    """Write picked gate-up configs into the table at ``path``: only those bands' ``gate_up``
+    (and ``us``, the random-routing time at max_m, where the grid has it) change; block_m and
+    down stay; ``meta`` is recorded under "tuned" with the bands it changed."""
+    with open(path) as f:
+        table = json.load(f)
+    fields = [f.name for f in dataclasses.fields(mw.GemmConfig)]
+    changed = []
+    for band in table["bands"]:
+        pick = picks.get(band["max_m"]) or picks.get(str(band["max_m"]))
+        if pick is None:
+            continue
+        cfg = dataclasses.asdict(mw.GemmConfig(*pick["gate_up"]))
+        band["gate_up"] = {k: cfg[k] for k in fields}
+        if pick.get("random_us_at_max_m"):
+            band["us"] = pick["random_us_at_max_m"]
+        changed.append(band["max_m"])
+    runs = table.get("tuned", [])
+    runs = ([runs] if isinstance(runs, dict) else runs) + [{**meta, "max_m": changed}]
+    lines = ["{", f' "note": {json.dumps(table.get("note", ""))},', ' "tuned": [']
+    lines += [f"  {json.dumps(r)}," for r in runs]
+    lines[-1] = lines[-1].rstrip(",")
+    lines += [" ],", ' "bands": [']
+    lines += [f"  {json.dumps(b)}," for b in table["bands"]]
+    lines[-1] = lines[-1].rstrip(",")
+    with open(path, "w") as f:
+        f.write("\n".join(lines + [" ]", "}"]) + "\n")
+
+
 def breakdown(args, layers, make_inputs, dev) -> dict:
     """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
 
@@ -520,6 +591,13 @@ def main(argv=None) -> int:
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
+    ap.add_argument("--pick-from", default=None, metavar="GRID_JSON",
+                    help="no GPU: choose each band's gate-up config from a --grid run's JSON "
+                         "(pick_gate_up's rule, --max-random-loss) and write the choices into "
+                         "--tune-out (an existing table; other fields kept)")
+    ap.add_argument("--max-random-loss", type=float, default=0.02,
+                    help="--pick-from: the largest slowdown against the table on random "
+                         "routing a pick may have at any M of its band")
     ap.add_argument("--profiler", action="store_true",
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
@@ -541,6 +619,23 @@ def main(argv=None) -> int:
         return int(n)
 
     parse_routing(args.routing)
+    if args.pick_from:
+        with open(args.pick_from) as f:
+            grid_run = json.load(f)
+        picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
+        for band, p in picks.items():
+            print(f"band <= {band}: gate-up {p['gate_up']} (worst vs table: random "
+                  f"{p['random']}, concentrated {p['concentrated']})")
+        apply_picks(args.tune_out, picks, {
+            "command": " ".join(["python", "scripts/bench_fused_moe.py"]
+                                + list(sys.argv[1:] if argv is None else argv)),
+            "gpu": grid_run.get("gpu"), "date": grid_run.get("date"),
+            "rule": f"gate-up picked from {os.path.basename(args.pick_from)}: at most "
+                    f"{args.max_random_loss:.0%} slower than the table on random routing at "
+                    "every measured M of the band, the best worst case on concentrated routing; "
+                    "block_m and down unchanged; 'us' is the pick's random-routing time at max_m"})
+        print(f"wrote {args.tune_out}")
+        return 0
     grid = None
     if args.grid is not None:
         try:

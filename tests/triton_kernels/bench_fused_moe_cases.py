@@ -146,3 +146,52 @@ def test_grid_summary_keeps_the_worst_ratio_per_band_and_routing_kind(bench):
         "16": {"a": {"concentrated": 0.9, "random": 1.02},
                "b": {"concentrated": 1.1, "random": 1.0}},
         "32": {"a": {"random": 0.93}}}
+
+
+def _grid_row(m, band, routing, table_us, **cands):
+    return {"m": m, "band": band, "routing": routing, "table_us": table_us,
+            "candidates": {k.replace("_", ","): {"us": v} for k, v in cands.items()}}
+
+
+def test_pick_gate_up_rule(bench):
+    rows = [  # candidates named by their ints; a = 1,1,1,1 ... c = 3,3,3,3
+        _grid_row(9, 16, "concentrated:8", 40.0, **{"1_1_1_1": 34.0, "2_2_2_2": 30.0,
+                                                      "3_3_3_3": 41.0}),
+        _grid_row(16, 16, "concentrated:8", 44.0, **{"1_1_1_1": 39.6, "2_2_2_2": 33.0,
+                                                       "3_3_3_3": 45.0}),
+        _grid_row(9, 16, "random", 90.0, **{"1_1_1_1": 91.0, "2_2_2_2": 95.0,
+                                              "3_3_3_3": 89.0}),
+        _grid_row(16, 16, "random", 130.0, **{"1_1_1_1": 131.0, "2_2_2_2": 131.0,
+                                                "3_3_3_3": 129.0}),
+        # band 32: nothing beats the table on concentrated routing
+        _grid_row(17, 32, "concentrated:8", 60.0, **{"1_1_1_1": 61.0}),
+        _grid_row(17, 32, "random", 140.0, **{"1_1_1_1": 139.0}),
+    ]
+    picks = bench.pick_gate_up(rows)
+    # 2,2,2,2 is fastest on concentrated routing but 5.6 % slower on random at M = 9
+    assert list(picks) == [16]
+    assert picks[16]["gate_up"] == [1, 1, 1, 1]
+    assert picks[16]["concentrated"] == 0.9 and picks[16]["random"] == round(91 / 90, 4)
+    assert picks[16]["random_us_at_max_m"] == 131.0
+    assert bench.pick_gate_up(rows, max_random_loss=0.06)[16]["gate_up"] == [2, 2, 2, 2]
+
+
+def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
+    """The M 9-64 bands' gate-up configs are what --pick-from chooses from the H200 grid that
+    bench_results holds; a table edited by hand (or re-tuned on random routing only) fails."""
+    grid = json.loads((REPO / "bench_results" / "fused_moe_split_grid_h200_s21.json").read_text())
+    picks = bench.pick_gate_up(grid["rows"])
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    bands = {b["max_m"]: b for b in table["bands"]}
+    assert sorted(picks) == [16, 32, 64]
+    fields = [f.name for f in dataclasses.fields(bench.mw.GemmConfig)]
+    for band, pick in picks.items():
+        assert [bands[band]["gate_up"][f] for f in fields] == pick["gate_up"], band
+        assert pick["random"] <= 1.02 and pick["concentrated"] < 1
+    # applying the picks again changes no band (the table already holds them)
+    copy = tmp_path / "table.json"
+    copy.write_text(json.dumps(table))
+    bench.apply_picks(str(copy), picks, {"command": "test"})
+    again = json.loads(copy.read_text())
+    assert again["bands"] == table["bands"]
+    assert again["tuned"][-1] == {"command": "test", "max_m": [16, 32, 64]}
