@@ -472,14 +472,7 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
         changed.append(band["max_m"])
     runs = table.get("tuned", [])
     runs = ([runs] if isinstance(runs, dict) else runs) + [{**meta, "max_m": changed}]
-    lines = ["{", f' "note": {json.dumps(table.get("note", ""))},', ' "tuned": [']
-    lines += [f"  {json.dumps(r)}," for r in runs]
-    lines[-1] = lines[-1].rstrip(",")
-    lines += [" ],", ' "bands": [']
-    lines += [f"  {json.dumps(b)}," for b in table["bands"]]
-    lines[-1] = lines[-1].rstrip(",")
-    with open(path, "w") as f:
-        f.write("\n".join(lines + [" ]", "}"]) + "\n")
+    _dump_table(path, table.get("note", ""), runs, table["bands"])
 
 
 def breakdown(args, layers, make_inputs, dev) -> dict:
@@ -542,12 +535,16 @@ def write_table(path: str, tuned: dict, meta: dict) -> None:
         run.setdefault("max_m", [b["max_m"] for b in old["bands"]])
         run["max_m"] = [m for m in run["max_m"] if m not in new_ms]
     runs = [r for r in runs if r["max_m"]] + [{**meta, "max_m": sorted(new_ms)}]
-    table = {"note": old.get("note", ""), "bands": sorted(bands, key=lambda b: b["max_m"])}
-    lines = ["{", f' "note": {json.dumps(table["note"])},', ' "tuned": [']
+    _dump_table(path, old.get("note", ""), runs, sorted(bands, key=lambda b: b["max_m"]))
+
+
+def _dump_table(path: str, note: str, runs: list, bands: list) -> None:
+    """The config table as committed: one tuning run and one band per line (diffable)."""
+    lines = ["{", f' "note": {json.dumps(note)},', ' "tuned": [']
     lines += [f"  {json.dumps(r)}," for r in runs]
     lines[-1] = lines[-1].rstrip(",")
     lines += [" ],", ' "bands": [']
-    lines += [f"  {json.dumps(b)}," for b in table["bands"]]
+    lines += [f"  {json.dumps(b)}," for b in bands]
     lines[-1] = lines[-1].rstrip(",")
     with open(path, "w") as f:
         f.write("\n".join(lines + [" ]", "}"]) + "\n")
