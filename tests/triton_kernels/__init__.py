@@ -43,9 +43,11 @@ def load_copy(tag: str, submodules, interpret: bool, kernel_dir=None) -> dict:
 
 
 def load_kernels(interpret: bool) -> types.SimpleNamespace:
-    """Return ``tree_attention``, ``tree_attention_mla`` and ``reference`` modules.
+    """Return ``tree_attention``, ``tree_attention_mla``, ``tree_attention_plan`` and
+    ``reference`` modules.
 
     ``interpret=True`` gives a copy whose kernels run in Triton's CPU interpreter.
     """
     return types.SimpleNamespace(**load_copy(
-        "kernels", ("tree_attention", "tree_attention_mla", "reference"), interpret))
+        "kernels", ("tree_attention", "tree_attention_mla", "tree_attention_plan", "reference"),
+        interpret))

@@ -122,28 +122,6 @@ def test_plan_is_data_independent():
         assert rel_err(out, ref) < TOL[torch.float16]
 
 
-def test_split_count_fills_whole_waves():
-    """H200 MLA cases (264 program slots: 2 per SM) from
-    bench_results/tree_verify_mla_splits_h200_s19.json: the split count does not spill a few
-    programs into an extra wave, and programs that fill several waves split further."""
-    sc = TA.split_count
-    assert sc(9, 264, 10**6) == 29  # batch 1 / budget 32: 261 programs (the old rule: 30, 270)
-    assert sc(10, 264, 10**6) == 26  # 260 (old 27: 270; at 32,768 keys 177 us vs 24's 122)
-    assert sc(12, 264, 10**6) == 22  # 264 exactly, as before
-    assert sc(136, 264, 10**6) == 15  # batch 8 / budget 64 (old 2: three waves of half the keys)
-    assert sc(5, 264, 10**6) == 52  # one full wave of splits may exceed 16
-    for programs in range(1, 600):
-        s = sc(programs, 264, 10**6)
-        limit = min(64, max(16, 264 // programs))
-        cost = lambda n: -(-programs * n // 264) / n  # noqa: E731 - waves per unit of prefix
-        # the largest count within 5 % of the best of 1..limit (16, or one wave of splits)
-        assert s <= limit and cost(s) <= 1.05 * min(map(cost, range(1, limit + 1)))
-        assert all(cost(n) > 1.05 * min(map(cost, range(1, limit + 1)))
-                   for n in range(s + 1, limit + 1)), programs
-    assert sc(9, 264, 7) == 7 and sc(9, 264, 10**6, max_splits=3) == 3  # caps win
-    assert sc(400, 264, 10**6, max_splits=1) == 1
-
-
 def test_auto_splits_mha_shrink_with_batch():
     """MHA splits shrink as the batch grows (the interpreter's "GPU": 4 SMs, 8 slots)."""
     attn = TA.TreeAttention.plan(max_batch_size=32, num_tree_tokens=9, num_q_heads=4,
@@ -152,20 +130,6 @@ def test_auto_splits_mha_shrink_with_batch():
     splits = [attn.num_splits(bs) for bs in (1, 2, 8, 32)]
     assert splits == sorted(splits, reverse=True) and splits[0] > 1 and splits[-1] == 1
     assert attn.max_splits == splits[0]
-
-
-def test_mha_split_count_evens_out_waves():
-    """MHA split counts at H200-measured points (132 SMs): a short last wave takes a second
-    split, equal waves keep the fewer splits, the 8-warp tile counts one program per SM."""
-    f = TA.mha_split_count
-    assert f(288, 132, 4, 512) == 2  # batch 12, budget 32: 2 waves -> 3 half-length ones
-    assert f(768, 132, 4, 512) == 1  # batch 32, budget 32: 3 waves either way
-    assert f(16, 132, 4, 512) == 16  # batch 2, budget 8: 16 x 16 = 256 <= 264 slots
-    assert f(80, 132, 4, 512) == 3   # batch 10, budget 8: 240 programs, one wave
-    assert f(192, 132, 8, 512) == 2  # batch 8, budget 64, 128-row tiles on 132 slots
-    assert f(192, 132, 4, 512) == 1  # the same count of 4-warp programs fits 264 slots
-    assert f(24, 132, 8, 512) == 11  # batch 1, budget 64
-    assert f(8, 132, 4, 4) == 4 and f(8, 132, 4, 512, max_splits=2) == 2  # caps
 
 
 def test_auto_splits_mla_whole_waves_capped_by_context_and_partial_bytes():
@@ -423,46 +387,6 @@ def test_split_count_sized_for_long_contexts_on_short_prefixes(kind):
     assert bool(torch.isneginf(lse[n:2 * n, :, 1:-1]).all())  # prefix 20: split 0 and the last
     part = attn.part_o[: bs * n * 2 * splits * out.shape[-1]].view(bs * n, 2, splits, -1)
     assert bool(part[n:2 * n, :, 1:-1].isnan().all())
-
-
-def test_small_batch_mla_tile_rule():
-    """The small-batch MLA tile serves a whole batch of at most 144 query rows per KV head, the
-    default tile with 128-key splits trees of at most 264 rows in batches of at most 528, on
-    CUDA only; MHA shapes and bigger batches keep the default tile."""
-    cuda = torch.device("cuda")  # a device object only: nothing runs on it
-    small = TA._batch_config(512, 64, 512, 17 * 8, 1, cuda)  # Kimi TP8: budget 16, batch 1
-    assert small is not None and small.block_m == 16 and small.min_split_keys == 128
-    assert TA._batch_config(512, 64, 512, 9 * 8, 2, cuda) == small  # budget 8, batch 2
-    # budget 32 at batch 1 and 2: the default tile with splits of at least 128 keys
-    few = TA._batch_config(512, 64, 512, 33 * 8, 1, cuda)
-    default = TA._default_config(512, 64, 512, 33 * 8, cuda)
-    assert few is not None and few.min_split_keys == 128 and default.min_split_keys == 256
-    assert few.block_m == default.block_m and few.block_n == default.block_n
-    assert TA._batch_config(512, 64, 512, 33 * 8, 2, cuda) == few
-    assert TA._batch_config(512, 64, 512, 33 * 8, 3, cuda) is None  # budget 32, batch 3
-    assert TA._batch_config(512, 64, 512, 65 * 8, 1, cuda) is None  # budget 64
-    assert TA._batch_config(512, 64, 512, 9 * 8, 3, cuda) is None  # budget 8, batch 3
-    assert TA._batch_config(128, 0, 128, 9, 1, cuda) is None  # MHA
-    assert TA._batch_config(512, 64, 512, 9 * 8, 1, torch.device("cpu")) is None
-
-
-def test_mha_tile_rule():
-    """MHA: 64-row tiles below 256 rows per KV head (a 132-row tree is three 64-row blocks, not
-    two 128-row ones), 128-row tiles from 256 rows unless the batch has more than 64 KV-head
-    groups; head dims above 128 and CPU keep their own tiles."""
-    cuda = torch.device("cuda")  # a device object only: nothing runs on it
-    for rows in (36, 68, 132, 255):  # Qwen3-8B (4 query heads per KV head): budgets 8 / 16 / 32
-        cfg = TA._default_config(128, 0, 128, rows, cuda)
-        assert (cfg.block_m, cfg.num_warps) == (64, 4), rows
-        assert TA._batch_config(128, 0, 128, rows, 32 * 8, cuda) is None
-    wide = TA._default_config(128, 0, 128, 65 * 4, cuda)  # budget 64
-    assert (wide.block_m, wide.num_warps) == (128, 8)
-    assert TA._batch_config(128, 0, 128, 65 * 4, 8 * 8, cuda) is None  # batch 8: 64 groups
-    tile = TA._batch_config(128, 0, 128, 65 * 4, 9 * 8, cuda)  # batch 9: 72 groups
-    assert tile is not None and (tile.block_m, tile.num_warps) == (64, 4)
-    assert TA._default_config(128, 0, 128, 132, cuda) == tile
-    assert TA._batch_config(256, 0, 256, 65 * 4, 32 * 8, cuda) is None  # head dim 256
-    assert TA._default_config(128, 0, 128, 132, torch.device("cpu")).block_m == 16
 
 
 def test_per_batch_size_configs_size_buffers_and_match_reference(monkeypatch):
