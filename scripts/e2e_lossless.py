@@ -82,6 +82,16 @@ MODEL_SETS["tiny_kvsglang"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
 MODEL_SETS["mla_kvsglang"] = dict(MODEL_SETS["mla"], ar_of="mla",
                                   ddtree_env={"SGLANG_DDTREE_KV_MOVE": "sglang"})
 MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of="mla")
+# an 8-layer Kimi K2.6 TP8 rank with int4 experts through our fused MoE, in the AR reference
+# too (server_env goes to every server of the set): the verify's MoE calls (M = N x batch)
+# run other config bands than a decode step's (M = batch), so this checks that those bands'
+# numerics keep DDTREE's tokens equal to AR's. Dummy weights, experts seeded alike in both.
+KIMI_CONFIGS = os.path.join(HERE, "..", "bench_assets", "model-configs")
+MODEL_SETS["kimi_int4"] = {
+    "target": os.path.abspath(os.path.join(KIMI_CONFIGS, "kimi-k2.6-tp8rank-l8-int4")),
+    "draft": os.path.abspath(os.path.join(KIMI_CONFIGS, "kimi-k2.6-tp8rank-l8-int4-dflash-draft")),
+    "random_target": False, "backend": "triton",
+    "server_env": {"SGLANG_DDTREE_FUSED_MOE": "1", "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED": "1234"}}
 
 
 HOST_SYNC_DEBUG_ENV = ("SGLANG_DDTREE_CHECK_RANKS",)
@@ -612,7 +622,8 @@ def main():
             oracle_path[m] = os.path.join(args.workdir, f"{m}-oracle.json")
             if os.path.exists(oracle_path[m]):
                 os.remove(oracle_path[m])
-            ar[m] = Server(setup[m][0], log(f"{m}-ar"), next(ports), wait=False)
+            ar[m] = Server(setup[m][0], log(f"{m}-ar"), next(ports), wait=False,
+                           env=MODEL_SETS[m].get("server_env"))
         for m in models:  # a set that differs only on the DDTREE side shares its AR reference
             if m not in ar_models:
                 oracle_path[m] = oracle_path[ar_base(m)]
@@ -623,13 +634,15 @@ def main():
                                 ("ddtree", ddtree_args(m, budgets[0])[len(common):])):
                 speed_servers[(m, algo)] = Server(
                     common + extra, log(f"{m}-speed-{algo}"), next(ports), wait=False,
-                    env={"SGLANG_DDTREE_TIMERS": "cpu", **speed_env} if algo == "ddtree"
-                    else None)
+                    env={**MODEL_SETS[m].get("server_env", {}),
+                         **({"SGLANG_DDTREE_TIMERS": "cpu", **speed_env} if algo == "ddtree"
+                            else {})} or None)
         for m, b, graph in jobs:
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
             servers[(m, b, graph)] = Server(
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
-                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m], **ddtree_env,
+                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m],
+                                  **MODEL_SETS[m].get("server_env", {}), **ddtree_env,
                                   **MODEL_SETS[m].get("ddtree_env", {}), **budget_env(b)},
                 wait=False)
         for m, budgets in det:
@@ -640,10 +653,12 @@ def main():
             det_flag = ["--enable-deterministic-inference",
                         "--chunked-prefill-size", str(max(args.chunked_prefill_size, 4096))]
             det_servers[(m, "ar")] = Server(setup[m][0] + det_flag, log(f"{m}-ar-det"),
-                                            next(ports), wait=False)
+                                            next(ports), wait=False,
+                                            env=MODEL_SETS[m].get("server_env"))
             det_servers[(m, "ddtree")] = Server(
                 ddtree_args(m, budgets[0]) + det_flag, log(f"{m}-ddtree-b{budgets[0]}-det"),
-                next(ports), env=ddtree_env or None, wait=False)
+                next(ports), env={**MODEL_SETS[m].get("server_env", {}), **ddtree_env} or None,
+                wait=False)
         with cf.ThreadPoolExecutor(len(models)) as ex:
             list(ex.map(start_ar, ar_models))
         for m in models:

@@ -103,6 +103,26 @@ def test_dry_run_all_phases(monkeypatch, tmp_path):
     assert all(s.stopped for s in FakeServer.started)  # nothing leaks into the next run
 
 
+def test_server_env_reaches_the_ar_reference_and_ddtree_servers(monkeypatch, tmp_path):
+    """kimi_int4 runs our fused int4 MoE on both sides (same seeded experts): an AR reference on
+    SGLang's own MoE would compare two different models."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "kimi_int4:8", "--eager-check=",
+                   "--speed", "kimi_int4:8", "--deterministic", "kimi_int4:8")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    want = e2e_lossless.MODEL_SETS["kimi_int4"]["server_env"]
+    assert want == {"SGLANG_DDTREE_FUSED_MOE": "1", "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED": "1234"}
+    kimi = [s for s in FakeServer.started if "kimi-k2.6-tp8rank-l8-int4" in s.model]
+    # AR reference (also the speed run's AR), oracle case, speed DFLASH / DDTREE,
+    # deterministic AR / DDTREE
+    assert len(kimi) == 6 and len([s for s in kimi if not s.spec]) == 2
+    for srv in kimi:
+        assert {k: srv.env.get(k) for k in want} == want, srv.log
+        assert srv.args[srv.args.index("--load-format") + 1] == "dummy"
+    assert all(c["identical"] == c["prompts"] for c in res["cases"])
+
+
 def test_sets_sharing_an_absent_base_share_one_ar(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = None
