@@ -67,10 +67,10 @@ def test_step_timers_by_batch_size_round_trip(tmp_path, caplog):
     import logging
 
     import bench_e2e
-    from sglang_ddtree.worker import StepTimers
+    from sglang_ddtree.step_timers import StepTimers
 
     t = StepTimers(mode="cpu")
-    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.step_timers"):
         for i in range(400):
             t.start()
             for stage in StepTimers.STAGES:
@@ -95,13 +95,13 @@ def test_moe_expert_counts_ride_the_stage_timer_lines(tmp_path, caplog, monkeypa
 
     from e2e_lossless import moe_distinct_experts
     from sglang_ddtree import moe_hook
-    from sglang_ddtree.worker import StepTimers
+    from sglang_ddtree.step_timers import StepTimers
 
     monkeypatch.setitem(moe_hook._stats, "buf", None)
     monkeypatch.setitem(moe_hook._stats, "on", True)
     moe_hook.record_distinct_experts(torch.tensor([[0, 1], [2, 1], [0, 3]]), 8)
     t = StepTimers(mode="cpu", every=2)
-    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.step_timers"):
         for _ in range(2):
             t.start()
             t.finish(1)
@@ -110,7 +110,7 @@ def test_moe_expert_counts_ride_the_stage_timer_lines(tmp_path, caplog, monkeypa
     assert moe_distinct_experts(str(log)) == {"3": [4.0, 1]}
     monkeypatch.setitem(moe_hook._stats, "on", False)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.step_timers"):
         for _ in range(2):
             t.start()
             t.finish(1)
@@ -377,14 +377,14 @@ def test_step_timers_gpu_mode_reads_events_once_per_log_line(monkeypatch, tmp_pa
 
     monkeypatch.syspath_prepend(os.path.join(HERE, "..", "scripts"))
     import bench_e2e
-    from sglang_ddtree.worker import StepTimers
+    from sglang_ddtree.step_timers import StepTimers
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     _FakeEvent.clock, _FakeEvent.syncs, _FakeEvent.made = 0.0, 0, 0
     # stage i of a step lasts (i + 1) ms on the fake stream, at batch size 2 in every 4th step
     t = StepTimers(mode="gpu", every=10)
-    with caplog.at_level(logging.INFO, logger="sglang_ddtree.worker"):
+    with caplog.at_level(logging.INFO, logger="sglang_ddtree.step_timers"):
         for step in range(20):
             t.start()
             for i, stage in enumerate(StepTimers.STAGES):
@@ -405,7 +405,7 @@ def test_step_timers_gpu_mode_reads_events_once_per_log_line(monkeypatch, tmp_pa
 
 
 def test_step_timers_skip_each_batch_sizes_first_steps():
-    from sglang_ddtree.worker import StepTimers
+    from sglang_ddtree.step_timers import StepTimers
 
     t = StepTimers(mode="cpu", skip=3)
     for i in range(10):

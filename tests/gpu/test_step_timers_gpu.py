@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ddtree.worker import StepTimers
+from sglang_ddtree.step_timers import StepTimers
 
 pytestmark = pytest.mark.gpu
 
