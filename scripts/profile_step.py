@@ -223,7 +223,7 @@ def host_time_diff(a: dict, b: dict, top: int = 25, min_ms: float = 0.02) -> lis
     return rows[:top]
 
 
-def ddtree_methods(names: list, budgets: list, spec: list) -> dict:
+def method_flags(names: list, budgets: list, spec: list) -> dict:
     """Server flags per profiled method, in the order asked. ``ddtree`` with several budgets
     becomes one method per budget (``ddtree_b8``, ``ddtree_b16``, ...)."""
     out = {}
@@ -319,7 +319,7 @@ def main():
     if args.dummy:
         common += ["--load-format", "dummy", "--skip-tokenizer-init"]
         spec += ["--speculative-draft-load-format", "dummy"]
-    methods = ddtree_methods(args.methods.split(","), args.budget.split(","), spec)
+    methods = method_flags(args.methods.split(","), args.budget.split(","), spec)
     result = {"sglang_version": sglang.__version__, "torch_version": torch.__version__,
               "source_digest": checkout_digest(__file__),
               "gpu": torch.cuda.get_device_name(0),
@@ -368,15 +368,16 @@ def main():
     if "python_inclusive" in m.get("dflash", {}) and "python_inclusive" in m.get("ddtree", {}):
         # the question this profile exists for: which functions make DDTREE's step longer
         result["ddtree_minus_dflash"] = host_time_diff(m["dflash"], m["ddtree"])
-    base = "ar" if "python_inclusive" in m.get("ar", {}) else None
-    for name, summ in m.items():
-        if base is None or name == base or "gpu_kernels_by_frame" not in summ:
-            continue
-        # the question for the Kimi ratio: which kernels make a verify forward dearer than a
-        # decode step
-        summ["target_forward_kernels"] = target_forward_kernels(summ)
-        result.setdefault("target_forward_minus_ar", {})[name] = kernel_time_diff(
-            target_forward_kernels(m[base]), summ["target_forward_kernels"])
+    # the question for the Kimi ratio: which kernels make a verify forward dearer than a
+    # decode step
+    for summ in m.values():
+        if "gpu_kernels_by_frame" in summ:
+            summ["target_forward_kernels"] = target_forward_kernels(summ)
+    if "target_forward_kernels" in m.get("ar", {}):
+        result["target_forward_minus_ar"] = {
+            name: kernel_time_diff(m["ar"]["target_forward_kernels"],
+                                   summ["target_forward_kernels"])
+            for name, summ in m.items() if name != "ar" and "target_forward_kernels" in summ}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json.dump(result, open(args.out, "w"), indent=1)
     if result.get("ddtree_minus_dflash"):
@@ -384,7 +385,7 @@ def main():
         for r in result["ddtree_minus_dflash"]:
             print(f"  {r['diff_ms']:+8.3f}  ({r['a_ms']:.3f} -> {r['b_ms']:.3f})  {r['name']}")
     for name, rows in result.get("target_forward_minus_ar", {}).items():
-        a = sum(r["ms_per_step"] for r in target_forward_kernels(m["ar"]))
+        a = sum(r["ms_per_step"] for r in m["ar"]["target_forward_kernels"])
         b = sum(r["ms_per_step"] for r in m[name]["target_forward_kernels"])
         print(f"== {name}: target forward's GPU kernels minus AR's ({a:.3f} -> {b:.3f} ms/step)")
         for r in rows:

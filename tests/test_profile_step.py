@@ -164,12 +164,12 @@ def test_target_forward_kernels_and_their_difference():
     assert diff[1]["b_calls"] == 0.0 and diff[0]["a_ms"] == 0.0
 
 
-def test_ddtree_methods_one_server_per_budget():
+def test_method_flags_one_ddtree_server_per_budget():
     spec = ["--speculative-draft-model-path", "d"]
-    one = prof.ddtree_methods(["ar", "ddtree"], ["32"], spec)
+    one = prof.method_flags(["ar", "ddtree"], ["32"], spec)
     assert list(one) == ["ar", "ddtree"] and one["ar"] == []
     assert one["ddtree"][:4] == ["--speculative-algorithm", "DDTREE",
                                  "--speculative-ddtree-budget", "32"]
-    two = prof.ddtree_methods(["ddtree", "dflash"], ["8", "16"], spec)
+    two = prof.method_flags(["ddtree", "dflash"], ["8", "16"], spec)
     assert list(two) == ["ddtree_b8", "ddtree_b16", "dflash"]
     assert two["ddtree_b16"][3] == "16" and two["dflash"][-1] == "d"
