@@ -612,6 +612,14 @@ def main():
     def budget_env(b):
         return {"SGLANG_DDTREE_AUTO_MODE": "online"} if b == "online" else {}
 
+    def env_of(m, *extra):
+        """The set's server_env (every server of model set m), then ``extra`` dicts; None if
+        empty (the server inherits this process's environment only)."""
+        env = dict(MODEL_SETS[m].get("server_env", {}))
+        for e in extra:
+            env.update(e)
+        return env or None
+
     servers, speed_servers, det_servers = {}, {}, {}
     jobs = [(m, b, True) for m, bs in cases for b in bs] + \
            [(m, b, False) for m, bs in eager for b in bs]
@@ -623,7 +631,7 @@ def main():
             if os.path.exists(oracle_path[m]):
                 os.remove(oracle_path[m])
             ar[m] = Server(setup[m][0], log(f"{m}-ar"), next(ports), wait=False,
-                           env=MODEL_SETS[m].get("server_env"))
+                           env=env_of(m))
         for m in models:  # a set that differs only on the DDTREE side shares its AR reference
             if m not in ar_models:
                 oracle_path[m] = oracle_path[ar_base(m)]
@@ -634,16 +642,15 @@ def main():
                                 ("ddtree", ddtree_args(m, budgets[0])[len(common):])):
                 speed_servers[(m, algo)] = Server(
                     common + extra, log(f"{m}-speed-{algo}"), next(ports), wait=False,
-                    env={**MODEL_SETS[m].get("server_env", {}),
-                         **({"SGLANG_DDTREE_TIMERS": "cpu", **speed_env} if algo == "ddtree"
-                            else {})} or None)
+                    env=env_of(m, {"SGLANG_DDTREE_TIMERS": "cpu", **speed_env}
+                               if algo == "ddtree" else {}))
         for m, b, graph in jobs:
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
             servers[(m, b, graph)] = Server(
                 ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
-                next(ports), env={"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m],
-                                  **MODEL_SETS[m].get("server_env", {}), **ddtree_env,
-                                  **MODEL_SETS[m].get("ddtree_env", {}), **budget_env(b)},
+                next(ports), env=env_of(m, {"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m]},
+                                        ddtree_env, MODEL_SETS[m].get("ddtree_env", {}),
+                                        budget_env(b)),
                 wait=False)
         for m, budgets in det:
             # SGLang's deterministic mode aligns every prefill chunk of the triton/flashinfer
@@ -654,10 +661,10 @@ def main():
                         "--chunked-prefill-size", str(max(args.chunked_prefill_size, 4096))]
             det_servers[(m, "ar")] = Server(setup[m][0] + det_flag, log(f"{m}-ar-det"),
                                             next(ports), wait=False,
-                                            env=MODEL_SETS[m].get("server_env"))
+                                            env=env_of(m))
             det_servers[(m, "ddtree")] = Server(
                 ddtree_args(m, budgets[0]) + det_flag, log(f"{m}-ddtree-b{budgets[0]}-det"),
-                next(ports), env={**MODEL_SETS[m].get("server_env", {}), **ddtree_env} or None,
+                next(ports), env=env_of(m, ddtree_env),
                 wait=False)
         with cf.ThreadPoolExecutor(len(models)) as ex:
             list(ex.map(start_ar, ar_models))
