@@ -395,10 +395,10 @@ def gate_up_grid(args, layers, make_inputs, dev, grid) -> dict:
     return out
 
 
-def grid_summary(rows: list) -> dict:
-    """Per band and candidate: the worst ratio of its time to the table's over the band's rows,
-    on random routing and on the concentrated routings. {band: {candidate: {"random": r,
-    "concentrated": r}}} (a routing kind without rows, or a failed candidate, is left out)."""
+def _worst_ratios(rows: list) -> dict:
+    """{band: {candidate: [{"random": r, "concentrated": r}, rows timed]}}: each candidate's
+    worst ratio of its time to the table's per routing kind over the band's rows (rows
+    without a table time, and failed candidates, left out)."""
     acc = {}
     for r in rows:
         if not r["table_us"]:
@@ -406,9 +406,18 @@ def grid_summary(rows: list) -> dict:
         kind = "random" if r["routing"] == "random" else "concentrated"
         for name, v in r["candidates"].items():
             if v.get("us"):
-                cell = acc.setdefault(str(r["band"]), {}).setdefault(name, {})
-                cell[kind] = round(max(cell.get(kind, 0.0), v["us"] / r["table_us"]), 4)
+                cell = acc.setdefault(int(r["band"]), {}).setdefault(name, [{}, 0])
+                cell[0][kind] = round(max(cell[0].get(kind, 0.0), v["us"] / r["table_us"]), 4)
+                cell[1] += 1
     return acc
+
+
+def grid_summary(rows: list) -> dict:
+    """Per band and candidate: the worst ratio of its time to the table's over the band's rows,
+    on random routing and on the concentrated routings. {band: {candidate: {"random": r,
+    "concentrated": r}}} (a routing kind without rows, or a failed candidate, is left out)."""
+    return {str(band): {name: ratio for name, (ratio, _) in cands.items()}
+            for band, cands in _worst_ratios(rows).items()}
 
 
 def pick_gate_up(rows: list, max_random_loss: float = 0.02) -> dict:
@@ -420,35 +429,22 @@ def pick_gate_up(rows: list, max_random_loss: float = 0.02) -> dict:
     case looks like; concentrated routing is the stock dummy fill, and a tree whose tokens
     share experts. {band: {"gate_up": [ints], "random": worst ratio, "concentrated": worst
     ratio, "random_us_at_max_m": us}}."""
-    by_band = {}
-    for r in rows:
-        by_band.setdefault(int(r["band"]), []).append(r)
     picks = {}
-    for band, band_rows in sorted(by_band.items()):
+    for band, cands in sorted(_worst_ratios(rows).items()):
+        band_rows = [r for r in rows if int(r["band"]) == band]
         if not all(r["table_us"] for r in band_rows):
             continue
-        best = None
-        for name in band_rows[0]["candidates"]:
-            us = [r["candidates"].get(name, {}).get("us") for r in band_rows]
-            if not all(us):
-                continue
-            ratio = {"random": 0.0, "concentrated": 0.0}
-            for r, u in zip(band_rows, us):
-                kind = "random" if r["routing"] == "random" else "concentrated"
-                ratio[kind] = max(ratio[kind], u / r["table_us"])
-            if ratio["random"] > 1 + max_random_loss or not 0 < ratio["concentrated"] < 1:
-                continue
-            key = (ratio["concentrated"], ratio["random"])
-            if best is None or key < best[0]:
-                best = (key, name, ratio)
-        if best is None:
+        ok = [(ratio["concentrated"], ratio["random"], name)
+              for name, (ratio, timed) in cands.items()
+              if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
+              and ratio["random"] <= 1 + max_random_loss and ratio["concentrated"] < 1]
+        if not ok:
             continue
-        _, name, ratio = best
+        conc, rand, name = min(ok)
         top = [r for r in band_rows if r["routing"] == "random"
                and r["m"] == max(x["m"] for x in band_rows)]
         picks[band] = {"gate_up": [int(v) for v in name.split(",")],
-                       "random": round(ratio["random"], 4),
-                       "concentrated": round(ratio["concentrated"], 4),
+                       "random": rand, "concentrated": conc,
                        "random_us_at_max_m": top[0]["candidates"][name]["us"] if top else None}
     return picks
 
