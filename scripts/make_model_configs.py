@@ -9,6 +9,9 @@ DFlash drafter config SGLang 0.5.17's ``DFlashDraftModel`` reads:
   ``notes`` field written into the config for exactly what is and is not the rank's share.
 - ``kimi-k2.6-tp8rank-l{N}-int4``: the same with K2.6's own int4 routed experts
   (compressed-tensors W4A16, group 32); at int4 all 61 layers of a rank fit one H200 (~79 GB).
+- ``kimi-k2.6-tp8rank-l{N}-int4-rankvocab``: the int4 rank with one TP8 rank's share of the
+  vocabulary (20,480 of 163,840 rows) for its embedding and lm_head: a rank's own lm_head GEMM,
+  not the whole vocabulary's (about 0.5 ms of weight reads a step on an H200) in every step.
 - ``qwen3-8b`` (dense, GQA) and ``qwen3-30b-a3b`` (128-expert MoE), full models at TP1.
 
 Shapes are those of the public model configs. Drafter shapes follow the target's attention shape
@@ -16,7 +19,8 @@ Shapes are those of the public model configs. Drafter shapes follow the target's
 rule (:func:`dflash_target_layer_ids`), restricted to ids below ``num_hidden_layers - 1``,
 because SGLang captures layer k's output at layer k+1's input and so cannot capture the last layer.
 
-    python scripts/make_model_configs.py                       # default: Kimi bf16 L8 + int4 L8, L61
+    python scripts/make_model_configs.py                       # default: Kimi bf16 L8 + int4 L8, L61,
+                                                               # + int4 L61 with the rank's vocab
     python scripts/make_model_configs.py --kimi-layers 4 8 16  # several depths, for a per-layer fit
     python scripts/make_model_configs.py --kimi-layers auto --kimi-weight-budget-gb 100
     python scripts/make_model_configs.py --check               # also parse every config
@@ -127,11 +131,13 @@ def kimi_rank_weight_bytes(num_layers: int, vocab: int, int4: bool = False) -> D
 
 def kimi_rank(num_layers: int, vocab: int, int4: bool = False) -> dict:
     k = KIMI_TEXT
+    if not 16 <= vocab <= k["vocab_size"]:
+        raise ValueError(f"vocab {vocab} must be in [16, {k['vocab_size']}]")
     wb = kimi_rank_weight_bytes(num_layers, vocab, int4)
     per_moe_layer = wb["attention_per_layer"] + wb["moe_layer_ffn"]
-    experts = ("int4 routed experts (compressed-tensors W4A16, group 32, as K2.6 ships them; whether "
-               "SGLang's dummy loader and Marlin repack accept random packed weights is not yet seen "
-               "on the H200: use the bf16 variant if it fails)" if int4 else
+    experts = ("int4 routed experts (compressed-tensors W4A16, group 32, as K2.6 ships them); "
+               "SGLang's dummy loader leaves the packed int tensors unfilled: serve with "
+               "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED set for seeded random int4 words" if int4 else
                "experts are bf16 (K2.6 ships INT4 routed experts: about 1/4 of these expert bytes)")
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -153,7 +159,11 @@ def kimi_rank(num_layers: int, vocab: int, int4: bool = False) -> dict:
         "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "hidden_act": "silu", "attention_bias": False, "bos_token_id": 163584, "eos_token_id": 163585,
+        "hidden_act": "silu", "attention_bias": False,
+        # K2.6's ids where the vocabulary holds them; inside a rank's share otherwise (the
+        # drafter's mask token takes the last id)
+        "bos_token_id": 163584 if vocab == k["vocab_size"] else vocab - 3,
+        "eos_token_id": 163585 if vocab == k["vocab_size"] else vocab - 2,
         "notes": {
             "what": f"One rank of Kimi K2.6's text model (DeepseekV3 architecture) under TP{KIMI_TP}, "
                     f"run as a TP1 model: {num_layers} of its {KIMI_FULL_LAYERS} layers.",
@@ -162,11 +172,15 @@ def kimi_rank(num_layers: int, vocab: int, int4: bool = False) -> dict:
                           f"{k['intermediate_size']}/{KIMI_TP}; all {k['n_routed_experts']} experts "
                           "on the rank (TP, not EP); MLA latent (kv_lora_rank 512, q_lora_rank 1536) "
                           "is replicated on every rank, as in SGLang's TP MLA.",
-            "not_emulated": "no all-reduce after attention and MoE (2 per layer at TP8); "
-                            f"vocab is the full {vocab} for embedding and lm_head, while one TP8 rank "
-                            f"computes {k['vocab_size'] // KIMI_TP} lm_head rows then all-gathers "
-                            "full logits (so lm_head weight reads are overstated, logits handling is "
-                            "not); no vision tower.",
+            "not_emulated": "no all-reduce after attention and MoE (2 per layer at TP8); " + (
+                f"vocab is the full {vocab} for embedding and lm_head, while one TP8 rank "
+                f"computes {k['vocab_size'] // KIMI_TP} lm_head rows then all-gathers "
+                "full logits (so lm_head weight reads are overstated, logits handling is "
+                "not)" if vocab == k["vocab_size"] else
+                f"vocab is {vocab} rows for embedding and lm_head (one TP{KIMI_TP} rank's share "
+                f"is {k['vocab_size'] // KIMI_TP}), so the rank's lm_head weight reads are "
+                f"emulated; the all-gather of logits to the full {k['vocab_size']} and the "
+                "argmax / sampling over them are not (they run over this vocab)") + "; no vision tower.",
             "scaling_to_61_layers": "step time is (per-layer time x layers) + fixed time (embedding, "
                                     "lm_head, sampling, scheduling); measure two depths (e.g. "
                                     "--kimi-layers 4 8), fit the line, evaluate at 61 (60 MoE + 1 "
@@ -208,7 +222,8 @@ def kimi_layers_for_budget(budget_gb: float, vocab: int, int4: bool = False) -> 
     return n
 
 
-def build_all(kimi_layers: List[int], kimi_vocab: int, kimi_int4_layers: List[int] = ()) -> Dict[str, dict]:
+def build_all(kimi_layers: List[int], kimi_vocab: int, kimi_int4_layers: List[int] = (),
+              kimi_rank_vocab_layers: List[int] = ()) -> Dict[str, dict]:
     out: Dict[str, dict] = {}
     q8 = qwen3_8b()
     out["qwen3-8b"] = q8
@@ -224,15 +239,18 @@ def build_all(kimi_layers: List[int], kimi_vocab: int, kimi_int4_layers: List[in
         mask_token_id=151669, target_layer_ids=dflash_target_layer_ids(48, 5),
         notes="5-layer dense drafter with the target's attention shape and MLP 6144 (the target's "
               "dense intermediate_size), block 16; random weights under --load-format dummy.")
-    variants = [(n, False) for n in kimi_layers] + [(n, True) for n in kimi_int4_layers]
-    for n, int4 in variants:
-        name = f"kimi-k2.6-tp8rank-l{n}" + ("-int4" if int4 else "")
-        tgt = kimi_rank(n, kimi_vocab, int4)
+    rank_vocab = KIMI_TEXT["vocab_size"] // KIMI_TP
+    variants = ([(n, False, kimi_vocab, "") for n in kimi_layers]
+                + [(n, True, kimi_vocab, "") for n in kimi_int4_layers]
+                + [(n, True, rank_vocab, "-rankvocab") for n in kimi_rank_vocab_layers])
+    for n, int4, vocab, suffix in variants:
+        name = f"kimi-k2.6-tp8rank-l{n}" + ("-int4" if int4 else "") + suffix
+        tgt = kimi_rank(n, vocab, int4)
         out[name] = tgt
         k = min(6, n - 1)
         out[name + "-dflash-draft"] = drafter(
             tgt, layers=6, block=8, heads=64 // KIMI_TP, kv_heads=8 // KIMI_TP, head_dim=128,
-            intermediate=KIMI_TEXT["intermediate_size"] // KIMI_TP, mask_token_id=kimi_vocab - 1,
+            intermediate=KIMI_TEXT["intermediate_size"] // KIMI_TP, mask_token_id=vocab - 1,
             target_layer_ids=capturable_layer_ids(n, k),
             notes=f"6-layer DFlash drafter, block 8, for the TP{KIMI_TP}-rank emulation: one rank's share "
                   f"of a 64-head / 8-KV-head (head_dim 128), MLP-18432 drafter (8 heads, 1 KV head, MLP "
@@ -270,6 +288,9 @@ def main(argv=None) -> int:
     p.add_argument("--kimi-int4-layers", nargs="*", default=["8", "61"],
                    help="int4-expert variants (K2.6's own format); 61 = the whole model fits one "
                         "H200, 8 = a quick one for step profiles")
+    p.add_argument("--kimi-rank-vocab-layers", nargs="*", default=["61"],
+                   help="int4 variants with one TP8 rank's 20480-row share of the vocabulary "
+                        "(named ...-int4-rankvocab): the rank's own lm_head cost per step")
     p.add_argument("--kimi-weight-budget-gb", type=float, default=100.0,
                    help="weight budget for 'auto' (H200: 141 GB; leave room for KV cache and graphs)")
     p.add_argument("--kimi-vocab", type=int, default=KIMI_TEXT["vocab_size"],
@@ -281,9 +302,11 @@ def main(argv=None) -> int:
                 else int(x) for x in values]
 
     layers, int4_layers = resolve(args.kimi_layers, False), resolve(args.kimi_int4_layers, True)
-    if any(n < 2 or n > KIMI_FULL_LAYERS for n in layers + int4_layers):
-        p.error(f"Kimi layer counts must be in [2, {KIMI_FULL_LAYERS}], got {layers} / {int4_layers}")
-    configs = build_all(layers, args.kimi_vocab, int4_layers)
+    rank_vocab_layers = [int(x) for x in args.kimi_rank_vocab_layers]
+    if any(n < 2 or n > KIMI_FULL_LAYERS for n in layers + int4_layers + rank_vocab_layers):
+        p.error(f"Kimi layer counts must be in [2, {KIMI_FULL_LAYERS}], got {layers} / {int4_layers}"
+                f" / {rank_vocab_layers}")
+    configs = build_all(layers, args.kimi_vocab, int4_layers, rank_vocab_layers)
     out = pathlib.Path(args.out)
     write_all(configs, out)
     for name, cfg in configs.items():

@@ -31,7 +31,7 @@ def _cfg(d, name):
 def test_pairs_written(out):
     pairs = json.loads((out / "pairs.json").read_text())
     assert set(pairs) == {"qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8rank-l4", "kimi-k2.6-tp8rank-l8",
-                          "kimi-k2.6-tp8rank-l61-int4"}
+                          "kimi-k2.6-tp8rank-l61-int4", "kimi-k2.6-tp8rank-l61-int4-rankvocab"}
     for target, draft in pairs.items():
         assert (out / target / "config.json").is_file() and (out / draft / "config.json").is_file()
         assert sorted(p.name for p in (out / target).iterdir()) == ["config.json"]
@@ -59,6 +59,23 @@ def test_kimi_rank_shapes(out):
         == {k: v for k, v in c.items() if k not in ("notes", "num_hidden_layers")}
 
 
+def test_kimi_rank_vocab_variant(out):
+    full, rank = _cfg(out, "kimi-k2.6-tp8rank-l61-int4"), _cfg(out, "kimi-k2.6-tp8rank-l61-int4-rankvocab")
+    assert rank["vocab_size"] == 163840 // 8
+    # every id the server or the drafter uses lies inside the smaller vocabulary
+    draft = _cfg(out, "kimi-k2.6-tp8rank-l61-int4-rankvocab-dflash-draft")
+    ids = (rank["bos_token_id"], rank["eos_token_id"], draft["dflash_config"]["mask_token_id"])
+    assert len(set(ids)) == 3 and all(0 <= i < rank["vocab_size"] for i in ids)
+    assert draft["vocab_size"] == rank["vocab_size"]
+    # the vocabulary (and what follows from it) is the only difference from the full-vocab rank
+    differ = {k for k in full if full[k] != rank[k]}
+    assert differ == {"vocab_size", "bos_token_id", "eos_token_id", "notes"}
+    assert rank["notes"]["weight_bytes"] == mmc.kimi_rank_weight_bytes(61, 20480, int4=True)
+    assert "all-gather of logits" in rank["notes"]["not_emulated"]
+    with pytest.raises(ValueError):
+        mmc.kimi_rank(8, 163840 + 1)
+
+
 def test_kimi_weight_bytes_by_hand():
     wb = mmc.kimi_rank_weight_bytes(2, 163840)
     attn = 7168 * 1536 + 1536 * 8 * 192 + 7168 * 576 + 512 * 8 * 256 + 8 * 128 * 7168
@@ -74,7 +91,8 @@ def test_kimi_weight_bytes_by_hand():
 
 
 @pytest.mark.parametrize("target", ["qwen3-8b", "qwen3-30b-a3b", "kimi-k2.6-tp8rank-l4",
-                                    "kimi-k2.6-tp8rank-l8", "kimi-k2.6-tp8rank-l61-int4"])
+                                    "kimi-k2.6-tp8rank-l8", "kimi-k2.6-tp8rank-l61-int4",
+                                    "kimi-k2.6-tp8rank-l61-int4-rankvocab"])
 def test_drafter_matches_target_and_capture_rule(out, target):
     t, d = _cfg(out, target), _cfg(out, target + "-dflash-draft")
     assert d["architectures"] == ["DFlashDraftModel"]
