@@ -381,6 +381,29 @@ def main(argv=None):
     kinds = args.kinds.split(",")
     max_tokens = max(args.batch_sizes) * (max(args.contexts) + max(args.budgets) + 1 + 32) + 64
     results = []
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    def dump(complete):
+        # after every point too: a call's time limit keeps the points that ran
+        meta = dict(command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                    date=started, complete=complete, gpu=torch.cuda.get_device_name(),
+                    torch=torch.__version__, triton=__import__("triton").__version__,
+                    source_digest=checkout_digest(__file__),
+                    python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
+                    sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
+                    peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
+                    min_split_keys=args.min_split_keys, splits=args.splits,
+                    timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
+                    shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
+                                mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
+                    config=args.config or "default",
+                    plan_context=args.plan_context or "each point's own context",
+                    kernels_dir=args.kernels_dir or "this checkout")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
     for kind in kinds:
         if kind == "mha":
             caches = (torch.randn(max_tokens, 8, 128, device="cuda", dtype=torch.bfloat16),
@@ -440,29 +463,14 @@ def main(argv=None):
                         except Exception as exc:  # noqa: BLE001 - recorded per point
                             r[f"{name}_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
                     results.append(r)
+                    dump(complete=False)
                     print(_row(r), flush=True)
                     del p
                     torch.cuda.empty_cache()
         del caches
         torch.cuda.empty_cache()
 
-    meta = dict(command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
-                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=__import__("triton").__version__,
-                source_digest=checkout_digest(__file__),
-                python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
-                sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
-                peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
-                min_split_keys=args.min_split_keys, splits=args.splits,
-                timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
-                shapes=dict(mha="Qwen3-8B layer: 32 q heads, 8 kv heads, d 128, bf16",
-                            mla="Kimi K2.6 TP8 rank: 8 heads, latent 512 + rope 64, bf16"),
-                config=args.config or "default",
-                plan_context=args.plan_context or "each point's own context",
-                kernels_dir=args.kernels_dir or "this checkout")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+    dump(complete=True)
     print(f"wrote {args.out}")
     return 0
 
