@@ -49,7 +49,7 @@ def next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
-def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
+def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -65,13 +65,13 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
     consts = dict(G=shape["G"], DK=shape["DK"], BLOCK_DK=next_pow2(shape["DK"]),
                   D_PE=shape["D_PE"], DV=shape["DV"],
                   BLOCK_DV=next_pow2(shape["DV"]) // dv_split, BLOCK_M=block_m,
-                  BLOCK_N=block_n, SPLIT=True, USE_INDPTR=False,
+                  BLOCK_N=block_n, SPLIT=not merge_prefix, USE_INDPTR=False,
                   SHARED_KV=shape["SHARED_KV"], HAS_CAP=False, INTERPRET=False,
-                  DV_SPLIT=dv_split, DK_CHUNK=dk_chunk)
+                  DV_SPLIT=dv_split, DK_CHUNK=dk_chunk, MERGE_PREFIX=merge_prefix)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_table_ptr": "*i32",
             "kv_row_ptr": "*i64", "seq_lens_ptr": "*i64", "tree_loc_ptr": "*i64",
-            "tree_mask_ptr": "*u8"}
+            "tree_mask_ptr": "*u8", "pre_o_ptr": "*bf16", "pre_lse_ptr": "*fp32"}
     signature = {n: ("constexpr" if n in consts else ptrs.get(n) or
                      ("fp32" if n in ("qk_scale", "v_scale", "logit_cap") else "i32"))
                  for n in fn.arg_names}
@@ -109,6 +109,9 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kind", choices=("mha", "mla"), default="mla")
+    ap.add_argument("--merge-prefix", action="store_true",
+                    help="the variant that merges a prefix part given by another kernel "
+                         "(one split, tree keys only)")
     ap.add_argument("--configs", required=True, help="';'-separated configs")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
@@ -118,7 +121,7 @@ def main(argv=None):
     for spec in args.configs.split(";"):
         cfg = [int(x) for x in spec.split(",") if x]
         try:
-            row = analyse(args.kind, cfg, args.arch, args.ptxas)
+            row = analyse(args.kind, cfg, args.arch, args.ptxas, args.merge_prefix)
         except Exception as exc:  # noqa: BLE001 -- a config Triton rejects is a result too
             row = {"kind": args.kind, "config": spec, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)

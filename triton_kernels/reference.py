@@ -71,6 +71,38 @@ def tree_attention_reference(q, k_cache, v_cache, out_cache_loc, tree_mask, *,
     return out
 
 
+def prefix_attention_reference(q, k_cache, v_cache, num_tree_tokens: int, *,
+                               req_to_token=None, req_pool_indices=None, seq_lens=None,
+                               kv_indptr=None, kv_indices=None,
+                               sm_scale: Optional[float] = None):
+    """fp32 attention of every tree row over its request's prefix alone, no mask (what a
+    non-causal multi-token decode kernel such as FlashMLA's returns for the prefix pages).
+
+    Returns
+    -------
+    out : [bs * N, Hq, Dv] float32, normalised (zeros for an empty prefix)
+    lse : [bs, Hq, N] float32, natural-log log-sum-exp of the scaled scores (-inf if empty)
+    """
+    n = num_tree_tokens
+    bs = q.shape[0] // n
+    hq, dk = q.shape[1], q.shape[2]
+    g = hq // k_cache.shape[1]
+    scale = dk ** -0.5 if sm_scale is None else sm_scale
+    kf, vf = _dequant(k_cache, 1.0), _dequant(v_cache, 1.0)
+    out = torch.zeros(q.shape[0], hq, v_cache.shape[2], dtype=torch.float32, device=q.device)
+    lse = torch.full((bs, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(bs):
+        prefix = _prefix_slots(b, req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices)
+        if prefix.numel() == 0:
+            continue
+        k = kf[prefix].repeat_interleave(g, dim=1)
+        v = vf[prefix].repeat_interleave(g, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q[b * n:(b + 1) * n].float(), k) * scale
+        lse[b] = torch.logsumexp(s, dim=-1)
+        out[b * n:(b + 1) * n] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), v)
+    return out, lse
+
+
 def mla_tree_attention_reference(q, kv_cache, out_cache_loc, tree_mask, *, kv_lora_rank: int,
                                  sm_scale: float, kv_scale: float = 1.0, **kv) -> torch.Tensor:
     """fp32 absorbed-MLA tree attention: keys are whole latent rows, values their first

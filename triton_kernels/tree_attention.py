@@ -28,6 +28,11 @@ context) once; :meth:`TreeAttention.run` only launches kernels whose grids depen
 and replayed with new inputs. Split chunk bounds are computed inside the kernel from ``seq_lens``;
 empty chunks just write an empty partial.
 
+Prefix from elsewhere. ``run(..., prefix_out=, prefix_lse=)`` takes the prefix part of the
+attention from another kernel (e.g. FlashMLA's non-causal decode over the prefix pages: its
+normalised output and natural-log log-sum-exp per row) and computes only the tree part here, one
+split, merging the two by their log-sum-exps in the epilogue (no reduce launch).
+
 The MLA (absorbed, latent KV) variant lives in ``tree_attention_mla.py`` and reuses these kernels;
 tile configs and split counts are chosen in ``tree_attention_plan.py``.
 """
@@ -215,6 +220,10 @@ def _tree_attn_fwd_kernel(
     stride_ot, stride_oh,
     stride_table,     # row stride of req_to_token
     stride_mb, stride_mi,
+    pre_o_ptr,        # [T, Hq, DV] normalised prefix-only output (MERGE_PREFIX)
+    pre_lse_ptr,      # prefix-only natural-log log-sum-exp of row (b, head, tok) (MERGE_PREFIX)
+    stride_pot, stride_poh,
+    stride_plb, stride_plh, stride_pln,
     G: tl.constexpr,  # query heads per KV head
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -225,6 +234,7 @@ def _tree_attn_fwd_kernel(
     DV_SPLIT: tl.constexpr = 1,  # programs sharing a row block, each BLOCK_DV output columns
     DK_CHUNK: tl.constexpr = 0,  # > 0: QK in slices of this many dims (query not held whole)
     MIN_CHUNK: tl.constexpr = 256,  # fewest prefix keys a non-empty split covers
+    MERGE_PREFIX: tl.constexpr = False,  # prefix part given (pre_o, pre_lse): tree keys only
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
     pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
@@ -257,6 +267,8 @@ def _tree_attn_fwd_kernel(
     chunk = tl.maximum(tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, prefix_len)
+    if MERGE_PREFIX:
+        end = start  # another kernel attended the prefix: its result is merged below
     # an empty split (not the last, which holds the tree tokens) loads nothing and writes only
     # its -inf log-sum-exp; the reduce kernel skips its partial
     live = (start < end) | (split == num_splits - 1)
@@ -334,6 +346,22 @@ def _tree_attn_fwd_kernel(
     out = acc / l_safe[:, None]
     if not SPLIT:
         out = out * v_scale
+        if MERGE_PREFIX:
+            # both parts normalised; weights from their log-sum-exps (log2 units here: qk_scale
+            # holds log2 e, and the prefix kernel's natural-log value is converted)
+            t_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            p_lse = tl.load(pre_lse_ptr + b.to(tl.int64) * stride_plb + head * stride_plh
+                            + tok * stride_pln, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            p_out = tl.load(pre_o_ptr + t_glob[:, None] * stride_pot + head[:, None] * stride_poh
+                            + offs_dv[None, :],
+                            mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            p_out = tl.where((p_lse == float("-inf"))[:, None], 0.0, p_out.to(tl.float32))
+            top = tl.maximum(t_lse, p_lse)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_t = tl.exp2(t_lse - top)
+            w_p = tl.exp2(p_lse - top)
+            den = tl.where(w_t + w_p == 0.0, 1.0, w_t + w_p)
+            out = (w_t[:, None] * out + w_p[:, None] * p_out) / den[:, None]
         o_off = t_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV))
@@ -578,7 +606,9 @@ class TreeAttention:
             kv_indptr: Optional[torch.Tensor] = None,
             kv_indices: Optional[torch.Tensor] = None,
             k_scale: float = 1.0, v_scale: float = 1.0,
-            out: Optional[torch.Tensor] = None, validate: bool = True) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, validate: bool = True,
+            prefix_out: Optional[torch.Tensor] = None,
+            prefix_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Tree-verify attention for one layer. CUDA-graph safe.
 
         Parameters
@@ -598,6 +628,12 @@ class TreeAttention:
             Flat mode instead of the table: ``[bs + 1]`` offsets into ``[total]`` prefix slots.
         out : [bs * N, Hq, v_head_dim], optional
             Written in place (pass a preallocated buffer inside graphs).
+        prefix_out, prefix_lse : optional, together
+            The prefix part computed elsewhere: ``[bs * N, Hq, v_head_dim]`` attention of each
+            row over its request's prefix alone (normalised, any float dtype) and ``[bs, Hq, N]``
+            fp32 natural-log log-sum-exp of its scaled scores (any strides; -inf for an empty
+            prefix). Then only the tree keys are read here, in one split, and the two parts are
+            merged (exact up to rounding). No logit cap.
 
         Returns
         -------
@@ -606,9 +642,10 @@ class TreeAttention:
         if validate:
             self._validate(q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
                            req_pool_indices, seq_lens, kv_indptr, kv_indices, out)
+            self._validate_prefix(q, prefix_out, prefix_lse)
         return self._launch(q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
                             req_pool_indices, seq_lens, kv_indptr, kv_indices, k_scale,
-                            v_scale, out)
+                            v_scale, out, prefix_out, prefix_lse)
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -665,8 +702,25 @@ class TreeAttention:
             _check(t.device == self.device or self.device.type == t.device.type,
                    f"{name} device", self.device, t.device)
 
+    def _validate_prefix(self, q, prefix_out, prefix_lse) -> None:
+        _check((prefix_out is None) == (prefix_lse is None), "prefix_out / prefix_lse",
+               "both or neither", "one of them")
+        if prefix_out is None:
+            return
+        n, hq = self.num_tree_tokens, self.num_q_heads
+        bs = q.shape[0] // n
+        _check(self.logit_cap == 0.0, "logit cap with a given prefix", 0.0, self.logit_cap)
+        _check(tuple(prefix_out.shape) == (bs * n, hq, self.v_head_dim)
+               and prefix_out.stride(-1) == 1, "prefix_out shape",
+               f"[{bs * n}, {hq}, {self.v_head_dim}] with last-dim stride 1",
+               tuple(prefix_out.shape))
+        _check(tuple(prefix_lse.shape) == (bs, hq, n) and prefix_lse.dtype == torch.float32,
+               "prefix_lse", f"[{bs}, {hq}, {n}] float32",
+               f"{tuple(prefix_lse.shape)} {prefix_lse.dtype}")
+
     def _launch(self, q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
-                req_pool_indices, seq_lens, kv_indptr, kv_indices, k_scale, v_scale, out):
+                req_pool_indices, seq_lens, kv_indptr, kv_indices, k_scale, v_scale, out,
+                prefix_out=None, prefix_lse=None):
         n = self.num_tree_tokens
         bs = q.shape[0] // n
         if out is None:
@@ -686,9 +740,16 @@ class TreeAttention:
         else:
             table, rows, lens = req_to_token, req_pool_indices, seq_lens
             stride_table = req_to_token.stride(0)
-        splits = self.num_splits(bs)
+        merge = prefix_out is not None
+        splits = 1 if merge else self.num_splits(bs)  # the tree keys alone: one split
         cfg = self.config_for(bs)
         has_cap = self.logit_cap > 0.0
+        if not merge:  # unread (MERGE_PREFIX off): any tensors, zero strides
+            prefix_out, prefix_lse = out, self.part_lse
+            po_strides, pl_strides = (0, 0), (0, 0, 0)
+        else:
+            po_strides = (prefix_out.stride(0), prefix_out.stride(1))
+            pl_strides = (prefix_lse.stride(0), prefix_lse.stride(1), prefix_lse.stride(2))
         qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
         part_o, part_lse = self.part_o, self.part_lse
         grid = (self.num_blocks_m(bs), self.num_kv_heads * splits * cfg.dv_split, bs)
@@ -699,13 +760,14 @@ class TreeAttention:
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
             stride_table, tree_mask.stride(0), tree_mask.stride(1),
+            prefix_out, prefix_lse, *po_strides, *pl_strides,
             G=self.group, DK=self.head_dim, BLOCK_DK=triton.next_power_of_2(self.head_dim),
             D_PE=self.rope_dim, DV=self.v_head_dim,
             BLOCK_DV=triton.next_power_of_2(self.v_head_dim) // cfg.dv_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
-            MIN_CHUNK=cfg.min_split_keys, num_warps=cfg.num_warps,
+            MIN_CHUNK=cfg.min_split_keys, MERGE_PREFIX=merge, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
         if splits > 1:

@@ -66,7 +66,9 @@ class TreeAttentionMLA(TreeAttention):
             req_pool_indices: Optional[torch.Tensor] = None,
             seq_lens: Optional[torch.Tensor] = None, kv_indptr: Optional[torch.Tensor] = None,
             kv_indices: Optional[torch.Tensor] = None, kv_scale: float = 1.0,
-            out: Optional[torch.Tensor] = None, validate: bool = True) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, validate: bool = True,
+            prefix_out: Optional[torch.Tensor] = None,
+            prefix_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Absorbed-MLA tree attention for one layer. CUDA-graph safe.
 
         Parameters
@@ -85,6 +87,8 @@ class TreeAttentionMLA(TreeAttention):
             Dequantisation scale of an fp8 cache (1.0 otherwise).
         out : [bs * N, H, kv_lora_rank], optional
             Written in place.
+        prefix_out, prefix_lse : optional
+            The prefix part from another kernel (FlashMLA), as :meth:`TreeAttention.run`.
 
         Returns
         -------
@@ -93,9 +97,10 @@ class TreeAttentionMLA(TreeAttention):
         if validate:
             self._validate(q, kv_cache, kv_cache, out_cache_loc, tree_mask, req_to_token,
                            req_pool_indices, seq_lens, kv_indptr, kv_indices, out)
+            self._validate_prefix(q, prefix_out, prefix_lse)
         return self._launch(q, kv_cache, kv_cache, out_cache_loc, tree_mask, req_to_token,
                             req_pool_indices, seq_lens, kv_indptr, kv_indices, kv_scale,
-                            kv_scale, out)
+                            kv_scale, out, prefix_out, prefix_lse)
 
 
 def tree_attention_mla(q, kv_cache, out_cache_loc, tree_mask, *, sm_scale: float,

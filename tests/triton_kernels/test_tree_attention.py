@@ -417,3 +417,96 @@ def test_per_batch_size_configs_size_buffers_and_match_reference(monkeypatch):
                                                **layout.table_kwargs())
         assert not out.isnan().any()
         assert rel_err(out, ref) < TOL[torch.bfloat16], (bs, rel_err(out, ref))
+
+
+# --- the prefix part given by another kernel (FlashMLA's for MLA), merged in the epilogue ------
+
+@pytest.mark.parametrize("kind,seq_lens,n,page,plan_splits", [
+    ("mla", [1, 37, 130], 5, 64, 4),      # page 64 as FlashMLA reads it; a planned split count
+    ("mla", [64], 17, 64, None),          # budget 16, Kimi-like: the prefix ends on a page edge
+    ("mha", [9, 2], 4, 1, 3),
+])
+def test_given_prefix_merges_to_the_full_attention(kind, seq_lens, n, page, plan_splits):
+    """The tree kernel with the prefix part handed in (output + natural-log LSE, as FlashMLA
+    returns them) equals the whole tree attention; prefix keys are poisoned in the cache the
+    kernel reads, so reading any of them fails."""
+    g, layout, mask = make_layout(seq_lens, n, page, seed=len(seq_lens) * 31 + n)
+    bs = len(seq_lens)
+    kw = layout.table_kwargs()
+    if kind == "mla":
+        rank, rope, h = 32, 16, 8
+        cache = poison_unused(torch.randn(layout.num_slots, 1, rank + rope, generator=g),
+                              layout).bfloat16()
+        q = torch.randn(bs * n, h, rank + rope, generator=g).bfloat16()
+        sm = 0.15
+        attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
+                                         max_context_len=256, device="cpu", sm_scale=sm,
+                                         kv_lora_rank=rank, rope_dim=rope,
+                                         num_kv_splits=plan_splits, config=SHORT_SPLITS)
+        ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask,
+                                               kv_lora_rank=rank, sm_scale=sm, **kw)
+        p_out, p_lse = REF.prefix_attention_reference(q, cache, cache[..., :rank], n,
+                                                      sm_scale=sm, **kw)
+        dv = rank
+    else:
+        h, hkv, d = 4, 2, 16
+        k = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).half()
+        v = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).half()
+        q = torch.randn(bs * n, h, d, generator=g).half()
+        attn = TA.TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=h,
+                                     num_kv_heads=hkv, head_dim=d, max_context_len=64,
+                                     device="cpu", num_kv_splits=plan_splits,
+                                     config=SHORT_SPLITS)
+        ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask, **kw)
+        p_out, p_lse = REF.prefix_attention_reference(q, k, v, n, **kw)
+        dv = d
+    # the kernel must not touch a prefix key: NaN every prefix slot of the cache it reads
+    prefix_slots = torch.cat([layout.req_to_token[layout.req_pool_indices[b], :seq_lens[b]]
+                              for b in range(bs)]).long()
+    out = torch.full((bs * n, h, dv), float("nan"), dtype=q.dtype)
+    if kind == "mla":
+        blind = cache.clone()
+        blind[prefix_slots] = float("nan")
+        attn.run(q, blind, layout.out_cache_loc, mask, out=out, prefix_out=p_out.bfloat16(),
+                 prefix_lse=p_lse, **kw)
+    else:
+        kb, vb = k.clone(), v.clone()
+        kb[prefix_slots] = float("nan")
+        vb[prefix_slots] = float("nan")
+        # a strided lse view (FlashMLA's [bs, H, N] layout need not be contiguous here)
+        lse_t = p_lse.transpose(1, 2).contiguous().transpose(1, 2)
+        attn.run(q, kb, vb, layout.out_cache_loc, mask, out=out, prefix_out=p_out.half(),
+                 prefix_lse=lse_t, **kw)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[q.dtype], rel_err(out, ref)
+
+
+def test_given_prefix_empty_prefix_rows_and_validation():
+    """An empty prefix (lse -inf, output NaN as a kernel may leave it) contributes nothing; a
+    lone prefix_out, a wrong lse shape and a logit cap are refused."""
+    g, layout, mask = make_layout([0, 5], 3, 1, seed=3)
+    kw = layout.table_kwargs()
+    cache = torch.randn(layout.num_slots, 1, 48, generator=g).bfloat16()
+    q = torch.randn(6, 2, 48, generator=g).bfloat16()
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=2, num_tree_tokens=3, num_heads=2,
+                                     max_context_len=16, device="cpu", sm_scale=0.2,
+                                     kv_lora_rank=32, rope_dim=16)
+    p_out, p_lse = REF.prefix_attention_reference(q, cache, cache[..., :32], 3, sm_scale=0.2,
+                                                  **kw)
+    p_out[:3] = float("nan")  # request 0 has no prefix: whatever its output holds is unread
+    out = attn.run(q, cache, layout.out_cache_loc, mask, prefix_out=p_out, prefix_lse=p_lse,
+                   **kw)
+    ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=32, sm_scale=0.2, **kw)
+    assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16]
+    with pytest.raises(ValueError, match="prefix_out / prefix_lse"):
+        attn.run(q, cache, layout.out_cache_loc, mask, prefix_out=p_out, **kw)
+    with pytest.raises(ValueError, match="prefix_lse"):
+        attn.run(q, cache, layout.out_cache_loc, mask, prefix_out=p_out,
+                 prefix_lse=p_lse.transpose(1, 2), **kw)
+    capped = MLA.TreeAttentionMLA.plan(max_batch_size=2, num_tree_tokens=3, num_heads=2,
+                                       max_context_len=16, device="cpu", sm_scale=0.2,
+                                       kv_lora_rank=32, rope_dim=16, logit_cap=30.0)
+    with pytest.raises(ValueError, match="logit cap"):
+        capped.run(q, cache, layout.out_cache_loc, mask, prefix_out=p_out, prefix_lse=p_lse,
+                   **kw)
