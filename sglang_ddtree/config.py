@@ -269,6 +269,23 @@ def resolve_verify_backend(requested: str, backend: str, native_ok, triton_ok,
     return "triton" if backend in triton_ok else "native"
 
 
+ENV_MLA_PREFIX = "SGLANG_DDTREE_MLA_PREFIX"
+MLA_PREFIX_CHOICES = ("triton", "flashmla")
+
+
+def read_mla_prefix(environ=os.environ) -> str:
+    """SGLANG_DDTREE_MLA_PREFIX: who attends the prefix in an MLA tree verify on DDTREE's Triton
+    verify backend. ``triton`` (default): our tree kernel, every arch and page size.
+    ``flashmla`` (opt-in): FlashMLA's dense decode kernel over the prefix pages, our kernel
+    for the tree keys, merged by log-sum-exp (``mla_prefix.py``; Hopper, ``--page-size 64``,
+    bf16 KV cache, checked at start-up)."""
+    raw = environ.get(ENV_MLA_PREFIX, "").strip().lower() or "triton"
+    if raw not in MLA_PREFIX_CHOICES:
+        raise DDTreeConfigError(f"{ENV_MLA_PREFIX}: expected one of {', '.join(MLA_PREFIX_CHOICES)}"
+                                f", got {raw!r}")
+    return raw
+
+
 def read_verify_backend(environ=os.environ) -> str:
     raw = environ.get(ENV_VERIFY_BACKEND)
     if raw is None or raw == "":

@@ -156,21 +156,34 @@ class TreeVerifyBackend:
     # our graph path pads by request, not by token: keep SGLang's ragged verify graphs off
     supports_ragged_verify_graph = False
     _OWN = frozenset({"_inner", "_runner", "_sgl", "_n", "_is_mla", "_plans", "_kernels",
-                      "_meta", "_graph", "_plan_bs"})
+                      "_meta", "_graph", "_plan_bs", "_prefix"})
 
     def __init__(self, inner, model_runner, *, num_tree_tokens: int, is_mla: bool, layers,
-                 sgl, kernels=None):
+                 sgl, kernels=None, prefix_fns=None):
         if kernels is None:
             from .triton_kernels import tree_attention, tree_attention_mla
 
             kernels = (tree_attention.TreeAttention, tree_attention_mla.TreeAttentionMLA)
         own = {"_inner": inner, "_runner": model_runner, "_sgl": sgl,
                "_n": int(num_tree_tokens), "_is_mla": bool(is_mla), "_plans": {},
-               "_kernels": kernels, "_meta": None, "_graph": None, "_plan_bs": 0}
+               "_kernels": kernels, "_meta": None, "_graph": None, "_plan_bs": 0,
+               "_prefix": None}
         for name, value in own.items():
             object.__setattr__(self, name, value)
         keys = tuple(dict.fromkeys(layer_key(m) for m in layers))  # distinct, in layer order
         self._plan(keys, int(model_runner.req_to_token_pool.size))
+        if is_mla and cfg.read_mla_prefix() == "flashmla":
+            from .mla_prefix import FlashMLAPrefix
+
+            heads = {key.q_heads for key in keys}
+            if len(heads) != 1:
+                raise cfg.DDTreeConfigError(
+                    f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla: layers with different head counts "
+                    f"{sorted(heads)}; unset it.")
+            self._prefix = FlashMLAPrefix(
+                num_tree_tokens=self._n, num_heads=heads.pop(), v_dim=keys[0].v_dim,
+                context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
+                device=self._plan_device(), fns=prefix_fns)
 
     # --- delegation -------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -203,13 +216,17 @@ class TreeVerifyBackend:
         return self._inner.get_fused_kv_write_buffers(layer, forward_batch)
 
     # --- planning ---------------------------------------------------------------------------
+    def _plan_device(self) -> torch.device:
+        mr = self._runner
+        return torch.device(mr.device) if isinstance(mr.device, str) else mr.device
+
     def _plan(self, keys, max_bs: int) -> None:
         """One kernel plan per distinct layer shape, for up to ``max_bs`` requests (allocates:
         never inside a graph)."""
         tree_attention_cls, mla_cls = self._kernels
         mr = self._runner
         width = int(mr.req_to_token_pool.req_to_token.shape[1])
-        device = torch.device(mr.device) if isinstance(mr.device, str) else mr.device
+        device = self._plan_device()
         plans = {}
         for key in keys:
             if self._is_mla:
@@ -231,6 +248,8 @@ class TreeVerifyBackend:
         self._inner.init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
         if max_bs > self._plan_bs:
             self._plan(tuple(self._plans), max_bs)
+        if self._prefix is not None:
+            self._prefix.init_graph_buffers(max_bs)
         if self._graph is not None and self._graph["mask"].shape[0] >= max_bs:
             return
         mr = self._runner
@@ -259,6 +278,9 @@ class TreeVerifyBackend:
         self._meta = VerifyMeta(table=mr.req_to_token_pool.req_to_token,
                                 rows=forward_batch.req_pool_indices,
                                 seq_lens=forward_batch.seq_lens, mask=mask)
+        if self._prefix is not None:
+            self._prefix.prepare(self._meta.table, self._meta.rows, self._meta.seq_lens,
+                                 static=False)
 
     def init_forward_metadata_out_graph(self, forward_batch, *args, **kwargs):
         if not forward_batch.forward_mode.is_target_verify():
@@ -285,6 +307,8 @@ class TreeVerifyBackend:
         g["mask"][real:bs].zero_()
         self._meta = VerifyMeta(table=g["table"], rows=g["rows"][:bs],
                                 seq_lens=g["seq_lens"][:bs], mask=g["mask"][:bs])
+        if self._prefix is not None:  # FlashMLA's page table and metadata, before replay
+            self._prefix.prepare(g["table"], g["rows"][:bs], g["seq_lens"][:bs], static=True)
 
     def init_forward_metadata_in_graph(self, forward_batch, *args, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
@@ -393,10 +417,15 @@ class TreeVerifyBackend:
             pool.set_kv_buffer(layer, self._sgl.kv_write_loc(forward_batch), latent,
                                latent[..., :rank])
         out = torch.empty((tokens, heads, rank), dtype=q_full.dtype, device=q_full.device)
-        plan.run(q_full, pool.get_key_buffer(layer.layer_id), forward_batch.out_cache_loc,
+        kv_cache = pool.get_key_buffer(layer.layer_id)
+        prefix_out = prefix_lse = None
+        if self._prefix is not None:  # the prefix on FlashMLA, the tree keys below
+            prefix_out, prefix_lse = self._prefix.run(q_full, kv_cache, layer.scaling)
+        plan.run(q_full, kv_cache, forward_batch.out_cache_loc,
                  meta.mask, req_to_token=meta.table, req_pool_indices=meta.rows,
                  seq_lens=meta.seq_lens,
-                 kv_scale=layer.k_scale_float if layer.k_scale is not None else 1.0, out=out)
+                 kv_scale=layer.k_scale_float if layer.k_scale is not None else 1.0, out=out,
+                 prefix_out=prefix_out, prefix_lse=prefix_lse)
         return out.view(tokens, heads * rank)
 
 
@@ -440,22 +469,27 @@ def blockers(model_runner, sgl, is_mla: bool) -> list:
     return out
 
 
-def install(model_runner, num_tree_tokens: int, sgl, kernels=None) -> TreeVerifyBackend:
+def install(model_runner, num_tree_tokens: int, sgl, kernels=None,
+            prefix_fns=None) -> TreeVerifyBackend:
     """Wrap ``model_runner.attn_backend`` (the target's) in :class:`TreeVerifyBackend`.
 
     Call after SGLang built the target's attention backends and before it captures the target's
     CUDA graphs (the graph runners take ``model_runner.attn_backend`` when they are built).
     Raises :class:`~sglang_ddtree.config.DDTreeConfigError` naming what blocks it.
     """
-    wrapper = wrap(model_runner.attn_backend, model_runner, num_tree_tokens, sgl, kernels)
+    wrapper = wrap(model_runner.attn_backend, model_runner, num_tree_tokens, sgl, kernels,
+                   prefix_fns)
     model_runner.attn_backend = wrapper
     return wrapper
 
 
-def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None) -> TreeVerifyBackend:
+def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
+         prefix_fns=None) -> TreeVerifyBackend:
     """:class:`TreeVerifyBackend` around the target attention backend ``inner`` for trees of
     ``num_tree_tokens``; ``model_runner.attn_backend`` is left as it is (``--speculative-ddtree-
-    budget auto`` wraps each width's own backend before its verify graphs are captured)."""
+    budget auto`` wraps each width's own backend before its verify graphs are captured).
+    ``prefix_fns`` stands in for FlashMLA's functions under ``SGLANG_DDTREE_MLA_PREFIX=flashmla``
+    (tests)."""
     is_mla = sgl.is_mla(model_runner.model_config)
     problems = blockers(model_runner, sgl, is_mla)
     layers = verify_layers(model_runner.model, is_mla, sgl.RadixAttention,
@@ -470,10 +504,24 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None) -> TreeVe
             f"{'; '.join(problems)}. Use --speculative-ddtree-verify-backend native with a "
             "tree-capable --attention-backend (triton, or flashinfer for MHA)."
         )
+    if cfg.read_mla_prefix() == "flashmla":
+        from .mla_prefix import problems as prefix_problems
+
+        device = torch.device(model_runner.device) if isinstance(model_runner.device, str) \
+            else model_runner.device
+        why = (["a non-MLA target"] if not is_mla else
+               prefix_problems(model_runner, {layer_key(m) for m in layers}, device,
+                               kernel=prefix_fns is None))
+        if why:
+            raise cfg.DDTreeConfigError(
+                f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla cannot serve this target: "
+                f"{'; '.join(sorted(set(why)))}. Unset it to verify on DDTREE's Triton kernels "
+                "alone.")
     wrapper = TreeVerifyBackend(inner, model_runner,
                                 num_tree_tokens=num_tree_tokens, is_mla=is_mla, layers=layers,
-                                sgl=sgl, kernels=kernels)
-    logger.info("DDTREE verify backend: triton (%s, N=%d, %d kernel plan(s)) behind %s",
+                                sgl=sgl, kernels=kernels, prefix_fns=prefix_fns)
+    logger.info("DDTREE verify backend: triton (%s, N=%d, %d kernel plan(s)%s) behind %s",
                 "MLA" if is_mla else "MHA", num_tree_tokens, len(wrapper._plans),
+                ", prefix on FlashMLA" if wrapper._prefix is not None else "",
                 type(wrapper.wrapped_backend).__name__)
     return wrapper

@@ -218,6 +218,13 @@ def _make_worker_class(sgl):
                                                 cfg.TRITON_VERIFY_TARGET_BACKENDS[arch],
                                                 cfg.AUTO_PREFERS_TRITON_VERIFY[arch])
             self._tree_verify = None
+            if cfg.read_mla_prefix() == "flashmla" and verify != "triton":
+                raise cfg.DDTreeConfigError(
+                    f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla runs inside DDTREE's Triton verify "
+                    f"backend, but this target verifies on '{backend}' (--speculative-ddtree-"
+                    f"verify-backend {requested}). Add --speculative-ddtree-verify-backend "
+                    f"triton, or unset {cfg.ENV_MLA_PREFIX}."
+                )
             if verify == "triton" and requested == "auto":  # one line per rank, at start-up
                 if backend in cfg.TREE_VERIFY_BACKENDS[arch]:
                     logger.info("DDTREE: verifying with DDTREE's Triton tree-attention kernels, "

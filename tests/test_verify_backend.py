@@ -624,3 +624,160 @@ def test_apply_rope_matches_sglang(is_neox):
                                apply_rotary_emb(x, cos, sin, is_neox), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="partial rotary"):
         verify_backend.apply_rope(x, pos, cos_sin[:, :8], is_neox)
+
+
+# --- SGLANG_DDTREE_MLA_PREFIX=flashmla: the prefix on FlashMLA (a stand-in here) ---------------
+
+def _fake_flashmla(clean_cache, pool_buffer, calls):
+    """FlashMLA's two functions with its documented contract, in fp32 torch: metadata of any
+    shape (the kernel alone reads it), and a non-causal decode over 64-token pages returning
+    the normalised output and the natural-log LSE [b, h, s]. It attends over ``clean_cache``
+    (the pool's rows before the test poisoned its prefix slots for our kernel) after checking
+    that it was handed the pool's own buffer."""
+
+    def get_metadata(seq_lens, rows_per_kv_head, kv_heads):
+        calls.append(("metadata", seq_lens.clone(), rows_per_kv_head, kv_heads))
+        return (torch.full((4, 8), 7, dtype=torch.int32),
+                torch.arange(seq_lens.numel() + 1, dtype=torch.int32))
+
+    def attend(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, splits, *,
+               softmax_scale, causal):
+        calls.append(("attend", block_table.clone(), cache_seqlens.clone(), sched.clone(),
+                      splits.clone()))
+        assert not causal and k_cache.shape[1:3] == (64, 1)
+        assert k_cache.data_ptr() == pool_buffer.data_ptr()
+        b, s, h, d = q.shape
+        pages = clean_cache.view(-1, 64, 1, d)
+        out = torch.zeros(b, s, h, head_dim_v)
+        lse = torch.full((b, h, s), float("-inf"))
+        for i in range(b):
+            length = int(cache_seqlens[i])
+            kv = pages[block_table[i, :-(-length // 64)].long()].reshape(-1, d)[:length].float()
+            sc = torch.einsum("shd,ld->hsl", q[i].float(), kv) * softmax_scale
+            lse[i] = torch.logsumexp(sc, dim=-1)
+            out[i] = torch.einsum("hsl,ld->shd", torch.softmax(sc, -1), kv[:, :head_dim_v])
+        return out.to(q.dtype), lse
+
+    return get_metadata, attend
+
+
+def _mla_prefix_setup(seed, seq_lens, n):
+    g, layout, mask, layer, prefill_path, pool = _mla_setup(seed, torch.bfloat16,
+                                                            seq_lens=seq_lens, n=n, page=64)
+    clean = pool.kv_buffer[0].clone()
+    # our kernel must not read a prefix row: NaN them in the pool (FlashMLA's stand-in reads
+    # the clean copy)
+    for b in range(len(seq_lens)):
+        row = layout.req_to_token[layout.req_pool_indices[b], : int(layout.seq_lens[b])]
+        pool.kv_buffer[0][row.long()] = float("nan")
+    mr = _runner(pool, layout.req_to_token, [layer, prefill_path], RecordingBackend(), mla=True)
+    mr.page_size = 64
+    return g, layout, mask, layer, pool, clean, mr
+
+
+def _mla_tokens(g, tokens):
+    q = torch.randn(tokens, HEADS, RANK + ROPE, generator=g).bfloat16()
+    latent = torch.randn(tokens, 1, RANK + ROPE, generator=g).bfloat16()
+    return q, latent
+
+
+def test_mla_prefix_on_flashmla_eager_matches_reference(sgl, monkeypatch):
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
+    n = 5
+    g, layout, mask, layer, pool, clean, mr = _mla_prefix_setup(11, (70, 130), n)
+    calls = []
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS,
+                               prefix_fns=_fake_flashmla(clean, pool.kv_buffer[0], calls))
+    assert w._prefix is not None
+    fb = _verify_batch(layout, mask, n)
+    q, latent = _mla_tokens(g, layout.out_cache_loc.numel())
+    w.init_forward_metadata(fb)
+    assert calls[0][0] == "metadata" and calls[0][2:] == (n * HEADS, 1)
+    with _attn_context(w):
+        out = layer(q, latent, latent[..., :RANK], fb)
+    kind, block_table, lens, _, _ = calls[-1]
+    assert kind == "attend" and torch.equal(lens, layout.seq_lens.int())
+    for b in range(2):  # each request's pages, in order
+        row = layout.req_to_token[layout.req_pool_indices[b]]
+        want = row[: -(-int(layout.seq_lens[b]) // 64) * 64:64] // 64
+        assert torch.equal(block_table[b, :want.numel()], want)
+    clean[layout.out_cache_loc] = latent
+    ref = REF.mla_tree_attention_reference(q, clean, layout.out_cache_loc, mask,
+                                           kv_lora_rank=RANK, sm_scale=layer.scaling,
+                                           **layout.table_kwargs())
+    assert not out.isnan().any()
+    assert rel_err(out.view(ref.shape), ref) < TOL
+
+
+def test_mla_prefix_on_flashmla_graph_path_uses_static_buffers(sgl, monkeypatch):
+    """Capture-style prep of a padded batch: the page table, lengths and metadata land in the
+    static buffers a captured graph reads (metadata copied in, not rebound), and the output of
+    the real requests matches the reference."""
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
+    n = 3
+    g, layout, mask, layer, pool, clean, mr = _mla_prefix_setup(12, (64, 9), n)
+    calls = []
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS,
+                               prefix_fns=_fake_flashmla(clean, pool.kv_buffer[0], calls))
+    w.init_cuda_graph_state(4, 4 * n)
+    buffers = (w._prefix.block_table, w._prefix.seq_lens, w._prefix.sched, w._prefix.splits)
+    bs, pad_bs = 2, 3
+    tokens = pad_bs * n
+    q, latent = _mla_tokens(g, tokens)
+    fb_view = types.SimpleNamespace(
+        forward_mode=_mode("TARGET_VERIFY"), batch_size=pad_bs,
+        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
+        out_cache_loc=torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)]),
+        positions=torch.zeros(tokens, dtype=torch.int64), out_cache_loc_is_physical=False,
+        spec_info=types.SimpleNamespace(draft_token=torch.zeros(bs * n)))
+    verify_backend.attach_tree_mask(fb_view.spec_info, mask)
+    w.init_forward_metadata_out_graph(fb_view)
+    assert all(a is b for a, b in zip(buffers, (w._prefix.block_table, w._prefix.seq_lens,
+                                                w._prefix.sched, w._prefix.splits)))
+    assert torch.equal(w._prefix.seq_lens[:pad_bs], fb_view.seq_lens.int())
+    assert (w._prefix.sched == 7).all()  # the metadata was copied into the static buffer
+    clean[layout.out_cache_loc] = latent[: bs * n]
+    ref = REF.mla_tree_attention_reference(q[: bs * n], clean, layout.out_cache_loc, mask,
+                                           kv_lora_rank=RANK, sm_scale=layer.scaling,
+                                           **layout.table_kwargs())
+    with _attn_context(w):
+        out = layer(q, latent, latent[..., :RANK], fb_view)
+    _, block_table, lens, _, splits = calls[-1]
+    assert block_table.shape[0] == pad_bs and lens.shape == (pad_bs,)
+    assert splits.shape == (pad_bs + 1,)
+    assert rel_err(out[: bs * n].view(ref.shape), ref) < TOL
+
+
+def test_mla_prefix_on_flashmla_refusals(sgl, monkeypatch):
+    """Start-up refusals name the fix: pages other than 64, an fp8 KV cache, an MHA target, a
+    bad value; without the stand-in the real kernel's needs (its dims, a Hopper GPU) are
+    checked too."""
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
+    n = 3
+    fns = (lambda *a: None, lambda *a, **k: None)
+    _, layout, _, layer, prefill_path, pool = _mla_setup(1, torch.bfloat16, n=n, page=1)
+    mr = _runner(pool, layout.req_to_token, [layer, prefill_path], RecordingBackend(), mla=True)
+
+    def capture_install(runner, prefix_fns):
+        verify_backend.install(runner, n, sgl, kernels=KERNELS, prefix_fns=prefix_fns)
+
+    with pytest.raises(cfg.DDTreeConfigError, match="MLA_PREFIX=flashmla cannot serve") as info:
+        capture_install(mr, fns)
+    assert "--page-size 64" in str(info.value)
+    mr.page_size, mr.kv_cache_dtype = 64, torch.float8_e4m3fn
+    with pytest.raises(cfg.DDTreeConfigError) as info:
+        capture_install(mr, fns)
+    assert "bf16 KV cache" in str(info.value) and "--page-size" not in str(info.value)
+    mr.kv_cache_dtype = torch.bfloat16
+    with pytest.raises(cfg.DDTreeConfigError) as info:  # the real kernel: dims and the GPU
+        capture_install(mr, None)
+    assert "576" in str(info.value) and "device cpu" in str(info.value)
+    _, mlayout, _, mlayer, mpool = _mha_setup(n=n)
+    mha = _runner(mpool, mlayout.req_to_token, [mlayer], RecordingBackend())
+    with pytest.raises(cfg.DDTreeConfigError) as info:
+        capture_install(mha, fns)
+    assert "non-MLA target" in str(info.value)
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "fa3")
+    with pytest.raises(cfg.DDTreeConfigError, match="expected one of triton, flashmla"):
+        cfg.read_mla_prefix()
