@@ -214,6 +214,33 @@ def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=
     return us, out.clone(), attn.num_splits(p.bs)
 
 
+def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0):
+    """MLA point ``p`` with the prefix on FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``):
+    the same queries and cache, laid out in pages of 64 tokens (FlashMLA's page); page table,
+    lengths and metadata prepared before the timed graph, as the verify backend does before a
+    replay. Returns (us, output, our kernel alone on the same layout)."""
+    from sglang_ddtree.mla_prefix import PAGE, FlashMLAPrefix
+
+    lay = ref.random_paged_layout([p.ctx] * p.bs, p.n, PAGE, gen).to("cuda")
+    assert lay.num_slots <= p.k_cache.shape[0]
+    kv = p.k_cache[: lay.num_slots // PAGE * PAGE]
+    attn = plan_ours(None, mla, p, config, plan_context)
+    prefix = FlashMLAPrefix(num_tree_tokens=p.n, num_heads=8, device="cuda",
+                            context_width=lay.req_to_token.shape[1])
+    prefix.init_graph_buffers(p.bs)
+    prefix.prepare(lay.req_to_token, lay.req_pool_indices, lay.seq_lens, static=True)
+    out = torch.empty(p.q.shape[0], 8, 512, device="cuda", dtype=torch.bfloat16)
+
+    def fn():
+        p_out, p_lse = prefix.run(p.q, kv, p.sm_scale)
+        attn.run(p.q, kv, lay.out_cache_loc, p.mask, out=out, validate=False,
+                 prefix_out=p_out, prefix_lse=p_lse, **lay.table_kwargs())
+
+    us, _ = time_graph(fn, iters, flush)
+    alone = attn.run(p.q, kv, lay.out_cache_loc, p.mask, **lay.table_kwargs())
+    return us, out.clone(), alone
+
+
 def bench_sglang(extend, p, iters, flush):
     n, bs, lay = p.n, p.bs, p.layout
     loc = lay.out_cache_loc
@@ -329,6 +356,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sglang-src", default=None, help="dir with SGLang's attention kernel files")
     ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
+    ap.add_argument("--mla-prefix", action="store_true",
+                    help="also time MLA points with the prefix on FlashMLA "
+                         "(SGLANG_DDTREE_MLA_PREFIX=flashmla; Hopper; pages of 64)")
     ap.add_argument("--config", default=None,
                     help="override our tile config: block_m,block_n,num_warps,num_stages")
     ap.add_argument("--sweep", default=None,
@@ -379,7 +409,8 @@ def main(argv=None):
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     gen = torch.Generator().manual_seed(0)
     kinds = args.kinds.split(",")
-    max_tokens = max(args.batch_sizes) * (max(args.contexts) + max(args.budgets) + 1 + 32) + 64
+    # (+ 64 a request and 5 pages: room for the 64-token pages of --mla-prefix layouts)
+    max_tokens = max(args.batch_sizes) * (max(args.contexts) + max(args.budgets) + 1 + 96) + 320
     results = []
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
@@ -391,6 +422,7 @@ def main(argv=None):
                     source_digest=checkout_digest(__file__),
                     python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
                     sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
+                    mla_prefix="flashmla" if args.mla_prefix else None,
                     peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
                     min_split_keys=args.min_split_keys, splits=args.splits,
                     timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
@@ -449,6 +481,15 @@ def main(argv=None):
                             diff = rel_diff(o, ours)
                             r[key][v] = (round(t, 2) if diff < 2e-2 else
                                          f"wrong output: rel diff {diff:.3g}")
+                    if args.mla_prefix and kind == "mla":
+                        try:
+                            t, o, alone = bench_flashmla_prefix(ref, mla, p, args.iters, flush,
+                                                                gen, config, args.plan_context)
+                            r["flashmla_prefix_us"] = round(t, 2)
+                            r["flashmla_prefix_rel_diff"] = round(rel_diff(o, alone), 5)
+                            r["speedup_flashmla_prefix"] = round(us / t, 2)
+                        except Exception as exc:  # noqa: BLE001 - recorded per point
+                            r["flashmla_prefix_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
                         if not avail:
@@ -484,7 +525,8 @@ def _row(r):
             f"splits {r['num_splits']:2d} | ours {r['ours_us']:9.1f} us "
             f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) {r['TFLOPs']:5.0f} TF/s | "
             f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}"
-            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us", "splits_us")
+            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us", "splits_us",
+                                                        "flashmla_prefix_us")
                     if key in r))
 
 

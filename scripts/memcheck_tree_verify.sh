@@ -3,7 +3,8 @@
 # (bf16, and fp8 KV), paged KV (page 16, prefixes not a multiple of it, incl. length 1), eager
 # and CUDA-graph replays checked against the fp32 reference (sglang-ddtree doctor's check).
 # Short contexts run unsplit; the 2,000-key cases take the split-K path and its reduce kernel
-# (MHA's per-split reduce, MLA's chunked one), which the script requires.
+# (MHA's per-split reduce, MLA's chunked one), which the script requires. Where FlashMLA runs,
+# two cases with the prefix on it (SGLANG_DDTREE_MLA_PREFIX=flashmla) are added.
 # Exit status 0 = clean and within tolerance.
 # Usage: bash scripts/memcheck_tree_verify.sh   (PYTHON, COMPUTE_SANITIZER override the tools)
 set -euo pipefail
@@ -16,17 +17,20 @@ SCRIPT=$(mktemp /tmp/tree_verify_memcheck.XXXXXX.py)
 trap 'rm -f "$SCRIPT"' EXIT
 cat >"$SCRIPT" <<'PYEOF'
 import sys
-from sglang_ddtree.doctor import _check_case
+from sglang_ddtree.doctor import _check_case, default_kernels
 bad = 0
 split = set()
 # (kernel, budget, batch, max context): budget+1 not a power of two, a 1-token prefix in each
-for kernel, budget, bs, ctx in [("mha", 32, 3, 300), ("mla", 16, 3, 300), ("mla_fp8", 8, 2, 200),
-                                ("mha", 8, 1, 2000), ("mla", 32, 1, 2000), ("mla_fp8", 8, 2, 2000)]:
+cases = [("mha", 32, 3, 300), ("mla", 16, 3, 300), ("mla_fp8", 8, 2, 200),
+         ("mha", 8, 1, 2000), ("mla", 32, 1, 2000), ("mla_fp8", 8, 2, 2000)]
+if "mla_flashmla" in default_kernels():  # the prefix on FlashMLA (Hopper), pages of 64
+    cases += [("mla_flashmla", 16, 3, 300), ("mla_flashmla", 32, 2, 2000)]
+for kernel, budget, bs, ctx in cases:
     r = _check_case(kernel, budget, bs, ctx, 16, 2, seed=budget)
     print(kernel, budget, bs, ctx, "splits", r.num_splits, r.status, r.rel_err_vs_reference,
           r.detail)
     bad += r.status != "pass"
-    if r.num_splits > 1:
+    if r.num_splits > 1 and kernel != "mla_flashmla":
         split.add(kernel[:3])
 if split != {"mha", "mla"}:
     print("split-K path not covered for", {"mha", "mla"} - split)

@@ -29,7 +29,7 @@ MLA_SHAPE = dict(num_heads=8, kv_lora_rank=512, rope_dim=64)
 
 @dataclass
 class CaseResult:
-    kernel: str          # "mha", "mla" or "mla_fp8"
+    kernel: str          # "mha", "mla", "mla_fp8" or "mla_flashmla"
     budget: int
     batch_size: int
     status: str          # "pass" | "mismatch" | "error"
@@ -53,6 +53,11 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     n = budget + 1
     dev = "cuda"
     is_mla = kernel.startswith("mla")
+    flashmla = kernel == "mla_flashmla"  # the prefix on FlashMLA (SGLANG_DDTREE_MLA_PREFIX)
+    if flashmla:
+        from .mla_prefix import PAGE, FlashMLAPrefix
+
+        page_size = PAGE
     if is_mla:
         hq, hkv = MLA_SHAPE["num_heads"], 1
         dq, dv = MLA_SHAPE["kv_lora_rank"] + MLA_SHAPE["rope_dim"], MLA_SHAPE["kv_lora_rank"]
@@ -67,7 +72,9 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         attn = TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
                                   num_kv_heads=hkv, head_dim=dq, max_context_len=max_context,
                                   device=dev)
-    res.num_splits = attn.num_splits(bs)
+    res.num_splits = 1 if flashmla else attn.num_splits(bs)  # FlashMLA: our kernel, tree keys
+    if flashmla:
+        res.extra["page_size"] = page_size
     fp8 = kernel.endswith("fp8")
     kv_scale = 0.5 if fp8 else 1.0
     g = torch.Generator().manual_seed(seed)
@@ -87,13 +94,27 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     out = torch.zeros(bs * n, hq, dv, device=dev, dtype=torch.bfloat16)
     kv_kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                      seq_lens=seq_lens)
+    prefix = None
+    if flashmla:
+        prefix = FlashMLAPrefix(num_tree_tokens=n, num_heads=hq, v_dim=dv, device=dev,
+                                context_width=req_to_token.shape[1])
+        prefix.init_graph_buffers(bs)
+
+    def prepare(static):  # outside the graph, before each replay (as the verify backend)
+        if prefix is not None:
+            prefix.prepare(req_to_token, req_pool_indices, seq_lens, static=static)
 
     def call(o):
+        if prefix is not None:
+            p_out, p_lse = prefix.run(q, k_cache, sm_scale)
+            return attn.run(q, k_cache, out_cache_loc, tree_mask, out=o, prefix_out=p_out,
+                            prefix_lse=p_lse, **kv_kwargs)
         if is_mla:
             return attn.run(q, k_cache, out_cache_loc, tree_mask, kv_scale=kv_scale, out=o,
                             **kv_kwargs)
         return attn.run(q, k_cache, v_cache, out_cache_loc, tree_mask, out=o, **kv_kwargs)
 
+    prepare(static=True)
     call(out)  # JIT-compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -119,7 +140,9 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         tree_mask.copy_(ref_mod.random_tree_mask(bs, n, g))
         q.copy_(torch.randn(q.shape, generator=g).to(q))
         out.fill_(float("nan"))
+        prepare(static=True)
         graph.replay()
+        prepare(static=False)
         eager = call(None)
         torch.cuda.synchronize()
         all_equal &= bool(torch.equal(out, eager))
@@ -144,6 +167,22 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     return res
 
 
+def default_kernels() -> list:
+    """The doctor's kernels: MHA, MLA bf16 and fp8 KV everywhere; MLA with the prefix on
+    FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``) where FlashMLA can run (Hopper)."""
+    import torch
+
+    kernels = ["mha", "mla", "mla_fp8"]
+    if torch.cuda.is_available():
+        from .mla_prefix import problems
+
+        dev = torch.device("cuda")
+        runner = type("Runner", (), {"page_size": 64, "kv_cache_dtype": torch.bfloat16})()
+        if not problems(runner, (), dev):
+            kernels.append("mla_flashmla")
+    return kernels
+
+
 def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
                      batch_sizes: Sequence[int] = (1, 2, 8, 32),
                      kernels: Sequence[str] = ("mha", "mla", "mla_fp8"),
@@ -157,7 +196,8 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
         Tree budgets (N = budget + 1 verify tokens per request) and batch sizes to capture.
     kernels : sequence of str
         ``"mha"`` (GQA 32/8 x 128), ``"mla"`` (8 heads, 512 + 64 latent, bf16 cache) and
-        ``"mla_fp8"`` (the same with an fp8 e4m3 cache).
+        ``"mla_fp8"`` (the same with an fp8 e4m3 cache), ``"mla_flashmla"`` (bf16, pages of 64,
+        the prefix on FlashMLA and the tree keys on our kernel: Hopper only).
     max_context : int
         Context the buffers are planned for; replays draw prefix lengths in 1..max_context.
     trials : int
@@ -249,7 +289,9 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="JSON", default=None, help="write results as JSON here")
     p.add_argument("--budgets", type=_ints, default=[4, 8, 9, 16, 32, 64, 128])
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 8, 32])
-    p.add_argument("--kernels", type=lambda s: s.split(","), default=["mha", "mla", "mla_fp8"])
+    p.add_argument("--kernels", type=lambda s: s.split(","), default=None,
+                   help="mha,mla,mla_fp8[,mla_flashmla] (default: these, mla_flashmla where "
+                        "FlashMLA runs)")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--trials", type=int, default=2)
@@ -262,7 +304,8 @@ def run_doctor_cli(args: argparse.Namespace) -> int:
     if not args.graphs:
         print("nothing to check: pass --graphs")
         return 2
-    results = run_graph_doctor(args.budgets, args.batch_sizes, args.kernels, args.max_context,
+    kernels = args.kernels if args.kernels is not None else default_kernels()
+    results = run_graph_doctor(args.budgets, args.batch_sizes, kernels, args.max_context,
                                args.page_size, args.trials, out=args.out)
     return 0 if results and all(r.status == "pass" for r in results) else 1
 
