@@ -82,6 +82,15 @@ MODEL_SETS["tiny_kvsglang"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
 MODEL_SETS["mla_kvsglang"] = dict(MODEL_SETS["mla"], ar_of="mla",
                                   ddtree_env={"SGLANG_DDTREE_KV_MOVE": "sglang"})
 MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of="mla")
+# MLA + MoE on SGLang's flashmla backend (pages of 64, Hopper; AR decodes on FlashMLA too):
+# the verify on our Triton kernels alone, and with its prefix part on FlashMLA
+# (SGLANG_DDTREE_MLA_PREFIX=flashmla); the dense drafter stays on triton
+FLASHMLA_PAGES = {"backend": "flashmla", "extra_args": ["--page-size", "64"]}
+MODEL_SETS["mla_fmla_tv"] = dict(
+    MODEL_SETS["mla"], **FLASHMLA_PAGES,
+    ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"])
+MODEL_SETS["mla_fmla"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv",
+                              ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "flashmla"})
 # an 8-layer Kimi K2.6 TP8 rank with int4 experts through our fused MoE, in the AR reference
 # too (server_env goes to every server of the set): the verify's MoE calls (M = N x batch)
 # run other config bands than a decode step's (M = batch), so this checks that those bands'

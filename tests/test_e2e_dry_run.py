@@ -132,6 +132,27 @@ def test_sets_sharing_an_absent_base_share_one_ar(monkeypatch, tmp_path):
     assert len([s for s in FakeServer.started if not s.spec]) == 1
 
 
+def test_flashmla_sets_share_an_ar_on_flashmla_pages(monkeypatch, tmp_path):
+    """mla_fmla_tv / mla_fmla: every server on the flashmla backend with 64-token pages (AR
+    included: one reference for both), the DDTREE servers on our Triton verify with the drafter
+    on triton, and only mla_fmla's DDTREE server with the prefix on FlashMLA."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "mla_fmla_tv:8;mla_fmla:8",
+                   "--eager-check=", "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    assert len([s for s in FakeServer.started if not s.spec]) == 1
+    for srv in FakeServer.started:
+        assert srv.args[srv.args.index("--attention-backend") + 1] == "flashmla", srv.log
+        assert srv.args[srv.args.index("--page-size") + 1] == "64", srv.log
+    ddtree = [s for s in FakeServer.started if s.spec]
+    assert ddtree and all("--speculative-draft-attention-backend" in s.args for s in ddtree)
+    prefix = {("mla_fmla-" in s.log and "mla_fmla_tv" not in s.log):
+              s.env.get("SGLANG_DDTREE_MLA_PREFIX") for s in ddtree}
+    assert prefix == {True: "flashmla", False: None}
+    assert all(c["verify_backend"] == "triton" for c in res["cases"])
+
+
 def test_dry_run_survives_a_dead_model(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = "mla"
