@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -129,7 +129,15 @@ for s in "$@"; do
     commit)  # the accept/commit stage per call, op path vs the one-launch walk_commit
              step commit ${COMMIT_LIMIT:-150} python3 scripts/bench_commit.py --out "$OUT/commit_h200.json" ${COMMIT_ARGS:-} ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench)" ;;
+    fmla)    # SGLANG_DDTREE_MLA_PREFIX=flashmla on the GPU: FlashMLA's contract and the merged
+             # attention (tests), the doctor's graph rows, then the MLA benchmark points with the
+             # prefix on FlashMLA beside our kernel alone (no SGLang baseline: fast)
+             step fmla-tests ${FMLA_LIMIT:-200} python3 -m pytest -q tests/gpu/test_mla_prefix_gpu.py
+             step fmla-doctor ${FMLA_LIMIT:-200} python3 -m sglang_ddtree.cli doctor --graphs \
+               --kernels mla,mla_flashmla --out "$OUT/doctor_graphs_fmla_h200.json"
+             step fmla-bench ${FMLA_BENCH_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mla \
+               --mla-prefix --no-baselines --out "$OUT/tree_verify_fmla_h200.json" ${FMLA_BENCH_ARGS:-} ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
