@@ -122,7 +122,9 @@ class FlashMLAPrefix:
         b's token slots (pages of 64 contiguous slots); ``seq_lens`` its prefix lengths.
         ``static``: into the graph buffers (a captured ``run`` reads them)."""
         bs = int(rows.shape[0])
-        first_slots = table.index_select(0, rows)[:, ::PAGE]  # slot of each page's first token
+        # slot of each page's first token: only those columns are gathered (a row is as wide
+        # as the longest context, 64x the page count)
+        first_slots = table[:, ::PAGE].index_select(0, rows)
         if static:
             if bs > self._max_bs:
                 raise RuntimeError(f"FlashMLA prefix: graph batch {bs} but buffers for "
