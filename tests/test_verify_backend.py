@@ -661,7 +661,10 @@ def _fake_flashmla(clean_cache, pool_buffer, calls):
     return get_metadata, attend
 
 
-def _mla_prefix_setup(seed, seq_lens, n):
+def _mla_prefix_backend(sgl, monkeypatch, seed, seq_lens, n):
+    """The MLA target on 64-token pages behind our verify backend with the prefix on the
+    FlashMLA stand-in; returns the case and the stand-in's call log."""
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
     g, layout, mask, layer, prefill_path, pool = _mla_setup(seed, torch.bfloat16,
                                                             seq_lens=seq_lens, n=n, page=64)
     clean = pool.kv_buffer[0].clone()
@@ -672,7 +675,11 @@ def _mla_prefix_setup(seed, seq_lens, n):
         pool.kv_buffer[0][row.long()] = float("nan")
     mr = _runner(pool, layout.req_to_token, [layer, prefill_path], RecordingBackend(), mla=True)
     mr.page_size = 64
-    return g, layout, mask, layer, pool, clean, mr
+    calls = []
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS,
+                               prefix_fns=_fake_flashmla(clean, pool.kv_buffer[0], calls))
+    assert w._prefix is not None
+    return g, layout, mask, layer, clean, w, calls
 
 
 def _mla_tokens(g, tokens):
@@ -682,13 +689,9 @@ def _mla_tokens(g, tokens):
 
 
 def test_mla_prefix_on_flashmla_eager_matches_reference(sgl, monkeypatch):
-    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
     n = 5
-    g, layout, mask, layer, pool, clean, mr = _mla_prefix_setup(11, (70, 130), n)
-    calls = []
-    w = verify_backend.install(mr, n, sgl, kernels=KERNELS,
-                               prefix_fns=_fake_flashmla(clean, pool.kv_buffer[0], calls))
-    assert w._prefix is not None
+    g, layout, mask, layer, clean, w, calls = _mla_prefix_backend(sgl, monkeypatch, 11,
+                                                                  (70, 130), n)
     fb = _verify_batch(layout, mask, n)
     q, latent = _mla_tokens(g, layout.out_cache_loc.numel())
     w.init_forward_metadata(fb)
@@ -713,12 +716,8 @@ def test_mla_prefix_on_flashmla_graph_path_uses_static_buffers(sgl, monkeypatch)
     """Capture-style prep of a padded batch: the page table, lengths and metadata land in the
     static buffers a captured graph reads (metadata copied in, not rebound), and the output of
     the real requests matches the reference."""
-    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
     n = 3
-    g, layout, mask, layer, pool, clean, mr = _mla_prefix_setup(12, (64, 9), n)
-    calls = []
-    w = verify_backend.install(mr, n, sgl, kernels=KERNELS,
-                               prefix_fns=_fake_flashmla(clean, pool.kv_buffer[0], calls))
+    g, layout, mask, layer, clean, w, calls = _mla_prefix_backend(sgl, monkeypatch, 12, (64, 9), n)
     w.init_cuda_graph_state(4, 4 * n)
     buffers = (w._prefix.block_table, w._prefix.seq_lens, w._prefix.sched, w._prefix.splits)
     bs, pad_bs = 2, 3
