@@ -525,8 +525,8 @@ def _row(r):
             f"splits {r['num_splits']:2d} | ours {r['ours_us']:9.1f} us "
             f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) {r['TFLOPs']:5.0f} TF/s | "
             f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}"
-            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us", "splits_us",
-                                                        "flashmla_prefix_us")
+            + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us",
+                                                        "splits_us", "flashmla_prefix_us")
                     if key in r))
 
 

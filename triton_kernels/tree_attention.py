@@ -351,7 +351,8 @@ def _tree_attn_fwd_kernel(
             # holds log2 e, and the prefix kernel's natural-log value is converted)
             t_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             p_lse = tl.load(pre_lse_ptr + b.to(tl.int64) * stride_plb + head * stride_plh
-                            + tok * stride_pln, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+                            + tok * stride_pln, mask=row_ok, other=float("-inf"))
+            p_lse = p_lse * 1.4426950408889634  # log2 e
             p_out = tl.load(pre_o_ptr + t_glob[:, None] * stride_pot + head[:, None] * stride_poh
                             + offs_dv[None, :],
                             mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
