@@ -144,7 +144,8 @@ class FlashMLAPrefix:
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float):
         """``q [bs * N, H, 576]`` (absorbed, rope applied), ``kv_cache [slots, 1, 576]`` (the
         layer's latent pool rows). Returns the prefix-only ``(out [bs * N, H, 512], lse
-        [bs, H, N] fp32)``, lse in natural log."""
+        [bs, H, N] fp32)``, lse in natural log. FlashMLA packs each request's N x H query rows
+        against its one latent head, so every page row it loads serves all of them."""
         bs = q.shape[0] // self.n
         if self._eager is not None:
             block_table, lens, sched, splits = self._eager
@@ -153,6 +154,7 @@ class FlashMLAPrefix:
             sched, splits = self.sched, self.splits[:bs + 1]
         d = q.shape[-1]
         out, lse = self._attend(
-            q.view(bs, self.n, self.heads, d), kv_cache.view(-1, PAGE, 1, d), block_table,
+            q.contiguous().view(bs, self.n, self.heads, d),  # FlashMLA views q itself
+            kv_cache.view(-1, PAGE, 1, d), block_table,
             lens, self.v_dim, sched, splits, softmax_scale=sm_scale, causal=False)
         return out.view(bs * self.n, self.heads, -1), lse
