@@ -3,8 +3,8 @@
 A tree verify's attention splits in two: every tree row attends its request's whole prefix with
 no mask, and the tree tokens (at most budget + 1 keys) under the ancestor mask. The first part is
 exactly a non-causal multi-token decode, which FlashMLA's dense sm_90 kernel does over paged
-latent rows (about 660 TFLOP/s on an H800 by its authors' count; our Triton kernel reaches
-100-200 TFLOP/s on the H200, ``bench_results/tree_verify_h200.json``). This module runs that
+latent rows (up to 660 TFLOP/s on an H800 by its authors' count; our Triton kernel reaches
+60-200 TFLOP/s at MLA points on the H200, ``bench_results/tree_verify_h200.json``). This module runs that
 part on FlashMLA (``sgl_kernel.flash_mla``, shipped with SGLang 0.5.17) and hands its output and
 log-sum-exp to our tree kernel, which attends only the tree keys and merges the two
 (``TreeAttention.run(prefix_out=, prefix_lse=)``).
@@ -21,12 +21,9 @@ per request, not on the batch), as SGLang's own flashmla backend does for its de
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Optional, Tuple
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 PAGE = 64                 # FlashMLA's page_block_size
 LATENT_DIM, V_DIM = 576, 512  # the only head dims FlashMLA's dense decode kernel has
