@@ -141,6 +141,8 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
               "--mem-fraction-static", str(args.mem_fraction), "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--disable-prefill-cuda-graph",
               "--context-length", str(args.prompt_len + args.max_new_tokens + 1024)]
+    if getattr(args, "page_size", 1) > 1:  # every server, AR too (e.g. flashmla's 64)
+        common += ["--page-size", str(args.page_size)]
     spec = ["--speculative-draft-model-path", draft, "--speculative-draft-load-format", "dummy"]
     res = {} if res is None else res
     res.update({"target": name, "draft": pairs[name], "drafter_block": block,
@@ -227,6 +229,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--page-size", type=int, default=1,
+                    help="KV page size of every server (flashmla needs 64)")
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--accept-json", default=os.path.join(
         HERE, "..", "bench_results", "bench_e2e_tiny_h200_sweep_s7.json"),

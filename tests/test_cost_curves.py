@@ -170,3 +170,11 @@ def test_measure_model_keeps_moe_expert_counts_and_can_capture_only_measured_siz
                      lambda *a: {"tpot_ms": 2.0, "accept_length": 1.0}, stage_times_by_bs,
                      timer_budgets=[], baselines=["ar"])
     assert seen[0][seen[0].index("--cuda-graph-max-bs") + 1] == "8"
+    assert "--page-size" not in seen[0]
+    # --page-size reaches every server (flashmla's 64-token pages), AR included
+    args.page_size = 64
+    seen.clear()
+    cc.measure_model("qwen3-8b", args, [1], [], FakeServer,
+                     lambda *a: {"tpot_ms": 2.0, "accept_length": 1.0}, stage_times_by_bs,
+                     timer_budgets=[8], baselines=["ar"])
+    assert len(seen) == 2 and all(a[a.index("--page-size") + 1] == "64" for a in seen)
