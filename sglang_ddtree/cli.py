@@ -35,6 +35,7 @@ def collect_info() -> dict:
         "registration_error": None,
         "tree_verify_backends": {},
         "triton_verify_behind": {},
+        "mla_prefix_flashmla": None,
         "settings": {},
     }
     try:
@@ -59,12 +60,14 @@ def collect_info() -> dict:
         info["registration_error"] = f"{type(e).__name__}: {e}"
     info["tree_verify_backends"] = installed_tree_backends()
     info["triton_verify_behind"] = triton_verify_backends()
+    info["mla_prefix_flashmla"] = flashmla_prefix_status()
     try:
         info["settings"] = {
             "budget": (f"auto {config.read_auto_table()}" if config.is_auto_budget()
                        else config.read_budget()),
             "topk": config.read_topk() or "min(budget, vocab)",
             "verify_backend": config.read_verify_backend(),
+            "mla_prefix": config.read_mla_prefix(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
         }
     except config.DDTreeConfigError as e:  # a bad env value is what the user needs to see
@@ -106,6 +109,23 @@ def triton_verify_backends() -> dict:
         return {"error": f"tree-verify kernels not importable ({type(e).__name__}: {e})"}
     return {arch: [b for b in names if b not in TREE_VERIFY_BACKENDS[arch]]
             for arch, names in TRITON_VERIFY_TARGET_BACKENDS.items()}
+
+
+def flashmla_prefix_status() -> str:
+    """Whether ``SGLANG_DDTREE_MLA_PREFIX=flashmla`` can run on this machine (GPU and FlashMLA;
+    the target's own needs, --page-size 64 and a bf16 KV cache, are checked at start-up)."""
+    try:
+        import torch
+
+        from .mla_prefix import problems
+
+        runner = type("Runner", (), {"page_size": 64, "kv_cache_dtype": torch.bfloat16})()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        why = problems(runner, (), device)
+    except Exception as e:  # a diagnostic: say what failed
+        return f"unknown ({type(e).__name__}: {e})"
+    return "usable (with --page-size 64 and a bf16 KV cache)" if not why else \
+        "not usable: " + "; ".join(why)
 
 
 def _cmd_info(args) -> int:

@@ -172,14 +172,11 @@ def default_kernels() -> list:
     FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``) where FlashMLA can run (Hopper)."""
     import torch
 
-    kernels = ["mha", "mla", "mla_fp8"]
-    if torch.cuda.is_available():
-        from .mla_prefix import problems
+    from .cli import flashmla_prefix_status
 
-        dev = torch.device("cuda")
-        runner = type("Runner", (), {"page_size": 64, "kv_cache_dtype": torch.bfloat16})()
-        if not problems(runner, (), dev):
-            kernels.append("mla_flashmla")
+    kernels = ["mha", "mla", "mla_fp8"]
+    if torch.cuda.is_available() and flashmla_prefix_status().startswith("usable"):
+        kernels.append("mla_flashmla")
     return kernels
 
 

@@ -210,6 +210,8 @@ def test_cli_info_reports_registration(loaded, capsys):
     out = capsys.readouterr().out
     assert "ddtree_registers       True" in out
     assert "tree_verify_backends" in out
+    # no GPU here: the FlashMLA prefix says why it cannot run
+    assert "mla_prefix_flashmla    not usable: device cpu" in out
 
 
 def test_grammar_requests_are_refused_per_request(loaded):
