@@ -19,7 +19,7 @@ The accept lengths come from elsewhere and are named in the output:
 
 A method whose step or accept length is missing is left out, never filled in.
 
-    python scripts/project_costs.py --out bench_results/projection_h200_s16.json
+    python scripts/project_costs.py --out bench_results/projection_h200_s22.json
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ DEFAULT_COSTS = {
         "all 61 layers, int4 experts on our fused MoE; dummy routers that route each token "
         "independently (65 / 188 of 384 experts per 9- / 33-token verify): a real router lies "
         "between this and the stock fill",
+    "cost_curves_kimi_l61_int4_rankvocab_h200_s22.json":
+        "all 61 layers, int4 experts on our fused MoE, one TP8 rank's 20,480-row vocabulary; "
+        "SGLang's stock dummy fill (every token to the same experts: the cheapest verify); "
+        "AR speed server and DDTREE b8 / b16 / b32 -timers servers, no DFLASH step",
     "cost_curves_qwen3_8b_dflash_h200_s16.json":
         "dense; dummy weights; AR and DFLASH speed servers (session 16; DFLASH's own accept "
         "length there is 1.02, the random drafter's) and the DDTREE b32 -timers server",
