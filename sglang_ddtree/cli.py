@@ -117,11 +117,9 @@ def flashmla_prefix_status() -> str:
     try:
         import torch
 
-        from .mla_prefix import problems
+        from .mla_prefix import machine_problems
 
-        runner = type("Runner", (), {"page_size": 64, "kv_cache_dtype": torch.bfloat16})()
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        why = problems(runner, (), device)
+        why = machine_problems(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     except Exception as e:  # a diagnostic: say what failed
         return f"unknown ({type(e).__name__}: {e})"
     return "usable (with --page-size 64 and a bf16 KV cache)" if not why else \

@@ -172,10 +172,10 @@ def default_kernels() -> list:
     FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``) where FlashMLA can run (Hopper)."""
     import torch
 
-    from .cli import flashmla_prefix_status
+    from .mla_prefix import machine_problems
 
     kernels = ["mha", "mla", "mla_fp8"]
-    if torch.cuda.is_available() and flashmla_prefix_status().startswith("usable"):
+    if torch.cuda.is_available() and not machine_problems(torch.device("cuda")):
         kernels.append("mla_flashmla")
     return kernels
 

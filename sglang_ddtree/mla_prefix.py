@@ -40,13 +40,28 @@ def load_flashmla() -> Tuple[Callable, Callable]:
     return flash_mla.get_mla_metadata, flash_mla.flash_mla_with_kvcache
 
 
+def machine_problems(device: torch.device) -> list:
+    """Why FlashMLA's kernel cannot run on ``device`` (empty: it can): CUDA, a Hopper GPU
+    (its dense decode kernel is sm_90a), and FlashMLA importable."""
+    if device.type != "cuda":
+        return [f"device {device} (FlashMLA runs on CUDA)"]
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return [f"a GPU of compute capability {major}.{minor} (FlashMLA's dense decode kernel "
+                "is built for sm_90a: H100 / H200)"]
+    try:
+        load_flashmla()
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason
+        return [f"FlashMLA not importable ({type(e).__name__}: {e})"]
+    return []
+
+
 def problems(model_runner, layer_keys, device: torch.device, kernel: bool = True) -> list:
     """Why the FlashMLA prefix cannot serve this target (empty: it can). ``kernel=False``
-    leaves out what only FlashMLA's own kernel needs (its dims, the GPU, the import), for a
-    stand-in with the same contract (tests)."""
+    leaves out what only FlashMLA's own kernel needs (its dims, the machine), for a stand-in
+    with the same contract (tests)."""
     out = []
-    keys = list(layer_keys)
-    for key in keys:
+    for key in layer_keys:
         if kernel and (key.qk_dim, key.v_dim) != (LATENT_DIM, V_DIM):
             out.append(f"latent rows of {key.qk_dim} dims with {key.v_dim}-dim values "
                        f"(FlashMLA's kernel has {LATENT_DIM} / {V_DIM})")
@@ -59,20 +74,7 @@ def problems(model_runner, layer_keys, device: torch.device, kernel: bool = True
     if kv_dtype != torch.bfloat16:
         out.append(f"a {kv_dtype} KV cache (FlashMLA's fp8 path needs fp8 queries; serve with a "
                    "bf16 KV cache)")
-    if not kernel:
-        return out
-    if device.type != "cuda":
-        out.append(f"device {device} (FlashMLA runs on CUDA)")
-    elif torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        out.append(f"a GPU of compute capability {major}.{minor} (FlashMLA's dense decode "
-                   "kernel is built for sm_90a: H100 / H200)")
-    else:
-        try:
-            load_flashmla()
-        except Exception as e:  # noqa: BLE001 - any import failure is the reason
-            out.append(f"FlashMLA not importable ({type(e).__name__}: {e})")
-    return out
+    return out + (machine_problems(device) if kernel else [])
 
 
 class FlashMLAPrefix:

@@ -136,6 +136,12 @@ def _unsupported(layer) -> Optional[str]:
     return None
 
 
+def _device_of(model_runner) -> torch.device:
+    """The runner's device (SGLang keeps a string there)."""
+    dev = model_runner.device
+    return torch.device(dev) if isinstance(dev, str) else dev
+
+
 @dataclass
 class VerifyMeta:
     """Where the kernels read one verify batch (all [bs]-leading, on the device)."""
@@ -183,7 +189,7 @@ class TreeVerifyBackend:
             self._prefix = FlashMLAPrefix(
                 num_tree_tokens=self._n, num_heads=heads.pop(), v_dim=keys[0].v_dim,
                 context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
-                device=self._plan_device(), fns=prefix_fns)
+                device=_device_of(model_runner), fns=prefix_fns)
 
     # --- delegation -------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -216,17 +222,13 @@ class TreeVerifyBackend:
         return self._inner.get_fused_kv_write_buffers(layer, forward_batch)
 
     # --- planning ---------------------------------------------------------------------------
-    def _plan_device(self) -> torch.device:
-        mr = self._runner
-        return torch.device(mr.device) if isinstance(mr.device, str) else mr.device
-
     def _plan(self, keys, max_bs: int) -> None:
         """One kernel plan per distinct layer shape, for up to ``max_bs`` requests (allocates:
         never inside a graph)."""
         tree_attention_cls, mla_cls = self._kernels
         mr = self._runner
         width = int(mr.req_to_token_pool.req_to_token.shape[1])
-        device = self._plan_device()
+        device = _device_of(mr)
         plans = {}
         for key in keys:
             if self._is_mla:
@@ -507,11 +509,9 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
     if cfg.read_mla_prefix() == "flashmla":
         from .mla_prefix import problems as prefix_problems
 
-        device = torch.device(model_runner.device) if isinstance(model_runner.device, str) \
-            else model_runner.device
         why = (["a non-MLA target"] if not is_mla else
-               prefix_problems(model_runner, {layer_key(m) for m in layers}, device,
-                               kernel=prefix_fns is None))
+               prefix_problems(model_runner, {layer_key(m) for m in layers},
+                               _device_of(model_runner), kernel=prefix_fns is None))
         if why:
             raise cfg.DDTreeConfigError(
                 f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla cannot serve this target: "

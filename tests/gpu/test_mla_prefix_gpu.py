@@ -25,10 +25,9 @@ TOL = 2e-2
 def _usable():
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    from sglang_ddtree.mla_prefix import problems
+    from sglang_ddtree.mla_prefix import machine_problems
 
-    runner = type("Runner", (), {"page_size": 64, "kv_cache_dtype": torch.bfloat16})()
-    why = problems(runner, (), torch.device("cuda"))
+    why = machine_problems(torch.device("cuda"))
     return "; ".join(why) if why else None
 
 
