@@ -82,6 +82,11 @@ MODEL_SETS["tiny_kvsglang"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
 MODEL_SETS["mla_kvsglang"] = dict(MODEL_SETS["mla"], ar_of="mla",
                                   ddtree_env={"SGLANG_DDTREE_KV_MOVE": "sglang"})
 MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of="mla")
+# the drafter's block attention on our tree kernel (SGLANG_DDTREE_DRAFT_ATTENTION=triton): the
+# drafter's block K/V writes must stay inside its block slots and the target's tokens unchanged
+DRAFT_ON_TRITON = {"SGLANG_DDTREE_DRAFT_ATTENTION": "triton"}
+MODEL_SETS["tiny_dtv"] = dict(MODEL_SETS["tiny"], ar_of="tiny", ddtree_env=DRAFT_ON_TRITON)
+MODEL_SETS["mla_dtv"] = dict(MODEL_SETS["mla"], ar_of="mla", ddtree_env=DRAFT_ON_TRITON)
 # MLA + MoE on SGLang's flashmla backend (pages of 64, Hopper; AR decodes on FlashMLA too):
 # the verify on our Triton kernels alone, and with its prefix part on FlashMLA
 # (SGLANG_DDTREE_MLA_PREFIX=flashmla); the dense drafter stays on triton

@@ -286,6 +286,24 @@ def read_mla_prefix(environ=os.environ) -> str:
     return raw
 
 
+ENV_DRAFT_ATTENTION = "SGLANG_DDTREE_DRAFT_ATTENTION"
+DRAFT_ATTENTION_CHOICES = ("native", "triton")
+
+
+def read_draft_attention(environ=os.environ) -> str:
+    """SGLANG_DDTREE_DRAFT_ATTENTION: who runs the DFlash drafter's block attention (each block
+    query attends the drafter's whole prefix KV and the block). ``native`` (default): the
+    drafter's SGLang backend (``--speculative-draft-attention-backend``). ``triton`` (opt-in):
+    DDTREE's tree-attention kernel with the block's own mask (``verify_backend.install_draft``),
+    which splits long prefixes over the GPU where SGLang's triton extend kernel walks the prefix
+    serially with one program per (request, head)."""
+    raw = environ.get(ENV_DRAFT_ATTENTION, "").strip().lower() or "native"
+    if raw not in DRAFT_ATTENTION_CHOICES:
+        raise DDTreeConfigError(f"{ENV_DRAFT_ATTENTION}: expected one of "
+                                f"{', '.join(DRAFT_ATTENTION_CHOICES)}, got {raw!r}")
+    return raw
+
+
 def read_verify_backend(environ=os.environ) -> str:
     raw = environ.get(ENV_VERIFY_BACKEND)
     if raw is None or raw == "":

@@ -120,12 +120,16 @@ def layer_key(layer) -> LayerKey:
                     int(layer.v_head_dim), float(layer.scaling), float(layer.logit_cap or 0.0))
 
 
-def _unsupported(layer) -> Optional[str]:
+def _attn_type(layer) -> str:
+    return getattr(getattr(layer, "attn_type", None), "value", "decoder")
+
+
+def _unsupported(layer, attn_types=("decoder",)) -> Optional[str]:
     """Why our kernels cannot run this layer's verify attention (None: they can)."""
     if getattr(layer, "is_cross_attention", False):
         return "cross-attention"
-    attn_type = getattr(getattr(layer, "attn_type", None), "value", "decoder")
-    if attn_type != "decoder":
+    attn_type = _attn_type(layer)
+    if attn_type not in attn_types:
         return f"attention type {attn_type}"
     if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
         return f"sliding window {layer.sliding_window_size}"
@@ -162,10 +166,12 @@ class TreeVerifyBackend:
     # our graph path pads by request, not by token: keep SGLang's ragged verify graphs off
     supports_ragged_verify_graph = False
     _OWN = frozenset({"_inner", "_runner", "_sgl", "_n", "_is_mla", "_plans", "_kernels",
-                      "_meta", "_graph", "_plan_bs", "_prefix"})
+                      "_meta", "_graph", "_plan_bs", "_prefix", "_block_mask", "_name"})
 
     def __init__(self, inner, model_runner, *, num_tree_tokens: int, is_mla: bool, layers,
-                 sgl, kernels=None, prefix_fns=None):
+                 sgl, kernels=None, prefix_fns=None, block_mask=None):
+        """``block_mask`` ([N, N] bool): one mask for every request and step instead of the
+        tree the worker attaches (the drafter's block: :func:`install_draft`)."""
         if kernels is None:
             from .triton_kernels import tree_attention, tree_attention_mla
 
@@ -173,9 +179,17 @@ class TreeVerifyBackend:
         own = {"_inner": inner, "_runner": model_runner, "_sgl": sgl,
                "_n": int(num_tree_tokens), "_is_mla": bool(is_mla), "_plans": {},
                "_kernels": kernels, "_meta": None, "_graph": None, "_plan_bs": 0,
-               "_prefix": None}
+               "_prefix": None, "_block_mask": None,
+               "_name": ("DDTREE triton verify backend" if block_mask is None else
+                         f"DDTREE drafter attention ({cfg.ENV_DRAFT_ATTENTION}=triton)")}
         for name, value in own.items():
             object.__setattr__(self, name, value)
+        if block_mask is not None:
+            if tuple(block_mask.shape) != (self._n, self._n):
+                raise ValueError(f"block mask shape {tuple(block_mask.shape)}, expected "
+                                 f"({self._n}, {self._n})")
+            self._block_mask = block_mask.to(device=_device_of(model_runner),
+                                             dtype=torch.uint8).contiguous()
         keys = tuple(dict.fromkeys(layer_key(m) for m in layers))  # distinct, in layer order
         self._plan(keys, int(model_runner.req_to_token_pool.size))
         if is_mla and cfg.read_mla_prefix() == "flashmla":
@@ -264,6 +278,8 @@ class TreeVerifyBackend:
             "seq_lens": torch.zeros((max_bs,), dtype=torch.int64, device=dev),
             "mask": torch.zeros((max_bs, self._n, self._n), dtype=torch.uint8, device=dev),
         }
+        if self._block_mask is not None:  # the same for every row, padded ones too: set once
+            self._graph["mask"].copy_(self._block_mask.expand(max_bs, self._n, self._n))
 
     # --- metadata ---------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch):
@@ -271,7 +287,10 @@ class TreeVerifyBackend:
             return self._inner.init_forward_metadata(forward_batch)
         mr = self._runner
         bs = int(forward_batch.req_pool_indices.shape[0])
-        mask = _tree_mask_of(forward_batch.spec_info)
+        if self._block_mask is not None:  # a view: every request attends the same block mask
+            mask = self._block_mask.expand(bs, self._n, self._n)
+        else:
+            mask = _tree_mask_of(forward_batch.spec_info)
         if mask is None:  # a dummy verify input: no tree, every row attends its prefix only
             mask = torch.zeros((bs, self._n, self._n), dtype=torch.uint8,
                                device=forward_batch.seq_lens.device)
@@ -291,7 +310,7 @@ class TreeVerifyBackend:
         bs = int(forward_batch.req_pool_indices.shape[0])
         if g is None or bs > g["mask"].shape[0]:
             raise RuntimeError(
-                f"DDTREE triton verify backend: graph metadata for batch {bs} but the graph "
+                f"{self._name}: graph metadata for batch {bs} but the graph "
                 f"buffers hold {0 if g is None else g['mask'].shape[0]} requests "
                 "(init_cuda_graph_state not called with this max batch size)."
             )
@@ -300,13 +319,14 @@ class TreeVerifyBackend:
         torch.index_select(self._runner.req_to_token_pool.req_to_token, 0,
                            forward_batch.req_pool_indices, out=g["table"][:bs])
         g["seq_lens"][:bs].copy_(forward_batch.seq_lens)
-        mask = _tree_mask_of(forward_batch.spec_info)
-        real = 0
-        if mask is not None:
-            real = int(mask.shape[0])
-            self._check_mask(mask, bs)
-            g["mask"][:real].copy_(mask)
-        g["mask"][real:bs].zero_()
+        if self._block_mask is None:  # (a block mask sits in g["mask"] since its allocation)
+            mask = _tree_mask_of(forward_batch.spec_info)
+            real = 0
+            if mask is not None:
+                real = int(mask.shape[0])
+                self._check_mask(mask, bs)
+                g["mask"][:real].copy_(mask)
+            g["mask"][real:bs].zero_()
         self._meta = VerifyMeta(table=g["table"], rows=g["rows"][:bs],
                                 seq_lens=g["seq_lens"][:bs], mask=g["mask"][:bs])
         if self._prefix is not None:  # FlashMLA's page table and metadata, before replay
@@ -322,7 +342,7 @@ class TreeVerifyBackend:
         n = self._n
         rows_ok = mask.shape[0] == bs if exact else mask.shape[0] <= bs
         if mask.dim() != 3 or mask.shape[1:] != (n, n) or not rows_ok:
-            raise ValueError(f"DDTREE triton verify backend: tree mask shape: expected "
+            raise ValueError(f"{self._name}: tree mask shape: expected "
                              f"[{'' if exact else '<= '}{bs}, {n}, {n}], got "
                              f"{tuple(mask.shape)}")
 
@@ -344,20 +364,21 @@ class TreeVerifyBackend:
         extra = [name for name, val in kwargs.items() if val is not None and name not in allowed]
         if extra:
             raise NotImplementedError(
-                f"DDTREE triton verify backend: layer {layer.layer_id} passes {extra} to the "
+                f"{self._name}: layer {layer.layer_id} passes {extra} to the "
                 "attention backend, which the tree-verify kernels do not implement; use "
-                "--speculative-ddtree-verify-backend native."
+                + ("--speculative-ddtree-verify-backend native." if self._block_mask is None
+                   else f"{cfg.ENV_DRAFT_ATTENTION}=native.")
             )
         plan = self._plans.get(layer_key(layer))
         if plan is None:
-            raise RuntimeError(f"DDTREE triton verify backend: no kernel plan for layer "
+            raise RuntimeError(f"{self._name}: no kernel plan for layer "
                                f"{layer.layer_id} with shape {layer_key(layer)}; planned: "
                                f"{list(self._plans)}")
         meta = self._meta
         n = self._n
         if meta is None or q.shape[0] != meta.seq_lens.shape[0] * n:
             raise RuntimeError(
-                f"DDTREE triton verify backend: verify metadata for "
+                f"{self._name}: verify metadata for "
                 f"{None if meta is None else meta.seq_lens.shape[0]} requests x {n} tree "
                 f"tokens, but layer {layer.layer_id} got {q.shape[0]} query tokens.")
         if self._is_mla:
@@ -524,4 +545,53 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
                 "MLA" if is_mla else "MHA", num_tree_tokens, len(wrapper._plans),
                 ", prefix on FlashMLA" if wrapper._prefix is not None else "",
                 type(wrapper.wrapped_backend).__name__)
+    return wrapper
+
+
+# --- the drafter's block attention (SGLANG_DDTREE_DRAFT_ATTENTION=triton) ---------------------
+
+def draft_block_mask(layers, block_size: int):
+    """([block, block] bool mask, problems) for the DFlash drafter's attention layers: a block
+    query sees every block key where the layers are bidirectional (SGLang's DFlash drafter
+    marks them ``encoder_only``), the keys up to itself where they are causal (``decoder``, a
+    drafter config with ``is_causal``). Layers of both kinds, or sliding-window layers, cannot
+    share one mask: they come back as problems."""
+    problems = sorted({f"layer {m.layer_id}: {why}" for m in layers
+                       if (why := _unsupported(m, ("decoder", "encoder_only"))) is not None})
+    kinds = sorted({_attn_type(m) for m in layers})
+    if len(kinds) > 1:
+        problems.append(f"layers of different attention types {kinds}")
+    ones = torch.ones((block_size, block_size), dtype=torch.bool)
+    mask = ones if kinds == ["encoder_only"] else torch.tril(ones)
+    return mask, problems
+
+
+def install_draft(draft_runner, block_size: int, sgl, kernels=None) -> TreeVerifyBackend:
+    """Wrap the drafter runner's attention backend so that its block forward (SGLang runs it in
+    TARGET_VERIFY mode: ``block_size`` queries a request over the drafter's prefix KV and the
+    block) runs on our tree-attention kernel with :func:`draft_block_mask`. Everything else
+    (there is nothing else in DFLASH's drafter today) goes to the drafter's own backend.
+
+    Call before SGLang captures the drafter's CUDA graphs (``init_cuda_graphs``). Raises
+    :class:`~sglang_ddtree.config.DDTreeConfigError` naming what blocks it."""
+    if sgl.is_mla(draft_runner.model_config):
+        problems = ["an MLA drafter (DFlash drafters are MHA / GQA)"]
+    else:
+        problems = blockers(draft_runner, sgl, is_mla=False)
+    layers = verify_layers(draft_runner.model, False, sgl.RadixAttention)
+    if not layers:
+        problems.append("no attention layer the tree-attention kernels recognise")
+    mask, layer_problems = draft_block_mask(layers, block_size)
+    problems += layer_problems
+    if problems:
+        raise cfg.DDTreeConfigError(
+            f"DDTREE: {cfg.ENV_DRAFT_ATTENTION}=triton cannot run this drafter: "
+            f"{'; '.join(problems)}. Unset it to keep the drafter on its SGLang backend.")
+    wrapper = TreeVerifyBackend(draft_runner.attn_backend, draft_runner,
+                                num_tree_tokens=block_size, is_mla=False, layers=layers,
+                                sgl=sgl, kernels=kernels, block_mask=mask)
+    draft_runner.attn_backend = wrapper
+    logger.info("DDTREE drafter attention: triton (block %d, %s, %d kernel plan(s)) behind %s",
+                block_size, "bidirectional" if bool(mask.all()) else "causal",
+                len(wrapper._plans), type(wrapper.wrapped_backend).__name__)
     return wrapper

@@ -524,6 +524,134 @@ def test_install_refusals(sgl, monkeypatch):
                                                  RecordingBackend()))
 
 
+# --- the drafter's block attention (SGLANG_DDTREE_DRAFT_ATTENTION) ---------------------------
+
+def _draft_layers(kinds, hq=4, hkv=1, d=16, **kw):
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+
+    return [RadixAttention(hq, d, 0.3, hkv, layer_id=i, attn_type=AttentionType[kind], **kw)
+            for i, kind in enumerate(kinds)]
+
+
+def test_draft_attention_env_parses():
+    assert cfg.read_draft_attention({}) == "native"
+    assert cfg.read_draft_attention({cfg.ENV_DRAFT_ATTENTION: " Triton "}) == "triton"
+    with pytest.raises(cfg.DDTreeConfigError, match=cfg.ENV_DRAFT_ATTENTION):
+        cfg.read_draft_attention({cfg.ENV_DRAFT_ATTENTION: "fa3"})
+
+
+def test_draft_block_mask_follows_the_layers():
+    mask, problems = verify_backend.draft_block_mask(_draft_layers(["ENCODER_ONLY"] * 2), 4)
+    assert problems == [] and mask.dtype == torch.bool and mask.all()
+    mask, problems = verify_backend.draft_block_mask(_draft_layers(["DECODER"] * 2), 4)
+    assert problems == [] and torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    _, problems = verify_backend.draft_block_mask(_draft_layers(["ENCODER_ONLY", "DECODER"]), 4)
+    assert problems == ["layers of different attention types ['decoder', 'encoder_only']"]
+    _, problems = verify_backend.draft_block_mask(
+        _draft_layers(["DECODER"], sliding_window_size=64), 4)
+    assert problems == ["layer 0: sliding window 64"]
+    _, problems = verify_backend.draft_block_mask(_draft_layers(["DECODER_BIDIRECTIONAL"]), 4)
+    assert problems == ["layer 0: attention type decoder_bidirectional"]
+
+
+@pytest.mark.parametrize("kind", ["ENCODER_ONLY", "DECODER"])
+def test_drafter_block_attention_eager_and_graph_match_reference(sgl, kind):
+    """A drafter layer (GQA 4:1) in TARGET_VERIFY through the wrapper install_draft puts on the
+    draft runner: eager and graph-style prep both give the reference with the block mask for
+    every request (padded graph rows included, finite), whatever tree the spec info carries."""
+    n, hq, hkv, d = 5, 4, 1, 16
+    g, layout, _, _, pool = _mha_setup(seed=5, seq_lens=(9, 40), n=n, hq=hq, hkv=hkv, d=d,
+                                       page=4)
+    layer = _draft_layers([kind, kind], hq=hq, hkv=hkv, d=d)[1]
+    inner = RecordingBackend()
+    mr = _runner(pool, layout.req_to_token, [layer], inner)
+    w = verify_backend.install_draft(mr, n, sgl, kernels=KERNELS)
+    assert mr.attn_backend is w and w.wrapped_backend is inner
+    block = torch.ones(n, n, dtype=torch.bool)
+    block = block if kind == "ENCODER_ONLY" else block.tril()
+    bs = layout.seq_lens.numel()
+    mask = block.expand(bs, n, n)
+    tokens = bs * n
+    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
+    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    want_k, want_v = pool.get_key_buffer(1).clone(), pool.get_value_buffer(1).clone()
+    want_k[layout.out_cache_loc] = k.view(-1, hkv, d)
+    want_v[layout.out_cache_loc] = v.view(-1, hkv, d)
+    ref = _expected_mha(layout, mask, layer, want_k, want_v, q)
+
+    # eager: DFLASH's block spec info (empty draft tokens, no tree attached)
+    fb = _verify_batch(layout, None, n, spec=False)
+    fb.spec_info = types.SimpleNamespace(draft_token=torch.empty(0, dtype=torch.long))
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        out = layer(q, k, v, fb)
+    assert inner.calls == []
+    assert rel_err(out.view(ref.shape), ref) < TOL
+    torch.testing.assert_close(pool.get_key_buffer(1), want_k, equal_nan=True, rtol=0, atol=0)
+
+    # graph-style: static buffers, one padded request, a capture-time spec info
+    pad_bs = bs + 1
+    w.init_cuda_graph_state(pad_bs, pad_bs * n)
+    assert w._graph["mask"].bool().equal(block.expand(pad_bs, n, n))
+    qp = torch.cat([q, torch.randn(n, hq * d, generator=g).bfloat16()])
+    kp = torch.cat([k, torch.zeros(n, hkv * d).bfloat16()])
+    vp = torch.cat([v, torch.zeros(n, hkv * d).bfloat16()])
+    fb_view = types.SimpleNamespace(
+        forward_mode=_mode("TARGET_VERIFY"), batch_size=pad_bs,
+        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
+        out_cache_loc=torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)]),
+        positions=torch.zeros(pad_bs * n, dtype=torch.int64), out_cache_loc_is_physical=False,
+        spec_info=types.SimpleNamespace(draft_token=None))
+    w.init_forward_metadata_out_graph(fb_view, in_capture=True)
+    assert w._meta.mask.bool().equal(block.expand(pad_bs, n, n))  # no tree needed, not zeroed
+    with _attn_context(w):
+        out2 = layer(qp, kp, vp, fb_view)
+    assert rel_err(out2[:tokens].view(ref.shape), ref) < TOL
+    assert torch.isfinite(out2[tokens:].float()).all()
+    assert [c[0] for c in inner.calls] == ["init_cuda_graph_state"]
+
+
+def test_install_draft_refusals_name_the_variable(sgl):
+    n = 4
+    _, layout, _, _, pool = _mha_setup(n=n)
+
+    def refusal(runner):
+        with pytest.raises(cfg.DDTreeConfigError,
+                           match=f"{cfg.ENV_DRAFT_ATTENTION}=triton cannot run this drafter"
+                           ) as info:
+            verify_backend.install_draft(runner, n, sgl, kernels=KERNELS)
+        assert "Unset it" in str(info.value)
+        return str(info.value)
+
+    mixed = _draft_layers(["ENCODER_ONLY", "DECODER"], hq=4, hkv=2)
+    assert "different attention types" in refusal(
+        _runner(pool, layout.req_to_token, mixed, RecordingBackend()))
+    assert "MLA drafter" in refusal(_runner(pool, layout.req_to_token, mixed[:1],
+                                            RecordingBackend(), mla=True))
+    swa = type("SWAKVPool", (), {})()
+    assert "KV pool SWAKVPool" in refusal(_runner(swa, layout.req_to_token, mixed[:1],
+                                                  RecordingBackend()))
+
+
+def test_worker_wraps_the_drafter_only_when_asked(worker_class, monkeypatch):
+    installed = []
+    monkeypatch.setattr(verify_backend, "install_draft",
+                        lambda mr, block, sgl: installed.append((mr, block)) or "draft-wrapper")
+    monkeypatch.setattr(verify_backend, "install", lambda mr, n, sgl: "wrapper")
+    w = _bare_worker(worker_class, "mla", "FlashMLABackend")
+    w.block_size = 8
+    w.init_attention_backends()
+    assert installed == [] and w._draft_attention is None
+    monkeypatch.setenv(cfg.ENV_DRAFT_ATTENTION, "triton")
+    w.init_attention_backends()
+    assert installed == [(w.draft_model_runner, 8)] and w._draft_attention == "draft-wrapper"
+    monkeypatch.setenv(cfg.ENV_DRAFT_ATTENTION, "bogus")
+    with pytest.raises(cfg.DDTreeConfigError, match=cfg.ENV_DRAFT_ATTENTION):
+        w.init_attention_backends()
+
+
 # --- MLA ---------------------------------------------------------------------------------------
 
 RANK, ROPE, HEADS = 32, 16, 3

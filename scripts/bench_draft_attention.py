@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Benchmark the DFlash drafter's block attention on one GPU: ours vs SGLang's triton extend.
+
+Every DDTREE (and DFLASH) step runs the drafter once: ``block`` query tokens a request attend the
+drafter's whole prefix KV and every block token (DFlash drafter layers are bidirectional). With
+``--speculative-draft-attention-backend triton`` SGLang runs that as ``extend_attention_fwd``
+with ``is_causal=False`` and no custom mask, one program per (request, q head, 64-row block)
+walking the prefix serially; ``SGLANG_DDTREE_DRAFT_ATTENTION=triton`` runs our tree-attention
+kernel with an all-ones block mask instead (``verify_backend.install_draft``), which splits long
+prefixes. The session-23 Kimi rank at 32k prompt tokens spent 14.3 ms of a step in the draft
+stage against 0.97 ms at 512 (``bench_results/cost_curves_kimi_l61_rankvocab_32k_*``).
+
+Shapes (one layer, bf16): ``kimi`` = the Kimi K2.6 TP8-rank emulation's drafter (8 q heads,
+1 KV head, d 128; ``bench_assets/model-configs/kimi-k2.6-*-dflash-draft``); ``qwen3-8b`` = a
+Qwen3-8B DFlash drafter layer (32 q heads, 8 KV heads, d 128). Prefix slots scattered over pages
+of 16 tokens; CUDA-graph replays, L2 flushed before each (``bench_tree_verify.time_graph``).
+
+Columns: ``ours_us``, ``sglang_triton_us`` (``not available`` without SGLang's kernel),
+``speedup`` = sglang / ours, ``rel_diff`` (max |sglang - ours| / max |ours|, same inputs),
+``kv_GBps`` / ``frac_copy_bw`` (prefix + block K/V bytes over our time, against the measured
+copy bandwidth). Writes JSON (command, versions, GPU, date, results) to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tree_verify import (_import_ours, copy_bandwidth_gbps,  # noqa: E402
+                               load_sglang_extend, parse_ints, rel_diff, time_graph)
+
+from sglang_ddtree.provenance import checkout_digest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"kimi": (8, 1, 128), "qwen3-8b": (32, 8, 128)}  # q heads, kv heads, head dim
+
+
+class DraftPoint:
+    """Inputs of one point: ``bs`` requests of ``ctx`` prefix tokens and a ``block``-token
+    block whose K/V sit at ``layout.out_cache_loc`` (written, as the drafter's forward does
+    before it attends)."""
+
+    def __init__(self, ref, shape, bs, block, ctx, gen, device):
+        hq, hkv, d = SHAPES[shape]
+        self.shape, self.bs, self.n, self.ctx, self.hq, self.hkv, self.d = (
+            shape, bs, block, ctx, hq, hkv, d)
+        self.layout = ref.random_paged_layout([ctx] * bs, block, 16, gen).to(device)
+        slots = self.layout.num_slots
+        self.k_cache = torch.randn(slots, hkv, d, generator=gen).to(device, torch.bfloat16)
+        self.v_cache = torch.randn(slots, hkv, d, generator=gen).to(device, torch.bfloat16)
+        self.q = torch.randn(bs * block, hq, d, generator=gen).to(device, torch.bfloat16)
+        self.mask = torch.ones(block, block, dtype=torch.bool, device=device).expand(
+            bs, block, block)
+        self.sm_scale = d ** -0.5
+        self.kv_bytes = bs * (ctx + block) * 2 * hkv * d * 2
+
+
+def ours_fn(ta, p, max_context=0, validate=False):
+    """(fn, out): our kernel planned as install_draft plans it (for the server's longest
+    context, ``max_context``), all-ones block mask."""
+    attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=p.hq,
+                                 num_kv_heads=p.hkv, head_dim=p.d,
+                                 max_context_len=max(max_context, p.ctx + p.n),
+                                 device=p.q.device, sm_scale=p.sm_scale)
+    out = torch.empty_like(p.q)
+
+    def fn():
+        attn.run(p.q, p.k_cache, p.v_cache, p.layout.out_cache_loc, p.mask, out=out,
+                 validate=validate, **p.layout.table_kwargs())
+
+    return fn, out, attn.num_splits(p.bs)
+
+
+def sglang_fn(extend, p):
+    """(fn, out): SGLang's extend kernel as its triton backend runs the DFlash drafter (block
+    K/V passed as the extend part, prefix through kv_indices, is_causal False, no mask)."""
+    lay, n, bs = p.layout, p.n, p.bs
+    loc = lay.out_cache_loc
+    k_ext, v_ext = p.k_cache[loc].contiguous(), p.v_cache[loc].contiguous()
+    dev = p.q.device
+    qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device=dev)
+    kv_indptr = lay.kv_indptr.to(torch.int32)
+    kv_indices = lay.kv_indices.to(torch.int64)
+    mask_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=dev)
+    out = torch.empty_like(p.q)
+
+    def fn():
+        extend(p.q, k_ext, v_ext, out, p.k_cache, p.v_cache, qo_indptr, kv_indptr, kv_indices,
+               None, False, mask_indptr, n, 1.0, 1.0, sm_scale=p.sm_scale)
+
+    return fn, out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench_results" / "draft_attention_h200.json"))
+    ap.add_argument("--shapes", default="kimi,qwen3-8b")
+    ap.add_argument("--batch-sizes", type=parse_ints, default=[1, 8, 32])
+    ap.add_argument("--blocks", type=parse_ints, default=[8, 16])
+    ap.add_argument("--contexts", type=parse_ints, default=[2048, 16384, 32768, 65536])
+    ap.add_argument("--plan-context", type=int, default=0,
+                    help="plan our kernel for contexts up to this many tokens (a server plans "
+                         "for its --context-length) instead of each point's own")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_draft_attention needs a CUDA GPU")
+        return 2
+    ref, ta, _ = _import_ours()
+    extend, extend_src = (None, "skipped") if args.no_baselines else load_sglang_extend(None)
+    copy_bw = copy_bandwidth_gbps()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    print(f"sglang triton extend: {extend_src}; copy bandwidth {copy_bw:.0f} GB/s")
+
+    def dump(complete):
+        meta = dict(command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
+                    date=started, complete=complete, gpu=torch.cuda.get_device_name(),
+                    torch=torch.__version__, triton=__import__("triton").__version__,
+                    source_digest=checkout_digest(__file__), python=platform.python_version(),
+                    copy_bandwidth_GBps=round(copy_bw, 1), sglang_triton=extend_src,
+                    iters=args.iters, shapes={k: dict(q_heads=v[0], kv_heads=v[1], head_dim=v[2])
+                                              for k, v in SHAPES.items()},
+                    plan_context=args.plan_context or "each point's own context",
+                    timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+    for shape in args.shapes.split(","):
+        for ctx in args.contexts:
+            for bs in args.batch_sizes:
+                for block in args.blocks:
+                    p = DraftPoint(ref, shape, bs, block, ctx, gen, "cuda")
+                    fn, out, splits = ours_fn(ta, p, args.plan_context)
+                    us, _ = time_graph(fn, args.iters, flush)
+                    r = dict(shape=shape, batch=bs, block=block, context=ctx,
+                             ours_us=round(us, 2), num_splits=splits,
+                             kv_GBps=round(p.kv_bytes / us / 1e3, 1))
+                    r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
+                    if extend is None:
+                        r["sglang_triton_us"] = "not available"
+                    else:
+                        try:
+                            sfn, sout = sglang_fn(extend, p)
+                            t, mode = time_graph(sfn, max(3, args.iters // 4), flush)
+                            r.update(sglang_triton_us=round(t, 2), sglang_timing=mode,
+                                     speedup=round(t / us, 2),
+                                     rel_diff=round(rel_diff(sout, out), 5))
+                        except Exception as exc:  # noqa: BLE001 - recorded per point
+                            r["sglang_triton_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                    results.append(r)
+                    dump(complete=False)
+                    print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+                    del p
+                    torch.cuda.empty_cache()
+    dump(complete=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""scripts/bench_draft_attention.py on CPU (Triton's interpreter): the point it times is the
+drafter's block attention: every block query sees its whole prefix and every block token
+(checked against the fp32 reference with an all-ones block mask and against a plain softmax
+over the gathered keys), and the grid writes nothing without a GPU."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.triton_kernels import load_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_draft_attention as bda  # noqa: E402
+
+K = load_kernels(interpret=True)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_timed_kernel_is_the_drafters_block_attention(monkeypatch):
+    monkeypatch.setitem(bda.SHAPES, "tiny", (4, 1, 16))
+    gen = torch.Generator().manual_seed(1)
+    p = bda.DraftPoint(K.reference, "tiny", 2, 5, 37, gen, "cpu")
+    assert p.mask.shape == (2, 5, 5) and p.mask.all()
+    assert p.kv_bytes == 2 * (37 + 5) * 2 * 1 * 16 * 2
+    fn, out, splits = bda.ours_fn(K.tree_attention, p, validate=True)
+    fn()
+    ref = K.reference.tree_attention_reference(p.q, p.k_cache, p.v_cache, p.layout.out_cache_loc,
+                                               p.mask, sm_scale=p.sm_scale,
+                                               **p.layout.table_kwargs())
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+    # the same by hand for request 1, query 3, head 2: softmax over prefix + all block keys
+    lay, b, i, h = p.layout, 1, 3, 2
+    slots = torch.cat([lay.req_to_token[lay.req_pool_indices[b], :37].long(),
+                       lay.out_cache_loc[b * 5:(b + 1) * 5].long()])
+    k, v = p.k_cache[slots, 0].float(), p.v_cache[slots, 0].float()
+    w = torch.softmax(k @ p.q[b * 5 + i, h].float() * p.sm_scale, dim=0)
+    torch.testing.assert_close(out[b * 5 + i, h].float(), w @ v, atol=2e-2, rtol=2e-2)
+
+
+def test_main_needs_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "x.json"
+    assert bda.main(["--out", str(out)]) == 2 and not out.exists()
