@@ -215,6 +215,11 @@ def main():
     ap.add_argument("--ddtree-args", default="",
                     help="extra flags of every DDTREE server, e.g. "
                     "'--speculative-ddtree-verify-backend triton'")
+    ap.add_argument("--ddtree-arg", action="append", default=[], metavar="=ARG",
+                    help="one more word of --ddtree-args (repeatable, written --ddtree-arg=ARG "
+                         "when ARG starts with --): survives the word splitting of an argument "
+                         "list passed through a variable (gpu_session.sh's COSTS_ARGS), which "
+                         "a quoted --ddtree-args does not")
     ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment for every server of the run, AR and DFLASH included "
                          "(repeatable), e.g. SGLANG_DDTREE_FUSED_MOE=1 for the int4 Kimi rank "
@@ -281,7 +286,7 @@ def main():
                       res=result["models"][name], dump=dump, timer_budgets=timer_budgets,
                       timer_mode=args.timer_mode,
                       baselines=[b for b in args.baselines.split(",") if b],
-                      ddtree_extra=args.ddtree_args.split(),
+                      ddtree_extra=args.ddtree_args.split() + args.ddtree_arg,
                       server_env=dict(kv.split("=", 1) for kv in args.server_env))
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}

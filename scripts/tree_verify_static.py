@@ -49,7 +49,8 @@ def next_pow2(x: int) -> int:
     return 1 << (x - 1).bit_length()
 
 
-def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = False) -> dict:
+def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = False,
+            group: int = 0) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,7 +58,9 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     from tests.triton_kernels import load_kernels
 
     ta = load_kernels(interpret=False).tree_attention
-    shape = shapes()[kind]
+    shape = dict(shapes()[kind])
+    if group:  # another GQA group (query heads per KV head), e.g. 8 for the Kimi drafter's 8:1
+        shape["G"] = group
     block_m, block_n, warps, stages = cfg[:4]
     dv_split = cfg[4] if len(cfg) > 4 else 1
     dk_chunk = cfg[5] if len(cfg) > 5 else 0
@@ -112,6 +115,9 @@ def main(argv=None):
     ap.add_argument("--merge-prefix", action="store_true",
                     help="the variant that merges a prefix part given by another kernel "
                          "(one split, tree keys only)")
+    ap.add_argument("--group", type=int, default=0,
+                    help="query heads per KV head instead of the kind's (MHA: Qwen3-8B's 4; "
+                         "the Kimi drafter under SGLANG_DDTREE_DRAFT_ATTENTION has 8)")
     ap.add_argument("--configs", required=True, help="';'-separated configs")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
@@ -121,7 +127,8 @@ def main(argv=None):
     for spec in args.configs.split(";"):
         cfg = [int(x) for x in spec.split(",") if x]
         try:
-            row = analyse(args.kind, cfg, args.arch, args.ptxas, args.merge_prefix)
+            row = analyse(args.kind, cfg, args.arch, args.ptxas, args.merge_prefix, args.group)
+            row["group"] = args.group or shapes()[args.kind]["G"]
         except Exception as exc:  # noqa: BLE001 -- a config Triton rejects is a result too
             row = {"kind": args.kind, "config": spec, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)

@@ -68,6 +68,7 @@ def collect_info() -> dict:
             "topk": config.read_topk() or "min(budget, vocab)",
             "verify_backend": config.read_verify_backend(),
             "mla_prefix": config.read_mla_prefix(),
+            "draft_attention": config.read_draft_attention(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
         }
     except config.DDTreeConfigError as e:  # a bad env value is what the user needs to see
