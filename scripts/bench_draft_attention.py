@@ -53,9 +53,15 @@ class DraftPoint:
             shape, bs, block, ctx, hq, hkv, d)
         self.layout = ref.random_paged_layout([ctx] * bs, block, 16, gen).to(device)
         slots = self.layout.num_slots
-        self.k_cache = torch.randn(slots, hkv, d, generator=gen).to(device, torch.bfloat16)
-        self.v_cache = torch.randn(slots, hkv, d, generator=gen).to(device, torch.bfloat16)
-        self.q = torch.randn(bs * block, hq, d, generator=gen).to(device, torch.bfloat16)
+        # the caches are drawn where they live (gigabytes at batch 32 x 64k keys)
+        dgen = torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,),
+                                                                     generator=gen)))
+
+        def randn(*shape):
+            return torch.randn(shape, generator=dgen, device=device, dtype=torch.bfloat16)
+
+        self.k_cache, self.v_cache = randn(slots, hkv, d), randn(slots, hkv, d)
+        self.q = randn(bs * block, hq, d)
         self.mask = torch.ones(block, block, dtype=torch.bool, device=device).expand(
             bs, block, block)
         self.sm_scale = d ** -0.5

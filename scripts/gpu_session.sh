@@ -149,6 +149,7 @@ for s in "$@"; do
              step draft-ab ${DRAFT_AB_LIMIT:-300} python3 scripts/bench_e2e.py --budgets 16 \
                --concurrency 1,8 --modes greedy --repeats 2 --timer-budgets 16 \
                --timer-concurrency 1 --variant dtv:SGLANG_DDTREE_DRAFT_ATTENTION=triton \
+               --time-budget ${DRAFT_AB_TIME:-220} \
                --out "$OUT/bench_e2e_draft_triton_h200.json" ${DRAFT_AB_ARGS:-} ;;
     *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn)" ;;
   esac
