@@ -397,6 +397,18 @@ def _expected_mha(layout, mask, layer, k_cache, v_cache, q):
                                         sm_scale=layer.scaling, **layout.table_kwargs())
 
 
+def _step_qkv(g, pool, layout, tokens, hq, hkv, d):
+    """Random q / k / v of a verify step and layer 1's caches as they must look after it
+    wrote k / v at ``out_cache_loc``."""
+    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
+    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    want_k, want_v = pool.get_key_buffer(1).clone(), pool.get_value_buffer(1).clone()
+    want_k[layout.out_cache_loc] = k.view(-1, hkv, d)
+    want_v[layout.out_cache_loc] = v.view(-1, hkv, d)
+    return q, k, v, want_k, want_v
+
+
 def test_mha_verify_eager_writes_kv_and_matches_reference(sgl):
     n, hq, hkv, d = 4, 4, 2, 16
     g, layout, mask, layer, pool = _mha_setup(n=n, hq=hq, hkv=hkv, d=d)
@@ -404,12 +416,7 @@ def test_mha_verify_eager_writes_kv_and_matches_reference(sgl):
     mr = _runner(pool, layout.req_to_token, [layer], inner)
     w = verify_backend.install(mr, n, sgl, kernels=KERNELS)
     tokens = layout.out_cache_loc.numel()
-    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
-    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
-    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
-    want_k, want_v = pool.get_key_buffer(1).clone(), pool.get_value_buffer(1).clone()
-    want_k[layout.out_cache_loc] = k.view(-1, hkv, d)
-    want_v[layout.out_cache_loc] = v.view(-1, hkv, d)
+    q, k, v, want_k, want_v = _step_qkv(g, pool, layout, tokens, hq, hkv, d)
 
     fb = _verify_batch(layout, mask, n)
     w.init_forward_metadata(fb)
@@ -572,12 +579,7 @@ def test_drafter_block_attention_eager_and_graph_match_reference(sgl, kind):
     bs = layout.seq_lens.numel()
     mask = block.expand(bs, n, n)
     tokens = bs * n
-    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
-    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
-    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
-    want_k, want_v = pool.get_key_buffer(1).clone(), pool.get_value_buffer(1).clone()
-    want_k[layout.out_cache_loc] = k.view(-1, hkv, d)
-    want_v[layout.out_cache_loc] = v.view(-1, hkv, d)
+    q, k, v, want_k, want_v = _step_qkv(g, pool, layout, tokens, hq, hkv, d)
     ref = _expected_mha(layout, mask, layer, want_k, want_v, q)
 
     # eager: DFLASH's block spec info (empty draft tokens, no tree attached)
