@@ -153,6 +153,21 @@ def test_flashmla_sets_share_an_ar_on_flashmla_pages(monkeypatch, tmp_path):
     assert all(c["verify_backend"] == "triton" for c in res["cases"])
 
 
+def test_draft_attention_sets_reuse_their_targets_ar(monkeypatch, tmp_path):
+    """tiny_dtv / mla_dtv (gpu_session.sh draftattn): compared with the plain sets' AR servers
+    (one each, nothing extra), their DDTREE servers alone carry the drafter switch."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny_dtv:8;mla_dtv:8", "--eager-check=",
+                   "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    ar = [s for s in FakeServer.started if not s.spec]
+    assert len(ar) == 2 and all("SGLANG_DDTREE_DRAFT_ATTENTION" not in s.env for s in ar)
+    ddtree = [s for s in FakeServer.started if s.spec]
+    assert len(ddtree) == 2
+    assert all(s.env.get("SGLANG_DDTREE_DRAFT_ATTENTION") == "triton" for s in ddtree)
+
+
 def test_dry_run_survives_a_dead_model(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = "mla"
