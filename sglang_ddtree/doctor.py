@@ -25,12 +25,15 @@ TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}
 # per-rank shapes the doctor exercises by default (Qwen3-8B; Kimi K2.6 on TP8)
 MHA_SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 MLA_SHAPE = dict(num_heads=8, kv_lora_rank=512, rope_dim=64)
+# the DFlash drafter of the Kimi TP8-rank emulation (SGLANG_DDTREE_DRAFT_ATTENTION=triton):
+# GQA 8:1, every block query attends the whole block (an all-ones mask)
+DRAFT_SHAPE = dict(num_q_heads=8, num_kv_heads=1, head_dim=128)
 
 
 @dataclass
 class CaseResult:
-    kernel: str          # "mha", "mla", "mla_fp8" or "mla_flashmla"
-    budget: int
+    kernel: str          # "mha", "mla", "mla_fp8", "mla_flashmla" or "draft"
+    budget: int          # "draft" rows: the drafter's block size (its N), not a budget
     batch_size: int
     status: str          # "pass" | "mismatch" | "error"
     graph_vs_eager_equal: Optional[bool] = None
@@ -42,7 +45,9 @@ class CaseResult:
 
 
 def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: int,
-                trials: int, seed: int) -> CaseResult:
+                trials: int, seed: int, device: str = "cuda") -> CaseResult:
+    """One case. ``device="cpu"`` (tests, Triton's interpreter) runs the same steps with the
+    graph's capture and replay standing in as plain calls on the same static buffers."""
     import torch
 
     from sglang_ddtree.triton_kernels import reference as ref_mod
@@ -50,8 +55,11 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     from sglang_ddtree.triton_kernels.tree_attention_mla import TreeAttentionMLA
 
     res = CaseResult(kernel, budget, bs, "error")
-    n = budget + 1
-    dev = "cuda"
+    draft = kernel == "draft"  # the drafter's block attention (SGLANG_DDTREE_DRAFT_ATTENTION)
+    n = budget if draft else budget + 1
+    dev = device
+    on_gpu = torch.device(dev).type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     is_mla = kernel.startswith("mla")
     flashmla = kernel == "mla_flashmla"  # the prefix on FlashMLA (SGLANG_DDTREE_MLA_PREFIX)
     if flashmla:
@@ -67,7 +75,8 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
                                      sm_scale=sm_scale, kv_lora_rank=dv,
                                      rope_dim=MLA_SHAPE["rope_dim"])
     else:
-        hq, hkv, dq = MHA_SHAPE["num_q_heads"], MHA_SHAPE["num_kv_heads"], MHA_SHAPE["head_dim"]
+        shape = DRAFT_SHAPE if draft else MHA_SHAPE
+        hq, hkv, dq = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
         dv, sm_scale = dq, dq ** -0.5
         attn = TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
                                   num_kv_heads=hkv, head_dim=dq, max_context_len=max_context,
@@ -90,7 +99,8 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
     seq_lens = torch.ones(bs, dtype=torch.int64, device=dev)
     out_cache_loc = torch.zeros(bs * n, dtype=torch.int64, device=dev)
-    tree_mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(bs, 1, 1)
+    tree_mask = (torch.ones if draft else torch.eye)(n, n, dtype=torch.bool,
+                                                     device=dev).repeat(bs, 1, 1)
     out = torch.zeros(bs * n, hq, dv, device=dev, dtype=torch.bfloat16)
     kv_kwargs = dict(req_to_token=req_to_token, req_pool_indices=req_pool_indices,
                      seq_lens=seq_lens)
@@ -116,11 +126,15 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
 
     prepare(static=True)
     call(out)  # JIT-compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(out)
-    torch.cuda.synchronize()
+    sync()
+    if on_gpu:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(out)
+        replay = graph.replay
+    else:
+        graph, replay = None, (lambda: call(out))
+    sync()
 
     worst = 0.0
     all_equal = True
@@ -137,14 +151,15 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         req_pool_indices.copy_(layout.req_pool_indices)
         seq_lens.copy_(layout.seq_lens)
         out_cache_loc.copy_(layout.out_cache_loc)
-        tree_mask.copy_(ref_mod.random_tree_mask(bs, n, g))
+        if not draft:  # the drafter's mask stays all ones
+            tree_mask.copy_(ref_mod.random_tree_mask(bs, n, g))
         q.copy_(torch.randn(q.shape, generator=g).to(q))
         out.fill_(float("nan"))
         prepare(static=True)
-        graph.replay()
+        replay()
         prepare(static=False)
         eager = call(None)
-        torch.cuda.synchronize()
+        sync()
         all_equal &= bool(torch.equal(out, eager))
         if is_mla:
             ref = ref_mod.mla_tree_attention_reference(
@@ -168,13 +183,14 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
 
 
 def default_kernels() -> list:
-    """The doctor's kernels: MHA, MLA bf16 and fp8 KV everywhere; MLA with the prefix on
-    FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``) where FlashMLA can run (Hopper)."""
+    """The doctor's kernels: MHA, MLA bf16 and fp8 KV and the drafter's block everywhere; MLA
+    with the prefix on FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``) where FlashMLA can run
+    (Hopper)."""
     import torch
 
     from .mla_prefix import machine_problems
 
-    kernels = ["mha", "mla", "mla_fp8"]
+    kernels = ["mha", "mla", "mla_fp8", "draft"]
     if torch.cuda.is_available() and not machine_problems(torch.device("cuda")):
         kernels.append("mla_flashmla")
     return kernels
@@ -194,7 +210,9 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
     kernels : sequence of str
         ``"mha"`` (GQA 32/8 x 128), ``"mla"`` (8 heads, 512 + 64 latent, bf16 cache) and
         ``"mla_fp8"`` (the same with an fp8 e4m3 cache), ``"mla_flashmla"`` (bf16, pages of 64,
-        the prefix on FlashMLA and the tree keys on our kernel: Hopper only).
+        the prefix on FlashMLA and the tree keys on our kernel: Hopper only), ``"draft"`` (the
+        DFlash drafter's block attention, ``SGLANG_DDTREE_DRAFT_ATTENTION=triton``: GQA 8:1 x
+        128, an all-ones block mask; its rows read each budget as the block size).
     max_context : int
         Context the buffers are planned for; replays draw prefix lengths in 1..max_context.
     trials : int
@@ -287,8 +305,8 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_ints, default=[4, 8, 9, 16, 32, 64, 128])
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 8, 32])
     p.add_argument("--kernels", type=lambda s: s.split(","), default=None,
-                   help="mha,mla,mla_fp8[,mla_flashmla] (default: these, mla_flashmla where "
-                        "FlashMLA runs)")
+                   help="mha,mla,mla_fp8,draft[,mla_flashmla] (default: these, mla_flashmla "
+                        "where FlashMLA runs; draft rows read the budgets as block sizes)")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--trials", type=int, default=2)

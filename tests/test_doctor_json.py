@@ -22,3 +22,62 @@ def test_json_records_settings_and_the_checkouts_source_digest(tmp_path):
         assert meta["source_digest"] == source_digest(root)
     else:
         assert "source_digest" not in meta
+
+
+# --- the cases themselves on CPU (Triton's interpreter; capture / replay as plain calls) ------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from tests.triton_kernels import load_kernels
+
+    k = load_kernels(interpret=True)
+    # the doctor imports the installed package's kernels: point those names at the
+    # interpreter-loaded copies (module table and package attribute: a GPU session may have
+    # imported the compiled ones already)
+    import importlib
+    import sys
+
+    pkg = importlib.import_module("sglang_ddtree.triton_kernels")
+    for name in ("reference", "tree_attention", "tree_attention_mla"):
+        monkeypatch.setitem(sys.modules, f"sglang_ddtree.triton_kernels.{name}", getattr(k, name))
+        monkeypatch.setattr(pkg, name, getattr(k, name), raising=False)
+    return k
+
+
+@pytest.mark.parametrize("kernel,budget", [("draft", 8), ("draft", 5), ("mha", 4), ("mla", 3)])
+def test_case_passes_against_the_reference_on_cpu(interpret, monkeypatch, kernel, budget):
+    monkeypatch.setitem(doctor.MHA_SHAPE, "num_q_heads", 4)  # small shapes for the interpreter
+    monkeypatch.setitem(doctor.MHA_SHAPE, "num_kv_heads", 2)
+    monkeypatch.setitem(doctor.MHA_SHAPE, "head_dim", 16)
+    monkeypatch.setitem(doctor.DRAFT_SHAPE, "num_q_heads", 4)
+    monkeypatch.setitem(doctor.DRAFT_SHAPE, "head_dim", 16)
+    monkeypatch.setitem(doctor.MLA_SHAPE, "num_heads", 2)
+    monkeypatch.setitem(doctor.MLA_SHAPE, "kv_lora_rank", 32)
+    monkeypatch.setitem(doctor.MLA_SHAPE, "rope_dim", 16)
+    r = doctor._check_case(kernel, budget, 2, max_context=40, page_size=4, trials=2, seed=3,
+                           device="cpu")
+    assert r.status == "pass", r
+    assert r.trials == 2 and r.graph_vs_eager_equal and r.rel_err_vs_reference < 2e-2
+
+
+def test_draft_case_uses_the_block_mask(interpret, monkeypatch):
+    """A draft row's N is its block size and its mask all ones: with the tree masks of a verify
+    instead (random trees), the drafter's reference would not match."""
+    monkeypatch.setitem(doctor.DRAFT_SHAPE, "num_q_heads", 4)
+    monkeypatch.setitem(doctor.DRAFT_SHAPE, "head_dim", 16)
+    seen = []
+    real = interpret.reference.tree_attention_reference
+
+    def spy(q, k, v, loc, mask, **kw):
+        seen.append((q.shape[0], bool(mask.all())))
+        return real(q, k, v, loc, mask, **kw)
+
+    monkeypatch.setattr(interpret.reference, "tree_attention_reference", spy)
+    r = doctor._check_case("draft", 6, 2, max_context=20, page_size=4, trials=1, seed=1,
+                           device="cpu")
+    assert r.status == "pass" and seen == [(2 * 6, True)]
+    assert "draft" in doctor.default_kernels()
