@@ -140,6 +140,8 @@ for s in "$@"; do
     draftattn) # SGLANG_DDTREE_DRAFT_ATTENTION=triton: the drafter's block attention on our
              # kernel vs SGLang's triton extend (kernel), lossless with it (oracle drafts), and
              # its drafts against the native drafter's on the tiny pair (accept length, tok/s)
+             step draft-doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --kernels draft \
+               --out "$OUT/doctor_graphs_draft_h200.json"
              step draft-bench ${DRAFT_BENCH_LIMIT:-200} python3 scripts/bench_draft_attention.py \
                --out "$OUT/draft_attention_h200.json" ${DRAFT_BENCH_ARGS:-}
              step draft-e2e ${E2E_LIMIT:-300} python3 scripts/e2e_lossless.py \
