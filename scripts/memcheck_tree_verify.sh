@@ -4,7 +4,8 @@
 # and CUDA-graph replays checked against the fp32 reference (sglang-ddtree doctor's check).
 # Short contexts run unsplit; the 2,000-key cases take the split-K path and its reduce kernel
 # (MHA's per-split reduce, MLA's chunked one), which the script requires. Where FlashMLA runs,
-# two cases with the prefix on it (SGLANG_DDTREE_MLA_PREFIX=flashmla) are added.
+# two cases with the prefix on it (SGLANG_DDTREE_MLA_PREFIX=flashmla) are added. Two drafter
+# block cases (GQA 8:1, all-ones mask: SGLANG_DDTREE_DRAFT_ATTENTION=triton) run too.
 # Exit status 0 = clean and within tolerance.
 # Usage: bash scripts/memcheck_tree_verify.sh   (PYTHON, COMPUTE_SANITIZER override the tools)
 set -euo pipefail
@@ -22,7 +23,9 @@ bad = 0
 split = set()
 # (kernel, budget, batch, max context): budget+1 not a power of two, a 1-token prefix in each
 cases = [("mha", 32, 3, 300), ("mla", 16, 3, 300), ("mla_fp8", 8, 2, 200),
-         ("mha", 8, 1, 2000), ("mla", 32, 1, 2000), ("mla_fp8", 8, 2, 2000)]
+         ("mha", 8, 1, 2000), ("mla", 32, 1, 2000), ("mla_fp8", 8, 2, 2000),
+         # the drafter's block (SGLANG_DDTREE_DRAFT_ATTENTION=triton; budget = block size)
+         ("draft", 8, 2, 300), ("draft", 16, 1, 2000)]
 if "mla_flashmla" in default_kernels():  # the prefix on FlashMLA (Hopper), pages of 64
     cases += [("mla_flashmla", 16, 3, 300), ("mla_flashmla", 32, 2, 2000)]
 for kernel, budget, bs, ctx in cases:
