@@ -82,3 +82,12 @@ def test_draft_case_uses_the_block_mask(interpret, monkeypatch):
                            device="cpu")
     assert r.status == "pass" and seen == [(2 * 6, True)]
     assert "draft" in doctor.default_kernels()
+
+
+def test_draft_case_at_the_kimi_drafters_shape_takes_the_split_path(interpret):
+    """The real shape (8 q heads on 1 KV head, d 128, block 16) over 2,000 keys: split-K and its
+    reduce on the interpreter's small machine, within tolerance of the reference."""
+    r = doctor._check_case("draft", 16, 1, max_context=2000, page_size=16, trials=1, seed=16,
+                           device="cpu")
+    assert r.status == "pass", r
+    assert r.num_splits > 1
