@@ -6,7 +6,7 @@ drafter's whole prefix KV and every block token (DFlash drafter layers are bidir
 ``--speculative-draft-attention-backend triton`` SGLang runs that as ``extend_attention_fwd``
 with ``is_causal=False`` and no custom mask, one program per (request, q head, 64-row block)
 walking the prefix serially; ``SGLANG_DDTREE_DRAFT_ATTENTION=triton`` runs our tree-attention
-kernel with an all-ones block mask instead (``verify_backend.install_draft``), which splits long
+kernel with an all-ones block mask instead (``draft_attention.install_draft``), which splits long
 prefixes. The session-23 Kimi rank at 32k prompt tokens spent 14.3 ms of a step in the draft
 stage against 0.97 ms at 512 (``bench_results/cost_curves_kimi_l61_rankvocab_32k_*``).
 

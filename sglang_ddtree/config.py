@@ -294,7 +294,7 @@ def read_draft_attention(environ=os.environ) -> str:
     """SGLANG_DDTREE_DRAFT_ATTENTION: who runs the DFlash drafter's block attention (each block
     query attends the drafter's whole prefix KV and the block). ``native`` (default): the
     drafter's SGLang backend (``--speculative-draft-attention-backend``). ``triton`` (opt-in):
-    DDTREE's tree-attention kernel with the block's own mask (``verify_backend.install_draft``),
+    DDTREE's tree-attention kernel with the block's own mask (``draft_attention.install_draft``),
     which splits long prefixes over the GPU where SGLang's triton extend kernel walks the prefix
     serially with one program per (request, head)."""
     raw = environ.get(ENV_DRAFT_ATTENTION, "").strip().lower() or "native"

@@ -120,15 +120,15 @@ def layer_key(layer) -> LayerKey:
                     int(layer.v_head_dim), float(layer.scaling), float(layer.logit_cap or 0.0))
 
 
-def _attn_type(layer) -> str:
+def attn_type_of(layer) -> str:
     return getattr(getattr(layer, "attn_type", None), "value", "decoder")
 
 
-def _unsupported(layer, attn_types=("decoder",)) -> Optional[str]:
+def unsupported_reason(layer, attn_types=("decoder",)) -> Optional[str]:
     """Why our kernels cannot run this layer's verify attention (None: they can)."""
     if getattr(layer, "is_cross_attention", False):
         return "cross-attention"
-    attn_type = _attn_type(layer)
+    attn_type = attn_type_of(layer)
     if attn_type not in attn_types:
         return f"attention type {attn_type}"
     if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
@@ -171,7 +171,7 @@ class TreeVerifyBackend:
     def __init__(self, inner, model_runner, *, num_tree_tokens: int, is_mla: bool, layers,
                  sgl, kernels=None, prefix_fns=None, block_mask=None):
         """``block_mask`` ([N, N] bool): one mask for every request and step instead of the
-        tree the worker attaches (the drafter's block: :func:`install_draft`)."""
+        tree the worker attaches (the drafter's block: ``draft_attention.install_draft``)."""
         if kernels is None:
             from .triton_kernels import tree_attention, tree_attention_mla
 
@@ -520,7 +520,7 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
     if not layers:
         problems.append("no attention layer the tree-verify kernels recognise")
     problems += sorted({f"layer {m.layer_id}: {why}" for m in layers
-                        if (why := _unsupported(m)) is not None})
+                        if (why := unsupported_reason(m)) is not None})
     if problems:
         raise cfg.DDTreeConfigError(
             "DDTREE: --speculative-ddtree-verify-backend triton cannot serve this target: "
@@ -547,51 +547,3 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
                 type(wrapper.wrapped_backend).__name__)
     return wrapper
 
-
-# --- the drafter's block attention (SGLANG_DDTREE_DRAFT_ATTENTION=triton) ---------------------
-
-def draft_block_mask(layers, block_size: int):
-    """([block, block] bool mask, problems) for the DFlash drafter's attention layers: a block
-    query sees every block key where the layers are bidirectional (SGLang's DFlash drafter
-    marks them ``encoder_only``), the keys up to itself where they are causal (``decoder``, a
-    drafter config with ``is_causal``). Layers of both kinds, or sliding-window layers, cannot
-    share one mask: they come back as problems."""
-    problems = sorted({f"layer {m.layer_id}: {why}" for m in layers
-                       if (why := _unsupported(m, ("decoder", "encoder_only"))) is not None})
-    kinds = sorted({_attn_type(m) for m in layers})
-    if len(kinds) > 1:
-        problems.append(f"layers of different attention types {kinds}")
-    ones = torch.ones((block_size, block_size), dtype=torch.bool)
-    mask = ones if kinds == ["encoder_only"] else torch.tril(ones)
-    return mask, problems
-
-
-def install_draft(draft_runner, block_size: int, sgl, kernels=None) -> TreeVerifyBackend:
-    """Wrap the drafter runner's attention backend so that its block forward (SGLang runs it in
-    TARGET_VERIFY mode: ``block_size`` queries a request over the drafter's prefix KV and the
-    block) runs on our tree-attention kernel with :func:`draft_block_mask`. Everything else
-    (there is nothing else in DFLASH's drafter today) goes to the drafter's own backend.
-
-    Call before SGLang captures the drafter's CUDA graphs (``init_cuda_graphs``). Raises
-    :class:`~sglang_ddtree.config.DDTreeConfigError` naming what blocks it."""
-    if sgl.is_mla(draft_runner.model_config):
-        problems = ["an MLA drafter (DFlash drafters are MHA / GQA)"]
-    else:
-        problems = blockers(draft_runner, sgl, is_mla=False)
-    layers = verify_layers(draft_runner.model, False, sgl.RadixAttention)
-    if not layers:
-        problems.append("no attention layer the tree-attention kernels recognise")
-    mask, layer_problems = draft_block_mask(layers, block_size)
-    problems += layer_problems
-    if problems:
-        raise cfg.DDTreeConfigError(
-            f"DDTREE: {cfg.ENV_DRAFT_ATTENTION}=triton cannot run this drafter: "
-            f"{'; '.join(problems)}. Unset it to keep the drafter on its SGLang backend.")
-    wrapper = TreeVerifyBackend(draft_runner.attn_backend, draft_runner,
-                                num_tree_tokens=block_size, is_mla=False, layers=layers,
-                                sgl=sgl, kernels=kernels, block_mask=mask)
-    draft_runner.attn_backend = wrapper
-    logger.info("DDTREE drafter attention: triton (block %d, %s, %d kernel plan(s)) behind %s",
-                block_size, "bidirectional" if bool(mask.all()) else "causal",
-                len(wrapper._plans), type(wrapper.wrapped_backend).__name__)
-    return wrapper

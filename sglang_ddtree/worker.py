@@ -211,7 +211,7 @@ def _make_worker_class(sgl):
             sgl.check_kv_layout(self)
             self._draft_attention = None
             if cfg.read_draft_attention() == "triton":
-                from .verify_backend import install_draft
+                from .draft_attention import install_draft
 
                 # the drafter's backend exists now; its CUDA graphs are captured after this
                 self._draft_attention = install_draft(self.draft_model_runner, self.block_size,

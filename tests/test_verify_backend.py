@@ -27,7 +27,7 @@ sglang = pytest.importorskip("sglang")
 
 from sglang_ddtree import compat  # noqa: E402
 from sglang_ddtree import config as cfg  # noqa: E402
-from sglang_ddtree import hooks, spec_algo, verify_backend  # noqa: E402
+from sglang_ddtree import draft_attention, hooks, spec_algo, verify_backend  # noqa: E402
 from tests.triton_kernels import load_kernels  # noqa: E402
 
 K = load_kernels(interpret=True)
@@ -548,16 +548,16 @@ def test_draft_attention_env_parses():
 
 
 def test_draft_block_mask_follows_the_layers():
-    mask, problems = verify_backend.draft_block_mask(_draft_layers(["ENCODER_ONLY"] * 2), 4)
+    mask, problems = draft_attention.draft_block_mask(_draft_layers(["ENCODER_ONLY"] * 2), 4)
     assert problems == [] and mask.dtype == torch.bool and mask.all()
-    mask, problems = verify_backend.draft_block_mask(_draft_layers(["DECODER"] * 2), 4)
+    mask, problems = draft_attention.draft_block_mask(_draft_layers(["DECODER"] * 2), 4)
     assert problems == [] and torch.equal(mask, torch.ones(4, 4, dtype=torch.bool).tril())
-    _, problems = verify_backend.draft_block_mask(_draft_layers(["ENCODER_ONLY", "DECODER"]), 4)
+    _, problems = draft_attention.draft_block_mask(_draft_layers(["ENCODER_ONLY", "DECODER"]), 4)
     assert problems == ["layers of different attention types ['decoder', 'encoder_only']"]
-    _, problems = verify_backend.draft_block_mask(
+    _, problems = draft_attention.draft_block_mask(
         _draft_layers(["DECODER"], sliding_window_size=64), 4)
     assert problems == ["layer 0: sliding window 64"]
-    _, problems = verify_backend.draft_block_mask(_draft_layers(["DECODER_BIDIRECTIONAL"]), 4)
+    _, problems = draft_attention.draft_block_mask(_draft_layers(["DECODER_BIDIRECTIONAL"]), 4)
     assert problems == ["layer 0: attention type decoder_bidirectional"]
 
 
@@ -572,7 +572,7 @@ def test_drafter_block_attention_eager_and_graph_match_reference(sgl, kind):
     layer = _draft_layers([kind, kind], hq=hq, hkv=hkv, d=d)[1]
     inner = RecordingBackend()
     mr = _runner(pool, layout.req_to_token, [layer], inner)
-    w = verify_backend.install_draft(mr, n, sgl, kernels=KERNELS)
+    w = draft_attention.install_draft(mr, n, sgl, kernels=KERNELS)
     assert mr.attn_backend is w and w.wrapped_backend is inner
     block = torch.ones(n, n, dtype=torch.bool)
     block = block if kind == "ENCODER_ONLY" else block.tril()
@@ -623,7 +623,7 @@ def test_install_draft_refusals_name_the_variable(sgl):
         with pytest.raises(cfg.DDTreeConfigError,
                            match=f"{cfg.ENV_DRAFT_ATTENTION}=triton cannot run this drafter"
                            ) as info:
-            verify_backend.install_draft(runner, n, sgl, kernels=KERNELS)
+            draft_attention.install_draft(runner, n, sgl, kernels=KERNELS)
         assert "Unset it" in str(info.value)
         return str(info.value)
 
@@ -639,7 +639,7 @@ def test_install_draft_refusals_name_the_variable(sgl):
 
 def test_worker_wraps_the_drafter_only_when_asked(worker_class, monkeypatch):
     installed = []
-    monkeypatch.setattr(verify_backend, "install_draft",
+    monkeypatch.setattr(draft_attention, "install_draft",
                         lambda mr, block, sgl: installed.append((mr, block)) or "draft-wrapper")
     monkeypatch.setattr(verify_backend, "install", lambda mr, n, sgl: "wrapper")
     w = _bare_worker(worker_class, "mla", "FlashMLABackend")
