@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -137,9 +137,10 @@ for s in "$@"; do
                --kernels mla,mla_flashmla --out "$OUT/doctor_graphs_fmla_h200.json"
              step fmla-bench ${FMLA_BENCH_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mla \
                --mla-prefix --no-baselines --out "$OUT/tree_verify_fmla_h200.json" ${FMLA_BENCH_ARGS:-} ;;
-    draftattn) # SGLANG_DDTREE_DRAFT_ATTENTION=triton: the drafter's block attention on our
-             # kernel vs SGLang's triton extend (kernel), lossless with it (oracle drafts), and
-             # its drafts against the native drafter's on the tiny pair (accept length, tok/s)
+    draftattn) # SGLANG_DDTREE_DRAFT_ATTENTION=triton: the doctor's draft rows, the drafter's
+             # block attention on our kernel vs SGLang's triton extend (kernel), lossless with it
+             # (oracle drafts); draftab: its drafts against the native drafter's on the tiny
+             # pair (accept length, tok/s, stage times)
              step draft-doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --kernels draft \
                --out "$OUT/doctor_graphs_draft_h200.json"
              step draft-bench ${DRAFT_BENCH_LIMIT:-200} python3 scripts/bench_draft_attention.py \
@@ -147,13 +148,13 @@ for s in "$@"; do
              step draft-e2e ${E2E_LIMIT:-300} python3 scripts/e2e_lossless.py \
                --cases "${DRAFT_E2E_CASES:-tiny_dtv:8,32;mla_dtv:8,32}" --batch-sizes 1,4,16 \
                --prompts 12 --eager-check= --speed= --deterministic= \
-               --out "$OUT/e2e_lossless_draft_triton_h200.json"
-             step draft-ab ${DRAFT_AB_LIMIT:-300} python3 scripts/bench_e2e.py --budgets 16 \
+               --out "$OUT/e2e_lossless_draft_triton_h200.json" ;;
+    draftab) step draft-ab ${DRAFT_AB_LIMIT:-300} python3 scripts/bench_e2e.py --budgets 16 \
                --concurrency 1,8 --modes greedy --repeats 2 --timer-budgets 16 \
                --timer-concurrency 1 --variant dtv:SGLANG_DDTREE_DRAFT_ATTENTION=triton \
                --time-budget ${DRAFT_AB_TIME:-220} \
                --out "$OUT/bench_e2e_draft_triton_h200.json" ${DRAFT_AB_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftab)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
