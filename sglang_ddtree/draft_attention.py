@@ -2,10 +2,11 @@
 
 Every step runs the drafter once: ``block`` query tokens a request (root, masks) attend the
 drafter's whole prefix KV (materialized from the target's hidden states) and the block itself.
-SGLang runs that forward in TARGET_VERIFY mode on the drafter's attention backend; on its triton
-backend the extend kernel gives each (request, q head) one program that walks the prefix
-serially, which at long contexts costs more than the target's verify (session 23: 14.3 ms a
-step at 32k prompt tokens on the Kimi TP8-rank emulation). :func:`install_draft` puts
+SGLang runs that forward in TARGET_VERIFY mode on the drafter's attention backend. On its triton
+backend (DDTREE's default for the drafter wherever the target's backend is neither triton nor
+flashinfer: ``spec_algo.py``) the extend kernel gives each (request, q head) one program that
+walks the prefix serially, which at long contexts costs more than the target's verify (session
+23: 14.3 ms a step at 32k prompt tokens on the Kimi TP8-rank emulation). :func:`install_draft` puts
 :class:`~sglang_ddtree.verify_backend.TreeVerifyBackend` in front of the drafter's backend with
 one constant mask for every request and step, so the block forward runs on our split-K kernel;
 prefill, decode and anything else still reach the drafter's own backend.
