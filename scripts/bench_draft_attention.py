@@ -36,10 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_verify import (_import_ours, copy_bandwidth_gbps,  # noqa: E402
                                load_sglang_extend, parse_ints, rel_diff, time_graph)
 
+from sglang_ddtree.doctor import DRAFT_SHAPE, MHA_SHAPE  # noqa: E402
 from sglang_ddtree.provenance import checkout_digest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {"kimi": (8, 1, 128), "qwen3-8b": (32, 8, 128)}  # q heads, kv heads, head dim
+# q heads, kv heads, head dim: the doctor's drafter rows and its Qwen3-8B layer
+SHAPES = {name: (s["num_q_heads"], s["num_kv_heads"], s["head_dim"])
+          for name, s in (("kimi", DRAFT_SHAPE), ("qwen3-8b", MHA_SHAPE))}
 
 
 class DraftPoint:
