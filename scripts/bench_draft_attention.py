@@ -77,7 +77,8 @@ def ours_fn(ta, p, max_context=0, validate=False):
     attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=p.hq,
                                  num_kv_heads=p.hkv, head_dim=p.d,
                                  max_context_len=max(max_context, p.ctx + p.n),
-                                 device=p.q.device, sm_scale=p.sm_scale)
+                                 device=p.q.device, sm_scale=p.sm_scale,
+                                 ordered_mask=False)
     out = torch.empty_like(p.q)
 
     def fn():

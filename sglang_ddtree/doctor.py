@@ -80,7 +80,7 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         dv, sm_scale = dq, dq ** -0.5
         attn = TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
                                   num_kv_heads=hkv, head_dim=dq, max_context_len=max_context,
-                                  device=dev)
+                                  device=dev, ordered_mask=not draft)
     res.num_splits = 1 if flashmla else attn.num_splits(bs)  # FlashMLA: our kernel, tree keys
     if flashmla:
         res.extra["page_size"] = page_size

@@ -236,6 +236,11 @@ class TreeVerifyBackend:
         return self._inner.get_fused_kv_write_buffers(layer, forward_batch)
 
     # --- planning ---------------------------------------------------------------------------
+    def _ordered_mask(self) -> bool:
+        """Whether no row's mask admits a later token: a tree (ancestors precede) or a causal
+        block; a bidirectional block mask is not (the kernel then reads every tree key)."""
+        return self._block_mask is None or not bool(self._block_mask.triu(1).any())
+
     def _plan(self, keys, max_bs: int) -> None:
         """One kernel plan per distinct layer shape, for up to ``max_bs`` requests (allocates:
         never inside a graph)."""
@@ -256,7 +261,7 @@ class TreeVerifyBackend:
                     max_batch_size=max_bs, num_tree_tokens=self._n, num_q_heads=key.q_heads,
                     num_kv_heads=key.kv_heads, head_dim=key.qk_dim, v_head_dim=key.v_dim,
                     max_context_len=width, device=device, sm_scale=key.scaling,
-                    logit_cap=key.logit_cap)
+                    logit_cap=key.logit_cap, ordered_mask=self._ordered_mask())
         self._plans = plans
         self._plan_bs = max_bs
 

@@ -49,7 +49,8 @@ def interpret(monkeypatch):
     return k
 
 
-@pytest.mark.parametrize("kernel,budget", [("draft", 8), ("draft", 5), ("mha", 4), ("mla", 3)])
+@pytest.mark.parametrize("kernel,budget", [("draft", 8), ("draft", 5), ("draft", 24), ("mha", 4),
+                                           ("mla", 3)])
 def test_case_passes_against_the_reference_on_cpu(interpret, monkeypatch, kernel, budget):
     monkeypatch.setitem(doctor.MHA_SHAPE, "num_q_heads", 4)  # small shapes for the interpreter
     monkeypatch.setitem(doctor.MHA_SHAPE, "num_kv_heads", 2)

@@ -561,12 +561,14 @@ def test_draft_block_mask_follows_the_layers():
     assert problems == ["layer 0: attention type decoder_bidirectional"]
 
 
-@pytest.mark.parametrize("kind", ["ENCODER_ONLY", "DECODER"])
-def test_drafter_block_attention_eager_and_graph_match_reference(sgl, kind):
+@pytest.mark.parametrize("kind,n", [("ENCODER_ONLY", 5), ("DECODER", 5), ("ENCODER_ONLY", 21)])
+def test_drafter_block_attention_eager_and_graph_match_reference(sgl, kind, n):
     """A drafter layer (GQA 4:1) in TARGET_VERIFY through the wrapper install_draft puts on the
     draft runner: eager and graph-style prep both give the reference with the block mask for
-    every request (padded graph rows included, finite), whatever tree the spec info carries."""
-    n, hq, hkv, d = 5, 4, 1, 16
+    every request (padded graph rows included, finite), whatever tree the spec info carries.
+    A block wider than the kernel's key tile (21 > 16 keys here) needs every row block to read
+    keys past its own tokens (session 24's doctor found block 128 wrong on the H200)."""
+    hq, hkv, d = 4, 1, 16
     g, layout, _, _, pool = _mha_setup(seed=5, seq_lens=(9, 40), n=n, hq=hq, hkv=hkv, d=d,
                                        page=4)
     layer = _draft_layers([kind, kind], hq=hq, hkv=hkv, d=d)[1]

@@ -5,7 +5,8 @@ root, i.e. the bonus token). Query ``i`` of request ``b`` attends to
 
 - every token of the request's prefix (``seq_lens[b]`` tokens already in the KV cache), and
 - the tree tokens ``j`` with ``tree_mask[b, i, j]`` (``j`` is ``i`` or an ancestor of ``i``; see
-  ``/work/notes/tree_contract.md``: the ``ancestor_mask`` of a ``DraftTree``).
+  ``/work/notes/tree_contract.md``: the ``ancestor_mask`` of a ``DraftTree``). A plan with
+  ``ordered_mask=False`` takes any mask instead (the drafter's bidirectional block).
 
 The tree tokens' own K/V were already written to the cache at ``out_cache_loc`` (SGLang saves KV
 before calling the backend), so the kernel reads everything by *slot index*: prefix slots from a
@@ -235,6 +236,8 @@ def _tree_attn_fwd_kernel(
     DK_CHUNK: tl.constexpr = 0,  # > 0: QK in slices of this many dims (query not held whole)
     MIN_CHUNK: tl.constexpr = 256,  # fewest prefix keys a non-empty split covers
     MERGE_PREFIX: tl.constexpr = False,  # prefix part given (pre_o, pre_lse): tree keys only
+    ORDERED_MASK: tl.constexpr = True,  # a row's mask admits no later token (a tree); False:
+                                        # any token may be a key (a bidirectional block)
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
     pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
@@ -320,8 +323,12 @@ def _tree_attn_fwd_kernel(
 
     if split == num_splits - 1:
         # tree tokens: a row only sees ancestors, which precede it in node order, so keys past
-        # the block's last token are never needed (a bound that depends on pid alone)
-        last_tok = tl.minimum((pid_m + 1) * BLOCK_M - 1, N * G - 1) // G
+        # the block's last token are never needed (a bound that depends on pid alone); an
+        # unordered mask (the drafter's bidirectional block) needs all N
+        if ORDERED_MASK:
+            last_tok = tl.minimum((pid_m + 1) * BLOCK_M - 1, N * G - 1) // G
+        else:
+            last_tok = N - 1
         mask_row = tree_mask_ptr + b.to(tl.int64) * stride_mb + tok * stride_mi
         loc_row = tree_loc_ptr + b.to(tl.int64) * N
         if INTERPRET:
@@ -482,8 +489,9 @@ class TreeAttention:
                  num_kv_heads: int, head_dim: int, v_head_dim: int, rope_dim: int,
                  max_context_len: int, device, sm_scale: float, logit_cap: float,
                  num_kv_splits: Optional[int], config: Optional[KernelConfig],
-                 shared_kv: bool):
+                 shared_kv: bool, ordered_mask: bool = True):
         self.device = torch.device(device)
+        self.ordered_mask = bool(ordered_mask)
         self.max_batch_size = int(max_batch_size)
         self.num_tree_tokens = int(num_tree_tokens)
         self.num_q_heads = int(num_q_heads)
@@ -540,7 +548,8 @@ class TreeAttention:
              num_kv_heads: int, head_dim: int, max_context_len: int, device,
              v_head_dim: Optional[int] = None, sm_scale: Optional[float] = None,
              logit_cap: float = 0.0, num_kv_splits: Optional[int] = None,
-             config: Optional[KernelConfig] = None) -> "TreeAttention":
+             config: Optional[KernelConfig] = None,
+             ordered_mask: bool = True) -> "TreeAttention":
         """Size and allocate everything for MHA/GQA tree verify (not graph-safe).
 
         Parameters
@@ -558,6 +567,10 @@ class TreeAttention:
             ``cap * tanh(s / cap)`` on the scaled logits.
         num_kv_splits : int, optional
             Fixed prefix split count (1 disables split-K); default picks per batch size.
+        ordered_mask : bool
+            True (a tree): no row's mask admits a later token, so a row block skips the tree
+            keys past its last token. False: any mask (the drafter's bidirectional block);
+            every row block reads all N tree keys.
         """
         return cls(max_batch_size=max_batch_size, num_tree_tokens=num_tree_tokens,
                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -565,7 +578,7 @@ class TreeAttention:
                    max_context_len=max_context_len, device=device,
                    sm_scale=sm_scale if sm_scale is not None else head_dim ** -0.5,
                    logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config,
-                   shared_kv=False)
+                   shared_kv=False, ordered_mask=ordered_mask)
 
     def config_for(self, batch_size: int) -> KernelConfig:
         """The kernel config ``run`` launches for ``batch_size`` requests."""
@@ -622,6 +635,8 @@ class TreeAttention:
             Cache slots holding the tree tokens' K/V (already written).
         tree_mask : [bs, N, N] bool/uint8
             Ancestor-or-self mask: row i may attend tree token j iff ``tree_mask[b, i, j]``.
+            Unless the plan has ``ordered_mask=False``, no row may admit a later token
+            (``j > i``): those keys are skipped, not read.
         req_to_token, req_pool_indices, seq_lens : optional
             Table mode: ``[pool, max_ctx]`` int32 slot table, ``[bs]`` rows, ``[bs]`` prefix
             lengths (tokens before the tree, as SGLang's TARGET_VERIFY ``seq_lens``).
@@ -768,8 +783,8 @@ class TreeAttention:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
-            MIN_CHUNK=cfg.min_split_keys, MERGE_PREFIX=merge, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            MIN_CHUNK=cfg.min_split_keys, MERGE_PREFIX=merge, ORDERED_MASK=self.ordered_mask,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](
@@ -783,7 +798,8 @@ class TreeAttention:
 
 
 def tree_attention(q, k_cache, v_cache, out_cache_loc, tree_mask, *, num_kv_splits=None,
-                   sm_scale=None, logit_cap=0.0, config=None, **kv) -> torch.Tensor:
+                   sm_scale=None, logit_cap=0.0, config=None, ordered_mask=True,
+                   **kv) -> torch.Tensor:
     """One-shot MHA/GQA tree attention (plans then runs; allocates, so NOT graph-safe).
 
     Shapes as :meth:`TreeAttention.run`; ``kv`` holds the KV index tensors and scales.
@@ -796,5 +812,6 @@ def tree_attention(q, k_cache, v_cache, out_cache_loc, tree_mask, *, num_kv_spli
         max_batch_size=bs, num_tree_tokens=n, num_q_heads=q.shape[1],
         num_kv_heads=k_cache.shape[1], head_dim=q.shape[2], v_head_dim=v_cache.shape[2],
         max_context_len=max(max_ctx, 1), device=q.device, sm_scale=sm_scale,
-        logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config)
+        logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config,
+        ordered_mask=ordered_mask)
     return attn.run(q, k_cache, v_cache, out_cache_loc, tree_mask, **kv)
