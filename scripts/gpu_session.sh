@@ -139,8 +139,7 @@ for s in "$@"; do
                --mla-prefix --no-baselines --out "$OUT/tree_verify_fmla_h200.json" ${FMLA_BENCH_ARGS:-} ;;
     draftattn) # SGLANG_DDTREE_DRAFT_ATTENTION=triton: the doctor's draft rows, the drafter's
              # block attention on our kernel vs SGLang's triton extend (kernel), lossless with it
-             # (oracle drafts); draftab: its drafts against the native drafter's on the tiny
-             # pair (accept length, tok/s, stage times)
+             # (oracle drafts); draftab: the tiny pair with it (the default) and without
              step draft-doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --kernels draft \
                --out "$OUT/doctor_graphs_draft_h200.json"
              step draft-bench ${DRAFT_BENCH_LIMIT:-200} python3 scripts/bench_draft_attention.py \
@@ -149,9 +148,11 @@ for s in "$@"; do
                --cases "${DRAFT_E2E_CASES:-tiny_dtv:8,32;mla_dtv:8,32}" --batch-sizes 1,4,16 \
                --prompts 12 --eager-check= --speed= --deterministic= \
                --out "$OUT/e2e_lossless_draft_triton_h200.json" ;;
-    draftab) step draft-ab ${DRAFT_AB_LIMIT:-300} python3 scripts/bench_e2e.py --budgets 16 \
+    draftab) # DDTREE's default (auto: a triton drafter on our kernel) against the drafter on
+             # SGLang's backend (native)
+             step draft-ab ${DRAFT_AB_LIMIT:-300} python3 scripts/bench_e2e.py --budgets 16 \
                --concurrency 1,8 --modes greedy --repeats 2 --timer-budgets 16 \
-               --timer-concurrency 1 --variant dtv:SGLANG_DDTREE_DRAFT_ATTENTION=triton \
+               --timer-concurrency 1 --variant dnat:SGLANG_DDTREE_DRAFT_ATTENTION=native \
                --time-budget ${DRAFT_AB_TIME:-220} \
                --out "$OUT/bench_e2e_draft_triton_h200.json" ${DRAFT_AB_ARGS:-} ;;
     *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftab)" ;;

@@ -287,17 +287,22 @@ def read_mla_prefix(environ=os.environ) -> str:
 
 
 ENV_DRAFT_ATTENTION = "SGLANG_DDTREE_DRAFT_ATTENTION"
-DRAFT_ATTENTION_CHOICES = ("native", "triton")
+DRAFT_ATTENTION_CHOICES = ("auto", "native", "triton")
+# the drafter backends ``auto`` moves onto our kernel: SGLang's triton extend kernel, which walks
+# the prefix serially with one program per (request, q head) (session 24, H200: our kernel 6.5x
+# at 2k keys to 71x at 64k; the Kimi rank's draft stage at 32k prompt tokens 14.3 -> 0.90 ms)
+DRAFT_ATTENTION_AUTO_BACKENDS = ("triton",)
 
 
 def read_draft_attention(environ=os.environ) -> str:
     """SGLANG_DDTREE_DRAFT_ATTENTION: who runs the DFlash drafter's block attention (each block
-    query attends the drafter's whole prefix KV and the block). ``native`` (default): the
-    drafter's SGLang backend (``--speculative-draft-attention-backend``). ``triton`` (opt-in):
-    DDTREE's tree-attention kernel with the block's own mask (``draft_attention.install_draft``),
-    which splits long prefixes over the GPU where SGLang's triton extend kernel walks the prefix
-    serially with one program per (request, head)."""
-    raw = environ.get(ENV_DRAFT_ATTENTION, "").strip().lower() or "native"
+    query attends the drafter's whole prefix KV and the block). ``auto`` (default): DDTREE's
+    tree-attention kernel with the block's own mask (``draft_attention.install_draft``) where
+    the drafter's SGLang backend is one of ``DRAFT_ATTENTION_AUTO_BACKENDS`` and the drafter is
+    one the kernel can run, else the drafter's backend. ``triton``: our kernel whatever the
+    drafter's backend (start-up fails, naming why, where it cannot). ``native``: the drafter's
+    SGLang backend (``--speculative-draft-attention-backend``)."""
+    raw = environ.get(ENV_DRAFT_ATTENTION, "").strip().lower() or "auto"
     if raw not in DRAFT_ATTENTION_CHOICES:
         raise DDTreeConfigError(f"{ENV_DRAFT_ATTENTION}: expected one of "
                                 f"{', '.join(DRAFT_ATTENTION_CHOICES)}, got {raw!r}")

@@ -181,7 +181,7 @@ class TreeVerifyBackend:
                "_kernels": kernels, "_meta": None, "_graph": None, "_plan_bs": 0,
                "_prefix": None, "_block_mask": None,
                "_name": ("DDTREE triton verify backend" if block_mask is None else
-                         f"DDTREE drafter attention ({cfg.ENV_DRAFT_ATTENTION}=triton)")}
+                         f"DDTREE drafter attention ({cfg.ENV_DRAFT_ATTENTION})")}
         for name, value in own.items():
             object.__setattr__(self, name, value)
         if block_mask is not None:

@@ -209,13 +209,11 @@ def _make_worker_class(sgl):
         def init_attention_backends(self):
             super().init_attention_backends()
             sgl.check_kv_layout(self)
-            self._draft_attention = None
-            if cfg.read_draft_attention() == "triton":
-                from .draft_attention import install_draft
+            # the drafter's backend exists now; its CUDA graphs are captured after this
+            from .draft_attention import choose_draft_attention
 
-                # the drafter's backend exists now; its CUDA graphs are captured after this
-                self._draft_attention = install_draft(self.draft_model_runner, self.block_size,
-                                                      sgl)
+            self._draft_attention = choose_draft_attention(
+                cfg.read_draft_attention(), self.draft_model_runner, self.block_size, sgl)
             # the target's backends exist from here on (SGLang builds them after the spec worker)
             mr = self.model_runner
             arch = "mla" if sgl.is_mla(mr.model_config) else "mha"

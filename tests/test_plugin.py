@@ -212,7 +212,7 @@ def test_cli_info_reports_registration(loaded, capsys):
     assert "tree_verify_backends" in out
     # no GPU here: the FlashMLA prefix says why it cannot run
     assert "mla_prefix_flashmla    not usable: device cpu" in out
-    assert "'draft_attention': 'native'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
+    assert "'draft_attention': 'auto'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
 
 
 def test_grammar_requests_are_refused_per_request(loaded):

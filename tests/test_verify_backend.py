@@ -131,8 +131,9 @@ def _attn_backend(class_name):
     return type(class_name, (), {})()
 
 
-def _bare_worker(worker_class, arch, backend_class):
-    """A DDTreeWorker instance with just what init_attention_backends reads (no constructor)."""
+def _bare_worker(worker_class, arch, backend_class, draft_backend="FlashInferAttnBackend"):
+    """A DDTreeWorker instance with just what init_attention_backends reads (no constructor).
+    The drafter's backend defaults to one SGLANG_DDTREE_DRAFT_ATTENTION=auto leaves alone."""
     from sglang.srt.configs.model_config import AttentionArch
 
     w = object.__new__(worker_class)
@@ -140,8 +141,10 @@ def _bare_worker(worker_class, arch, backend_class):
                                else AttentionArch.MHA)
     w.model_runner = types.SimpleNamespace(model_config=mc, kv_index_translator=None,
                                            attn_backend=_attn_backend(backend_class))
-    w.draft_model_runner = types.SimpleNamespace(kv_index_translator=None)
+    w.draft_model_runner = types.SimpleNamespace(kv_index_translator=None,
+                                                 attn_backend=_attn_backend(draft_backend))
     w.tree_cfg = cfg.DDTreeConfig(budget=7, topk=4, block_size=8)
+    w.block_size = 8
     return w
 
 
@@ -541,7 +544,8 @@ def _draft_layers(kinds, hq=4, hkv=1, d=16, **kw):
 
 
 def test_draft_attention_env_parses():
-    assert cfg.read_draft_attention({}) == "native"
+    assert cfg.read_draft_attention({}) == "auto"
+    assert cfg.read_draft_attention({cfg.ENV_DRAFT_ATTENTION: "native"}) == "native"
     assert cfg.read_draft_attention({cfg.ENV_DRAFT_ATTENTION: " Triton "}) == "triton"
     with pytest.raises(cfg.DDTreeConfigError, match=cfg.ENV_DRAFT_ATTENTION):
         cfg.read_draft_attention({cfg.ENV_DRAFT_ATTENTION: "fa3"})
@@ -626,7 +630,7 @@ def test_install_draft_refusals_name_the_variable(sgl):
                            match=f"{cfg.ENV_DRAFT_ATTENTION}=triton cannot run this drafter"
                            ) as info:
             draft_attention.install_draft(runner, n, sgl, kernels=KERNELS)
-        assert "Unset it" in str(info.value)
+        assert "Set it to native" in str(info.value)
         return str(info.value)
 
     mixed = _draft_layers(["ENCODER_ONLY", "DECODER"], hq=4, hkv=2)
@@ -642,11 +646,12 @@ def test_install_draft_refusals_name_the_variable(sgl):
 def test_worker_wraps_the_drafter_only_when_asked(worker_class, monkeypatch):
     installed = []
     monkeypatch.setattr(draft_attention, "install_draft",
-                        lambda mr, block, sgl: installed.append((mr, block)) or "draft-wrapper")
+                        lambda mr, block, sgl, kernels=None: installed.append((mr, block))
+                        or "draft-wrapper")
     monkeypatch.setattr(verify_backend, "install", lambda mr, n, sgl: "wrapper")
-    w = _bare_worker(worker_class, "mla", "FlashMLABackend")
+    w = _bare_worker(worker_class, "mla", "FlashMLABackend")  # drafter on flashinfer
     w.block_size = 8
-    w.init_attention_backends()
+    w.init_attention_backends()  # auto: not on a flashinfer drafter
     assert installed == [] and w._draft_attention is None
     monkeypatch.setenv(cfg.ENV_DRAFT_ATTENTION, "triton")
     w.init_attention_backends()
@@ -654,6 +659,41 @@ def test_worker_wraps_the_drafter_only_when_asked(worker_class, monkeypatch):
     monkeypatch.setenv(cfg.ENV_DRAFT_ATTENTION, "bogus")
     with pytest.raises(cfg.DDTreeConfigError, match=cfg.ENV_DRAFT_ATTENTION):
         w.init_attention_backends()
+    installed.clear()
+    monkeypatch.delenv(cfg.ENV_DRAFT_ATTENTION)
+    w = _bare_worker(worker_class, "mla", "FlashMLABackend", draft_backend="TritonAttnBackend")
+    w.block_size = 8
+    w.init_attention_backends()  # auto: a triton drafter moves onto our kernel
+    assert installed == [(w.draft_model_runner, 8)] and w._draft_attention == "draft-wrapper"
+    monkeypatch.setenv(cfg.ENV_DRAFT_ATTENTION, "native")
+    w.init_attention_backends()
+    assert w._draft_attention is None and len(installed) == 1
+
+
+def test_auto_keeps_a_drafter_our_kernel_cannot_run_and_triton_refuses_it(sgl, caplog):
+    """auto: a triton drafter whose layers mix attention types stays on SGLang's backend (the
+    log says why); triton: the same drafter fails start-up. A qualifying triton drafter is
+    wrapped under auto; a flashinfer one only under triton."""
+    g, layout, _, _, pool = _mha_setup(seed=2, seq_lens=(6,), n=4, hq=4, hkv=2, d=16, page=1)
+    mixed = _draft_layers(["ENCODER_ONLY", "DECODER"], hq=4, hkv=2)
+    inner = _attn_backend("TritonAttnBackend")
+    mr = _runner(pool, layout.req_to_token, mixed, inner)
+    with caplog.at_level("INFO", logger=draft_attention.__name__):
+        assert draft_attention.choose_draft_attention("auto", mr, 4, sgl, KERNELS) is None
+    assert mr.attn_backend is inner and "different attention types" in caplog.text
+    with pytest.raises(cfg.DDTreeConfigError, match="different attention types"):
+        draft_attention.choose_draft_attention("triton", mr, 4, sgl, KERNELS)
+    assert draft_attention.choose_draft_attention("native", mr, 4, sgl, KERNELS) is None
+    good = _draft_layers(["ENCODER_ONLY"] * 2, hq=4, hkv=2)
+    mr = _runner(pool, layout.req_to_token, good, inner)
+    w = draft_attention.choose_draft_attention("auto", mr, 4, sgl, KERNELS)
+    assert mr.attn_backend is w and w.wrapped_backend is inner
+    fi = _attn_backend("FlashInferAttnBackend")
+    mr = _runner(pool, layout.req_to_token, good, fi)
+    assert draft_attention.choose_draft_attention("auto", mr, 4, sgl, KERNELS) is None
+    assert mr.attn_backend is fi
+    w = draft_attention.choose_draft_attention("triton", mr, 4, sgl, KERNELS)
+    assert mr.attn_backend is w and w.wrapped_backend is fi
 
 
 # --- MLA ---------------------------------------------------------------------------------------
