@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark the DFlash drafter's block attention on one GPU: ours vs SGLang's triton extend.
+"""Benchmark the DFlash drafter's block attention on one GPU: ours vs SGLang's triton and flashinfer.
 
 Every DDTREE (and DFLASH) step runs the drafter once: ``block`` query tokens a request attend the
 drafter's whole prefix KV and every block token (DFlash drafter layers are bidirectional). With
@@ -15,8 +15,13 @@ Shapes (one layer, bf16): ``kimi`` = the Kimi K2.6 TP8-rank emulation's drafter 
 Qwen3-8B DFlash drafter layer (32 q heads, 8 KV heads, d 128). Prefix slots scattered over pages
 of 16 tokens; CUDA-graph replays, L2 flushed before each (``bench_tree_verify.time_graph``).
 
+Baselines (``--baselines``, default both): SGLang's triton extend kernel, and FlashInfer's paged
+prefill as SGLang's flashinfer backend runs the drafter (``fa2``, pages of one token,
+``causal=False``; ``--speculative-draft-attention-backend flashinfer``).
+
 Columns: ``ours_us``, ``sglang_triton_us`` (``not available`` without SGLang's kernel),
 ``speedup`` = sglang / ours, ``rel_diff`` (max |sglang - ours| / max |ours|, same inputs),
+``flashinfer_us``, ``speedup_vs_flashinfer``, ``rel_diff_flashinfer`` likewise,
 ``kv_GBps`` / ``frac_copy_bw`` (prefix + block K/V bytes over our time, against the measured
 copy bandwidth). Writes JSON (command, versions, GPU, date, results) to ``--out``.
 """
@@ -108,6 +113,46 @@ def sglang_fn(extend, p):
     return fn, out
 
 
+def flashinfer_fn(p, workspace):
+    """(fn, out): FlashInfer's paged prefill as SGLang's flashinfer backend runs the DFlash
+    drafter: the ``fa2`` backend (SGLang's prefill choice on Hopper), pages of one token (each
+    request's prefix slots, then its block's), ``causal=False`` for the bidirectional layers.
+    Planned once per point, outside the timing (SGLang plans once per step for all layers)."""
+    import flashinfer
+
+    lay, n, bs, ctx = p.layout, p.n, p.bs, p.ctx
+    dev = p.q.device
+    width = ctx + n
+    indices = torch.cat([lay.kv_indices.view(bs, ctx).to(torch.int32),
+                         lay.out_cache_loc.view(bs, n).to(torch.int32)], 1).reshape(-1)
+    kv_indptr = torch.arange(0, (bs + 1) * width, width, dtype=torch.int32, device=dev)
+    qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32, device=dev)
+    last_page_len = torch.ones(bs, dtype=torch.int32, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    wrapper.plan(qo_indptr, kv_indptr, indices, last_page_len, p.hq, p.hkv, p.d, 1,
+                 causal=False, sm_scale=p.sm_scale, q_data_type=p.q.dtype,
+                 kv_data_type=p.k_cache.dtype)
+    slots = p.k_cache.shape[0]
+    k4, v4 = p.k_cache.view(slots, 1, p.hkv, p.d), p.v_cache.view(slots, 1, p.hkv, p.d)
+    out = torch.empty_like(p.q)
+
+    def fn():
+        wrapper.run(p.q, (k4, v4), out=out)
+
+    return fn, out
+
+
+def load_flashinfer():
+    """(workspace, version) or (None, why not)."""
+    try:
+        import flashinfer
+
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        return workspace, getattr(flashinfer, "__version__", "unknown")
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON
+        return None, f"not available: {type(exc).__name__}: {exc}"[:200]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "draft_attention_h200.json"))
@@ -119,19 +164,30 @@ def main(argv=None):
                     help="plan our kernel for contexts up to this many tokens (a server plans "
                          "for its --context-length) instead of each point's own")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--baselines", default="triton,flashinfer",
+                    help="SGLang's drafter backends to time beside ours (comma list of triton, "
+                         "flashinfer; empty: ours only)")
     ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
     args = ap.parse_args(argv)
+    baselines = [] if args.no_baselines else [b for b in args.baselines.split(",") if b]
+    unknown = sorted(set(baselines) - {"triton", "flashinfer"})
+    if unknown:
+        ap.error(f"--baselines: unknown {unknown} (triton, flashinfer)")
     if not torch.cuda.is_available():
         print("bench_draft_attention needs a CUDA GPU")
         return 2
     ref, ta, _ = _import_ours()
-    extend, extend_src = (None, "skipped") if args.no_baselines else load_sglang_extend(None)
+    extend, extend_src = ((None, "skipped") if "triton" not in baselines
+                          else load_sglang_extend(None))
+    fi_ws, fi_src = ((None, "skipped") if "flashinfer" not in baselines
+                     else load_flashinfer())
     copy_bw = copy_bandwidth_gbps()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     gen = torch.Generator().manual_seed(0)
     results = []
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    print(f"sglang triton extend: {extend_src}; copy bandwidth {copy_bw:.0f} GB/s")
+    print(f"sglang triton extend: {extend_src}; flashinfer: {fi_src}; "
+          f"copy bandwidth {copy_bw:.0f} GB/s")
 
     def dump(complete):
         meta = dict(command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
@@ -139,6 +195,7 @@ def main(argv=None):
                     torch=torch.__version__, triton=__import__("triton").__version__,
                     source_digest=checkout_digest(__file__), python=platform.python_version(),
                     copy_bandwidth_GBps=round(copy_bw, 1), sglang_triton=extend_src,
+                    flashinfer=fi_src,
                     iters=args.iters, shapes={k: dict(q_heads=v[0], kv_heads=v[1], head_dim=v[2])
                                               for k, v in SHAPES.items()},
                     plan_context=args.plan_context or "each point's own context",
@@ -159,9 +216,20 @@ def main(argv=None):
                              ours_us=round(us, 2), num_splits=splits,
                              kv_GBps=round(p.kv_bytes / us / 1e3, 1))
                     r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
-                    if extend is None:
+                    if fi_ws is not None:
+                        try:
+                            ffn, fout = flashinfer_fn(p, fi_ws)
+                            t, mode = time_graph(ffn, max(3, args.iters // 2), flush)
+                            r.update(flashinfer_us=round(t, 2), flashinfer_timing=mode,
+                                     speedup_vs_flashinfer=round(t / us, 2),
+                                     rel_diff_flashinfer=round(rel_diff(fout, out), 5))
+                        except Exception as exc:  # noqa: BLE001 - recorded per point
+                            r["flashinfer_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                    elif "flashinfer" in baselines:
+                        r["flashinfer_us"] = "not available"
+                    if "triton" in baselines and extend is None:
                         r["sglang_triton_us"] = "not available"
-                    else:
+                    elif extend is not None:
                         try:
                             sfn, sout = sglang_fn(extend, p)
                             t, mode = time_graph(sfn, max(3, args.iters // 4), flush)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftab
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -148,6 +148,11 @@ for s in "$@"; do
                --cases "${DRAFT_E2E_CASES:-tiny_dtv:8,32;mla_dtv:8,32}" --batch-sizes 1,4,16 \
                --prompts 12 --eager-check= --speed= --deterministic= \
                --out "$OUT/e2e_lossless_draft_triton_h200.json" ;;
+    draftfi) # ours against FlashInfer's paged prefill (SGLang's flashinfer drafter backend) at
+             # short and long contexts: whether auto should move flashinfer drafters too
+             step draft-fi ${DRAFT_FI_LIMIT:-240} python3 scripts/bench_draft_attention.py \
+               --baselines flashinfer --contexts ${DRAFT_FI_CONTEXTS:-512,2048,8192,32768} \
+               --out "$OUT/draft_attention_flashinfer_h200.json" ${DRAFT_FI_ARGS:-} ;;
     draftab) # DDTREE's default (auto: a triton drafter on our kernel) against the drafter on
              # SGLang's backend (native)
              step draft-ab ${DRAFT_AB_LIMIT:-300} python3 scripts/bench_e2e.py --budgets 16 \
@@ -155,7 +160,7 @@ for s in "$@"; do
                --timer-concurrency 1 --variant dnat:SGLANG_DDTREE_DRAFT_ATTENTION=native \
                --time-budget ${DRAFT_AB_TIME:-220} \
                --out "$OUT/bench_e2e_draft_triton_h200.json" ${DRAFT_AB_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftab)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -49,3 +49,46 @@ def test_main_needs_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "x.json"
     assert bda.main(["--out", str(out)]) == 2 and not out.exists()
+
+
+class _FakeFlashInfer:
+    """What FlashInfer's paged prefill computes with pages of one token and ``causal=False``
+    (every query of request b over keys ``indices[kv_indptr[b]:kv_indptr[b + 1]]``): the
+    benchmark's FlashInfer baseline must hand it the same keys our kernel reads."""
+
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, workspace, layout, backend):
+            assert layout == "NHD" and backend == "fa2"
+
+        def plan(self, qo_indptr, kv_indptr, indices, last_page_len, hq, hkv, d, page_size, *,
+                 causal, sm_scale, q_data_type, kv_data_type):
+            assert page_size == 1 and not causal and bool((last_page_len == 1).all())
+            self.args = (qo_indptr, kv_indptr, indices, hq // hkv, sm_scale)
+
+        def run(self, q, kv, out):
+            qo, kvp, idx, group, scale = self.args
+            k4, v4 = kv
+            for b in range(qo.numel() - 1):
+                slots = idx[kvp[b]:kvp[b + 1]].long()
+                k = k4[slots, 0].float().repeat_interleave(group, 1)  # [keys, hq, d]
+                v = v4[slots, 0].float().repeat_interleave(group, 1)
+                qb = q[qo[b]:qo[b + 1]].float()                      # [n, hq, d]
+                w = torch.softmax(torch.einsum("nhd,khd->hnk", qb, k) * scale, -1)
+                out[qo[b]:qo[b + 1]] = torch.einsum("hnk,khd->nhd", w, v).to(out.dtype)
+
+
+def test_flashinfer_baseline_reads_the_same_keys(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", _FakeFlashInfer)
+    monkeypatch.setitem(bda.SHAPES, "tiny", (4, 2, 16))
+    p = bda.DraftPoint(K.reference, "tiny", 3, 6, 29, torch.Generator().manual_seed(2), "cpu")
+    fn, out, _ = bda.ours_fn(K.tree_attention, p)
+    fn()
+    ffn, fout = bda.flashinfer_fn(p, workspace=None)
+    ffn()
+    assert ((fout.float() - out.float()).abs().max() / out.float().abs().max()).item() < 1e-2
+
+
+def test_baselines_flag_rejects_unknown_names(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        bda.main(["--baselines", "fa3"])
