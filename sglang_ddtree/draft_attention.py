@@ -83,7 +83,7 @@ def choose_draft_attention(mode: str, draft_runner, block_size: int, sgl, kernel
     returns it) to the drafter runner: the installed wrapper, or None where the drafter stays on
     its SGLang backend. ``auto`` keeps the drafter's backend, saying why in the log, where that
     backend is not one ``DRAFT_ATTENTION_AUTO_BACKENDS`` names or our kernel cannot run the
-    drafter; ``triton`` raises then."""
+    drafter (a refusal of ``install_draft`` or of the kernel's plan); ``triton`` raises then."""
     if mode == "native":
         return None
     backend = sgl.attention_backend_name(draft_runner)
@@ -94,8 +94,8 @@ def choose_draft_attention(mode: str, draft_runner, block_size: int, sgl, kernel
         return None
     try:
         return install_draft(draft_runner, block_size, sgl, kernels=kernels)
-    except cfg.DDTreeConfigError as err:
-        if mode == "triton":
+    except (cfg.DDTreeConfigError, ValueError) as err:  # ValueError: a shape the kernel's plan
+        if mode == "triton":                           # refuses (tree_attention._check)
             raise
         logger.info("DDTREE drafter attention: %s (SGLang's), ours cannot run it: %s",
                     backend, err)

@@ -696,6 +696,22 @@ def test_auto_keeps_a_drafter_our_kernel_cannot_run_and_triton_refuses_it(sgl, c
     assert mr.attn_backend is w and w.wrapped_backend is fi
 
 
+def test_auto_keeps_a_drafter_whose_shape_the_kernel_plan_refuses(sgl, monkeypatch):
+    """A shape the kernel's plan rejects (its ValueError) leaves an auto drafter on SGLang's
+    backend; triton lets the error stop start-up."""
+    def refuse(*args, **kwargs):
+        raise ValueError("tree attention: rope_dim: expected 0 or a power of two >= 16, got 3")
+
+    g, layout, _, _, pool = _mha_setup(seed=2, seq_lens=(6,), n=4, hq=4, hkv=2, d=16, page=1)
+    inner = _attn_backend("TritonAttnBackend")
+    mr = _runner(pool, layout.req_to_token, _draft_layers(["ENCODER_ONLY"], hq=4, hkv=2), inner)
+    monkeypatch.setattr(draft_attention, "install_draft", refuse)
+    assert draft_attention.choose_draft_attention("auto", mr, 4, sgl, KERNELS) is None
+    assert mr.attn_backend is inner
+    with pytest.raises(ValueError, match="rope_dim"):
+        draft_attention.choose_draft_attention("triton", mr, 4, sgl, KERNELS)
+
+
 # --- MLA ---------------------------------------------------------------------------------------
 
 RANK, ROPE, HEADS = 32, 16, 3
