@@ -87,6 +87,10 @@ MODEL_SETS["mla_tv"] = dict(MODEL_SETS["mla"], ddtree_args=TRITON_VERIFY, ar_of=
 DRAFT_ON_TRITON = {"SGLANG_DDTREE_DRAFT_ATTENTION": "triton"}
 MODEL_SETS["tiny_dtv"] = dict(MODEL_SETS["tiny"], ar_of="tiny", ddtree_env=DRAFT_ON_TRITON)
 MODEL_SETS["mla_dtv"] = dict(MODEL_SETS["mla"], ar_of="mla", ddtree_env=DRAFT_ON_TRITON)
+# since session 24 a triton drafter is on our kernel by default (auto): the tiny pair with the
+# drafter kept on SGLang's triton extend kernel
+MODEL_SETS["tiny_dnat"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
+                               ddtree_env={"SGLANG_DDTREE_DRAFT_ATTENTION": "native"})
 # MLA + MoE on SGLang's flashmla backend (pages of 64, Hopper; AR decodes on FlashMLA too):
 # the verify on our Triton kernels alone, and with its prefix part on FlashMLA
 # (SGLANG_DDTREE_MLA_PREFIX=flashmla); the dense drafter stays on triton

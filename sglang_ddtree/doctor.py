@@ -25,7 +25,7 @@ TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}
 # per-rank shapes the doctor exercises by default (Qwen3-8B; Kimi K2.6 on TP8)
 MHA_SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 MLA_SHAPE = dict(num_heads=8, kv_lora_rank=512, rope_dim=64)
-# the DFlash drafter of the Kimi TP8-rank emulation (SGLANG_DDTREE_DRAFT_ATTENTION=triton):
+# the DFlash drafter of the Kimi TP8-rank emulation (SGLANG_DDTREE_DRAFT_ATTENTION):
 # GQA 8:1, every block query attends the whole block (an all-ones mask)
 DRAFT_SHAPE = dict(num_q_heads=8, num_kv_heads=1, head_dim=128)
 

@@ -168,6 +168,18 @@ def test_draft_attention_sets_reuse_their_targets_ar(monkeypatch, tmp_path):
     assert all(s.env.get("SGLANG_DDTREE_DRAFT_ATTENTION") == "triton" for s in ddtree)
 
 
+def test_native_drafter_set_keeps_sglangs_kernel(monkeypatch, tmp_path):
+    """tiny_dnat: the tiny pair's DDTREE server with the drafter kept native (a triton drafter
+    is on our kernel by default since session 24), beside tiny's AR server."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "tiny_dnat:8", "--eager-check=",
+                   "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    ddtree = [s for s in FakeServer.started if s.spec]
+    assert [s.env.get("SGLANG_DDTREE_DRAFT_ATTENTION") for s in ddtree] == ["native"]
+
+
 def test_dry_run_survives_a_dead_model(monkeypatch, tmp_path):
     pytest.importorskip("sglang")
     FakeServer.dead = "mla"
