@@ -51,6 +51,12 @@ DEFAULT_COSTS = {
     "cost_curves_qwen3_8b_dflash_h200_s16.json":
         "dense; dummy weights; AR and DFLASH speed servers (session 16; DFLASH's own accept "
         "length there is 1.02, the random drafter's) and the DDTREE b32 -timers server",
+    "cost_curves_kimi_l61_rankvocab_32k_draft_ours_h200_s24.json":
+        "the rank-vocabulary rank at 32,768 prompt tokens on SGLang's flashmla backend, pages "
+        "of 64, verify prefix on FlashMLA, the drafter's attention on our kernel (session 24); "
+        "AR speed server and DDTREE b8 / b16 -timers servers, no DFLASH step",
+    "cost_curves_kimi_l61_rankvocab_32k_draft_flashinfer_h200_s24.json":
+        "as above with the drafter on SGLang's flashinfer backend (session 24)",
     "cost_curves_qwen3_30b_a3b_h200_s15.json":
         "dummy weights; a 33-token verify touches 114 of 128 experts",
 }
@@ -75,16 +81,28 @@ def step_costs(model: dict) -> dict:
     return out
 
 
-def published_accepts(pub: dict, methods) -> dict:
+def step_cap(method: str, block) -> float:
+    """The most tokens one step of ``method`` can emit with a drafter of ``block`` positions:
+    the block (its drafted positions and the bonus token); for DDTREE also budget + 1 (the
+    path is at most the tree's nodes, plus the bonus). Unbounded when the block is unknown."""
+    cap = float(block) if block else float("inf")
+    if method.startswith("ddtree_b") and method[8:].isdigit():
+        cap = min(cap, int(method[8:]) + 1.0)
+    return cap
+
+
+def published_accepts(pub: dict, methods, block=None) -> dict:
     """{method: accept length}: the paper's DFLASH value, and its one DDTREE value for every
-    DDTREE budget we measured (labelled in the output: the paper's budget is its best one)."""
+    DDTREE budget we measured (labelled in the output: the paper's budget is its best one),
+    each capped at what a step of that method can emit with this model's drafter block
+    (:func:`step_cap`; the paper's drafter has a block of 16, the Kimi emulation's 8)."""
     out = {"ar": 1.0}
     if pub.get("dflash") is not None:
-        out["dflash"] = float(pub["dflash"])
+        out["dflash"] = min(float(pub["dflash"]), step_cap("dflash", block))
     if pub.get("ddtree") is not None:
         for m in methods:
             if m.startswith("ddtree"):
-                out[m] = float(pub["ddtree"])
+                out[m] = min(float(pub["ddtree"]), step_cap(m, block))
     return out
 
 
@@ -145,10 +163,13 @@ def main(argv=None) -> int:
             "file": os.path.basename(args.accept_json), "values": tiny}
     for path in args.costs:
         data = json.load(open(path))
-        for model, entry in data.get("models", {}).items():
+        for name, entry in data.get("models", {}).items():
             costs = step_costs(entry)
             if not costs:
                 continue
+            # one model measured in several files (contexts, drafter backends): keyed by both
+            model = name if name not in result["step_sources"] else \
+                f"{name} [{os.path.basename(path)}]"
             result["step_sources"][model] = {
                 "file": os.path.basename(path), "date": data.get("date"), "gpu": data.get("gpu"),
                 "note": DEFAULT_COSTS.get(os.path.basename(path), "")}
@@ -156,7 +177,7 @@ def main(argv=None) -> int:
             if tiny:
                 by_src["tiny_pair"] = project(costs, tiny)
             if pub:
-                acc = published_accepts(pub, costs)
+                acc = published_accepts(pub, costs, entry.get("drafter_block"))
                 result["accept_sources"]["published"] = {
                     "source": pub.get("source"), "budget": pub.get("budget"),
                     "dflash": pub.get("dflash"), "ddtree": pub.get("ddtree")}

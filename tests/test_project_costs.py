@@ -66,7 +66,19 @@ def test_published_values_apply_to_every_measured_budget_and_the_cli_labels_them
     assert res["accept_sources"]["published"]["source"] == "a paper"
     pub_rows = res["projection"]["m"]["published"]
     assert pub_rows["ddtree_b32"]["1"]["accept"] == 10.0
-    assert pub_rows["ddtree_b8"]["1"]["accept"] == 10.0
+    assert pub_rows["ddtree_b8"]["1"]["accept"] == 9.0  # capped at budget + 1
     tiny = res["projection"]["m"]["tiny_pair"]
     assert tiny["ddtree_b32"]["1"]["accept"] == 2.0  # concurrency 1's value, not 8's
     assert "ddtree_b8" not in tiny
+
+
+def test_published_values_are_capped_at_what_a_step_can_emit():
+    """A drafter block of 8 emits at most 8 tokens a step, a budget-4 tree at most 5: the
+    paper's 10.7 (block 16) does not carry over."""
+    pub = {"dflash": 8.0, "ddtree": 10.7}
+    acc = project_costs.published_accepts(pub, ["ddtree_b4", "ddtree_b8", "ddtree_b32", "ar"],
+                                          block=8)
+    assert acc == {"ar": 1.0, "dflash": 8.0, "ddtree_b4": 5.0, "ddtree_b8": 8.0,
+                   "ddtree_b32": 8.0}
+    acc = project_costs.published_accepts(pub, ["ddtree_b32"], block=None)
+    assert acc["ddtree_b32"] == 10.7 and acc["dflash"] == 8.0
