@@ -142,6 +142,20 @@ def flashinfer_fn(p, workspace):
     return fn, out
 
 
+def time_baseline(r, make, iters, flush, ours_out, ours_us, keys):
+    """Time one baseline (``make()`` gives its (fn, out)) into row ``r`` under ``keys``: (its
+    microseconds, its timing mode, ours' speedup over it, its max difference from ours); an
+    error is recorded in the first key instead."""
+    us_key, mode_key, speed_key, diff_key = keys
+    try:
+        fn, out = make()
+        t, mode = time_graph(fn, iters, flush)
+        r.update({us_key: round(t, 2), mode_key: mode, speed_key: round(t / ours_us, 2),
+                  diff_key: round(rel_diff(out, ours_out), 5)})
+    except Exception as exc:  # noqa: BLE001 - recorded per point
+        r[us_key] = f"error: {type(exc).__name__}: {exc}"[:200]
+
+
 def load_flashinfer():
     """(workspace, version) or (None, why not)."""
     try:
@@ -217,27 +231,18 @@ def main(argv=None):
                              kv_GBps=round(p.kv_bytes / us / 1e3, 1))
                     r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
                     if fi_ws is not None:
-                        try:
-                            ffn, fout = flashinfer_fn(p, fi_ws)
-                            t, mode = time_graph(ffn, max(3, args.iters // 2), flush)
-                            r.update(flashinfer_us=round(t, 2), flashinfer_timing=mode,
-                                     speedup_vs_flashinfer=round(t / us, 2),
-                                     rel_diff_flashinfer=round(rel_diff(fout, out), 5))
-                        except Exception as exc:  # noqa: BLE001 - recorded per point
-                            r["flashinfer_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                        time_baseline(r, lambda: flashinfer_fn(p, fi_ws), max(3, args.iters // 2),
+                                      flush, out, us, ("flashinfer_us", "flashinfer_timing",
+                                                       "speedup_vs_flashinfer",
+                                                       "rel_diff_flashinfer"))
                     elif "flashinfer" in baselines:
                         r["flashinfer_us"] = "not available"
-                    if "triton" in baselines and extend is None:
+                    if extend is not None:
+                        time_baseline(r, lambda: sglang_fn(extend, p), max(3, args.iters // 4),
+                                      flush, out, us, ("sglang_triton_us", "sglang_timing",
+                                                       "speedup", "rel_diff"))
+                    elif "triton" in baselines:
                         r["sglang_triton_us"] = "not available"
-                    elif extend is not None:
-                        try:
-                            sfn, sout = sglang_fn(extend, p)
-                            t, mode = time_graph(sfn, max(3, args.iters // 4), flush)
-                            r.update(sglang_triton_us=round(t, 2), sglang_timing=mode,
-                                     speedup=round(t / us, 2),
-                                     rel_diff=round(rel_diff(sout, out), 5))
-                        except Exception as exc:  # noqa: BLE001 - recorded per point
-                            r["sglang_triton_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
                     results.append(r)
                     dump(complete=False)
                     print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)

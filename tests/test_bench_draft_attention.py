@@ -92,3 +92,19 @@ def test_baselines_flag_rejects_unknown_names(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(SystemExit):
         bda.main(["--baselines", "fa3"])
+
+
+def test_time_baseline_fills_its_keys_or_records_the_error(monkeypatch):
+    monkeypatch.setattr(bda, "time_graph", lambda fn, iters, flush: (fn() or 30.0, "graph"))
+    ours = torch.ones(2, 3)
+    r = {}
+    bda.time_baseline(r, lambda: ((lambda: None), ours * 1.01), 3, None, ours, 10.0,
+                      ("b_us", "b_mode", "b_speed", "b_diff"))
+    assert r == {"b_us": 30.0, "b_mode": "graph", "b_speed": 3.0, "b_diff": 0.01}
+
+    def broken():
+        raise RuntimeError("no kernel for this shape")
+
+    r = {}
+    bda.time_baseline(r, broken, 3, None, ours, 10.0, ("b_us", "b_mode", "b_speed", "b_diff"))
+    assert r == {"b_us": "error: RuntimeError: no kernel for this shape"}
