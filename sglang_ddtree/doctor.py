@@ -198,7 +198,7 @@ def default_kernels() -> list:
 
 def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
                      batch_sizes: Sequence[int] = (1, 2, 8, 32),
-                     kernels: Sequence[str] = ("mha", "mla", "mla_fp8"),
+                     kernels: Optional[Sequence[str]] = None,
                      max_context: int = 2048, page_size: int = 16, trials: int = 2,
                      out: Optional[str] = None, verbose: bool = True) -> list:
     """Capture and replay tree-verify attention graphs for every case; print a table.
@@ -212,7 +212,8 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
         ``"mla_fp8"`` (the same with an fp8 e4m3 cache), ``"mla_flashmla"`` (bf16, pages of 64,
         the prefix on FlashMLA and the tree keys on our kernel: Hopper only), ``"draft"`` (the
         DFlash drafter's block attention, ``SGLANG_DDTREE_DRAFT_ATTENTION=triton``: GQA 8:1 x
-        128, an all-ones block mask; its rows read each budget as the block size).
+        128, an all-ones block mask; its rows read each budget as the block size). Default:
+        :func:`default_kernels`.
     max_context : int
         Context the buffers are planned for; replays draw prefix lengths in 1..max_context.
     trials : int
@@ -230,6 +231,7 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
     if not torch.cuda.is_available():
         print("doctor --graphs needs a CUDA GPU (torch.cuda.is_available() is False)")
         return results
+    kernels = list(kernels) if kernels is not None else default_kernels()
     for kernel in kernels:
         for budget in budgets:
             for bs in batch_sizes:
@@ -319,8 +321,7 @@ def run_doctor_cli(args: argparse.Namespace) -> int:
     if not args.graphs:
         print("nothing to check: pass --graphs")
         return 2
-    kernels = args.kernels if args.kernels is not None else default_kernels()
-    results = run_graph_doctor(args.budgets, args.batch_sizes, kernels, args.max_context,
+    results = run_graph_doctor(args.budgets, args.batch_sizes, args.kernels, args.max_context,
                                args.page_size, args.trials, out=args.out)
     return 0 if results and all(r.status == "pass" for r in results) else 1
 

@@ -248,6 +248,7 @@ class TreeVerifyBackend:
         mr = self._runner
         width = int(mr.req_to_token_pool.req_to_token.shape[1])
         device = _device_of(mr)
+        ordered = self._ordered_mask()
         plans = {}
         for key in keys:
             if self._is_mla:
@@ -261,7 +262,7 @@ class TreeVerifyBackend:
                     max_batch_size=max_bs, num_tree_tokens=self._n, num_q_heads=key.q_heads,
                     num_kv_heads=key.kv_heads, head_dim=key.qk_dim, v_head_dim=key.v_dim,
                     max_context_len=width, device=device, sm_scale=key.scaling,
-                    logit_cap=key.logit_cap, ordered_mask=self._ordered_mask())
+                    logit_cap=key.logit_cap, ordered_mask=ordered)
         self._plans = plans
         self._plan_bs = max_bs
 
