@@ -76,14 +76,14 @@ class DraftPoint:
         self.kv_bytes = bs * (ctx + block) * 2 * hkv * d * 2
 
 
-def ours_fn(ta, p, max_context=0, validate=False):
-    """(fn, out): our kernel planned as install_draft plans it (for the server's longest
-    context, ``max_context``), all-ones block mask."""
+def ours_fn(ta, p, max_context=0, validate=False, num_kv_splits=None):
+    """(fn, out, splits): our kernel planned as install_draft plans it (for the server's longest
+    context, ``max_context``), all-ones block mask; ``num_kv_splits`` fixes the split count."""
     attn = ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=p.hq,
                                  num_kv_heads=p.hkv, head_dim=p.d,
                                  max_context_len=max(max_context, p.ctx + p.n),
                                  device=p.q.device, sm_scale=p.sm_scale,
-                                 ordered_mask=False)
+                                 num_kv_splits=num_kv_splits, ordered_mask=False)
     out = torch.empty_like(p.q)
 
     def fn():
@@ -156,6 +156,25 @@ def time_baseline(r, make, iters, flush, ours_out, ours_us, keys):
         r[us_key] = f"error: {type(exc).__name__}: {exc}"[:200]
 
 
+def sweep_splits(ta, p, splits, chunks, max_context, iters, flush, ours_out):
+    """Our kernel at fixed split counts x reduce chunk sizes (the reduce kernel's CHUNK_S,
+    normally ``_reduce_chunk(v_head_dim)``): a list of {splits, chunk, us, rel_diff} rows, the
+    difference against the served plan's output."""
+    served_chunk = ta._reduce_chunk
+    rows = []
+    try:
+        for s in splits:
+            for c in chunks or [served_chunk(p.d)]:
+                ta._reduce_chunk = lambda dv, c=c: c  # run() reads it per launch
+                fn, out, _ = ours_fn(ta, p, max_context, num_kv_splits=s)
+                us, _ = time_graph(fn, iters, flush)
+                rows.append(dict(splits=s, chunk=c, us=round(us, 2),
+                                 rel_diff=round(rel_diff(out, ours_out), 5)))
+    finally:
+        ta._reduce_chunk = served_chunk
+    return rows
+
+
 def load_flashinfer():
     """(workspace, version) or (None, why not)."""
     try:
@@ -182,6 +201,12 @@ def main(argv=None):
                     help="SGLang's drafter backends to time beside ours (comma list of triton, "
                          "flashinfer; empty: ours only)")
     ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
+    ap.add_argument("--splits", type=parse_ints, default=[],
+                    help="also time our kernel at these fixed prefix split counts (a sweep "
+                         "beside the served plan; rows in each point's 'sweep')")
+    ap.add_argument("--reduce-chunks", type=parse_ints, default=[],
+                    help="with --splits: the reduce kernel's splits per step to try (default: "
+                         "the served one)")
     args = ap.parse_args(argv)
     baselines = [] if args.no_baselines else [b for b in args.baselines.split(",") if b]
     unknown = sorted(set(baselines) - {"triton", "flashinfer"})
@@ -213,6 +238,7 @@ def main(argv=None):
                     iters=args.iters, shapes={k: dict(q_heads=v[0], kv_heads=v[1], head_dim=v[2])
                                               for k, v in SHAPES.items()},
                     plan_context=args.plan_context or "each point's own context",
+                    splits_swept=args.splits, reduce_chunks_swept=args.reduce_chunks,
                     timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each")
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".tmp", "w") as f:
@@ -243,6 +269,9 @@ def main(argv=None):
                                                        "speedup", "rel_diff"))
                     elif "triton" in baselines:
                         r["sglang_triton_us"] = "not available"
+                    if args.splits:
+                        r["sweep"] = sweep_splits(ta, p, args.splits, args.reduce_chunks,
+                                                  args.plan_context, args.iters, flush, out)
                     results.append(r)
                     dump(complete=False)
                     print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)

@@ -108,3 +108,29 @@ def test_time_baseline_fills_its_keys_or_records_the_error(monkeypatch):
     r = {}
     bda.time_baseline(r, broken, 3, None, ours, 10.0, ("b_us", "b_mode", "b_speed", "b_diff"))
     assert r == {"b_us": "error: RuntimeError: no kernel for this shape"}
+
+
+def test_split_sweep_times_each_split_and_chunk_and_restores_the_reduce(monkeypatch):
+    """--splits / --reduce-chunks: one row per (split count, chunk) with the launch's output
+    against the served plan's (equal within bf16 rounding: the same attention, split
+    differently), and the reduce's served chunk rule back afterwards."""
+    monkeypatch.setitem(bda.SHAPES, "tiny", (4, 1, 16))
+    ta = K.tree_attention
+    served_rule = ta._reduce_chunk
+    gen = torch.Generator().manual_seed(2)
+    p = bda.DraftPoint(K.reference, "tiny", 1, 4, 300, gen, "cpu")
+    fn, out, _ = bda.ours_fn(ta, p, validate=True)
+    fn()
+    seen = []
+
+    def fake_time(f, iters, flush):  # runs the launch once, records the chunk it ran with
+        seen.append(ta._reduce_chunk(16))
+        f()
+        return 1.0, "eager"
+
+    monkeypatch.setattr(bda, "time_graph", fake_time)
+    rows = bda.sweep_splits(ta, p, [1, 3], [1, 2], 0, 1, None, out)
+    assert [(r["splits"], r["chunk"]) for r in rows] == [(1, 1), (1, 2), (3, 1), (3, 2)]
+    assert seen == [1, 2, 1, 2]
+    assert all(r["rel_diff"] < 1e-2 for r in rows), rows
+    assert ta._reduce_chunk is served_rule
