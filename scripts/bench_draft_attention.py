@@ -164,8 +164,8 @@ def sweep_splits(ta, p, splits, chunks, max_context, iters, flush, ours_out):
     rows = []
     try:
         for s in splits:
-            for c in chunks or [served_chunk(p.d)]:
-                ta._reduce_chunk = lambda dv, c=c: c  # run() reads it per launch
+            for c in chunks or [served_chunk(p.d, s)]:
+                ta._reduce_chunk = lambda dv, splits=1, c=c: c  # run() reads it per launch
                 fn, out, _ = ours_fn(ta, p, max_context, num_kv_splits=s)
                 us, _ = time_graph(fn, iters, flush)
                 rows.append(dict(splits=s, chunk=c, us=round(us, 2),

@@ -791,7 +791,7 @@ class TreeAttention:
                 part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
                 self.num_q_heads, splits, BLOCK_S=triton.next_power_of_2(splits),
                 DV=self.v_head_dim, BLOCK_DV=triton.next_power_of_2(self.v_head_dim),
-                INTERPRET=_INTERPRET, CHUNK_S=_reduce_chunk(self.v_head_dim),
+                INTERPRET=_INTERPRET, CHUNK_S=_reduce_chunk(self.v_head_dim, splits),
                 num_warps=4 if q.is_cuda else 1,
             )
         return out

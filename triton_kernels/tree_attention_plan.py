@@ -161,12 +161,19 @@ def mha_split_count(programs: int, sms: int, num_warps: int, cap: int,
     return min(range(1, limit + 1), key=lambda s: (Fraction(_waves(programs, s, slots), s), s))
 
 
-def _reduce_chunk(v_head_dim: int) -> int:
+def _reduce_chunk(v_head_dim: int, num_splits: int = 1) -> int:
     """Splits the reduce kernel sums per step. MLA's 512-dim rows: 8 (H200, same-call A/B,
     bench_results/tree_verify_reduce_ab_h200_s19.json: batch 1 / budget 8, 52 splits, 26.4 ->
-    18.9 us at 512 keys and 30.2 -> 21.2 at 2,048, 1.16x at 32,768, equal elsewhere). Narrower
-    rows keep one split per step: the chunked tile was up to 1.5x slower there (MHA, 128 dims)."""
-    return 8 if v_head_dim > 256 else 1
+    18.9 us at 512 keys and 30.2 -> 21.2 at 2,048, 1.16x at 32,768, equal elsewhere).
+    Narrower rows: one split per step up to 32 splits (the chunked tile was up to 1.5x slower
+    there, MHA, 128 dims, session 19); beyond 32, all splits in one step (at most 64 a step),
+    the loop of one barrier per split being the launch's cost there (H200,
+    bench_results/draft_splits_h200_s25.json, the Kimi drafter's 8:1 heads, block 8 / 16:
+    64 splits at batch 1 took 41.0 / 48.5 us at 16k / 32k keys with one a step and 21.3 /
+    28.5 with all 64 in one; at 32 splits both within 2 %; at 8-16, one a step 1-7 % faster)."""
+    if v_head_dim > 256:
+        return 8
+    return 1 if num_splits <= 32 else min(64, 1 << (int(num_splits) - 1).bit_length())
 
 
 def _num_sms(device: torch.device) -> int:

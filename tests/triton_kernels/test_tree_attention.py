@@ -178,10 +178,11 @@ def test_auto_splits_mla_whole_waves_capped_by_context_and_partial_bytes():
     assert short.num_splits(1) <= 1024 // 256
 
 
-@pytest.mark.parametrize("chunk", [1, 8])
-@pytest.mark.parametrize("splits", [1, 5, 13])
+@pytest.mark.parametrize("chunk,splits", [(1, 1), (1, 5), (1, 13), (8, 1), (8, 5), (8, 13),
+                                          (64, 33), (64, 64), (64, 70)])
 def test_split_reduce_matches_torch(chunk, splits):
-    """The split reduce (one split per step, or CHUNK_S at a time as MLA launches it) against
+    """The split reduce (one split per step, or CHUNK_S at a time as MLA launches it, or all
+    of them in one step as wide MHA splits launch it) against
     the log-sum-exp merge in torch, with empty splits (-inf, partial never written: NaN) and a
     row that saw no key at all (zeros)."""
     g = torch.Generator().manual_seed(splits * 10 + chunk)
@@ -201,6 +202,9 @@ def test_split_reduce_matches_torch(chunk, splits):
     assert not out.isnan().any()
     assert torch.allclose(out.float(), ref, atol=2e-3, rtol=2e-3)
     assert TA._reduce_chunk(512) == 8 and TA._reduce_chunk(128) == 1
+    # 128-dim rows: one split a step up to 32 splits, then all of them in one step (<= 64)
+    assert [TA._reduce_chunk(128, s) for s in (1, 16, 32, 33, 64, 100)] == [1, 1, 1, 64, 64, 64]
+    assert TA._reduce_chunk(512, 64) == 8
 
 
 def test_validation_names_tensor():
