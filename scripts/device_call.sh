@@ -17,6 +17,13 @@ if ! python3 -c "import sglang, orjson" 2>/dev/null; then
        "run bash .devkit/install.sh .devkit/w1, then .devkit/w2 (carry both), then this." >&2
   exit 3
 fi
+# A call cut by its time limit leaves its servers running on a warm machine, and the next
+# call's servers then die of CUDA out-of-memory at start-up (session 25: 117 GB held by a
+# killed call's Kimi server). Nothing of an earlier call should still hold a GPU here.
+for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+  echo "device_call: killing leftover GPU process $pid ($(ps -o args= -p "$pid" | cut -c1-80))" >&2
+  kill -9 "$pid" 2>/dev/null
+done
 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . 2>&1 \
   | grep -v WARN | tail -2
 python3 -c "import sglang_ddtree.plugin as p; p.register(); assert p.is_registered()" || {
