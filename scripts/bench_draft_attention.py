@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_verify import (_import_ours, copy_bandwidth_gbps,  # noqa: E402
-                               load_sglang_extend, parse_ints, rel_diff, time_graph)
+                               load_sglang_extend, parse_ints, reduce_chunk, rel_diff,
+                               time_graph)
 
 from sglang_ddtree.doctor import DRAFT_SHAPE, MHA_SHAPE  # noqa: E402
 from sglang_ddtree.provenance import checkout_digest  # noqa: E402
@@ -158,20 +159,16 @@ def time_baseline(r, make, iters, flush, ours_out, ours_us, keys):
 
 def sweep_splits(ta, p, splits, chunks, max_context, iters, flush, ours_out):
     """Our kernel at fixed split counts x reduce chunk sizes (the reduce kernel's CHUNK_S,
-    normally ``_reduce_chunk(v_head_dim)``): a list of {splits, chunk, us, rel_diff} rows, the
-    difference against the served plan's output."""
-    served_chunk = ta._reduce_chunk
+    normally ``_reduce_chunk(v_head_dim, splits)``): a list of {splits, chunk, us, rel_diff}
+    rows, the difference against the served plan's output."""
     rows = []
-    try:
-        for s in splits:
-            for c in chunks or [served_chunk(p.d, s)]:
-                ta._reduce_chunk = lambda dv, splits=1, c=c: c  # run() reads it per launch
+    for s in splits:
+        for c in chunks or [ta._reduce_chunk(p.d, s)]:
+            with reduce_chunk(ta, c):
                 fn, out, _ = ours_fn(ta, p, max_context, num_kv_splits=s)
                 us, _ = time_graph(fn, iters, flush)
-                rows.append(dict(splits=s, chunk=c, us=round(us, 2),
-                                 rel_diff=round(rel_diff(out, ours_out), 5)))
-    finally:
-        ta._reduce_chunk = served_chunk
+            rows.append(dict(splits=s, chunk=c, us=round(us, 2),
+                             rel_diff=round(rel_diff(out, ours_out), 5)))
     return rows
 
 

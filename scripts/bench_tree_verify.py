@@ -30,6 +30,7 @@ Writes JSON (command, versions, GPU, date, results) to ``--out`` and prints a ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -175,6 +176,19 @@ class Point:
         self.kv_bytes = bs * (ctx + self.n) * tok_bytes
         # useful matmul work: every query row against every prefix key, QK^T and PV
         self.flops = 2 * bs * self.n * hq * ctx * ((128 + 128) if kind == "mha" else (576 + 512))
+
+
+@contextlib.contextmanager
+def reduce_chunk(ta, chunk):
+    """Launches inside run the split reduce with ``chunk`` splits a step (its CHUNK_S) instead of
+    the served rule, ``tree_attention_plan._reduce_chunk``, which ``ta.TreeAttention.run`` reads
+    from its module per launch; the rule is back afterwards."""
+    served = ta._reduce_chunk
+    ta._reduce_chunk = lambda v_head_dim, num_splits=1: chunk
+    try:
+        yield
+    finally:
+        ta._reduce_chunk = served
 
 
 def plan_ours(ta, mla, p, config, plan_context=0, num_kv_splits=None):
@@ -378,6 +392,11 @@ def main(argv=None):
                          "the kernel's minimum chunk and the split cap), under "
                          "'min_split_keys_us' (outputs checked against the default's; before "
                          "session 19 this moved the minimum chunk only)")
+    ap.add_argument("--reduce-chunks", type=parse_ints, default=[],
+                    help="also time every point's served plan with the split reduce summing "
+                         "this many splits a step (the reduce kernel's CHUNK_S; served: "
+                         "tree_attention_plan._reduce_chunk), under 'reduce_chunk_us' (outputs "
+                         "checked against the default's)")
     ap.add_argument("--kernels-dir", default=None,
                     help="time the kernels of another checkout's triton_kernels/ directory "
                          "(reference.py, tree_attention.py, tree_attention_mla.py, an "
@@ -481,6 +500,15 @@ def main(argv=None):
                             diff = rel_diff(o, ours)
                             r[key][v] = (round(t, 2) if diff < 2e-2 else
                                          f"wrong output: rel diff {diff:.3g}")
+                    if args.reduce_chunks:
+                        r["reduce_chunk_us"] = {}
+                    for c in args.reduce_chunks:
+                        with reduce_chunk(ta, c):
+                            t, o, _ = bench_ours(ta, mla, p, args.iters, flush, config,
+                                                 args.plan_context)
+                        diff = rel_diff(o, ours)
+                        r["reduce_chunk_us"][c] = (round(t, 2) if diff < 2e-2 else
+                                                   f"wrong output: rel diff {diff:.3g}")
                     if args.mla_prefix and kind == "mla":
                         try:
                             t, o, alone = bench_flashmla_prefix(ref, mla, p, args.iters, flush,
@@ -526,7 +554,8 @@ def _row(r):
             f"{r['kv_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:4.0f}% copy) {r['TFLOPs']:5.0f} TF/s | "
             f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}"
             + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us",
-                                                        "splits_us", "flashmla_prefix_us")
+                                                        "reduce_chunk_us", "splits_us",
+                                                        "flashmla_prefix_us")
                     if key in r))
 
 

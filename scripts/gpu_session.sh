@@ -160,7 +160,20 @@ for s in "$@"; do
                --timer-concurrency 1 --variant dnat:SGLANG_DDTREE_DRAFT_ATTENTION=native \
                --time-budget ${DRAFT_AB_TIME:-220} \
                --out "$OUT/bench_e2e_draft_triton_h200.json" ${DRAFT_AB_ARGS:-} ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab)" ;;
+    moegrid) # gate-up K splits for the decode-sized MoE bands (M 2 / 3-4 / 5-8) on routings
+             # that touch few experts (session 25: budget 7, 8-token calls on the dummy fill's 8
+             # experts, cost more than budget 8); pick with --pick-from afterwards, no GPU
+             step moe-grid ${MOE_GRID_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_GRID_MS:-2 3 4 5 6 8} --routings concentrated:8,concentrated:32,random \
+               --grid "${MOE_GRID:-32,128,2,4,0,1,1;32,128,2,4,0,1,2;32,128,2,4,0,1,4;32,128,2,4,0,1,8;32,256,2,3,0,1,2;32,256,2,3,0,1,4;32,256,2,3,0,1,7;64,256,4,3,0,1,2;64,256,4,3,0,1,4}" \
+               --out "$OUT/fused_moe_small_grid_h200.json" ;;
+    mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
+             # session 25 found for 128-dim rows; planned for a long-context server
+             step mla-reduce ${MLA_REDUCE_LIMIT:-240} python3 scripts/bench_tree_verify.py \
+               --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
+               --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
+               --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab moegrid mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -54,3 +54,20 @@ def test_kernels_dir_imports_another_checkouts_kernels(bench, tmp_path):
     assert ta.VARIANT_MARK == 7 and ta.__file__.startswith(str(tmp_path))
     assert mla.TreeAttentionMLA.__mro__[1] is ta.TreeAttention  # its own base, not ours
     assert hasattr(ref, "tree_attention_reference")
+
+
+def test_reduce_chunk_overrides_the_served_rule_and_restores_it(bench):
+    """--reduce-chunks: inside ``reduce_chunk`` a launch's reduce sums ``chunk`` splits a step
+    whatever its width and split count; the served rule is back afterwards, also after an
+    error inside."""
+    from tests.triton_kernels import load_kernels
+
+    ta = load_kernels(interpret=True).tree_attention
+    served = ta._reduce_chunk
+    with bench.reduce_chunk(ta, 64):
+        assert ta._reduce_chunk(512, 3) == 64 and ta._reduce_chunk(128) == 64
+    assert ta._reduce_chunk is served and ta._reduce_chunk(512, 64) == 8
+    with pytest.raises(RuntimeError):
+        with bench.reduce_chunk(ta, 16):
+            raise RuntimeError("boom")
+    assert ta._reduce_chunk is served
