@@ -23,7 +23,9 @@ Columns: ``ours_us``, ``sglang_triton_us`` (``not available`` without SGLang's k
 ``speedup`` = sglang / ours, ``rel_diff`` (max |sglang - ours| / max |ours|, same inputs),
 ``flashinfer_us``, ``speedup_vs_flashinfer``, ``rel_diff_flashinfer`` likewise,
 ``kv_GBps`` / ``frac_copy_bw`` (prefix + block K/V bytes over our time, against the measured
-copy bandwidth). Writes JSON (command, versions, GPU, date, results) to ``--out``.
+copy bandwidth); with ``--splits`` (and ``--reduce-chunks``) ``sweep``: our kernel at those fixed
+split counts (x the reduce's splits per step), each row's time and difference from the served
+plan's output. Writes JSON (command, versions, GPU, date, results) to ``--out``.
 """
 from __future__ import annotations
 
