@@ -166,14 +166,20 @@ def _reduce_chunk(v_head_dim: int, num_splits: int = 1) -> int:
     bench_results/tree_verify_reduce_ab_h200_s19.json: batch 1 / budget 8, 52 splits, 26.4 ->
     18.9 us at 512 keys and 30.2 -> 21.2 at 2,048, 1.16x at 32,768, equal elsewhere).
     Narrower rows: one split per step up to 32 splits (the chunked tile was up to 1.5x slower
-    there, MHA, 128 dims, session 19); beyond 32, all splits in one step (at most 64 a step),
-    the loop of one barrier per split being the launch's cost there (H200,
-    bench_results/draft_splits_h200_s25.json, the Kimi drafter's 8:1 heads, block 8 / 16:
-    64 splits at batch 1 took 41.0 / 48.5 us at 16k / 32k keys with one a step and 21.3 /
-    28.5 with all 64 in one; at 32 splits both within 2 %; at 8-16, one a step 1-7 % faster)."""
+    there, MHA, 128 dims, session 19); beyond 32, all splits in one step, at most 64 and at
+    most 8,192 fp32 values a step (a [64, 128] tile: 64 registers a thread at 4 warps). On the
+    H200 (bench_results/draft_splits_h200_s25.json, the Kimi drafter's 8:1 heads, 128 dims,
+    batch 1, block 8 / 16, 64 splits) one step of all 64 took 21.3 / 28.2-28.5 us at 16k / 32k
+    keys against 40.7-41.1 / 47.9-48.3 one split a step; at 32 splits the two within 2 %; at
+    8-16 splits one a step was 1-7 % faster. With the rule (draft_rule_h200_s25.json), 33-split
+    launches (the Kimi shape at batch 8, Qwen3-8B's 32:8 at batch 1) took 14-21 % less at 16k
+    and 32k keys."""
     if v_head_dim > 256:
         return 8
-    return 1 if num_splits <= 32 else min(64, 1 << (int(num_splits) - 1).bit_length())
+    if num_splits <= 32:
+        return 1
+    width = 1 << (int(v_head_dim) - 1).bit_length()
+    return min(64, 1 << (int(num_splits) - 1).bit_length(), max(1, 8192 // width))
 
 
 def _num_sms(device: torch.device) -> int:

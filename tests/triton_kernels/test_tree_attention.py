@@ -205,6 +205,8 @@ def test_split_reduce_matches_torch(chunk, splits):
     # 128-dim rows: one split a step up to 32 splits, then all of them in one step (<= 64)
     assert [TA._reduce_chunk(128, s) for s in (1, 16, 32, 33, 64, 100)] == [1, 1, 1, 64, 64, 64]
     assert TA._reduce_chunk(512, 64) == 8
+    # at most 8,192 fp32 values a step: 256-dim rows sum 32 splits a step
+    assert TA._reduce_chunk(256, 64) == 32 and TA._reduce_chunk(64, 40) == 64
 
 
 def test_validation_names_tensor():
