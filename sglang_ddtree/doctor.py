@@ -44,10 +44,20 @@ class CaseResult:
     extra: dict = field(default_factory=dict)
 
 
+# the context a doctor plans its kernels for unless told: a long-context server's (the split
+# counts of a short plan, at most max_context / 256, leave the served 33- and 64-split launches
+# and their one-step reduce unchecked)
+DEFAULT_PLAN_CONTEXT = 131072
+
+
 def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: int,
-                trials: int, seed: int, device: str = "cuda") -> CaseResult:
+                trials: int, seed: int, device: str = "cuda",
+                plan_context: int = 0) -> CaseResult:
     """One case. ``device="cpu"`` (tests, Triton's interpreter) runs the same steps with the
-    graph's capture and replay standing in as plain calls on the same static buffers."""
+    graph's capture and replay standing in as plain calls on the same static buffers. The
+    kernel is planned for max(plan_context, max_context) tokens, as a server plans it for its
+    context length (the split count, the reduce and the partial buffers follow from it), and
+    replayed on prefixes of at most max_context."""
     import torch
 
     from sglang_ddtree.triton_kernels import reference as ref_mod
@@ -71,7 +81,7 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         dq, dv = MLA_SHAPE["kv_lora_rank"] + MLA_SHAPE["rope_dim"], MLA_SHAPE["kv_lora_rank"]
         sm_scale = 192 ** -0.5
         attn = TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=hq,
-                                     max_context_len=max_context, device=dev,
+                                     max_context_len=max(plan_context, max_context), device=dev,
                                      sm_scale=sm_scale, kv_lora_rank=dv,
                                      rope_dim=MLA_SHAPE["rope_dim"])
     else:
@@ -79,8 +89,9 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         hq, hkv, dq = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
         dv, sm_scale = dq, dq ** -0.5
         attn = TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
-                                  num_kv_heads=hkv, head_dim=dq, max_context_len=max_context,
-                                  device=dev, ordered_mask=not draft)
+                                  num_kv_heads=hkv, head_dim=dq,
+                                  max_context_len=max(plan_context, max_context), device=dev,
+                                  ordered_mask=not draft)
     res.num_splits = 1 if flashmla else attn.num_splits(bs)  # FlashMLA: our kernel, tree keys
     if flashmla:
         res.extra["page_size"] = page_size
@@ -200,7 +211,8 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
                      batch_sizes: Sequence[int] = (1, 2, 8, 32),
                      kernels: Optional[Sequence[str]] = None,
                      max_context: int = 2048, page_size: int = 16, trials: int = 2,
-                     out: Optional[str] = None, verbose: bool = True) -> list:
+                     out: Optional[str] = None, verbose: bool = True,
+                     plan_context: int = DEFAULT_PLAN_CONTEXT) -> list:
     """Capture and replay tree-verify attention graphs for every case; print a table.
 
     Parameters
@@ -215,7 +227,11 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
         128, an all-ones block mask; its rows read each budget as the block size). Default:
         :func:`default_kernels`.
     max_context : int
-        Context the buffers are planned for; replays draw prefix lengths in 1..max_context.
+        Replays draw prefix lengths in 1..max_context.
+    plan_context : int
+        Context the kernels are planned for (at least max_context): a server plans for its
+        context length, which sets the split count, most splits then empty on short prefixes.
+        Default 131,072; pass your ``--context-length`` to check exactly what you serve.
     trials : int
         Fresh-input replays per captured graph.
     out : str, optional
@@ -238,7 +254,7 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
                 t0 = time.perf_counter()
                 try:
                     r = _check_case(kernel, budget, bs, max_context, page_size, trials,
-                                    seed=budget * 1000 + bs)
+                                    seed=budget * 1000 + bs, plan_context=plan_context)
                 except Exception as exc:  # reported per case, never swallowed silently
                     r = CaseResult(kernel, budget, bs, "error",
                                    detail=f"{type(exc).__name__}: {exc}"[:300])
@@ -251,6 +267,7 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
     if out:
         _write_json(out, results, dict(budgets=list(budgets), batch_sizes=list(batch_sizes),
                                        kernels=list(kernels), max_context=max_context,
+                                       plan_context=max(plan_context, max_context),
                                        page_size=page_size, trials=trials))
     return results
 
@@ -309,7 +326,11 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kernels", type=lambda s: s.split(","), default=None,
                    help="mha,mla,mla_fp8,draft[,mla_flashmla] (default: these, mla_flashmla "
                         "where FlashMLA runs; draft rows read the budgets as block sizes)")
-    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="longest prefix the replays draw")
+    p.add_argument("--plan-context", type=int, default=DEFAULT_PLAN_CONTEXT,
+                   help="context the kernels are planned for, as a server plans them for its "
+                        "--context-length (sets the split counts); default %(default)s")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--trials", type=int, default=2)
     p.set_defaults(func=run_doctor_cli)
@@ -322,7 +343,8 @@ def run_doctor_cli(args: argparse.Namespace) -> int:
         print("nothing to check: pass --graphs")
         return 2
     results = run_graph_doctor(args.budgets, args.batch_sizes, args.kernels, args.max_context,
-                               args.page_size, args.trials, out=args.out)
+                               args.page_size, args.trials, out=args.out,
+                               plan_context=args.plan_context)
     return 0 if results and all(r.status == "pass" for r in results) else 1
 
 

@@ -92,3 +92,17 @@ def test_draft_case_at_the_kimi_drafters_shape_takes_the_split_path(interpret):
                            device="cpu")
     assert r.status == "pass", r
     assert r.num_splits > 1
+
+
+def test_plan_context_sets_the_split_count_as_a_server_plans_it(interpret, monkeypatch):
+    """Planned for a long context (a server's --context-length), a short replay still takes the
+    split path a server launches (most splits empty) and passes; planned for max_context only,
+    40 keys allow one split."""
+    monkeypatch.setitem(doctor.DRAFT_SHAPE, "num_q_heads", 4)
+    monkeypatch.setitem(doctor.DRAFT_SHAPE, "head_dim", 16)
+    short = doctor._check_case("draft", 6, 2, max_context=40, page_size=4, trials=1, seed=1,
+                               device="cpu")
+    served = doctor._check_case("draft", 6, 2, max_context=40, page_size=4, trials=1, seed=1,
+                                device="cpu", plan_context=doctor.DEFAULT_PLAN_CONTEXT)
+    assert short.num_splits == 1 and served.num_splits > 1, (short, served)
+    assert short.status == served.status == "pass", (short, served)
