@@ -5,7 +5,9 @@
 # Short contexts run unsplit; the 2,000-key cases take the split-K path and its reduce kernel
 # (MHA's per-split reduce, MLA's chunked one), which the script requires. Where FlashMLA runs,
 # two cases with the prefix on it (SGLANG_DDTREE_MLA_PREFIX=flashmla) are added. Two drafter
-# block cases (GQA 8:1, all-ones mask: SGLANG_DDTREE_DRAFT_ATTENTION=triton) run too.
+# block cases (GQA 8:1, all-ones mask: SGLANG_DDTREE_DRAFT_ATTENTION=triton) run too, and two
+# cases planned for 131,072 tokens as a long-context server plans them: more than 32 splits,
+# whose reduce sums all splits in one step (session 25); the script requires one.
 # Exit status 0 = clean and within tolerance.
 # Usage: bash scripts/memcheck_tree_verify.sh   (PYTHON, COMPUTE_SANITIZER override the tools)
 set -euo pipefail
@@ -21,22 +23,30 @@ import sys
 from sglang_ddtree.doctor import _check_case, default_kernels
 bad = 0
 split = set()
-# (kernel, budget, batch, max context): budget+1 not a power of two, a 1-token prefix in each
+# (kernel, budget, batch, max context[, planned context]): budget+1 not a power of two, a
+# 1-token prefix in each
 cases = [("mha", 32, 3, 300), ("mla", 16, 3, 300), ("mla_fp8", 8, 2, 200),
          ("mha", 8, 1, 2000), ("mla", 32, 1, 2000), ("mla_fp8", 8, 2, 2000),
          # the drafter's block (SGLANG_DDTREE_DRAFT_ATTENTION=triton; budget = block size)
-         ("draft", 8, 2, 300), ("draft", 16, 1, 2000)]
+         ("draft", 8, 2, 300), ("draft", 16, 1, 2000),
+         # planned for a long-context server: > 32 splits, the one-step reduce
+         ("mha", 8, 1, 2000, 131072), ("draft", 16, 1, 2000, 131072)]
 if "mla_flashmla" in default_kernels():  # the prefix on FlashMLA (Hopper), pages of 64
     cases += [("mla_flashmla", 16, 3, 300), ("mla_flashmla", 32, 2, 2000)]
-for kernel, budget, bs, ctx in cases:
-    r = _check_case(kernel, budget, bs, ctx, 16, 2, seed=budget)
-    print(kernel, budget, bs, ctx, "splits", r.num_splits, r.status, r.rel_err_vs_reference,
-          r.detail)
+wide = 0
+for kernel, budget, bs, ctx, *plan in cases:
+    r = _check_case(kernel, budget, bs, ctx, 16, 2, seed=budget, plan_context=sum(plan))
+    print(kernel, budget, bs, ctx, "planned", max(ctx, sum(plan)), "splits", r.num_splits,
+          r.status, r.rel_err_vs_reference, r.detail)
     bad += r.status != "pass"
     if r.num_splits > 1 and kernel != "mla_flashmla":
         split.add(kernel[:3])
+    wide += kernel in ("mha", "draft") and r.num_splits > 32
 if {"mha", "mla"} - split:
     print("split-K path not covered for", {"mha", "mla"} - split)
+    bad += 1
+if not wide:
+    print("no launch of more than 32 splits (the one-step reduce) ran")
     bad += 1
 sys.exit(1 if bad else 0)
 PYEOF
