@@ -358,6 +358,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid) -> dict:
     """
     routings = args.routings.split(",")
     out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+           "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
            "source_digest": checkout_digest(__file__),
@@ -385,7 +386,8 @@ def gate_up_grid(args, layers, make_inputs, dev, grid) -> dict:
                    "table": dataclasses.asdict(table), "table_us": timed(table)["us"],
                    "candidates": {}}
             for c in grid:
-                cfg = mw.MoeConfig(table.block_m, mw.GemmConfig(*c), table.down)
+                cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
+                                   table.down, half_m=int(args.grid_half_m))
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             best = sorted((v["us"], k) for k, v in row["candidates"].items() if v["us"])[:3]
@@ -582,6 +584,11 @@ def main(argv=None) -> int:
                          "num_warps,num_stages[,n_per_cta,split_dq,split_k]; block_m and the "
                          "down config stay the table's for that M), outputs checked against "
                          "the table's; with a per-band summary against the table; JSON to --out")
+    ap.add_argument("--grid-block-m", type=int, default=0,
+                    help="--grid only: run the candidates with this block_m (0: the table's)")
+    ap.add_argument("--grid-half-m", action="store_true",
+                    help="--grid only: run the candidates with MoeConfig.half_m (blocks whose "
+                         "second half is padding as half-width tiles; block_m >= 32)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", default=None, metavar="GRID_JSON",
@@ -615,6 +622,10 @@ def main(argv=None) -> int:
     if args.pick_from:
         with open(args.pick_from) as f:
             grid_run = json.load(f)
+        if grid_run.get("grid_block_m") or grid_run.get("grid_half_m"):
+            ap.error("--pick-from: this grid ran its candidates with another block_m / half_m "
+                     "than the table's; a pick writes gate-up configs only, so it cannot carry "
+                     "them: change the table's band by hand")
         picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
         for band, p in picks.items():
             print(f"band <= {band}: gate-up {p['gate_up']} (worst vs table: random "

@@ -167,13 +167,22 @@ for s in "$@"; do
                --ms ${MOE_GRID_MS:-2 3 4 5 6 8} --routings concentrated:8,concentrated:32,random \
                --grid "${MOE_GRID:-32,128,2,4,0,1,1;32,128,2,4,0,1,2;32,128,2,4,0,1,4;32,128,2,4,0,1,8;32,256,2,3,0,1,2;32,256,2,3,0,1,4;32,256,2,3,0,1,7;64,256,4,3,0,1,2;64,256,4,3,0,1,4}" \
                --out "$OUT/fused_moe_small_grid_h200.json" ;;
+    moehalf) # MoeConfig.half_m: 32-row blocks run as 16-row tiles while their second half is
+             # padding, so an expert with 17-32 rows of a call dequantizes each weight tile once
+             # (a tree's tokens that share experts; the dummy fill's 8 experts), against the
+             # table's 16-row blocks, at the M 9-64 bands' gate-up configs
+             step moe-half ${MOE_HALF_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_HALF_MS:-9 16 17 24 32 33 48 64} \
+               --routings concentrated:8,concentrated:32,random --grid-block-m 32 --grid-half-m \
+               --grid "${MOE_HALF_GRID:-32,256,2,3,0,1,4;64,256,4,3,0,1,2;64,256,4,3,0,1,1;64,256,4,3,0,1,4}" \
+               --out "$OUT/fused_moe_half_m_grid_h200.json" ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server
              step mla-reduce ${MLA_REDUCE_LIMIT:-240} python3 scripts/bench_tree_verify.py \
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab moegrid mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab moegrid moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

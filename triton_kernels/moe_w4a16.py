@@ -17,6 +17,13 @@ weights once per step, dequantizes them in registers and fuses the rest around t
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
+With ``MoeConfig.half_m`` both GEMMs run a ``BLOCK_M``-row block whose second half is padding as
+a ``BLOCK_M / 2``-row tile (one kernel holds both widths; a block's real rows precede its
+padding, so one id tells which): experts with more than ``BLOCK_M / 2`` rows in a call then
+dequantize each weight tile once for all of them, as a tree's tokens that share experts need,
+while a call that spreads over many experts keeps half-width tiles. Off in the shipped table
+(not yet timed on a GPU).
+
 Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
 ``w13_scale [E, H // 32, 2 I] bf16``, ``w2_packed [E, I // 8, H] int32``, ``w2_scale [E, I // 32, H]``.
@@ -235,9 +242,24 @@ _DEQUANT_PTX_HI = tl.constexpr(_dequant_ptx(2, 2))
 def _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
     """Padded positions of expert block ``pid_m``, the pair ids there, and which are real
     (padding slots hold the sentinel ``T``)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return _rows_at(sorted_ids_ptr, pid_m * BLOCK_M, T, BLOCK_M)
+
+
+@triton.jit
+def _rows_at(sorted_ids_ptr, row0, T, BM: tl.constexpr):
+    """Padded positions ``row0 .. row0 + BM - 1``, the pair ids there, and which are real."""
+    offs_m = row0 + tl.arange(0, BM)
     rows = tl.load(sorted_ids_ptr + offs_m)
     return offs_m, rows, rows < T
+
+
+@triton.jit
+def _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
+    """Whether block ``pid_m`` has a real row in its second half. An expert's real rows come
+    before its padding (moe_align), so this is its row BLOCK_M / 2 being real: with HALF_M a
+    block whose second half is padding runs as a BLOCK_M / 2-row tile (the MMA half as wide),
+    one with more rows as a BLOCK_M-row tile (each weight tile dequantized once for all)."""
+    return tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < T
 
 
 @triton.jit
@@ -369,11 +391,9 @@ def _gate_up_kernel(
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
     SPLIT_DQ: tl.constexpr = False,  # dequantize nibbles 0-3, then 4-7 (fewer live registers)
     SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
+    HALF_M: tl.constexpr = False,  # a block with no real row in its second half: BLOCK_M / 2 rows
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
-    KP: tl.constexpr = BLOCK_K // _PACK
-    N2: tl.constexpr = 2 * I
-    K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
     pid_mn = pid // SPLIT_K
@@ -382,7 +402,34 @@ def _gate_up_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    if HALF_M:
+        if _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M):
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+        else:
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+    else:
+        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded, e,
+                      row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
+                      PORTABLE, SPLIT_DQ, SPLIT_K)
+
+
+@triton.jit
+def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded, e, row0,
+                  pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
+                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
+    ``pid_n``'s, K range ``pid_k``'s."""
+    KP: tl.constexpr = BLOCK_K // _PACK
+    N2: tl.constexpr = 2 * I
+    K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
+    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
@@ -393,10 +440,10 @@ def _gate_up_kernel(
               + offs_n[:, None])
     s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
               + offs_n[:, None])
-    x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BLOCK_M], plane 0
+    x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
     x_mask = row_ok[None, :]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     for _ in range(0, K_STEPS):
         acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
                              tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
@@ -409,11 +456,11 @@ def _gate_up_kernel(
                   + offs_n[:, None])
         tl.store(p_ptrs, acc_g, mask=x_mask)
         tl.store(p_ptrs + I, acc_u, mask=x_mask)
-        return
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-    h_cols = _plane_major_cols(offs_n, DOWN_BLOCK_K)
-    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + h_cols[:, None]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+        h_cols = _plane_major_cols(offs_n, DOWN_BLOCK_K)
+        h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + h_cols[:, None]
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -469,23 +516,43 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
+    HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
 ):
     NUM_N: tl.constexpr = N // BLOCK_N
-    KP: tl.constexpr = BLOCK_K // _PACK
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    if HALF_M:
+        if _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M):
+            _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                       pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE)
+        else:
+            _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                       pid_n, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, PORTABLE)
+    else:
+        _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_n,
+                   N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE)
+
+
+@triton.jit
+def _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_n,
+               N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr):
+    """The down tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), columns
+    ``pid_n``'s, times the routing weights, into y by pair id."""
+    KP: tl.constexpr = BLOCK_K // _PACK
+    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
     w_ptrs = w_ptr + e64 * (I // _PACK * N) + offs_r[None, :] * N + offs_n[:, None]
     s_ptrs = s_ptr + e64 * (I // _GROUP * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
     h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     for _ in range(0, I // BLOCK_K):
         w = tl.load(w_ptrs)
         acc, unused = _mma8(acc, acc, w, tl.load(s_ptrs), w, w, h_ptrs, row_ok[None, :], KP,
@@ -515,6 +582,7 @@ def _down_loop_kernel(
     BLOCK_N: tl.constexpr,
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
+    HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -525,16 +593,34 @@ def _down_loop_kernel(
     whose weight loads the compiler pipelines (``num_stages``), one long stream per program.
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
-    KP: tl.constexpr = I // _PACK
     pid = tl.program_id(0)
     pid_m = pid // NUM_S
     pid_s = pid % NUM_S
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    if HALF_M:
+        if _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M):
+            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                            pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+        else:
+            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                            pid_s, N, I, BLOCK_M // 2, BLOCK_N, N_PER_CTA, PORTABLE)
+    else:
+        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                        pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+
+
+@triton.jit
+def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
+                    N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr):
+    """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``)."""
+    KP: tl.constexpr = I // _PACK
+    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     offs_r = tl.arange(0, KP)
-    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]  # [KP, BLOCK_M], plane 0
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]  # [KP, BM], plane 0
     a_mask = row_ok[None, :]
     a0 = tl.load(h_ptrs + 0 * KP, mask=a_mask, other=0.0)
     a1 = tl.load(h_ptrs + 1 * KP, mask=a_mask, other=0.0)
@@ -552,7 +638,7 @@ def _down_loop_kernel(
     y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]
     for _ in range(N_PER_CTA // BLOCK_N):
         p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs), tl.load(s_ptrs), PORTABLE)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
         acc = _dot(p0, a0, acc, PORTABLE)
         acc = _dot(p1, a1, acc, PORTABLE)
         acc = _dot(p2, a2, acc, PORTABLE)
@@ -622,6 +708,11 @@ class MoeConfig:
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
+    # 1: both GEMMs run a block whose second half holds no real row as a block_m / 2-row tile
+    # (block_m >= 32). Experts with more than block_m / 2 rows then dequantize each weight tile
+    # once for up to block_m rows, the rest pay for half-width tiles only (not yet timed on a
+    # GPU: scripts/bench_fused_moe.py --grid-block-m 32 --grid-half-m).
+    half_m: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -637,7 +728,7 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
     for band in raw["bands"]:
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
-            down=GemmConfig(**band["down"]))))
+            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -758,6 +849,7 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
+            or (cfg.half_m and (bm < 32 or bm % 32))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
@@ -778,7 +870,8 @@ def fused_moe_w4a16(
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part, t, max_padded, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
-        SPLIT_K=gu.split_k, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), num_warps=gu.num_warps,
+        num_stages=gu.num_stages)
     if gu.split_k > 1:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
@@ -790,12 +883,12 @@ def fused_moe_w4a16(
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
+            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
+            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     block_c = min(1024, triton.next_power_of_2(hidden))

@@ -122,6 +122,29 @@ def test_all_tokens_one_expert_set(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
+@pytest.mark.parametrize("m", [9, 17, 40])
+def test_half_m_blocks_on_shared_experts(K, w, m):
+    """MoeConfig.half_m at Kimi shapes (block_m 32, the M 9-64 bands' gate-up tiles with and
+    without split-K, both down kernels): every token on the same 8 experts (9 / 17 / 40 rows
+    each: half tiles, full tiles, full then half) and random routing, against the reference."""
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    same = torch.tensor([[5, 0, 383, 17, 200, 9, 64, 1]], device="cuda", dtype=torch.int32)
+    tw_r, ti_r, _ = routing(m, seed=70 + m)
+    cases = [(torch.rand(m, TOPK, device="cuda"), same.repeat(m, 1).contiguous()), (tw_r, ti_r)]
+    bad = []
+    for gu in [(32, 256, 2, 3, 0, 1, 4), (64, 256, 4, 3, 0, 1, 2), (64, 256, 4, 3, 0, 1, 1)]:
+        for dn in [(64, 256, 4, 3, 512), (64, 256, 4, 3)]:
+            cfg = K.moe.MoeConfig(32, K.moe.GemmConfig(*gu), K.moe.GemmConfig(*dn), half_m=1)
+            for tw, ti in cases:
+                out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+                K.moe.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                      w["w2_scale"], tw, ti, out=out, config=cfg)
+                rel, mx = errors(out, reference(K, w, x, tw, ti))
+                if out.isnan().any() or not (rel <= REL_FRO and mx <= REL_MAX):
+                    bad.append((gu, dn, rel, mx))
+    assert not bad, bad
+
+
 def test_padding_ids(K, w):
     # CUDA-graph padding tokens carry topk id -1 in SGLang: they must contribute nothing.
     m = 40

@@ -195,3 +195,23 @@ def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     again = json.loads(copy.read_text())
     assert again["bands"] == table["bands"]
     assert again["tuned"][-1] == {"command": "test", "max_m": [16, 32, 64]}
+
+
+def test_grid_with_half_m_blocks_and_pick_refuses_it(bench, tmp_path):
+    """--grid-block-m 32 --grid-half-m: every candidate runs as 32-row blocks with half-width
+    tiles where a block's second half is padding, the outputs equal the table's within the
+    tolerance, the JSON says so, and --pick-from refuses to write its gate-up picks into the
+    table (which would drop the block size they were timed with)."""
+    out = tmp_path / "grid_half.json"
+    assert bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", "--grid-block-m", "32",
+                              "--grid-half-m", "--routings", "concentrated:2,random",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["grid_block_m"] == 32 and result["grid_half_m"] == 1
+    for r in result["rows"]:
+        c = r["candidates"]["64,128,4,1"]
+        assert math.isfinite(c["us"]) and c["rel_diff_vs_table"] < 2e-2, c
+    table = tmp_path / "table.json"
+    table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    with pytest.raises(SystemExit):
+        bench.main(["--pick-from", str(out), "--tune-out", str(table)])

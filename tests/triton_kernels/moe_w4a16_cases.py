@@ -33,6 +33,14 @@ CFG_SPLITK = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
 CFG_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 128))
 # One-warp 16-column gate-up tiles with the split dequant (the tuner's n16* candidates): 16 N tiles.
 CFG_N16 = MOE.MoeConfig(16, MOE.GemmConfig(16, 128, 1, 1, 0, 1), MOE.GemmConfig(64, 128, 4, 1))
+# 32-row blocks that run as 16-row tiles while their second half is padding (HALF_M), with
+# the per-tile down kernel, the looped one, and split-K gate-up.
+CFG_HALF = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                         half_m=1)
+CFG_HALF_LOOP = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1),
+                              MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1)
+CFG_HALF_SPLITK = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
+                                MOE.GemmConfig(64, 128, 4, 1), half_m=1)
 
 
 @pytest.fixture(autouse=True)
@@ -304,3 +312,35 @@ def test_sixteen_column_gate_up_tiles(experts):
     tw, ti = random_routing(9, 9, 3, seed=77)
     check(*run(experts[9], x, tw, ti, scale=1.5, cfg=CFG_N16))
 
+
+
+@pytest.mark.parametrize("cfg", [CFG_HALF, CFG_HALF_LOOP, CFG_HALF_SPLITK],
+                         ids=["down", "down_loop", "split_k"])
+def test_half_m_blocks_match_reference(experts, cfg):
+    """HALF_M: experts with 1-16 rows (half tiles), 17-32 (one full tile) and 40 (a full tile,
+    then a half one): every row written once, outputs within tolerance of the reference and of
+    the same 32-row blocks run full width."""
+    m = 40
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(41)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=42)
+    ti[:, 0] = 5  # expert 5: all 40 tokens, blocks of 32 + 8 rows
+    ti[:, 1] = torch.where(torch.arange(m) < 20, 7, 8)  # experts 7 and 8: 20 rows, second half live
+    ti[:, 2] = torch.tensor([0, 1, 2, 3, 4, 6])[torch.arange(m) % 6]  # 6-7 rows each: half tiles
+    ti[-1, 2] = -1  # a dropped slot
+    counts = torch.bincount(ti[ti >= 0].long(), minlength=9)
+    assert counts[5] == 40 and counts[7] == counts[8] == 20 and counts[0] == 7, counts
+    out, ref = run(experts[9], x, tw, ti, scale=1.3, cfg=cfg)
+    check(out, ref)
+    full = MOE.MoeConfig(32, cfg.gate_up, cfg.down)
+    wide, _ = run(experts[9], x, tw, ti, scale=1.3, cfg=full)
+    assert (out.float() - wide.float()).abs().max() <= 2e-2 * wide.float().abs().max()
+
+
+def test_half_m_needs_blocks_of_32():
+    w = REF.make_random_moe(4, H, I, seed=1)
+    x = torch.randn(3, H).bfloat16()
+    tw, ti = random_routing(3, 4, 2, seed=1)
+    bad = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                        half_m=1)
+    with pytest.raises(ValueError, match="does not tile"):
+        run(w, x, tw, ti, cfg=bad)

@@ -52,23 +52,24 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k]) as in GemmConfig."""
+    split_dq, split_k]) as in GemmConfig; ``half_m`` as MoeConfig's."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k = (tuple(tiles) + (0, 0, 1)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32",
                "max_padded": "i32"}
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
-                     PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k)
+                     PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
-        const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False)
+        const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
+                     HALF_M=half_m)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
-    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False)
+    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
 
 
@@ -87,8 +88,8 @@ def _shipped():
 
 
 @pytest.mark.parametrize("kind,bm,tiles", _shipped(), ids=str)
-def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path):
-    kern = _gemm(MOE, kind, bm, tiles)
+def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False):
+    kern = _gemm(MOE, kind, bm, tiles, half_m)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -125,6 +126,17 @@ def test_prologue_and_combine_compile(MOE):
                                    (32, 128, 2, 4, 0, 1, 4)], ids=str)
 def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
+
+
+@pytest.mark.parametrize("kind,tiles", [("gate_up", (32, 256, 2, 3, 0, 1, 4)),
+                                        ("gate_up", (64, 256, 4, 3, 0, 1, 2)),
+                                        ("gate_up", (32, 128, 2, 4, 0, 1, 1)),
+                                        ("down", (64, 256, 4, 3, 512)),
+                                        ("down", (32, 256, 2, 3, 512))], ids=str)
+def test_half_m_variants_compile_without_spills(MOE, kind, tiles, tmp_path):
+    """32-row blocks with HALF_M (both tile widths in one kernel): in-register dequant kept,
+    no spills, within shared memory, for the M 5-64 bands' gate-up and down tiles."""
+    test_compiles_for_sm90(MOE, kind, 32, tiles, tmp_path, half_m=True)
 
 
 def test_rerun_in_clean_process():
