@@ -400,11 +400,13 @@ def _gate_up_kernel(
     pid_m = pid_mn // NUM_N
     pid_n = pid_mn % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
+    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
+        full = _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
     if HALF_M:
-        if _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M):
+        if full:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
@@ -523,11 +525,13 @@ def _down_kernel(
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
+    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
+        full = _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
     if HALF_M:
-        if _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M):
+        if full:
             _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                        pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE)
         else:
@@ -597,11 +601,13 @@ def _down_loop_kernel(
     pid_m = pid // NUM_S
     pid_s = pid % NUM_S
     e = tl.load(block_expert_ptr + pid_m)
+    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
+        full = _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
     if HALF_M:
-        if _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M):
+        if full:
             _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
         else:
