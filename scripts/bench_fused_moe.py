@@ -587,8 +587,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid-block-m", type=int, default=0,
                     help="--grid only: run the candidates with this block_m (0: the table's)")
     ap.add_argument("--grid-half-m", action="store_true",
-                    help="--grid only: run the candidates with MoeConfig.half_m (blocks whose "
-                         "second half is padding as half-width tiles; block_m >= 32)")
+                    help="--grid only: run the candidates with MoeConfig.half_m (blocks "
+                         "narrowed to the fewest rows holding their real ones, down to 16; "
+                         "block_m 32 or 64)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", default=None, metavar="GRID_JSON",

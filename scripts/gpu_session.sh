@@ -171,11 +171,14 @@ for s in "$@"; do
              # padding, so an expert with 17-32 rows of a call dequantizes each weight tile once
              # (a tree's tokens that share experts; the dummy fill's 8 experts), against the
              # table's 16-row blocks, at the M 9-64 bands' gate-up configs
-             step moe-half ${MOE_HALF_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOE_HALF_MS:-9 16 17 24 32 33 48 64} \
-               --routings concentrated:8,concentrated:32,random --grid-block-m 32 --grid-half-m \
-               --grid "${MOE_HALF_GRID:-32,256,2,3,0,1,4;64,256,4,3,0,1,2;64,256,4,3,0,1,1;64,256,4,3,0,1,4}" \
-               --out "$OUT/fused_moe_half_m_grid_h200.json" ;;
+             # (block_m 64: 4-warp gate-up tiles only; 2 warps at 32 x 256 spill there)
+             for bm in ${MOE_HALF_BLOCK_M:-32 64}; do
+               step moe-half-$bm ${MOE_HALF_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --ms ${MOE_HALF_MS:-9 16 17 24 32 33 48 64} \
+                 --routings concentrated:8,concentrated:32,random --grid-block-m $bm --grid-half-m \
+                 --grid "${MOE_HALF_GRID:-32,256,4,3,0,1,4;64,256,4,3,0,1,2;64,256,4,3,0,1,1;64,256,4,3,0,1,4}" \
+                 --out "$OUT/fused_moe_half_m${bm}_grid_h200.json"
+             done ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server
              step mla-reduce ${MLA_REDUCE_LIMIT:-240} python3 scripts/bench_tree_verify.py \

@@ -17,12 +17,12 @@ weights once per step, dequantizes them in registers and fuses the rest around t
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
-With ``MoeConfig.half_m`` both GEMMs run a ``BLOCK_M``-row block whose second half is padding as
-a ``BLOCK_M / 2``-row tile (one kernel holds both widths; a block's real rows precede its
-padding, so one id tells which): experts with more than ``BLOCK_M / 2`` rows in a call then
-dequantize each weight tile once for all of them, as a tree's tokens that share experts need,
-while a call that spreads over many experts keeps half-width tiles. Off in the shipped table
-(not yet timed on a GPU).
+With ``MoeConfig.half_m`` both GEMMs narrow a ``BLOCK_M``-row block (32 or 64) to the fewest
+rows that hold its real rows, down to 16 (one kernel holds every width; a block's real rows
+precede its padding, so one or two ids tell which): an expert with up to ``BLOCK_M`` rows in a
+call then dequantizes each weight tile once for all of them, as a tree's tokens that share
+experts need, while a call that spreads over many experts keeps 16-row tiles. Off in the
+shipped table (not yet timed on a GPU).
 
 Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
@@ -254,12 +254,18 @@ def _rows_at(sorted_ids_ptr, row0, T, BM: tl.constexpr):
 
 
 @triton.jit
-def _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
-    """Whether block ``pid_m`` has a real row in its second half. An expert's real rows come
-    before its padding (moe_align), so this is its row BLOCK_M / 2 being real: with HALF_M a
-    block whose second half is padding runs as a BLOCK_M / 2-row tile (the MMA half as wide),
-    one with more rows as a BLOCK_M-row tile (each weight tile dequantized once for all)."""
-    return tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < T
+def _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
+    """How far block ``pid_m`` can narrow under HALF_M: 0 runs all BLOCK_M rows, 1 the first
+    half, 2 the first quarter (BLOCK_M >= 64 only; never below 16 rows). An expert's real rows
+    come before its padding (moe_align), so a half or quarter holds them all when the row just
+    past it is padding. Fewer rows, narrower MMAs; more rows in one tile, each weight tile
+    dequantized once for all of them."""
+    row0 = pid_m * BLOCK_M
+    level = tl.where(tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < T, 0, 1)
+    if BLOCK_M >= 64:
+        quarter = tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) >= T
+        level = tl.where((level == 1) & quarter, 2, level)
+    return level
 
 
 @triton.jit
@@ -401,15 +407,24 @@ def _gate_up_kernel(
     pid_n = pid_mn % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        full = _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
     if HALF_M:
-        if full:
+        if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+        elif BLOCK_M >= 64:
+            if level == 1:
+                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+                              e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+            else:
+                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+                              e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
@@ -526,14 +541,21 @@ def _down_kernel(
     pid_n = pid % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        full = _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
     if HALF_M:
-        if full:
+        if level == 0:
             _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                        pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE)
+        elif BLOCK_M >= 64:
+            if level == 1:
+                _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                           pid_n, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, PORTABLE)
+            else:
+                _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                           pid_n, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, PORTABLE)
         else:
             _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                        pid_n, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, PORTABLE)
@@ -602,14 +624,21 @@ def _down_loop_kernel(
     pid_s = pid % NUM_S
     e = tl.load(block_expert_ptr + pid_m)
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        full = _second_half_live(sorted_ids_ptr, pid_m, T, BLOCK_M)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
     if HALF_M:
-        if full:
+        if level == 0:
             _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+        elif BLOCK_M >= 64:
+            if level == 1:
+                _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                                pid_s, N, I, BLOCK_M // 2, BLOCK_N, N_PER_CTA, PORTABLE)
+            else:
+                _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                                pid_s, N, I, BLOCK_M // 4, BLOCK_N, N_PER_CTA, PORTABLE)
         else:
             _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_s, N, I, BLOCK_M // 2, BLOCK_N, N_PER_CTA, PORTABLE)
@@ -714,10 +743,11 @@ class MoeConfig:
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
-    # 1: both GEMMs run a block whose second half holds no real row as a block_m / 2-row tile
-    # (block_m >= 32). Experts with more than block_m / 2 rows then dequantize each weight tile
-    # once for up to block_m rows, the rest pay for half-width tiles only (not yet timed on a
-    # GPU: scripts/bench_fused_moe.py --grid-block-m 32 --grid-half-m).
+    # 1 (block_m 32 or 64): both GEMMs run a block whose second half holds no real row as a
+    # block_m / 2-row tile, and with block_m 64 one whose last three quarters hold none as a
+    # 16-row tile. An expert with up to block_m rows in a call then dequantizes each weight tile
+    # once for all of them, while blocks of few rows pay for narrow tiles only (not yet timed
+    # on a GPU: scripts/bench_fused_moe.py --grid-block-m 32|64 --grid-half-m).
     half_m: int = 0
 
 
@@ -855,7 +885,7 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
-            or (cfg.half_m and (bm < 32 or bm % 32))
+            or (cfg.half_m and bm not in (32, 64))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.

@@ -122,11 +122,12 @@ def test_all_tokens_one_expert_set(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
+@pytest.mark.parametrize("bm", [32, 64])
 @pytest.mark.parametrize("m", [9, 17, 40])
-def test_half_m_blocks_on_shared_experts(K, w, m):
-    """MoeConfig.half_m at Kimi shapes (block_m 32, the M 9-64 bands' gate-up tiles with and
-    without split-K, both down kernels): every token on the same 8 experts (9 / 17 / 40 rows
-    each: half tiles, full tiles, full then half) and random routing, against the reference."""
+def test_half_m_blocks_on_shared_experts(K, w, m, bm):
+    """MoeConfig.half_m at Kimi shapes (block_m 32 / 64, gate-up tiles of the M 9-64 bands with
+    and without split-K, both down kernels): every token on the same 8 experts (9 / 17 / 40
+    rows each: every tile width) and random routing, against the reference."""
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     same = torch.tensor([[5, 0, 383, 17, 200, 9, 64, 1]], device="cuda", dtype=torch.int32)
     tw_r, ti_r, _ = routing(m, seed=70 + m)
@@ -134,7 +135,7 @@ def test_half_m_blocks_on_shared_experts(K, w, m):
     bad = []
     for gu in [(32, 256, 2, 3, 0, 1, 4), (64, 256, 4, 3, 0, 1, 2), (64, 256, 4, 3, 0, 1, 1)]:
         for dn in [(64, 256, 4, 3, 512), (64, 256, 4, 3)]:
-            cfg = K.moe.MoeConfig(32, K.moe.GemmConfig(*gu), K.moe.GemmConfig(*dn), half_m=1)
+            cfg = K.moe.MoeConfig(bm, K.moe.GemmConfig(*gu), K.moe.GemmConfig(*dn), half_m=1)
             for tw, ti in cases:
                 out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
                 K.moe.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],

@@ -41,6 +41,11 @@ CFG_HALF_LOOP = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1),
                               MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1)
 CFG_HALF_SPLITK = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
                                 MOE.GemmConfig(64, 128, 4, 1), half_m=1)
+# 64-row blocks narrowed to 32 or 16 rows
+CFG_HALF64 = MOE.MoeConfig(64, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                           half_m=1)
+CFG_HALF64_LOOP_SPLITK = MOE.MoeConfig(64, MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2),
+                                       MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1)
 
 
 @pytest.fixture(autouse=True)
@@ -314,21 +319,25 @@ def test_sixteen_column_gate_up_tiles(experts):
 
 
 
-@pytest.mark.parametrize("cfg", [CFG_HALF, CFG_HALF_LOOP, CFG_HALF_SPLITK],
-                         ids=["down", "down_loop", "split_k"])
+@pytest.mark.parametrize("cfg", [CFG_HALF, CFG_HALF_LOOP, CFG_HALF_SPLITK, CFG_HALF64,
+                                 CFG_HALF64_LOOP_SPLITK],
+                         ids=["down", "down_loop", "split_k", "bm64", "bm64_loop_split_k"])
 def test_half_m_blocks_match_reference(experts, cfg):
-    """HALF_M: experts with 1-16 rows (half tiles), 17-32 (one full tile) and 40 (a full tile,
-    then a half one): every row written once, outputs within tolerance of the reference and of
-    the same 32-row blocks run full width."""
-    m = 40
+    """HALF_M: experts with 6-7 rows, 20 and 40 (32-row blocks: half; full; full then half.
+    64-row blocks: quarter; half; full), and with 64-row blocks one of 70 (full, then a
+    quarter): every row written once, outputs within tolerance of the reference and of the
+    same blocks run full width."""
+    m = 70 if cfg.block_m == 64 else 40
     x = torch.randn(m, H, generator=torch.Generator().manual_seed(41)).bfloat16()
     tw, ti = random_routing(m, 9, 3, seed=42)
     ti[:, 0] = 5  # expert 5: all 40 tokens, blocks of 32 + 8 rows
     ti[:, 1] = torch.where(torch.arange(m) < 20, 7, 8)  # experts 7 and 8: 20 rows, second half live
     ti[:, 2] = torch.tensor([0, 1, 2, 3, 4, 6])[torch.arange(m) % 6]  # 6-7 rows each: half tiles
     ti[-1, 2] = -1  # a dropped slot
+    if m == 70:
+        ti[:, 1] = torch.where(torch.arange(m) < 20, 7, torch.where(torch.arange(m) < 60, 8, 3))
     counts = torch.bincount(ti[ti >= 0].long(), minlength=9)
-    assert counts[5] == 40 and counts[7] == counts[8] == 20 and counts[0] == 7, counts
+    assert counts[5] == m and counts[7] == 20 and 6 <= counts[0] <= 12, counts
     out, ref = run(experts[9], x, tw, ti, scale=1.3, cfg=cfg)
     check(out, ref)
     full = MOE.MoeConfig(32, cfg.gate_up, cfg.down)
@@ -336,11 +345,12 @@ def test_half_m_blocks_match_reference(experts, cfg):
     assert (out.float() - wide.float()).abs().max() <= 2e-2 * wide.float().abs().max()
 
 
-def test_half_m_needs_blocks_of_32():
+def test_half_m_needs_blocks_of_32_or_64():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()
     tw, ti = random_routing(3, 4, 2, seed=1)
-    bad = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
-                        half_m=1)
-    with pytest.raises(ValueError, match="does not tile"):
-        run(w, x, tw, ti, cfg=bad)
+    for bm in (16, 128):
+        bad = MOE.MoeConfig(bm, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                            half_m=1)
+        with pytest.raises(ValueError, match="does not tile"):
+            run(w, x, tw, ti, cfg=bad)

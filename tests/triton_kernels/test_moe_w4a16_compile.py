@@ -128,15 +128,22 @@ def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
 
 
-@pytest.mark.parametrize("kind,tiles", [("gate_up", (32, 256, 2, 3, 0, 1, 4)),
-                                        ("gate_up", (64, 256, 4, 3, 0, 1, 2)),
-                                        ("gate_up", (32, 128, 2, 4, 0, 1, 1)),
-                                        ("down", (64, 256, 4, 3, 512)),
-                                        ("down", (32, 256, 2, 3, 512))], ids=str)
-def test_half_m_variants_compile_without_spills(MOE, kind, tiles, tmp_path):
-    """32-row blocks with HALF_M (both tile widths in one kernel): in-register dequant kept,
-    no spills, within shared memory, for the M 5-64 bands' gate-up and down tiles."""
-    test_compiles_for_sm90(MOE, kind, 32, tiles, tmp_path, half_m=True)
+_HALF_M_TILES = [(32, "gate_up", (32, 256, 2, 3, 0, 1, 4)),
+                 (32, "gate_up", (64, 256, 4, 3, 0, 1, 2)),
+                 (32, "gate_up", (32, 128, 2, 4, 0, 1, 1)), (32, "down", (64, 256, 4, 3, 512)),
+                 (32, "down", (32, 256, 2, 3, 512)),
+                 # 64-row blocks: 4-warp gate-up tiles (2 warps at 32 x 256 spill, half_m or
+                 # not: 255 registers and 80-264 bytes of stack on sm_90)
+                 (64, "gate_up", (64, 256, 4, 3, 0, 1, 2)),
+                 (64, "gate_up", (32, 256, 4, 3, 0, 1, 4)),
+                 (64, "gate_up", (32, 128, 2, 4, 0, 1, 4)), (64, "down", (64, 256, 4, 3, 512))]
+
+
+@pytest.mark.parametrize("bm,kind,tiles", _HALF_M_TILES, ids=str)
+def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
+    """32- and 64-row blocks with HALF_M (every tile width in one kernel): in-register dequant
+    kept, no spills, within shared memory, for gate-up and down tiles of the M 5-64 bands."""
+    test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=True)
 
 
 def test_rerun_in_clean_process():
