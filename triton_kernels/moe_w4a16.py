@@ -406,6 +406,7 @@ def _gate_up_kernel(
     pid_m = pid_mn // NUM_N
     pid_n = pid_mn % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
@@ -540,28 +541,52 @@ def _down_kernel(
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
-    row0 = pid_m * BLOCK_M
+    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                 pid_m * BLOCK_M, pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, 0, PORTABLE, HALF_M)
+
+
+@triton.jit
+def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level, row0,
+                 pid_nc, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
+                 PORTABLE: tl.constexpr, HALF_M: tl.constexpr):
+    """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
+    (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range) or the
+    per-tile one's (``pid_nc`` its column tile)."""
     if HALF_M:
         if level == 0:
-            _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                       pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE)
+            _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                        pid_nc, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
         elif BLOCK_M >= 64:
             if level == 1:
-                _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                           pid_n, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, PORTABLE)
+                _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                            pid_nc, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
             else:
-                _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                           pid_n, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, PORTABLE)
+                _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                            pid_nc, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
         else:
-            _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                       pid_n, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, PORTABLE)
+            _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                        pid_nc, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
     else:
-        _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_n,
-                   N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE)
+        _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
+                    N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+
+
+@triton.jit
+def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
+                N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr):
+    if N_PER_CTA > 0:
+        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
+                        pid_nc, N, I, BM, BLOCK_N, N_PER_CTA, PORTABLE)
+    else:
+        _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
+                   N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
 
 
 @triton.jit
@@ -623,28 +648,13 @@ def _down_loop_kernel(
     pid_m = pid // NUM_S
     pid_s = pid % NUM_S
     e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
-    row0 = pid_m * BLOCK_M
-    if HALF_M:
-        if level == 0:
-            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                            pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
-        elif BLOCK_M >= 64:
-            if level == 1:
-                _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                                pid_s, N, I, BLOCK_M // 2, BLOCK_N, N_PER_CTA, PORTABLE)
-            else:
-                _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                                pid_s, N, I, BLOCK_M // 4, BLOCK_N, N_PER_CTA, PORTABLE)
-        else:
-            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                            pid_s, N, I, BLOCK_M // 2, BLOCK_N, N_PER_CTA, PORTABLE)
-    else:
-        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                 pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE, HALF_M)
 
 
 @triton.jit
