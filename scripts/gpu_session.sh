@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab moegrid moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -125,7 +125,9 @@ for s in "$@"; do
     costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-}
              (cd /tmp && tar czf "$OUT/cost_curves_logs.tgz" ddtree_cost_curves/*.log 2>/dev/null) ;;
     profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
-    doctor)  step doctor 120 python3 -m sglang_ddtree.cli doctor --graphs --out "$OUT/doctor_graphs_h200.json" ;;
+    doctor)  # every kernel, planned for 131,072 tokens since session 25 (140 cases with FlashMLA)
+             step doctor ${DOCTOR_LIMIT:-300} python3 -m sglang_ddtree.cli doctor --graphs \
+               --out "$OUT/doctor_graphs_h200.json" ${DOCTOR_ARGS:-} ;;
     commit)  # the accept/commit stage per call, op path vs the one-launch walk_commit
              step commit ${COMMIT_LIMIT:-150} python3 scripts/bench_commit.py --out "$OUT/commit_h200.json" ${COMMIT_ARGS:-} ;;
     bench)   step bench ${BENCH_LIMIT:-240} python3 scripts/bench_tree_verify.py --out "$OUT/tree_verify_h200.json" ${BENCH_ARGS:-} ;;
