@@ -65,6 +65,7 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     from sglang_ddtree.triton_kernels.tree_attention_mla import TreeAttentionMLA
 
     res = CaseResult(kernel, budget, bs, "error")
+    planned = max(plan_context, max_context)  # the context the kernel is planned for
     draft = kernel == "draft"  # the drafter's block attention (SGLANG_DDTREE_DRAFT_ATTENTION)
     n = budget if draft else budget + 1
     dev = device
@@ -81,7 +82,7 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         dq, dv = MLA_SHAPE["kv_lora_rank"] + MLA_SHAPE["rope_dim"], MLA_SHAPE["kv_lora_rank"]
         sm_scale = 192 ** -0.5
         attn = TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=hq,
-                                     max_context_len=max(plan_context, max_context), device=dev,
+                                     max_context_len=planned, device=dev,
                                      sm_scale=sm_scale, kv_lora_rank=dv,
                                      rope_dim=MLA_SHAPE["rope_dim"])
     else:
@@ -90,7 +91,7 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         dv, sm_scale = dq, dq ** -0.5
         attn = TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
                                   num_kv_heads=hkv, head_dim=dq,
-                                  max_context_len=max(plan_context, max_context), device=dev,
+                                  max_context_len=planned, device=dev,
                                   ordered_mask=not draft)
     res.num_splits = 1 if flashmla else attn.num_splits(bs)  # FlashMLA: our kernel, tree keys
     if flashmla:

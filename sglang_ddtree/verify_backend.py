@@ -552,4 +552,3 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
                 ", prefix on FlashMLA" if wrapper._prefix is not None else "",
                 type(wrapper.wrapped_backend).__name__)
     return wrapper
-
