@@ -347,7 +347,7 @@ def _band_of(m: int) -> int:
     return next((max_m for max_m, _ in table if m <= max_m), table[-1][0])
 
 
-def gate_up_grid(args, layers, make_inputs, dev, grid) -> dict:
+def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     """Whole-call times of gate-up candidates against the table, per M and routing.
 
     A band's table entry serves every M up to its max_m under any routing, while the best K
@@ -390,6 +390,9 @@ def gate_up_grid(args, layers, make_inputs, dev, grid) -> dict:
                                    table.down, half_m=int(args.grid_half_m))
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
+            if save is not None:  # after every row: a run cut by its time limit keeps its rows
+                out["summary"] = grid_summary(out["rows"])
+                save(out)
             best = sorted((v["us"], k) for k, v in row["candidates"].items() if v["us"])[:3]
             print(f"M={m} {routing} touched {touched:.1f} table {row['table_us']} | "
                   + "; ".join(f"{u} {k}" for u, k in best), flush=True)
@@ -686,10 +689,11 @@ def main(argv=None) -> int:
             print(f"profiled M={m} with {mw.select_config(m)}", flush=True)
         return 0
     if grid is not None:
-        result = gate_up_grid(args, layers, make_inputs, dev, grid)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        def save(result):
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
         print(f"wrote {args.out}")
         return 0
     if args.breakdown:
