@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab moegrid moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -150,6 +150,11 @@ for s in "$@"; do
                --cases "${DRAFT_E2E_CASES:-tiny_dtv:8,32;mla_dtv:8,32}" --batch-sizes 1,4,16 \
                --prompts 12 --eager-check= --speed= --deterministic= \
                --out "$OUT/e2e_lossless_draft_triton_h200.json" ;;
+    drafte2e) # only draftattn's lossless cases (the drafter's attention on our kernel, served)
+             step draft-e2e ${E2E_LIMIT:-300} python3 scripts/e2e_lossless.py \
+               --cases "${DRAFT_E2E_CASES:-tiny_dtv:8,32;mla_dtv:8,32}" --batch-sizes 1,4,16 \
+               --prompts 12 --eager-check= --speed= --deterministic= \
+               --out "$OUT/e2e_lossless_draft_triton_h200.json" ;;
     draftfi) # ours against FlashInfer's paged prefill (SGLang's flashinfer drafter backend) at
              # short and long contexts: whether auto should move flashinfer drafters too
              step draft-fi ${DRAFT_FI_LIMIT:-240} python3 scripts/bench_draft_attention.py \
@@ -187,7 +192,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn draftfi draftab moegrid moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
