@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -120,6 +120,7 @@ for s in "$@"; do
                ${BENCH_E2E_ARGS:-}
              (cd /tmp && tar czf "$OUT/bench_e2e_logs.tgz" ddtree_bench_e2e/*.log 2>/dev/null) ;;
     memchecktree) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh ;;
+    memcheckverify) step memcheck-verify ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_verify.sh ;;
     memcheck) step memcheck ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_build.sh
              step memcheck-verify ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_verify.sh ;;
     costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-}
@@ -192,7 +193,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
