@@ -10,8 +10,10 @@ weights once per step, dequantizes them in registers and fuses the rest around t
    the plane-major order described below.
 2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
    fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
-   With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials and
-   ``_gate_up_reduce_kernel`` adds them in fixed order before the epilogue (few touched experts).
+   With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials (few
+   touched experts); the tile's last program to finish adds them in fixed order and runs the
+   epilogue (``_tile_counters``), or, where no counter buffer is at hand,
+   ``_gate_up_reduce_kernel`` does the same in a second launch.
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
    the same with one long column loop per program (intermediate sizes that fit one K tile).
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
@@ -22,7 +24,8 @@ rows that hold its real rows, down to 16 (one kernel holds every width; a block'
 precede its padding, so one or two ids tell which): an expert with up to ``BLOCK_M`` rows in a
 call then dequantizes each weight tile once for all of them, as a tree's tokens that share
 experts need, while a call that spreads over many experts keeps 16-row tiles. Off in the
-shipped table (not yet timed on a GPU).
+shipped table: on the H200 (session 26) it was up to 17 % faster on 8 experts but 9-13 % slower
+on random routing with 32-row blocks (48-58 % with 64).
 
 Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
@@ -385,6 +388,7 @@ def _gate_up_kernel(
     block_expert_ptr,  # [max_blocks] int32
     h_ptr,  # [max_padded, I] bf16 out, row = padded position, plane-major for DOWN_BLOCK_K tiles
     part_ptr,  # SPLIT_K > 1: [SPLIT_K, max_padded, 2 I] fp32 out (gate then up partial sums)
+    cnt_ptr,  # SERIAL: [>= max_blocks * I // BLOCK_N] int32, zero between launches (self-rearming)
     T,
     max_padded,
     K: tl.constexpr,
@@ -398,6 +402,7 @@ def _gate_up_kernel(
     SPLIT_DQ: tl.constexpr = False,  # dequantize nibbles 0-3, then 4-7 (fewer live registers)
     SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
     HALF_M: tl.constexpr = False,  # a block with no real row in its second half: BLOCK_M / 2 rows
+    SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -416,24 +421,24 @@ def _gate_up_kernel(
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
-                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K)
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
 
 
 @triton.jit
@@ -441,9 +446,9 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
-    ``pid_n``'s, K range ``pid_k``'s."""
+    ``pid_n``'s, K range ``pid_k``'s; ``tile`` indexes its counter under ``SERIAL``."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
@@ -474,11 +479,37 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_
                   + offs_n[:, None])
         tl.store(p_ptrs, acc_g, mask=x_mask)
         tl.store(p_ptrs + I, acc_u, mask=x_mask)
+        if SERIAL:
+            # Serial split-K fix-up: the tile's programs count themselves in; the last to arrive
+            # adds every partial (its own re-read too) in split order, so the sum does not depend
+            # on which program is last and matches _gate_up_reduce_kernel bit for bit, then
+            # writes h and re-arms the counter for the next launch. The barrier puts every
+            # thread's partial stores before the counter's release; the acquire and the L2-only
+            # loads (.cg) let the last program see the other programs' partials.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+                u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+                for k in tl.static_range(SPLIT_K):
+                    q_ptrs = (part_ptr + (k * max_padded + offs_m[None, :]).to(tl.int64) * N2
+                              + offs_n[:, None])
+                    g += tl.load(q_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
+                    u += tl.load(q_ptrs + I, mask=x_mask, other=0.0, cache_modifier=".cg")
+                _gate_up_store(g, u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
-        h_cols = _plane_major_cols(offs_n, DOWN_BLOCK_K)
-        h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + h_cols[:, None]
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+        _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
+
+
+@triton.jit
+def _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I: tl.constexpr,
+                   DOWN_BLOCK_K: tl.constexpr):
+    """h = silu(gate) * up (fp32) for a [BLOCK_N, BM] tile, stored plane-major (all BM rows)."""
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_cols = _plane_major_cols(offs_n, DOWN_BLOCK_K)
+    h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + h_cols[:, None]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -804,6 +835,36 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
                       split_k)
 
 
+# Split-K gate-up sums its partials inside the GEMM launch (the last program of each tile, see
+# _gate_up_rows) instead of in _gate_up_reduce_kernel: one launch less per MoE call. Its
+# per-tile arrival counters live in one int32 buffer per device, zero between launches (each
+# tile's last program re-arms its counter), allocated outside CUDA-graph capture only: a call
+# captured before the buffer exists, or that needs more counters than it has, takes the reduce
+# kernel instead (same result, bit for bit). Two MoE calls must not run at the same time on two
+# streams of one device (SGLang runs one forward at a time). SGLANG_DDTREE_MOE_SERIAL_REDUCE=0
+# (read per call) always takes the reduce kernel.
+SERIAL_REDUCE_ENV = "SGLANG_DDTREE_MOE_SERIAL_REDUCE"
+_MIN_COUNTERS = 1 << 16  # 256 KB: every split band of the shipped table at Kimi's shapes
+_counters: dict = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's arrival counters (at least ``n``), or None: use the reduce kernel."""
+    if os.environ.get(SERIAL_REDUCE_ENV, "1") == "0":
+        return None
+    key = (device.type, device.index)
+    buf = _counters.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None  # zeroing now would only happen at the graph's replays
+    buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+    # a smaller buffer that captured graphs use stays alive (and zero) beside the new one
+    _counters.setdefault(("old",) + key, []).append(_counters.get(key))
+    _counters[key] = buf
+    return buf
+
+
 def _portable(device: torch.device) -> bool:
     """True where the inline-PTX dequant (bf16x2 FMA, sm_80+) and bf16 dots cannot be used."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
@@ -912,13 +973,16 @@ def fused_moe_w4a16(
 
     part = h if gu.split_k == 1 else torch.empty(
         gu.split_k, max_padded, 2 * inter, dtype=torch.float32, device=hidden_states.device)
-    _gate_up_kernel[(n_blocks * (inter // gu.block_n) * gu.split_k,)](
-        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part, t, max_padded, K=hidden,
+    tiles = n_blocks * (inter // gu.block_n)
+    counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
+    _gate_up_kernel[(tiles * gu.split_k,)](
+        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
+        sorted_ids if counters is None else counters, t, max_padded, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
-        SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), num_warps=gu.num_warps,
-        num_stages=gu.num_stages)
-    if gu.split_k > 1:
+        SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
+    if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
             part, sorted_ids, block_expert, h, t, max_padded, I=inter, SPLIT_K=gu.split_k,

@@ -182,6 +182,53 @@ def test_graph_replay_and_determinism(K, w):
     assert torch.equal(out, ours(K, w, x, tw2, ti2))
 
 
+@pytest.mark.parametrize("m", [1, 2, 4, 9, 16, 17, 33, 64])
+def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
+    """Split-K gate-up summed by each tile's last program (the served path) equals the reduce
+    kernel's launch bit for bit, eager and over 20 CUDA-graph replays with fresh routing on few
+    experts and on many, and leaves every arrival counter at 0."""
+    moe = K.moe
+    cfg = moe.select_config(m)
+    assert cfg.gate_up.split_k > 1, cfg  # the table splits K at every M here
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+
+    def route(seed, few):
+        tw, ti, logits = routing(m, seed)
+        if few:  # every token's top 8 among the same 8 experts (SGLang's dummy fill)
+            ti = torch.randperm(E, device="cuda")[:TOPK].to(torch.int32).repeat(m, 1)
+        return tw, ti.contiguous()
+
+    def two_launch(tw, ti):
+        monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "0")
+        try:
+            return ours(K, w, x, tw, ti).clone()
+        finally:
+            monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "1")
+
+    tw, ti = route(10, few=True)
+    eager = ours(K, w, x, tw, ti)
+    assert torch.equal(eager, two_launch(tw, ti))
+    out = torch.empty_like(eager)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ours(K, w, x, tw, ti, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ours(K, w, x, tw, ti, out=out)
+    for i in range(20):
+        tw2, ti2 = route(100 + i, few=i % 2 == 0)
+        tw.copy_(tw2)
+        ti.copy_(ti2)
+        x.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, two_launch(tw2, ti2)), f"replay {i}"
+    counters = moe._counters[("cuda", torch.cuda.current_device())]
+    assert int(counters.abs().sum()) == 0
+
+
 def _sglang_or_skip():
     try:
         # Through the scheme module: importing gptq_kernels first hits a circular import.

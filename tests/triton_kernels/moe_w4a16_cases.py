@@ -126,6 +126,29 @@ def test_split_k_gate_up_matches_reference(experts, m):
     assert torch.equal(out, again), "split-K must be deterministic (fixed-order reduce)"
 
 
+@pytest.mark.parametrize("cfg", [CFG_SPLITK, CFG_HALF_SPLITK, CFG_HALF64_LOOP_SPLITK],
+                         ids=["16", "half32", "half64"])
+def test_serial_split_k_equals_the_reduce_kernel(experts, cfg, monkeypatch):
+    """The split-K partials summed by each tile's last program (one launch) equal the reduce
+    kernel's sum bit for bit, and every arrival counter is re-armed to 0 afterwards."""
+    m = 40
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(50)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=51)
+    ti[:12] = torch.tensor([0, 1, 2])  # 12 tokens on 3 experts: blocks of 16 rows, full and not
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "0")
+    MOE._counters.clear()
+    two_launch, ref = run(experts[9], x, tw, ti, cfg=cfg)
+    assert not MOE._counters, "the reduce kernel path must not allocate counters"
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "1")
+    serial, _ = run(experts[9], x, tw, ti, cfg=cfg)
+    check(serial, ref)
+    assert torch.equal(serial, two_launch)
+    counters = MOE._counters[("cpu", None)]
+    assert counters.numel() >= MOE._MIN_COUNTERS and int(counters.abs().sum()) == 0
+    again, _ = run(experts[9], x, tw, ti, cfg=cfg)
+    assert torch.equal(again, serial)
+
+
 def test_down_loop_config_must_tile():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()
