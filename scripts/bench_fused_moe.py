@@ -599,6 +599,9 @@ def main(argv=None) -> int:
                     help="no GPU: choose each band's gate-up config from a --grid run's JSON "
                          "(pick_gate_up's rule, --max-random-loss) and write the choices into "
                          "--tune-out (an existing table; other fields kept)")
+    ap.add_argument("--pick-bands", type=int, nargs="*", default=None, metavar="MAX_M",
+                    help="--pick-from: only these bands (by max_m) may change (default: all "
+                         "the grid timed)")
     ap.add_argument("--max-random-loss", type=float, default=0.02,
                     help="--pick-from: the largest slowdown against the table on random "
                          "routing a pick may have at any M of its band")
@@ -631,6 +634,8 @@ def main(argv=None) -> int:
                      "than the table's; a pick writes gate-up configs only, so it cannot carry "
                      "them: change the table's band by hand")
         picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
+        if args.pick_bands is not None:
+            picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}
         for band, p in picks.items():
             print(f"band <= {band}: gate-up {p['gate_up']} (worst vs table: random "
                   f"{p['random']}, concentrated {p['concentrated']})")

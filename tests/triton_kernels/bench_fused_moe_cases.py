@@ -197,6 +197,38 @@ def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     assert again["tuned"][-1] == {"command": "test", "max_m": [16, 32, 64]}
 
 
+def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
+    """The M 5-7 band (split off the M 5-8 band in session 26) holds what the pick rule chooses
+    from the H200 grid's rows M = 5-7; at M = 8 no candidate meets the rule, and that band keeps
+    a config without a K split."""
+    grid = json.loads((REPO / "bench_results" / "fused_moe_serial_grid_h200_s26.json").read_text())
+    rows = [dict(r, band=7) for r in grid["rows"] if 5 <= r["m"] <= 7]
+    assert len(rows) == 6
+    picks = bench.pick_gate_up(rows)
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    bands = {b["max_m"]: b for b in table["bands"]}
+    fields = [f.name for f in dataclasses.fields(bench.mw.GemmConfig)]
+    assert [bands[7]["gate_up"][f] for f in fields] == picks[7]["gate_up"]
+    assert bands[7]["block_m"] == bands[8]["block_m"] and bands[7]["down"] == bands[8]["down"]
+    assert bench.pick_gate_up([r for r in grid["rows"] if r["m"] == 8]) == {}
+    assert bands[8]["gate_up"]["split_k"] == 1
+
+
+def test_pick_bands_limits_what_pick_from_writes(bench, tmp_path):
+    """--pick-bands 16: of the s21 grid's three picks only the M 9-16 band is written."""
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    for band in table["bands"]:  # a table whose gate-up configs differ from every pick
+        band["gate_up"]["num_stages"] = 1
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    grid = REPO / "bench_results" / "fused_moe_split_grid_h200_s21.json"
+    assert bench.main(["--pick-from", str(grid), "--tune-out", str(path),
+                       "--pick-bands", "16"]) == 0
+    after = json.loads(path.read_text())
+    changed = [a["max_m"] for a, b in zip(after["bands"], table["bands"]) if a != b]
+    assert changed == [16] and after["tuned"][-1]["max_m"] == [16]
+
+
 def test_grid_with_half_m_blocks_and_pick_refuses_it(bench, tmp_path):
     """--grid-block-m 32 --grid-half-m: every candidate runs as 32-row blocks with half-width
     tiles where a block's second half is padding, the outputs equal the table's within the
