@@ -858,9 +858,9 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None  # zeroing now would only happen at the graph's replays
+    if buf is not None:  # a smaller one that captured graphs may use stays alive (and zero)
+        _counters.setdefault(("old",) + key, []).append(buf)
     buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
-    # a smaller buffer that captured graphs use stays alive (and zero) beside the new one
-    _counters.setdefault(("old",) + key, []).append(_counters.get(key))
     _counters[key] = buf
     return buf
 

@@ -149,6 +149,20 @@ def test_serial_split_k_equals_the_reduce_kernel(experts, cfg, monkeypatch):
     assert torch.equal(again, serial)
 
 
+def test_tile_counters_grow_and_keep_the_old_buffer(monkeypatch):
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "1")
+    MOE._counters.clear()
+    dev = torch.device("cpu")
+    first = MOE._tile_counters(dev, 10)
+    assert first.numel() == MOE._MIN_COUNTERS and MOE._tile_counters(dev, 10) is first
+    bigger = MOE._tile_counters(dev, MOE._MIN_COUNTERS + 1)
+    assert bigger.numel() == MOE._MIN_COUNTERS + 1 and int(bigger.abs().sum()) == 0
+    assert MOE._counters[("old", "cpu", None)] == [first]
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "0")
+    assert MOE._tile_counters(dev, 10) is None
+    MOE._counters.clear()
+
+
 def test_down_loop_config_must_tile():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()
