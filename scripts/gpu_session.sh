@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moeserve moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -175,6 +175,12 @@ for s in "$@"; do
                --ms ${MOE_GRID_MS:-2 3 4 5 6 8} --routings concentrated:8,concentrated:32,random \
                --grid "${MOE_GRID:-32,128,2,4,0,1,1;32,128,2,4,0,1,2;32,128,2,4,0,1,4;32,128,2,4,0,1,8;32,256,2,3,0,1,2;32,256,2,3,0,1,4;32,256,2,3,0,1,7;64,256,4,3,0,1,2;64,256,4,3,0,1,4}" \
                --out "$OUT/fused_moe_small_grid_h200.json" ;;
+    moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
+             # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
+             # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6
+             step moe-serve ${MOE_SERVE_LIMIT:-420} python3 scripts/e2e_lossless.py \
+               --cases "${MOE_SERVE_CASES:-kimi_int4:4,6,8}" --batch-sizes 1,6 --prompts 12 \
+               --eager-check= --speed= --deterministic= --out "$OUT/e2e_lossless_kimi_int4_h200.json" ;;
     moehalf) # MoeConfig.half_m: 32-row blocks run as 16-row tiles while their second half is
              # padding, so an expert with 17-32 rows of a call dequantizes each weight tile once
              # (a tree's tokens that share experts; the dummy fill's 8 experts), against the
@@ -193,7 +199,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moeserve moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
