@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moeserve moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeserve moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -175,6 +175,13 @@ for s in "$@"; do
                --ms ${MOE_GRID_MS:-2 3 4 5 6 8} --routings concentrated:8,concentrated:32,random \
                --grid "${MOE_GRID:-32,128,2,4,0,1,1;32,128,2,4,0,1,2;32,128,2,4,0,1,4;32,128,2,4,0,1,8;32,256,2,3,0,1,2;32,256,2,3,0,1,4;32,256,2,3,0,1,7;64,256,4,3,0,1,2;64,256,4,3,0,1,4}" \
                --out "$OUT/fused_moe_small_grid_h200.json" ;;
+    moegridmid) # the M 17-32 / 33-64 bands' K split with the one-launch split-K (session 26:
+             # split 4 at M = 17 was 0.89x on 8 experts and 1.01x on random; at M = 33 1.05x on
+             # random); every M of the bands that a verify of budget 16-63 at batch 1-2 takes
+             step moe-grid-mid ${MOE_GRID_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_GRID_MS:-17 24 32 33 48 64} --routings concentrated:8,concentrated:32,random \
+               --grid "${MOE_GRID:-64,256,4,3,0,1,4;64,256,4,3,0,1,7;32,256,2,3,0,1,4;32,256,2,3,0,1,7}" \
+               --out "$OUT/fused_moe_mid_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6
@@ -199,7 +206,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moeserve moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeserve moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
