@@ -158,13 +158,8 @@ def test_padding_ids(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
-def test_graph_replay_and_determinism(K, w):
-    m = 48
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    tw, ti, _ = routing(m, seed=1)
-    first = ours(K, w, x, tw, ti).clone()
-    assert torch.equal(first, ours(K, w, x, tw, ti))
-    out = torch.empty_like(first)
+def captured(K, w, x, tw, ti, out):
+    """A CUDA graph of one call writing ``out`` (after a warm-up call on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -173,6 +168,17 @@ def test_graph_replay_and_determinism(K, w):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ours(K, w, x, tw, ti, out=out)
+    return graph
+
+
+def test_graph_replay_and_determinism(K, w):
+    m = 48
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    tw, ti, _ = routing(m, seed=1)
+    first = ours(K, w, x, tw, ti).clone()
+    assert torch.equal(first, ours(K, w, x, tw, ti))
+    out = torch.empty_like(first)
+    graph = captured(K, w, x, tw, ti, out)
     tw2, ti2, _ = routing(m, seed=2)
     tw.copy_(tw2)
     ti.copy_(ti2)
@@ -209,14 +215,7 @@ def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
     eager = ours(K, w, x, tw, ti)
     assert torch.equal(eager, two_launch(tw, ti))
     out = torch.empty_like(eager)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ours(K, w, x, tw, ti, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ours(K, w, x, tw, ti, out=out)
+    graph = captured(K, w, x, tw, ti, out)
     for i in range(20):
         tw2, ti2 = route(100 + i, few=i % 2 == 0)
         tw.copy_(tw2)
