@@ -519,6 +519,49 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     return out
 
 
+def prologue_times(args, layers, make_inputs, dev) -> dict:
+    """The prologue alone (moe_align: the grouping by expert and x's plane-major copy, one
+    launch) per M and routing, with x's copy laid out per row and per 1,024-column chunk
+    (``moe_align(copy=...)``), interleaved over at least 3 rounds; medians. Both layouts'
+    outputs are compared first (grouping and copy must be equal)."""
+    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+           "source_digest": checkout_digest(__file__),
+           "note": "us per moe_align call (grouping + x copy), mean of CUDA-graph replays over "
+                   f"{len(layers)} calls, median of the rounds; block_m and block_k from the table",
+           "rows": []}
+    layouts = ("rows", "chunks")
+    for m in args.ms:
+        cfg = mw.select_config(m)
+        block_k = mw._fit(cfg.gate_up, args.inter, args.hidden).block_k
+        for routing in args.routings.split(","):
+            xs, _, tis, _ = make_inputs(m, routing)
+
+            def align(copy, i):
+                return mw.moe_align(tis[i], args.experts, cfg.block_m, xs[i], block_k, copy=copy)
+
+            for i in range(len(xs)):
+                a, b = align("rows", i), align("chunks", i)
+                used = int((a[1] >= 0).sum()) * cfg.block_m
+                if not (torch.equal(a[0][:used], b[0][:used]) and torch.equal(a[1], b[1])
+                        and torch.equal(a[2], b[2])):
+                    raise SystemExit(f"--prologue: the two copy layouts disagree at M={m}")
+            rounds = {c: [] for c in layouts}
+            for _ in range(max(args.rounds, 3)):
+                for c in layouts:
+                    rounds[c].append(graph_time_us(
+                        lambda c=c: [align(c, i) for i in range(len(xs))], args.iters, dev)
+                        / len(xs))
+            row = {"m": m, "routing": routing, "block_m": cfg.block_m, "block_k": block_k,
+                   "us": {c: round(statistics.median(v), 2) for c, v in rounds.items()},
+                   "us_rounds": {c: [round(t, 2) for t in v] for c, v in rounds.items()}}
+            out["rows"].append(row)
+            print(f"M={m} {routing}: " + " ".join(f"{c} {u}" for c, u in row["us"].items()),
+                  flush=True)
+    return out
+
+
 def write_table(path: str, tuned: dict, meta: dict) -> None:
     """Merge tuned bands into the config table at ``path`` (bands with other max_m are kept)."""
     old = {"bands": []}
@@ -561,6 +604,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4, help="distinct weight sets per graph")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--prologue", action="store_true",
+                    help="time only the prologue (moe_align), x's copy per row and per chunk, "
+                         "over --ms and --routings (at least 3 interleaved rounds)")
     ap.add_argument("--routed-scaling", type=float, default=2.827)
     ap.add_argument("--routing", default="random",
                     help="random (top-k of random logits) or concentrated:N (every token's "
@@ -699,6 +745,13 @@ def main(argv=None) -> int:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
         save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
+        print(f"wrote {args.out}")
+        return 0
+    if args.prologue:
+        result = prologue_times(args, layers, make_inputs, dev)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
         return 0
     if args.breakdown:

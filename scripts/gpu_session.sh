@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeserve moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeprologue moeserve moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -182,6 +182,11 @@ for s in "$@"; do
                --ms ${MOE_GRID_MS:-17 24 32 33 48 64} --routings concentrated:8,concentrated:32,random \
                --grid "${MOE_GRID:-64,256,4,3,0,1,4;64,256,4,3,0,1,7;32,256,2,3,0,1,4;32,256,2,3,0,1,7}" \
                --out "$OUT/fused_moe_mid_grid_h200.json" ;;
+    moeprologue) # the MoE prologue alone (grouping + x's copy; 4.8 us a call at M = 1, 8.7 at
+             # M = 9 in session 26's profile), x's copy per row (served) against per chunk
+             step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
+               --prologue --ms ${MOE_PROLOGUE_MS:-1 2 4 8 9 16 17 32 33 64 128} \
+               --routings concentrated:8,random --out "$OUT/fused_moe_prologue_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6
@@ -206,7 +211,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeserve moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeprologue moeserve moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -109,20 +109,36 @@ def _prologue_kernel(
     BLOCK_B: tl.constexpr,  # NUM_EXPERTS * BLOCK_B >= max_blocks
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    COPY_FIRST: tl.constexpr = False,  # x's copy in COPY_PROGS programs per row, before the experts
+    COPY_PROGS: tl.constexpr = 1,  # programs per row of x under COPY_FIRST (1,024-column chunks)
 ):
     pid = tl.program_id(0)
-    if pid >= NUM_EXPERTS:
-        # Programs past the experts copy one row of x each (one launch instead of two); strided
-        # reads (served by L1), coalesced writes.
-        m = (pid - NUM_EXPERTS).to(tl.int64)
-        for k0 in range(0, K, 1024):
-            o = k0 + tl.arange(0, 1024)
-            v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
-            tl.store(xp_ptr + m * K + o, v, mask=o < K)
-        return
+    if COPY_FIRST:
+        # The copy first, each row split over COPY_PROGS programs of ceil(K / 1024 / COPY_PROGS)
+        # chunks: the grid's first programs start first, and no program walks a whole row.
+        n_copy = tl.num_programs(0) - NUM_EXPERTS
+        if pid < n_copy:
+            CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
+            m = (pid // COPY_PROGS).to(tl.int64)
+            for c in range(CHUNKS):
+                o = ((pid % COPY_PROGS) * CHUNKS + c) * 1024 + tl.arange(0, 1024)
+                v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
+                tl.store(xp_ptr + m * K + o, v, mask=o < K)
+            return
+        e = pid - n_copy
+    else:
+        if pid >= NUM_EXPERTS:
+            # Programs past the experts copy one row of x each (one launch instead of two);
+            # strided reads (served by L1), coalesced writes.
+            m = (pid - NUM_EXPERTS).to(tl.int64)
+            for k0 in range(0, K, 1024):
+                o = k0 + tl.arange(0, 1024)
+                v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
+                tl.store(xp_ptr + m * K + o, v, mask=o < K)
+            return
+        e = pid
     # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
     # expert's output offset needs no second launch and no grid-wide barrier.
-    e = pid
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for i in range(NUM_T_BLOCKS):
@@ -162,8 +178,11 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
+PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows (default) | chunks; see moe_align
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              x: torch.Tensor | None = None, block_k: int = 128):
+              x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -175,6 +194,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     x : torch.Tensor, optional
         ``[M, K]`` bf16 activations to copy into plane-major order for ``block_k`` tiles in the
         same launch.
+    copy : str, optional
+        How that copy is laid out over programs (default: ``SGLANG_DDTREE_MOE_PROLOGUE``, else
+        ``rows``). ``rows``: one program per row of x, after the experts' programs, walking the
+        row in 1,024-column chunks. ``chunks``: one program per chunk, before the experts'
+        programs. Same output; which is faster at which M is for the H200 to say
+        (``bench_fused_moe.py --prologue``).
 
     Returns
     -------
@@ -197,13 +222,18 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     rows = 0 if x is None else x.shape[0]
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
     block_t = min(1024, max(16, triton.next_power_of_2(max(t, 1))))
-    _prologue_kernel[(num_experts + rows,)](
+    copy = copy or os.environ.get(PROLOGUE_ENV) or "rows"
+    if copy not in ("rows", "chunks"):
+        raise ValueError(f"{PROLOGUE_ENV} / copy: rows or chunks, got {copy!r}")
+    k = 0 if x is None else x.shape[1]
+    per_row = triton.cdiv(k, 1024) if copy == "chunks" else 1
+    _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
         sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
         NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-        K=0 if x is None else x.shape[1], BLOCK_K=block_k,
+        K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
     )
     return sorted_ids, block_expert, xp
 

@@ -214,6 +214,19 @@ def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
     assert bands[8]["gate_up"]["split_k"] == 1
 
 
+def test_prologue_mode_times_both_copy_layouts(bench, tmp_path):
+    out = tmp_path / "prologue.json"
+    assert bench.main(TINY + ["--prologue", "--routings", "concentrated:2,random",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["m"], r["routing"]) for r in result["rows"]] == [(3, "concentrated:2"),
+                                                                 (3, "random")]
+    for r in result["rows"]:
+        assert set(r["us"]) == {"rows", "chunks"} and all(len(v) == 3 for v in
+                                                          r["us_rounds"].values())
+        assert all(math.isfinite(u) and u > 0 for u in r["us"].values())
+
+
 def test_pick_bands_limits_what_pick_from_writes(bench, tmp_path):
     """--pick-bands 16: of the s21 grid's three picks only the M 9-16 band is written."""
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())

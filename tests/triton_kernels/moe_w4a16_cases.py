@@ -252,6 +252,33 @@ def test_align(m, e, topk, bm):
     assert (block_expert[nb:] == -1).all()
 
 
+@pytest.mark.parametrize("block_k", [128, 256])
+def test_prologue_copy_layouts_agree(block_k, monkeypatch):
+    """x's plane-major copy, one program per row (rows) or per 1,024-column chunk launched before
+    the experts' programs (chunks): both equal the permutation _plane_major_src describes (K of
+    1,280 leaves a partial last chunk; x strided), and the grouping is the same."""
+    m, e, topk, k = 5, 9, 3, 1280
+    _, ti = random_routing(m, e, topk, seed=77)
+    wide = torch.randn(m, k + 32, generator=torch.Generator().manual_seed(78)).bfloat16()
+    x = wide[:, 16:16 + k]
+    kp = block_k // 8
+    o = torch.arange(k)
+    within = o % block_k
+    want = x[:, o - within + (within % kp) * 8 + within // kp]
+    got = {}
+    for copy in ("rows", "chunks"):
+        got[copy] = MOE.moe_align(ti, e, 16, x, block_k, copy=copy)
+        assert torch.equal(got[copy][2], want), copy
+    used = len(_align_reference(ti, e, 16)[0])  # rows past the last block are unspecified
+    assert torch.equal(got["rows"][0][:used], got["chunks"][0][:used])
+    assert torch.equal(got["rows"][1], got["chunks"][1])
+    monkeypatch.setenv(MOE.PROLOGUE_ENV, "chunks")
+    assert torch.equal(MOE.moe_align(ti, e, 16, x, block_k)[2], want)
+    monkeypatch.setenv(MOE.PROLOGUE_ENV, "columns")
+    with pytest.raises(ValueError, match="rows or chunks"):
+        MOE.moe_align(ti, e, 16, x, block_k)
+
+
 def test_config_table_tiles_kimi_shapes():
     table = MOE._config_table(MOE._CONFIG_PATH)
     assert [b for b, _ in table] == sorted(b for b, _ in table)

@@ -114,6 +114,7 @@ def test_prologue_and_combine_compile(MOE):
     const = dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1, BLOCK_B=16,
                  K=H, BLOCK_K=256)
     _compile(MOE._prologue_kernel, sig, const, 4, 1)
+    _compile(MOE._prologue_kernel, sig, dict(const, COPY_FIRST=True, COPY_PROGS=7), 4, 1)
     sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
