@@ -92,6 +92,15 @@ def _plane_major_src(o, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + 1023 of row m of xp (plane-major) from x: strided reads (served by
+    L1), coalesced writes."""
+    o = k0 + tl.arange(0, 1024)
+    v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
+    tl.store(xp_ptr + m * K + o, v, mask=o < K)
+
+
+@triton.jit
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
@@ -121,20 +130,16 @@ def _prologue_kernel(
             CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
             m = (pid // COPY_PROGS).to(tl.int64)
             for c in range(CHUNKS):
-                o = ((pid % COPY_PROGS) * CHUNKS + c) * 1024 + tl.arange(0, 1024)
-                v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
-                tl.store(xp_ptr + m * K + o, v, mask=o < K)
+                _copy_chunk(x_ptr, xp_ptr, m, stride_xm,
+                            ((pid % COPY_PROGS) * CHUNKS + c) * 1024, K, BLOCK_K)
             return
         e = pid - n_copy
     else:
         if pid >= NUM_EXPERTS:
-            # Programs past the experts copy one row of x each (one launch instead of two);
-            # strided reads (served by L1), coalesced writes.
+            # Programs past the experts copy one row of x each (one launch instead of two).
             m = (pid - NUM_EXPERTS).to(tl.int64)
             for k0 in range(0, K, 1024):
-                o = k0 + tl.arange(0, 1024)
-                v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
-                tl.store(xp_ptr + m * K + o, v, mask=o < K)
+                _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K, BLOCK_K)
             return
         e = pid
     # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
