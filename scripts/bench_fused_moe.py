@@ -739,26 +739,16 @@ def main(argv=None) -> int:
             _sync(dev)
             print(f"profiled M={m} with {mw.select_config(m)}", flush=True)
         return 0
-    if grid is not None:
-        def save(result):
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-        save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
-        print(f"wrote {args.out}")
-        return 0
-    if args.prologue:
-        result = prologue_times(args, layers, make_inputs, dev)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    def save(result, path=args.out):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"wrote {args.out}")
-        return 0
-    if args.breakdown:
-        result = breakdown(args, layers, make_inputs, dev)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+
+    if grid is not None or args.prologue or args.breakdown:
+        if grid is not None:
+            save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
+        else:
+            save((prologue_times if args.prologue else breakdown)(args, layers, make_inputs, dev))
         print(f"wrote {args.out}")
         return 0
     if args.tune:
@@ -771,9 +761,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.tune_out)), exist_ok=True)
         write_table(args.tune_out, tuned, meta)
         if args.out != ap.get_default("out"):  # every candidate's time, beside the table
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({**meta, **tuned}, f, indent=1)
+            save({**meta, **tuned})
         for err in tuned["errors"]:
             print("skipped:", err)
         print(f"wrote {args.tune_out}")
@@ -805,9 +793,7 @@ def main(argv=None) -> int:
     }
 
     def dump():  # after every row: a run cut short by its time limit keeps what it measured
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        save(result)
 
     def new_row(m, tis):
         touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)

@@ -4,7 +4,8 @@
 # and CUDA-graph replays checked against the fp32 reference (sglang-ddtree doctor's check).
 # Short contexts run unsplit; the 2,000-key cases take the split-K path and its reduce kernel
 # (MHA's per-split reduce, MLA's chunked one), which the script requires. Where FlashMLA runs,
-# two cases with the prefix on it (SGLANG_DDTREE_MLA_PREFIX=flashmla) run after them, with PyTorch's caching allocator (FlashMLA allocates while a graph captures). Two drafter
+# two cases with the prefix on it (SGLANG_DDTREE_MLA_PREFIX=flashmla) run after them, with
+# PyTorch's caching allocator (FlashMLA allocates while a graph captures). Two drafter
 # block cases (GQA 8:1, all-ones mask: SGLANG_DDTREE_DRAFT_ATTENTION=triton) run too, and two
 # cases planned for 131,072 tokens as a long-context server plans them: more than 32 splits,
 # whose reduce sums all splits in one step (session 25); the script requires one.
