@@ -335,8 +335,8 @@ def tune(args, layers, make_inputs, dev) -> dict:
                 best = min(best, (timed(cfg), cfg), key=lambda b: b[0])
         us, cfg = best
         print(f"tuned M={m}: {us:.1f} us {cfg}", flush=True)
-        bands.append({"max_m": m, "block_m": cfg.block_m, "gate_up": dataclasses.asdict(cfg.gate_up),
-                      "down": dataclasses.asdict(cfg.down), "us": round(us, 2),
+        bands.append({"max_m": m, "block_m": cfg.block_m, "gate_up": gemm_json(cfg.gate_up),
+                      "down": gemm_json(cfg.down), "us": round(us, 2),
                       "gate_up_candidates_us": {k: round(v, 2) for k, v in gate_up_us.items()}})
     return {"bands": bands, "errors": log}
 
@@ -454,20 +454,26 @@ def pick_gate_up(rows: list, max_random_loss: float = 0.02) -> dict:
     return picks
 
 
+def gemm_json(cfg) -> dict:
+    """A GemmConfig as the table writes it (split_target only where a band has one)."""
+    d = dataclasses.asdict(cfg)
+    if not d.get("split_target"):
+        d.pop("split_target", None)
+    return d
+
+
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked gate-up configs into the table at ``path``: only those bands' ``gate_up``
     (and ``us``, the random-routing time at max_m, where the grid has it) change; block_m and
     down stay; ``meta`` is recorded under "tuned" with the bands it changed."""
     with open(path) as f:
         table = json.load(f)
-    fields = [f.name for f in dataclasses.fields(mw.GemmConfig)]
     changed = []
     for band in table["bands"]:
         pick = picks.get(band["max_m"]) or picks.get(str(band["max_m"]))
         if pick is None:
             continue
-        cfg = dataclasses.asdict(mw.GemmConfig(*pick["gate_up"]))
-        band["gate_up"] = {k: cfg[k] for k in fields}
+        band["gate_up"] = gemm_json(mw.GemmConfig(*pick["gate_up"]))
         if pick.get("random_us_at_max_m"):
             band["us"] = pick["random_us_at_max_m"]
         changed.append(band["max_m"])
@@ -543,7 +549,7 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
 
             for i in range(len(xs)):
                 a, b = align("rows", i), align("chunks", i)
-                used = int((a[1] >= 0).sum()) * cfg.block_m
+                used = int(a[1][-1]) * cfg.block_m  # moe_align's used-block count
                 if not (torch.equal(a[0][:used], b[0][:used]) and torch.equal(a[1], b[1])
                         and torch.equal(a[2], b[2])):
                     raise SystemExit(f"--prologue: the two copy layouts disagree at M={m}")
@@ -630,7 +636,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
-                         "num_warps,num_stages[,n_per_cta,split_dq,split_k]; block_m and the "
+                         "num_warps,num_stages[,n_per_cta,split_dq,split_k,split_target]; "
+                         "block_m and the "
                          "down config stay the table's for that M), outputs checked against "
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--grid-block-m", type=int, default=0,
@@ -701,9 +708,9 @@ def main(argv=None) -> int:
             grid = [tuple(int(v) for v in c.split(",")) for c in args.grid.split(";") if c]
         except ValueError:
             ap.error(f"--grid: ';'-separated block_n,block_k,num_warps,num_stages"
-                     f"[,n_per_cta,split_dq,split_k] lists, got {args.grid!r}")
-        if not grid or any(not 4 <= len(c) <= 7 for c in grid):
-            ap.error(f"--grid: 4 to 7 integers per gate-up config, got {args.grid!r}")
+                     f"[,n_per_cta,split_dq,split_k,split_target] lists, got {args.grid!r}")
+        if not grid or any(not 4 <= len(c) <= 8 for c in grid):
+            ap.error(f"--grid: 4 to 8 integers per gate-up config, got {args.grid!r}")
         for r in args.routings.split(","):
             parse_routing(r)
     dev = torch.device(args.device)

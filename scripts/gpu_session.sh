@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeprologue moeserve moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moeprologue moeserve moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -182,6 +182,24 @@ for s in "$@"; do
                --ms ${MOE_GRID_MS:-17 24 32 33 48 64} --routings concentrated:8,concentrated:32,random \
                --grid "${MOE_GRID:-64,256,4,3,0,1,4;64,256,4,3,0,1,7;32,256,2,3,0,1,4;32,256,2,3,0,1,7}" \
                --out "$OUT/fused_moe_mid_grid_h200.json" ;;
+    moelivetest) # the gate-up's live split (split_target) on the GPU: its tests and the
+             # one-launch split-K's
+             step moe-live-tests ${MOE_LIVE_TEST_LIMIT:-240} python3 -m pytest -q \
+               tests/gpu/test_moe_w4a16_gpu.py -k "live_split or serial_split" ;;
+    moelive) # the gate-up's live split (split_target: the split per call from the used-block
+             # count, on the GPU) per band, its candidates against the table on 8 / 32 shared
+             # experts and on random routing (one JSON per band group, in MOE_LIVE_GROUPS order)
+             for g in ${MOE_LIVE_GROUPS:-m17_64 m5_8 m9_16 m2_4}; do
+               case $g in
+                 m2_4)   ms="2 4"; cands="64,256,4,3,0,1,4,128;64,256,4,3,0,1,4,256;64,256,4,3,0,1,4,512" ;;
+                 m5_8)   ms="5 7 8"; cands="32,128,2,4,0,1,8,128;32,128,2,4,0,1,8,256;32,128,2,4,0,1,8,512;32,128,2,4,0,1,4,256" ;;
+                 m9_16)  ms="9 12 16"; cands="32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,512;32,256,2,3,0,1,4,1024;32,256,2,3,0,1,4,2048" ;;
+                 m17_64) ms="17 24 32 33 48 64"; cands="64,256,4,3,0,1,4,256;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,1024;32,256,2,3,0,1,4,512;32,256,2,3,0,1,4,1024" ;;
+               esac
+               step moe-live-$g ${MOE_LIVE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
+                 --ms $ms --routings concentrated:8,concentrated:32,random --grid "$cands" \
+                 --out "$OUT/fused_moe_live_grid_${g}_h200.json"
+             done ;;
     moeprologue) # the MoE prologue alone (grouping + x's copy; 4.8 us a call at M = 1, 8.7 at
              # M = 9 in session 26's profile), x's copy per row (served) against per chunk
              step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
@@ -211,7 +229,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moeprologue moeserve moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moeprologue moeserve moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -39,10 +39,11 @@ def main() -> int:
             ptx = aot._gemm(moe, kind, bm, tiles).asm["ptx"]
             print("gate_up", bm, tiles, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"}
+           "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
     for split in (2, 4, 8):
         ptx = aot._compile(moe._gate_up_reduce_kernel, sig,
-                           dict(I=aot.I, SPLIT_K=split, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256),
+                           dict(I=aot.I, SPLIT_K=split, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256,
+                                SPLIT_TARGET=0, NUM_N=4, KS=28),
                            4, 1).asm["ptx"]
         print("reduce", split, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     return 0

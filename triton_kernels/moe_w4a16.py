@@ -13,7 +13,12 @@ weights once per step, dequantizes them in registers and fuses the rest around t
    With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials (few
    touched experts); the tile's last program to finish adds them in fixed order and runs the
    epilogue (``_tile_counters``), or, where no counter buffer is at hand,
-   ``_gate_up_reduce_kernel`` does the same in a second launch.
+   ``_gate_up_reduce_kernel`` does the same in a second launch. With ``split_target`` > 0 the
+   split is chosen per call on the GPU (``_live_split``): the smallest divisor of the K steps, at
+   most ``split_k``, that gives the call's used blocks ``split_target`` programs, from the block
+   count the prologue writes; the grid holds ``split_k`` programs per tile and the surplus leaves
+   at once. One band then serves a call whose tokens share 8 experts (deep split) and one spread
+   over hundreds (none) without a host sync or a per-routing config.
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
    the same with one long column loop per program (intermediate sizes that fit one K tile).
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
@@ -104,7 +109,8 @@ def _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.co
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
-    block_expert_ptr,  # [max_blocks] int32 out: expert of each BLOCK_M block, -1 past the end
+    block_expert_ptr,  # [max_blocks + 1] int32 out: expert of each BLOCK_M block, -1 past the
+    # used ones; entry max_blocks: the number of used blocks
     x_ptr,  # [M, K] bf16, row stride stride_xm (read by programs >= NUM_EXPERTS only)
     xp_ptr,  # [M, K] bf16 out: x in plane-major order for BLOCK_K tiles
     T,
@@ -175,6 +181,8 @@ def _prologue_kernel(
     owner = tl.sum((ends_live[None, :] <= j[:, None] * BLOCK_M).to(tl.int32), axis=1)
     owner = tl.where(j * BLOCK_M < total, owner, -1)
     tl.store(block_expert_ptr + j, owner, mask=j < max_blocks)
+    if e == 0:  # the number of used blocks, past the labels (the gate-up's live split reads it)
+        tl.store(block_expert_ptr + max_blocks, total // BLOCK_M)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -213,7 +221,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         inside an expert), padding slots hold ``T = M * topk``; entries past the last used block
         are unspecified.
     block_expert : torch.Tensor
-        ``[max_padded // block_m] int32``: expert of each block, ``-1`` for unused blocks.
+        ``[max_padded // block_m + 1] int32``: expert of each block, ``-1`` for unused blocks;
+        the last entry holds the number of used blocks.
     xp : torch.Tensor or None
         ``[M, K]`` plane-major copy of ``x`` (contiguous).
     """
@@ -221,8 +230,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     max_padded = max_padded_rows(t, num_experts, block_m)
     dev = topk_ids.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
     max_blocks = max_padded // block_m
+    block_expert = torch.empty(max_blocks + 1, dtype=torch.int32, device=dev)
     xp = None if x is None else torch.empty(x.shape, dtype=x.dtype, device=dev)
     rows = 0 if x is None else x.shape[0]
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
@@ -415,6 +424,22 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
 # 2. gate-up GEMM + SiLU-and-multiply
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _live_split(block_expert_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.constexpr,
+                SPLIT_K: tl.constexpr, SPLIT_TARGET: tl.constexpr):
+    """The K split of this call under a live split: the smallest divisor ``c`` of the ``KS``
+    K steps, ``c <= SPLIT_K``, that gives the used blocks' tiles at least ``SPLIT_TARGET``
+    programs (``SPLIT_K`` where none does). Every program of a launch reads the same count
+    (moe_align's), so all agree; a call whose tokens share few experts gets more programs per
+    tile, one that touches many gets fewer (no partial sums at split 1)."""
+    live = tl.load(block_expert_ptr + max_blocks) * NUM_N
+    s = tl.full([], SPLIT_K, tl.int32)
+    for c in tl.static_range(SPLIT_K - 1, 0, -1):  # descending: the last match is the smallest
+        if KS % c == 0:
+            s = tl.where(live * c >= SPLIT_TARGET, c, s)
+    return s
+
+
+@triton.jit
 def _gate_up_kernel(
     xp_ptr,  # [M, K] bf16, plane-major for BLOCK_K tiles (see _prologue_kernel)
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
@@ -422,10 +447,10 @@ def _gate_up_kernel(
     sorted_ids_ptr,  # [max_padded] int32
     block_expert_ptr,  # [max_blocks] int32
     h_ptr,  # [max_padded, I] bf16 out, row = padded position, plane-major for DOWN_BLOCK_K tiles
-    part_ptr,  # SPLIT_K > 1: [SPLIT_K, max_padded, 2 I] fp32 out (gate then up partial sums)
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, part_rows, 2 I] fp32 out (gate then up partial sums)
     cnt_ptr,  # SERIAL: [>= max_blocks * I // BLOCK_N] int32, zero between launches (self-rearming)
     T,
-    max_padded,
+    part_rows,  # rows of a split's partial-sum slice (padded positions; see fused_moe_w4a16)
     K: tl.constexpr,
     I: tl.constexpr,
     TOPK: tl.constexpr,
@@ -438,11 +463,22 @@ def _gate_up_kernel(
     SPLIT_K: tl.constexpr = 1,  # > 1: programs sum K / SPLIT_K rows each into part_ptr
     HALF_M: tl.constexpr = False,  # a block with no real row in its second half: BLOCK_M / 2 rows
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
+    SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
-    pid_k = pid % SPLIT_K
-    pid_mn = pid // SPLIT_K
+    if SPLIT_TARGET > 0:
+        # Split-major programs (a split's tiles together, used blocks first); the grid holds
+        # SPLIT_K of them per tile, and those past this call's split leave at once.
+        max_blocks = tl.num_programs(0) // (NUM_N * SPLIT_K)
+        pid_k = pid // (max_blocks * NUM_N)
+        pid_mn = pid % (max_blocks * NUM_N)
+        n_split = _live_split(block_expert_ptr, max_blocks, NUM_N, K // BLOCK_K, SPLIT_K,
+                              SPLIT_TARGET)
+    else:
+        pid_k = pid % SPLIT_K
+        pid_mn = pid // SPLIT_K
+        n_split = SPLIT_K
     pid_m = pid_mn // NUM_N
     pid_n = pid_mn % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
@@ -451,42 +487,50 @@ def _gate_up_kernel(
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
+    if SPLIT_TARGET > 0:
+        if pid_k >= n_split:
+            return
     row0 = pid_m * BLOCK_M
     if HALF_M:
         if level == 0:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
         elif BLOCK_M >= 64:
             if level == 1:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
             else:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
-                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
         else:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded,
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
     else:
-        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded, e,
+        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
 
 
 @triton.jit
-def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_padded, e, row0,
+def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e, row0,
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
-    ``pid_n``'s, K range ``pid_k``'s; ``tile`` indexes its counter under ``SERIAL``."""
+    ``pid_n``'s, K range ``pid_k``'s of ``n_split`` (``SPLIT_K`` itself, or this call's live
+    split, at most ``SPLIT_K``); ``tile`` indexes its counter under ``SERIAL``."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
-    K_STEPS: tl.constexpr = K // BLOCK_K // SPLIT_K
+    K_STEPS = K // BLOCK_K // n_split
     offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -502,15 +546,28 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    for _ in range(0, K_STEPS):
-        acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
-                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
-        x_ptrs += BLOCK_K
-        w_ptrs += KP * N2
-        s_ptrs += (BLOCK_K // _GROUP) * N2
-    if SPLIT_K > 1:
+    if PORTABLE:
+        # the interpreter cannot range() over a loaded bound (a live split): a while loop
+        i = 0
+        while i < K_STEPS:
+            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
+                                 True, PORTABLE, SPLIT_DQ)
+            x_ptrs += BLOCK_K
+            w_ptrs += KP * N2
+            s_ptrs += (BLOCK_K // _GROUP) * N2
+            i += 1
+    else:
+        for _ in range(0, K_STEPS):
+            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
+                                 True, PORTABLE, SPLIT_DQ)
+            x_ptrs += BLOCK_K
+            w_ptrs += KP * N2
+            s_ptrs += (BLOCK_K // _GROUP) * N2
+    if SPLIT_K > 1 and n_split > 1:
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
-        p_ptrs = (part_ptr + (pid_k.to(tl.int64) * max_padded + offs_m[None, :]) * N2
+        p_ptrs = (part_ptr + (pid_k.to(tl.int64) * part_rows + offs_m[None, :]) * N2
                   + offs_n[:, None])
         tl.store(p_ptrs, acc_g, mask=x_mask)
         tl.store(p_ptrs + I, acc_u, mask=x_mask)
@@ -523,14 +580,15 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, max_
             # loads (.cg) let the last program see the other programs' partials.
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
+            if arrived == n_split - 1:
                 g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
                 u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
                 for k in tl.static_range(SPLIT_K):
-                    q_ptrs = (part_ptr + (k * max_padded + offs_m[None, :]).to(tl.int64) * N2
-                              + offs_n[:, None])
-                    g += tl.load(q_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
-                    u += tl.load(q_ptrs + I, mask=x_mask, other=0.0, cache_modifier=".cg")
+                    if k < n_split:  # the live split's partials only, in split order
+                        q_ptrs = (part_ptr + (k * part_rows + offs_m[None, :]).to(tl.int64) * N2
+                                  + offs_n[:, None])
+                        g += tl.load(q_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
+                        u += tl.load(q_ptrs + I, mask=x_mask, other=0.0, cache_modifier=".cg")
                 _gate_up_store(g, u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
@@ -549,32 +607,43 @@ def _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I: tl.constexpr,
 
 @triton.jit
 def _gate_up_reduce_kernel(
-    part_ptr,  # [SPLIT_K, max_padded, 2 I] fp32 partial sums (real rows written)
+    part_ptr,  # [SPLIT_K, part_rows, 2 I] fp32 partial sums (real rows written)
     sorted_ids_ptr,  # [max_padded] int32
     block_expert_ptr,  # [max_blocks] int32
     h_ptr,  # [max_padded, I] bf16 out, plane-major for DOWN_BLOCK_K tiles
     T,
-    max_padded,
+    part_rows,
     I: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     DOWN_BLOCK_K: tl.constexpr,
+    SPLIT_TARGET: tl.constexpr = 0,  # the gate-up's live split (see _live_split)
+    NUM_N: tl.constexpr = 1,  # (SPLIT_TARGET) the gate-up's column tiles ...
+    KS: tl.constexpr = 1,  # ... and K steps
 ):
     """Split-K gate-up epilogue: sum the partials in fixed order, then SiLU(gate) * up -> h."""
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
+    n_split = SPLIT_K
+    if SPLIT_TARGET > 0:
+        n_split = _live_split(block_expert_ptr, tl.num_programs(0), NUM_N, KS, SPLIT_K,
+                              SPLIT_TARGET)
+        if n_split == 1:  # the gate-up wrote h itself
+            return
     offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = row_ok[:, None]
     g = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for k in tl.static_range(SPLIT_K):
-        p_ptrs = part_ptr + (k * max_padded + offs_m[:, None]).to(tl.int64) * (2 * I) + offs_c[None, :]
-        g += tl.load(p_ptrs, mask=mask, other=0.0)
-        u += tl.load(p_ptrs + I, mask=mask, other=0.0)
+        if k < n_split:
+            p_ptrs = (part_ptr + (k * part_rows + offs_m[:, None]).to(tl.int64) * (2 * I)
+                      + offs_c[None, :])
+            g += tl.load(p_ptrs, mask=mask, other=0.0)
+            u += tl.load(p_ptrs + I, mask=mask, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u
     h_cols = _plane_major_cols(offs_c, DOWN_BLOCK_K)
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * I + h_cols[None, :],
@@ -810,6 +879,11 @@ class GemmConfig:
     # gate-up GEMM only: > 1 splits K over that many programs per tile (more programs in flight
     # when few experts are touched); a small reduce kernel adds the fp32 partials in fixed order.
     split_k: int = 1
+    # gate-up GEMM only, with split_k > 1: > 0 makes split_k the most a call splits K; each call
+    # takes the smallest split (a divisor of the K steps) that gives its used row blocks at least
+    # split_target programs, read on the GPU from moe_align's block count (so one band serves
+    # calls on few experts, which want a deep split, and calls on many, which want none).
+    split_target: int = 0
 
 
 @dataclass(frozen=True)
@@ -857,6 +931,18 @@ def select_config(m: int) -> MoeConfig:
     return table[-1][1]
 
 
+def live_split(used_blocks: int, num_n: int, k_steps: int, split_k: int,
+               split_target: int) -> int:
+    """The K split ``_live_split`` takes on the GPU for a call with ``used_blocks`` row blocks
+    (host mirror, for tests and benchmarks; the kernel never asks the host)."""
+    if split_target <= 0:
+        return split_k
+    for c in range(1, split_k):
+        if k_steps % c == 0 and used_blocks * num_n * c >= split_target:
+            return c
+    return split_k
+
+
 def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     """Fit a table config to the problem: shrink tiles that exceed a small problem (tests use tiny
     hidden / FFN sizes), and drop the shape-bound options where the shape rules them out (the
@@ -867,7 +953,7 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
     split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
-                      split_k)
+                      split_k, cfg.split_target if split_k > 1 else 0)
 
 
 # Split-K gate-up sums its partials inside the GEMM launch (the last program of each tile, see
@@ -1006,22 +1092,28 @@ def fused_moe_w4a16(
     y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
     n_blocks = max_padded // bm
 
+    num_n = inter // gu.block_n
+    # Rows of a split's partial slice: every padded row, or under a live split only the rows of
+    # calls that split at all (fewer than split_target / num_n used blocks; see _live_split).
+    part_rows = max_padded if not gu.split_target else min(
+        max_padded, triton.cdiv(gu.split_target, num_n) * bm)
     part = h if gu.split_k == 1 else torch.empty(
-        gu.split_k, max_padded, 2 * inter, dtype=torch.float32, device=hidden_states.device)
-    tiles = n_blocks * (inter // gu.block_n)
+        gu.split_k, part_rows, 2 * inter, dtype=torch.float32, device=hidden_states.device)
+    tiles = n_blocks * num_n
     counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
     _gate_up_kernel[(tiles * gu.split_k,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
-        sorted_ids if counters is None else counters, t, max_padded, K=hidden,
+        sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
-        num_warps=gu.num_warps, num_stages=gu.num_stages)
+        SPLIT_TARGET=gu.split_target, num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
-            part, sorted_ids, block_expert, h, t, max_padded, I=inter, SPLIT_K=gu.split_k,
-            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k)
+            part, sorted_ids, block_expert, h, t, part_rows, I=inter, SPLIT_K=gu.split_k,
+            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k,
+            SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k)
     if _upto < 3:
         return out
     if dn.n_per_cta:

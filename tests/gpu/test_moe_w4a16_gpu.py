@@ -53,9 +53,10 @@ def routing(m, seed, device="cuda"):
     return tw.float().contiguous(), ti.to(torch.int32).contiguous(), logits
 
 
-def ours(K, w, x, tw, ti, scale=1.0, out=None):
+def ours(K, w, x, tw, ti, scale=1.0, out=None, config=None):
     return K.moe.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                 w["w2_scale"], tw, ti, routed_scaling_factor=scale, out=out)
+                                 w["w2_scale"], tw, ti, routed_scaling_factor=scale, out=out,
+                                 config=config)
 
 
 def reference(K, w, x, tw, ti, scale=1.0):
@@ -158,16 +159,16 @@ def test_padding_ids(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
-def captured(K, w, x, tw, ti, out):
+def captured(K, w, x, tw, ti, out, config=None):
     """A CUDA graph of one call writing ``out`` (after a warm-up call on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ours(K, w, x, tw, ti, out=out)
+        ours(K, w, x, tw, ti, out=out, config=config)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ours(K, w, x, tw, ti, out=out)
+        ours(K, w, x, tw, ti, out=out, config=config)
     return graph
 
 
@@ -226,6 +227,59 @@ def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
         assert torch.equal(out, two_launch(tw2, ti2)), f"replay {i}"
     counters = moe._counters[("cuda", torch.cuda.current_device())]
     assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 17, 33, 64])
+@pytest.mark.parametrize("serial", ["1", "0"])
+def test_live_split_follows_the_routing_in_one_graph(K, w, m, serial, monkeypatch):
+    """One captured graph with a live split (at most 8 / 4 splits, target 256 programs) takes
+    each replay's own split: on 8 shared experts a deep one, on random routing little or none.
+    Every replay equals, bit for bit, an eager call with the fixed split the host rule names
+    for that routing's block count, in one launch and with the reduce kernel."""
+    moe = K.moe
+    monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, serial)
+    table = moe.select_config(m)
+    base = table.gate_up
+    split_k = 8 if base.block_k == 128 else 4
+    live = moe.MoeConfig(table.block_m, moe.GemmConfig(
+        base.block_n, base.block_k, base.num_warps, base.num_stages, 0, base.split_dq, split_k,
+        256), table.down)
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+
+    def route(seed, few):
+        tw, ti, _ = routing(m, seed)
+        if few:
+            ti = torch.randperm(E, device="cuda")[:TOPK].to(torch.int32).repeat(m, 1)
+        return tw, ti.contiguous()
+
+    def fixed(tw, ti):
+        blocks = int(moe.moe_align(ti, E, table.block_m)[1][-1])
+        split = moe.live_split(blocks, I // base.block_n, H // base.block_k, split_k, 256)
+        cfg = moe.MoeConfig(table.block_m, moe.GemmConfig(
+            base.block_n, base.block_k, base.num_warps, base.num_stages, 0, base.split_dq,
+            split), table.down)
+        return ours(K, w, x, tw, ti, config=cfg).clone(), split
+
+    tw, ti = route(20, few=True)
+    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+    graph = captured(K, w, x, tw, ti, out, config=live)
+    splits = set()
+    for i in range(8):
+        tw2, ti2 = route(200 + i, few=i % 2 == 0)
+        tw.copy_(tw2)
+        ti.copy_(ti2)
+        x.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        want, split = fixed(tw2, ti2)
+        splits.add(split)
+        assert torch.equal(out, want), f"replay {i}, split {split}"
+        rel, mx = errors(out, reference(K, w, x, tw2, ti2))
+        assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
+    if m >= 8:
+        assert len(splits) > 1, splits  # the graph took more than one split
+    if serial == "1":
+        assert int(moe._counters[("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 def _sglang_or_skip():

@@ -149,6 +149,86 @@ def test_serial_split_k_equals_the_reduce_kernel(experts, cfg, monkeypatch):
     assert torch.equal(again, serial)
 
 
+# Live split (split_target): hidden 512 gives 4 K steps of 128, so the call's split can be 1, 2
+# or 4; intermediate 128 in 64-column tiles gives 2 tiles per block. Target 8 programs: 1 used
+# block -> split 4, 2-3 -> split 2, 4 or more -> split 1.
+H_LIVE = 512
+
+
+def _live_cfg(split_k, target):
+    return MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, split_k, target),
+                         MOE.GemmConfig(64, 128, 4, 1, 128))
+
+
+@pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
+@pytest.mark.parametrize("serial", ["1", "0"])
+def test_live_split_equals_the_fixed_split_it_picks(case, serial, monkeypatch):
+    """A live-split call equals, bit for bit, the fixed-split call with the split the rule picks
+    for its block count (host mirror ``live_split``), in one launch and with the reduce kernel;
+    the counters end at 0."""
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
+    w = REF.make_random_moe(9, H_LIVE, I, seed=77)
+    m = {"one_block": 5, "two_blocks": 12, "many_blocks": 40}[case]
+    x = torch.randn(m, H_LIVE, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, 9, 2, seed=300 + m)
+    if case == "one_block":  # slot 1 dropped, slot 0 on expert 3: 5 rows, one block
+        ti[:, 0], ti[:, 1] = 3, -1
+    elif case == "two_blocks":  # experts 1 and 6: 12 rows each
+        ti[:, 0], ti[:, 1] = 1, 6
+    blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
+    want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
+    assert MOE.live_split(blocks, 2, 4, 4, 8) == want, blocks
+
+    def call(cfg):
+        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
+        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                   w["w2_scale"], tw, ti, out=out, config=cfg)
+
+    live = call(_live_cfg(4, 8))
+    fixed = call(_live_cfg(want, 0))
+    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                  w["w2_scale"], tw, ti, 1.0)
+    check(live, ref)
+    assert torch.equal(live, fixed)
+    if serial == "1":
+        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m,experts_used,target,split_k,k_steps", [
+    (5, 1, 8, 4, 4), (12, 2, 8, 4, 4), (40, 0, 8, 4, 4), (8, 8, 256, 8, 56),
+    (3, 3, 64, 8, 56), (64, 0, 256, 4, 28)])
+def test_live_split_on_device_matches_the_host_rule(m, experts_used, target, split_k, k_steps):
+    """_live_split reads moe_align's block count and picks what ``live_split`` says (0 experts
+    used: random top-2 routing over 9 experts)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(be_ptr, out_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.constexpr,
+              SPLIT_K: tl.constexpr, SPLIT_TARGET: tl.constexpr):
+        tl.store(out_ptr, MOE._live_split(be_ptr, max_blocks, NUM_N, KS, SPLIT_K, SPLIT_TARGET))
+
+    _, ti = random_routing(m, 9, 2, seed=400 + m)
+    if experts_used:
+        ti = torch.stack([torch.arange(m) % experts_used, torch.full((m,), -1)], 1).int()
+    _, block_expert, _ = MOE.moe_align(ti, 9, 16)
+    out = torch.zeros(1, dtype=torch.int32)
+    probe[(1,)](block_expert, out, block_expert.numel() - 1, NUM_N=8, KS=k_steps,
+                SPLIT_K=split_k, SPLIT_TARGET=target)
+    assert int(out) == MOE.live_split(int(block_expert[-1]), 8, k_steps, split_k, target)
+
+
+def test_live_split_rule():
+    """The host mirror: the smallest divisor of the K steps up to split_k that reaches the
+    target, split_k when none does, and split_k itself without a target."""
+    assert MOE.live_split(8, 8, 56, 8, 256) == 4  # 8 experts at M = 8: 64 tiles
+    assert MOE.live_split(61, 8, 56, 8, 256) == 1  # random routing at M = 8: 488 tiles
+    assert MOE.live_split(20, 8, 56, 8, 256) == 2
+    assert MOE.live_split(5, 8, 56, 8, 256) == 7  # 40 tiles: 7 divides 56, 6 and 5 do not
+    assert MOE.live_split(1, 8, 28, 4, 256) == 4  # none reaches it: split_k
+    assert MOE.live_split(1, 8, 56, 8, 0) == 8
+
+
 def test_tile_counters_grow_and_keep_the_old_buffer(monkeypatch):
     monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "1")
     MOE._counters.clear()
@@ -248,8 +328,10 @@ def test_align(m, e, topk, bm):
     assert sorted_ids.numel() == MOE.max_padded_rows(m * topk, e, bm) >= len(rows)
     assert sorted_ids[: len(rows)].tolist() == rows
     nb = len(owners)
+    assert block_expert.numel() == sorted_ids.numel() // bm + 1
     assert block_expert[:nb].tolist() == owners
-    assert (block_expert[nb:] == -1).all()
+    assert (block_expert[nb:-1] == -1).all()
+    assert int(block_expert[-1]) == nb, "the used-block count past the labels"
 
 
 @pytest.mark.parametrize("block_k", [128, 256])

@@ -54,16 +54,17 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k]) as in GemmConfig; ``half_m`` as MoeConfig's."""
-    bn, bk, warps, stages, n_per_cta, split_dq, split_k = (tuple(tiles) + (0, 0, 1)[len(tiles) - 4:])
+    split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` as MoeConfig's."""
+    bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target = (
+        tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
-               "cnt_ptr": "*i32", "T": "i32", "max_padded": "i32"}
+               "cnt_ptr": "*i32", "T": "i32", "part_rows": "i32"}
         # split-K as served: each tile's last program sums the partials (SERIAL)
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
-                     SERIAL=split_k > 1)
+                     SERIAL=split_k > 1, SPLIT_TARGET=split_target)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -83,7 +84,8 @@ def _shipped():
             g = band[kind]
             key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
                                            g["num_stages"], g.get("n_per_cta", 0),
-                                           g.get("split_dq", 0), g.get("split_k", 1)))
+                                           g.get("split_dq", 0), g.get("split_k", 1),
+                                           g.get("split_target", 0)))
             if key not in seen:
                 seen.append(key)
     return seen
@@ -119,16 +121,21 @@ def test_prologue_and_combine_compile(MOE):
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "h_ptr": "*bf16", "T": "i32", "max_padded": "i32"}
-    _compile(MOE._gate_up_reduce_kernel, sig, dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128,
-                                                     DOWN_BLOCK_K=256), 4, 1)
+           "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
+    const = dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256, SPLIT_TARGET=0,
+                 NUM_N=4, KS=28)
+    _compile(MOE._gate_up_reduce_kernel, sig, const, 4, 1)
+    _compile(MOE._gate_up_reduce_kernel, sig, dict(const, SPLIT_TARGET=256), 4, 1)
 
 
 # (32, 256, 2, 2, 0, 1, 4), a tuning candidate never shipped, spills 24 bytes with the serial
 # split-K fix-up (session 26) and is left out.
 @pytest.mark.parametrize("tiles", [(32, 256, 2, 3, 0, 1, 2), (32, 256, 2, 3, 0, 1, 7),
                                    (64, 256, 4, 3, 0, 1, 2), (32, 128, 2, 4, 0, 1, 2),
-                                   (32, 128, 2, 4, 0, 1, 4)], ids=str)
+                                   (32, 128, 2, 4, 0, 1, 4),
+                                   # live splits (split_target > 0)
+                                   (32, 128, 2, 4, 0, 1, 8, 256), (32, 256, 2, 3, 0, 1, 4, 256),
+                                   (64, 256, 4, 3, 0, 1, 4, 512)], ids=str)
 def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
 
