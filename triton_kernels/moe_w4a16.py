@@ -430,13 +430,14 @@ def _live_split(block_expert_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.conste
     K steps, ``c <= SPLIT_K``, that gives the used blocks' tiles at least ``SPLIT_TARGET``
     programs (``SPLIT_K`` where none does). Every program of a launch reads the same count
     (moe_align's), so all agree; a call whose tokens share few experts gets more programs per
-    tile, one that touches many gets fewer (no partial sums at split 1)."""
+    tile, one that touches many gets fewer (no partial sums at split 1). Returns the split and
+    the used tiles (used blocks x ``NUM_N``)."""
     live = tl.load(block_expert_ptr + max_blocks) * NUM_N
     s = tl.full([], SPLIT_K, tl.int32)
     for c in tl.static_range(SPLIT_K - 1, 0, -1):  # descending: the last match is the smallest
         if KS % c == 0:
             s = tl.where(live * c >= SPLIT_TARGET, c, s)
-    return s
+    return s, live
 
 
 @triton.jit
@@ -464,17 +465,21 @@ def _gate_up_kernel(
     HALF_M: tl.constexpr = False,  # a block with no real row in its second half: BLOCK_M / 2 rows
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
+    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
     if SPLIT_TARGET > 0:
-        # Split-major programs (a split's tiles together, used blocks first); the grid holds
-        # SPLIT_K of them per tile, and those past this call's split leave at once.
-        max_blocks = tl.num_programs(0) // (NUM_N * SPLIT_K)
-        pid_k = pid // (max_blocks * NUM_N)
-        pid_mn = pid % (max_blocks * NUM_N)
-        n_split = _live_split(block_expert_ptr, max_blocks, NUM_N, K // BLOCK_K, SPLIT_K,
-                              SPLIT_TARGET)
+        # The used tiles' programs first, n_split per tile (the used blocks lead block_expert),
+        # whatever the split: the grid (live_grid) holds the most any call can need, and
+        # programs past this call's leave at once. max_blocks as moe_align sized it.
+        max_blocks = (T + tl.minimum(T, NUM_EXPERTS) * (BLOCK_M - 1) + BLOCK_M - 1) // BLOCK_M
+        n_split, live = _live_split(block_expert_ptr, max_blocks, NUM_N, K // BLOCK_K, SPLIT_K,
+                                    SPLIT_TARGET)
+        if pid >= live * n_split:
+            return
+        pid_k = pid % n_split
+        pid_mn = pid // n_split
     else:
         pid_k = pid % SPLIT_K
         pid_mn = pid // SPLIT_K
@@ -487,9 +492,6 @@ def _gate_up_kernel(
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
-    if SPLIT_TARGET > 0:
-        if pid_k >= n_split:
-            return
     row0 = pid_m * BLOCK_M
     if HALF_M:
         if level == 0:
@@ -629,8 +631,8 @@ def _gate_up_reduce_kernel(
         return
     n_split = SPLIT_K
     if SPLIT_TARGET > 0:
-        n_split = _live_split(block_expert_ptr, tl.num_programs(0), NUM_N, KS, SPLIT_K,
-                              SPLIT_TARGET)
+        n_split, _ = _live_split(block_expert_ptr, tl.num_programs(0), NUM_N, KS, SPLIT_K,
+                                 SPLIT_TARGET)
         if n_split == 1:  # the gate-up wrote h itself
             return
     offs_m, rows, row_ok = _block_rows(sorted_ids_ptr, pid_m, T, BLOCK_M)
@@ -943,6 +945,18 @@ def live_split(used_blocks: int, num_n: int, k_steps: int, split_k: int,
     return split_k
 
 
+def live_grid(max_tiles: int, k_steps: int, split_k: int, split_target: int) -> int:
+    """Programs a live-split gate-up launch needs for any call of at most ``max_tiles`` used
+    tiles: a call takes split ``c`` only while ``tiles x p < split_target`` for the candidate
+    ``p`` below ``c``, so its ``tiles x c`` programs stay below the target times ``c / p``; at
+    split 1, ``max_tiles``. (Far below ``max_tiles x split_k`` when few tiles can be used.)"""
+    cands = [c for c in range(1, split_k + 1) if k_steps % c == 0 or c == split_k]
+    need = max_tiles
+    for p, c in zip(cands, cands[1:]):
+        need = max(need, min(max_tiles, -(-split_target // p) - 1) * c)
+    return need
+
+
 def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     """Fit a table config to the problem: shrink tiles that exceed a small problem (tests use tiny
     hidden / FFN sizes), and drop the shape-bound options where the shape rules them out (the
@@ -1101,13 +1115,16 @@ def fused_moe_w4a16(
         gu.split_k, part_rows, 2 * inter, dtype=torch.float32, device=hidden_states.device)
     tiles = n_blocks * num_n
     counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
-    _gate_up_kernel[(tiles * gu.split_k,)](
+    programs = tiles * gu.split_k if not gu.split_target else live_grid(
+        tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
+    _gate_up_kernel[(programs,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
         sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
-        SPLIT_TARGET=gu.split_target, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        SPLIT_TARGET=gu.split_target, NUM_EXPERTS=num_experts if gu.split_target else 0,
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](

@@ -206,16 +206,19 @@ def test_live_split_on_device_matches_the_host_rule(m, experts_used, target, spl
     @triton.jit
     def probe(be_ptr, out_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.constexpr,
               SPLIT_K: tl.constexpr, SPLIT_TARGET: tl.constexpr):
-        tl.store(out_ptr, MOE._live_split(be_ptr, max_blocks, NUM_N, KS, SPLIT_K, SPLIT_TARGET))
+        split, live = MOE._live_split(be_ptr, max_blocks, NUM_N, KS, SPLIT_K, SPLIT_TARGET)
+        tl.store(out_ptr, split)
+        tl.store(out_ptr + 1, live)
 
     _, ti = random_routing(m, 9, 2, seed=400 + m)
     if experts_used:
         ti = torch.stack([torch.arange(m) % experts_used, torch.full((m,), -1)], 1).int()
     _, block_expert, _ = MOE.moe_align(ti, 9, 16)
-    out = torch.zeros(1, dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32)
     probe[(1,)](block_expert, out, block_expert.numel() - 1, NUM_N=8, KS=k_steps,
                 SPLIT_K=split_k, SPLIT_TARGET=target)
-    assert int(out) == MOE.live_split(int(block_expert[-1]), 8, k_steps, split_k, target)
+    used = int(block_expert[-1])
+    assert out.tolist() == [MOE.live_split(used, 8, k_steps, split_k, target), used * 8]
 
 
 def test_live_split_rule():
@@ -227,6 +230,18 @@ def test_live_split_rule():
     assert MOE.live_split(5, 8, 56, 8, 256) == 7  # 40 tiles: 7 divides 56, 6 and 5 do not
     assert MOE.live_split(1, 8, 28, 4, 256) == 4  # none reaches it: split_k
     assert MOE.live_split(1, 8, 56, 8, 0) == 8
+
+
+@pytest.mark.parametrize("k_steps,split_k,target", [(56, 8, 256), (56, 8, 512), (28, 4, 256),
+                                                    (28, 4, 1024), (4, 4, 8), (28, 7, 300)])
+def test_live_grid_holds_every_call(k_steps, split_k, target):
+    """No call of at most max_tiles used tiles needs more programs than live_grid gives, and
+    the bound is tight (some call needs them all)."""
+    for max_tiles in (1, 7, 64, 512, 1568):
+        grid = MOE.live_grid(max_tiles, k_steps, split_k, target)
+        need = [t * MOE.live_split(t // 1, 1, k_steps, split_k, target)
+                for t in range(max_tiles + 1)]
+        assert max(need) == grid, (max_tiles, grid, max(need))
 
 
 def test_tile_counters_grow_and_keep_the_old_buffer(monkeypatch):

@@ -64,7 +64,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
         # split-K as served: each tile's last program sums the partials (SERIAL)
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
-                     SERIAL=split_k > 1, SPLIT_TARGET=split_target)
+                     SERIAL=split_k > 1, SPLIT_TARGET=split_target,
+                     NUM_EXPERTS=384 if split_target else 0)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
