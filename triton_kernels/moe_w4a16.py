@@ -498,28 +498,27 @@ def _gate_up_kernel(
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, SPLIT_TARGET > 0)
+                          n_split)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, SPLIT_TARGET > 0)
+                          n_split)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, SPLIT_TARGET > 0)
+                          n_split)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, SPLIT_TARGET > 0)
+                          n_split)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split,
-                      SPLIT_TARGET > 0)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
 
 
 @triton.jit
@@ -527,37 +526,47 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  LIVE: tl.constexpr):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s, K range ``pid_k``'s of ``n_split`` (``SPLIT_K`` itself, or this call's live
     split, at most ``SPLIT_K``); ``tile`` indexes its counter under ``SERIAL``."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
-    KS: tl.constexpr = K // BLOCK_K
+    K_STEPS = K // BLOCK_K // n_split
     offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
+    # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
+    k0 = pid_k * (K_STEPS * BLOCK_K)  # first input row of this program's K range
+    w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
+              + offs_n[:, None])
+    s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
+              + offs_n[:, None])
+    x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    if LIVE:
-        # One loop per split this call may take, each with its trip count known at compile
-        # time (with a loaded bound the pipelined loop lost up to 14 % on the H200, session 27)
-        for c in tl.static_range(1, SPLIT_K + 1):
-            if KS % c == 0:
-                if n_split == c:
-                    acc_g, acc_u = _gate_up_steps(
-                        acc_g, acc_u, w_ptr, s_ptr, xp_ptr, e64, tok, offs_n, offs_r, x_mask,
-                        pid_k * (KS // c * BLOCK_K), KS // c, K, I, KP, N2, BLOCK_K, PORTABLE,
-                        SPLIT_DQ)
+    if PORTABLE:
+        # the interpreter cannot range() over a loaded bound (a live split): a while loop
+        i = 0
+        while i < K_STEPS:
+            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
+                                 True, PORTABLE, SPLIT_DQ)
+            x_ptrs += BLOCK_K
+            w_ptrs += KP * N2
+            s_ptrs += (BLOCK_K // _GROUP) * N2
+            i += 1
     else:
-        acc_g, acc_u = _gate_up_steps(
-            acc_g, acc_u, w_ptr, s_ptr, xp_ptr, e64, tok, offs_n, offs_r, x_mask,
-            pid_k * (KS // SPLIT_K * BLOCK_K), KS // SPLIT_K, K, I, KP, N2, BLOCK_K, PORTABLE,
-            SPLIT_DQ)
+        for _ in range(0, K_STEPS):
+            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
+                                 True, PORTABLE, SPLIT_DQ)
+            x_ptrs += BLOCK_K
+            w_ptrs += KP * N2
+            s_ptrs += (BLOCK_K // _GROUP) * N2
     if SPLIT_K > 1 and n_split > 1:
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
         p_ptrs = (part_ptr + (pid_k.to(tl.int64) * part_rows + offs_m[None, :]) * N2
@@ -586,27 +595,6 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
-
-
-@triton.jit
-def _gate_up_steps(acc_g, acc_u, w_ptr, s_ptr, xp_ptr, e64, tok, offs_n, offs_r, x_mask, k0,
-                   STEPS: tl.constexpr, K: tl.constexpr, I: tl.constexpr, KP: tl.constexpr,
-                   N2: tl.constexpr, BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr,
-                   SPLIT_DQ: tl.constexpr):
-    """``STEPS`` K tiles of gate and up from input row ``k0`` into the accumulators."""
-    # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
-    w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
-              + offs_n[:, None])
-    s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
-              + offs_n[:, None])
-    x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
-    for _ in range(0, STEPS):
-        acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs), tl.load(w_ptrs + I),
-                             tl.load(s_ptrs + I), x_ptrs, x_mask, KP, True, PORTABLE, SPLIT_DQ)
-        x_ptrs += BLOCK_K
-        w_ptrs += KP * N2
-        s_ptrs += (BLOCK_K // _GROUP) * N2
-    return acc_g, acc_u
 
 
 @triton.jit
