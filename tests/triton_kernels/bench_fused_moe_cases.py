@@ -184,16 +184,23 @@ def _same_gate_up(bench, table_entry: dict, pick: list) -> bool:
 
 
 def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
-    """The M 9-64 bands' gate-up configs are what --pick-from chooses from the H200 grid that
-    bench_results holds; a table edited by hand (or re-tuned on random routing only) fails."""
-    grid = json.loads((REPO / "bench_results" / "fused_moe_split_grid_h200_s21.json").read_text())
-    picks = bench.pick_gate_up(grid["rows"])
+    """The M 9-16 band's gate-up config is what --pick-from chooses from session 21's H200
+    grid, the M 17-32 / 33-64 bands' (live splits since session 27) what it chooses from
+    session 27's; a table edited by hand (or re-tuned on random routing only) fails."""
+    def picks_of(name):
+        grid = json.loads((REPO / "bench_results" / name).read_text())
+        return bench.pick_gate_up(grid["rows"])
+
+    s21 = picks_of("fused_moe_split_grid_h200_s21.json")
+    s27 = picks_of("fused_moe_live_grid_h200_s27.json")
+    assert sorted(s21) == [16, 32, 64] and sorted(s27) == [32, 64]
+    picks = {16: s21[16], 32: s27[32], 64: s27[64]}
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     bands = {b["max_m"]: b for b in table["bands"]}
-    assert sorted(picks) == [16, 32, 64]
     for band, pick in picks.items():
         assert _same_gate_up(bench, bands[band]["gate_up"], pick["gate_up"]), band
         assert pick["random"] <= 1.02 and pick["concentrated"] < 1
+    assert [bands[b]["gate_up"].get("split_target", 0) for b in (16, 32, 64)] == [0, 512, 256]
     # applying the picks again changes no band (the table already holds them)
     copy = tmp_path / "table.json"
     copy.write_text(json.dumps(table))
