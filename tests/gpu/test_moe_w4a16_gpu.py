@@ -159,6 +159,28 @@ def test_padding_ids(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
+def few_or_random(m, seed, few):
+    """Routing of m tokens: top-8 of random logits, or (few) every token's top 8 among the same
+    8 experts (SGLang's dummy fill)."""
+    tw, ti, _ = routing(m, seed)
+    if few:
+        ti = torch.randperm(E, device="cuda")[:TOPK].to(torch.int32).repeat(m, 1)
+    return tw, ti.contiguous()
+
+
+def replays(graph, x, tw, ti, n, seed0):
+    """Replay ``graph`` n times, each with fresh x and routing (few experts on even replays)
+    written into its captured inputs; yields (replay, routing weights, routing ids)."""
+    for i in range(n):
+        tw2, ti2 = few_or_random(x.shape[0], seed0 + i, few=i % 2 == 0)
+        tw.copy_(tw2)
+        ti.copy_(ti2)
+        x.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i, tw2, ti2
+
+
 def captured(K, w, x, tw, ti, out, config=None):
     """A CUDA graph of one call writing ``out`` (after a warm-up call on a side stream)."""
     s = torch.cuda.Stream()
@@ -199,12 +221,6 @@ def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
     assert cfg.gate_up.split_k > 1, cfg  # the table splits K at every M here
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
 
-    def route(seed, few):
-        tw, ti, logits = routing(m, seed)
-        if few:  # every token's top 8 among the same 8 experts (SGLang's dummy fill)
-            ti = torch.randperm(E, device="cuda")[:TOPK].to(torch.int32).repeat(m, 1)
-        return tw, ti.contiguous()
-
     def two_launch(tw, ti):
         monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "0")
         try:
@@ -212,18 +228,12 @@ def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
         finally:
             monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "1")
 
-    tw, ti = route(10, few=True)
+    tw, ti = few_or_random(m, 10, few=True)
     eager = ours(K, w, x, tw, ti)
     assert torch.equal(eager, two_launch(tw, ti))
     out = torch.empty_like(eager)
     graph = captured(K, w, x, tw, ti, out)
-    for i in range(20):
-        tw2, ti2 = route(100 + i, few=i % 2 == 0)
-        tw.copy_(tw2)
-        ti.copy_(ti2)
-        x.normal_()
-        graph.replay()
-        torch.cuda.synchronize()
+    for i, tw2, ti2 in replays(graph, x, tw, ti, 20, 100):
         assert torch.equal(out, two_launch(tw2, ti2)), f"replay {i}"
     counters = moe._counters[("cuda", torch.cuda.current_device())]
     assert int(counters.abs().sum()) == 0
@@ -246,12 +256,6 @@ def test_live_split_follows_the_routing_in_one_graph(K, w, m, serial, monkeypatc
         256), table.down)
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
 
-    def route(seed, few):
-        tw, ti, _ = routing(m, seed)
-        if few:
-            ti = torch.randperm(E, device="cuda")[:TOPK].to(torch.int32).repeat(m, 1)
-        return tw, ti.contiguous()
-
     def fixed(tw, ti):
         blocks = int(moe.moe_align(ti, E, table.block_m)[1][-1])
         split = moe.live_split(blocks, I // base.block_n, H // base.block_k, split_k, 256)
@@ -260,17 +264,11 @@ def test_live_split_follows_the_routing_in_one_graph(K, w, m, serial, monkeypatc
             split), table.down)
         return ours(K, w, x, tw, ti, config=cfg).clone(), split
 
-    tw, ti = route(20, few=True)
+    tw, ti = few_or_random(m, 20, few=True)
     out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
     graph = captured(K, w, x, tw, ti, out, config=live)
     splits = set()
-    for i in range(8):
-        tw2, ti2 = route(200 + i, few=i % 2 == 0)
-        tw.copy_(tw2)
-        ti.copy_(ti2)
-        x.normal_()
-        graph.replay()
-        torch.cuda.synchronize()
+    for i, tw2, ti2 in replays(graph, x, tw, ti, 8, 200):
         want, split = fixed(tw2, ti2)
         splits.add(split)
         assert torch.equal(out, want), f"replay {i}, split {split}"
