@@ -16,8 +16,9 @@ weights once per step, dequantizes them in registers and fuses the rest around t
    ``_gate_up_reduce_kernel`` does the same in a second launch. With ``split_target`` > 0 the
    split is chosen per call on the GPU (``_live_split``): the smallest divisor of the K steps, at
    most ``split_k``, that gives the call's used blocks ``split_target`` programs, from the block
-   count the prologue writes; the grid holds ``split_k`` programs per tile and the surplus leaves
-   at once. One band then serves a call whose tokens share 8 experts (deep split) and one spread
+   count the prologue writes; the used tiles' programs come first at whatever split, in a grid
+   sized to the most any call can need (``live_grid``), and the surplus leaves at once. One band
+   then serves a call whose tokens share 8 experts (deep split) and one spread
    over hundreds (none) without a host sync or a per-routing config.
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
    the same with one long column loop per program (intermediate sizes that fit one K tile).
@@ -446,7 +447,7 @@ def _gate_up_kernel(
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
     s_ptr,  # [E, K // 32, 2 * I] bf16
     sorted_ids_ptr,  # [max_padded] int32
-    block_expert_ptr,  # [max_blocks] int32
+    block_expert_ptr,  # [max_blocks + 1] int32 (see _prologue_kernel)
     h_ptr,  # [max_padded, I] bf16 out, row = padded position, plane-major for DOWN_BLOCK_K tiles
     part_ptr,  # SPLIT_K > 1: [SPLIT_K, part_rows, 2 I] fp32 out (gate then up partial sums)
     cnt_ptr,  # SERIAL: [>= max_blocks * I // BLOCK_N] int32, zero between launches (self-rearming)
@@ -504,12 +505,12 @@ def _gate_up_kernel(
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
+                              n_split)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
+                              n_split)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
@@ -611,7 +612,7 @@ def _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I: tl.constexpr,
 def _gate_up_reduce_kernel(
     part_ptr,  # [SPLIT_K, part_rows, 2 I] fp32 partial sums (real rows written)
     sorted_ids_ptr,  # [max_padded] int32
-    block_expert_ptr,  # [max_blocks] int32
+    block_expert_ptr,  # [max_blocks + 1] int32 (see _prologue_kernel)
     h_ptr,  # [max_padded, I] bf16 out, plane-major for DOWN_BLOCK_K tiles
     T,
     part_rows,
@@ -661,7 +662,7 @@ def _down_kernel(
     w_ptr,  # [E, I // 8, N] int32
     s_ptr,  # [E, I // 32, N] bf16
     sorted_ids_ptr,  # [max_padded] int32
-    block_expert_ptr,  # [max_blocks] int32
+    block_expert_ptr,  # [max_blocks + 1] int32 (see _prologue_kernel)
     topk_w_ptr,  # [T] fp32/bf16 routing weight of pair t
     y_ptr,  # [T, N] bf16 out, row = pair id
     T,
@@ -760,7 +761,7 @@ def _down_loop_kernel(
     w_ptr,  # [E, I // 8, N] int32
     s_ptr,  # [E, I // 32, N] bf16
     sorted_ids_ptr,  # [max_padded] int32
-    block_expert_ptr,  # [max_blocks] int32
+    block_expert_ptr,  # [max_blocks + 1] int32 (see _prologue_kernel)
     topk_w_ptr,  # [T] fp32/bf16 routing weight of pair t
     y_ptr,  # [T, N] bf16 out, row = pair id
     T,
