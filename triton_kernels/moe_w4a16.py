@@ -934,16 +934,20 @@ def select_config(m: int) -> MoeConfig:
     return table[-1][1]
 
 
+def _split_candidates(k_steps: int, split_k: int) -> list[int]:
+    """The splits ``_live_split`` chooses among, ascending: divisors of the K steps below
+    ``split_k``, then ``split_k`` (its answer where none reaches the target)."""
+    return [c for c in range(1, split_k) if k_steps % c == 0] + [split_k]
+
+
 def live_split(used_blocks: int, num_n: int, k_steps: int, split_k: int,
                split_target: int) -> int:
     """The K split ``_live_split`` takes on the GPU for a call with ``used_blocks`` row blocks
     (host mirror, for tests and benchmarks; the kernel never asks the host)."""
     if split_target <= 0:
         return split_k
-    for c in range(1, split_k):
-        if k_steps % c == 0 and used_blocks * num_n * c >= split_target:
-            return c
-    return split_k
+    cands = _split_candidates(k_steps, split_k)
+    return next((c for c in cands[:-1] if used_blocks * num_n * c >= split_target), split_k)
 
 
 def live_grid(max_tiles: int, k_steps: int, split_k: int, split_target: int) -> int:
@@ -951,7 +955,7 @@ def live_grid(max_tiles: int, k_steps: int, split_k: int, split_target: int) -> 
     tiles: a call takes split ``c`` only while ``tiles x p < split_target`` for the candidate
     ``p`` below ``c``, so its ``tiles x c`` programs stay below the target times ``c / p``; at
     split 1, ``max_tiles``. (Far below ``max_tiles x split_k`` when few tiles can be used.)"""
-    cands = [c for c in range(1, split_k + 1) if k_steps % c == 0 or c == split_k]
+    cands = _split_candidates(k_steps, split_k)
     need = max_tiles
     for p, c in zip(cands, cands[1:]):
         need = max(need, min(max_tiles, -(-split_target // p) - 1) * c)

@@ -239,7 +239,7 @@ def test_live_grid_holds_every_call(k_steps, split_k, target):
     the bound is tight (some call needs them all)."""
     for max_tiles in (1, 7, 64, 512, 1568):
         grid = MOE.live_grid(max_tiles, k_steps, split_k, target)
-        need = [t * MOE.live_split(t // 1, 1, k_steps, split_k, target)
+        need = [t * MOE.live_split(t, 1, k_steps, split_k, target)
                 for t in range(max_tiles + 1)]
         assert max(need) == grid, (max_tiles, grid, max(need))
 
