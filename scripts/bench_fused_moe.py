@@ -434,24 +434,71 @@ def pick_gate_up(rows: list, max_random_loss: float = 0.02) -> dict:
     case looks like; concentrated routing is the stock dummy fill, and a tree whose tokens
     share experts. {band: {"gate_up": [ints], "random": worst ratio, "concentrated": worst
     ratio, "random_us_at_max_m": us}}."""
+    return _pick(rows, max_random_loss, "gate_up", random_only=False)
+
+
+def pick_down(rows: list, max_random_loss: float = 0.02) -> dict:
+    """The down config per table band from --breakdown runs (``down_grid_rows``): the gate-up
+    rule (``pick_gate_up``) where the band has rows on concentrated routing; in a band timed on
+    random routing only (the large-M bands, where a call spreads over most experts), the
+    candidate with the best worst-case ratio on random routing, if it beats the table there.
+    {band: {"down": [ints], "random": ..., "concentrated": ... (where timed), ...}}."""
+    return _pick(rows, max_random_loss, "down", random_only=True)
+
+
+def _pick(rows: list, max_random_loss: float, field: str, random_only: bool) -> dict:
     picks = {}
     for band, cands in sorted(_worst_ratios(rows).items()):
         band_rows = [r for r in rows if int(r["band"]) == band]
         if not all(r["table_us"] for r in band_rows):
             continue
-        ok = [(ratio["concentrated"], ratio["random"], name)
-              for name, (ratio, timed) in cands.items()
-              if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
-              and ratio["random"] <= 1 + max_random_loss and ratio["concentrated"] < 1]
+        conc_rows = any(r["routing"] != "random" for r in band_rows)
+        if conc_rows or not random_only:
+            ok = [(ratio["concentrated"], ratio["random"], name)
+                  for name, (ratio, timed) in cands.items()
+                  if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
+                  and ratio["random"] <= 1 + max_random_loss and ratio["concentrated"] < 1]
+        else:
+            ok = [(ratio["random"], ratio["random"], name)
+                  for name, (ratio, timed) in cands.items()
+                  if timed == len(band_rows) and ratio.get("random", 1) < 1]
         if not ok:
             continue
         conc, rand, name = min(ok)
         top = [r for r in band_rows if r["routing"] == "random"
                and r["m"] == max(x["m"] for x in band_rows)]
-        picks[band] = {"gate_up": [int(v) for v in name.split(",")],
-                       "random": rand, "concentrated": conc,
+        picks[band] = {field: [int(v) for v in name.split(",")], "random": rand,
                        "random_us_at_max_m": top[0]["candidates"][name]["us"] if top else None}
+        if conc_rows:
+            picks[band]["concentrated"] = conc
     return picks
+
+
+def down_grid_rows(runs: list) -> list:
+    """--breakdown runs (their JSON dicts) as --grid-style rows of down-GEMM times, one per M
+    and routing: the table's down config's time as ``table_us``, every other down candidate's
+    under its comma-joined GemmConfig fields (the table's own config, timed a second time among
+    the candidates, is no choice and is left out), the band from the table's max_m. Runs
+    written before session 28 name their routing only in the command line (``--routing``;
+    random where absent)."""
+    maxes = sorted(m for m, _ in mw._config_table(mw._CONFIG_PATH))
+    out = {}
+    for run in runs:
+        cmd = run.get("command", "").split()
+        fallback = cmd[cmd.index("--routing") + 1] if "--routing" in cmd else "random"
+        table_down = {r["m"]: r["config"]["down"] for r in run["rows"] if r["table_config"]}
+        for r in run["rows"]:
+            routing = r.get("routing", fallback)
+            row = out.setdefault((r["m"], routing), {
+                "m": r["m"], "band": next((b for b in maxes if r["m"] <= b), maxes[-1]),
+                "routing": routing, "table_us": None, "candidates": {}})
+            if r["table_config"]:
+                row["table_us"] = r["us"]["down"]
+            elif r["config"]["down"] != table_down.get(r["m"]):
+                name = ",".join(str(int(v)) for v in dataclasses.astuple(
+                    mw.GemmConfig(**r["config"]["down"])))
+                row["candidates"][name] = {"us": r["us"]["down"]}
+    return list(out.values())
 
 
 def gemm_json(cfg) -> dict:
@@ -463,9 +510,10 @@ def gemm_json(cfg) -> dict:
 
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
-    """Write picked gate-up configs into the table at ``path``: only those bands' ``gate_up``
-    (and ``us``, the random-routing time at max_m, where the grid has it) change; block_m and
-    down stay; ``meta`` is recorded under "tuned" with the bands it changed."""
+    """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
+    ``down`` (whichever the pick names; for gate-up picks also ``us``, the random-routing time
+    at max_m of the whole call, where the grid has it) change; block_m and the other GEMM
+    stay; ``meta`` is recorded under "tuned" with the bands it changed."""
     with open(path) as f:
         table = json.load(f)
     changed = []
@@ -473,9 +521,12 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
         pick = picks.get(band["max_m"]) or picks.get(str(band["max_m"]))
         if pick is None:
             continue
-        band["gate_up"] = gemm_json(mw.GemmConfig(*pick["gate_up"]))
-        if pick.get("random_us_at_max_m"):
-            band["us"] = pick["random_us_at_max_m"]
+        if "gate_up" in pick:
+            band["gate_up"] = gemm_json(mw.GemmConfig(*pick["gate_up"]))
+            if pick.get("random_us_at_max_m"):
+                band["us"] = pick["random_us_at_max_m"]
+        else:
+            band["down"] = gemm_json(mw.GemmConfig(*pick["down"]))
         changed.append(band["max_m"])
     runs = table.get("tuned", [])
     runs = ([runs] if isinstance(runs, dict) else runs) + [{**meta, "max_m": changed}]
@@ -513,7 +564,8 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
                     print(f"M={m} {cfg}: {exc!r}"[:300], flush=True)
             k = {"align": t[0], "gate_up": t[1] - t[0], "down": t[2] - t[1],
                  "combine": t[3] - t[2], "total": t[3]}
-            row = {"m": m, "touched_experts": touched, "config": dataclasses.asdict(cfg),
+            row = {"m": m, "routing": args.routing, "touched_experts": touched,
+                   "config": dataclasses.asdict(cfg),
                    "table_config": cfg is base, "us": k,
                    "gbs": {"gate_up": touched * w13_bytes / k["gate_up"] / 1e3,
                            "down": touched * w2_bytes / k["down"] / 1e3}}
@@ -652,6 +704,10 @@ def main(argv=None) -> int:
                     help="no GPU: choose each band's gate-up config from a --grid run's JSON "
                          "(pick_gate_up's rule, --max-random-loss) and write the choices into "
                          "--tune-out (an existing table; other fields kept)")
+    ap.add_argument("--pick-down-from", nargs="+", default=None, metavar="BREAKDOWN_JSON",
+                    help="no GPU: choose each band's down config from --breakdown runs (on "
+                         "several routings; pick_down's rule, --max-random-loss) and write the "
+                         "choices into --tune-out (an existing table; other fields kept)")
     ap.add_argument("--pick-bands", type=int, nargs="*", default=None, metavar="MAX_M",
                     help="--pick-from: only these bands (by max_m) may change (default: all "
                          "the grid timed)")
@@ -679,6 +735,30 @@ def main(argv=None) -> int:
         return int(n)
 
     parse_routing(args.routing)
+    if args.pick_down_from:
+        runs = []
+        for path in args.pick_down_from:
+            with open(path) as f:
+                loaded = json.load(f)
+            runs += loaded["runs"] if "runs" in loaded else [loaded]
+        picks = pick_down(down_grid_rows(runs), args.max_random_loss)
+        if args.pick_bands is not None:
+            picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}
+        for band, p in picks.items():
+            print(f"band <= {band}: down {p['down']} (worst vs table: random {p['random']}, "
+                  f"concentrated {p.get('concentrated', 'not timed')})")
+        apply_picks(args.tune_out, picks, {
+            "command": " ".join(["python", "scripts/bench_fused_moe.py"]
+                                + list(sys.argv[1:] if argv is None else argv)),
+            "gpu": runs[0].get("gpu") if runs else None,
+            "date": runs[0].get("date") if runs else None,
+            "rule": f"down picked from --breakdown runs: where a band was timed on concentrated "
+                    f"routing, at most {args.max_random_loss:.0%} slower than the table on "
+                    "random routing at every measured M and the best worst case on "
+                    "concentrated routing; where only on random routing, the best worst case "
+                    "there; block_m and gate-up unchanged"})
+        print(f"wrote {args.tune_out}")
+        return 0
     if args.pick_from:
         with open(args.pick_from) as f:
             grid_run = json.load(f)

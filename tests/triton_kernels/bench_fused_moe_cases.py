@@ -210,6 +210,67 @@ def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     assert again["tuned"][-1] == {"command": "test", "max_m": [16, 32, 64]}
 
 
+def test_pick_down_rule(bench):
+    rows = [
+        # band 32, timed on both kinds: the gate-up rule
+        _grid_row(17, 32, "concentrated:8", 16.0, **{"1_1_1_1": 12.0, "2_2_2_2": 11.0}),
+        _grid_row(17, 32, "random", 37.0, **{"1_1_1_1": 37.5, "2_2_2_2": 40.0}),
+        # band 512, random only: the best worst case there
+        _grid_row(384, 512, "random", 160.0, **{"1_1_1_1": 110.0, "2_2_2_2": 115.0}),
+        _grid_row(512, 512, "random", 156.0, **{"1_1_1_1": 128.0, "2_2_2_2": 120.0}),
+        # band 1024: nothing beats the table
+        _grid_row(1024, 1024, "random", 100.0, **{"1_1_1_1": 101.0}),
+    ]
+    picks = bench.pick_down(rows)
+    assert sorted(picks) == [32, 512]
+    # 2,2,2,2 is the fastest on concentrated routing but 8 % slower on random
+    assert picks[32]["down"] == [1, 1, 1, 1] and picks[32]["concentrated"] == 0.75
+    # worst cases 128 / 156 = 0.82 against 120 / 156 = 0.77
+    assert picks[512]["down"] == [2, 2, 2, 2] and "concentrated" not in picks[512]
+    assert picks[512]["random"] == round(120 / 156, 4)
+    # the gate-up rule never picks from random rows alone
+    assert sorted(bench.pick_gate_up(rows)) == [32]
+
+
+def test_down_grid_rows_from_breakdown_runs(bench):
+    """--breakdown rows become grid rows per (M, routing); a run without per-row routing (before
+    session 28) takes it from its command line."""
+    def brow(m, down, us, table):
+        return {"m": m, "table_config": table, "us": {"down": us},
+                "config": {"down": dict(zip(("block_n", "block_k", "num_warps", "num_stages",
+                                             "n_per_cta", "split_dq", "split_k"), down))}}
+    runs = [{"command": "python bench_fused_moe.py --breakdown --routing concentrated:8 --ms 17",
+             "rows": [brow(17, (64, 256, 4, 3, 1024, 0, 1), 16.0, True),
+                      brow(17, (64, 256, 4, 3, 512, 0, 1), 11.5, False)]},
+            {"command": "python bench_fused_moe.py --breakdown --ms 17",
+             "rows": [dict(brow(17, (64, 256, 4, 3, 1024, 0, 1), 36.8, True), routing="random"),
+                      dict(brow(17, (64, 256, 4, 3, 512, 0, 1), 37.1, False), routing="random")]}]
+    rows = bench.down_grid_rows(runs)
+    assert [(r["m"], r["band"], r["routing"], r["table_us"]) for r in rows] == [
+        (17, 32, "concentrated:8", 16.0), (17, 32, "random", 36.8)]
+    assert rows[0]["candidates"] == {"64,256,4,3,512,0,1,0": {"us": 11.5}}
+
+
+def test_committed_down_configs_are_the_pick_from_the_session_28_breakdown(bench, tmp_path):
+    """The down configs of the bands the session 28 H200 breakdown timed at every M (on random
+    routing, and on concentrated routing where the band serves trees) are what --pick-down-from
+    chooses; the bands it left alone keep what they had."""
+    path = REPO / "bench_results" / "fused_moe_breakdown_h200_s28.json"
+    picks = bench.pick_down(bench.down_grid_rows(json.loads(path.read_text())["runs"]))
+    assert sorted(picks) == [32, 64, 128, 512, 1024]
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    bands = {b["max_m"]: b for b in table["bands"]}
+    gemm = bench.mw.GemmConfig
+    for band, pick in picks.items():
+        assert gemm(**bands[band]["down"]) == gemm(*pick["down"]), band
+        assert pick["random"] <= 1.02
+    assert all("concentrated" in picks[b] and picks[b]["concentrated"] < 1 for b in (32, 64, 128))
+    copy = tmp_path / "table.json"
+    copy.write_text(json.dumps(table))
+    bench.apply_picks(str(copy), picks, {"command": "test"})
+    assert json.loads(copy.read_text())["bands"] == table["bands"]
+
+
 def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
     """The M 5-7 band (split off the M 5-8 band in session 26) holds what the pick rule chooses
     from the H200 grid's rows M = 5-7; at M = 8 no candidate meets the rule, and that band keeps
