@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from sglang_ddtree.provenance import checkout_digest
 from sglang_ddtree.triton_kernels import moe_w4a16 as mw
 from sglang_ddtree.triton_kernels.moe_reference import make_random_moe
 
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
             json.dump({"command": " ".join([sys.executable] + sys.argv),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                        "gpu": torch.cuda.get_device_name(dev),
+                       "source_digest": checkout_digest(__file__),
                        "versions": {"torch": torch.__version__,
                                     "triton": __import__("triton").__version__},
                        "rows": rows}, f, indent=1)
