@@ -20,7 +20,24 @@ fi
 # A call cut by its time limit leaves its servers running on a warm machine, and the next
 # call's servers then die of CUDA out-of-memory at start-up (session 25: 117 GB held by a
 # killed call's Kimi server). Nothing of an earlier call should still hold a GPU here.
+# Except this call's own background Marlin JIT build (gpu_session.sh jitbg, started just before
+# in the same call: its pid file lies in $OUT): session 28 lost that build, and the device
+# minutes it had cost, to this loop.
+keep=$(cat "$OUT/jitbg.pid" 2>/dev/null || true)
+descends_from_keep() {  # the process or one of its ancestors (subshell > timeout > python3)
+  local p=$1
+  for _ in 1 2 3 4 5; do
+    [ -n "$keep" ] && [ "$p" = "$keep" ] && return 0
+    p=$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ')
+    [ -z "$p" ] || [ "$p" -le 1 ] && return 1
+  done
+  return 1
+}
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+  if descends_from_keep "$pid"; then
+    echo "device_call: leaving this call's Marlin JIT build ($pid) running" >&2
+    continue
+  fi
   echo "device_call: killing leftover GPU process $pid ($(ps -o args= -p "$pid" | cut -c1-80))" >&2
   kill -9 "$pid" 2>/dev/null
 done
