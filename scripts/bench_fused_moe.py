@@ -359,6 +359,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     routings = args.routings.split(",")
     out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
            "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
+           "grid_run_m": args.grid_run_m,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
            "source_digest": checkout_digest(__file__),
@@ -387,7 +388,8 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
                    "candidates": {}}
             for c in grid:
                 cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
-                                   table.down, half_m=int(args.grid_half_m))
+                                   table.down, half_m=int(args.grid_half_m),
+                                   run_m=args.grid_run_m)
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
@@ -698,6 +700,10 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with MoeConfig.half_m (blocks "
                          "narrowed to the fewest rows holding their real ones, down to 16; "
                          "block_m 32 or 64)")
+    ap.add_argument("--grid-run-m", type=int, default=0, choices=(0, 2, 4, 8),
+                    help="--grid only: run the candidates with MoeConfig.run_m (an expert's "
+                         "16-row blocks in runs of up to this many, each run's programs of a "
+                         "column tile sharing its rows and splitting its columns)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", default=None, metavar="GRID_JSON",
@@ -762,10 +768,11 @@ def main(argv=None) -> int:
     if args.pick_from:
         with open(args.pick_from) as f:
             grid_run = json.load(f)
-        if grid_run.get("grid_block_m") or grid_run.get("grid_half_m"):
-            ap.error("--pick-from: this grid ran its candidates with another block_m / half_m "
-                     "than the table's; a pick writes gate-up configs only, so it cannot carry "
-                     "them: change the table's band by hand")
+        if (grid_run.get("grid_block_m") or grid_run.get("grid_half_m")
+                or grid_run.get("grid_run_m")):
+            ap.error("--pick-from: this grid ran its candidates with another block_m / "
+                     "half_m / run_m than the table's; a pick writes gate-up configs only, so "
+                     "it cannot carry them: change the table's band by hand")
         picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
         if args.pick_bands is not None:
             picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}

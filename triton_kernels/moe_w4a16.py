@@ -127,6 +127,7 @@ def _prologue_kernel(
     BLOCK_K: tl.constexpr,
     COPY_FIRST: tl.constexpr = False,  # x's copy in COPY_PROGS programs per row, before the experts
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x under COPY_FIRST (1,024-column chunks)
+    RUN_M: tl.constexpr = 1,  # > 1: also label each block's run (see run_chunk), after the count
 ):
     pid = tl.program_id(0)
     if COPY_FIRST:
@@ -184,6 +185,46 @@ def _prologue_kernel(
     tl.store(block_expert_ptr + j, owner, mask=j < max_blocks)
     if e == 0:  # the number of used blocks, past the labels (the gate-up's live split reads it)
         tl.store(block_expert_ptr + max_blocks, total // BLOCK_M)
+    if RUN_M > 1:
+        # Each block's run, past the count: 16 * (blocks in its run) + its place in the run.
+        # An expert's c blocks split into runs of RUN_M blocks, then the rest's binary digits
+        # in descending order (c = 3 with RUN_M 4: runs of 2 and 1); unused blocks: 16 (alone).
+        mine = bins[None, :] == owner[:, None]  # [BLOCK_B, E_PAD]
+        first = tl.sum(tl.where(mine, ends - padded, 0), axis=1) // BLOCK_M
+        count = tl.sum(tl.where(mine, padded, 0), axis=1) // BLOCK_M
+        i = j - first
+        full = count // RUN_M * RUN_M
+        run_len = tl.where(i < full, RUN_M, 1)
+        place = tl.where(i < full, i % RUN_M, 0)
+        rest = i - full  # place among the remainder's blocks (i >= full)
+        todo = tl.where(i < full, 0, count - full)  # remainder's digits not yet passed
+        for d in tl.static_range(1, 4):  # the remainder's digits RUN_M / 2 .. 1 (RUN_M <= 8)
+            if (RUN_M >> d) > 0:
+                here = (todo & (RUN_M >> d)) != 0
+                hit = here & (rest >= 0) & (rest < (RUN_M >> d))
+                run_len = tl.where(hit, RUN_M >> d, run_len)
+                place = tl.where(hit, rest, place)
+                rest = tl.where(here, rest - (RUN_M >> d), rest)
+        label = tl.where(owner >= 0, 16 * run_len + place, 16)
+        tl.store(block_expert_ptr + max_blocks + 1 + j, label, mask=j < max_blocks)
+
+
+def run_chunk(index: int, count: int, run_m: int) -> tuple[int, int]:
+    """(blocks in its run, place in the run) of block ``index`` of an expert's ``count`` blocks
+    when the gate-up runs up to ``run_m`` of them as one tile (``MoeConfig.run_m``): runs of
+    ``run_m`` blocks, then the remainder's binary digits in descending order. Host mirror of
+    the labels ``_prologue_kernel`` writes (tests)."""
+    full = count // run_m * run_m
+    if index < full:
+        return run_m, index % run_m
+    rest, bit = index - full, run_m // 2
+    while bit:
+        if (count - full) & bit:
+            if rest < bit:
+                return bit, rest
+            rest -= bit
+        bit //= 2
+    return 1, 0
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -196,7 +237,8 @@ PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows (default) | chunks; see moe_
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None):
+              x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
+              run_m: int = 1):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -223,7 +265,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         are unspecified.
     block_expert : torch.Tensor
         ``[max_padded // block_m + 1] int32``: expert of each block, ``-1`` for unused blocks;
-        the last entry holds the number of used blocks.
+        the last entry holds the number of used blocks. With ``run_m`` > 1 (a power of two)
+        ``max_padded // block_m`` more entries follow: each block's run label
+        ``16 * length + place`` (``run_chunk``; 16 for unused blocks).
     xp : torch.Tensor or None
         ``[M, K]`` plane-major copy of ``x`` (contiguous).
     """
@@ -232,7 +276,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     dev = topk_ids.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     max_blocks = max_padded // block_m
-    block_expert = torch.empty(max_blocks + 1, dtype=torch.int32, device=dev)
+    if run_m not in (1, 2, 4, 8):
+        raise ValueError(f"run_m: 1, 2, 4 or 8, got {run_m}")
+    block_expert = torch.empty(max_blocks + 1 + (max_blocks if run_m > 1 else 0),
+                               dtype=torch.int32, device=dev)
     xp = None if x is None else torch.empty(x.shape, dtype=x.dtype, device=dev)
     rows = 0 if x is None else x.shape[0]
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
@@ -249,6 +296,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
+        RUN_M=run_m,
     )
     return sorted_ids, block_expert, xp
 
@@ -442,6 +490,13 @@ def _live_split(block_expert_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.conste
 
 
 @triton.jit
+def _max_blocks(T, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """moe_align's block count bound (``max_padded_rows // BLOCK_M``) on the device: where its
+    used-block count and run labels lie in ``block_expert``."""
+    return (T + tl.minimum(T, NUM_EXPERTS) * (BLOCK_M - 1) + BLOCK_M - 1) // BLOCK_M
+
+
+@triton.jit
 def _gate_up_kernel(
     xp_ptr,  # [M, K] bf16, plane-major for BLOCK_K tiles (see _prologue_kernel)
     w_ptr,  # [E, K // 8, 2 * I] int32 (gate columns [0, I), up columns [I, 2I))
@@ -466,7 +521,8 @@ def _gate_up_kernel(
     HALF_M: tl.constexpr = False,  # a block with no real row in its second half: BLOCK_M / 2 rows
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
-    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
+    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
+    RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -474,9 +530,8 @@ def _gate_up_kernel(
         # The used tiles' programs first, n_split per tile (the used blocks lead block_expert),
         # whatever the split: the grid (live_grid) holds the most any call can need, and
         # programs past this call's leave at once. max_blocks as moe_align sized it.
-        max_blocks = (T + tl.minimum(T, NUM_EXPERTS) * (BLOCK_M - 1) + BLOCK_M - 1) // BLOCK_M
-        n_split, live = _live_split(block_expert_ptr, max_blocks, NUM_N, K // BLOCK_K, SPLIT_K,
-                                    SPLIT_TARGET)
+        n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_N,
+                                    K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
         if pid >= live * n_split:
             return
         pid_k = pid % n_split
@@ -491,10 +546,44 @@ def _gate_up_kernel(
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    run_label = 16  # a run of one block
+    if RUN_M > 1:  # beside e too: moe_align's run labels follow its block count
+        run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
-    if HALF_M:
+    if RUN_M > 1:
+        # A run of R blocks of one expert (R = run_label // 16, this block's place in it
+        # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
+        # rows and 1 / R of the tile's columns, so each weight column is dequantized once per
+        # run instead of once per block, in as many programs (and counters) as before.
+        place = run_label % 16
+        row_r = row0 - place * BLOCK_M
+        if run_label // 16 == 1:
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
+        elif run_label // 16 == 2:
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                          e, row_r, pid_n * 2 + place, pid_k, K, I, TOPK, BLOCK_M * 2,
+                          BLOCK_N // 2, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
+                          cnt_ptr, pid_mn, SERIAL, n_split)
+        else:
+            if RUN_M >= 4:
+                if run_label // 16 == 4:
+                    _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
+                                  part_rows, e, row_r, pid_n * 4 + place, pid_k, K, I, TOPK,
+                                  BLOCK_M * 4, BLOCK_N // 4, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
+                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
+                else:
+                    if RUN_M >= 8:
+                        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
+                                      part_rows, e, row_r, pid_n * 8 + place, pid_k, K, I, TOPK,
+                                      BLOCK_M * 8, BLOCK_N // 8, BLOCK_K, DOWN_BLOCK_K,
+                                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                                      n_split)
+    elif HALF_M:
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -529,8 +618,9 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
-    ``pid_n``'s, K range ``pid_k``'s of ``n_split`` (``SPLIT_K`` itself, or this call's live
-    split, at most ``SPLIT_K``); ``tile`` indexes its counter under ``SERIAL``."""
+    ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
+    (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
+    counter under ``SERIAL``."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     K_STEPS = K // BLOCK_K // n_split
@@ -902,6 +992,13 @@ class MoeConfig:
     # once for all of them, while blocks of few rows pay for narrow tiles only (not yet timed
     # on a GPU: scripts/bench_fused_moe.py --grid-block-m 32|64 --grid-half-m).
     half_m: int = 0
+    # 2, 4 or 8 (gate-up only; not with half_m): an expert's blocks go in runs of up to run_m
+    # (moe_align labels them, see run_chunk), and the run's programs of a column tile each take
+    # all its rows and 1 / run_length of the tile's columns: each weight column dequantized once
+    # per run, not once per 16-row block, when a call's tokens share experts, in as many
+    # programs as before. gate_up.block_n / run_m must be at least 16. Not yet timed on a GPU
+    # (scripts/bench_fused_moe.py --grid-run-m); no band of the shipped table uses it.
+    run_m: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -917,7 +1014,8 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
     for band in raw["bands"]:
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
-            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)))))
+            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
+            run_m=int(band.get("run_m", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -1097,13 +1195,17 @@ def fused_moe_w4a16(
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
             or (cfg.half_m and bm not in (32, 64))
+            or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
+                                   or gu.block_n // cfg.run_m < 16))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable = _portable(hidden_states.device)
     t = m * topk
-    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
+    run_m = cfg.run_m if cfg.run_m > 1 else 1
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
+                                             run_m=run_m)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -1128,7 +1230,8 @@ def fused_moe_w4a16(
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
-        SPLIT_TARGET=gu.split_target, NUM_EXPERTS=num_experts if gu.split_target else 0,
+        SPLIT_TARGET=gu.split_target,
+        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
         num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)

@@ -125,6 +125,20 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
     assert set(result["summary"][band]["64,128,4,1"]) == {"random", "concentrated"}
 
 
+def test_grid_with_run_tiles(bench, tmp_path):
+    """--grid-run-m runs the candidates with MoeConfig.run_m, records it, and --pick-from then
+    refuses the grid (a pick writes gate-up tiles only)."""
+    out = tmp_path / "grid.json"
+    assert bench.main(TINY + ["--ms", "40", "--grid", "64,128,4,1", "--grid-run-m", "2",
+                              "--routings", "concentrated:4", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["grid_run_m"] == 2
+    cand = result["rows"][0]["candidates"]["64,128,4,1"]
+    assert math.isfinite(cand["us"]) and cand["rel_diff_vs_table"] < 2e-2
+    with pytest.raises(SystemExit):
+        bench.main(["--pick-from", str(out), "--tune-out", str(tmp_path / "t.json")])
+
+
 def test_grid_option_is_checked(bench, tmp_path):
     for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "a,b,c,d"):
         with pytest.raises(SystemExit):

@@ -515,3 +515,95 @@ def test_half_m_needs_blocks_of_32_or_64():
                             half_m=1)
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
+
+
+def _runs_routing(m=70):
+    """Top-3 routing over 9 experts whose 16-row block counts are 5 (runs of 4 + 1 at run_m 4),
+    2, 3 (2 + 1), 1 and 1-row blocks: expert 5 takes every token, experts 7 / 8 / 3 the first
+    20 / next 40 / last 10, experts 0, 1, 2, 4, 6 the third slots in turn."""
+    g = torch.Generator().manual_seed(m)
+    tw = torch.rand(m, 3, generator=g)
+    ar = torch.arange(m)
+    ti = torch.stack([torch.full((m,), 5), torch.where(ar < 20, 7, torch.where(ar < 60, 8, 3)),
+                      torch.tensor([0, 1, 2, 4, 6])[ar % 5]], 1).to(torch.int32)
+    return tw, ti.contiguous()
+
+
+@pytest.mark.parametrize("run_m", [2, 4, 8])
+def test_run_labels_match_the_host_rule(run_m):
+    """moe_align(run_m=...) labels every used block with 16 * run length + place as
+    ``run_chunk`` says for its expert's block count, unused blocks with 16, after the labels and
+    the used-block count (which, like the grouping, stay as without runs)."""
+    counts = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 17, 33]
+    ids = torch.tensor([ex for ex, c in enumerate(counts) for _ in range(16 * c)],
+                       dtype=torch.int32).view(-1, 1)
+    plain = MOE.moe_align(ids, len(counts), 16)
+    sorted_ids, block_expert, _ = MOE.moe_align(ids, len(counts), 16, run_m=run_m)
+    n = plain[1].numel() - 1
+    used = int(block_expert[n])
+    assert torch.equal(block_expert[:n + 1], plain[1])
+    assert torch.equal(sorted_ids[:16 * used], plain[0][:16 * used])  # the rest: unspecified
+    want = [16 * a + b for c in counts for a, b in (MOE.run_chunk(i, c, run_m)
+                                                    for i in range(c))]
+    assert block_expert[n + 1:n + 1 + used].tolist() == want
+    assert (block_expert[n + 1 + used:] == 16).all()
+
+
+def test_run_chunk_rule():
+    assert [MOE.run_chunk(i, 7, 4) for i in range(7)] == [(4, 0), (4, 1), (4, 2), (4, 3),
+                                                          (2, 0), (2, 1), (1, 0)]
+    assert [MOE.run_chunk(i, 3, 2) for i in range(3)] == [(2, 0), (2, 1), (1, 0)]
+    assert [MOE.run_chunk(i, 5, 8) for i in range(5)] == [(4, 0), (4, 1), (4, 2), (4, 3), (1, 0)]
+    assert MOE.run_chunk(0, 1, 4) == (1, 0)
+
+
+_GU_RUN = MOE.GemmConfig(64, 128, 4, 1)
+_GU_RUN_SPLIT = MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2)
+_GU_RUN_LIVE = MOE.GemmConfig(64, 128, 4, 1, 0, 0, 4, 64)
+
+
+@pytest.mark.parametrize("gate_up,run_m,serial", [
+    (_GU_RUN, 2, "1"), (_GU_RUN, 4, "1"), (_GU_RUN_SPLIT, 4, "1"), (_GU_RUN_SPLIT, 4, "0"),
+    (_GU_RUN_LIVE, 4, "1"), (_GU_RUN_LIVE, 2, "0")],
+    ids=["run2", "run4", "run4_splitk_serial", "run4_splitk_reduce", "run4_live",
+         "run2_live_reduce"])
+def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, monkeypatch):
+    """Runs of 2 / 4 blocks of one expert as one tile (MoeConfig.run_m), alone, with split-K
+    (one launch and the reduce kernel) and with a live split: every row written once, within
+    tolerance of the reference, and equal (up to fp32 summation order) to the same config with
+    one tile per block; split-K counters end at 0."""
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
+    w = REF.make_random_moe(9, H_LIVE, I, seed=88)
+    tw, ti = _runs_routing()
+    m = ti.shape[0]
+    x = torch.randn(m, H_LIVE, generator=torch.Generator().manual_seed(3)).bfloat16()
+    down = MOE.GemmConfig(64, 128, 4, 1, 128)
+
+    def call(cfg):
+        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
+        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                   w["w2_scale"], tw, ti, routed_scaling_factor=1.7, out=out,
+                                   config=cfg)
+
+    runs = call(MOE.MoeConfig(16, gate_up, down, run_m=run_m))
+    plain = call(MOE.MoeConfig(16, gate_up, down))
+    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                  w["w2_scale"], tw, ti, 1.7)
+    check(runs, ref)
+    assert (runs.float() - plain.float()).abs().max() <= 1e-2 * plain.float().abs().max()
+    if serial == "1" and gate_up.split_k > 1:
+        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
+
+
+def test_run_m_must_fit_the_gate_up_tile():
+    w = REF.make_random_moe(4, H, I, seed=1)
+    x = torch.randn(3, H).bfloat16()
+    tw, ti = random_routing(3, 4, 2, seed=1)
+    for bad in (MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                              run_m=8),  # 8 columns a run member
+                MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                              run_m=3),
+                MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                              half_m=1, run_m=2)):
+        with pytest.raises(ValueError, match="does not tile"):
+            run(w, x, tw, ti, cfg=bad)

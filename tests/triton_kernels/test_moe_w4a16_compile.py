@@ -52,9 +52,10 @@ def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` as MoeConfig's."""
+    split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` and ``run_m`` (gate-up;
+    1 = off) as MoeConfig's."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target = (
         tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
@@ -65,7 +66,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target else 0)
+                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -115,9 +116,10 @@ def test_prologue_and_combine_compile(MOE):
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
     const = dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1, BLOCK_B=16,
-                 K=H, BLOCK_K=256)
+                 K=H, BLOCK_K=256, COPY_FIRST=False, COPY_PROGS=1, RUN_M=1)
     _compile(MOE._prologue_kernel, sig, const, 4, 1)
     _compile(MOE._prologue_kernel, sig, dict(const, COPY_FIRST=True, COPY_PROGS=7), 4, 1)
+    _compile(MOE._prologue_kernel, sig, dict(const, RUN_M=4), 4, 1)
     sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
@@ -163,3 +165,23 @@ def test_rerun_in_clean_process():
     if _mode_ok():
         pytest.skip("ran in this process")
     run_isolated(__file__, interpret=False)
+
+
+# Runs of blocks as one gate-up tile (MoeConfig.run_m; not in the shipped table): the Kimi
+# bands' tiles with runs of up to 2 / 4 blocks, alone, with a fixed and with a live split.
+@pytest.mark.parametrize("tiles,run_m", [((64, 256, 4, 3, 0, 1, 1), 4),
+                                         ((64, 256, 4, 3, 0, 1, 4, 512), 4),
+                                         ((64, 256, 4, 3, 0, 1, 4, 256), 2),
+                                         ((32, 256, 2, 3, 0, 1, 4), 2)], ids=str)
+def test_run_variants_compile_without_spills(MOE, tiles, run_m, tmp_path):
+    kern = _gemm(MOE, "gate_up", 16, tiles, run_m=run_m)
+    assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = tmp_path / "k.cubin"
+        cubin.write_bytes(kern.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True).stdout
+        assert "STACK:0" in usage, f"register spills: {usage.strip()[-200:]}"
