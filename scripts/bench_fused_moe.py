@@ -513,9 +513,10 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``us``, the random-routing time
-    at max_m of the whole call, where the grid has it) change; block_m and the other GEMM
-    stay; ``meta`` is recorded under "tuned" with the bands it changed."""
+    ``down`` (whichever the pick names; for gate-up picks also ``run_m``, set from the pick or
+    removed, and ``us``, the random-routing time at max_m of the whole call, where the grid has
+    it) change; block_m and the other GEMM stay; ``meta`` is recorded under "tuned" with the
+    bands it changed."""
     with open(path) as f:
         table = json.load(f)
     changed = []
@@ -525,6 +526,10 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
             continue
         if "gate_up" in pick:
             band["gate_up"] = gemm_json(mw.GemmConfig(*pick["gate_up"]))
+            if pick.get("run_m"):
+                band["run_m"] = pick["run_m"]
+            else:
+                band.pop("run_m", None)
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
         else:
@@ -768,12 +773,13 @@ def main(argv=None) -> int:
     if args.pick_from:
         with open(args.pick_from) as f:
             grid_run = json.load(f)
-        if (grid_run.get("grid_block_m") or grid_run.get("grid_half_m")
-                or grid_run.get("grid_run_m")):
-            ap.error("--pick-from: this grid ran its candidates with another block_m / "
-                     "half_m / run_m than the table's; a pick writes gate-up configs only, so "
-                     "it cannot carry them: change the table's band by hand")
+        if grid_run.get("grid_block_m") or grid_run.get("grid_half_m"):
+            ap.error("--pick-from: this grid ran its candidates with another block_m / half_m "
+                     "than the table's; a pick writes gate-up configs (and run_m) only, so it "
+                     "cannot carry them: change the table's band by hand")
         picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
+        for p in picks.values():  # a grid run with --grid-run-m: its picks take their runs
+            p["run_m"] = int(grid_run.get("grid_run_m") or 0)
         if args.pick_bands is not None:
             picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}
         for band, p in picks.items():
@@ -786,7 +792,9 @@ def main(argv=None) -> int:
             "rule": f"gate-up picked from {os.path.basename(args.pick_from)}: at most "
                     f"{args.max_random_loss:.0%} slower than the table on random routing at "
                     "every measured M of the band, the best worst case on concentrated routing; "
-                    "block_m and down unchanged; 'us' is the pick's random-routing time at max_m"})
+                    "block_m and down unchanged; 'us' is the pick's random-routing time at max_m"
+                    + (f"; the grid ran with run_m {grid_run['grid_run_m']}"
+                       if grid_run.get("grid_run_m") else "")})
         print(f"wrote {args.tune_out}")
         return 0
     grid = None

@@ -126,8 +126,8 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
 
 
 def test_grid_with_run_tiles(bench, tmp_path):
-    """--grid-run-m runs the candidates with MoeConfig.run_m, records it, and --pick-from then
-    refuses the grid (a pick writes gate-up tiles only)."""
+    """--grid-run-m runs the candidates with MoeConfig.run_m and records it; --pick-from writes
+    a winner from such a grid with its run_m, and a later pick without runs removes it."""
     out = tmp_path / "grid.json"
     assert bench.main(TINY + ["--ms", "40", "--grid", "64,128,4,1", "--grid-run-m", "2",
                               "--routings", "concentrated:4", "--out", str(out)]) == 0
@@ -135,8 +135,20 @@ def test_grid_with_run_tiles(bench, tmp_path):
     assert result["grid_run_m"] == 2
     cand = result["rows"][0]["candidates"]["64,128,4,1"]
     assert math.isfinite(cand["us"]) and cand["rel_diff_vs_table"] < 2e-2
-    with pytest.raises(SystemExit):
-        bench.main(["--pick-from", str(out), "--tune-out", str(tmp_path / "t.json")])
+    table = tmp_path / "table.json"
+    table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    grid = {"grid_run_m": 4, "rows": [
+        _grid_row(33, 64, "concentrated:8", 48.0, **{"64_256_4_3_0_1_4_256": 40.0}),
+        _grid_row(33, 64, "random", 200.0, **{"64_256_4_3_0_1_4_256": 201.0})]}
+    (tmp_path / "g.json").write_text(json.dumps(grid))
+    assert bench.main(["--pick-from", str(tmp_path / "g.json"), "--tune-out", str(table)]) == 0
+    band = {b["max_m"]: b for b in json.loads(table.read_text())["bands"]}[64]
+    assert band["run_m"] == 4 and band["gate_up"]["split_target"] == 256
+    assert bench.mw._config_table(str(table))[-1][1].run_m == 0  # other bands: none
+    grid["grid_run_m"] = 0
+    (tmp_path / "g.json").write_text(json.dumps(grid))
+    assert bench.main(["--pick-from", str(tmp_path / "g.json"), "--tune-out", str(table)]) == 0
+    assert "run_m" not in {b["max_m"]: b for b in json.loads(table.read_text())["bands"]}[64]
 
 
 def test_grid_option_is_checked(bench, tmp_path):
