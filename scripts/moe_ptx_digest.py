@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Digests of the sm_90 PTX of every fused-MoE gate-up config the shipped table serves (and of
-the split-K reduce kernel), compiled ahead of time on a CPU, with debug line info and labels
-stripped: two checkouts whose digests match launch the same code, so a refactor of the kernels
-can be checked for "no change to what is served" without a GPU.
+"""Digests of the sm_90 PTX of every fused-MoE GEMM config (gate-up and down) the shipped
+table serves (and of the split-K reduce kernel), compiled ahead of time on a CPU, with debug
+line info and labels stripped: two checkouts whose digests match launch the same code, so a
+refactor of the kernels can be checked for "no change to what is served" without a GPU.
 
     python scripts/moe_ptx_digest.py            # in each checkout, then compare the lines
 """
@@ -28,16 +28,15 @@ def normalized(ptx: str) -> str:
             continue
         if t.startswith("$L__") and t.endswith(":"):
             continue
-        keep.append(re.sub(r"_gate_up_\w*", "K", t))
+        keep.append(re.sub(r"_(gate_up|down)_\w*", "K", t))
     return "\n".join(keep)
 
 
 def main() -> int:
     moe = load_moe(interpret=False).moe
     for kind, bm, tiles in aot._shipped():
-        if kind == "gate_up":
-            ptx = aot._gemm(moe, kind, bm, tiles).asm["ptx"]
-            print("gate_up", bm, tiles, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
+        ptx = aot._gemm(moe, kind, bm, tiles).asm["ptx"]
+        print(kind, bm, tiles, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
     for split in (2, 4, 8):

@@ -862,6 +862,8 @@ def _down_loop_kernel(
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
+    RUN_M: tl.constexpr = 1,  # as _gate_up_kernel's: a run's programs split N_PER_CTA
+    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M) experts, for moe_align's block count
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -870,6 +872,8 @@ def _down_loop_kernel(
     ids, then weights) and nothing overlaps inside it. Here a program loads the expert block's
     activation planes once and then walks ``N_PER_CTA`` output columns in BLOCK_N steps: a loop
     whose weight loads the compiler pipelines (``num_stages``), one long stream per program.
+    With RUN_M > 1 the R programs of a run of R blocks (moe_align's run labels) for one column
+    range each take all R * BLOCK_M rows and N_PER_CTA / R of its columns.
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     pid = tl.program_id(0)
@@ -879,10 +883,36 @@ def _down_loop_kernel(
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    run_label = 16  # a run of one block
+    if RUN_M > 1:
+        run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
     if e < 0:
         return
-    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
-                 pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE, HALF_M)
+    if RUN_M > 1:
+        place = run_label % 16
+        row_r = (pid_m - place) * BLOCK_M
+        if run_label // 16 == 1:
+            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
+                            pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+        elif run_label // 16 == 2:
+            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row_r,
+                            pid_s * 2 + place, N, I, BLOCK_M * 2, BLOCK_N, N_PER_CTA // 2,
+                            PORTABLE)
+        else:
+            if RUN_M >= 4:
+                if run_label // 16 == 4:
+                    _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
+                                    row_r, pid_s * 4 + place, N, I, BLOCK_M * 4, BLOCK_N,
+                                    N_PER_CTA // 4, PORTABLE)
+                else:
+                    if RUN_M >= 8:
+                        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr,
+                                        T, e, row_r, pid_s * 8 + place, N, I, BLOCK_M * 8,
+                                        BLOCK_N, N_PER_CTA // 8, PORTABLE)
+    else:
+        _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                     pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE,
+                     HALF_M)
 
 
 @triton.jit
@@ -992,12 +1022,14 @@ class MoeConfig:
     # once for all of them, while blocks of few rows pay for narrow tiles only (not yet timed
     # on a GPU: scripts/bench_fused_moe.py --grid-block-m 32|64 --grid-half-m).
     half_m: int = 0
-    # 2, 4 or 8 (gate-up only; not with half_m): an expert's blocks go in runs of up to run_m
-    # (moe_align labels them, see run_chunk), and the run's programs of a column tile each take
-    # all its rows and 1 / run_length of the tile's columns: each weight column dequantized once
-    # per run, not once per 16-row block, when a call's tokens share experts, in as many
-    # programs as before. gate_up.block_n / run_m must be at least 16. Not yet timed on a GPU
-    # (scripts/bench_fused_moe.py --grid-run-m); no band of the shipped table uses it.
+    # 2, 4 or 8 (not with half_m): an expert's blocks go in runs of up to run_m (moe_align
+    # labels them, see run_chunk), and in the gate-up the run's programs of a column tile each
+    # take all its rows and 1 / run_length of the tile's columns: each weight column dequantized
+    # once per run, not once per 16-row block, when a call's tokens share experts, in as many
+    # programs as before. The looped down kernel (down.n_per_cta > 0) does the same with its
+    # column ranges where down.n_per_cta / run_m >= down.block_n, else runs one block a
+    # program as without runs. gate_up.block_n / run_m must be at least 16. Not yet timed on a
+    # GPU (scripts/bench_fused_moe.py --grid-run-m); no band of the shipped table uses it.
     run_m: int = 0
 
 
@@ -1242,10 +1274,13 @@ def fused_moe_w4a16(
     if _upto < 3:
         return out
     if dn.n_per_cta:
+        down_runs = run_m if dn.n_per_cta // run_m >= dn.block_n else 1  # (see MoeConfig)
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,
-            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
+            HALF_M=bool(cfg.half_m), RUN_M=down_runs,
+            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
+            num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

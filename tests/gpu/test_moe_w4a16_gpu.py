@@ -149,8 +149,9 @@ def test_half_m_blocks_on_shared_experts(K, w, m, bm):
 
 @pytest.mark.parametrize("m", [9, 17, 33, 64])
 def test_run_tiles_on_shared_experts(K, w, m):
-    """MoeConfig.run_m (runs of up to 2 / 4 blocks as one gate-up tile) at Kimi shapes, with
-    the M 17-64 bands' gate-up tiles (live split and fixed) and the served down tiles: every
+    """MoeConfig.run_m (runs of up to 2 / 4 blocks as one tile, in the gate-up and in the
+    served looped down kernel) at Kimi shapes, with the M 17-64 bands' gate-up tiles (live
+    split and fixed) and the served down tiles: every
     token on the same 8 experts (1-4 blocks each: runs of 1, 2, 2 + 1, 4) and random routing,
     against the reference and close to the same config without runs; then in one CUDA graph
     replayed with the routing switching between the two, bitwise equal to eager calls."""

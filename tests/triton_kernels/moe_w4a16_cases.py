@@ -562,14 +562,21 @@ _GU_RUN_SPLIT = MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2)
 _GU_RUN_LIVE = MOE.GemmConfig(64, 128, 4, 1, 0, 0, 4, 64)
 
 
-@pytest.mark.parametrize("gate_up,run_m,serial", [
-    (_GU_RUN, 2, "1"), (_GU_RUN, 4, "1"), (_GU_RUN_SPLIT, 4, "1"), (_GU_RUN_SPLIT, 4, "0"),
-    (_GU_RUN_LIVE, 4, "1"), (_GU_RUN_LIVE, 2, "0")],
-    ids=["run2", "run4", "run4_splitk_serial", "run4_splitk_reduce", "run4_live",
-         "run2_live_reduce"])
-def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, monkeypatch):
-    """Runs of 2 / 4 blocks of one expert as one tile (MoeConfig.run_m), alone, with split-K
-    (one launch and the reduce kernel) and with a live split: every row written once, within
+_DN_LOOP = MOE.GemmConfig(64, 128, 4, 1, 128)  # runs of 2 split its 128 columns, of 4 do not
+_DN_LOOP32 = MOE.GemmConfig(32, 128, 4, 1, 128)  # runs of 4 split it too
+_DN_TILE = MOE.GemmConfig(64, 128, 4, 1)  # the per-tile down kernel: one block a program
+
+
+@pytest.mark.parametrize("gate_up,run_m,serial,down", [
+    (_GU_RUN, 2, "1", _DN_LOOP), (_GU_RUN, 4, "1", _DN_LOOP32), (_GU_RUN, 4, "1", _DN_TILE),
+    (_GU_RUN_SPLIT, 4, "1", _DN_LOOP), (_GU_RUN_SPLIT, 4, "0", _DN_LOOP32),
+    (_GU_RUN_LIVE, 4, "1", _DN_LOOP32), (_GU_RUN_LIVE, 2, "0", _DN_LOOP)],
+    ids=["run2", "run4_down32", "run4_down_tile", "run4_splitk_serial",
+         "run4_splitk_reduce_down32", "run4_live_down32", "run2_live_reduce"])
+def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, down, monkeypatch):
+    """Runs of 2 / 4 blocks of one expert as one tile (MoeConfig.run_m) in the gate-up, alone,
+    with split-K (one launch and the reduce kernel) and with a live split, and in the looped
+    down kernel where its column range splits that far: every row written once, within
     tolerance of the reference, and equal (up to fp32 summation order) to the same config with
     one tile per block; split-K counters end at 0."""
     monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
@@ -577,7 +584,6 @@ def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, monk
     tw, ti = _runs_routing()
     m = ti.shape[0]
     x = torch.randn(m, H_LIVE, generator=torch.Generator().manual_seed(3)).bfloat16()
-    down = MOE.GemmConfig(64, 128, 4, 1, 128)
 
     def call(cfg):
         out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
