@@ -746,30 +746,34 @@ def main(argv=None) -> int:
         return int(n)
 
     parse_routing(args.routing)
+    def write_picks(picks, field, source, rule):
+        """--pick-from / --pick-down-from: keep --pick-bands, print, write into --tune-out."""
+        if args.pick_bands is not None:
+            picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}
+        for band, p in picks.items():
+            print(f"band <= {band}: {field} {p[field]} (worst vs table: random {p['random']}, "
+                  f"concentrated {p.get('concentrated', 'not timed')})")
+        apply_picks(args.tune_out, picks, {
+            "command": " ".join(["python", "scripts/bench_fused_moe.py"]
+                                + list(sys.argv[1:] if argv is None else argv)),
+            "gpu": source.get("gpu"), "date": source.get("date"), "rule": rule})
+        print(f"wrote {args.tune_out}")
+        return 0
+
     if args.pick_down_from:
         runs = []
         for path in args.pick_down_from:
             with open(path) as f:
                 loaded = json.load(f)
             runs += loaded["runs"] if "runs" in loaded else [loaded]
-        picks = pick_down(down_grid_rows(runs), args.max_random_loss)
-        if args.pick_bands is not None:
-            picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}
-        for band, p in picks.items():
-            print(f"band <= {band}: down {p['down']} (worst vs table: random {p['random']}, "
-                  f"concentrated {p.get('concentrated', 'not timed')})")
-        apply_picks(args.tune_out, picks, {
-            "command": " ".join(["python", "scripts/bench_fused_moe.py"]
-                                + list(sys.argv[1:] if argv is None else argv)),
-            "gpu": runs[0].get("gpu") if runs else None,
-            "date": runs[0].get("date") if runs else None,
-            "rule": f"down picked from --breakdown runs: where a band was timed on concentrated "
-                    f"routing, at most {args.max_random_loss:.0%} slower than the table on "
-                    "random routing at every measured M and the best worst case on "
-                    "concentrated routing; where only on random routing, the best worst case "
-                    "there; block_m and gate-up unchanged"})
-        print(f"wrote {args.tune_out}")
-        return 0
+        return write_picks(
+            pick_down(down_grid_rows(runs), args.max_random_loss), "down",
+            runs[0] if runs else {},
+            f"down picked from --breakdown runs: where a band was timed on concentrated "
+            f"routing, at most {args.max_random_loss:.0%} slower than the table on random "
+            "routing at every measured M and the best worst case on concentrated routing; "
+            "where only on random routing, the best worst case there; block_m and gate-up "
+            "unchanged")
     if args.pick_from:
         with open(args.pick_from) as f:
             grid_run = json.load(f)
@@ -780,23 +784,14 @@ def main(argv=None) -> int:
         picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
         for p in picks.values():  # a grid run with --grid-run-m: its picks take their runs
             p["run_m"] = int(grid_run.get("grid_run_m") or 0)
-        if args.pick_bands is not None:
-            picks = {b: p for b, p in picks.items() if int(b) in args.pick_bands}
-        for band, p in picks.items():
-            print(f"band <= {band}: gate-up {p['gate_up']} (worst vs table: random "
-                  f"{p['random']}, concentrated {p['concentrated']})")
-        apply_picks(args.tune_out, picks, {
-            "command": " ".join(["python", "scripts/bench_fused_moe.py"]
-                                + list(sys.argv[1:] if argv is None else argv)),
-            "gpu": grid_run.get("gpu"), "date": grid_run.get("date"),
-            "rule": f"gate-up picked from {os.path.basename(args.pick_from)}: at most "
-                    f"{args.max_random_loss:.0%} slower than the table on random routing at "
-                    "every measured M of the band, the best worst case on concentrated routing; "
-                    "block_m and down unchanged; 'us' is the pick's random-routing time at max_m"
-                    + (f"; the grid ran with run_m {grid_run['grid_run_m']}"
-                       if grid_run.get("grid_run_m") else "")})
-        print(f"wrote {args.tune_out}")
-        return 0
+        return write_picks(
+            picks, "gate_up", grid_run,
+            f"gate-up picked from {os.path.basename(args.pick_from)}: at most "
+            f"{args.max_random_loss:.0%} slower than the table on random routing at every "
+            "measured M of the band, the best worst case on concentrated routing; block_m and "
+            "down unchanged; 'us' is the pick's random-routing time at max_m"
+            + (f"; the grid ran with run_m {grid_run['grid_run_m']}"
+               if grid_run.get("grid_run_m") else ""))
     grid = None
     if args.grid is not None:
         try:
