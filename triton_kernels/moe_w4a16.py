@@ -1027,8 +1027,8 @@ class MoeConfig:
     # take all its rows and 1 / run_length of the tile's columns: each weight column dequantized
     # once per run, not once per 16-row block, when a call's tokens share experts, in as many
     # programs as before. The looped down kernel (down.n_per_cta > 0) does the same with its
-    # column ranges where down.n_per_cta / run_m >= down.block_n, else runs one block a
-    # program as without runs. gate_up.block_n / run_m must be at least 16. Not yet timed on a
+    # column ranges where down.n_per_cta / run_m is a multiple of down.block_n, else runs one
+    # block a program as without runs. gate_up.block_n / run_m must be at least 16. Not yet timed on a
     # GPU (scripts/bench_fused_moe.py --grid-run-m); no band of the shipped table uses it.
     run_m: int = 0
 
@@ -1274,7 +1274,8 @@ def fused_moe_w4a16(
     if _upto < 3:
         return out
     if dn.n_per_cta:
-        down_runs = run_m if dn.n_per_cta // run_m >= dn.block_n else 1  # (see MoeConfig)
+        # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
+        down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,

@@ -613,3 +613,20 @@ def test_run_m_must_fit_the_gate_up_tile():
                               half_m=1, run_m=2)):
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
+
+
+def test_run_tiles_keep_whole_down_steps():
+    """A looped down range that runs would cut into pieces of no whole BLOCK_N step (384
+    columns, 64 a step, runs of 4: 96) runs one block a program instead: every column
+    written, within tolerance of the reference."""
+    hidden = 768
+    w = REF.make_random_moe(9, hidden, I, seed=5)
+    tw, ti = _runs_routing(70)  # expert 5: 5 blocks, a run of 4
+    x = torch.randn(70, hidden, generator=torch.Generator().manual_seed(6)).bfloat16()
+    cfg = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 384),
+                        run_m=4)
+    out = torch.full((70, hidden), float("nan"), dtype=torch.bfloat16)
+    MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"], tw,
+                        ti, out=out, config=cfg)
+    check(out, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                       w["w2_scale"], tw, ti, 1.0))
