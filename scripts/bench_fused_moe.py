@@ -746,6 +746,7 @@ def main(argv=None) -> int:
         return int(n)
 
     parse_routing(args.routing)
+
     def write_picks(picks, field, source, rule):
         """--pick-from / --pick-down-from: keep --pick-bands, print, write into --tune-out."""
         if args.pick_bands is not None:
