@@ -200,7 +200,7 @@ for s in "$@"; do
                  --ms $ms --routings concentrated:8,concentrated:32,random --grid "$cands" \
                  --out "$OUT/fused_moe_live_grid_${g}_h200.json"
              done ;;
-    moerun)  # MoeConfig.run_m (an expert's blocks in runs of up to 2 / 4 as one gate-up tile):
+    moerun)  # MoeConfig.run_m (an expert's blocks in runs of up to 2 / 4 as one tile, gate-up + down):
              # its GPU test, then the M 17-64 bands' gate-up tiles with runs against the table
              # (no runs) on 8 / 32 shared experts and on random routing, one JSON per run_m
              step moe-run-test ${MOE_RUN_TEST_LIMIT:-240} python3 -m pytest -q \
