@@ -483,7 +483,6 @@ def down_grid_rows(runs: list) -> list:
     the candidates, is no choice and is left out), the band from the table's max_m. Runs
     written before session 28 name their routing only in the command line (``--routing``;
     random where absent)."""
-    maxes = sorted(m for m, _ in mw._config_table(mw._CONFIG_PATH))
     out = {}
     for run in runs:
         cmd = run.get("command", "").split()
@@ -492,7 +491,7 @@ def down_grid_rows(runs: list) -> list:
         for r in run["rows"]:
             routing = r.get("routing", fallback)
             row = out.setdefault((r["m"], routing), {
-                "m": r["m"], "band": next((b for b in maxes if r["m"] <= b), maxes[-1]),
+                "m": r["m"], "band": _band_of(r["m"]),
                 "routing": routing, "table_us": None, "candidates": {}})
             if r["table_config"]:
                 row["table_us"] = r["us"]["down"]

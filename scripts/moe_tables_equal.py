@@ -26,13 +26,6 @@ from sglang_ddtree.triton_kernels import moe_w4a16 as mw
 from sglang_ddtree.triton_kernels.moe_reference import make_random_moe
 
 
-def _table(path: str, m: int) -> mw.MoeConfig:
-    for max_m, cfg in mw._config_table(path):
-        if m <= max_m:
-            return cfg
-    return mw._config_table(path)[-1][1]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--a", required=True, help="first config table (JSON)")
@@ -61,13 +54,14 @@ def main(argv=None) -> int:
             w, ids = torch.topk(logits.softmax(-1), args.topk)
             outs = [mw.fused_moe_w4a16(x, moe["w13_packed"], moe["w13_scale"], moe["w2_packed"],
                                        moe["w2_scale"], w.float(), ids.to(torch.int32),
-                                       routed_scaling_factor=2.827, config=_table(t, m))
+                                       routed_scaling_factor=2.827, config=mw.select_config(m, t))
                     for t in (args.a, args.b)]
             same = torch.equal(outs[0], outs[1])
             diff = (outs[0].float() - outs[1].float()).abs().max().item()
             differ |= not same
             rows.append({"m": m, "routing": routing, "identical": same, "max_abs_diff": diff,
-                         "configs_differ": _table(args.a, m) != _table(args.b, m)})
+                         "configs_differ": (mw.select_config(m, args.a)
+                                            != mw.select_config(m, args.b))})
             print(f"M={m:5d} {routing:16s} identical={same} max|diff|={diff:.3g} "
                   f"(configs differ: {rows[-1]['configs_differ']})", flush=True)
     if args.out:

@@ -1051,13 +1051,14 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
-def select_config(m: int) -> MoeConfig:
+def select_config(m: int, path: str | None = None) -> MoeConfig:
     """Config of the smallest M band holding ``m`` (the largest band for bigger ``m``).
 
-    The table is ``moe_w4a16_configs.json`` beside this module, or the file named by the env
-    variable ``SGLANG_DDTREE_MOE_CONFIG`` (for tuning runs).
+    The table is ``path``, else the file named by the env variable
+    ``SGLANG_DDTREE_MOE_CONFIG`` (for tuning runs), else ``moe_w4a16_configs.json`` beside
+    this module.
     """
-    table = _config_table(os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH))
+    table = _config_table(path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH))
     for max_m, cfg in table:
         if m <= max_m:
             return cfg

@@ -295,6 +295,8 @@ def test_committed_down_configs_are_the_pick_from_the_session_28_breakdown(bench
     copy.write_text(json.dumps(table))
     bench.apply_picks(str(copy), picks, {"command": "test"})
     assert json.loads(copy.read_text())["bands"] == table["bands"]
+    # a table by path (scripts/moe_tables_equal.py compares two that way)
+    assert bench.mw.select_config(33, str(copy)).down == gemm(*picks[64]["down"])
 
 
 def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
