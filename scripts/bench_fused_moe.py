@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -502,6 +503,11 @@ def down_grid_rows(runs: list) -> list:
     return list(out.values())
 
 
+def _percent(x: float) -> str:
+    """0.02 -> '2%', 0.035 -> '3.5%' (a pick rule's threshold as its table entry states it)."""
+    return f"{x:.0%}" if round(x * 100, 6) == round(x * 100) else f"{x:.1%}"
+
+
 def gemm_json(cfg) -> dict:
     """A GemmConfig as the table writes it (split_target only where a band has one)."""
     d = dataclasses.asdict(cfg)
@@ -710,9 +716,10 @@ def main(argv=None) -> int:
                          "column tile sharing its rows and splitting its columns)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
-    ap.add_argument("--pick-from", default=None, metavar="GRID_JSON",
-                    help="no GPU: choose each band's gate-up config from a --grid run's JSON "
-                         "(pick_gate_up's rule, --max-random-loss) and write the choices into "
+    ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
+                    help="no GPU: choose each band's gate-up config from --grid runs' JSON "
+                         "(pick_gate_up's rule, --max-random-loss; several runs of the same "
+                         "grid: the worst ratio over all of them) and write the choices into "
                          "--tune-out (an existing table; other fields kept)")
     ap.add_argument("--pick-down-from", nargs="+", default=None, metavar="BREAKDOWN_JSON",
                     help="no GPU: choose each band's down config from --breakdown runs (on "
@@ -724,6 +731,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-random-loss", type=float, default=0.02,
                     help="--pick-from: the largest slowdown against the table on random "
                          "routing a pick may have at any M of its band")
+    ap.add_argument("--pick-why", default=None, metavar="TEXT",
+                    help="--pick-from / --pick-down-from: the reason for this pick (e.g. for a "
+                         "--max-random-loss other than the default), kept in its 'tuned' entry")
     ap.add_argument("--profiler", action="store_true",
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
@@ -754,9 +764,10 @@ def main(argv=None) -> int:
             print(f"band <= {band}: {field} {p[field]} (worst vs table: random {p['random']}, "
                   f"concentrated {p.get('concentrated', 'not timed')})")
         apply_picks(args.tune_out, picks, {
-            "command": " ".join(["python", "scripts/bench_fused_moe.py"]
-                                + list(sys.argv[1:] if argv is None else argv)),
-            "gpu": source.get("gpu"), "date": source.get("date"), "rule": rule})
+            "command": shlex.join(["python", "scripts/bench_fused_moe.py"]
+                                  + list(sys.argv[1:] if argv is None else argv)),
+            "gpu": source.get("gpu"), "date": source.get("date"), "rule": rule,
+            **({"why": args.pick_why} if args.pick_why else {})})
         print(f"wrote {args.tune_out}")
         return 0
 
@@ -770,28 +781,36 @@ def main(argv=None) -> int:
             pick_down(down_grid_rows(runs), args.max_random_loss), "down",
             runs[0] if runs else {},
             f"down picked from --breakdown runs: where a band was timed on concentrated "
-            f"routing, at most {args.max_random_loss:.0%} slower than the table on random "
+            f"routing, at most {_percent(args.max_random_loss)} slower than the table on random "
             "routing at every measured M and the best worst case on concentrated routing; "
             "where only on random routing, the best worst case there; block_m and gate-up "
             "unchanged")
     if args.pick_from:
-        with open(args.pick_from) as f:
-            grid_run = json.load(f)
-        if grid_run.get("grid_block_m") or grid_run.get("grid_half_m"):
+        grid_runs = []
+        for path in args.pick_from:
+            with open(path) as f:
+                grid_runs.append(json.load(f))
+        if any(g.get("grid_block_m") or g.get("grid_half_m") for g in grid_runs):
             ap.error("--pick-from: this grid ran its candidates with another block_m / half_m "
                      "than the table's; a pick writes gate-up configs (and run_m) only, so it "
                      "cannot carry them: change the table's band by hand")
-        picks = pick_gate_up(grid_run["rows"], args.max_random_loss)
+        run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
+        if len(run_ms) > 1:
+            ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)}; "
+                     "pick from runs of one grid")
+        run_m = run_ms.pop()
+        picks = pick_gate_up([r for g in grid_runs for r in g["rows"]], args.max_random_loss)
         for p in picks.values():  # a grid run with --grid-run-m: its picks take their runs
-            p["run_m"] = int(grid_run.get("grid_run_m") or 0)
+            p["run_m"] = run_m
         return write_picks(
-            picks, "gate_up", grid_run,
-            f"gate-up picked from {os.path.basename(args.pick_from)}: at most "
-            f"{args.max_random_loss:.0%} slower than the table on random routing at every "
-            "measured M of the band, the best worst case on concentrated routing; block_m and "
-            "down unchanged; 'us' is the pick's random-routing time at max_m"
-            + (f"; the grid ran with run_m {grid_run['grid_run_m']}"
-               if grid_run.get("grid_run_m") else ""))
+            picks, "gate_up", grid_runs[0],
+            f"gate-up picked from {', '.join(os.path.basename(p) for p in args.pick_from)}: "
+            f"at most {_percent(args.max_random_loss)} slower than the table on random routing "
+            "at every measured M of the band"
+            + (" in every run" if len(grid_runs) > 1 else "")
+            + ", the best worst case on concentrated routing; block_m and down unchanged; "
+            "'us' is the pick's random-routing time at max_m"
+            + (f"; the grid ran with run_m {run_m}" if run_m else ""))
     grid = None
     if args.grid is not None:
         try:

@@ -1019,8 +1019,9 @@ class MoeConfig:
     # 1 (block_m 32 or 64): both GEMMs run a block whose second half holds no real row as a
     # block_m / 2-row tile, and with block_m 64 one whose last three quarters hold none as a
     # 16-row tile. An expert with up to block_m rows in a call then dequantizes each weight tile
-    # once for all of them, while blocks of few rows pay for narrow tiles only (not yet timed
-    # on a GPU: scripts/bench_fused_moe.py --grid-block-m 32|64 --grid-half-m).
+    # once for all of them, while blocks of few rows pay for narrow tiles only (timed in
+    # session 26, scripts/bench_fused_moe.py --grid-block-m 32|64 --grid-half-m,
+    # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; no band of the table uses it).
     half_m: int = 0
     # 2, 4 or 8 (not with half_m): an expert's blocks go in runs of up to run_m (moe_align
     # labels them, see run_chunk), and in the gate-up the run's programs of a column tile each
@@ -1028,8 +1029,10 @@ class MoeConfig:
     # once per run, not once per 16-row block, when a call's tokens share experts, in as many
     # programs as before. The looped down kernel (down.n_per_cta > 0) does the same with its
     # column ranges where down.n_per_cta / run_m is a multiple of down.block_n, else runs one
-    # block a program as without runs. gate_up.block_n / run_m must be at least 16. Not yet timed on a
-    # GPU (scripts/bench_fused_moe.py --grid-run-m); no band of the shipped table uses it.
+    # block a program as without runs. gate_up.block_n / run_m must be at least 16. Timed in
+    # session 29 (scripts/bench_fused_moe.py --grid-run-m,
+    # bench_results/fused_moe_run{2,4}_grid_h200_s29.json): faster only where a call's tokens
+    # share few experts and slower on random routing; no band of the shipped table uses it.
     run_m: int = 0
 
 

@@ -194,6 +194,50 @@ def test_live_split_equals_the_fixed_split_it_picks(case, serial, monkeypatch):
         assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
 
 
+def _table_live_bands():
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "triton_kernels" / "moe_w4a16_configs.json"
+    return [b["max_m"] for b in json.loads(path.read_text())["bands"]
+            if b["gate_up"].get("split_target")]
+
+
+@pytest.mark.parametrize("band", _table_live_bands())
+def test_table_live_split_tiles_equal_the_fixed_split(band):
+    """Each live-split band of the shipped table (M = 8, 17-32, 33-64 since session 29), its
+    own gate-up tile (block_n, block_k, warps, split_dq, split_k) at small shapes: 4 K steps,
+    the target scaled so that 1 used block splits the most, 2 blocks half that, 4 or more not
+    at all; every call equals, bit for bit, the fixed split the host rule names, and the
+    reference."""
+    gu = MOE.select_config(band).gate_up
+    hidden = 4 * gu.block_k
+    num_n = I // gu.block_n
+    w = REF.make_random_moe(9, hidden, I, seed=band)
+    down = MOE.GemmConfig(64, 128, 4, 1, 128)
+    seen = set()
+    for m, experts_used in ((5, 1), (12, 2), (40, 0)):
+        x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m)).bfloat16()
+        tw, ti = random_routing(m, 9, 2, seed=500 + m)
+        if experts_used:
+            ti = torch.stack([torch.arange(m) % experts_used + 3, torch.full((m,), -1)], 1).int()
+        blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
+        split = MOE.live_split(blocks, num_n, 4, gu.split_k, 4 * num_n)
+        seen.add(split)
+
+        def call(split_k, target):
+            cfg = MOE.MoeConfig(16, MOE.GemmConfig(gu.block_n, gu.block_k, gu.num_warps, 1, 0,
+                                                   gu.split_dq, split_k, target), down)
+            out = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16)
+            return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                       w["w2_scale"], tw, ti, out=out, config=cfg)
+
+        live = call(gu.split_k, 4 * num_n)
+        check(live, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                            w["w2_scale"], tw, ti, 1.0))
+        assert torch.equal(live, call(split, 0)), (m, split)
+    assert len(seen) == 3, seen  # the three calls took three different splits
+
+
 @pytest.mark.parametrize("m,experts_used,target,split_k,k_steps", [
     (5, 1, 8, 4, 4), (12, 2, 8, 4, 4), (40, 0, 8, 4, 4), (8, 8, 256, 8, 56),
     (3, 3, 64, 8, 56), (64, 0, 256, 4, 28)])
