@@ -800,11 +800,11 @@ def main(argv=None) -> int:
                      "pick from runs of one grid")
         run_m = run_ms.pop()
         picks = pick_gate_up([r for g in grid_runs for r in g["rows"]], args.max_random_loss)
-        for p in picks.values():  # a grid run with --grid-run-m: its picks take their runs
-            p["run_m"] = run_m
+        for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
+            pick["run_m"] = run_m
         return write_picks(
             picks, "gate_up", grid_runs[0],
-            f"gate-up picked from {', '.join(os.path.basename(p) for p in args.pick_from)}: "
+            f"gate-up picked from {', '.join(os.path.basename(g) for g in args.pick_from)}: "
             f"at most {_percent(args.max_random_loss)} slower than the table on random routing "
             "at every measured M of the band"
             + (" in every run" if len(grid_runs) > 1 else "")

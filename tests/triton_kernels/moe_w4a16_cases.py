@@ -160,40 +160,6 @@ def _live_cfg(split_k, target):
                          MOE.GemmConfig(64, 128, 4, 1, 128))
 
 
-@pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
-@pytest.mark.parametrize("serial", ["1", "0"])
-def test_live_split_equals_the_fixed_split_it_picks(case, serial, monkeypatch):
-    """A live-split call equals, bit for bit, the fixed-split call with the split the rule picks
-    for its block count (host mirror ``live_split``), in one launch and with the reduce kernel;
-    the counters end at 0."""
-    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
-    w = REF.make_random_moe(9, H_LIVE, I, seed=77)
-    m = {"one_block": 5, "two_blocks": 12, "many_blocks": 40}[case]
-    x = torch.randn(m, H_LIVE, generator=torch.Generator().manual_seed(m)).bfloat16()
-    tw, ti = random_routing(m, 9, 2, seed=300 + m)
-    if case == "one_block":  # slot 1 dropped, slot 0 on expert 3: 5 rows, one block
-        ti[:, 0], ti[:, 1] = 3, -1
-    elif case == "two_blocks":  # experts 1 and 6: 12 rows each
-        ti[:, 0], ti[:, 1] = 1, 6
-    blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
-    want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
-    assert MOE.live_split(blocks, 2, 4, 4, 8) == want, blocks
-
-    def call(cfg):
-        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
-        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                   w["w2_scale"], tw, ti, out=out, config=cfg)
-
-    live = call(_live_cfg(4, 8))
-    fixed = call(_live_cfg(want, 0))
-    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                  w["w2_scale"], tw, ti, 1.0)
-    check(live, ref)
-    assert torch.equal(live, fixed)
-    if serial == "1":
-        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
-
-
 def _table_live_bands():
     import json
     from pathlib import Path
@@ -202,40 +168,53 @@ def _table_live_bands():
             if b["gate_up"].get("split_target")]
 
 
-@pytest.mark.parametrize("band", _table_live_bands())
-def test_table_live_split_tiles_equal_the_fixed_split(band):
-    """Each live-split band of the shipped table (M = 8, 17-32, 33-64 since session 29), its
-    own gate-up tile (block_n, block_k, warps, split_dq, split_k) at small shapes: 4 K steps,
-    the target scaled so that 1 used block splits the most, 2 blocks half that, 4 or more not
-    at all; every call equals, bit for bit, the fixed split the host rule names, and the
-    reference."""
-    gu = MOE.select_config(band).gate_up
-    hidden = 4 * gu.block_k
-    num_n = I // gu.block_n
-    w = REF.make_random_moe(9, hidden, I, seed=band)
-    down = MOE.GemmConfig(64, 128, 4, 1, 128)
-    seen = set()
-    for m, experts_used in ((5, 1), (12, 2), (40, 0)):
-        x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m)).bfloat16()
-        tw, ti = random_routing(m, 9, 2, seed=500 + m)
-        if experts_used:
-            ti = torch.stack([torch.arange(m) % experts_used + 3, torch.full((m,), -1)], 1).int()
-        blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
-        split = MOE.live_split(blocks, num_n, 4, gu.split_k, 4 * num_n)
-        seen.add(split)
+@pytest.mark.parametrize("band", [0] + _table_live_bands())
+@pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
+@pytest.mark.parametrize("serial", ["1", "0"])
+def test_live_split_equals_the_fixed_split_it_picks(band, case, serial, monkeypatch):
+    """A live-split call equals, bit for bit, the fixed-split call with the split the rule picks
+    for its block count (host mirror ``live_split``), in one launch and with the reduce kernel;
+    the counters end at 0. ``band`` 0: _live_cfg's tile; otherwise the gate-up tile (block_n,
+    block_k, warps, split_dq, split_k 4) of that live-split band of the shipped table (M = 8,
+    17-32, 33-64 since session 29), at 4 K steps with the target scaled alike (1 used block
+    splits 4 ways, 2 blocks 2, 4 or more not at all)."""
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
+    if band:
+        gu = MOE.select_config(band).gate_up
+        assert gu.split_k == 4, gu
+        hidden, num_n = 4 * gu.block_k, I // gu.block_n
 
-        def call(split_k, target):
-            cfg = MOE.MoeConfig(16, MOE.GemmConfig(gu.block_n, gu.block_k, gu.num_warps, 1, 0,
-                                                   gu.split_dq, split_k, target), down)
-            out = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16)
-            return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                       w["w2_scale"], tw, ti, out=out, config=cfg)
+        def cfg_of(split_k, target):
+            return MOE.MoeConfig(16, MOE.GemmConfig(gu.block_n, gu.block_k, gu.num_warps, 1, 0,
+                                                    gu.split_dq, split_k, target),
+                                 MOE.GemmConfig(64, 128, 4, 1, 128))
+    else:
+        hidden, num_n, cfg_of = H_LIVE, 2, _live_cfg
+    w = REF.make_random_moe(9, hidden, I, seed=77 + band)
+    m = {"one_block": 5, "two_blocks": 12, "many_blocks": 40}[case]
+    x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, 9, 2, seed=300 + m)
+    if case == "one_block":  # slot 1 dropped, slot 0 on expert 3: 5 rows, one block
+        ti[:, 0], ti[:, 1] = 3, -1
+    elif case == "two_blocks":  # experts 1 and 6: 12 rows each
+        ti[:, 0], ti[:, 1] = 1, 6
+    blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
+    want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
+    assert MOE.live_split(blocks, num_n, 4, 4, 4 * num_n) == want, blocks
 
-        live = call(gu.split_k, 4 * num_n)
-        check(live, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                            w["w2_scale"], tw, ti, 1.0))
-        assert torch.equal(live, call(split, 0)), (m, split)
-    assert len(seen) == 3, seen  # the three calls took three different splits
+    def call(cfg):
+        out = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16)
+        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                   w["w2_scale"], tw, ti, out=out, config=cfg)
+
+    live = call(cfg_of(4, 4 * num_n))
+    fixed = call(cfg_of(want, 0))
+    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                  w["w2_scale"], tw, ti, 1.0)
+    check(live, ref)
+    assert torch.equal(live, fixed)
+    if serial == "1":
+        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("m,experts_used,target,split_k,k_steps", [
