@@ -125,7 +125,10 @@ for s in "$@"; do
              step memcheck-verify ${MEMCHECK_LIMIT:-240} env PYTHON=python3 bash scripts/memcheck_tree_verify.sh ;;
     costs)   step costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py --out "$OUT/cost_curves_h200.json" ${COSTS_ARGS:-}
              (cd /tmp && tar czf "$OUT/cost_curves_logs.tgz" ddtree_cost_curves/*.log 2>/dev/null) ;;
-    profile) step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
+    profile) # the int4 Kimi rank on our fused MoE needs PROFILE_ARGS="... --server-env
+             # SGLANG_DDTREE_FUSED_MOE=1" (session 30 profiled Marlin without it); the JSON is
+             # rewritten after every method, so a time limit keeps the finished ones
+             step profile ${PROFILE_LIMIT:-300} python3 scripts/profile_step.py --out "$OUT/profile_step_h200.json" ${PROFILE_ARGS:-} ;;
     doctor)  # every kernel, planned for 131,072 tokens since session 25 (140 cases with FlashMLA)
              step doctor ${DOCTOR_LIMIT:-300} python3 -m sglang_ddtree.cli doctor --graphs \
                --out "$OUT/doctor_graphs_h200.json" ${DOCTOR_ARGS:-} ;;

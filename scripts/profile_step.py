@@ -278,6 +278,87 @@ def kernel_time_diff(a: list, b: list, top: int = 30, min_ms: float = 0.002) -> 
     return rows[:top]
 
 
+# kernel families of a target forward, first match wins (names as the profiler writes them)
+KERNEL_FAMILIES = (
+    ("moe", ("marlin", "_gate_up", "_down_", "_down_kernel", "_prologue_kernel",
+             "_combine_kernel", "moe_", "align_", "expert", "topk", "router")),
+    ("attention", ("attn", "_fwd_kernel_stage", "_fwd_grouped_kernel", "flashmla", "mla_",
+                   "_tree_attn")),
+    ("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass", "sm90_xmma", "bmm")),
+    ("norm", ("norm",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a GPU kernel name (:data:`KERNEL_FAMILIES`; ``other`` if none)."""
+    low = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return family
+    return "other"
+
+
+def family_totals(kernels: list) -> dict:
+    """ms per step by kernel family of a kernel list ({"name", "ms_per_step"} rows), plus
+    ``total``."""
+    out = {f: 0.0 for f, _ in KERNEL_FAMILIES}
+    out["other"] = 0.0
+    for k in kernels:
+        out[kernel_family(k["name"])] += k["ms_per_step"]
+    out["total"] = sum(out.values())
+    return {f: round(v, 4) for f, v in out.items()}
+
+
+def parse_server_env(pairs: list) -> dict:
+    """{KEY: VALUE} from ``--server-env KEY=VALUE`` strings."""
+    out = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--server-env {kv!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def effective_env(server_env: dict, key: str, default: str = "") -> str:
+    """A server's value of ``key``: ``--server-env`` over this process's environment."""
+    return server_env.get(key, os.environ.get(key, default))
+
+
+def analyse(result: dict) -> None:
+    """Fill the comparisons in ``result`` from the methods profiled so far: DDTREE's host
+    time over DFLASH's, each method's target-forward kernels and their families, and each
+    speculative method's target-forward kernels over AR's."""
+    m = result["methods"]
+    if "python_inclusive" in m.get("dflash", {}) and "python_inclusive" in m.get("ddtree", {}):
+        # the question this profile exists for: which functions make DDTREE's step longer
+        result["ddtree_minus_dflash"] = host_time_diff(m["dflash"], m["ddtree"])
+    # the question for the Kimi ratio: which kernels make a verify forward dearer than a
+    # decode step
+    for summ in m.values():
+        if "gpu_kernels_by_frame" in summ:
+            summ["target_forward_kernels"] = target_forward_kernels(summ)
+            summ["target_forward_families"] = family_totals(summ["target_forward_kernels"])
+    if "target_forward_kernels" in m.get("ar", {}):
+        ar = m["ar"]["target_forward_families"]
+        result["target_forward_minus_ar"] = {
+            name: kernel_time_diff(m["ar"]["target_forward_kernels"],
+                                   summ["target_forward_kernels"])
+            for name, summ in m.items() if name != "ar" and "target_forward_kernels" in summ}
+        result["target_forward_families_minus_ar"] = {
+            name: {f: round(v - ar[f], 4) for f, v in summ["target_forward_families"].items()}
+            for name, summ in m.items() if name != "ar" and "target_forward_families" in summ}
+
+
+def write_result(result: dict, out: str) -> None:
+    analyse(result)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, out)
+
+
 def _post(port, path, payload):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -303,7 +384,12 @@ def main():
     ap.add_argument("--dummy", action="store_true",
                     help="config-only target and drafter (bench_assets/model-configs): "
                     "--load-format dummy for both, no tokenizer")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of every server (repeatable), recorded in the JSON: e.g. "
+                    "SGLANG_DDTREE_FUSED_MOE=1 for the int4 Kimi rank on our fused MoE (without "
+                    "it SGLang's Marlin MoE serves it)")
     args = ap.parse_args()
+    server_env = parse_server_env(args.server_env)
 
     import sglang
     import torch
@@ -325,7 +411,10 @@ def main():
               "gpu": torch.cuda.get_device_name(0),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join(["python", "scripts/profile_step.py"] + sys.argv[1:]),
-              "concurrency": args.concurrency, "profiled_steps": args.steps, "methods": {}}
+              "concurrency": args.concurrency, "profiled_steps": args.steps,
+              "server_env": server_env, "fused_moe": effective_env(
+                  server_env, "SGLANG_DDTREE_FUSED_MOE", "0") not in ("", "0"),
+              "complete": False, "methods": {}}
     servers = {}
     stop_on_sigterm()
     try:
@@ -334,7 +423,7 @@ def main():
             os.makedirs(trace_dir, exist_ok=True)
             servers[name] = Server(common + extra, os.path.join(args.workdir, f"{name}.log"),
                                    args.port + i, wait=False,
-                                   env={"SGLANG_TORCH_PROFILER_DIR": trace_dir})
+                                   env={**server_env, "SGLANG_TORCH_PROFILER_DIR": trace_dir})
         for name, srv in servers.items():
             srv.wait_ready()
             trace_dir = os.path.join(args.workdir, name)
@@ -361,29 +450,22 @@ def main():
             result["methods"][name] = summary
             print(name, json.dumps({k: v for k, v in summary.items()
                                     if not isinstance(v, list)}), flush=True)
+            # every finished method on disk at once: a call cut by its time limit keeps them
+            # (session 30 lost three methods' kernel tables that way)
+            write_result(result, args.out)
     finally:
         for srv in servers.values():
             srv.stop()
+    result["complete"] = True
+    write_result(result, args.out)
     m = result["methods"]
-    if "python_inclusive" in m.get("dflash", {}) and "python_inclusive" in m.get("ddtree", {}):
-        # the question this profile exists for: which functions make DDTREE's step longer
-        result["ddtree_minus_dflash"] = host_time_diff(m["dflash"], m["ddtree"])
-    # the question for the Kimi ratio: which kernels make a verify forward dearer than a
-    # decode step
-    for summ in m.values():
-        if "gpu_kernels_by_frame" in summ:
-            summ["target_forward_kernels"] = target_forward_kernels(summ)
-    if "target_forward_kernels" in m.get("ar", {}):
-        result["target_forward_minus_ar"] = {
-            name: kernel_time_diff(m["ar"]["target_forward_kernels"],
-                                   summ["target_forward_kernels"])
-            for name, summ in m.items() if name != "ar" and "target_forward_kernels" in summ}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    json.dump(result, open(args.out, "w"), indent=1)
     if result.get("ddtree_minus_dflash"):
         print("== host ms/step, DDTREE minus DFLASH (inclusive; largest first)")
         for r in result["ddtree_minus_dflash"]:
             print(f"  {r['diff_ms']:+8.3f}  ({r['a_ms']:.3f} -> {r['b_ms']:.3f})  {r['name']}")
+    for name, fam in result.get("target_forward_families_minus_ar", {}).items():
+        print(f"== {name}: target forward's GPU kernels minus AR's by family (ms/step): "
+              + ", ".join(f"{f} {v:+.4f}" for f, v in fam.items()))
     for name, rows in result.get("target_forward_minus_ar", {}).items():
         a = sum(r["ms_per_step"] for r in m["ar"]["target_forward_kernels"])
         b = sum(r["ms_per_step"] for r in m[name]["target_forward_kernels"])

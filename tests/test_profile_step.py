@@ -1,6 +1,7 @@
 """scripts/profile_step.py: the trace summary (per-step host time, launches, GPU time)."""
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -173,3 +174,74 @@ def test_method_flags_one_ddtree_server_per_budget():
     two = prof.method_flags(["ddtree", "dflash"], ["8", "16"], spec)
     assert list(two) == ["ddtree_b8", "ddtree_b16", "dflash"]
     assert two["ddtree_b16"][3] == "16" and two["dflash"][-1] == "d"
+
+
+def test_kernel_families_of_a_kimi_verify_forward():
+    """Names as the H200 traces of sessions 26 and 30 spelled them."""
+    fam = {n: prof.kernel_family(n) for n in (
+        "_gate_up_kernel", "_down_loop_kernel", "_prologue_kernel", "_combine_kernel",
+        "void device::marlin_moe::Marlin<__nv_bfloat16, 1125899907892224l>(int4 const*)",
+        "void count_and_sort_expert_tokens_kernel<int>(int const*, int*, int*)",
+        "void (anonymous namespace)::router_gemm_kernel<__nv_bfloat16, float, 128, 8, 8>",
+        "void moe_sum_reduce_kernel<c10::BFloat16, 8>(c10::BFloat16 const*)",
+        "_tree_attn_fwd_kernel", "_tree_attn_reduce_kernel", "_fwd_kernel_stage2",
+        "_fwd_grouped_kernel_stage1",
+        "nvjet_sm90_tst_64x40_64x16_4x1_v_bz_splitK_TNT",
+        "void (anonymous namespace)::fused_a_gemm_kernel<1, 2112, 7168, 16, 8, 256, 16>",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float>",
+        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::OpaqueType<2u>>",
+        "void (anonymous namespace)::fused_rope_kernel<false, 64l, true>")}
+    assert [n for n, f in fam.items() if f == "moe"] == list(fam)[:8]
+    assert [n for n, f in fam.items() if f == "attention"] == list(fam)[8:12]
+    assert [n for n, f in fam.items() if f == "gemm"] == list(fam)[12:15]
+    assert [n for n, f in fam.items() if f == "norm"] == list(fam)[15:16]
+    assert [n for n, f in fam.items() if f == "other"] == list(fam)[16:]
+    tot = prof.family_totals([{"name": "_gate_up_kernel", "ms_per_step": 0.25},
+                              {"name": "nvjet_x", "ms_per_step": 0.5},
+                              {"name": "elementwise", "ms_per_step": 0.125}])
+    assert tot == {"moe": 0.25, "attention": 0.0, "gemm": 0.5, "norm": 0.0, "other": 0.125,
+                   "total": 0.875}
+
+
+def test_server_env_parsing_and_the_fused_moe_record(monkeypatch):
+    assert prof.parse_server_env(["SGLANG_DDTREE_FUSED_MOE=1", "A=b=c"]) == {
+        "SGLANG_DDTREE_FUSED_MOE": "1", "A": "b=c"}
+    for bad in (["NOVALUE"], ["=1"]):
+        try:
+            prof.parse_server_env(bad)
+        except SystemExit as e:
+            assert "KEY=VALUE" in str(e)
+        else:
+            raise AssertionError(bad)
+    monkeypatch.setenv("SGLANG_DDTREE_FUSED_MOE", "1")
+    assert prof.effective_env({}, "SGLANG_DDTREE_FUSED_MOE") == "1"  # inherited by the servers
+    assert prof.effective_env({"SGLANG_DDTREE_FUSED_MOE": "0"}, "SGLANG_DDTREE_FUSED_MOE") == "0"
+    monkeypatch.delenv("SGLANG_DDTREE_FUSED_MOE")
+    assert prof.effective_env({}, "SGLANG_DDTREE_FUSED_MOE", "0") == "0"
+
+
+def test_partial_results_are_written_with_their_comparisons(tmp_path):
+    """A run cut after some methods leaves a JSON of those (complete: false), compared with AR
+    where AR is among them; written whole each time (no half-written file)."""
+    frame = "worker.py:_decode_step > tp_worker.py:forward_batch_generation"
+    ar = {"gpu_kernels_by_frame": [{"frame": "tp_worker.py:forward_batch_generation", "kernels": [
+        {"name": "_gate_up_kernel", "ms_per_step": 0.5, "calls_per_step": 7},
+        {"name": "_fwd_kernel_stage2", "ms_per_step": 0.25, "calls_per_step": 8}]}]}
+    dd = {"gpu_kernels_by_frame": [{"frame": frame, "kernels": [
+        {"name": "_gate_up_kernel", "ms_per_step": 0.75, "calls_per_step": 7},
+        {"name": "_tree_attn_fwd_kernel", "ms_per_step": 0.5, "calls_per_step": 8}]}]}
+    out = tmp_path / "sub" / "p.json"
+    result = {"complete": False, "methods": {"ar": ar}}
+    prof.write_result(result, str(out))
+    first = json.loads(out.read_text())
+    assert first["complete"] is False and "target_forward_minus_ar" in first
+    assert first["target_forward_minus_ar"] == {}
+    result["methods"]["ddtree_b32"] = dd
+    prof.write_result(result, str(out))
+    got = json.loads(out.read_text())
+    assert got["target_forward_families_minus_ar"]["ddtree_b32"] == {
+        "moe": 0.25, "attention": 0.25, "gemm": 0.0, "norm": 0.0, "other": 0.0, "total": 0.5}
+    assert {r["name"] for r in got["target_forward_minus_ar"]["ddtree_b32"]} == {
+        "_gate_up_kernel", "_tree_attn_fwd_kernel", "_fwd_kernel_stage2"}
+    assert not list(out.parent.glob("*.tmp"))
