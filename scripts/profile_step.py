@@ -21,6 +21,7 @@ the benchmark's tokens/s.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import datetime
 import glob
@@ -121,6 +122,50 @@ def summarize_trace(trace: dict, top: int = 40, tree_depth: int = 4,
 OUTSIDE = "(launched outside a step)"
 
 
+def _stream(e: dict):
+    """A kernel event's stream (the trace's ``args.stream``, else its ``tid``)."""
+    return (e.get("args") or {}).get("stream", e.get("tid"))
+
+
+def _union_us(spans: list) -> float:
+    """Length of the union of ``(start, end)`` spans."""
+    total, end = 0.0, None
+    for s, t in sorted(spans):
+        if end is None or s > end:
+            total += t - s
+            end = t
+        elif t > end:
+            total += t - end
+            end = t
+    return total
+
+
+def _concurrent_us(kernels: list) -> list:
+    """For each ``(start, end, stream)`` kernel, the part of it during which a kernel of
+    another stream ran (SGLang's DeepseekV2 layers run the shared expert on a second stream
+    inside CUDA graphs, beside the routed MoE: both kernels' durations then hold the shared
+    time, and their sum exceeds the GPU time). A stream runs its kernels one after another,
+    so per stream the spans sorted by start are sorted by end too."""
+    by_stream = collections.defaultdict(list)
+    for s, t, st in kernels:
+        by_stream[st].append((s, t))
+    for spans in by_stream.values():
+        spans.sort()
+    ends = {st: [t for _, t in spans] for st, spans in by_stream.items()}
+    out = []
+    for s, t, st in kernels:
+        hits = []
+        for other, spans in by_stream.items():
+            if other == st:
+                continue
+            j = bisect.bisect_right(ends[other], s)  # first span ending after s
+            while j < len(spans) and spans[j][0] < t:
+                hits.append((max(s, spans[j][0]), min(t, spans[j][1])))
+                j += 1
+        out.append(_union_us(hits))
+    return out
+
+
 def kernels_by_frame(events, launch_paths: dict, steps: int, depth: int = 2,
                      top: int = 80) -> list:
     """GPU kernel time per step by the step frame that launched it: each kernel joins its
@@ -130,25 +175,34 @@ def kernels_by_frame(events, launch_paths: dict, steps: int, depth: int = 2,
     the step (e.g. ``worker.py:forward_batch_generation > worker.py:_decode_step >
     worker.py:_verify``). So a DDTREE step's verify forward is told from its drafter and tree
     kernels. A trace without correlation ids puts every kernel under ``OUTSIDE``.
-    [{"frame", "ms_per_step", "kernels_per_step", "kernels": [{"name", "ms_per_step",
-    "calls_per_step"}]}], most time first."""
-    frames = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
-    for e in events:
-        if e.get("cat") != "kernel":
-            continue
+    Kernel times are summed; where kernels of two streams overlap the sum exceeds the GPU
+    time, so each frame also has ``busy_ms_per_step`` (the union of its kernels' spans) and
+    each kernel ``concurrent_ms_per_step`` (its time beside another stream's kernel).
+    [{"frame", "ms_per_step", "busy_ms_per_step", "kernels_per_step", "kernels": [{"name",
+    "ms_per_step", "calls_per_step", "concurrent_ms_per_step"}]}], most time first."""
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), _stream(e)) for e in kernels]
+    concurrent = _concurrent_us(spans)
+    frames = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0, 0.0]))
+    frame_spans = collections.defaultdict(list)
+    for e, span, conc in zip(kernels, spans, concurrent):
         path = launch_paths.get((e.get("args") or {}).get("correlation"))
         frame = OUTSIDE if path is None else " > ".join(path.split(" > ")[:depth + 1])
         k = frames[frame][e.get("name", "")[:160]]
         k[0] += float(e["dur"])
         k[1] += 1
+        k[2] += conc
+        frame_spans[frame].append(span[:2])
     out = []
     for frame, kern in frames.items():
         rows = sorted(kern.items(), key=lambda kv: -kv[1][0])
         out.append({"frame": frame,
                     "ms_per_step": round(sum(v[0] for v in kern.values()) / 1e3 / steps, 4),
+                    "busy_ms_per_step": round(_union_us(frame_spans[frame]) / 1e3 / steps, 4),
                     "kernels_per_step": round(sum(v[1] for v in kern.values()) / steps, 1),
                     "kernels": [{"name": n, "ms_per_step": round(v[0] / 1e3 / steps, 4),
-                                 "calls_per_step": round(v[1] / steps, 2)}
+                                 "calls_per_step": round(v[1] / steps, 2),
+                                 "concurrent_ms_per_step": round(v[2] / 1e3 / steps, 4)}
                                 for n, v in rows[:top]]})
     out.sort(key=lambda f: -f["ms_per_step"])
     return out
@@ -249,14 +303,27 @@ def target_forward_kernels(summary: dict) -> list:
     """GPU kernels per step of the target model's forward: an AR step is one, a speculative
     step's verify forward the frames ending in the target worker's forward (graph replays
     included). [{"name", "ms_per_step", "calls_per_step"}], summed over those frames."""
-    acc = collections.defaultdict(lambda: [0.0, 0.0])
+    acc = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
     for f in summary.get("gpu_kernels_by_frame", []):
         if TARGET_FORWARD in f["frame"].split(" > "):
             for k in f["kernels"]:
                 acc[k["name"]][0] += k["ms_per_step"]
                 acc[k["name"]][1] += k["calls_per_step"]
-    return [{"name": n, "ms_per_step": round(v[0], 4), "calls_per_step": round(v[1], 2)}
+                acc[k["name"]][2] += k.get("concurrent_ms_per_step", 0.0)
+    return [{"name": n, "ms_per_step": round(v[0], 4), "calls_per_step": round(v[1], 2),
+             **({"concurrent_ms_per_step": round(v[2], 4)} if v[2] else {})}
             for n, v in sorted(acc.items(), key=lambda kv: -kv[1][0])]
+
+
+def target_forward_busy_ms(summary: dict):
+    """GPU busy time per step of the target forward's frames (the union of their kernels'
+    spans, summed over the frames), or None for a summary from before session 30 (no
+    ``busy_ms_per_step``)."""
+    frames = [f for f in summary.get("gpu_kernels_by_frame", [])
+              if TARGET_FORWARD in f["frame"].split(" > ")]
+    if not frames or any("busy_ms_per_step" not in f for f in frames):
+        return None
+    return round(sum(f["busy_ms_per_step"] for f in frames), 4)
 
 
 def kernel_time_diff(a: list, b: list, top: int = 30, min_ms: float = 0.002) -> list:
@@ -278,10 +345,13 @@ def kernel_time_diff(a: list, b: list, top: int = 30, min_ms: float = 0.002) -> 
     return rows[:top]
 
 
-# kernel families of a target forward, first match wins (names as the profiler writes them)
+# kernel families of a target forward, first match wins (names as the profiler writes them).
+# The router's GEMM counts as a GEMM: SGLang's dsv3 router_gemm_kernel serves up to 16 tokens,
+# cuBLAS (an nvjet kernel, not told apart from the others) above; its top-k (SGLang's
+# _router_triton_kernel) is the MoE's.
 KERNEL_FAMILIES = (
     ("moe", ("marlin", "_gate_up", "_down_", "_down_kernel", "_prologue_kernel",
-             "_combine_kernel", "moe_", "align_", "expert", "topk", "router")),
+             "_combine_kernel", "moe_", "align_", "expert", "topk", "_router_triton")),
     ("attention", ("attn", "_fwd_kernel_stage", "_fwd_grouped_kernel", "flashmla", "mla_",
                    "_tree_attn")),
     ("gemm", ("nvjet", "gemm", "splitKreduce", "cutlass", "sm90_xmma", "bmm")),
@@ -339,6 +409,9 @@ def analyse(result: dict) -> None:
         if "gpu_kernels_by_frame" in summ:
             summ["target_forward_kernels"] = target_forward_kernels(summ)
             summ["target_forward_families"] = family_totals(summ["target_forward_kernels"])
+            busy = target_forward_busy_ms(summ)
+            if busy is not None:  # kernel sum minus busy: time two streams ran at once
+                summ["target_forward_busy_ms"] = busy
     if "target_forward_kernels" in m.get("ar", {}):
         ar = m["ar"]["target_forward_families"]
         result["target_forward_minus_ar"] = {
@@ -348,6 +421,45 @@ def analyse(result: dict) -> None:
         result["target_forward_families_minus_ar"] = {
             name: {f: round(v - ar[f], 4) for f, v in summ["target_forward_families"].items()}
             for name, summ in m.items() if name != "ar" and "target_forward_families" in summ}
+
+
+def compare_profiles(results: list, base: str = "ar", pairs: tuple = ()) -> dict:
+    """Several profile JSONs (from one or several runs) side by side: each method's
+    target-forward kernel families, their difference from ``base``'s, and, per ``(a, b)`` of
+    ``pairs``, the kernels where ``b``'s target forward differs from ``a``'s (the 17th and
+    the 33rd token: ``("ddtree_b15", "ddtree_b16")``). A method found in two files is an
+    error (name them apart by profiling them in one run). Each method records the file it
+    came from."""
+    methods, sources = {}, {}
+    for i, res in enumerate(results):
+        for name, summ in res.get("methods", {}).items():
+            if name in methods:
+                raise SystemExit(f"--compare: method {name!r} is in two of the files")
+            if "target_forward_kernels" not in summ and "gpu_kernels_by_frame" in summ:
+                summ = dict(summ, target_forward_kernels=target_forward_kernels(summ))
+            if "target_forward_kernels" in summ:
+                methods[name], sources[name] = summ, i
+    fams = {n: family_totals(s["target_forward_kernels"]) for n, s in methods.items()}
+    out = {"sources": sources, "families": fams}
+    busy = {n: target_forward_busy_ms(s) for n, s in methods.items()}
+    if any(v is not None for v in busy.values()):  # runs from session 30's second change on
+        out["target_forward_busy_ms"] = busy
+    if base in fams:
+        out["families_minus_" + base] = {
+            n: {f: round(v - fams[base][f], 4) for f, v in fam.items()}
+            for n, fam in fams.items() if n != base}
+    for a, b in pairs:
+        for n in (a, b):
+            if n not in methods:
+                raise SystemExit(f"--pairs: no method {n!r} in the files ({sorted(methods)})")
+        rows = kernel_time_diff(methods[a]["target_forward_kernels"],
+                                methods[b]["target_forward_kernels"], top=40)
+        for r in rows:
+            r["family"] = kernel_family(r["name"])
+        out.setdefault("pairs", {})[f"{b}-{a}"] = {
+            "families": {f: round(v - fams[a][f], 4) for f, v in fams[b].items()},
+            "kernels": rows}
+    return out
 
 
 def write_result(result: dict, out: str) -> None:
@@ -366,7 +478,46 @@ def _post(port, path, payload):
         return r.read().decode()
 
 
+def compare_main(argv: list) -> None:
+    """``profile_step.py --compare A.json B.json ... [--base ar] [--pairs a:b,c:d] [--out F]``:
+    :func:`compare_profiles` of finished runs (no GPU)."""
+    ap = argparse.ArgumentParser(prog="profile_step.py --compare")
+    ap.add_argument("--compare", nargs="+", required=True, metavar="JSON")
+    ap.add_argument("--base", default="ar")
+    ap.add_argument("--pairs", default="", help="comma list of a:b method pairs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    pairs = tuple(tuple(p.split(":", 1)) for p in args.pairs.split(",") if p)
+    if any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--pairs {args.pairs!r}: expected a:b[,c:d]")
+    res = compare_profiles([load_trace(f) for f in args.compare], args.base, pairs)
+    res = {"command": " ".join(["python", "scripts/profile_step.py"] + argv),
+           "files": args.compare, **res}
+    fams = res["families"]
+    cols = list(next(iter(fams.values()))) if fams else []
+    print(f"{'ms/step':14s}" + "".join(f"{c:>10s}" for c in cols))
+    for n, fam in fams.items():
+        print(f"{n:14s}" + "".join(f"{fam[c]:10.4f}" for c in cols))
+    for n, b in res.get("target_forward_busy_ms", {}).items():
+        if b is not None:
+            print(f"{n:14s} busy {b:.4f} ms/step (kernel sum {fams[n]['total']:.4f}: the rest "
+                  "ran beside another stream's kernels)")
+    for n, fam in res.get("families_minus_" + args.base, {}).items():
+        print(f"{n + ' - ' + args.base:14s}" + "".join(f"{fam[c]:+10.4f}" for c in cols))
+    for key, pair in res.get("pairs", {}).items():
+        print(f"== {key}: " + ", ".join(f"{f} {v:+.4f}" for f, v in pair["families"].items()))
+        for r in pair["kernels"][:15]:
+            print(f"  {r['diff_ms']:+8.4f}  {r['family']:9s} ({r['a_ms']:.4f} x{r['a_calls']} -> "
+                  f"{r['b_ms']:.4f} x{r['b_calls']})  {r['name'][:80]}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        json.dump(res, open(args.out, "w"), indent=1)
+        print("->", args.out)
+
+
 def main():
+    if "--compare" in sys.argv[1:]:
+        return compare_main(sys.argv[1:])
     from bench_e2e import add_pair_args, run_pass
     from e2e_lossless import Server, stop_on_sigterm
 

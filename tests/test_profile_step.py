@@ -135,8 +135,11 @@ def test_kernels_by_frame_follow_their_launch_calls():
     verify = by[f"{step} > worker.py:_verify"]
     assert verify["ms_per_step"] == 1.3 and verify["kernels_per_step"] == 3.0
     assert verify["kernels"] == [
-        {"name": "moe_gate_up", "ms_per_step": 0.7, "calls_per_step": 1.0},
-        {"name": "tree_attn", "ms_per_step": 0.6, "calls_per_step": 2.0}]
+        {"name": "moe_gate_up", "ms_per_step": 0.7, "calls_per_step": 1.0,
+         "concurrent_ms_per_step": 0.0},
+        {"name": "tree_attn", "ms_per_step": 0.6, "calls_per_step": 2.0,
+         "concurrent_ms_per_step": 0.0}]
+    assert verify["busy_ms_per_step"] == 1.3  # one stream: the kernels' spans do not overlap
     assert by[f"{step} > worker.py:_draft"]["kernels"][0]["name"] == "draft_gemm"
     assert by[prof.OUTSIDE]["ms_per_step"] == 0.05
 
@@ -182,10 +185,11 @@ def test_kernel_families_of_a_kimi_verify_forward():
         "_gate_up_kernel", "_down_loop_kernel", "_prologue_kernel", "_combine_kernel",
         "void device::marlin_moe::Marlin<__nv_bfloat16, 1125899907892224l>(int4 const*)",
         "void count_and_sort_expert_tokens_kernel<int>(int const*, int*, int*)",
-        "void (anonymous namespace)::router_gemm_kernel<__nv_bfloat16, float, 128, 8, 8>",
+        "_router_triton_kernel",
         "void moe_sum_reduce_kernel<c10::BFloat16, 8>(c10::BFloat16 const*)",
         "_tree_attn_fwd_kernel", "_tree_attn_reduce_kernel", "_fwd_kernel_stage2",
         "_fwd_grouped_kernel_stage1",
+        "void (anonymous namespace)::router_gemm_kernel<__nv_bfloat16, float, 128, 8, 8>",
         "nvjet_sm90_tst_64x40_64x16_4x1_v_bz_splitK_TNT",
         "void (anonymous namespace)::fused_a_gemm_kernel<1, 2112, 7168, 16, 8, 256, 16>",
         "void cublasLt::splitKreduce_kernel<32, 16, int, float>",
@@ -194,9 +198,9 @@ def test_kernel_families_of_a_kimi_verify_forward():
         "void (anonymous namespace)::fused_rope_kernel<false, 64l, true>")}
     assert [n for n, f in fam.items() if f == "moe"] == list(fam)[:8]
     assert [n for n, f in fam.items() if f == "attention"] == list(fam)[8:12]
-    assert [n for n, f in fam.items() if f == "gemm"] == list(fam)[12:15]
-    assert [n for n, f in fam.items() if f == "norm"] == list(fam)[15:16]
-    assert [n for n, f in fam.items() if f == "other"] == list(fam)[16:]
+    assert [n for n, f in fam.items() if f == "gemm"] == list(fam)[12:16]
+    assert [n for n, f in fam.items() if f == "norm"] == list(fam)[16:17]
+    assert [n for n, f in fam.items() if f == "other"] == list(fam)[17:]
     tot = prof.family_totals([{"name": "_gate_up_kernel", "ms_per_step": 0.25},
                               {"name": "nvjet_x", "ms_per_step": 0.5},
                               {"name": "elementwise", "ms_per_step": 0.125}])
@@ -245,3 +249,64 @@ def test_partial_results_are_written_with_their_comparisons(tmp_path):
     assert {r["name"] for r in got["target_forward_minus_ar"]["ddtree_b32"]} == {
         "_gate_up_kernel", "_tree_attn_fwd_kernel", "_fwd_kernel_stage2"}
     assert not list(out.parent.glob("*.tmp"))
+
+
+def test_compare_profiles_of_two_runs():
+    def run(**methods):
+        return {"methods": {n: {"gpu_kernels_by_frame": [{
+            "frame": "tp_worker.py:forward_batch_generation",
+            "kernels": [{"name": k, "ms_per_step": v, "calls_per_step": 8} for k, v in ks]}]}
+            for n, ks in methods.items()}}
+    one = run(ar=[("nvjet_a", 0.5), ("_gate_up_kernel", 0.25)],
+              ddtree_b15=[("fused_a_gemm_kernel<16>", 0.5), ("_gate_up_kernel", 0.5)])
+    two = run(ddtree_b16=[("nvjet_b", 0.75), ("_gate_up_kernel", 0.5)])
+    res = prof.compare_profiles([one, two], pairs=(("ddtree_b15", "ddtree_b16"),))
+    assert res["sources"] == {"ar": 0, "ddtree_b15": 0, "ddtree_b16": 1}
+    assert res["families_minus_ar"]["ddtree_b16"]["gemm"] == 0.25
+    assert res["families_minus_ar"]["ddtree_b16"]["moe"] == 0.25
+    pair = res["pairs"]["ddtree_b16-ddtree_b15"]
+    assert pair["families"]["gemm"] == 0.25 and pair["families"]["total"] == 0.25
+    assert {(r["name"], r["family"], r["diff_ms"]) for r in pair["kernels"]} == {
+        ("nvjet_b", "gemm", 0.75), ("fused_a_gemm_kernel<16>", "gemm", -0.5)}
+    for bad, pairs in (([one, one], ()), ([one], (("ar", "ddtree_b16"),))):
+        try:
+            prof.compare_profiles(bad, pairs=pairs)
+        except SystemExit as e:
+            assert "ddtree_b16" in str(e) or "two of the files" in str(e)
+        else:
+            raise AssertionError(pairs)
+
+
+def test_kernels_of_two_streams_at_once():
+    """The shared expert on SGLang's second stream beside the routed MoE: both kernels' times
+    hold the shared span, the frame's busy time does not."""
+    def inner(t0):
+        c = t0 // 10_000 * 10
+        ev = [_x("python_function", "/x/sglang/srt/managers/tp_worker.py(9): "
+                 "forward_batch_generation", t0 + 50, 3900),
+              _x("cuda_runtime", "cudaGraphLaunch", t0 + 100, 10)]
+        ev[1]["args"] = {"correlation": c + 1}
+        for name, ts, dur, stream in (("_gate_up_kernel", 1000, 400, 7),
+                                      ("nvjet_shared", 1100, 200, 9),
+                                      ("nvjet_shared_down", 1350, 100, 9),
+                                      ("_down_loop_kernel", 1400, 100, 7)):
+            k = _x("kernel", name, t0 + ts, dur)
+            k["args"] = {"correlation": c + 1, "stream": stream}
+            ev.append(k)
+        return ev
+    frames = prof.summarize_trace({"traceEvents": _steps(2, inner)})["gpu_kernels_by_frame"]
+    (f,) = frames
+    k = {r["name"]: r for r in f["kernels"]}
+    assert f["ms_per_step"] == 0.8 and f["busy_ms_per_step"] == 0.5
+    assert k["_gate_up_kernel"]["concurrent_ms_per_step"] == 0.25  # 1100-1300 and 1350-1400
+    assert k["nvjet_shared"]["concurrent_ms_per_step"] == 0.2
+    assert k["nvjet_shared_down"]["concurrent_ms_per_step"] == 0.1  # gate-up, then down
+    assert k["_down_loop_kernel"]["concurrent_ms_per_step"] == 0.05
+    summ = {"gpu_kernels_by_frame": frames}
+    assert prof.target_forward_busy_ms(summ) == 0.5
+    assert prof.target_forward_kernels(summ)[0] == {
+        "name": "_gate_up_kernel", "ms_per_step": 0.4, "calls_per_step": 1.0,
+        "concurrent_ms_per_step": 0.25}
+    assert prof.target_forward_busy_ms({"gpu_kernels_by_frame": [
+        {"frame": "tp_worker.py:forward_batch_generation", "ms_per_step": 1.0,
+         "kernels": []}]}) is None  # a summary from before session 30
