@@ -632,6 +632,86 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
     return out
 
 
+def shared_expert_weights(n: int, hidden: int, inter: int, dev: torch.device) -> list:
+    """``n`` bf16 shared experts of a Kimi K2 TP8 rank (gate-up ``[2 I, H]``, down
+    ``[H, I]``; K2's one shared expert of 2,048 split 8 ways: I = 256), as SGLang keeps them
+    (the int4 scheme leaves shared experts in bf16)."""
+    g = torch.Generator(device=dev).manual_seed(1234)
+    return [{"gate_up": (torch.randn(2 * inter, hidden, device=dev, generator=g) * 0.02
+                         ).to(torch.bfloat16),
+             "down": (torch.randn(hidden, inter, device=dev, generator=g) * 0.02
+                      ).to(torch.bfloat16)} for _ in range(n)]
+
+
+def run_shared(x: torch.Tensor, sw: dict) -> torch.Tensor:
+    """The shared expert as SGLang's unquantized path computes it: two GEMMs around
+    SiLU-and-multiply."""
+    gu = x @ sw["gate_up"].t()
+    inter = gu.shape[1] // 2
+    return (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ sw["down"].t()
+
+
+def dual_stream_times(args, layers, make_inputs, dev) -> dict:
+    """Our MoE beside the shared expert, as SGLang's DeepseekV2 layer runs them inside CUDA
+    graphs (``DeepseekV2MoE.forward_normal_dual_stream``: the routed experts on the main
+    stream, then the shared expert on a second stream, joined before the sum). Per M and
+    routing, in one graph over ``--layers`` weight sets each: the MoE alone, the shared
+    expert alone, both on one stream (serial) and both on two streams (dual); medians of at
+    least 3 interleaved rounds, us per layer. ``dual`` is what a served step pays; ``dual``
+    above ``max(moe, shared)`` is what the two streams cost each other. Off a GPU (the CPU
+    smoke run) the two streams are one."""
+    side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+    shared = shared_expert_weights(len(layers), args.hidden, args.inter, dev)
+    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+           "source_digest": checkout_digest(__file__),
+           "note": "us per layer (one MoE call and / or one shared expert), mean of CUDA-graph "
+                   f"replays over {len(layers)} layers, median of the rounds; the table's "
+                   "configs; dual = the shared expert on a second stream after the MoE's "
+                   "launches, as SGLang 0.5.17 captures a DeepseekV2 MoE layer",
+           "rows": []}
+    kinds = ("moe", "shared", "serial", "dual")
+    for m in args.ms:
+        for routing in args.routings.split(","):
+            xs, tws, tis, _ = make_inputs(m, routing)
+
+            def moe(i):
+                return mw.fused_moe_w4a16(xs[i], layers[i]["w13_packed"], layers[i]["w13_scale"],
+                                          layers[i]["w2_packed"], layers[i]["w2_scale"], tws[i],
+                                          tis[i])
+
+            def run(kind):
+                for i in range(len(layers)):
+                    if kind in ("moe", "serial") or (kind == "dual" and side is None):
+                        moe(i)
+                    if kind in ("shared", "serial") or (kind == "dual" and side is None):
+                        run_shared(xs[i], shared[i])
+                    if kind == "dual" and side is not None:
+                        main = torch.cuda.current_stream(dev)
+                        side.wait_stream(main)
+                        moe(i)
+                        with torch.cuda.stream(side):
+                            run_shared(xs[i], shared[i])
+                        main.wait_stream(side)
+
+            rounds = {k: [] for k in kinds}
+            for _ in range(max(args.rounds, 3)):
+                for k in kinds:
+                    rounds[k].append(graph_time_us(lambda k=k: run(k), args.iters, dev)
+                                     / len(layers))
+            us = {k: round(statistics.median(v), 2) for k, v in rounds.items()}
+            touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
+            row = {"m": m, "routing": routing, "touched_experts": touched, "us": us,
+                   "us_rounds": {k: [round(t, 2) for t in v] for k, v in rounds.items()},
+                   "dual_over_longer": round(us["dual"] / max(us["moe"], us["shared"]), 4),
+                   "dual_over_serial": round(us["dual"] / us["serial"], 4)}
+            out["rows"].append(row)
+            print(f"M={m} {routing}: " + " ".join(f"{k} {u}" for k, u in us.items())
+                  + f" dual/longer {row['dual_over_longer']}", flush=True)
+    return out
+
+
 def write_table(path: str, tuned: dict, meta: dict) -> None:
     """Merge tuned bands into the config table at ``path`` (bands with other max_m are kept)."""
     old = {"bands": []}
@@ -677,6 +757,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prologue", action="store_true",
                     help="time only the prologue (moe_align), x's copy per row and per chunk, "
                          "over --ms and --routings (at least 3 interleaved rounds)")
+    ap.add_argument("--dual-stream", action="store_true",
+                    help="time our MoE beside a bf16 shared expert on a second stream, as "
+                         "SGLang's DeepseekV2 layer runs them in CUDA graphs, against each alone "
+                         "and both on one stream, over --ms and --routings (table configs)")
     ap.add_argument("--routed-scaling", type=float, default=2.827)
     ap.add_argument("--routing", default="random",
                     help="random (top-k of random logits) or concentrated:N (every token's "
@@ -860,9 +944,11 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    if grid is not None or args.prologue or args.breakdown:
+    if grid is not None or args.prologue or args.breakdown or args.dual_stream:
         if grid is not None:
             save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
+        elif args.dual_stream:
+            save(dual_stream_times(args, layers, make_inputs, dev))
         else:
             save((prologue_times if args.prologue else breakdown)(args, layers, make_inputs, dev))
         print(f"wrote {args.out}")

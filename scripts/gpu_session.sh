@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun moeprologue moeserve moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun moedual kimiprofile moeprologue moeserve moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -214,6 +214,22 @@ for s in "$@"; do
                  --grid "64,256,4,3,0,1,4,256;64,256,4,3,0,1,4,512;64,256,4,3,0,1,2;64,256,4,3,0,1,1" \
                  --grid-run-m $r --out "$OUT/fused_moe_run${r}_grid_h200.json"
              done ;;
+    moedual) # our MoE beside the shared expert on SGLang's second stream (its DeepseekV2 layer
+             # in CUDA graphs) against each alone, 16 weight sets a graph (no L2 reuse across
+             # layers); session 30's in-server gate-up times were above the kernel-only bench
+             step moe-dual ${MOE_DUAL_LIMIT:-240} python3 scripts/bench_fused_moe.py --no-sglang \
+               --dual-stream --ms ${MOE_DUAL_MS:-1 8 9 16 17 33} --layers ${MOE_DUAL_LAYERS:-16} \
+               --routings ${MOE_DUAL_ROUTINGS:-concentrated:9,random} --rounds 3 \
+               --out "$OUT/fused_moe_dual_stream_h200.json" ;;
+    kimiprofile) # profile (above) on the 8-layer int4 Kimi rank on our fused MoE, batch 1:
+             # AR and DDTREE at KIMI_PROFILE_BUDGETS (kernel families, busy time, overlap)
+             step kimi-profile ${PROFILE_LIMIT:-450} python3 scripts/profile_step.py \
+               --out "$OUT/profile_step_kimi_h200.json" --dummy \
+               --target bench_assets/model-configs/kimi-k2.6-tp8rank-l8-int4 \
+               --draft bench_assets/model-configs/kimi-k2.6-tp8rank-l8-int4-dflash-draft \
+               --methods ar,ddtree --budget ${KIMI_PROFILE_BUDGETS:-32,16,8} --steps 20 \
+               --max-new-tokens 96 --server-env SGLANG_DDTREE_FUSED_MOE=1 \
+               --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
     moeprologue) # the MoE prologue alone (grouping + x's copy; 4.8 us a call at M = 1, 8.7 at
              # M = 9 in session 26's profile), x's copy per row (served) against per chunk
              step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
@@ -243,7 +259,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun moeprologue moeserve moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun moedual kimiprofile moeprologue moeserve moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

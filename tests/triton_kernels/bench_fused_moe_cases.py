@@ -407,3 +407,32 @@ def test_grid_with_half_m_blocks_and_pick_refuses_it(bench, tmp_path):
     table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     with pytest.raises(SystemExit):
         bench.main(["--pick-from", str(out), "--tune-out", str(table)])
+
+
+def test_dual_stream_mode_times_the_moe_beside_the_shared_expert(bench, tmp_path):
+    """Off a GPU the two streams are one: the smoke run checks the rows and that every kind
+    runs (the GPU run times SGLang's second stream)."""
+    out = tmp_path / "dual.json"
+    assert bench.main(TINY + ["--dual-stream", "--routings", "concentrated:2,random",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "second stream" in result["note"]
+    assert [(r["m"], r["routing"]) for r in result["rows"]] == [(3, "concentrated:2"),
+                                                                 (3, "random")]
+    for r in result["rows"]:
+        assert set(r["us"]) == {"moe", "shared", "serial", "dual"}
+        assert all(len(v) == 3 for v in r["us_rounds"].values())
+        assert all(math.isfinite(u) and u > 0 for u in r["us"].values())
+        assert r["touched_experts"] <= 4
+
+
+def test_shared_expert_matches_silu_and_mul(bench):
+    import torch
+
+    sw = bench.shared_expert_weights(1, 64, 16, torch.device("cpu"))[0]
+    assert sw["gate_up"].shape == (32, 64) and sw["down"].shape == (64, 16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    gu = x.float() @ sw["gate_up"].float().t()
+    ref = (torch.nn.functional.silu(gu[:, :16]) * gu[:, 16:]) @ sw["down"].float().t()
+    got = bench.run_shared(x, sw).float()
+    assert torch.allclose(got, ref, rtol=0.05, atol=0.05)
