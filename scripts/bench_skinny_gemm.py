@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Benchmark the skinny bf16 GEMM (``triton_kernels/skinny_gemm.py``) against cuBLAS
+(``x @ w.T``, what SGLang's unquantized linear layers run) at the Kimi K2.6 TP8 rank's dense
+shapes and verify-sized token counts.
+
+Timing: ``--layers`` distinct weight sets per shape (at least ``--min-bytes`` of weights
+together, several times the 50 MB L2, as a forward's layers read them), run back to back inside
+one CUDA graph; a call's time is the graph's time divided by the layer count; the median of
+``--rounds`` interleaved rounds. Bandwidth: weight bytes (N x K x 2) per call over its time,
+against a measured device-to-device copy (bytes read + written).
+
+    python scripts/bench_skinny_gemm.py --out bench_results/skinny_gemm_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fused_moe import (_device_name, copy_bandwidth_gbs,  # noqa: E402
+                             graph_time_us)
+
+from sglang_ddtree.provenance import checkout_digest  # noqa: E402
+
+sg = importlib.import_module("_ddtree_bench_kernels.skinny_gemm")  # bench_fused_moe's private copy
+
+# (name, N, K) of the rank's dense GEMMs (see tests/gpu/test_skinny_gemm_gpu.py)
+KIMI_SHAPES = [("qkv_a", 2112, 7168), ("q_b", 1536, 1536), ("o_proj", 7168, 1024),
+               ("shared_gate_up", 512, 7168), ("shared_down", 7168, 256),
+               ("router", 384, 7168), ("dense_down", 7168, 2304)]
+
+
+def parse_shapes(spec: str) -> list:
+    """``kimi`` or a comma list of NxK (named by themselves)."""
+    if spec == "kimi":
+        return KIMI_SHAPES
+    out = []
+    for item in spec.split(","):
+        n, sep, k = item.partition("x")
+        if not sep or not n.isdigit() or not k.isdigit():
+            raise SystemExit(f"--shapes: 'kimi' or NxK[,NxK], got {spec!r}")
+        out.append((item, int(n), int(k)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_results/skinny_gemm_h200.json")
+    ap.add_argument("--shapes", default="kimi")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16, 17, 24, 32, 33, 48, 64])
+    ap.add_argument("--min-bytes", type=float, default=256e6,
+                    help="weights per shape across the layers of one graph")
+    ap.add_argument("--layers", type=int, default=0, help="override: weight sets per shape")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    shapes = parse_shapes(args.shapes)
+    copy_gbs = copy_bandwidth_gbs(dev) if dev.type == "cuda" else None
+    result = {"command": " ".join([sys.executable] + (sys.argv if argv is None else
+                                                      ["scripts/bench_skinny_gemm.py"] + argv)),
+              "gpu": _device_name(dev),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "versions": {"torch": torch.__version__,
+                           "triton": __import__("triton").__version__},
+              "source_digest": checkout_digest(__file__), "copy_bandwidth_gbs": copy_gbs,
+              "note": "us per call: mean of CUDA-graph replays over the layers, median of the "
+                      "rounds; ours = skinny_gemm with its default config, cublas = x @ w.T",
+              "rows": []}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    for name, n, k in shapes:
+        nbytes = n * k * 2
+        layers = args.layers or max(1, min(64, int(-(-args.min_bytes // nbytes))))
+        g = torch.Generator(device=dev).manual_seed(n * 31 + k)
+        ws = [(torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+              for _ in range(layers)]
+        cfg = sg.default_config(n, k, sg._sms(dev))
+        for m in args.ms:
+            xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in ws]
+            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ws]
+            ours = sg.skinny_gemm(xs[0], ws[0], out=outs[0])  # counters outside the capture
+            ref = sg.skinny_gemm_reference(xs[0], ws[0])
+            err = ((ours.float() - ref).abs().max() / ref.abs().max()).item()
+            runs = {
+                "ours": lambda: [sg.skinny_gemm(x, w, out=o) for x, w, o in zip(xs, ws, outs)],
+                "cublas": lambda: [torch.mm(x, w.t(), out=o) for x, w, o in zip(xs, ws, outs)],
+            }
+            rounds = {key: [] for key in runs}
+            for _ in range(args.rounds):
+                for key, fn in runs.items():
+                    rounds[key].append(graph_time_us(fn, args.iters, dev) / layers)
+            us = {key: round(statistics.median(v), 2) for key, v in rounds.items()}
+            row = {"shape": name, "n": n, "k": k, "m": m, "layers": layers,
+                   "config": {"block_n": cfg.block_n, "block_k": cfg.block_k,
+                              "split_k": cfg.split_k, "num_warps": cfg.num_warps,
+                              "num_stages": cfg.num_stages},
+                   "us": us, "us_rounds": {key: [round(t, 2) for t in v]
+                                           for key, v in rounds.items()},
+                   "gbs": {key: round(nbytes / (u * 1e3), 1) for key, u in us.items()},
+                   "speedup_vs_cublas": round(us["cublas"] / us["ours"], 3),
+                   "max_rel_err_vs_fp32": round(err, 5)}
+            if copy_gbs:
+                row["pct_copy_bw"] = {key: round(100 * g / copy_gbs, 1)
+                                      for key, g in row["gbs"].items()}
+            result["rows"].append(row)
+            save()  # a run cut by its time limit keeps what it measured
+            print(f"{name} N={n} K={k} M={m}: ours {us['ours']} us, cuBLAS {us['cublas']} us "
+                  f"({row['speedup_vs_cublas']}x), split {cfg.split_k}, err {err:.1e}",
+                  flush=True)
+    save()
+    print("->", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

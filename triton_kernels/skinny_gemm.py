@@ -1,0 +1,202 @@
+"""Dense bf16 GEMM for verify-sized token counts: ``y = x @ W^T``, ``x [M, K]`` with M <= 64,
+``W [N, K]`` (an ``nn.Linear`` weight), fp32 accumulation, bf16 out.
+
+Why. A tree verify sends batch x (budget + 1) tokens through every dense projection of the
+target. On the Kimi K2.6 TP8 rank (session 30, ``bench_results/profile_step_kimi_l8_int4_*``)
+SGLang's dsv3 kernels (the q / kv down-projection, the router) serve only up to 16 tokens; from
+17 on, cuBLAS's skinny kernels read the 30 MB down-projection at about 2.4 TB/s and the small
+shared-expert and router GEMMs at 1-1.1 TB/s, and the GEMMs of a layer cost about 14 us more at
+33 tokens than at 1. Every one of these GEMMs reads weights that dwarf its activations: the
+time to beat is the weight read.
+
+How. Each program streams one ``[BLOCK_N, K / SPLIT_K]`` slice of ``W`` (contiguous along K,
+so every load is whole rows) against the few token rows, with the operands swapped as in
+:mod:`.moe_w4a16`: ``acc^T [BLOCK_N, BLOCK_M] = W_tile @ x^T``, the weight tile on the MMA's M
+side (64 rows per warpgroup) and the tokens on its N side (16-64). ``SPLIT_K`` programs share a
+column tile so that a thin matrix still fills the GPU (:func:`plan_split`); they write fp32
+partials, and the tile's last program to arrive (an arrival counter per column tile, re-armed by
+that program) adds them in split order and stores ``y``: one launch, and the sum does not
+depend on which program finishes last, so every call is bitwise reproducible.
+
+:func:`skinny_gemm` is launch-only and CUDA-graph safe once :func:`counters_for` has allocated
+the device's counter buffer outside capture (the wrapper does so on first use; a call captured
+before that, or needing more counters, raises instead of falling back). The ``PORTABLE`` path
+(``TRITON_INTERPRET=1``, CPU, pre-Ampere) dots in fp32.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 64  # token rows one launch takes (the MMA's N side)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K] bf16, row stride stride_xm
+    w_ptr,  # [N, K] bf16, contiguous
+    y_ptr,  # [M, N] bf16 out, row stride stride_ym
+    part_ptr,  # SPLIT_K > 1: [SPLIT_K, BLOCK_M, N] fp32 partial sums (rows < M written)
+    cnt_ptr,  # SPLIT_K > 1: [N // BLOCK_N] int32 arrival counters, zero between launches
+    M,
+    stride_xm,
+    stride_ym,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PORTABLE: tl.constexpr,
+):
+    tl.static_assert(K % (SPLIT_K * BLOCK_K) == 0)
+    tl.static_assert(N % BLOCK_N == 0)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K  # a column tile's splits are neighbours: they start together
+    pid_n = pid // SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for _ in range(K_SPLIT // BLOCK_K):
+        w = tl.load(w_ptrs)
+        xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        if PORTABLE:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :])
+    else:
+        p_ptrs = part_ptr + (pid_k * BLOCK_M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=m_ok[None, :])
+        # The barrier puts every thread's partial stores before the counter's release; the
+        # acquire and the L2-only loads (.cg) let the last program see the others' partials.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k in tl.static_range(SPLIT_K):  # split order: the sum is the same whoever is last
+                q_ptrs = (part_ptr + (k * BLOCK_M + offs_m[None, :]).to(tl.int64) * N
+                          + offs_n[:, None])
+                tot += tl.load(q_ptrs, mask=m_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=m_ok[None, :])
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Tiles of one launch (``block_m`` follows M: 16, 32 or 64)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def plan_split(n_tiles: int, k_steps: int, target_programs: int, max_split: int = 16) -> int:
+    """The K split of a ``n_tiles``-column-tile GEMM of ``k_steps`` K steps: the smallest
+    divisor ``s <= max_split`` of ``k_steps`` giving at least ``target_programs`` programs
+    (``n_tiles * s``), else the largest divisor up to ``max_split``. Each split adds one fp32
+    partial of the call's rows to write and read back, so no more splits than fill the GPU."""
+    divisors = [s for s in range(1, min(k_steps, max_split) + 1) if k_steps % s == 0]
+    return next((s for s in divisors if n_tiles * s >= target_programs), divisors[-1])
+
+
+def default_config(n: int, k: int, sms: int) -> SkinnyConfig:
+    """64-column tiles of 128 K rows, split so that about two programs per SM run."""
+    block_n, block_k = 64, 128
+    if n % block_n or k % block_k:
+        raise ValueError(f"skinny_gemm: N {n} must be a multiple of {block_n} and K {k} of "
+                         f"{block_k}")
+    return SkinnyConfig(block_n, block_k, plan_split(n // block_n, k // block_k, 2 * sms))
+
+
+_counters: dict = {}
+_MIN_COUNTERS = 1 << 12
+
+
+def counters_for(device: torch.device, n: int) -> torch.Tensor:
+    """The device's arrival counters (at least ``n``, zero between launches). Allocating inside
+    CUDA-graph capture would zero them only at replays, so that raises: call once outside
+    capture (``skinny_gemm`` does on its first eager call)."""
+    key = (device.type, device.index)
+    buf = _counters.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"skinny_gemm: {n} arrival counters needed inside CUDA-graph capture "
+                           f"but {0 if buf is None else buf.numel()} allocated; run one eager "
+                           "call of the largest shape first")
+    if buf is not None:  # graphs captured with the smaller buffer keep it alive (and zero)
+        _counters.setdefault(("old",) + key, []).append(buf)
+    buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+    _counters[key] = buf
+    return buf
+
+
+def _portable(device: torch.device) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 0)
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # interpreter: a small machine, so that tiny test shapes split
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` for ``x [M, K]`` bf16 (M <= 64, unit column stride) and ``w [N, K]`` bf16
+    contiguous; CUDA-graph safe after one eager call of the shape (see the module docstring).
+
+    Returns ``[M, N]`` bf16 (``out`` if given: ``[M, N]`` bf16, unit column stride)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"skinny_gemm: bf16 x and w expected, got {x.dtype} and {w.dtype}")
+    if tuple(w.shape) != (n, k) or not w.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"skinny_gemm: x [M, K] with unit column stride and w [N, K] "
+                         f"contiguous expected, got x {tuple(x.shape)} strides {x.stride()}, "
+                         f"w {tuple(w.shape)} strides {w.stride()}")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"skinny_gemm: 1 <= M <= {MAX_M} rows, got {m}")
+    cfg = config or default_config(n, k, _sms(x.device))
+    if n % cfg.block_n or k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"skinny_gemm: {cfg} does not tile N {n} / K {k}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"skinny_gemm: out [{m}, {n}] bf16 expected, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
+    block_m = max(16, triton.next_power_of_2(m))
+    n_tiles = n // cfg.block_n
+    if cfg.split_k > 1:
+        part = torch.empty(cfg.split_k * block_m * n, dtype=torch.float32, device=x.device)
+        cnt = counters_for(x.device, n_tiles)
+    else:
+        part = cnt = out  # unused
+    _skinny_gemm_kernel[(n_tiles * cfg.split_k,)](
+        x, w, out, part, cnt, m, x.stride(0), out.stride(0), N=n, K=k, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        PORTABLE=_portable(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def skinny_gemm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x @ w.T`` (the oracle of the tests)."""
+    return x.float() @ w.float().t()
