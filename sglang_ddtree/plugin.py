@@ -121,6 +121,20 @@ def _register() -> None:
         hooks.make_validate_request_hook(sgl.ddtree_is_active), around)
     logger.info("sglang-ddtree: registered speculative algorithm %s", cfg.ALGORITHM_NAME)
     _maybe_install_fused_moe()
+    _maybe_install_skinny_gemm()
+
+
+def _maybe_install_skinny_gemm() -> None:
+    """Opt-in (SGLANG_DDTREE_SKINNY_GEMM, see dense_hook): in every process, before the model
+    runs. A bad value or an SGLang linear method that does not fit raises
+    SkinnyGemmHookError: no fallback."""
+    import os
+
+    if not os.environ.get("SGLANG_DDTREE_SKINNY_GEMM"):
+        return
+    from . import dense_hook
+
+    dense_hook.maybe_install()
 
 
 def _maybe_install_fused_moe() -> None:

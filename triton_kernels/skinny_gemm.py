@@ -160,9 +160,14 @@ def _sms(device: torch.device) -> int:
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                config: SkinnyConfig | None = None) -> torch.Tensor:
+                config: SkinnyConfig | None = None,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T`` for ``x [M, K]`` bf16 (M <= 64, unit column stride) and ``w [N, K]`` bf16
     contiguous; CUDA-graph safe after one eager call of the shape (see the module docstring).
+
+    ``counters``: int32 arrival counters of this call site (at least ``N // block_n``, zero
+    between launches), for calls that may run at the same time as another split launch on a
+    second stream (the device's shared buffer is for one launch at a time).
 
     Returns ``[M, N]`` bf16 (``out`` if given: ``[M, N]`` bf16, unit column stride)."""
     m, k = x.shape
@@ -187,7 +192,10 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     n_tiles = n // cfg.block_n
     if cfg.split_k > 1:
         part = torch.empty(cfg.split_k * block_m * n, dtype=torch.float32, device=x.device)
-        cnt = counters_for(x.device, n_tiles)
+        cnt = counters if counters is not None else counters_for(x.device, n_tiles)
+        if cnt.dtype != torch.int32 or cnt.numel() < n_tiles:
+            raise ValueError(f"skinny_gemm: {n_tiles} int32 counters needed, got "
+                             f"{cnt.numel()} {cnt.dtype}")
     else:
         part = cnt = out  # unused
     _skinny_gemm_kernel[(n_tiles * cfg.split_k,)](

@@ -1,0 +1,156 @@
+"""Opt-in: run SGLang's unquantized (bf16) linear layers on our skinny GEMM for verify-sized
+token counts.
+
+Switch: ``SGLANG_DDTREE_SKINNY_GEMM=<lo>-<hi>`` (e.g. ``17-64``: calls of 17 to 64 token rows;
+``1`` means ``17-64``), read by :func:`maybe_install` in every process that builds the model.
+Other calls, and layers the kernel cannot tile, keep SGLang's path (``F.linear``: cuBLAS).
+
+Why 17: SGLang 0.5.17 serves DeepSeek / Kimi's q / kv down-projection with its dsv3
+``fused_a_gemm`` up to 16 tokens and cuBLAS above, and session 30's profile of the Kimi rank
+put the GEMMs of a layer at about 14 us more at 33 tokens than at 1
+(``bench_results/profile_step_kimi_l8_int4_*_h200_s30.json``). Whether the skinny GEMM beats
+cuBLAS at each shape is for ``scripts/bench_skinny_gemm.py`` on the GPU to say; this switch
+stays off by default until it has.
+
+What is patched: ``UnquantizedLinearMethod.apply(layer, x, bias)`` (plain attribute
+replacement, idempotent, undone by :func:`uninstall`). A call takes the kernel when ``bias`` is
+None, ``x`` is a 2-D CUDA bf16 tensor with unit column stride and ``lo <= M <= hi``, and the
+layer's weight is a contiguous bf16 ``[N, K]`` that the kernel tiles (N a multiple of 64, K of
+128). Each layer gets its own arrival counters (a slice of one per-device buffer, handed out
+at the layer's first call), because SGLang's DeepseekV2 layer runs the shared expert's GEMMs on
+a second stream inside CUDA graphs. The buffer is allocated at the first eligible call, which
+SGLang makes eagerly (its graph runner warms every batch size up before capturing); a first
+call inside capture raises with the fix.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "SGLANG_DDTREE_SKINNY_GEMM"
+DEFAULT_RANGE = (17, 64)
+_COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers
+_BLOCK_N, _BLOCK_K = 64, 128  # skinny_gemm.default_config's tiles
+
+
+class SkinnyGemmHookError(RuntimeError):
+    """The switch is set but SGLang's linear method or the environment does not fit it."""
+
+
+def parse_range(value: str) -> tuple[int, int] | None:
+    """``""``/``0``/``off`` -> None; ``1``/``on`` -> (17, 64); ``lo-hi`` -> (lo, hi) with
+    1 <= lo <= hi <= 64. Anything else raises, naming the accepted forms."""
+    v = value.strip().lower()
+    if v in ("", "0", "off", "false", "no"):
+        return None
+    if v in ("1", "on", "true", "yes"):
+        return DEFAULT_RANGE
+    lo, sep, hi = v.partition("-")
+    if sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi) <= 64:
+        return int(lo), int(hi)
+    raise SkinnyGemmHookError(f"{ENV_SWITCH}={value!r}: expected 0, 1 (= 17-64) or LO-HI "
+                              "token rows with 1 <= LO <= HI <= 64")
+
+
+_state = {"range": None, "buffers": {}, "next": {}}
+
+
+def _counters_for_layer(layer: torch.nn.Module, device: torch.device, n_tiles: int):
+    """The layer's own slice of its device's counter buffer (handed out once)."""
+    cnt = getattr(layer, "_ddtree_skinny_counters", None)
+    if cnt is not None:
+        return cnt
+    key = (device.type, device.index)
+    buf = _state["buffers"].get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise SkinnyGemmHookError(
+                f"{ENV_SWITCH}: the first eligible GEMM came inside CUDA-graph capture, where "
+                "its counters cannot be zeroed; run one eager forward first (SGLang's graph "
+                "runner does) or unset the switch")
+        buf = torch.zeros(_COUNTERS_PER_DEVICE, dtype=torch.int32, device=device)
+        _state["buffers"][key] = buf
+        _state["next"][key] = 0
+    start = _state["next"][key]
+    if start + n_tiles > buf.numel():
+        raise SkinnyGemmHookError(f"{ENV_SWITCH}: more than {buf.numel()} counters needed")
+    _state["next"][key] = start + n_tiles
+    cnt = buf[start:start + n_tiles]
+    layer._ddtree_skinny_counters = cnt
+    return cnt
+
+
+def eligible(layer: torch.nn.Module, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
+    """Whether this call takes the skinny GEMM (see the module docstring)."""
+    return x.is_cuda and shapes_fit(getattr(layer, "weight", None), x, bias, lo, hi)
+
+
+def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
+    """:func:`eligible` but for the device: no bias, 2-D bf16 ``x`` of ``lo``-``hi`` rows with
+    unit column stride, and a contiguous bf16 ``[N, K]`` weight the kernel tiles."""
+    return (bias is None and isinstance(w, torch.Tensor) and x.dim() == 2
+            and lo <= x.shape[0] <= hi and x.dtype == torch.bfloat16 and x.stride(1) == 1
+            and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
+            and w.shape[1] == x.shape[1] and w.shape[0] % _BLOCK_N == 0
+            and w.shape[1] % _BLOCK_K == 0)
+
+
+def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
+    rng = _state["range"]
+    if rng is not None and eligible(layer, x, bias, *rng):
+        from .triton_kernels.skinny_gemm import skinny_gemm
+
+        w = layer.weight
+        return skinny_gemm(x, w, counters=_counters_for_layer(layer, x.device,
+                                                              w.shape[0] // _BLOCK_N))
+    return type(self)._ddtree_original_apply(self, layer, x, bias)
+
+
+def _linear_method_class():
+    try:
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    except ImportError as exc:
+        raise SkinnyGemmHookError(f"{ENV_SWITCH}: cannot import SGLang's "
+                                  f"UnquantizedLinearMethod: {exc!r}; unset the switch") from exc
+    import inspect
+
+    params = list(inspect.signature(UnquantizedLinearMethod.apply).parameters)
+    if params[:3] != ["self", "layer", "x"] or "bias" not in params:
+        raise SkinnyGemmHookError(f"{ENV_SWITCH}: UnquantizedLinearMethod.apply takes {params}, "
+                                  "expected (self, layer, x, bias); unset the switch")
+    return UnquantizedLinearMethod
+
+
+def install(token_range: tuple[int, int] = DEFAULT_RANGE, cls=None) -> bool:
+    """Patch ``cls`` (default: SGLang's UnquantizedLinearMethod); False if already patched."""
+    cls = cls or _linear_method_class()
+    _state["range"] = token_range
+    if cls.__dict__.get("apply") is _apply:
+        return False
+    cls._ddtree_original_apply = cls.apply
+    cls.apply = _apply
+    logger.warning("sglang-ddtree: %s: bf16 linear layers run the skinny Triton GEMM for %d-%d "
+                   "token rows", ENV_SWITCH, *token_range)
+    return True
+
+
+def uninstall(cls=None) -> None:
+    """Undo :func:`install` (tests)."""
+    cls = cls or _linear_method_class()
+    if cls.__dict__.get("apply") is _apply:
+        cls.apply = cls.__dict__["_ddtree_original_apply"]
+        del cls._ddtree_original_apply
+    _state.update(range=None, buffers={}, next={})
+
+
+def maybe_install(environ=os.environ) -> bool:
+    """Install when ``SGLANG_DDTREE_SKINNY_GEMM`` asks for it; return whether it is on."""
+    rng = parse_range(environ.get(ENV_SWITCH, ""))
+    if rng is None:
+        return False
+    install(rng)
+    return True

@@ -1,0 +1,63 @@
+"""GPU test of SGLANG_DDTREE_SKINNY_GEMM (sglang_ddtree.dense_hook) on SGLang's own
+UnquantizedLinearMethod: calls in the token range take the skinny GEMM and match F.linear
+(relative Frobenius difference <= 1e-2), others stay F.linear bit for bit, and a CUDA graph
+captured after an eager call replays them (two layers, each with its own counters)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture()
+def hook():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("sglang")
+    from tests.triton_kernels._moe_kernels import lang_mode_matches
+
+    from sglang_ddtree import dense_hook
+
+    if not lang_mode_matches(interpret=False):
+        pytest.skip("triton was imported in interpreter mode in this process")
+    dense_hook.install((17, 64))
+    yield dense_hook
+    dense_hook.uninstall()
+
+
+def _layer(n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(
+        (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
+        requires_grad=False)
+    return layer
+
+
+def test_in_range_calls_take_the_kernel_and_match_f_linear(hook):
+    method = hook._linear_method_class()()
+    layer = _layer(2112, 7168, 0)
+    for m in (8, 16, 17, 33, 64):
+        x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+        got = method.apply(layer, x)
+        want = F.linear(x, layer.weight)
+        if m < 17:
+            assert torch.equal(got, want)  # SGLang's path untouched
+        else:
+            assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 1e-2
+    assert getattr(layer, "_ddtree_skinny_counters", None) is not None
+
+
+def test_graph_capture_after_an_eager_call(hook):
+    method = hook._linear_method_class()()
+    a, b = _layer(2112, 7168, 1), _layer(512, 7168, 2)
+    x = torch.randn(33, 7168, device="cuda").to(torch.bfloat16)
+    eager = (method.apply(a, x).clone(), method.apply(b, x).clone())
+    assert a._ddtree_skinny_counters.data_ptr() != b._ddtree_skinny_counters.data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ya, yb = method.apply(a, x), method.apply(b, x)
+    graph.replay()
+    assert torch.equal(ya, eager[0]) and torch.equal(yb, eager[1])
