@@ -51,6 +51,30 @@ def parse_shapes(spec: str) -> list:
     return out
 
 
+def parse_sweep(spec: str) -> list:
+    """``block_n,block_k,split_k[,num_warps,num_stages];...`` (split_k 0: plan_split's for
+    that tile on this GPU) -> [(label, partial config dict)]."""
+    out = []
+    for item in filter(None, (p.strip() for p in spec.split(";"))):
+        vals = item.split(",")
+        if not 3 <= len(vals) <= 5 or not all(v.isdigit() for v in vals):
+            raise SystemExit(f"--sweep: block_n,block_k,split_k[,warps,stages] items, got {item!r}")
+        keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+        out.append((item, dict(zip(keys, map(int, vals)))))
+    return out
+
+
+def sweep_config(fields: dict, n: int, k: int, sms: int):
+    """The sweep item as a SkinnyConfig for ``N x K``, or None where its tiles do not fit."""
+    bn, bk = fields["block_n"], fields["block_k"]
+    if n % bn or k % bk:
+        return None
+    split = fields["split_k"] or sg.plan_split(n // bn, k // bk, 2 * sms)
+    if k % (bk * split):
+        return None
+    return sg.SkinnyConfig(bn, bk, split, fields.get("num_warps", 4), fields.get("num_stages", 4))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_results/skinny_gemm_h200.json")
@@ -62,7 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    ap.add_argument("--sweep", default="",
+                    help="also time these configs (see parse_sweep), outputs checked against "
+                         "the fp32 reference, under 'sweep_us'")
     args = ap.parse_args(argv)
+    sweep = parse_sweep(args.sweep)
     dev = torch.device(args.device)
     shapes = parse_shapes(args.shapes)
     copy_gbs = copy_bandwidth_gbs(dev) if dev.type == "cuda" else None
@@ -104,6 +132,25 @@ def main(argv=None) -> int:
                 for key, fn in runs.items():
                     rounds[key].append(graph_time_us(fn, args.iters, dev) / layers)
             us = {key: round(statistics.median(v), 2) for key, v in rounds.items()}
+            sweep_us = {}
+            for label, fields in sweep:
+                scfg = sweep_config(fields, n, k, sg._sms(dev))
+                if scfg is None:
+                    sweep_us[label] = "does not tile"
+                    continue
+                try:
+                    got = sg.skinny_gemm(xs[0], ws[0], config=scfg)
+                    serr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                    if serr > 1e-2:
+                        sweep_us[label] = f"error {serr:.1e} vs fp32"
+                        continue
+                    sweep_us[label] = round(statistics.median(
+                        graph_time_us(lambda c=scfg: [sg.skinny_gemm(x, w, out=o, config=c)
+                                                      for x, w, o in zip(xs, ws, outs)],
+                                      args.iters, dev) / layers
+                        for _ in range(args.rounds)), 2)
+                except Exception as exc:  # a config that fails to compile: recorded, not fatal
+                    sweep_us[label] = f"error: {exc!r}"[:200]
             row = {"shape": name, "n": n, "k": k, "m": m, "layers": layers,
                    "config": {"block_n": cfg.block_n, "block_k": cfg.block_k,
                               "split_k": cfg.split_k, "num_warps": cfg.num_warps,
@@ -112,6 +159,7 @@ def main(argv=None) -> int:
                                            for key, v in rounds.items()},
                    "gbs": {key: round(nbytes / (u * 1e3), 1) for key, u in us.items()},
                    "speedup_vs_cublas": round(us["cublas"] / us["ours"], 3),
+                   **({"sweep_us": sweep_us} if sweep else {}),
                    "max_rel_err_vs_fp32": round(err, 5)}
             if copy_gbs:
                 row["pct_copy_bw"] = {key: round(100 * g / copy_gbs, 1)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun moedual kimiprofile moeprologue moeserve moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -214,6 +214,12 @@ for s in "$@"; do
                  --grid "64,256,4,3,0,1,4,256;64,256,4,3,0,1,4,512;64,256,4,3,0,1,2;64,256,4,3,0,1,1" \
                  --grid-run-m $r --out "$OUT/fused_moe_run${r}_grid_h200.json"
              done ;;
+    skinny)  # the skinny bf16 GEMM (session 30, first GPU run pending): its GPU tests and the
+             # SGLANG_DDTREE_SKINNY_GEMM hook's, then against cuBLAS at the Kimi rank's shapes
+             step skinny-tests ${SKINNY_TEST_LIMIT:-240} python3 -m pytest -q \
+               tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_dense_hook_gpu.py
+             step skinny-bench ${SKINNY_LIMIT:-240} python3 scripts/bench_skinny_gemm.py \
+               --out "$OUT/skinny_gemm_h200.json" ${SKINNY_ARGS:-} ;;
     moedual) # our MoE beside the shared expert on SGLang's second stream (its DeepseekV2 layer
              # in CUDA graphs) against each alone, 16 weight sets a graph (no L2 reuse across
              # layers); session 30's in-server gate-up times were above the kernel-only bench
@@ -259,7 +265,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun moedual kimiprofile moeprologue moeserve moehalf mlareduce)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

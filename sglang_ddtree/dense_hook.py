@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "SGLANG_DDTREE_SKINNY_GEMM"
 DEFAULT_RANGE = (17, 64)
 _COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers
-_BLOCK_N, _BLOCK_K = 64, 128  # skinny_gemm.default_config's tiles
+_BLOCK_N, _BLOCK_K = 64, 128  # what skinny_gemm.default_config tiles (shapes_fit checks it)
 
 
 class SkinnyGemmHookError(RuntimeError):
@@ -102,11 +102,15 @@ def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
 def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
     rng = _state["range"]
     if rng is not None and eligible(layer, x, bias, *rng):
-        from .triton_kernels.skinny_gemm import skinny_gemm
+        from .triton_kernels import skinny_gemm as sg
 
         w = layer.weight
-        return skinny_gemm(x, w, counters=_counters_for_layer(layer, x.device,
-                                                              w.shape[0] // _BLOCK_N))
+        cfg = getattr(layer, "_ddtree_skinny_config", None)
+        if cfg is None:  # per layer, once: its tiles, and so its counter count, stay fixed
+            cfg = sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
+            layer._ddtree_skinny_config = cfg
+        return sg.skinny_gemm(x, w, config=cfg, counters=_counters_for_layer(
+            layer, x.device, w.shape[0] // cfg.block_n))
     return type(self)._ddtree_original_apply(self, layer, x, bias)
 
 

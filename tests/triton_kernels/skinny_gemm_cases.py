@@ -102,11 +102,17 @@ def test_benchmark_script_smoke_run(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "skinny.json"
     assert bench.main(["--device", "cpu", "--shapes", "128x512", "--ms", "3", "17",
-                       "--layers", "2", "--iters", "1", "--rounds", "2", "--out", str(out)]) == 0
+                       "--layers", "2", "--iters", "1", "--rounds", "2", "--out", str(out),
+                       "--sweep", "32,128,0;64,256,2;64,128,3;256,128,1"]) == 0
     res = json.loads(out.read_text())
     assert [(r["shape"], r["m"]) for r in res["rows"]] == [("128x512", 3), ("128x512", 17)]
     for r in res["rows"]:
         assert set(r["us"]) == {"ours", "cublas"} and r["max_rel_err_vs_fp32"] < 1e-2
         assert r["config"]["split_k"] == 2 and r["layers"] == 2
+        sw = r["sweep_us"]
+        assert isinstance(sw["32,128,0"], float) and isinstance(sw["64,256,2"], float)
+        assert sw["64,128,3"] == sw["256,128,1"] == "does not tile"  # 4 K steps; N 128
     with pytest.raises(SystemExit, match="NxK"):
         bench.parse_shapes("128by512")
+    with pytest.raises(SystemExit, match="block_n,block_k,split_k"):
+        bench.parse_sweep("64,128")
