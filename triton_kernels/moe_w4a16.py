@@ -70,6 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import arrival_counters, portable
+
 PACK_FACTOR = 8  # int4 values per int32 word
 GROUP_SIZE = 32  # input rows per scale
 # The same numbers as Triton globals (kernels may only read constexpr globals).
@@ -1126,24 +1128,11 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """The device's arrival counters (at least ``n``), or None: use the reduce kernel."""
     if os.environ.get(SERIAL_REDUCE_ENV, "1") == "0":
         return None
-    key = (device.type, device.index)
-    buf = _counters.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None  # zeroing now would only happen at the graph's replays
-    if buf is not None:  # a smaller one that captured graphs may use stays alive (and zero)
-        _counters.setdefault(("old",) + key, []).append(buf)
-    buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
-    _counters[key] = buf
-    return buf
+    return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-def _portable(device: torch.device) -> bool:
-    """True where the inline-PTX dequant (bf16x2 FMA, sm_80+) and bf16 dots cannot be used."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) < (8, 0)
+# True where the inline-PTX dequant (bf16x2 FMA, sm_80+) and bf16 dots cannot be used
+_portable = portable
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:

@@ -25,12 +25,13 @@ before that, or needing more counters, raises instead of falling back). The ``PO
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ._device import arrival_counters, portable
 
 MAX_M = 64  # token rows one launch takes (the MMA's N side)
 
@@ -129,28 +130,16 @@ _MIN_COUNTERS = 1 << 12
 
 
 def counters_for(device: torch.device, n: int) -> torch.Tensor:
-    """The device's arrival counters (at least ``n``, zero between launches). Allocating inside
-    CUDA-graph capture would zero them only at replays, so that raises: call once outside
-    capture (``skinny_gemm`` does on its first eager call)."""
-    key = (device.type, device.index)
-    buf = _counters.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"skinny_gemm: {n} arrival counters needed inside CUDA-graph capture "
-                           f"but {0 if buf is None else buf.numel()} allocated; run one eager "
-                           "call of the largest shape first")
-    if buf is not None:  # graphs captured with the smaller buffer keep it alive (and zero)
-        _counters.setdefault(("old",) + key, []).append(buf)
-    buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
-    _counters[key] = buf
+    """The device's arrival counters (at least ``n``, zero between launches; one launch at a
+    time: calls that may overlap on two streams pass their own, see :func:`skinny_gemm`).
+    Allocating inside CUDA-graph capture would zero them only at replays, so that raises:
+    call once outside capture (``skinny_gemm`` does on its first eager call)."""
+    buf = arrival_counters(_counters, device, n, _MIN_COUNTERS)
+    if buf is None:
+        raise RuntimeError(f"skinny_gemm: {n} arrival counters needed inside CUDA-graph "
+                           "capture but fewer allocated; run one eager call of the largest "
+                           "shape first")
     return buf
-
-
-def _portable(device: torch.device) -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) < (8, 0)
 
 
 def _sms(device: torch.device) -> int:
@@ -201,7 +190,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     _skinny_gemm_kernel[(n_tiles * cfg.split_k,)](
         x, w, out, part, cnt, m, x.stride(0), out.stride(0), N=n, K=k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        PORTABLE=_portable(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PORTABLE=portable(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

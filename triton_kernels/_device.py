@@ -1,0 +1,36 @@
+"""Device helpers the Triton kernels share: whether a device takes the portable path, and the
+per-device arrival counters of one-launch split-K fix-ups (the last program of a tile sums
+the partials; see moe_w4a16 and skinny_gemm)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def portable(device: torch.device) -> bool:
+    """True where inline PTX and bf16 dots cannot be used: the interpreter
+    (``TRITON_INTERPRET=1``), a CPU, a GPU before Ampere."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) < (8, 0)
+
+
+def arrival_counters(store: dict, device: torch.device, n: int,
+                     min_n: int) -> torch.Tensor | None:
+    """At least ``n`` int32 counters of ``device`` from ``store`` (one buffer per device, at
+    least ``min_n``, zero between launches: each tile's last program re-arms its counter), or
+    None inside CUDA-graph capture when a new buffer would be needed: zeroing it then would
+    only happen at the graph's replays. A replaced smaller buffer stays alive (and zero) for
+    the graphs captured with it."""
+    key = (device.type, device.index)
+    buf = store.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        store.setdefault(("old",) + key, []).append(buf)
+    buf = torch.zeros(max(n, min_n), dtype=torch.int32, device=device)
+    store[key] = buf
+    return buf
