@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.triton_kernels._moe_kernels import lang_mode_matches, load_moe, run_isolated
+from tests.triton_kernels._sm90 import SMEM_LIMIT, assert_no_spills, compile_sm90
 
 H, I, TOPK = 7168, 256, 8
-SMEM_LIMIT = 227 * 1024
 _CONFIGS = Path(__file__).resolve().parents[2] / "triton_kernels" / "moe_w4a16_configs.json"
 
 
@@ -38,21 +37,7 @@ def MOE():
     return load_moe(interpret=False).moe
 
 
-def _compile(fn, sig: dict, const: dict, warps: int, stages: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    # (constexprs the kernel does not have: dropped, so that the digests of an older checkout's
-    # kernels, scripts/moe_ptx_digest.py, compile with this harness)
-    const = {k: v for k, v in const.items() if k in fn.arg_names}
-    sig = dict(sig, **{k: "constexpr" for k in const})
-    names = list(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+_compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
@@ -104,15 +89,7 @@ def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1
     assert "tt.elementwise_inline_asm" in ttgir
     assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", ttgir), \
         "packed weights no longer reach the MMA operand layout (dequant left registers)"
-    import triton
-
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(kern.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True).stdout
-        assert "STACK:0" in usage, f"register spills: {usage.strip()[-200:]}"
+    assert_no_spills(kern, tmp_path)
 
 
 def test_prologue_and_combine_compile(MOE):

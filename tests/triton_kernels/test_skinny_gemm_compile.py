@@ -5,15 +5,11 @@ test_moe_w4a16_compile.py, whose harness and process rules this follows).
 """
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from tests.triton_kernels import load_copy
 from tests.triton_kernels._moe_kernels import lang_mode_matches, run_isolated
-
-SMEM_LIMIT = 227 * 1024
+from tests.triton_kernels._sm90 import SMEM_LIMIT, assert_no_spills, compile_sm90
 
 
 def _sg():
@@ -33,22 +29,11 @@ def SG():
 
 
 def _compile(SG, n, k, block_m, cfg):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = SG._skinny_gemm_kernel
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     const = {"N": n, "K": k, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
              "BLOCK_K": cfg.block_k, "SPLIT_K": cfg.split_k, "PORTABLE": False}
-    sig.update({name: "constexpr" for name in const})
-    names = list(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(names.index(name),): v for name, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return compile_sm90(SG._skinny_gemm_kernel, sig, const, cfg.num_warps, cfg.num_stages)
 
 
 # the rank's shapes and the splits default_config gives them on 132 SMs
@@ -62,15 +47,7 @@ def test_compiles_for_sm90_without_spills(SG, n, k, block_m, tmp_path):
     kern = _compile(SG, n, k, block_m, cfg)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     assert "wgmma" in kern.asm["ptx"], "the dot left the warpgroup MMA"
-    import triton
-
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(kern.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True).stdout
-        assert "STACK:0" in usage, f"register spills: {usage.strip()[-200:]}"
+    assert_no_spills(kern, tmp_path)
 
 
 def test_rerun_in_clean_process():

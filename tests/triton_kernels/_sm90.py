@@ -1,0 +1,41 @@
+"""Ahead-of-time compilation for Hopper (sm_90) without a GPU, for the kernels' compile
+tests: Triton compiles for a named target and ships ptxas and cuobjdump with its wheel."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+SMEM_LIMIT = 227 * 1024
+
+
+def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int):
+    """``triton.compile`` of ``fn`` for sm_90: ``sig`` the runtime arguments' types (pointers
+    16-byte aligned), ``const`` the constexprs. Constexprs the kernel does not have are dropped,
+    so that the digests of an older checkout's kernels (scripts/moe_ptx_digest.py) compile
+    with this harness."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = {k: v for k, v in const.items() if k in fn.arg_names}
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def assert_no_spills(kern, tmp_path: Path) -> None:
+    """No local-memory stack in the compiled kernel (cuobjdump's resource usage), where the
+    wheel ships cuobjdump."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = Path(tmp_path) / "k.cubin"
+        cubin.write_bytes(kern.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True).stdout
+        assert "STACK:0" in usage, f"register spills: {usage.strip()[-200:]}"
