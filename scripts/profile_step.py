@@ -11,9 +11,14 @@ forward apart from its drafter and tree kernels; needs the trace's correlation i
 ``--dummy`` profiles a config-only pair (e.g. the Kimi rank emulation under
 bench_assets/model-configs) with dummy weights.
 The profiler slows the host side down, so compare the two methods with each other, not with
-the benchmark's tokens/s.
+the benchmark's tokens/s. Each target forward's kernels are also summed by family (MoE,
+attention, GEMM, norm, other) and compared with AR's. Kernel durations add up to GPU time
+only where kernels do not overlap: SGLang's DeepseekV2 layers run the shared expert on a
+second stream inside CUDA graphs, so each frame also records its busy time (the union of its
+kernels' spans) and each kernel its time beside another stream's kernel.
 
     python scripts/profile_step.py --out bench_results/profile_step_h200.json
+    python scripts/profile_step.py --compare A.json B.json --pairs ddtree_b15:ddtree_b16
 
 ``summarize_trace`` is importable and tested on CPU (tests/test_profile_step.py).
 """
