@@ -7,7 +7,7 @@ Other calls, and layers the kernel cannot tile, keep SGLang's path (``F.linear``
 
 Why 17: SGLang 0.5.17 serves DeepSeek / Kimi's q / kv down-projection with its dsv3
 ``fused_a_gemm`` up to 16 tokens and cuBLAS above, and session 30's profile of the Kimi rank
-put the GEMMs of a layer at about 14 us more at 33 tokens than at 1
+put the GEMMs of a layer (the lm_head left out) at about 11 us more at 33 tokens than at 1
 (``bench_results/profile_step_kimi_l8_int4_*_h200_s30.json``). Whether the skinny GEMM beats
 cuBLAS at each shape is for ``scripts/bench_skinny_gemm.py`` on the GPU to say; this switch
 stays off by default until it has.

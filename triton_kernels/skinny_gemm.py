@@ -2,12 +2,11 @@
 ``W [N, K]`` (an ``nn.Linear`` weight), fp32 accumulation, bf16 out.
 
 Why. A tree verify sends batch x (budget + 1) tokens through every dense projection of the
-target. On the Kimi K2.6 TP8 rank (session 30, ``bench_results/profile_step_kimi_l8_int4_*``)
-SGLang's dsv3 kernels (the q / kv down-projection, the router) serve only up to 16 tokens; from
-17 on, cuBLAS's skinny kernels read the 30 MB down-projection at about 2.4 TB/s and the small
-shared-expert and router GEMMs at 1-1.1 TB/s, and the GEMMs of a layer cost about 14 us more at
-33 tokens than at 1. Every one of these GEMMs reads weights that dwarf its activations: the
-time to beat is the weight read.
+target. On the Kimi K2.6 TP8 rank SGLang's dsv3 kernels (the q / kv down-projection, the router)
+serve only up to 16 tokens and cuBLAS above; in session 30's profile
+(``bench_results/profile_step_kimi_l8_int4_*_h200_s30.json``) the GEMMs of a layer, the
+lm_head left out, took about 11 us more at 33 tokens than at 1. Every one of these GEMMs reads
+weights that dwarf its activations: the time to beat is the weight read.
 
 How. Each program streams one ``[BLOCK_N, K / SPLIT_K]`` slice of ``W`` (contiguous along K,
 so every load is whole rows) against the few token rows, with the operands swapped as in
