@@ -682,18 +682,20 @@ def dual_stream_times(args, layers, make_inputs, dev) -> dict:
                                           tis[i])
 
             def run(kind):
+                two_streams = kind == "dual" and side is not None
                 for i in range(len(layers)):
-                    if kind in ("moe", "serial") or (kind == "dual" and side is None):
-                        moe(i)
-                    if kind in ("shared", "serial") or (kind == "dual" and side is None):
-                        run_shared(xs[i], shared[i])
-                    if kind == "dual" and side is not None:
-                        main = torch.cuda.current_stream(dev)
-                        side.wait_stream(main)
-                        moe(i)
-                        with torch.cuda.stream(side):
+                    if not two_streams:  # moe, shared, serial (and dual off a GPU)
+                        if kind != "shared":
+                            moe(i)
+                        if kind != "moe":
                             run_shared(xs[i], shared[i])
-                        main.wait_stream(side)
+                        continue
+                    main = torch.cuda.current_stream(dev)
+                    side.wait_stream(main)
+                    moe(i)
+                    with torch.cuda.stream(side):
+                        run_shared(xs[i], shared[i])
+                    main.wait_stream(side)
 
             rounds = {k: [] for k in kinds}
             for _ in range(max(args.rounds, 3)):

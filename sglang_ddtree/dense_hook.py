@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "SGLANG_DDTREE_SKINNY_GEMM"
 DEFAULT_RANGE = (17, 64)
 _COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers
-_BLOCK_N, _BLOCK_K = 64, 128  # what skinny_gemm.default_config tiles (shapes_fit checks it)
 
 
 class SkinnyGemmHookError(RuntimeError):
@@ -43,17 +42,19 @@ class SkinnyGemmHookError(RuntimeError):
 
 def parse_range(value: str) -> tuple[int, int] | None:
     """``""``/``0``/``off`` -> None; ``1``/``on`` -> (17, 64); ``lo-hi`` -> (lo, hi) with
-    1 <= lo <= hi <= 64. Anything else raises, naming the accepted forms."""
+    1 <= lo <= hi <= the kernel's MAX_M (64). Anything else raises, naming the accepted forms."""
     v = value.strip().lower()
     if v in ("", "0", "off", "false", "no"):
         return None
     if v in ("1", "on", "true", "yes"):
         return DEFAULT_RANGE
     lo, sep, hi = v.partition("-")
-    if sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi) <= 64:
+    from .triton_kernels.skinny_gemm import MAX_M
+
+    if sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi) <= MAX_M:
         return int(lo), int(hi)
     raise SkinnyGemmHookError(f"{ENV_SWITCH}={value!r}: expected 0, 1 (= 17-64) or LO-HI "
-                              "token rows with 1 <= LO <= HI <= 64")
+                              f"token rows with 1 <= LO <= HI <= {MAX_M}")
 
 
 _state = {"range": None, "buffers": {}, "next": {}}
@@ -92,11 +93,13 @@ def eligible(layer: torch.nn.Module, x: torch.Tensor, bias, lo: int, hi: int) ->
 def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
     """:func:`eligible` but for the device: no bias, 2-D bf16 ``x`` of ``lo``-``hi`` rows with
     unit column stride, and a contiguous bf16 ``[N, K]`` weight the kernel tiles."""
+    from .triton_kernels import skinny_gemm as sg  # the tiles the kernel's default config takes
+
     return (bias is None and isinstance(w, torch.Tensor) and x.dim() == 2
             and lo <= x.shape[0] <= hi and x.dtype == torch.bfloat16 and x.stride(1) == 1
             and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
-            and w.shape[1] == x.shape[1] and w.shape[0] % _BLOCK_N == 0
-            and w.shape[1] % _BLOCK_K == 0)
+            and w.shape[1] == x.shape[1] and w.shape[0] % sg.BLOCK_N == 0
+            and w.shape[1] % sg.BLOCK_K == 0)
 
 
 def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):

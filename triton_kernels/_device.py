@@ -1,5 +1,5 @@
-"""Device helpers the Triton kernels share: whether a device takes the portable path, and the
-per-device arrival counters of one-launch split-K fix-ups (the last program of a tile sums
+"""Device helpers the Triton kernels share: whether a device takes the portable path, its SM
+count, and the per-device arrival counters of one-launch split-K fix-ups (the last program of a tile sums
 the partials; see moe_w4a16 and skinny_gemm)."""
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ def portable(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device) < (8, 0)
+
+
+def num_sms(device: torch.device, off_gpu: int) -> int:
+    """The device's SM count; ``off_gpu`` for the interpreter's CPU runs (a small "machine",
+    so that the launch planners' splits are exercised by small test shapes)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return off_gpu
 
 
 def arrival_counters(store: dict, device: torch.device, n: int,

@@ -1131,10 +1131,6 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-# True where the inline-PTX dequant (bf16x2 FMA, sm_80+) and bf16 dots cannot be used
-_portable = portable
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -1226,7 +1222,7 @@ def fused_moe_w4a16(
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
-    portable = _portable(hidden_states.device)
+    portable_path = portable(hidden_states.device)
     t = m * topk
     run_m = cfg.run_m if cfg.run_m > 1 else 1
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
@@ -1253,7 +1249,7 @@ def fused_moe_w4a16(
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
         sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        DOWN_BLOCK_K=dn.block_k, PORTABLE=portable, SPLIT_DQ=bool(gu.split_dq),
+        DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
@@ -1271,14 +1267,14 @@ def fused_moe_w4a16(
         down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
-            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable,
-            HALF_M=bool(cfg.half_m), RUN_M=down_runs,
+            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
+            PORTABLE=portable_path, HALF_M=bool(cfg.half_m), RUN_M=down_runs,
             NUM_EXPERTS=num_experts if down_runs > 1 else 0,
             num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
-            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable,
+            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
             HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import arrival_counters, portable
+from ._device import arrival_counters, num_sms, portable
 
 MAX_M = 64  # token rows one launch takes (the MMA's N side)
 
@@ -115,9 +115,12 @@ def plan_split(n_tiles: int, k_steps: int, target_programs: int, max_split: int 
     return next((s for s in divisors if n_tiles * s >= target_programs), divisors[-1])
 
 
+BLOCK_N, BLOCK_K = 64, 128  # default_config's tiles: N and K must be multiples
+
+
 def default_config(n: int, k: int, sms: int) -> SkinnyConfig:
     """64-column tiles of 128 K rows, split so that about two programs per SM run."""
-    block_n, block_k = 64, 128
+    block_n, block_k = BLOCK_N, BLOCK_K
     if n % block_n or k % block_k:
         raise ValueError(f"skinny_gemm: N {n} must be a multiple of {block_n} and K {k} of "
                          f"{block_k}")
@@ -142,9 +145,7 @@ def counters_for(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # interpreter: a small machine, so that tiny test shapes split
+    return num_sms(device, 2)
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ._device import num_sms
+
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
 _MIN_SPLIT_KEYS = 256
@@ -183,6 +185,4 @@ def _reduce_chunk(v_head_dim: int, num_splits: int = 1) -> int:
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: a small "machine" so that auto splitting is exercised in tests
+    return num_sms(device, 4)
