@@ -400,8 +400,8 @@ def main(argv=None):
     ap.add_argument("--kernels-dir", default=None,
                     help="time the kernels of another checkout's triton_kernels/ directory "
                          "(reference.py, tree_attention.py, tree_attention_mla.py, an "
-                         "__init__.py and, from session 21 on, tree_attention_plan.py) instead "
-                         "of this one's")
+                         "__init__.py, from session 21 on tree_attention_plan.py and from "
+                         "session 30 on _device.py) instead of this one's")
     ap.add_argument("--plan-context", type=int, default=0,
                     help="plan our kernel for contexts up to this many tokens (as a server "
                          "does for its --context-length) instead of each point's own context")

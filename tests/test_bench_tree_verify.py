@@ -45,9 +45,10 @@ def test_kernels_dir_imports_another_checkouts_kernels(bench, tmp_path):
     import shutil
 
     src = os.path.join(HERE, "..", "triton_kernels")
-    for name in ("__init__.py", "reference.py", "tree_attention.py", "tree_attention_mla.py",
-                 "tree_attention_plan.py"):
-        shutil.copy(os.path.join(src, name), tmp_path / name)
+    # the whole directory, as another checkout has it (tree_attention_plan imports _device)
+    for name in os.listdir(src):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(src, name), tmp_path / name)
     (tmp_path / "tree_attention.py").write_text(
         (tmp_path / "tree_attention.py").read_text() + "\nVARIANT_MARK = 7\n")
     ref, ta, mla = bench._import_ours(str(tmp_path))
