@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -267,7 +267,27 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce)" ;;
+    tvspec) # tree verify's unspecialized twin (session 31) against the kernel specialized at
+             # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
+             # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
+             # two alternating rounds each, budgets either side of N = 16 / 32 / 64; MLA at
+             # batch 1 / 2 (the planner's few-rows tiles); TVSPEC_KINDS=mla,mha adds MHA, whose
+             # N % 16 == 0 binary used fewer registers (190 against 255 at budget 31, 64 x 64)
+             rm -rf /tmp/tv_spec && cp -r triton_kernels /tmp/tv_spec \
+               && sed -i 's/triton.jit(do_not_specialize=("N", "stride_mb", "stride_mi"))(/triton.jit(/' \
+                    /tmp/tv_spec/tree_attention.py \
+               && ! grep -q do_not_specialize /tmp/tv_spec/tree_attention.py \
+               && log "tvspec: /tmp/tv_spec = the specialized variant"
+             for r in 1 2; do
+               for v in new old; do
+                 kd=(); [ $v = old ] && kd=(--kernels-dir /tmp/tv_spec)
+                 step tvspec-$v-$r ${TVSPEC_LIMIT:-120} python3 scripts/bench_tree_verify.py \
+                   --kinds ${TVSPEC_KINDS:-mla} --no-baselines --batch-sizes ${TVSPEC_BS:-1,2} \
+                   --budgets ${TVSPEC_BUDGETS:-15,16,31,32,63,64} --contexts ${TVSPEC_CONTEXTS:-512,2048,16384} \
+                   --plan-context 262144 ${kd[@]+"${kd[@]}"} --out "$OUT/tree_verify_spec_${v}_r${r}_h200.json"
+               done
+             done ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

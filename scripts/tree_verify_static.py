@@ -6,11 +6,20 @@ instructions (``--arch 90``, ``100``, ``103``).
 
 Spills and ``mma.sync`` on sm_90 are the usual reasons a Triton attention kernel runs far below
 the tensor-core roof (``bench_tree_verify.py --roofline-of``); this screens candidate configs
-for ``bench_tree_verify.py --sweep`` before GPU time is spent on them. It needs ``ptxas`` (CUDA
-toolkit, ``--ptxas``). The GPU benchmark stays the measure of speed.
+for ``bench_tree_verify.py --sweep`` before GPU time is spent on them. It needs ``ptxas``: the
+one Triton's wheel ships by default, or ``--ptxas``. The GPU benchmark stays the measure of speed.
+
+``--budget B`` compiles what a launch for trees of B + 1 tokens compiles: Triton specializes an
+integer argument divisible by 16 (the token count N and the mask strides N and N x N) unless the
+kernel opts out (tree verify's does; the drafter block's, ``--draft-block``, does not), and a
+specialized binary can take more shared memory. ``ctas_per_sm`` is how
+many programs of the binary an SM holds (shared memory with its 1 KB reserve, registers, warps):
+the MLA split planner counts 2.
 
     python scripts/tree_verify_static.py --kind mla \\
         --configs "32,64,4,2;64,64,8,2,2,64;64,32,4,2,2,64"
+    python scripts/tree_verify_static.py --kind mla --configs "32,64,4,2" --budget 31 \\
+        --min-split-keys 128       # the tile budget 31 is served with
 
 A config is block_m,block_n,num_warps,num_stages[,dv_split[,dk_chunk]] (KernelConfig's order).
 """
@@ -43,6 +52,45 @@ def shapes() -> dict:
 
 # largest dynamic shared memory per block (opt-in), bytes: sm_90 / sm_100 227 KB
 SMEM_LIMIT = {90: 232448, 100: 232448, 103: 232448}
+# per SM: shared memory (228 KB, of which each resident block reserves 1 KB), 32-bit registers,
+# resident warps and blocks (the CUDA occupancy tables for compute capability 9.0 / 10.x)
+SM_SHARED, BLOCK_RESERVE, SM_REGS, SM_WARPS, SM_BLOCKS = 233472, 1024, 65536, 64, 32
+REG_UNIT = 256  # registers are allocated per warp in units of 256
+
+
+def bundled_ptxas() -> str:
+    """The ptxas of Triton's wheel (what Triton itself compiles with), else the toolkit's."""
+    try:
+        import triton
+
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "ptxas")
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+
+
+def ctas_per_sm(shared: int, registers: int, warps: int) -> dict:
+    """Resident programs per SM of a binary, by each limit and overall (sm_90 / sm_100)."""
+    by_smem = SM_SHARED // (shared + BLOCK_RESERVE)
+    per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
+    by_regs = SM_REGS // (per_warp * warps)
+    by_warps = SM_WARPS // warps
+    return {"shared": by_smem, "registers": by_regs, "warps": by_warps,
+            "ctas": min(by_smem, by_regs, by_warps, SM_BLOCKS)}
+
+
+def budget_specialized(fn, budget: int) -> set:
+    """Arguments a launch for trees of ``budget + 1`` tokens specializes as divisible by 16:
+    the token count and the mask strides ([bs, N, N] uint8), less the kernel's
+    ``do_not_specialize``."""
+    n = budget + 1
+    values = {"N": n, "stride_mi": n, "stride_mb": n * n}
+    skip = {fn.arg_names[a] if isinstance(a, int) else a
+            for a in (getattr(fn, "do_not_specialize", None) or ())}
+    return {name for name, v in values.items() if v % 16 == 0 and name not in skip}
 
 
 def next_pow2(x: int) -> int:
@@ -50,7 +98,8 @@ def next_pow2(x: int) -> int:
 
 
 def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = False,
-            group: int = 0) -> dict:
+            group: int = 0, budget: int = 0, min_split_keys: int = 0,
+            draft_block: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,13 +113,20 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     block_m, block_n, warps, stages = cfg[:4]
     dv_split = cfg[4] if len(cfg) > 4 else 1
     dk_chunk = cfg[5] if len(cfg) > 5 else 0
-    fn = ta._tree_attn_fwd_kernel
+    # the verify launches' kernel (N and the mask strides unspecialized; an older checkout has
+    # one kernel for both), or the drafter block's (unordered mask, specializing)
+    fn = ta._tree_attn_fwd_kernel if draft_block else \
+        getattr(ta, "_tree_attn_verify_kernel", ta._tree_attn_fwd_kernel)
     consts = dict(G=shape["G"], DK=shape["DK"], BLOCK_DK=next_pow2(shape["DK"]),
                   D_PE=shape["D_PE"], DV=shape["DV"],
                   BLOCK_DV=next_pow2(shape["DV"]) // dv_split, BLOCK_M=block_m,
                   BLOCK_N=block_n, SPLIT=not merge_prefix, USE_INDPTR=False,
                   SHARED_KV=shape["SHARED_KV"], HAS_CAP=False, INTERPRET=False,
                   DV_SPLIT=dv_split, DK_CHUNK=dk_chunk, MERGE_PREFIX=merge_prefix)
+    if draft_block:
+        consts["ORDERED_MASK"] = False
+    if min_split_keys:
+        consts["MIN_CHUNK"] = min_split_keys
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_table_ptr": "*i32",
             "kv_row_ptr": "*i64", "seq_lens_ptr": "*i64", "tree_loc_ptr": "*i64",
@@ -83,6 +139,8 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     # needs its own 64-bit address, which misreports the register use)
     div16 = set(ptrs) | {"stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                          "stride_vh", "stride_ot", "stride_oh", "stride_table"}
+    specialized = budget_specialized(fn, budget) if budget else set()
+    div16 |= specialized
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16})
@@ -99,13 +157,18 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     log = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
+    occupancy = ctas_per_sm(out.metadata.shared, int(regs.group(1)), warps) if regs else None
     return {"kind": kind, "config": ",".join(map(str, cfg)),
+            **({"budget": budget, "specialized": sorted(specialized)} if budget else {}),
+            **({"draft_block": True} if draft_block else {}),
+            **({"min_split_keys": min_split_keys} if min_split_keys else {}),
             "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "shared_bytes": out.metadata.shared,
             "fits_shared_memory": out.metadata.shared <= SMEM_LIMIT.get(arch, 101376),
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "tcgen05_mma": ptx.count("tcgen05.mma"),  # Blackwell (sm_100 / sm_103) tensor cores
+            "ctas_per_sm": occupancy,
             "ptxas_error": None if r.returncode == 0 else log[-500:]}
 
 
@@ -120,14 +183,24 @@ def main(argv=None):
                          "the Kimi drafter under SGLANG_DDTREE_DRAFT_ATTENTION has 8)")
     ap.add_argument("--configs", required=True, help="';'-separated configs")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
+    ap.add_argument("--ptxas", default=None, help="default: Triton's own, else the toolkit's")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="compile as a launch for trees of budget + 1 tokens specializes it")
+    ap.add_argument("--draft-block", action="store_true",
+                    help="the drafter block's kernel (unordered mask; --budget 15 for its 16 "
+                         "tokens) instead of tree verify's")
+    ap.add_argument("--min-split-keys", type=int, default=0,
+                    help="the kernel's MIN_CHUNK (the plan's min_split_keys; default the "
+                         "kernel's 256; MLA trees of 145-264 rows are served with 128)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
     for spec in args.configs.split(";"):
         cfg = [int(x) for x in spec.split(",") if x]
         try:
-            row = analyse(args.kind, cfg, args.arch, args.ptxas, args.merge_prefix, args.group)
+            row = analyse(args.kind, cfg, args.arch, args.ptxas or bundled_ptxas(),
+                          args.merge_prefix, args.group, args.budget, args.min_split_keys,
+                          args.draft_block)
             row["group"] = args.group or shapes()[args.kind]["G"]
         except Exception as exc:  # noqa: BLE001 -- a config Triton rejects is a result too
             row = {"kind": args.kind, "config": spec, "error": f"{type(exc).__name__}: {exc}"[:300]}

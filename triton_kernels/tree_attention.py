@@ -382,6 +382,20 @@ def _tree_attn_fwd_kernel(
         tl.store(part_lse_ptr + ph, lse, mask=row_ok & (dvp == 0))  # the same in every part
 
 
+# The same kernel for tree verify, with N and the mask strides (N, N x N) not specialized, so
+# every budget runs one binary: the one the verify benchmarks timed (budgets 8 / 16 / 32 / 64,
+# N never a multiple of 16). At N = 32 / 64 (budgets 31 / 63) Triton's divisible-by-16
+# specialization of the three compiled the MLA tile (32 x 64, 4 warps) to 116,736 bytes of
+# shared memory, one program per H200 SM, where the split planner counts two (split_count's
+# slots; N = 33: 114,688 bytes, two). In the Kimi profile budget 31's verify attention took
+# 32.6 us a call against budget 32's 26.4 (bench_results/profile_step_kimi_l8_int4_b7_b31_h200_s30.json).
+# scripts/tree_verify_static.py --budget compiles either; tests/test_tree_verify_static.py
+# holds the served MLA tiles to two. The drafter's block (N = 16, unordered mask) keeps
+# _tree_attn_fwd_kernel, the specialized binary its benchmarks timed (session 24).
+_tree_attn_verify_kernel = triton.jit(do_not_specialize=("N", "stride_mb", "stride_mi"))(
+    _tree_attn_fwd_kernel.fn)
+
+
 @triton.jit
 def _weighted_part(part_o_ptr, ph, s, w, offs_s, offs_dv, DV: tl.constexpr):
     # split s's partial output times its softmax weight; an empty split (weight 0, its partial
@@ -769,7 +783,8 @@ class TreeAttention:
         qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
         part_o, part_lse = self.part_o, self.part_lse
         grid = (self.num_blocks_m(bs), self.num_kv_heads * splits * cfg.dv_split, bs)
-        _tree_attn_fwd_kernel[grid](
+        kernel = _tree_attn_verify_kernel if self.ordered_mask else _tree_attn_fwd_kernel
+        kernel[grid](
             q, k_cache, v_cache, out, part_o, part_lse,
             table, rows, lens, out_cache_loc, tree_mask,
             n, splits, qk_scale, float(v_scale), self.logit_cap,

@@ -133,6 +133,33 @@ def test_unordered_mask_reads_keys_after_the_row(splits):
             assert not out.isnan().any() and err < TOL[torch.bfloat16], err
 
 
+def test_tree_verify_and_the_drafter_block_launch_their_own_binaries(monkeypatch):
+    """Tree verify launches the twin that does not specialize N and the mask strides (one
+    binary for every budget); the drafter's block keeps the specializing kernel its benchmarks
+    timed. Both are the same source (what each compiles to: tests/test_tree_verify_static.py)."""
+    assert TA._tree_attn_verify_kernel.fn is TA._tree_attn_fwd_kernel.fn
+    used = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: used.append(self.name)
+
+    monkeypatch.setattr(TA, "_tree_attn_verify_kernel", Recorder("verify"))
+    monkeypatch.setattr(TA, "_tree_attn_fwd_kernel", Recorder("block"))
+    g, layout, mask = make_layout([5], 4, 1, seed=3)
+    k = torch.randn(layout.num_slots, 1, 16, generator=g).bfloat16()
+    q = torch.randn(4, 2, 16, generator=g).bfloat16()
+    for ordered in (True, False):
+        attn = TA.TreeAttention.plan(max_batch_size=1, num_tree_tokens=4, num_q_heads=2,
+                                     num_kv_heads=1, head_dim=16, max_context_len=16,
+                                     device="cpu", num_kv_splits=1, ordered_mask=ordered)
+        attn.run(q, k, k, layout.out_cache_loc, mask, **layout.table_kwargs())
+    assert used == ["verify", "block"]
+
+
 def test_plan_is_data_independent():
     """One plan serves different prefix lengths and trees (what a replayed graph needs)."""
     attn = TA.TreeAttention.plan(max_batch_size=2, num_tree_tokens=3, num_q_heads=2,
