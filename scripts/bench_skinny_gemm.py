@@ -53,7 +53,8 @@ def parse_shapes(spec: str) -> list:
 
 def parse_sweep(spec: str) -> list:
     """``block_n,block_k,split_k[,num_warps,num_stages];...`` (split_k 0: plan_split's for
-    that tile on this GPU) -> [(label, partial config dict)]."""
+    that tile on this GPU; num_stages 0 or left out: launch_stages's for each M) -> [(label,
+    partial config dict)]."""
     out = []
     for item in filter(None, (p.strip() for p in spec.split(";"))):
         vals = item.split(",")
@@ -72,7 +73,7 @@ def sweep_config(fields: dict, n: int, k: int, sms: int):
     split = fields["split_k"] or sg.plan_split(n // bn, k // bk, 2 * sms)
     if k % (bk * split):
         return None
-    return sg.SkinnyConfig(bn, bk, split, fields.get("num_warps", 4), fields.get("num_stages", 4))
+    return sg.SkinnyConfig(bn, bk, split, fields.get("num_warps", 4), fields.get("num_stages", 0))
 
 
 def main(argv=None) -> int:
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
             row = {"shape": name, "n": n, "k": k, "m": m, "layers": layers,
                    "config": {"block_n": cfg.block_n, "block_k": cfg.block_k,
                               "split_k": cfg.split_k, "num_warps": cfg.num_warps,
-                              "num_stages": cfg.num_stages},
+                              "num_stages": sg.launch_stages(
+                                  cfg, max(16, 1 << (m - 1).bit_length()))},
                    "us": us, "us_rounds": {key: [round(t, 2) for t in v]
                                            for key, v in rounds.items()},
                    "gbs": {key: round(nbytes / (u * 1e3), 1) for key, u in us.items()},

@@ -218,10 +218,12 @@ for s in "$@"; do
              # SGLANG_DDTREE_SKINNY_GEMM hook's, then against cuBLAS at the Kimi rank's shapes
              step skinny-tests ${SKINNY_TEST_LIMIT:-240} python3 -m pytest -q \
                tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_dense_hook_gpu.py
-             # (the sweep: 32- and 128-column tiles and 256-deep K steps, splits planned alike)
+             # (the sweep: 32- and 128-column tiles and 256-deep K steps, splits planned alike,
+             # and the default tile at 4 stages: one program per SM at 33-64 rows, which
+             # launch_stages avoids with 3)
              step skinny-bench ${SKINNY_LIMIT:-420} python3 scripts/bench_skinny_gemm.py \
                --out "$OUT/skinny_gemm_h200.json" \
-               --sweep "${SKINNY_SWEEP:-32,128,0;128,128,0;64,256,0}" ${SKINNY_ARGS:-} ;;
+               --sweep "${SKINNY_SWEEP:-32,128,0;128,128,0;64,256,0;64,128,0,4,4}" ${SKINNY_ARGS:-} ;;
     moedual) # our MoE beside the shared expert on SGLang's second stream (its DeepseekV2 layer
              # in CUDA graphs) against each alone, 16 weight sets a graph (no L2 reuse across
              # layers); session 30's in-server gate-up times were above the kernel-only bench

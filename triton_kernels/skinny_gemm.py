@@ -103,7 +103,25 @@ class SkinnyConfig:
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 0  # 0: launch_stages's for the launch's block_m
+
+
+# shared memory one program may take for two to fit on an SM (sm_90: 228 KB an SM, of which
+# each resident block reserves 1 KB); plan_split counts two programs per SM
+_SMEM_TWO_PER_SM = 233472 // 2 - 1024
+_MAX_STAGES = 4
+
+
+def launch_stages(cfg: SkinnyConfig, block_m: int) -> int:
+    """Pipeline stages of a launch: ``cfg.num_stages``, or where that is 0 the most (up to 4)
+    whose x and W tiles leave room for two programs per SM. Triton stages both operands in
+    shared memory where the row strides are multiples of 16 (K and N always are here): at
+    64 x 64 x 128 tiles 4 stages took 131,072 bytes, one program per SM, 3 take 98,304 (sm_90
+    compile, tests/triton_kernels/test_skinny_gemm_compile.py)."""
+    if cfg.num_stages:
+        return cfg.num_stages
+    per_stage = (block_m + cfg.block_n) * cfg.block_k * 2
+    return max(1, min(_MAX_STAGES, _SMEM_TWO_PER_SM // per_stage))
 
 
 def plan_split(n_tiles: int, k_steps: int, target_programs: int, max_split: int = 16) -> int:
@@ -190,7 +208,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     _skinny_gemm_kernel[(n_tiles * cfg.split_k,)](
         x, w, out, part, cnt, m, x.stride(0), out.stride(0), N=n, K=k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        PORTABLE=portable(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PORTABLE=portable(x.device), num_warps=cfg.num_warps,
+        num_stages=launch_stages(cfg, block_m))
     return out
 
 

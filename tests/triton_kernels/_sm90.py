@@ -8,11 +8,12 @@ from pathlib import Path
 SMEM_LIMIT = 227 * 1024
 
 
-def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int):
+def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=()):
     """``triton.compile`` of ``fn`` for sm_90: ``sig`` the runtime arguments' types (pointers
-    16-byte aligned), ``const`` the constexprs. Constexprs the kernel does not have are dropped,
-    so that the digests of an older checkout's kernels (scripts/moe_ptx_digest.py) compile
-    with this harness."""
+    16-byte aligned), ``const`` the constexprs, ``div16`` integer arguments a launch passes as
+    multiples of 16 (Triton specializes them, which can change the binary). Constexprs the
+    kernel does not have are dropped, so that the digests of an older checkout's kernels
+    (scripts/moe_ptx_digest.py) compile with this harness."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -20,7 +21,8 @@ def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int):
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = dict(sig, **{k: "constexpr" for k in const})
     names = list(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t[0] == "*"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+             if t[0] == "*" or n in div16}
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),

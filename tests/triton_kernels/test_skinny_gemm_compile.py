@@ -28,12 +28,16 @@ def SG():
     return _sg()
 
 
-def _compile(SG, n, k, block_m, cfg):
+def _compile(SG, n, k, block_m, cfg, stages=None):
+    """As a launch compiles it: the row strides (K and N) specialized as multiples of 16, the
+    stages launch_stages gives (or ``stages``)."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     const = {"N": n, "K": k, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
              "BLOCK_K": cfg.block_k, "SPLIT_K": cfg.split_k, "PORTABLE": False}
-    return compile_sm90(SG._skinny_gemm_kernel, sig, const, cfg.num_warps, cfg.num_stages)
+    return compile_sm90(SG._skinny_gemm_kernel, sig, const, cfg.num_warps,
+                        stages or SG.launch_stages(cfg, block_m),
+                        div16=("stride_xm", "stride_ym"))
 
 
 # the rank's shapes and the splits default_config gives them on 132 SMs
@@ -45,9 +49,19 @@ CASES = [(2112, 7168), (7168, 1024), (512, 7168), (7168, 256)]
 def test_compiles_for_sm90_without_spills(SG, n, k, block_m, tmp_path):
     cfg = SG.default_config(n, k, sms=132)
     kern = _compile(SG, n, k, block_m, cfg)
-    assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
+    # two programs per SM, as plan_split counts (the launch's stage count sees to it)
+    assert kern.metadata.shared <= SG._SMEM_TWO_PER_SM, kern.metadata.shared
     assert "wgmma" in kern.asm["ptx"], "the dot left the warpgroup MMA"
     assert_no_spills(kern, tmp_path)
+
+
+def test_four_stages_at_64_rows_would_hold_one_program_per_sm(SG):
+    """Why launch_stages clamps: with the strides specialized Triton stages x as well as W in
+    shared memory, and 4 stages of 64 x 64 x 128 tiles take 131,072 bytes."""
+    cfg = SG.default_config(2112, 7168, sms=132)
+    assert SG.launch_stages(cfg, 64) == 3 and SG.launch_stages(cfg, 32) == 4
+    kern = _compile(SG, 2112, 7168, 64, cfg, stages=4)
+    assert SG._SMEM_TWO_PER_SM < kern.metadata.shared <= SMEM_LIMIT
 
 
 def test_rerun_in_clean_process():
