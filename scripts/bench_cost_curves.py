@@ -198,7 +198,7 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
 
 def main():
     from bench_e2e import run_pass
-    from e2e_lossless import Server, stage_times_by_bs, stop_on_sigterm
+    from e2e_lossless import Server, parse_server_env, stage_times_by_bs, stop_on_sigterm
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/cost_curves_h200.json")
@@ -287,7 +287,7 @@ def main():
                       timer_mode=args.timer_mode,
                       baselines=[b for b in args.baselines.split(",") if b],
                       ddtree_extra=args.ddtree_args.split() + args.ddtree_arg,
-                      server_env=dict(kv.split("=", 1) for kv in args.server_env))
+                      server_env=parse_server_env(args.server_env))
         result["projection"][name] = {src: project(result["models"][name]["step_ms"], acc, concs)
                                       for src, acc in sources.items()}
         dump()

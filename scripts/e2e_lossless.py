@@ -152,6 +152,18 @@ def stop_on_sigterm(on_exit=None):
     signal.signal(signal.SIGTERM, handler)
 
 
+def parse_server_env(pairs: list) -> dict:
+    """{KEY: VALUE} from ``--server-env KEY=VALUE`` strings (the scripts that start servers
+    with extra environment: profile_step.py, bench_cost_curves.py)."""
+    out = {}
+    for kv in pairs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--server-env {kv!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
 class Server:
     """One ``sglang.launch_server`` process; ``wait=False`` returns at once (call wait_ready).
 

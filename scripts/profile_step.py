@@ -384,17 +384,6 @@ def family_totals(kernels: list) -> dict:
     return {f: round(v, 4) for f, v in out.items()}
 
 
-def parse_server_env(pairs: list) -> dict:
-    """{KEY: VALUE} from ``--server-env KEY=VALUE`` strings."""
-    out = {}
-    for kv in pairs:
-        key, sep, value = kv.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--server-env {kv!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def effective_env(server_env: dict, key: str, default: str = "") -> str:
     """A server's value of ``key``: ``--server-env`` over this process's environment."""
     return server_env.get(key, os.environ.get(key, default))
@@ -524,7 +513,7 @@ def main():
     if "--compare" in sys.argv[1:]:
         return compare_main(sys.argv[1:])
     from bench_e2e import add_pair_args, run_pass
-    from e2e_lossless import Server, stop_on_sigterm
+    from e2e_lossless import Server, parse_server_env, stop_on_sigterm
 
     ap = argparse.ArgumentParser()
     add_pair_args(ap, "bench_results/profile_step_h200.json")
