@@ -360,6 +360,54 @@ def roofline_table(data: dict, peak_tflops: float = H200_BF16_PEAK_TFLOPS) -> st
             f"TFLOP/s (datasheet BF16 dense peak, not measured).\n\n" + "\n".join(rows))
 
 
+def ab_summary(variants: dict) -> list:
+    """Same-call A/B of kernel variants (``{tag: [results JSON, ...]}``, one JSON a round, the
+    rounds alternating): per point, each variant's fastest round, its rounds, its split count,
+    and each other variant's time over the first's. The points all variants timed, in the
+    first variant's order."""
+    tags = list(variants)
+    key = ("kind", "batch", "budget", "context")
+    times = {}
+    order = []
+    for tag, datas in variants.items():
+        for data in datas:
+            for r in data["results"]:
+                if not isinstance(r.get("ours_us"), (int, float)):
+                    continue
+                k = tuple(r[f] for f in key)
+                if tag == tags[0] and k not in order:
+                    order.append(k)
+                t = times.setdefault(k, {}).setdefault(tag, {"us": [], "splits": None})
+                t["us"].append(r["ours_us"])
+                t["splits"] = r.get("num_splits")
+    rows = []
+    for k in order:
+        if set(times[k]) != set(tags):
+            continue
+        row = dict(zip(key, k))
+        for tag in tags:
+            row[f"{tag}_us"] = min(times[k][tag]["us"])
+            row[f"{tag}_rounds"] = times[k][tag]["us"]
+            row[f"{tag}_splits"] = times[k][tag]["splits"]
+        for tag in tags[1:]:
+            row[f"{tag}_over_{tags[0]}"] = round(row[f"{tag}_us"] / row[f"{tags[0]}_us"], 3)
+        rows.append(row)
+    return rows
+
+
+def parse_ab(specs: list) -> dict:
+    """``TAG=A.json[,B.json...]`` items (``--ab``) -> {tag: [loaded JSON, ...]}."""
+    out = {}
+    for spec in specs:
+        tag, sep, paths = spec.partition("=")
+        if not sep or not tag or not paths:
+            raise SystemExit(f"--ab {spec!r}: expected TAG=RESULTS.json[,RESULTS.json...]")
+        out[tag] = [json.load(open(p)) for p in paths.split(",")]
+    if len(out) < 2:
+        raise SystemExit("--ab: name at least two variants")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "tree_verify_h200.json"))
@@ -408,7 +456,24 @@ def main(argv=None):
     ap.add_argument("--roofline-of", default=None, metavar="JSON",
                     help="print a results JSON against its roofline and exit (no GPU needed)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    ap.add_argument("--ab", action="append", default=[], metavar="TAG=JSON[,JSON...]",
+                    help="summarise a same-call A/B (gpu_session.sh tvspec) from its results "
+                         "JSONs, one per round, into --out and exit (no GPU needed); the first "
+                         "variant is the base of the ratios")
     args = ap.parse_args(argv)
+    if args.ab:
+        variants = parse_ab(args.ab)
+        rows = ab_summary(variants)
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "variants": {
+                t: [d.get("meta", {}) for d in ds] for t, ds in variants.items()},
+                "summary": rows}, f, indent=1)
+        tags = list(variants)
+        for r in rows:
+            print(f"{r['kind']} bs {r['batch']} budget {r['budget']} ctx {r['context']}: "
+                  + " ".join(f"{t} {r[f'{t}_us']}" for t in tags) + " | "
+                  + " ".join(f"{t}/{tags[0]} {r[f'{t}_over_{tags[0]}']}" for t in tags[1:]))
+        return 0
     if args.roofline_of:
         print(roofline_table(json.load(open(args.roofline_of)), args.peak_tflops))
         return 0

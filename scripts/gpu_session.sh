@@ -288,7 +288,11 @@ for s in "$@"; do
                    --budgets ${TVSPEC_BUDGETS:-15,16,31,32,63,64} --contexts ${TVSPEC_CONTEXTS:-512,2048,16384} \
                    --plan-context 262144 ${kd[@]+"${kd[@]}"} --out "$OUT/tree_verify_spec_${v}_r${r}_h200.json"
                done
-             done ;;
+             done
+             step tvspec-ab 60 python3 scripts/bench_tree_verify.py \
+               --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
+               --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
+               --out "$OUT/tree_verify_spec_ab_h200.json" ;;
     *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec)" ;;
   esac
 done

@@ -1,6 +1,7 @@
 """scripts/bench_tree_verify.py's roofline reading (pure arithmetic on a results JSON)."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -72,3 +73,31 @@ def test_reduce_chunk_overrides_the_served_rule_and_restores_it(bench):
         with bench.reduce_chunk(ta, 16):
             raise RuntimeError("boom")
     assert ta._reduce_chunk is served
+
+
+def test_ab_summary_takes_each_variants_fastest_round(bench, tmp_path):
+    """--ab: the tvspec A/B's rounds folded per point (fastest round of each variant, the
+    ratio over the first variant); points one variant lacks and failed points are left out."""
+    def results(*rows):
+        return {"meta": {"gpu": "x"}, "results": [
+            {"kind": "mla", "batch": b, "budget": n, "context": c, "ours_us": us,
+             "num_splits": 33} for b, n, c, us in rows]}
+
+    new = [results((1, 31, 512, 27.0), (1, 32, 512, 26.0)),
+           results((1, 31, 512, 26.0), (1, 32, 512, 26.5))]
+    old = [results((1, 31, 512, 33.0), (1, 32, 512, 26.2), (2, 31, 512, 40.0)),
+           results((1, 31, 512, 32.5), (1, 32, 512, "error: boom"))]
+    rows = bench.ab_summary({"new": new, "old": old})
+    assert [(r["budget"], r["new_us"], r["old_us"]) for r in rows] == [(31, 26.0, 32.5),
+                                                                       (32, 26.0, 26.2)]
+    assert rows[0]["old_over_new"] == 1.25 and rows[0]["old_rounds"] == [33.0, 32.5]
+    paths = []
+    for i, d in enumerate(new + old):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    out = tmp_path / "ab.json"
+    assert bench.main(["--ab", f"new={paths[0]},{paths[1]}", "--ab", f"old={paths[2]},{paths[3]}",
+                       "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"] == rows
+    with pytest.raises(SystemExit):
+        bench.parse_ab(["new=" + str(paths[0])])  # one variant is no A/B
