@@ -50,21 +50,27 @@ def shapes() -> dict:
     }
 
 
-# largest dynamic shared memory per block (opt-in), bytes: sm_90 / sm_100 227 KB
-SMEM_LIMIT = {90: 232448, 100: 232448, 103: 232448}
-# per SM: shared memory (228 KB, of which each resident block reserves 1 KB), 32-bit registers,
-# resident warps and blocks (the CUDA occupancy tables for compute capability 9.0 / 10.x)
-SM_SHARED, BLOCK_RESERVE, SM_REGS, SM_WARPS, SM_BLOCKS = 233472, 1024, 65536, 64, 32
+# largest dynamic shared memory per block (opt-in), bytes: sm_80 163 KB, sm_86 / sm_89 /
+# sm_120 99 KB, sm_90 / sm_100 / sm_103 227 KB (the CUDA programming guide's tables)
+SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
+              120: 101376}
+# per SM: shared memory (of which each resident block reserves 1 KB) and resident warps;
+# 64K 32-bit registers and 32 blocks on all of these
+SM_SHARED = {80: 167936, 86: 102400, 89: 102400, 90: 233472, 100: 233472, 103: 233472,
+             120: 102400}
+SM_WARPS = {80: 64, 86: 48, 89: 48, 90: 64, 100: 64, 103: 64, 120: 48}
+BLOCK_RESERVE, SM_REGS, SM_BLOCKS = 1024, 65536, 32
 REG_UNIT = 256  # registers are allocated per warp in units of 256
 
 
-def bundled_ptxas() -> str:
-    """The ptxas of Triton's wheel (what Triton itself compiles with), else the toolkit's."""
+def bundled_ptxas(arch: int = 90) -> str:
+    """The ptxas of Triton's wheel that Triton itself compiles ``arch`` with (its Blackwell
+    build from sm_100 on), else the toolkit's."""
     try:
         import triton
 
         path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "ptxas")
+                            "ptxas-blackwell" if arch >= 100 else "ptxas")
         if os.path.exists(path):
             return path
     except ImportError:
@@ -72,12 +78,12 @@ def bundled_ptxas() -> str:
     return shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
 
 
-def ctas_per_sm(shared: int, registers: int, warps: int) -> dict:
-    """Resident programs per SM of a binary, by each limit and overall (sm_90 / sm_100)."""
-    by_smem = SM_SHARED // (shared + BLOCK_RESERVE)
+def ctas_per_sm(shared: int, registers: int, warps: int, arch: int = 90) -> dict:
+    """Resident programs per SM of a binary, by each limit and overall."""
+    by_smem = SM_SHARED.get(arch, 102400) // (shared + BLOCK_RESERVE)
     per_warp = -(-registers * 32 // REG_UNIT) * REG_UNIT
     by_regs = SM_REGS // (per_warp * warps)
-    by_warps = SM_WARPS // warps
+    by_warps = SM_WARPS.get(arch, 48) // warps
     return {"shared": by_smem, "registers": by_regs, "warps": by_warps,
             "ctas": min(by_smem, by_regs, by_warps, SM_BLOCKS)}
 
@@ -157,7 +163,7 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     log = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
-    occupancy = ctas_per_sm(out.metadata.shared, int(regs.group(1)), warps) if regs else None
+    occupancy = ctas_per_sm(out.metadata.shared, int(regs.group(1)), warps, arch) if regs else None
     return {"kind": kind, "config": ",".join(map(str, cfg)),
             **({"budget": budget, "specialized": sorted(specialized)} if budget else {}),
             **({"draft_block": True} if draft_block else {}),
@@ -198,7 +204,7 @@ def main(argv=None):
     for spec in args.configs.split(";"):
         cfg = [int(x) for x in spec.split(",") if x]
         try:
-            row = analyse(args.kind, cfg, args.arch, args.ptxas or bundled_ptxas(),
+            row = analyse(args.kind, cfg, args.arch, args.ptxas or bundled_ptxas(args.arch),
                           args.merge_prefix, args.group, args.budget, args.min_split_keys,
                           args.draft_block)
             row["group"] = args.group or shapes()[args.kind]["G"]

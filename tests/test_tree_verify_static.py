@@ -83,3 +83,20 @@ def test_the_drafter_block_keeps_its_specialized_binary():
     row, = _run("--kind", "mha", "--group", "8", "--configs", "64,64,4,3", "--budget", "15",
                 "--draft-block")
     assert row["draft_block"] and row["specialized"] == ["N", "stride_mb", "stride_mi"], row
+
+
+@pytest.mark.parametrize("arch", [90, 89])
+def test_the_planners_mla_tile_table_matches_the_compiler(arch):
+    """tree_attention_plan._MLA_TILE_SMEM (which tile a device's shared memory takes, and how
+    many programs an SM holds) is what the compiler gives the served tiles: on the H200's
+    sm_90 and on sm_89 (99 KB a block: the 32-row tile does not fit, the 16-row one does)."""
+    from tests.triton_kernels import load_kernels
+
+    plan = load_kernels(interpret=True).tree_attention_plan
+    rows = _run("--kind", "mla", "--arch", str(arch), "--configs", "32,64,4,2;16,64,4,2",
+                "--budget", "32", "--min-split-keys", "128")
+    got = {int(r["config"].split(",")[0]): r for r in rows}
+    for block_m, smem in plan._MLA_TILE_SMEM.items():
+        assert got[block_m]["shared_bytes"] == smem, (arch, got[block_m])
+    assert got[16]["fits_shared_memory"]
+    assert got[32]["fits_shared_memory"] == (arch == 90)

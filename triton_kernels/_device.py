@@ -1,6 +1,6 @@
 """Device helpers the Triton kernels share: whether a device takes the portable path, its SM
-count, and the per-device arrival counters of one-launch split-K fix-ups (the last program of a tile sums
-the partials; see moe_w4a16 and skinny_gemm)."""
+count and shared memory, and the per-device arrival counters of one-launch split-K fix-ups
+(the last program of a tile sums the partials; see moe_w4a16 and skinny_gemm)."""
 from __future__ import annotations
 
 import os
@@ -22,6 +22,19 @@ def num_sms(device: torch.device, off_gpu: int) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return off_gpu
+
+
+def shared_memory(device: torch.device) -> tuple[int, int] | None:
+    """(bytes one block may opt in to, bytes an SM has) of a CUDA device; None off a GPU or
+    where CUDA is not there to ask (the planners then assume a Hopper-sized SM)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    per_block = getattr(props, "shared_memory_per_block_optin", None)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    if not per_block or not per_sm:
+        return None
+    return int(per_block), int(per_sm)
 
 
 def arrival_counters(store: dict, device: torch.device, n: int,

@@ -55,6 +55,7 @@ from .tree_attention_plan import (
     _num_sms,
     _reduce_chunk,
     mha_split_count,
+    mla_programs_per_sm,
     split_count,
 )
 
@@ -388,7 +389,8 @@ def _tree_attn_fwd_kernel(
 # specialization of the three compiled the MLA tile (32 x 64, 4 warps) to 116,736 bytes of
 # shared memory, one program per H200 SM, where the split planner counts two (split_count's
 # slots; N = 33: 114,688 bytes, two). In the Kimi profile budget 31's verify attention took
-# 32.6 us a call against budget 32's 26.4 (bench_results/profile_step_kimi_l8_int4_b7_b31_h200_s30.json).
+# 32.6 us a call against budget 32's 26.4
+# (bench_results/profile_step_kimi_l8_int4_b7_b31_h200_s30.json).
 # scripts/tree_verify_static.py --budget compiles either; tests/test_tree_verify_static.py
 # holds the served MLA tiles to two. The drafter's block (N = 16, unordered mask) keeps
 # _tree_attn_fwd_kernel, the specialized binary its benchmarks timed (session 24).
@@ -623,7 +625,8 @@ class TreeAttention:
             # MLA's latent rows: whole waves (H200 A/B of both rules, 60 points,
             # bench_results/tree_verify_ab_splits_h200_s19.json: never slower beyond 1.3 %,
             # up to 1.67x faster, geometric mean 1.18x)
-            return split_count(programs, 2 * self._num_sms, cap, max_splits=max_splits)
+            return split_count(programs, mla_programs_per_sm(cfg, self.device) * self._num_sms,
+                               cap, max_splits=max_splits)
         return mha_split_count(programs, self._num_sms, cfg.num_warps, cap, max_splits)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

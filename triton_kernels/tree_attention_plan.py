@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ._device import num_sms
+from ._device import num_sms, shared_memory
 
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
@@ -71,6 +71,40 @@ _MHA_WIDE_MIN_ROWS = 256
 _MHA_WIDE_MAX_GROUPS = 64  # batch x KV heads; Qwen3-8B: batch 8 on one GPU
 
 
+# MLA latent rows (512 + 64): the shared memory the served tiles (block_n 64, 4 warps, 2
+# stages, by block_m) compile to with Triton 3.6, the same for sm_80 to sm_120
+# (scripts/tree_verify_static.py --arch; tests/test_tree_verify_static.py holds the table to
+# the compiler). The 32-row tile does not fit the 99 KB a block may take on sm_86 / sm_89 /
+# sm_120 (A10, L40S, RTX 4090 / 5090): there the 16-row tile serves every batch size.
+_MLA_TILE_SMEM = {32: 114_688, 16: 94_208}
+_MLA_NARROW_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+_BLOCK_RESERVE = 1024  # shared memory the hardware keeps per resident block
+_MLA_PROGRAMS_PER_SM = 2  # registers (255 a thread x 128 threads) allow no more
+
+
+def _mla_tile_smem(cfg: KernelConfig) -> Optional[int]:
+    """Shared memory of a served MLA tile shape, None for other shapes."""
+    if (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dv_split, cfg.dk_chunk) != (64, 4, 2, 1, 0):
+        return None
+    return _MLA_TILE_SMEM.get(cfg.block_m)
+
+
+def _mla_fits(cfg: KernelConfig, device: torch.device) -> bool:
+    """Whether the device grants a block the tile's shared memory (unknown: assumed)."""
+    smem, have = _mla_tile_smem(cfg), shared_memory(device)
+    return smem is None or have is None or smem <= have[0]
+
+
+def mla_programs_per_sm(cfg: KernelConfig, device: torch.device) -> int:
+    """MLA programs of ``cfg`` an SM holds, as split_count's slots count them: 2 (registers
+    allow no more) unless the device's shared memory holds fewer of a known tile (one 16-row
+    program on a 100 KB sm_89 / sm_120 SM; two on an H200's 228 KB)."""
+    smem, have = _mla_tile_smem(cfg), shared_memory(device)
+    if smem is None or have is None:
+        return _MLA_PROGRAMS_PER_SM
+    return max(1, min(_MLA_PROGRAMS_PER_SM, have[1] // (smem + _BLOCK_RESERVE)))
+
+
 def _latent_rows(dk: int, d_pe: int, dv: int) -> bool:
     """Rows as wide as MLA's absorbed latent (512 + 64): they take their own tiles, small-batch
     configs and split counts."""
@@ -84,8 +118,10 @@ def _default_config(dk: int, d_pe: int, dv: int, rows: int, device: torch.device
         return KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     if _latent_rows(dk, d_pe, dv):
         # MLA latent rows (512 + 64): a 32-row fp32 accumulator of 512 dims is what fits;
-        # 32x64 beat 32x32, 64x32 and 64x64 at every measured point
-        return KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
+        # 32x64 beat 32x32, 64x32 and 64x64 at every measured point (H200); 16 rows where a
+        # block cannot have its shared memory (_MLA_TILE_SMEM)
+        tile = KernelConfig(block_m=32, block_n=64, num_warps=4, num_stages=2)
+        return tile if _mla_fits(tile, device) else _MLA_NARROW_TILE
     if dk > 128 or dv > 128:
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if rows >= _MHA_WIDE_MIN_ROWS:  # wide trees / big GQA groups (see _MHA_TILE)

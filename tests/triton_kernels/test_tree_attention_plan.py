@@ -83,3 +83,45 @@ def test_mha_tile_rule():
     assert PLAN._default_config(128, 0, 128, 132, cuda) == tile
     assert PLAN._batch_config(256, 0, 256, 65 * 4, 32 * 8, cuda) is None  # head dim 256
     assert PLAN._default_config(128, 0, 128, 132, torch.device("cpu")).block_m == 16
+
+
+def test_mla_tiles_follow_the_devices_shared_memory(monkeypatch):
+    """MLA: where a block may not take the 32-row tile's 114,688 bytes (sm_86 / sm_89 /
+    sm_120: 99 KB, 100 KB an SM) the 16-row tile serves every batch size, one program per SM
+    in split_count's slots; on an H200 (227 KB a block, 228 KB an SM) nothing changes: the
+    32-row tile, two programs per SM. Off a GPU, or where CUDA cannot be asked, the H200's."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    rows = 33 * 8  # Kimi TP8, budget 32
+    for have, block_m, per_sm in (((232448, 233472), 32, 2), ((166912, 167936), 32, 1),
+                                  ((101376, 102400), 16, 1), (None, 32, 2)):
+        monkeypatch.setattr(PLAN, "shared_memory", lambda device, have=have: have)
+        cfg = PLAN._default_config(512, 64, 512, rows, cuda)
+        assert cfg.block_m == block_m, have
+        assert PLAN.mla_programs_per_sm(cfg, cuda) == per_sm, have
+        few = PLAN._batch_config(512, 64, 512, rows, 1, cuda)  # batch 1: 128-key splits
+        assert few.block_m == block_m and few.min_split_keys == 128
+        small = PLAN._batch_config(512, 64, 512, 17 * 8, 1, cuda)  # the small-batch tile
+        assert small.block_m == 16
+        assert PLAN.mla_programs_per_sm(small, cuda) == (1 if have and have[1] < 190464 else 2)
+    # a tile of another shape: the planner's assumption (registers: two programs)
+    odd = PLAN.KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    assert PLAN.mla_programs_per_sm(odd, cuda) == 2
+    assert PLAN._default_config(128, 0, 128, 36, cuda).block_m == 64  # MHA untouched
+
+
+def test_mla_split_count_uses_the_devices_slots(monkeypatch):
+    """TreeAttention's MLA split count takes its slots from mla_programs_per_sm (one program
+    per SM here: whole waves of half the H200's slots)."""
+    from tests.triton_kernels import load_kernels
+
+    k = load_kernels(interpret=True)
+    ta, mla = k.tree_attention, k.tree_attention_mla
+    seen = []
+    monkeypatch.setattr(ta, "mla_programs_per_sm", lambda cfg, device: seen.append(cfg) or 1)
+    monkeypatch.setattr(ta, "_num_sms", lambda device: 132)  # an H200's SM count
+    attn = mla.TreeAttentionMLA.plan(max_batch_size=2, num_tree_tokens=9, num_heads=8,
+                                     max_context_len=1 << 17, device="cpu", sm_scale=0.1)
+    # batch 1 / 2 (5 / 10 row blocks of the CPU tile): 26 / 13 splits on 132 slots, where
+    # two programs per SM (264 slots) would take 52 / 26
+    assert [attn.num_splits(bs) for bs in (1, 2)] == [26, 13]
+    assert seen and set(seen) == {attn.config_for(1), attn.config_for(2)}
