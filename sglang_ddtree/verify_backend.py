@@ -495,7 +495,21 @@ def blockers(model_runner, sgl, is_mla: bool) -> list:
         out.append("HND KV cache layout (SGLANG_USE_HND_KVCACHE)")
     elif getattr(pool, "is_quantized_kv_cache", False):
         out.append("a quantized (scale-block) KV cache")
+    elif getattr(pool, "dtype", None) == torch.float8_e4m3fn:
+        cap = _capability(_device_of(model_runner))
+        if cap is not None and cap < (8, 9):
+            # the kernels' compile would fail at the first verify launch (graph capture)
+            out.append(f"an fp8 e4m3 KV cache on compute capability {cap[0]}.{cap[1]} (Triton "
+                       "decodes e4m3 from sm_89 on; --kv-cache-dtype fp8_e5m2 or auto serve "
+                       "here)")
     return out
+
+
+def _capability(device: torch.device):
+    """(major, minor) of a CUDA device; None for others."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def install(model_runner, num_tree_tokens: int, sgl, kernels=None,

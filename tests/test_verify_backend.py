@@ -534,6 +534,27 @@ def test_install_refusals(sgl, monkeypatch):
                                                  RecordingBackend()))
 
 
+@pytest.mark.parametrize("cap,dtype,refused", [((8, 0), torch.float8_e4m3fn, True),
+                                               ((8, 6), torch.float8_e4m3fn, True),
+                                               ((8, 9), torch.float8_e4m3fn, False),
+                                               ((8, 0), torch.float8_e5m2, False),
+                                               ((8, 0), torch.bfloat16, False)])
+def test_fp8_e4m3_kv_cache_before_sm89_is_refused(sgl, monkeypatch, cap, dtype, refused):
+    """Triton compiles e4m3 loads from sm_89 on (on sm_80 / sm_86 it offers e5m2 and
+    e4b15 only), so an e4m3 KV cache there is refused at install, naming the fix, instead of
+    the kernel's compile failing at the first verify launch."""
+    _, layout, _, layer, pool = _mha_setup(n=3)
+    pool = type("MHATokenToKVPool", (), {"dtype": dtype})()
+    runner = _runner(pool, layout.req_to_token, [layer], RecordingBackend())
+    runner.device = "cuda:0"
+    monkeypatch.setattr(verify_backend, "_capability", lambda device: cap)
+    problems = verify_backend.blockers(runner, sgl, False)
+    assert bool(problems) == refused, problems
+    if refused:
+        assert "fp8 e4m3 KV cache on compute capability" in problems[0]
+        assert "fp8_e5m2" in problems[0]
+
+
 # --- the drafter's block attention (SGLANG_DDTREE_DRAFT_ATTENTION) ---------------------------
 
 def _draft_layers(kinds, hq=4, hkv=1, d=16, **kw):
