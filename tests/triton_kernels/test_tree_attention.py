@@ -42,8 +42,8 @@ def poison_unused(cache: torch.Tensor, layout) -> torch.Tensor:
     used[layout.out_cache_loc] = True
     used[0] = False  # req_to_token rows are zero-padded: slot 0 is nobody's
     cache = cache.clone()
-    if cache.dtype in (torch.float8_e4m3fn, torch.uint8):
-        cache.view(torch.uint8)[~used] = 0x7F  # e4m3 NaN
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        cache.view(torch.uint8)[~used] = 0x7F  # NaN in e4m3 and in e5m2
     else:
         cache[~used] = float("nan")
     return cache
@@ -90,13 +90,19 @@ def test_mha_matches_reference(case):
     assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
 
 
-def test_mha_fp8_kv_with_scales():
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mha_fp8_kv_with_scales(fp8):
+    """fp8 KV caches with scales: e4m3 (V as SGLang's uint8 storage), and e5m2, the one
+    --kv-cache-dtype the verify backend takes before sm_89 (a cache handed over as uint8 is read
+    as e4m3: SGLang's pools hand theirs over in their fp8 dtype)."""
     g, layout, mask = make_layout([13, 26], 4, 4, seed=3)
     k32 = torch.randn(layout.num_slots, 2, 32, generator=g)
     v32 = torch.randn(layout.num_slots, 2, 32, generator=g)
     k_scale, v_scale = 0.25, 2.0
-    k8 = poison_unused((k32 / k_scale).to(torch.float8_e4m3fn), layout)
-    v8 = poison_unused((v32 / v_scale).to(torch.float8_e4m3fn), layout).view(torch.uint8)
+    k8 = poison_unused((k32 / k_scale).to(fp8), layout)
+    v8 = poison_unused((v32 / v_scale).to(fp8), layout)
+    if fp8 == torch.float8_e4m3fn:
+        v8 = v8.view(torch.uint8)
     q = torch.randn(8, 4, 32, generator=g).bfloat16()
     kv = layout.table_kwargs()
     out = TA.tree_attention(q, k8, v8, layout.out_cache_loc, mask, num_kv_splits=2,
@@ -275,6 +281,7 @@ MLA_CASES = [
     ("bf16_page1_split", [5, 40], 4, 3, 64, 16, 1, 4, torch.bfloat16, 1.0),
     ("fp8_page8_budget8", [1, 19], 9, 2, 64, 16, 8, None, torch.float8_e4m3fn, 0.5),
     ("fp8_uint8_storage", [12], 3, 5, 32, 16, 4, 2, torch.uint8, 2.0),
+    ("fp8_e5m2", [7, 21], 5, 2, 64, 16, 4, 3, torch.float8_e5m2, 0.5),
     ("kimi_dims", [20], 2, 2, 512, 64, 16, 2, torch.bfloat16, 1.0),
 ]
 
@@ -288,7 +295,8 @@ def test_mla_matches_reference(case):
     if kv_dtype == torch.bfloat16:
         cache = poison_unused(latent, layout).bfloat16()
     else:
-        cache = poison_unused((latent / scale).to(torch.float8_e4m3fn), layout)
+        fp8 = torch.float8_e5m2 if kv_dtype == torch.float8_e5m2 else torch.float8_e4m3fn
+        cache = poison_unused((latent / scale).to(fp8), layout)
         if kv_dtype == torch.uint8:
             cache = cache.view(torch.uint8)
     q = torch.randn(bs * n, h, rank + rope, generator=g).bfloat16()
