@@ -111,32 +111,10 @@ def find_classes():
     return marlin, triton_cls
 
 
-# The most shared memory a config of the shipped table takes per block: the M 1025-2048 band's
-# gate-up (64-row blocks, 64 x 128 tiles, 4 stages), 102,400 bytes compiled for sm_90
-# (tests/triton_kernels/test_moe_w4a16_compile.py holds this to the compiler). The table is
-# tuned on an H200; sm_86 / sm_89 / sm_120 grant a block 99 KB.
-TABLE_SHARED_MEMORY = 102_400
-
-
-def check_shared_memory(device: torch.device) -> None:
-    """Raise, naming the fix, where the device cannot give a block the table's shared memory
-    (its launch would fail with OutOfResources in the middle of serving)."""
-    from .triton_kernels._device import shared_memory
-
-    have = shared_memory(device)
-    if have is not None and have[0] < TABLE_SHARED_MEMORY:
-        name = torch.cuda.get_device_name(device)
-        raise FusedMoeHookError(
-            f"{ENV_SWITCH}=1: the fused MoE's config table needs up to {TABLE_SHARED_MEMORY} "
-            f"bytes of shared memory per block and {name} grants {have[0]}; unset "
-            f"{ENV_SWITCH} to keep SGLang's MoE path on this GPU")
-
-
 def _process_weights_after_loading(self, layer: torch.nn.Module) -> None:
     """Keep the loaded pack-quantized layout (no Marlin repack); check it fits the kernel."""
     if getattr(layer, "_ddtree_fused_moe_ready", False):
         return
-    check_shared_memory(layer.w13_weight_packed.device)
     if (self.num_bits, self.group_size, self.sym) != (4, 32, True) or self.actorder not in (
             None, "static") or self.strategy != "group":
         raise NotImplementedError(

@@ -341,21 +341,3 @@ def test_topk_stats_count_every_moe_routing_call(monkeypatch):
     # out-of-range ids (a fused shared expert) and padding (-1) are not counted
     moe_hook.record_distinct_experts(torch.tensor([[5, 0], [-1, 0]]), 5)
     assert moe_hook.moe_stats_summary()[2] == [1.0, 1]
-
-
-def test_a_gpu_without_the_tables_shared_memory_is_a_clear_error(monkeypatch):
-    """sm_86 / sm_89 / sm_120 give a block 99 KB; the shipped table's largest config takes
-    TABLE_SHARED_MEMORY: weight processing raises there, naming the switch, instead of a launch
-    failing mid-serving. An H200 (227 KB) and a CPU pass."""
-    from sglang_ddtree.triton_kernels import _device
-
-    cuda = torch.device("cuda")  # a device object only: nothing runs on it
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
-    monkeypatch.setattr(_device, "shared_memory", lambda device: (101376, 102400))
-    with pytest.raises(moe_hook.FusedMoeHookError) as err:
-        moe_hook.check_shared_memory(cuda)
-    assert "NVIDIA L40S grants 101376" in str(err.value) and moe_hook.ENV_SWITCH in str(err.value)
-    monkeypatch.setattr(_device, "shared_memory", lambda device: (232448, 233472))
-    moe_hook.check_shared_memory(cuda)
-    monkeypatch.undo()
-    moe_hook.check_shared_memory(torch.device("cpu"))

@@ -92,15 +92,6 @@ def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1
     assert_no_spills(kern, tmp_path)
 
 
-def test_the_hooks_shared_memory_bound_is_the_tables_largest(MOE):
-    """moe_hook.TABLE_SHARED_MEMORY (below it the hook refuses a GPU at weight loading) is the
-    most shared memory any shipped config compiles to."""
-    from sglang_ddtree.moe_hook import TABLE_SHARED_MEMORY
-
-    assert max(_gemm(MOE, kind, bm, tiles).metadata.shared
-               for kind, bm, tiles in _shipped()) == TABLE_SHARED_MEMORY
-
-
 def test_prologue_and_combine_compile(MOE):
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
