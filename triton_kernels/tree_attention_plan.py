@@ -72,7 +72,8 @@ _MHA_WIDE_MAX_GROUPS = 64  # batch x KV heads; Qwen3-8B: batch 8 on one GPU
 
 
 # MLA latent rows (512 + 64): the shared memory the served tiles (block_n 64, 4 warps, 2
-# stages, by block_m) compile to with Triton 3.6, the same for sm_80 to sm_120
+# stages, by block_m) compile to with Triton 3.6 for a bf16 cache (an fp8 cache or a narrower
+# latent takes less), the same for sm_80 to sm_120
 # (scripts/tree_verify_static.py --arch; tests/test_tree_verify_static.py holds the table to
 # the compiler). The 32-row tile does not fit the 99 KB a block may take on sm_86 / sm_89 /
 # sm_120 (A10, L40S, RTX 4090 / 5090): there the 16-row tile serves every batch size.
