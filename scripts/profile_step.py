@@ -389,6 +389,13 @@ def effective_env(server_env: dict, key: str, default: str = "") -> str:
     return server_env.get(key, os.environ.get(key, default))
 
 
+def families_minus(fams: dict, base: str) -> dict:
+    """{method: {family: ms over ``base``'s}} for every method of ``fams`` ({method: family
+    totals}) but ``base``."""
+    return {n: {f: round(v - fams[base][f], 4) for f, v in fam.items()}
+            for n, fam in fams.items() if n != base}
+
+
 def analyse(result: dict) -> None:
     """Fill the comparisons in ``result`` from the methods profiled so far: DDTREE's host
     time over DFLASH's, each method's target-forward kernels and their families, and each
@@ -407,14 +414,13 @@ def analyse(result: dict) -> None:
             if busy is not None:  # kernel sum minus busy: time two streams ran at once
                 summ["target_forward_busy_ms"] = busy
     if "target_forward_kernels" in m.get("ar", {}):
-        ar = m["ar"]["target_forward_families"]
         result["target_forward_minus_ar"] = {
             name: kernel_time_diff(m["ar"]["target_forward_kernels"],
                                    summ["target_forward_kernels"])
             for name, summ in m.items() if name != "ar" and "target_forward_kernels" in summ}
-        result["target_forward_families_minus_ar"] = {
-            name: {f: round(v - ar[f], 4) for f, v in summ["target_forward_families"].items()}
-            for name, summ in m.items() if name != "ar" and "target_forward_families" in summ}
+        result["target_forward_families_minus_ar"] = families_minus(
+            {name: summ["target_forward_families"] for name, summ in m.items()
+             if "target_forward_families" in summ}, "ar")
 
 
 def compare_profiles(results: list, base: str = "ar", pairs: tuple = ()) -> dict:
@@ -439,9 +445,7 @@ def compare_profiles(results: list, base: str = "ar", pairs: tuple = ()) -> dict
     if any(v is not None for v in busy.values()):  # runs from session 30's second change on
         out["target_forward_busy_ms"] = busy
     if base in fams:
-        out["families_minus_" + base] = {
-            n: {f: round(v - fams[base][f], 4) for f, v in fam.items()}
-            for n, fam in fams.items() if n != base}
+        out["families_minus_" + base] = families_minus(fams, base)
     for a, b in pairs:
         for n in (a, b):
             if n not in methods:
