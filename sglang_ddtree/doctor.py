@@ -94,6 +94,8 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
                                   max_context_len=planned, device=dev,
                                   ordered_mask=not draft)
     res.num_splits = 1 if flashmla else attn.num_splits(bs)  # FlashMLA: our kernel, tree keys
+    cfg = attn.config_for(bs)  # the tile this GPU gets (MLA: 16 rows where 32 do not fit)
+    res.extra["tile"] = f"{cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w"
     if flashmla:
         res.extra["page_size"] = page_size
     fp8 = kernel.endswith("fp8")
@@ -277,7 +279,8 @@ def _row(r: CaseResult) -> str:
     err = "-" if r.rel_err_vs_reference is None else f"{r.rel_err_vs_reference:.2e}"
     eq = "-" if r.graph_vs_eager_equal is None else ("yes" if r.graph_vs_eager_equal else "NO")
     return (f"{r.kernel:8s} budget {r.budget:4d} bs {r.batch_size:3d} splits "
-            f"{r.num_splits if r.num_splits is not None else '-':>3}  graph==eager {eq:3s}  "
+            f"{r.num_splits if r.num_splits is not None else '-':>3} "
+            f"tile {r.extra.get('tile', '-'):9s}  graph==eager {eq:3s}  "
             f"rel_err {err:9s}  {r.status.upper():8s} {r.detail}")
 
 

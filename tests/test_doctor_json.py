@@ -64,6 +64,8 @@ def test_case_passes_against_the_reference_on_cpu(interpret, monkeypatch, kernel
                            device="cpu")
     assert r.status == "pass", r
     assert r.trials == 2 and r.graph_vs_eager_equal and r.rel_err_vs_reference < 2e-2
+    assert r.extra["tile"] == "16x16/1w"  # the tile the kernel ran (the CPU's), in its row
+    assert "tile 16x16/1w" in doctor._row(r)
 
 
 def test_draft_case_uses_the_block_mask(interpret, monkeypatch):
