@@ -280,6 +280,10 @@ for s in "$@"; do
                     /tmp/tv_spec/tree_attention.py \
                && ! grep -q do_not_specialize /tmp/tv_spec/tree_attention.py \
                && log "tvspec: /tmp/tv_spec = the specialized variant"
+             # first the twin's correctness at the budgets it changes (N = 16 / 32 / 64: none of
+             # the doctor's default budgets): graph == eager, against the fp32 reference
+             step tvspec-doctor ${TVSPEC_DOCTOR_LIMIT:-180} python3 -m sglang_ddtree.cli doctor \
+               --graphs --budgets 15,31,63 --out "$OUT/doctor_graphs_spec_h200.json"
              for r in 1 2; do
                for v in new old; do
                  kd=(); [ $v = old ] && kd=(--kernels-dir /tmp/tv_spec)
