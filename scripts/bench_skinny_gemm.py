@@ -155,8 +155,7 @@ def main(argv=None) -> int:
             row = {"shape": name, "n": n, "k": k, "m": m, "layers": layers,
                    "config": {"block_n": cfg.block_n, "block_k": cfg.block_k,
                               "split_k": cfg.split_k, "num_warps": cfg.num_warps,
-                              "num_stages": sg.launch_stages(
-                                  cfg, max(16, 1 << (m - 1).bit_length()))},
+                              "num_stages": sg.launch_stages(cfg, sg.block_m_for(m))},
                    "us": us, "us_rounds": {key: [round(t, 2) for t in v]
                                            for key, v in rounds.items()},
                    "gbs": {key: round(nbytes / (u * 1e3), 1) for key, u in us.items()},

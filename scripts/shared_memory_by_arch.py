@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -22,23 +23,11 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 os.environ["TRITON_INTERPRET"] = "0"
 
 
-def _compiler(arch: int, div16=()):
-    """tests/triton_kernels/_sm90.compile_sm90 for another arch."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def _compiler(arch: int):
+    """The compile tests' harness (tests/triton_kernels/_sm90.py) for another arch."""
+    from tests.triton_kernels._sm90 import compile_sm90
 
-    def compile_for(fn, sig, const, warps, stages, div16=div16):
-        const = {k: v for k, v in const.items() if k in fn.arg_names}
-        sig = dict(sig, **{k: "constexpr" for k in const})
-        names = list(sig)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-                 if t[0] == "*" or n in div16}
-        src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                        constexprs={(names.index(k),): v for k, v in const.items()})
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    return compile_for
+    return functools.partial(compile_sm90, arch=arch)
 
 
 def mla_rows(arch: int) -> list:

@@ -24,6 +24,11 @@ def num_sms(device: torch.device, off_gpu: int) -> int:
     return off_gpu
 
 
+# shared memory the hardware keeps per resident block (sm_80 to sm_120): a program of S bytes
+# takes S + BLOCK_RESERVE of its SM's
+BLOCK_RESERVE = 1024
+
+
 def shared_memory(device: torch.device) -> tuple[int, int] | None:
     """(bytes one block may opt in to, bytes an SM has) of a CUDA device; None off a GPU or
     where CUDA is not there to ask (the planners then assume a Hopper-sized SM)."""

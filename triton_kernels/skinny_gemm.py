@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import arrival_counters, num_sms, portable
+from ._device import BLOCK_RESERVE, arrival_counters, num_sms, portable
 
 MAX_M = 64  # token rows one launch takes (the MMA's N side)
 
@@ -106,10 +106,15 @@ class SkinnyConfig:
     num_stages: int = 0  # 0: launch_stages's for the launch's block_m
 
 
-# shared memory one program may take for two to fit on an SM (sm_90: 228 KB an SM, of which
-# each resident block reserves 1 KB); plan_split counts two programs per SM
-_SMEM_TWO_PER_SM = 233472 // 2 - 1024
+# shared memory one program may take for two to fit on an SM (sm_90: 228 KB an SM);
+# plan_split counts two programs per SM
+_SMEM_TWO_PER_SM = 233472 // 2 - BLOCK_RESERVE
 _MAX_STAGES = 4
+
+
+def block_m_for(m: int) -> int:
+    """The launch's row tile (the MMA's N side) for ``m`` token rows: 16, 32 or 64."""
+    return max(16, triton.next_power_of_2(m))
 
 
 def launch_stages(cfg: SkinnyConfig, block_m: int) -> int:
@@ -195,7 +200,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
         raise ValueError(f"skinny_gemm: out [{m}, {n}] bf16 expected, got {tuple(out.shape)} "
                          f"{out.dtype} strides {out.stride()}")
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = block_m_for(m)
     n_tiles = n // cfg.block_n
     if cfg.split_k > 1:
         part = torch.empty(cfg.split_k * block_m * n, dtype=torch.float32, device=x.device)

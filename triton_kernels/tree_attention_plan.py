@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ._device import num_sms, shared_memory
+from ._device import BLOCK_RESERVE, num_sms, shared_memory
 
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
@@ -79,7 +79,6 @@ _MHA_WIDE_MAX_GROUPS = 64  # batch x KV heads; Qwen3-8B: batch 8 on one GPU
 # sm_120 (A10, L40S, RTX 4090 / 5090): there the 16-row tile serves every batch size.
 _MLA_TILE_SMEM = {32: 114_688, 16: 94_208}
 _MLA_NARROW_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-_BLOCK_RESERVE = 1024  # shared memory the hardware keeps per resident block
 _MLA_PROGRAMS_PER_SM = 2  # registers (255 a thread x 128 threads) allow no more
 
 
@@ -103,7 +102,7 @@ def mla_programs_per_sm(cfg: KernelConfig, device: torch.device) -> int:
     smem, have = _mla_tile_smem(cfg), shared_memory(device)
     if smem is None or have is None:
         return _MLA_PROGRAMS_PER_SM
-    return max(1, min(_MLA_PROGRAMS_PER_SM, have[1] // (smem + _BLOCK_RESERVE)))
+    return max(1, min(_MLA_PROGRAMS_PER_SM, have[1] // (smem + BLOCK_RESERVE)))
 
 
 def _latent_rows(dk: int, d_pe: int, dv: int) -> bool:

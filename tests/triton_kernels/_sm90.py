@@ -8,12 +8,14 @@ from pathlib import Path
 SMEM_LIMIT = 227 * 1024
 
 
-def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=()):
-    """``triton.compile`` of ``fn`` for sm_90: ``sig`` the runtime arguments' types (pointers
-    16-byte aligned), ``const`` the constexprs, ``div16`` integer arguments a launch passes as
-    multiples of 16 (Triton specializes them, which can change the binary). Constexprs the
-    kernel does not have are dropped, so that the digests of an older checkout's kernels
-    (scripts/moe_ptx_digest.py) compile with this harness."""
+def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=(),
+                 arch: int = 90):
+    """``triton.compile`` of ``fn`` for sm_90 (or ``arch``: scripts/shared_memory_by_arch.py):
+    ``sig`` the runtime arguments' types (pointers 16-byte aligned), ``const`` the constexprs,
+    ``div16`` integer arguments a launch passes as multiples of 16 (Triton specializes them,
+    which can change the binary). Constexprs the kernel does not have are dropped, so that the
+    digests of an older checkout's kernels (scripts/moe_ptx_digest.py) compile with this
+    harness."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -25,7 +27,7 @@ def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=()):
              if t[0] == "*" or n in div16}
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 
