@@ -1,16 +1,24 @@
 """Opt-in: run SGLang's unquantized (bf16) linear layers on our skinny GEMM for verify-sized
 token counts.
 
-Switch: ``SGLANG_DDTREE_SKINNY_GEMM=<lo>-<hi>`` (e.g. ``17-64``: calls of 17 to 64 token rows;
-``1`` means ``17-64``), read by :func:`maybe_install` in every process that builds the model.
-Other calls, and layers the kernel cannot tile, keep SGLang's path (``F.linear``: cuBLAS).
+Switch: ``SGLANG_DDTREE_SKINNY_GEMM=<lo>-<hi>`` (e.g. ``17-32``: calls of 17 to 32 token rows;
+``1`` means ``17-32``), read by :func:`maybe_install` in every process that builds the model.
+Other calls, layers the kernel cannot tile, and weights that are not wide in K (``K >= 2 N``)
+keep SGLang's path (``F.linear``: cuBLAS).
 
 Why 17: SGLang 0.5.17 serves DeepSeek / Kimi's q / kv down-projection with its dsv3
 ``fused_a_gemm`` up to 16 tokens and cuBLAS above, and session 30's profile of the Kimi rank
 put the GEMMs of a layer (the lm_head left out) at about 11 us more at 33 tokens than at 1
-(``bench_results/profile_step_kimi_l8_int4_*_h200_s30.json``). Whether the skinny GEMM beats
-cuBLAS at each shape is for ``scripts/bench_skinny_gemm.py`` on the GPU to say; this switch
-stays off by default until it has.
+(``bench_results/profile_step_kimi_l8_int4_*_h200_s30.json``).
+
+Why 32 and ``K >= 2 N`` (session 32, H200, ``bench_results/skinny_gemm_h200_s32.json``, CUDA
+graphs over 256 MB of distinct weights): against cuBLAS at the Kimi rank's seven dense shapes,
+the kernel wins only on the three with K = 7168 and N <= K / 2 (the q / kv down-projection
+2112 x 7168, the shared expert's gate-up 512 x 7168, the router 384 x 7168), by 1.05-1.16x at
+17-32 rows and 1.12-1.31x at 1-16; at 33-64 rows it loses on every shape (0.81-1.00x), and on
+the four narrow-K shapes (1536 x 1536, 7168 x 1024, 7168 x 256, 7168 x 2304) at every row count
+(0.38-0.98x). So the default range stops at 32, and a weight takes the kernel only when
+``K >= WIDE_K * N``. The switch stays off by default: not yet served end to end.
 
 What is patched: ``UnquantizedLinearMethod.apply(layer, x, bias)`` (plain attribute
 replacement, idempotent, undone by :func:`uninstall`). A call takes the kernel when ``bias`` is
@@ -32,7 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "SGLANG_DDTREE_SKINNY_GEMM"
-DEFAULT_RANGE = (17, 64)
+DEFAULT_RANGE = (17, 32)
+WIDE_K = 2  # a weight [N, K] takes the kernel only when K >= WIDE_K * N (see above)
 _COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers
 
 
@@ -41,7 +50,7 @@ class SkinnyGemmHookError(RuntimeError):
 
 
 def parse_range(value: str) -> tuple[int, int] | None:
-    """``""``/``0``/``off`` -> None; ``1``/``on`` -> (17, 64); ``lo-hi`` -> (lo, hi) with
+    """``""``/``0``/``off`` -> None; ``1``/``on`` -> DEFAULT_RANGE; ``lo-hi`` -> (lo, hi) with
     1 <= lo <= hi <= the kernel's MAX_M (64). Anything else raises, naming the accepted forms."""
     v = value.strip().lower()
     if v in ("", "0", "off", "false", "no"):
@@ -53,7 +62,8 @@ def parse_range(value: str) -> tuple[int, int] | None:
 
     if sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi) <= MAX_M:
         return int(lo), int(hi)
-    raise SkinnyGemmHookError(f"{ENV_SWITCH}={value!r}: expected 0, 1 (= 17-64) or LO-HI "
+    raise SkinnyGemmHookError(f"{ENV_SWITCH}={value!r}: expected 0, 1 (= {DEFAULT_RANGE[0]}-"
+                              f"{DEFAULT_RANGE[1]}) or LO-HI "
                               f"token rows with 1 <= LO <= HI <= {MAX_M}")
 
 
@@ -92,14 +102,15 @@ def eligible(layer: torch.nn.Module, x: torch.Tensor, bias, lo: int, hi: int) ->
 
 def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
     """:func:`eligible` but for the device: no bias, 2-D bf16 ``x`` of ``lo``-``hi`` rows with
-    unit column stride, and a contiguous bf16 ``[N, K]`` weight the kernel tiles."""
+    unit column stride, and a contiguous bf16 ``[N, K]`` weight the kernel tiles, wide in K
+    (``K >= WIDE_K * N``: the only shapes it beat cuBLAS on)."""
     from .triton_kernels import skinny_gemm as sg  # the tiles the kernel's default config takes
 
     return (bias is None and isinstance(w, torch.Tensor) and x.dim() == 2
             and lo <= x.shape[0] <= hi and x.dtype == torch.bfloat16 and x.stride(1) == 1
             and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
             and w.shape[1] == x.shape[1] and w.shape[0] % sg.BLOCK_N == 0
-            and w.shape[1] % sg.BLOCK_K == 0)
+            and w.shape[1] % sg.BLOCK_K == 0 and w.shape[1] >= WIDE_K * w.shape[0])
 
 
 def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):

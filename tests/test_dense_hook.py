@@ -8,8 +8,8 @@ import torch
 from sglang_ddtree import dense_hook as dh
 
 
-@pytest.mark.parametrize("value,want", [("", None), ("0", None), ("off", None), ("1", (17, 64)),
-                                        ("on", (17, 64)), ("17-33", (17, 33)), ("1-64", (1, 64)),
+@pytest.mark.parametrize("value,want", [("", None), ("0", None), ("off", None), ("1", (17, 32)),
+                                        ("on", (17, 32)), ("17-33", (17, 33)), ("1-64", (1, 64)),
                                         (" 9-16 ", (9, 16))])
 def test_parse_range(value, want):
     assert dh.parse_range(value) == want
@@ -30,6 +30,12 @@ def test_which_calls_fit():
     w = _w(128, 256)
     assert dh.shapes_fit(w, x, None, 17, 64)
     assert dh.shapes_fit(w, torch.zeros(40, 512, dtype=torch.bfloat16)[:, :256], None, 17, 64)
+    # narrow in K (K < 2 N: the shapes cuBLAS won on in session 32) keep SGLang's path
+    assert not dh.shapes_fit(_w(192, 256), x, None, 17, 64)
+    assert not dh.shapes_fit(_w(7168, 1024), torch.zeros(24, 1024, dtype=torch.bfloat16), None,
+                             17, 64)
+    assert dh.shapes_fit(_w(2112, 7168), torch.zeros(24, 7168, dtype=torch.bfloat16), None,
+                         17, 32)
     assert not dh.shapes_fit(w, x[:16], None, 17, 64)  # below the range: SGLang's dsv3 / cuBLAS
     assert not dh.shapes_fit(w, torch.zeros(65, 256, dtype=torch.bfloat16), None, 17, 64)
     assert not dh.shapes_fit(w, x, torch.zeros(128, dtype=torch.bfloat16), 17, 64)  # bias

@@ -1,6 +1,7 @@
 """GPU test of SGLANG_DDTREE_SKINNY_GEMM (sglang_ddtree.dense_hook) on SGLang's own
 UnquantizedLinearMethod: calls in the token range take the skinny GEMM and match F.linear
-(relative Frobenius difference <= 1e-2), others stay F.linear bit for bit, and a CUDA graph
+(relative Frobenius difference <= 1e-2), others (out of range, or a weight narrow in K) stay
+F.linear bit for bit, and a CUDA graph
 captured after an eager call replays them (two layers, each with its own counters)."""
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def test_in_range_calls_take_the_kernel_and_match_f_linear(hook):
         else:
             assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 1e-2
     assert getattr(layer, "_ddtree_skinny_counters", None) is not None
+    narrow = _layer(7168, 1024, 3)  # o_proj's shape, K < 2 N: cuBLAS's in session 32
+    x = torch.randn(24, 1024, device="cuda").to(torch.bfloat16)
+    assert torch.equal(method.apply(narrow, x), F.linear(x, narrow.weight))
+    assert getattr(narrow, "_ddtree_skinny_counters", None) is None
 
 
 def test_graph_capture_after_an_eager_call(hook):
