@@ -214,7 +214,7 @@ for s in "$@"; do
                  --grid "64,256,4,3,0,1,4,256;64,256,4,3,0,1,4,512;64,256,4,3,0,1,2;64,256,4,3,0,1,1" \
                  --grid-run-m $r --out "$OUT/fused_moe_run${r}_grid_h200.json"
              done ;;
-    skinny)  # the skinny bf16 GEMM (session 30, first GPU run pending): its GPU tests and the
+    skinny)  # the skinny bf16 GEMM (session 30; first GPU run session 32: skinny_gemm_h200_s32.json): its GPU tests and the
              # SGLANG_DDTREE_SKINNY_GEMM hook's, then against cuBLAS at the Kimi rank's shapes
              step skinny-tests ${SKINNY_TEST_LIMIT:-240} python3 -m pytest -q \
                tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_dense_hook_gpu.py
@@ -269,7 +269,7 @@ for s in "$@"; do
                --kinds mla --no-baselines --batch-sizes 1,8,32 --budgets 8,16,32 \
                --contexts 2048,16384,65536 --plan-context 262144 --reduce-chunks 8,16,32,64 \
                --out "$OUT/tree_verify_mla_reduce_h200.json" ;;
-    tvspec) # tree verify's unspecialized twin (session 31) against the kernel specialized at
+    tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
              # two alternating rounds each, budgets either side of N = 16 / 32 / 64; MLA at

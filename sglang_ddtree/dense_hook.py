@@ -14,8 +14,8 @@ put the GEMMs of a layer (the lm_head left out) at about 11 us more at 33 tokens
 Why 32 and ``K >= 2 N`` (session 32, H200, ``bench_results/skinny_gemm_h200_s32.json``, CUDA
 graphs over 256 MB of distinct weights): against cuBLAS at the Kimi rank's seven dense shapes,
 the kernel wins only on the three with K = 7168 and N <= K / 2 (the q / kv down-projection
-2112 x 7168, the shared expert's gate-up 512 x 7168, the router 384 x 7168), by 1.05-1.16x at
-17-32 rows and 1.12-1.31x at 1-16; at 33-64 rows it loses on every shape (0.81-1.00x), and on
+2112 x 7168, the shared expert's gate-up 512 x 7168, the router 384 x 7168), by 1.05-1.14x at
+17-32 rows and 1.13-1.31x at 1-16; at 33-64 rows it loses on every shape (0.81-1.00x), and on
 the four narrow-K shapes (1536 x 1536, 7168 x 1024, 7168 x 256, 7168 x 2304) at every row count
 (0.38-0.98x). So the default range stops at 32, and a weight takes the kernel only when
 ``K >= WIDE_K * N``. The switch stays off by default: not yet served end to end.
