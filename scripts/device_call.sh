@@ -14,7 +14,9 @@ OUT=${OUT:-/tmp/ddtree_out}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 if ! python3 -c "import sglang, orjson" 2>/dev/null; then
   echo "device_call: SGLang is not importable from /tmp/site (kit missing or incomplete):" \
-       "run bash .devkit/install.sh .devkit/w1, then .devkit/w2 (carry both), then this." >&2
+       "run bash .devkit/install.sh on each wheel chunk (.devkit/w1, then .devkit/w2, one call" \
+       "each; python3 scripts/devkit_chunks.py re-cuts a chunk too big to carry beside this" \
+       "checkout and prints the calls), then this." >&2
   exit 3
 fi
 # A call cut by its time limit leaves its servers running on a warm machine, and the next

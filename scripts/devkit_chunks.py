@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Split the offline SGLang kit's wheel chunks so that each device call fits its carry limit.
+
+A device call carries every tracked file of this checkout (and untracked files git does not
+ignore) plus the paths named in ``carry``, at most 64 MiB in all. The kit's builder cuts its
+wheels into two chunks (``w1``, ``w2``) of up to 47 MiB each, which leaves 17 MiB for the
+checkout; at 18.4 MB (session 32: the trained tiny pair and five months of bench_results)
+the ``w1`` call was refused. This script measures what a call carries besides the kit, and
+re-cuts any chunk that no longer fits into ``<name>a``, ``<name>b``, ... (hard links to the same
+wheels, largest first into the first part with room), then prints the calls in order:
+
+    python3 scripts/devkit_chunks.py --kit .devkit
+
+The last chunk's call also carries ``serve.sh`` and ``models`` and is the one to chain the
+device work onto (``&& bash scripts/device_call.sh ...``). Nothing is changed when every chunk
+fits (``--dry-run`` never changes anything).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MIB = 1 << 20
+LIMIT = 64 * MIB
+# besides the wheels, the last call carries these (small) kit files
+LAST_CALL_EXTRAS = ("install.sh", "serve.sh", "models")
+MARGIN = 256 * 1024  # for files the checkout gains before the call (a result copied in, a note)
+
+
+def tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def checkout_bytes(repo: Path) -> int:
+    """What every call carries of the checkout: tracked files and untracked ones git does not
+    ignore (as the device tool counts them)."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "-co", "--exclude-standard"],
+                         check=True, capture_output=True).stdout
+    total = 0
+    for name in filter(None, out.decode().split("\0")):
+        p = repo / name
+        if p.is_file():  # a tracked file deleted in the working tree travels as nothing
+            total += p.stat().st_size
+    return total
+
+
+def chunk_dirs(kit: Path) -> list[Path]:
+    """The kit's wheel chunks in install order: ``w1`` before ``w2``; a chunk already re-cut
+    (``w1a``, ``w1b``) stands for its parent, which is then left out."""
+    names = sorted(p.name for p in kit.iterdir() if p.is_dir() and p.name.startswith("w"))
+    recut = {n[:-1] for n in names if n[-1].isalpha() and n[:-1] in names}
+    return [kit / n for n in names if n not in recut]
+
+
+def pack(sizes: dict[str, int], room: int) -> list[list[str]]:
+    """First-fit decreasing: wheel names -> parts of at most ``room`` bytes each."""
+    parts: list[list[str]] = []
+    used: list[int] = []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        if sizes[name] > room:
+            raise SystemExit(f"devkit_chunks: {name} alone ({sizes[name] / MIB:.1f} MiB) does not "
+                             f"fit the {room / MIB:.1f} MiB a call has left beside the checkout; "
+                             "shrink the checkout (large tracked files) first")
+        for i, u in enumerate(used):
+            if u + sizes[name] <= room:
+                parts[i].append(name)
+                used[i] += sizes[name]
+                break
+        else:
+            parts.append([name])
+            used.append(sizes[name])
+    return parts
+
+
+def plan(kit: Path, checkout: int, limit: int = LIMIT, margin: int = MARGIN) -> list[dict]:
+    """Each chunk with the bytes its call carries and, where that passes ``limit``, the parts
+    to cut it into. The last chunk's call carries the kit's extras as well."""
+    chunks = chunk_dirs(kit)
+    if not chunks:
+        raise SystemExit(f"devkit_chunks: no wheel chunks (w1, w2, ...) in {kit}")
+    extras_last = sum(tree_bytes(kit / e) for e in LAST_CALL_EXTRAS if (kit / e).exists())
+    install = tree_bytes(kit / "install.sh") if (kit / "install.sh").exists() else 0
+    out = []
+    for i, d in enumerate(chunks):
+        extra = extras_last if i == len(chunks) - 1 else install
+        wheels = {p.name: p.stat().st_size for p in sorted(d.glob("*.whl"))}
+        carried = checkout + extra + sum(wheels.values())
+        room = limit - checkout - extra - margin
+        entry = {"chunk": d.name, "carried_bytes": carried, "fits": carried + margin <= limit,
+                 "last": i == len(chunks) - 1}
+        if not entry["fits"]:
+            entry["parts"] = pack(wheels, room)
+        out.append(entry)
+    return out
+
+
+def apply(kit: Path, entries: list[dict]) -> list[tuple[str, bool]]:
+    """Make the parts (hard links, or copies across file systems); -> [(chunk dir, last)]."""
+    calls = []
+    for e in entries:
+        if e["fits"]:
+            calls.append((e["chunk"], e["last"]))
+            continue
+        src = kit / e["chunk"]
+        names = [f"{e['chunk']}{chr(ord('a') + j)}" for j in range(len(e["parts"]))]
+        for name, wheels in zip(names, e["parts"]):
+            dst = kit / name
+            dst.mkdir(exist_ok=True)
+            for w in dst.glob("*.whl"):  # a part from an earlier cut: start over
+                w.unlink()
+            for w in wheels:
+                try:
+                    os.link(src / w, dst / w)
+                except OSError:
+                    (dst / w).write_bytes((src / w).read_bytes())
+        calls.extend((n, e["last"] and j == len(names) - 1) for j, n in enumerate(names))
+    return calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kit", default=".devkit")
+    ap.add_argument("--repo", default=".")
+    ap.add_argument("--limit-mib", type=float, default=LIMIT / MIB)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    kit, limit = Path(args.kit), int(args.limit_mib * MIB)
+    checkout = checkout_bytes(Path(args.repo))
+    entries = plan(kit, checkout, limit)
+    if args.json:
+        print(json.dumps({"checkout_bytes": checkout, "limit_bytes": limit, "chunks": entries},
+                         indent=1))
+    else:
+        print(f"checkout: {checkout / MIB:.1f} MiB travels with every call (limit "
+              f"{limit / MIB:.0f} MiB)")
+        for e in entries:
+            state = "fits" if e["fits"] else f"too big: cut into {len(e['parts'])}"
+            print(f"  {e['chunk']}: {e['carried_bytes'] / MIB:.1f} MiB carried, {state}")
+    if args.dry_run:
+        return 0
+    calls = apply(kit, entries)
+    k = kit.name
+    print("calls, in order (the machine goes cold 30 s after each):")
+    for name, last in calls:
+        carry = [f"{k}/{name}", f"{k}/install.sh"] + ([f"{k}/serve.sh", f"{k}/models"]
+                                                       if last else [])
+        tail = " >/dev/null && bash scripts/device_call.sh \"STEPS\"" if last else ""
+        print(f"  carry {json.dumps(carry)}: bash {k}/install.sh {k}/{name}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
