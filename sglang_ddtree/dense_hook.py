@@ -20,18 +20,29 @@ the four narrow-K shapes (1536 x 1536, 7168 x 1024, 7168 x 256, 7168 x 2304) at 
 (0.38-0.98x). So the default range stops at 32, and a weight takes the kernel only when
 ``K >= WIDE_K * N``. The switch stays off by default: not yet served end to end.
 
-What is patched: ``UnquantizedLinearMethod.apply(layer, x, bias)`` (plain attribute
-replacement, idempotent, undone by :func:`uninstall`). A call takes the kernel when ``bias`` is
-None, ``x`` is a 2-D CUDA bf16 tensor with unit column stride and ``lo <= M <= hi``, and the
-layer's weight is a contiguous bf16 ``[N, K]`` that the kernel tiles (N a multiple of 64, K of
-128). Each layer gets its own arrival counters (a slice of one per-device buffer, handed out
-at the layer's first call), because SGLang's DeepseekV2 layer runs the shared expert's GEMMs on
-a second stream inside CUDA graphs. The buffer is allocated at the first eligible call, which
+What is patched (plain attribute replacement, idempotent, undone by :func:`uninstall`):
+
+- ``UnquantizedLinearMethod.apply(layer, x, bias)``: SGLang's bf16 linear layers (the q / kv
+  down-projection, the shared experts' GEMMs, ...);
+- the MoE router's bf16 x bf16 -> fp32 GEMM, ``linear_bf16_fp32(x, weight)``, which SGLang's
+  DeepseekV2 ``MoEGate`` imports at call time for rows above its tiny-router kernel's limit
+  (16 on sm_90). Its module differs between releases (``compat.<release>.ROUTER_GEMM``). The
+  kernel then stores fp32, as the original does; calls with keyword arguments keep the
+  original.
+
+A call takes the kernel when ``bias`` is None, ``x`` is a 2-D CUDA bf16 tensor with unit column
+stride and ``lo <= M <= hi``, and the weight is a contiguous bf16 ``[N, K]`` that the kernel
+tiles (N a multiple of 64, K of 128) with ``K >= 2 N``. Each weight gets its own arrival
+counters (a slice of one per-device buffer, handed out at its first call), because SGLang's
+DeepseekV2 layer runs the shared expert's GEMMs on a second stream inside CUDA graphs, beside
+the router. The buffer is allocated at the first eligible call, which
 SGLang makes eagerly (its graph runner warms every batch size up before capturing); a first
 call inside capture raises with the fix.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import os
 
@@ -67,11 +78,12 @@ def parse_range(value: str) -> tuple[int, int] | None:
                               f"token rows with 1 <= LO <= HI <= {MAX_M}")
 
 
-_state = {"range": None, "buffers": {}, "next": {}}
+_state = {"range": None, "buffers": {}, "next": {}, "router": None}
 
 
-def _counters_for_layer(layer: torch.nn.Module, device: torch.device, n_tiles: int):
-    """The layer's own slice of its device's counter buffer (handed out once)."""
+def _counters_for_layer(layer, device: torch.device, n_tiles: int):
+    """The call site's own slice of its device's counter buffer (handed out once); ``layer``
+    holds it: a module, or the router's weight tensor."""
     cnt = getattr(layer, "_ddtree_skinny_counters", None)
     if cnt is not None:
         return cnt
@@ -113,19 +125,58 @@ def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
             and w.shape[1] % sg.BLOCK_K == 0 and w.shape[1] >= WIDE_K * w.shape[0])
 
 
+def _skinny(holder, w: torch.Tensor, x: torch.Tensor, out=None):
+    """The skinny GEMM with ``holder``'s config and counters (fixed at its first call)."""
+    from .triton_kernels import skinny_gemm as sg
+
+    cfg = getattr(holder, "_ddtree_skinny_config", None)
+    if cfg is None:  # per call site, once: its tiles, and so its counter count, stay fixed
+        cfg = sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
+        holder._ddtree_skinny_config = cfg
+    return sg.skinny_gemm(x, w, out=out, config=cfg, counters=_counters_for_layer(
+        holder, x.device, w.shape[0] // cfg.block_n))
+
+
 def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
     rng = _state["range"]
     if rng is not None and eligible(layer, x, bias, *rng):
-        from .triton_kernels import skinny_gemm as sg
-
-        w = layer.weight
-        cfg = getattr(layer, "_ddtree_skinny_config", None)
-        if cfg is None:  # per layer, once: its tiles, and so its counter count, stay fixed
-            cfg = sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
-            layer._ddtree_skinny_config = cfg
-        return sg.skinny_gemm(x, w, config=cfg, counters=_counters_for_layer(
-            layer, x.device, w.shape[0] // cfg.block_n))
+        return _skinny(layer, layer.weight, x)
     return type(self)._ddtree_original_apply(self, layer, x, bias)
+
+
+def _router_linear(x: torch.Tensor, weight: torch.Tensor, **kwargs):
+    """Stands in for SGLang's ``linear_bf16_fp32`` (the MoE router's fp32-output GEMM)."""
+    rng, router = _state["range"], _state["router"]
+    if (rng is not None and not kwargs and isinstance(x, torch.Tensor) and x.is_cuda
+            and shapes_fit(weight, x, None, *rng)):
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+        return _skinny(weight, weight, x, out=out)
+    return router[2](x, weight, **kwargs)
+
+
+def _router_target(spec: tuple[str, str] | None = None):
+    """(module, attribute name) of the router GEMM ``spec`` names (default: the installed
+    release's, ``compat.<release>.ROUTER_GEMM``); raises SkinnyGemmHookError where it is
+    missing or takes other arguments."""
+    if spec is None:
+        from . import compat
+
+        spec = compat.load().ROUTER_GEMM
+    mod_name, attr = spec
+    try:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, attr)
+    except (ImportError, AttributeError) as exc:
+        raise SkinnyGemmHookError(f"{ENV_SWITCH}: cannot find SGLang's router GEMM "
+                                  f"{mod_name}.{attr}: {exc!r}; unset the switch") from exc
+    if getattr(fn, "__name__", "") != _router_linear.__name__:
+        params = list(inspect.signature(fn).parameters.values())
+        if [p.name for p in params[:2]] != ["x", "y"] or any(
+                p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[2:]):
+            raise SkinnyGemmHookError(f"{ENV_SWITCH}: {mod_name}.{attr} takes "
+                                      f"{[p.name for p in params]}, expected (x, y, *, ...); "
+                                      "unset the switch")
+    return mod, attr
 
 
 def _linear_method_class():
@@ -143,16 +194,26 @@ def _linear_method_class():
     return UnquantizedLinearMethod
 
 
-def install(token_range: tuple[int, int] = DEFAULT_RANGE, cls=None) -> bool:
-    """Patch ``cls`` (default: SGLang's UnquantizedLinearMethod); False if already patched."""
+def install(token_range: tuple[int, int] = DEFAULT_RANGE, cls=None,
+            router_target="sglang") -> bool:
+    """Patch ``cls`` (default: SGLang's UnquantizedLinearMethod) and the router GEMM
+    (``router_target``: ``(module, attribute)``, default the installed release's, None to
+    leave it); False if already patched."""
     cls = cls or _linear_method_class()
+    if router_target == "sglang":
+        router_target = _router_target()
     _state["range"] = token_range
+    if router_target is not None and _state["router"] is None:
+        mod, attr = router_target
+        _state["router"] = (mod, attr, getattr(mod, attr))
+        setattr(mod, attr, _router_linear)
     if cls.__dict__.get("apply") is _apply:
         return False
     cls._ddtree_original_apply = cls.apply
     cls.apply = _apply
-    logger.warning("sglang-ddtree: %s: bf16 linear layers run the skinny Triton GEMM for %d-%d "
-                   "token rows", ENV_SWITCH, *token_range)
+    logger.warning("sglang-ddtree: %s: bf16 linear layers%s run the skinny Triton GEMM for "
+                   "%d-%d token rows where K >= %d N", ENV_SWITCH,
+                   " and the MoE router" if _state["router"] else "", *token_range, WIDE_K)
     return True
 
 
@@ -162,7 +223,10 @@ def uninstall(cls=None) -> None:
     if cls.__dict__.get("apply") is _apply:
         cls.apply = cls.__dict__["_ddtree_original_apply"]
         del cls._ddtree_original_apply
-    _state.update(range=None, buffers={}, next={})
+    if _state["router"] is not None:
+        mod, attr, original = _state["router"]
+        setattr(mod, attr, original)
+    _state.update(range=None, buffers={}, next={}, router=None)
 
 
 def maybe_install(environ=os.environ) -> bool:

@@ -94,3 +94,65 @@ def test_sglang_class_is_found_and_patched_in_place():
     finally:
         dh.uninstall()
     assert cls.__dict__["apply"] is original
+
+
+def _fake_router_module(name="_ddtree_fake_router"):
+    import sys
+    import types
+
+    mod = types.ModuleType(name)
+
+    def linear_bf16_fp32(x, y, *, hpc_kernel_min_m=None):
+        return "sglang-router"
+
+    mod.linear_bf16_fp32 = linear_bf16_fp32
+    sys.modules[name] = mod
+    return mod
+
+
+def test_router_gemm_is_patched_and_restored():
+    cls = type("M", (_FakeMethod,), {"apply": _FakeMethod.apply})
+    mod = _fake_router_module()
+    original = mod.linear_bf16_fp32
+    try:
+        assert dh.install((17, 32), cls=cls, router_target=(mod, "linear_bf16_fp32")) is True
+        assert mod.linear_bf16_fp32 is dh._router_linear
+        w = _w(384, 7168)
+        x = torch.zeros(24, 7168, dtype=torch.bfloat16)  # fits, but on the CPU
+        assert mod.linear_bf16_fp32(x, w) == "sglang-router"
+        assert mod.linear_bf16_fp32(x, w, hpc_kernel_min_m=8) == "sglang-router"
+        # a second install keeps the first original (no wrapper around the wrapper)
+        dh.install((17, 32), cls=cls, router_target=(mod, "linear_bf16_fp32"))
+        assert dh._state["router"][2] is original
+    finally:
+        dh.uninstall(cls=cls)
+    assert mod.linear_bf16_fp32 is original and dh._state["router"] is None
+
+
+def test_router_target_checks_the_gemm_it_patches():
+    mod = _fake_router_module("_ddtree_fake_router2")
+    assert dh._router_target(("_ddtree_fake_router2", "linear_bf16_fp32")) == (
+        mod, "linear_bf16_fp32")
+    with pytest.raises(dh.SkinnyGemmHookError, match="cannot find"):
+        dh._router_target(("_ddtree_fake_router2", "missing"))
+    with pytest.raises(dh.SkinnyGemmHookError, match="cannot find"):
+        dh._router_target(("_ddtree_no_such_module", "linear_bf16_fp32"))
+    mod.other = lambda a, b, c: None
+    with pytest.raises(dh.SkinnyGemmHookError, match=r"expected \(x, y, \*, \.\.\.\)"):
+        dh._router_target(("_ddtree_fake_router2", "other"))
+
+
+def test_the_installed_sglangs_router_gemm_is_found():
+    """compat.<release>.ROUTER_GEMM names the function DeepseekV2's MoEGate imports at call
+    time in the installed release (0.5.17: attention.dsv4; 0.5.23: gemm.bf16_fp32)."""
+    pytest.importorskip("sglang")
+    from sglang_ddtree import compat
+
+    mod, attr = dh._router_target()
+    assert (mod.__name__, attr) == compat.load().ROUTER_GEMM
+    import inspect
+
+    import sglang.srt.models.deepseek_v2 as dsv2
+
+    src = inspect.getsource(dsv2.MoEGate.forward)
+    assert f"from {mod.__name__} import {attr}" in src

@@ -1,5 +1,6 @@
 """Dense bf16 GEMM for verify-sized token counts: ``y = x @ W^T``, ``x [M, K]`` with M <= 64,
-``W [N, K]`` (an ``nn.Linear`` weight), fp32 accumulation, bf16 out.
+``W [N, K]`` (an ``nn.Linear`` weight), fp32 accumulation, bf16 out (or fp32, as the MoE
+router's GEMM returns).
 
 Why. A tree verify sends batch x (budget + 1) tokens through every dense projection of the
 target. On the Kimi K2.6 TP8 rank SGLang's dsv3 kernels (the q / kv down-projection, the router)
@@ -39,7 +40,7 @@ MAX_M = 64  # token rows one launch takes (the MMA's N side)
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K] bf16, row stride stride_xm
     w_ptr,  # [N, K] bf16, contiguous
-    y_ptr,  # [M, N] bf16 out, row stride stride_ym
+    y_ptr,  # [M, N] bf16 or fp32 out, row stride stride_ym
     part_ptr,  # SPLIT_K > 1: [SPLIT_K, BLOCK_M, N] fp32 partial sums (rows < M written)
     cnt_ptr,  # SPLIT_K > 1: [N // BLOCK_N] int32 arrival counters, zero between launches
     M,
@@ -181,7 +182,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     between launches), for calls that may run at the same time as another split launch on a
     second stream (the device's shared buffer is for one launch at a time).
 
-    Returns ``[M, N]`` bf16 (``out`` if given: ``[M, N]`` bf16, unit column stride)."""
+    Returns ``[M, N]`` bf16, or ``out`` if given: ``[M, N]`` bf16 or fp32 (the fp32 sums
+    stored unrounded), unit column stride."""
     m, k = x.shape
     n = w.shape[0]
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -197,9 +199,10 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         raise ValueError(f"skinny_gemm: {cfg} does not tile N {n} / K {k}")
     if out is None:
         out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"skinny_gemm: out [{m}, {n}] bf16 expected, got {tuple(out.shape)} "
-                         f"{out.dtype} strides {out.stride()}")
+    elif (tuple(out.shape) != (m, n) or out.dtype not in (torch.bfloat16, torch.float32)
+          or out.stride(1) != 1):
+        raise ValueError(f"skinny_gemm: out [{m}, {n}] bf16 or fp32 expected, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     block_m = block_m_for(m)
     n_tiles = n // cfg.block_n
     if cfg.split_k > 1:

@@ -28,6 +28,10 @@ HOOK_TARGET_OVERRIDES = {}
 DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "server_args", "custom_mask",
                              "num_tokens_per_req", "is_draft_worker")
 
+# the MoE router's bf16 x bf16 -> fp32 GEMM, as DeepseekV2's MoEGate imports it at call time
+# above 16 rows on sm_90 (dense_hook's SGLANG_DDTREE_SKINNY_GEMM patches this attribute)
+ROUTER_GEMM = ("sglang.kernels.ops.attention.dsv4", "linear_bf16_fp32")
+
 # name -> (module, attribute), imported on first use
 _LAZY = {
     **LAZY_COMMON,

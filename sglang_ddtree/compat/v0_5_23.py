@@ -47,6 +47,10 @@ HOOK_TARGET_OVERRIDES = {"server_args_init": "sglang.srt.entrypoints.engine.Engi
 DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "custom_mask", "num_tokens_per_req",
                              "is_draft_worker")
 
+# the MoE router's bf16 x bf16 -> fp32 GEMM, as DeepseekV2's MoEGate imports it at call time
+# above its tiny-router kernel's row limit (moved here from attention.dsv4 after 0.5.17)
+ROUTER_GEMM = ("sglang.kernels.ops.gemm.bf16_fp32", "linear_bf16_fp32")
+
 # name -> (module, attribute), imported on first use
 _LAZY = {
     **LAZY_COMMON,

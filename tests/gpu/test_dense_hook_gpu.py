@@ -2,7 +2,9 @@
 UnquantizedLinearMethod: calls in the token range take the skinny GEMM and match F.linear
 (relative Frobenius difference <= 1e-2), others (out of range, or a weight narrow in K) stay
 F.linear bit for bit, and a CUDA graph
-captured after an eager call replays them (two layers, each with its own counters)."""
+captured after an eager call replays them (two layers, each with its own counters). The MoE
+router's fp32-output GEMM (SGLang's ``linear_bf16_fp32``) likewise: fp32 out, within 1e-4 of
+SGLang's own (both sum in fp32), untouched outside the range."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +68,22 @@ def test_graph_capture_after_an_eager_call(hook):
         ya, yb = method.apply(a, x), method.apply(b, x)
     graph.replay()
     assert torch.equal(ya, eager[0]) and torch.equal(yb, eager[1])
+
+
+def test_router_gemm_takes_the_kernel_in_range_and_returns_fp32(hook):
+    mod, attr = hook._router_target()
+    fn = getattr(mod, attr)
+    assert fn is hook._router_linear
+    original = hook._state["router"][2]
+    w = _layer(384, 7168, 4).weight  # Kimi's router: 384 experts x hidden 7168
+    for m in (8, 17, 24, 32):
+        x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+        got, want = fn(x, w), original(x, w)
+        assert got.dtype == torch.float32 and tuple(got.shape) == (m, 384)
+        if m < 17:
+            assert torch.equal(got, want)  # SGLang's path untouched
+        else:
+            assert ((got - want).norm() / want.norm()).item() <= 1e-4
+            ref = x.float() @ w.float().t()
+            assert ((got - ref).norm() / ref.norm()).item() <= 1e-4
+    assert getattr(w, "_ddtree_skinny_counters", None) is not None

@@ -55,6 +55,23 @@ def test_the_sum_does_not_depend_on_the_split_order():
     assert int(SG.counters_for(torch.device("cpu"), 2)[:2].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("split", [1, 4])
+def test_fp32_out_stores_the_sums_unrounded(split):
+    """An fp32 ``out`` (the MoE router's GEMM returns fp32): the sums stored as they are, so
+    within fp32 rounding of the reference (the interpreter dots in fp32), far inside bf16's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(21, 512, generator=g).to(torch.bfloat16)
+    w = (torch.randn(128, 512, generator=g) * 0.05).to(torch.bfloat16)
+    out = torch.full((21, 128), float("nan"), dtype=torch.float32)
+    got = SG.skinny_gemm(x, w, out=out, config=SG.SkinnyConfig(64, 128, split, 4, 1))
+    ref = SG.skinny_gemm_reference(x, w)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == torch.float32
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-5 * ref.abs().max().item(), err
+    bf16 = SG.skinny_gemm(x, w, config=SG.SkinnyConfig(64, 128, split, 4, 1))
+    assert (bf16.float() - ref).abs().max().item() > 10 * err  # bf16 rounding is visible
+
+
 def test_default_config_splits_thin_matrices():
     # 2 column tiles of 8 K steps on the interpreter's 2-SM "machine": 4 programs wanted
     cfg = SG.default_config(128, 1024, sms=2)
@@ -85,7 +102,8 @@ def test_bad_input_names_the_problem():
             ((x, w.t().contiguous().t()), {}, "contiguous"),
             ((x, torch.zeros(100, 256, dtype=torch.bfloat16)), {}, "multiple of 64"),
             ((x, w), {"config": SG.SkinnyConfig(64, 128, 3)}, "does not tile"),
-            ((x, w), {"out": torch.zeros(3, 64, dtype=torch.bfloat16)}, "out [3, 128]")):
+            ((x, w), {"out": torch.zeros(3, 64, dtype=torch.bfloat16)}, "out [3, 128]"),
+            ((x, w), {"out": torch.zeros(3, 128, dtype=torch.float16)}, "bf16 or fp32")):
         with pytest.raises(ValueError, match=what.replace("[", r"\[")):
             SG.skinny_gemm(*args, **kwargs)
 
