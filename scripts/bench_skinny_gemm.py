@@ -65,6 +65,14 @@ def parse_sweep(spec: str) -> list:
     return out
 
 
+def cublas_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16 x bf16 -> fp32 as SGLang's ``linear_bf16_fp32`` falls back to it (cuBLAS through
+    ``torch.mm(out_dtype=float32)``, CUDA-only; fp32 matmul elsewhere)."""
+    if x.is_cuda:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    return torch.mm(x.float(), w.float().t())
+
+
 def sweep_config(fields: dict, n: int, k: int, sms: int):
     """The sweep item as a SkinnyConfig for ``N x K``, or None where its tiles do not fit."""
     bn, bk = fields["block_n"], fields["block_k"]
@@ -87,12 +95,17 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    ap.add_argument("--fp32-out", action="store_true",
+                    help="fp32 outputs, as the MoE router's GEMM returns them: ours into an fp32 "
+                         "out, cuBLAS as SGLang's linear_bf16_fp32 calls it (torch.mm with "
+                         "out_dtype=float32)")
     ap.add_argument("--sweep", default="",
                     help="also time these configs (see parse_sweep), outputs checked against "
                          "the fp32 reference, under 'sweep_us'")
     args = ap.parse_args(argv)
     sweep = parse_sweep(args.sweep)
     dev = torch.device(args.device)
+    out_dtype = torch.float32 if args.fp32_out else torch.bfloat16
     shapes = parse_shapes(args.shapes)
     copy_gbs = copy_bandwidth_gbs(dev) if dev.type == "cuda" else None
     result = {"command": " ".join([sys.executable] + (sys.argv if argv is None else
@@ -103,7 +116,10 @@ def main(argv=None) -> int:
                            "triton": __import__("triton").__version__},
               "source_digest": checkout_digest(__file__), "copy_bandwidth_gbs": copy_gbs,
               "note": "us per call: mean of CUDA-graph replays over the layers, median of the "
-                      "rounds; ours = skinny_gemm with its default config, cublas = x @ w.T",
+                      "rounds; ours = skinny_gemm with its default config, cublas = x @ w.T"
+                      + (" with fp32 output (torch.mm out_dtype=float32, as SGLang's "
+                         "linear_bf16_fp32)" if args.fp32_out else ""),
+              "out_dtype": "float32" if args.fp32_out else "bfloat16",
               "rows": []}
 
     def save():
@@ -120,13 +136,19 @@ def main(argv=None) -> int:
         cfg = sg.default_config(n, k, sg._sms(dev))
         for m in args.ms:
             xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in ws]
-            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ws]
+            outs = [torch.empty(m, n, device=dev, dtype=out_dtype) for _ in ws]
             ours = sg.skinny_gemm(xs[0], ws[0], out=outs[0])  # counters outside the capture
             ref = sg.skinny_gemm_reference(xs[0], ws[0])
             err = ((ours.float() - ref).abs().max() / ref.abs().max()).item()
+            if args.fp32_out:
+                def cublas():
+                    return [cublas_fp32(x, w) for x, w in zip(xs, ws)]
+            else:
+                def cublas():
+                    return [torch.mm(x, w.t(), out=o) for x, w, o in zip(xs, ws, outs)]
             runs = {
                 "ours": lambda: [sg.skinny_gemm(x, w, out=o) for x, w, o in zip(xs, ws, outs)],
-                "cublas": lambda: [torch.mm(x, w.t(), out=o) for x, w, o in zip(xs, ws, outs)],
+                "cublas": cublas,
             }
             rounds = {key: [] for key in runs}
             for _ in range(args.rounds):
@@ -140,7 +162,7 @@ def main(argv=None) -> int:
                     sweep_us[label] = "does not tile"
                     continue
                 try:
-                    got = sg.skinny_gemm(xs[0], ws[0], config=scfg)
+                    got = sg.skinny_gemm(xs[0], ws[0], out=outs[0], config=scfg)
                     serr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
                     if serr > 1e-2:
                         sweep_us[label] = f"error {serr:.1e} vs fp32"

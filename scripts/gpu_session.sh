@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -224,6 +224,27 @@ for s in "$@"; do
              step skinny-bench ${SKINNY_LIMIT:-420} python3 scripts/bench_skinny_gemm.py \
                --out "$OUT/skinny_gemm_h200.json" \
                --sweep "${SKINNY_SWEEP:-32,128,0;128,128,0;64,256,0;64,128,0,4,4}" ${SKINNY_ARGS:-} ;;
+    skinnyrouter) # the router's fp32-output GEMM (Kimi: 384 x 7168): ours into fp32 against
+             # cuBLAS as SGLang's linear_bf16_fp32 calls it, at the rows the hook would take
+             step skinny-tests ${SKINNY_TEST_LIMIT:-120} python3 -m pytest -q tests/gpu/test_dense_hook_gpu.py
+             step skinny-router ${SKINNY_LIMIT:-180} python3 scripts/bench_skinny_gemm.py \
+               --shapes 384x7168 --fp32-out --ms 1 8 16 17 24 32 33 \
+               --out "$OUT/skinny_gemm_router_fp32_h200.json" --sweep "32,128,0;64,256,0" ;;
+    skinnyserve) # SGLANG_DDTREE_SKINNY_GEMM=1 (17-32 rows, wide-K weights and the router) on
+             # the DDTREE servers only, the int4 Kimi rank against AR on cuBLAS, token for token:
+             # budgets 16 / 31 (verify rows 17 / 32) at batch 1 / 4
+             step skinny-serve ${SKINNY_SERVE_LIMIT:-360} python3 scripts/e2e_lossless.py \
+               --cases "${SKINNY_SERVE_CASES:-kimi_int4:16,31}" --batch-sizes 1,4 --prompts 12 \
+               --eager-check= --speed= --deterministic= --ddtree-env SGLANG_DDTREE_SKINNY_GEMM=1 \
+               --out "$OUT/e2e_lossless_kimi_int4_skinny_h200.json" ;;
+    skinnycosts) # the 61-layer int4 rank at batch 1 with the switch on every server (AR decode's
+             # one row is outside 17-32), budgets 16 / 31: against session 28 / 32's 1.268 / 1.408
+             step skinny-costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
+               --out "$OUT/cost_curves_kimi_skinny_h200.json" \
+               --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
+               --timer-budgets ${SKINNY_COSTS_BUDGETS:-16,31} --concurrency 1 \
+               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
+               --server-env SGLANG_DDTREE_SKINNY_GEMM=1 ;;
     moedual) # our MoE beside the shared expert on SGLang's second stream (its DeepseekV2 layer
              # in CUDA graphs) against each alone, 16 weight sets a graph (no L2 reuse across
              # layers); session 30's in-server gate-up times were above the kernel-only bench
@@ -297,7 +318,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -259,3 +259,20 @@ def test_dry_run_online_auto_case(monkeypatch, tmp_path):
     args = online[0].args
     assert args[args.index("--speculative-ddtree-budget") + 1] == "auto"
     assert {c["budget"] for c in res["cases"]} == {"online"}
+
+
+def test_skinny_serve_switch_reaches_the_ddtree_servers_only(monkeypatch, tmp_path):
+    """gpu_session.sh skinnyserve: the int4 Kimi set with --ddtree-env SGLANG_DDTREE_SKINNY_GEMM
+    compares DDTREE on the skinny GEMM with an AR server on SGLang's own GEMMs; both keep the
+    set's fused-MoE environment."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "kimi_int4:16,31", "--eager-check=",
+                   "--speed=", "--deterministic=", "--ddtree-env", "SGLANG_DDTREE_SKINNY_GEMM=1")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    ar = [s for s in FakeServer.started if not s.spec]
+    ddtree = [s for s in FakeServer.started if s.spec]
+    assert len(ar) == 1 and len(ddtree) == 2
+    assert "SGLANG_DDTREE_SKINNY_GEMM" not in ar[0].env
+    assert all(s.env.get("SGLANG_DDTREE_SKINNY_GEMM") == "1" for s in ddtree)
+    assert all(s.env.get("SGLANG_DDTREE_FUSED_MOE") == "1" for s in ar + ddtree)

@@ -130,6 +130,13 @@ def test_benchmark_script_smoke_run(tmp_path):
         sw = r["sweep_us"]
         assert isinstance(sw["32,128,0"], float) and isinstance(sw["64,256,2"], float)
         assert sw["64,128,3"] == sw["256,128,1"] == "does not tile"  # 4 K steps; N 128
+    out32 = tmp_path / "skinny32.json"
+    assert bench.main(["--device", "cpu", "--shapes", "128x512", "--ms", "17", "--layers", "1",
+                       "--iters", "1", "--rounds", "1", "--fp32-out", "--out", str(out32),
+                       "--sweep", "32,128,0"]) == 0
+    res32 = json.loads(out32.read_text())
+    assert res32["out_dtype"] == "float32" and res32["rows"][0]["max_rel_err_vs_fp32"] < 1e-4
+    assert isinstance(res32["rows"][0]["sweep_us"]["32,128,0"], float)
     with pytest.raises(SystemExit, match="NxK"):
         bench.parse_shapes("128by512")
     with pytest.raises(SystemExit, match="block_n,block_k,split_k"):
