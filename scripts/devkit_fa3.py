@@ -27,7 +27,6 @@ import argparse
 import glob
 import hashlib
 import json
-import lzma
 import os
 import shutil
 import subprocess
@@ -40,13 +39,11 @@ MEMBER = "sgl_kernel/flash_ops.abi3.so"
 CHUNK = 1 << 22
 
 
-def sha256_file(path, *, extra=None) -> str:
+def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
             h.update(block)
-            if extra is not None:
-                extra(block)
     return h.hexdigest()
 
 
@@ -73,6 +70,8 @@ def compress(src: Path, dst: Path, preset: int = 9) -> None:
         with open(dst, "wb") as out:
             subprocess.run(["xz", "-T0", f"-{preset}", "-c", str(src)], stdout=out, check=True)
         return
+    import lzma
+
     with open(src, "rb") as f, lzma.open(dst, "wb", preset=preset) as out:
         for block in iter(lambda: f.read(CHUNK), b""):
             out.write(block)
@@ -105,6 +104,28 @@ def build(wheel: Path, out: Path, part_bytes: int, preset: int = 9) -> dict:
     return manifest
 
 
+def _decompress(parts: list, dst: Path) -> bool:
+    """The joined xz ``parts`` decompressed into ``dst``; whether the stream was complete.
+    Python's lzma where this Python has it, else the xz command."""
+    try:
+        import lzma
+    except ImportError:
+        lzma = None
+    if lzma is None:
+        cat = subprocess.Popen(["cat", *map(str, parts)], stdout=subprocess.PIPE)
+        with open(dst, "wb") as out:
+            rc = subprocess.run(["xz", "-dc"], stdin=cat.stdout, stdout=out).returncode
+        cat.wait()
+        return rc == 0
+    dec = lzma.LZMADecompressor()
+    with open(dst, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(CHUNK), b""):
+                    out.write(dec.decompress(block))
+    return dec.eof
+
+
 def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
     """Stage ``part`` (checked); when every part is staged, join and decompress them into
     ``site``. Returns what it did, in a line."""
@@ -128,16 +149,8 @@ def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
     dst = site / manifest["member"]
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
-    dec = lzma.LZMADecompressor()
-    h = hashlib.sha256()
-    with open(tmp, "wb") as out:
-        for n in names:
-            with open(stage / n, "rb") as f:
-                for block in iter(lambda: f.read(CHUNK), b""):
-                    data = dec.decompress(block)
-                    h.update(data)
-                    out.write(data)
-    if not dec.eof or h.hexdigest() != manifest["so_sha256"]:
+    complete = _decompress([stage / n for n in names], tmp)
+    if not complete or sha256_file(tmp) != manifest["so_sha256"]:
         tmp.unlink()
         raise SystemExit("devkit_fa3: the joined parts do not decompress to the library the "
                          "manifest names; rebuild the parts")

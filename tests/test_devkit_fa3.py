@@ -80,3 +80,19 @@ def test_the_kits_kernel_version_is_read_from_its_wheel(tmp_path):
     assert fa3.kit_kernel_version(tmp_path) == "0.4.5"
     with pytest.raises(SystemExit, match="no sglang_kernel wheel"):
         fa3.kit_kernel_version(tmp_path / "w1b")
+
+
+def test_without_pythons_lzma_the_xz_command_decompresses(tmp_path, monkeypatch):
+    import shutil
+    import sys
+
+    if shutil.which("xz") is None:
+        pytest.skip("no xz command")
+    payload = _payload(100_000)
+    out = tmp_path / "fa3"
+    manifest = fa3.build(_wheel(tmp_path, payload), out, part_bytes=20_000, preset=1)
+    monkeypatch.setitem(sys.modules, "lzma", None)  # import lzma -> ImportError
+    for p in manifest["parts"]:
+        msg = fa3.install(out / p["name"], out / "manifest.json", tmp_path / "st", tmp_path / "s")
+    assert msg.startswith("installed")
+    assert (tmp_path / "s" / fa3.MEMBER).read_bytes() == payload
