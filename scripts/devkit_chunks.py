@@ -147,13 +147,37 @@ def main(argv=None) -> int:
         return 0
     calls = apply(kit, entries)
     k = kit.name
-    print("calls, in order (the machine goes cold 30 s after each):")
+    print("calls, in order (the machine goes cold 30 s after each); FA3's parts, where "
+          "devkit_fa3.py built them, go after sglang-kernel's chunk and before the last:")
+    lines = []
     for name, last in calls:
         carry = [f"{k}/{name}", f"{k}/install.sh"] + ([f"{k}/serve.sh", f"{k}/models"]
                                                        if last else [])
         tail = " >/dev/null && bash scripts/device_call.sh \"STEPS\"" if last else ""
-        print(f"  carry {json.dumps(carry)}: bash {k}/install.sh {k}/{name}{tail}")
+        lines.append(f"  carry {json.dumps(carry)}: bash {k}/install.sh {k}/{name}{tail}")
+    for carry, cmd, fits in fa3_calls(kit, checkout, limit):
+        state = "" if fits else "  <- too big beside this checkout: rebuild the parts " \
+                                "(devkit_fa3.py build --part-mib smaller)"
+        lines.insert(len(lines) - 1, f"  carry {json.dumps(carry)}: {cmd}{state}")
+    print("\n".join(lines))
     return 0
+
+
+def fa3_calls(kit: Path, checkout: int, limit: int = LIMIT) -> list:
+    """[(carry, command, fits)] for the FA3 parts ``devkit_fa3.py build`` left in
+    ``kit/fa3`` (none where it did not run)."""
+    manifest = kit / "fa3" / "manifest.json"
+    if not manifest.is_file():
+        return []
+    out = []
+    for p in json.loads(manifest.read_text())["parts"]:
+        part = kit / "fa3" / p["name"]
+        carried = checkout + manifest.stat().st_size + (part.stat().st_size if part.exists()
+                                                        else p["bytes"])
+        carry = [f"{kit.name}/fa3/manifest.json", f"{kit.name}/fa3/{p['name']}"]
+        out.append((carry, f"python3 scripts/devkit_fa3.py install {kit.name}/fa3/{p['name']}",
+                    carried <= limit))
+    return out
 
 
 if __name__ == "__main__":

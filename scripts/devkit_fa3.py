@@ -129,6 +129,10 @@ def _decompress(parts: list, dst: Path) -> bool:
 def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
     """Stage ``part`` (checked); when every part is staged, join and decompress them into
     ``site``. Returns what it did, in a line."""
+    if not (site / "sgl_kernel" / "__init__.py").is_file():
+        # pip --target --upgrade replaces the whole package: the library must come after it
+        raise SystemExit(f"devkit_fa3: no sgl_kernel in {site}: install the kit's sglang-kernel "
+                         "chunk first (scripts/devkit_chunks.py lists the calls in order)")
     manifest = json.loads(manifest_path.read_text())
     entry = next((p for p in manifest["parts"] if p["name"] == part.name), None)
     if entry is None:

@@ -97,3 +97,21 @@ def test_the_checkout_is_measured_as_git_sees_it(tmp_path):
     (repo / "new.txt").write_bytes(b"z" * 300)  # untracked, not ignored: it travels
     subprocess.run(["git", "-C", str(repo), "add", "tracked.txt", ".gitignore"], check=True)
     assert dc.checkout_bytes(repo) == 1000 + 300 + len("ignored/\n")
+
+
+def test_fa3_parts_are_listed_with_whether_they_fit(tmp_path):
+    import json
+
+    kit = _kit(tmp_path, {"w1": {"a.whl": 10}})
+    assert dc.fa3_calls(kit, checkout=10 * MIB) == []
+    (kit / "fa3").mkdir()
+    for name, mib in (("part_00", 40), ("part_01", 5)):
+        with open(kit / "fa3" / name, "wb") as f:
+            f.truncate(int(mib * MIB))
+    (kit / "fa3" / "manifest.json").write_text(json.dumps({"parts": [
+        {"name": "part_00", "bytes": 40 * MIB}, {"name": "part_01", "bytes": 5 * MIB}]}))
+    calls = dc.fa3_calls(kit, checkout=20 * MIB)
+    assert [c[0][1] for c in calls] == [".devkit/fa3/part_00", ".devkit/fa3/part_01"]
+    assert calls[0][1] == "python3 scripts/devkit_fa3.py install .devkit/fa3/part_00"
+    assert [c[2] for c in calls] == [True, True]
+    assert [c[2] for c in dc.fa3_calls(kit, checkout=30 * MIB)] == [False, True]

@@ -25,6 +25,13 @@ def _wheel(tmp_path, payload: bytes, member=fa3.MEMBER):
     return whl
 
 
+def _kernel_package(site):
+    """What the kit's sglang-kernel chunk leaves in the site directory."""
+    (site / "sgl_kernel").mkdir(parents=True, exist_ok=True)
+    (site / "sgl_kernel" / "__init__.py").write_text("")
+    return site
+
+
 def _payload(n=300_000):
     # compressible but not trivially: a repeating pattern with noise
     rnd = os.urandom(n // 4)
@@ -40,6 +47,9 @@ def test_parts_join_back_into_the_library(tmp_path):
     assert all((out / p).stat().st_size <= 30_000 for p in parts)
     assert json.loads((out / "manifest.json").read_text()) == manifest
     stage, site = tmp_path / "stage", tmp_path / "site"
+    with pytest.raises(SystemExit, match="sglang-kernel chunk first"):
+        fa3.install(out / parts[0], out / "manifest.json", stage, site)
+    _kernel_package(site)
     order = parts[1:] + parts[:1]  # any order
     for i, name in enumerate(order):
         msg = fa3.install(out / name, out / "manifest.json", stage, site)
@@ -58,12 +68,13 @@ def test_a_corrupt_or_foreign_part_is_refused(tmp_path):
     data = bytearray(bad.read_bytes())
     data[100] ^= 0xFF
     bad.write_bytes(bytes(data))
+    site = _kernel_package(tmp_path / "site")
     with pytest.raises(SystemExit, match="does not match its manifest"):
-        fa3.install(bad, out / "manifest.json", tmp_path / "stage", tmp_path / "site")
+        fa3.install(bad, out / "manifest.json", tmp_path / "stage", site)
     stray = tmp_path / "part_99"
     stray.write_bytes(b"x")
     with pytest.raises(SystemExit, match="not in"):
-        fa3.install(stray, out / "manifest.json", tmp_path / "stage", tmp_path / "site")
+        fa3.install(stray, out / "manifest.json", tmp_path / "stage", site)
 
 
 def test_a_stripped_wheel_and_no_room_name_the_problem(tmp_path):
@@ -92,6 +103,7 @@ def test_without_pythons_lzma_the_xz_command_decompresses(tmp_path, monkeypatch)
     out = tmp_path / "fa3"
     manifest = fa3.build(_wheel(tmp_path, payload), out, part_bytes=20_000, preset=1)
     monkeypatch.setitem(sys.modules, "lzma", None)  # import lzma -> ImportError
+    _kernel_package(tmp_path / "s")
     for p in manifest["parts"]:
         msg = fa3.install(out / p["name"], out / "manifest.json", tmp_path / "st", tmp_path / "s")
     assert msg.startswith("installed")
