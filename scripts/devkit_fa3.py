@@ -104,9 +104,10 @@ def build(wheel: Path, out: Path, part_bytes: int, preset: int = 9) -> dict:
     return manifest
 
 
-def _decompress(parts: list, dst: Path) -> bool:
-    """The joined xz ``parts`` decompressed into ``dst``; whether the stream was complete.
-    Python's lzma where this Python has it, else the xz command."""
+def _decompress(parts: list, dst: Path) -> str | None:
+    """The joined xz ``parts`` decompressed into ``dst``; the output's sha256, or None where
+    the stream was incomplete. Python's lzma where this Python has it (hashed as it is
+    written: the library is read once), else the xz command."""
     try:
         import lzma
     except ImportError:
@@ -116,14 +117,17 @@ def _decompress(parts: list, dst: Path) -> bool:
         with open(dst, "wb") as out:
             rc = subprocess.run(["xz", "-dc"], stdin=cat.stdout, stdout=out).returncode
         cat.wait()
-        return rc == 0
+        return sha256_file(dst) if rc == 0 else None
     dec = lzma.LZMADecompressor()
+    h = hashlib.sha256()
     with open(dst, "wb") as out:
         for part in parts:
             with open(part, "rb") as f:
                 for block in iter(lambda: f.read(CHUNK), b""):
-                    out.write(dec.decompress(block))
-    return dec.eof
+                    data = dec.decompress(block)
+                    h.update(data)
+                    out.write(data)
+    return h.hexdigest() if dec.eof else None
 
 
 def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
@@ -134,6 +138,7 @@ def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
         raise SystemExit(f"devkit_fa3: no sgl_kernel in {site}: install the kit's sglang-kernel "
                          "chunk first (scripts/devkit_chunks.py lists the calls in order)")
     manifest = json.loads(manifest_path.read_text())
+    sizes = {p["name"]: p["bytes"] for p in manifest["parts"]}
     entry = next((p for p in manifest["parts"] if p["name"] == part.name), None)
     if entry is None:
         raise SystemExit(f"devkit_fa3: {part.name} is not in {manifest_path}")
@@ -142,10 +147,8 @@ def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
                          "from another build); rebuild the parts")
     stage.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(part, stage / part.name)
-    names = [p["name"] for p in manifest["parts"]]
-    have = [n for n in names if (stage / n).is_file()
-            and (stage / n).stat().st_size == next(p["bytes"] for p in manifest["parts"]
-                                                   if p["name"] == n)]
+    names = list(sizes)
+    have = [n for n in names if (stage / n).is_file() and (stage / n).stat().st_size == sizes[n]]
     if len(have) < len(names):
         missing = ", ".join(n for n in names if n not in have)
         return (f"staged {part.name} ({len(have)} of {len(names)} parts in {stage}; still "
@@ -153,8 +156,7 @@ def install(part: Path, manifest_path: Path, stage: Path, site: Path) -> str:
     dst = site / manifest["member"]
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
-    complete = _decompress([stage / n for n in names], tmp)
-    if not complete or sha256_file(tmp) != manifest["so_sha256"]:
+    if _decompress([stage / n for n in names], tmp) != manifest["so_sha256"]:
         tmp.unlink()
         raise SystemExit("devkit_fa3: the joined parts do not decompress to the library the "
                          "manifest names; rebuild the parts")

@@ -147,8 +147,7 @@ def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
 def _router_linear(x: torch.Tensor, weight: torch.Tensor, **kwargs):
     """Stands in for SGLang's ``linear_bf16_fp32`` (the MoE router's fp32-output GEMM)."""
     rng, router = _state["range"], _state["router"]
-    if (rng is not None and not kwargs and isinstance(x, torch.Tensor) and x.is_cuda
-            and shapes_fit(weight, x, None, *rng)):
+    if rng is not None and not kwargs and x.is_cuda and shapes_fit(weight, x, None, *rng):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         return _skinny(weight, weight, x, out=out)
     return router[2](x, weight, **kwargs)
@@ -169,7 +168,7 @@ def _router_target(spec: tuple[str, str] | None = None):
     except (ImportError, AttributeError) as exc:
         raise SkinnyGemmHookError(f"{ENV_SWITCH}: cannot find SGLang's router GEMM "
                                   f"{mod_name}.{attr}: {exc!r}; unset the switch") from exc
-    if getattr(fn, "__name__", "") != _router_linear.__name__:
+    if fn is not _router_linear:  # already ours: SGLang's was checked when it was patched
         params = list(inspect.signature(fn).parameters.values())
         if [p.name for p in params[:2]] != ["x", "y"] or any(
                 p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[2:]):
@@ -185,8 +184,6 @@ def _linear_method_class():
     except ImportError as exc:
         raise SkinnyGemmHookError(f"{ENV_SWITCH}: cannot import SGLang's "
                                   f"UnquantizedLinearMethod: {exc!r}; unset the switch") from exc
-    import inspect
-
     params = list(inspect.signature(UnquantizedLinearMethod.apply).parameters)
     if params[:3] != ["self", "layer", "x"] or "bias" not in params:
         raise SkinnyGemmHookError(f"{ENV_SWITCH}: UnquantizedLinearMethod.apply takes {params}, "
