@@ -418,6 +418,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sglang-src", default=None, help="dir with SGLang's attention kernel files")
     ap.add_argument("--no-baselines", action="store_true", help="time our kernel only")
+    ap.add_argument("--no-sglang-triton", action="store_true",
+                    help="skip SGLang's triton extend baseline (up to 50 ms a point at 64k keys), "
+                         "keep fa3")
     ap.add_argument("--mla-prefix", action="store_true",
                     help="also time MLA points with the prefix on FlashMLA "
                          "(SGLANG_DDTREE_MLA_PREFIX=flashmla; Hopper; pages of 64)")
@@ -483,7 +486,7 @@ def main(argv=None):
 
     ref, ta, mla = _import_ours(args.kernels_dir)
     config = ta.KernelConfig(*parse_ints(args.config)) if args.config else None
-    extend, extend_src = (None, "skipped") if args.no_baselines else \
+    extend, extend_src = (None, "skipped") if args.no_baselines or args.no_sglang_triton else \
         load_sglang_extend(args.sglang_src)
     fa3, fa3_src = (None, "skipped") if args.no_baselines else load_fa3()
     print(f"sglang triton extend: {'available' if extend else 'not available'} ({extend_src})")

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -295,6 +295,15 @@ for s in "$@"; do
              step fa3-import 60 python3 -c "from sgl_kernel.flash_attn import flash_attn_with_kvcache; print('fa3 importable')"
              step fa3-bench ${FA3_LIMIT:-480} python3 scripts/bench_tree_verify.py \
                --out "$OUT/tree_verify_fa3_h200.json" ${FA3_ARGS:-} ;;
+    tvwide) # session 33: fa3 beat ours past 2k keys (tree_verify_fa3_h200_s33.json: MLA
+             # 0.38-0.64x at 16k / 64k); 8-warp 64-row MLA tiles (wgmma, not the served 32-row
+             # tile's mma.sync) and wider MHA tiles against the served ones and fa3, same call
+             step tvwide-mla ${TVWIDE_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mla \
+               --no-sglang-triton --sweep "${TVWIDE_MLA:-64,64,8,2;64,32,8,2}" \
+               --out "$OUT/tree_verify_wide_mla_h200.json" ${TVWIDE_ARGS:-}
+             step tvwide-mha ${TVWIDE_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mha \
+               --no-sglang-triton --sweep "${TVWIDE_MHA:-128,128,8,2;64,128,4,2;128,64,8,2}" \
+               --out "$OUT/tree_verify_wide_mha_h200.json" ${TVWIDE_ARGS:-} ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,

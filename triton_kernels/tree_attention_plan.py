@@ -96,13 +96,15 @@ def _mla_fits(cfg: KernelConfig, device: torch.device) -> bool:
 
 
 def mla_programs_per_sm(cfg: KernelConfig, device: torch.device) -> int:
-    """MLA programs of ``cfg`` an SM holds, as split_count's slots count them: 2 (registers
-    allow no more) unless the device's shared memory holds fewer of a known tile (one 16-row
-    program on a 100 KB sm_89 / sm_120 SM; two on an H200's 228 KB)."""
+    """MLA programs of ``cfg`` an SM holds, as split_count's slots count them: by registers
+    (every MLA tile compiles to 255 a thread: 2 programs of 4 warps, 1 of 8), fewer where the
+    device's shared memory holds fewer of a known tile (one 16-row program on a 100 KB sm_89 /
+    sm_120 SM; two on an H200's 228 KB; one 8-warp 64-row tile's 225 KB)."""
+    by_regs = max(1, _MLA_PROGRAMS_PER_SM * 4 // max(cfg.num_warps, 1))
     smem, have = _mla_tile_smem(cfg), shared_memory(device)
     if smem is None or have is None:
-        return _MLA_PROGRAMS_PER_SM
-    return max(1, min(_MLA_PROGRAMS_PER_SM, have[1] // (smem + BLOCK_RESERVE)))
+        return min(_MLA_PROGRAMS_PER_SM, by_regs)
+    return max(1, min(_MLA_PROGRAMS_PER_SM, by_regs, have[1] // (smem + BLOCK_RESERVE)))
 
 
 def _latent_rows(dk: int, d_pe: int, dv: int) -> bool:

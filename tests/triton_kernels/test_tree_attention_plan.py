@@ -106,6 +106,9 @@ def test_mla_tiles_follow_the_devices_shared_memory(monkeypatch):
     # a tile of another shape: the planner's assumption (registers: two programs)
     odd = PLAN.KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
     assert PLAN.mla_programs_per_sm(odd, cuda) == 2
+    # 8 warps at 255 registers a thread: one program per SM whatever the shared memory
+    wide = PLAN.KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    assert PLAN.mla_programs_per_sm(wide, cuda) == 1
     assert PLAN._default_config(128, 0, 128, 36, cuda).block_m == 64  # MHA untouched
 
 
