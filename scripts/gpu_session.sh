@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -304,6 +304,16 @@ for s in "$@"; do
              step tvwide-mha ${TVWIDE_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mha \
                --no-sglang-triton --sweep "${TVWIDE_MHA:-128,128,8,2;64,128,4,2;128,64,8,2}" \
                --out "$OUT/tree_verify_wide_mha_h200.json" ${TVWIDE_ARGS:-} ;;
+    tvwidecheck) # the 8-warp MLA tile served (budget >= 33; 32 at batch >= 8; Hopper): issue 4's
+             # MLA grid with our served kernel, the prefix on FlashMLA and fa3 in one run; the
+             # doctor at the budgets it serves; DDTREE against AR token for token at 32 / 63
+             step tvwide-bench ${TVWIDE_BENCH_LIMIT:-170} python3 scripts/bench_tree_verify.py --kinds mla \
+               --no-sglang-triton --mla-prefix --out "$OUT/tree_verify_fa3_fmla_mla_h200.json"
+             step tvwide-doctor ${TVWIDE_DOCTOR_LIMIT:-120} python3 -m sglang_ddtree.cli doctor --graphs \
+               --kernels mla,mla_fp8 --budgets 32,33,63,64,128 --out "$OUT/doctor_graphs_wide_h200.json"
+             step tvwide-e2e ${TVWIDE_E2E_LIMIT:-200} python3 scripts/e2e_lossless.py --cases mla:32,63 \
+               --batch-sizes 1,8 --prompts 12 --eager-check= --speed= --deterministic= \
+               --out "$OUT/e2e_lossless_mla_wide_h200.json" ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
@@ -332,7 +342,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

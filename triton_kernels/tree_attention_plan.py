@@ -79,6 +79,25 @@ _MHA_WIDE_MAX_GROUPS = 64  # batch x KV heads; Qwen3-8B: batch 8 on one GPU
 # sm_120 (A10, L40S, RTX 4090 / 5090): there the 16-row tile serves every batch size.
 _MLA_TILE_SMEM = {32: 114_688, 16: 94_208}
 _MLA_NARROW_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+# MLA trees of more than 264 query rows per request (Kimi TP8: budget 33 and up), or of 264
+# (budget 32) in batches of 8 and more, on Hopper: 64-row tiles of 8 warps, whose dots Triton
+# 3.6 makes wgmma (the 32-row 4-warp tile's are mma.sync; scripts/tree_verify_static.py
+# --arch 90: 255 registers, 256 spilled bytes, 225,280 bytes of shared memory, one program
+# per SM). On the H200 (bench_results/tree_verify_wide_mla_h200_s33.json, same call, split
+# counts as planned for each): budget 64 at batch 1 / 8 / 32 x 2,048 / 16,384 / 65,536 keys
+# 1.10-1.16x faster than the 32-row tile; budget 32 at batch 8 / 32 1.03-1.09x, at batch 1
+# 0.96x at 2,048 keys (kept on the 32-row tile); budget 8 0.86-0.92x at batch 8 / 32.
+# Unmeasured elsewhere (Blackwell's tcgen05, Ampere): the 32-row tile stays there.
+_MLA_WGMMA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+_MLA_WGMMA_SMEM = 225_280
+_MLA_WGMMA_MIN_ROWS = 264
+_MLA_WGMMA_MIN_GROUPS_AT_MIN = 8  # batch x KV heads when rows == _MLA_WGMMA_MIN_ROWS
+
+
+def _hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.x (not asked off a GPU)."""
+    return (device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
 _MLA_PROGRAMS_PER_SM = 2  # registers (255 a thread x 128 threads) allow no more
 
 
@@ -136,7 +155,8 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
     """The config of one batch size where it differs from the default, else None. MLA with
     few query rows: a smaller tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch,
     and shorter splits for trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in
-    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS. MHA trees wide enough for 128-row tiles:
+    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS; wider trees on Hopper, the 8-warp 64-row
+    tile (_MLA_WGMMA_TILE). MHA trees wide enough for 128-row tiles:
     64-row tiles again in batches of more than _MHA_WIDE_MAX_GROUPS KV-head groups.
 
     ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
@@ -152,6 +172,12 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
             and groups * rows <= _MLA_FEW_ROWS_MAX_BATCH_ROWS):
         return replace(_default_config(dk, d_pe, dv, rows, device),
                        min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
+    if (rows > _MLA_WGMMA_MIN_ROWS or (rows == _MLA_WGMMA_MIN_ROWS
+                                       and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN)) \
+            and _hopper(device):
+        have = shared_memory(device)
+        if have is None or _MLA_WGMMA_SMEM <= have[0]:
+            return _MLA_WGMMA_TILE
     return None
 
 

@@ -128,3 +128,27 @@ def test_mla_split_count_uses_the_devices_slots(monkeypatch):
     # two programs per SM (264 slots) would take 52 / 26
     assert [attn.num_splits(bs) for bs in (1, 2)] == [26, 13]
     assert seen and set(seen) == {attn.config_for(1), attn.config_for(2)}
+
+
+def test_wide_mla_trees_take_the_8_warp_tile_on_hopper_only(monkeypatch):
+    """MLA trees of more than 264 rows per request (Kimi TP8: budget 33 and up), or of 264 in
+    batches of 8 and more, run the 8-warp 64-row tile on Hopper (wgmma; one program per SM in
+    the split planner's slots); budget 32 at batch 1-2 keeps the 32-row tile's short splits,
+    and other archs, or a device whose blocks cannot take 225,280 bytes, keep the 32-row tile."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    assert not PLAN._hopper(torch.device("cpu"))
+    monkeypatch.setattr(PLAN, "shared_memory", lambda device: (232448, 233472))
+    for major, wgmma in ((9, True), (10, False), (8, False)):
+        monkeypatch.setattr(PLAN, "_hopper", lambda device, major=major: major == 9)
+        for rows, bs, want in ((65 * 8, 1, wgmma), (34 * 8, 2, wgmma), (33 * 8, 8, wgmma),
+                               (33 * 8, 32, wgmma), (33 * 8, 4, False), (33 * 8, 1, False),
+                               (32 * 8, 8, False), (9 * 8, 32, False)):
+            cfg = PLAN._batch_config(512, 64, 512, rows, bs, cuda)
+            got = cfg == PLAN._MLA_WGMMA_TILE
+            assert got == want, (major, rows, bs, cfg)
+            if got:
+                assert PLAN.mla_programs_per_sm(cfg, cuda) == 1
+    monkeypatch.setattr(PLAN, "_hopper", lambda device: True)
+    monkeypatch.setattr(PLAN, "shared_memory", lambda device: (166912, 167936))  # sm_80's
+    assert PLAN._batch_config(512, 64, 512, 65 * 8, 1, cuda) is None
+    assert PLAN._batch_config(128, 0, 128, 65 * 4, 1, cuda) is None  # MHA untouched
