@@ -147,8 +147,10 @@ def main(argv=None) -> int:
         return 0
     calls = apply(kit, entries)
     k = kit.name
-    print("calls, in order (the machine goes cold 30 s after each); FA3's parts, where "
-          "devkit_fa3.py built them, go after sglang-kernel's chunk and before the last:")
+    print("calls, in order (the machine goes cold 30 s after each: make them all at once, one "
+          "batch of calls, which run one after another; session 33 lost a machine between two "
+          "turns); FA3's parts, where devkit_fa3.py built them, go after sglang-kernel's chunk "
+          "and before the last:")
     lines = []
     for name, last in calls:
         carry = [f"{k}/{name}", f"{k}/install.sh"] + ([f"{k}/serve.sh", f"{k}/models"]

@@ -295,7 +295,7 @@ for s in "$@"; do
              step fa3-import 60 python3 -c "from sgl_kernel.flash_attn import flash_attn_with_kvcache; print('fa3 importable')"
              step fa3-bench ${FA3_LIMIT:-480} python3 scripts/bench_tree_verify.py \
                --out "$OUT/tree_verify_fa3_h200.json" ${FA3_ARGS:-} ;;
-    tvwide) # session 33: fa3 beat ours past 2k keys (tree_verify_fa3_h200_s33.json: MLA
+    tvwide) # session 33: fa3 beat ours past 2k keys (tree_verify_h200.json, session 33: MLA
              # 0.38-0.64x at 16k / 64k); 8-warp 64-row MLA tiles (wgmma, not the served 32-row
              # tile's mma.sync) and wider MHA tiles against the served ones and fa3, same call
              step tvwide-mla ${TVWIDE_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mla \

@@ -86,7 +86,7 @@ _MLA_NARROW_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=
 # per SM). On the H200 (bench_results/tree_verify_wide_mla_h200_s33.json, same call, split
 # counts as planned for each): budget 64 at batch 1 / 8 / 32 x 2,048 / 16,384 / 65,536 keys
 # 1.10-1.16x faster than the 32-row tile; budget 32 at batch 8 / 32 1.03-1.09x, at batch 1
-# 0.96x at 2,048 keys (kept on the 32-row tile); budget 8 0.86-0.92x at batch 8 / 32.
+# 0.96x at 2,048 keys (kept on the 32-row tile); budget 8 0.64-1.12x, mostly below 1.
 # Unmeasured elsewhere (Blackwell's tcgen05, Ampere): the 32-row tile stays there.
 _MLA_WGMMA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 _MLA_WGMMA_SMEM = 225_280
