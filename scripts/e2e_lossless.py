@@ -100,6 +100,10 @@ MODEL_SETS["mla_fmla_tv"] = dict(
     ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"])
 MODEL_SETS["mla_fmla"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv",
                               ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "flashmla"})
+# flashmla:8 (session 33): the prefix on FlashMLA for verify batches of 8 and more only; a
+# batch-1 case then runs our kernel alone, batch 8 the merged path
+MODEL_SETS["mla_fmla8"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv",
+                               ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "flashmla:8"})
 # an 8-layer Kimi K2.6 TP8 rank with int4 experts through our fused MoE, in the AR reference
 # too (server_env goes to every server of the set): the verify's MoE calls (M = N x batch)
 # run other config bands than a decode step's (M = batch), so this checks that those bands'

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -314,6 +314,12 @@ for s in "$@"; do
              step tvwide-e2e ${TVWIDE_E2E_LIMIT:-200} python3 scripts/e2e_lossless.py --cases mla:32,63 \
                --batch-sizes 1,8 --prompts 12 --eager-check= --speed= --deterministic= \
                --out "$OUT/e2e_lossless_mla_wide_h200.json" ;;
+    fmlabatch) # SGLANG_DDTREE_MLA_PREFIX=flashmla:8 (session 33, CPU-tested): the MLA + MoE
+             # target on 64-token pages, DDTREE against AR token for token at batch 1 (our
+             # kernel alone) and 8 (the prefix on FlashMLA), budgets 16 / 32
+             step fmla-batch ${FMLA_BATCH_LIMIT:-300} python3 scripts/e2e_lossless.py --cases mla_fmla8:16,32 \
+               --batch-sizes 1,8 --prompts 12 --eager-check= --speed= --deterministic= \
+               --out "$OUT/e2e_lossless_mla_fmla_batch_h200.json" ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
@@ -342,7 +348,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

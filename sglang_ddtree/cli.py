@@ -67,7 +67,8 @@ def collect_info() -> dict:
                        else config.read_budget()),
             "topk": config.read_topk() or "min(budget, vocab)",
             "verify_backend": config.read_verify_backend(),
-            "mla_prefix": config.read_mla_prefix(),
+            "mla_prefix": (config.read_mla_prefix() if config.read_mla_prefix_min_batch() == 1
+                           else f"flashmla from batch {config.read_mla_prefix_min_batch()}"),
             "draft_attention": config.read_draft_attention(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
         }

@@ -273,17 +273,36 @@ ENV_MLA_PREFIX = "SGLANG_DDTREE_MLA_PREFIX"
 MLA_PREFIX_CHOICES = ("triton", "flashmla")
 
 
+def _mla_prefix_setting(environ) -> tuple:
+    raw = environ.get(ENV_MLA_PREFIX, "").strip().lower() or "triton"
+    name, sep, arg = raw.partition(":")
+    if name not in MLA_PREFIX_CHOICES or (sep and (name != "flashmla" or not arg.isdigit()
+                                                   or int(arg) < 1)):
+        raise DDTreeConfigError(f"{ENV_MLA_PREFIX}: expected one of {', '.join(MLA_PREFIX_CHOICES)}"
+                                f" or flashmla:B (B >= 1: FlashMLA for verify batches of B "
+                                f"requests and more), got {raw!r}")
+    return name, int(arg) if sep else 1
+
+
 def read_mla_prefix(environ=os.environ) -> str:
     """SGLANG_DDTREE_MLA_PREFIX: who attends the prefix in an MLA tree verify on DDTREE's Triton
     verify backend. ``triton`` (default): our tree kernel, every arch and page size.
     ``flashmla`` (opt-in): FlashMLA's dense decode kernel over the prefix pages, our kernel
     for the tree keys, merged by log-sum-exp (``mla_prefix.py``; Hopper, ``--page-size 64``,
-    bf16 KV cache, checked at start-up)."""
-    raw = environ.get(ENV_MLA_PREFIX, "").strip().lower() or "triton"
-    if raw not in MLA_PREFIX_CHOICES:
-        raise DDTreeConfigError(f"{ENV_MLA_PREFIX}: expected one of {', '.join(MLA_PREFIX_CHOICES)}"
-                                f", got {raw!r}")
-    return raw
+    bf16 KV cache, checked at start-up). ``flashmla:B``: the same for verify batches of B
+    requests and more, our kernel alone below (each batch size is its own CUDA graph, so the
+    choice is static per graph): see :func:`read_mla_prefix_min_batch`."""
+    return _mla_prefix_setting(environ)[0]
+
+
+def read_mla_prefix_min_batch(environ=os.environ) -> int:
+    """The smallest verify batch whose prefix goes to FlashMLA under
+    ``SGLANG_DDTREE_MLA_PREFIX=flashmla:B`` (1 for plain ``flashmla``). On the H200 (session
+    33, ``bench_results/tree_verify_fa3_fmla_mla_h200_s33.json``, Kimi rank shapes) FlashMLA's
+    prefix was 1.31-2.99x our kernel alone at batch 8 and 32 except batch 8 at 2,048 keys and
+    budgets 8 / 16 (0.89-0.90x), while at batch 1 it was 1.62-2.41x at 65,536 keys but
+    0.75-0.83x at 2,048: ``flashmla:8`` suits batched serving."""
+    return _mla_prefix_setting(environ)[1]
 
 
 ENV_DRAFT_ATTENTION = "SGLANG_DDTREE_DRAFT_ATTENTION"

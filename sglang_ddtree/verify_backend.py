@@ -166,7 +166,8 @@ class TreeVerifyBackend:
     # our graph path pads by request, not by token: keep SGLang's ragged verify graphs off
     supports_ragged_verify_graph = False
     _OWN = frozenset({"_inner", "_runner", "_sgl", "_n", "_is_mla", "_plans", "_kernels",
-                      "_meta", "_graph", "_plan_bs", "_prefix", "_block_mask", "_name"})
+                      "_meta", "_graph", "_plan_bs", "_prefix", "_prefix_min_bs", "_block_mask",
+                      "_name"})
 
     def __init__(self, inner, model_runner, *, num_tree_tokens: int, is_mla: bool, layers,
                  sgl, kernels=None, prefix_fns=None, block_mask=None):
@@ -179,7 +180,7 @@ class TreeVerifyBackend:
         own = {"_inner": inner, "_runner": model_runner, "_sgl": sgl,
                "_n": int(num_tree_tokens), "_is_mla": bool(is_mla), "_plans": {},
                "_kernels": kernels, "_meta": None, "_graph": None, "_plan_bs": 0,
-               "_prefix": None, "_block_mask": None,
+               "_prefix": None, "_prefix_min_bs": 1, "_block_mask": None,
                "_name": ("DDTREE triton verify backend" if block_mask is None else
                          f"DDTREE drafter attention ({cfg.ENV_DRAFT_ATTENTION})")}
         for name, value in own.items():
@@ -200,10 +201,17 @@ class TreeVerifyBackend:
                 raise cfg.DDTreeConfigError(
                     f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla: layers with different head counts "
                     f"{sorted(heads)}; unset it.")
+            self._prefix_min_bs = cfg.read_mla_prefix_min_batch()
             self._prefix = FlashMLAPrefix(
                 num_tree_tokens=self._n, num_heads=heads.pop(), v_dim=keys[0].v_dim,
                 context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
                 device=_device_of(model_runner), fns=prefix_fns)
+
+    def _prefix_serves(self, bs: int) -> bool:
+        """Whether FlashMLA attends the prefix of a verify batch of ``bs`` requests (padded, as
+        a graph runs it): SGLANG_DDTREE_MLA_PREFIX=flashmla, or flashmla:B with bs >= B. Each
+        batch size is its own graph, so the choice is static within one."""
+        return self._prefix is not None and bs >= self._prefix_min_bs
 
     # --- delegation -------------------------------------------------------------------------
     def __getattr__(self, name):
@@ -305,7 +313,7 @@ class TreeVerifyBackend:
         self._meta = VerifyMeta(table=mr.req_to_token_pool.req_to_token,
                                 rows=forward_batch.req_pool_indices,
                                 seq_lens=forward_batch.seq_lens, mask=mask)
-        if self._prefix is not None:
+        if self._prefix_serves(bs):
             self._prefix.prepare(self._meta.table, self._meta.rows, self._meta.seq_lens,
                                  static=False)
 
@@ -335,7 +343,7 @@ class TreeVerifyBackend:
             g["mask"][real:bs].zero_()
         self._meta = VerifyMeta(table=g["table"], rows=g["rows"][:bs],
                                 seq_lens=g["seq_lens"][:bs], mask=g["mask"][:bs])
-        if self._prefix is not None:  # FlashMLA's page table and metadata, before replay
+        if self._prefix_serves(bs):  # FlashMLA's page table and metadata, before replay
             self._prefix.prepare(g["table"], g["rows"][:bs], g["seq_lens"][:bs], static=True)
 
     def init_forward_metadata_in_graph(self, forward_batch, *args, **kwargs):
@@ -448,7 +456,7 @@ class TreeVerifyBackend:
         out = torch.empty((tokens, heads, rank), dtype=q_full.dtype, device=q_full.device)
         kv_cache = pool.get_key_buffer(layer.layer_id)
         prefix_out = prefix_lse = None
-        if self._prefix is not None:  # the prefix on FlashMLA, the tree keys below
+        if self._prefix_serves(tokens // self._n):  # the prefix on FlashMLA, the tree keys below
             prefix_out, prefix_lse = self._prefix.run(q_full, kv_cache, layer.scaling)
         plan.run(q_full, kv_cache, forward_batch.out_cache_loc,
                  meta.mask, req_to_token=meta.table, req_pool_indices=meta.rows,

@@ -276,3 +276,18 @@ def test_skinny_serve_switch_reaches_the_ddtree_servers_only(monkeypatch, tmp_pa
     assert "SGLANG_DDTREE_SKINNY_GEMM" not in ar[0].env
     assert all(s.env.get("SGLANG_DDTREE_SKINNY_GEMM") == "1" for s in ddtree)
     assert all(s.env.get("SGLANG_DDTREE_FUSED_MOE") == "1" for s in ar + ddtree)
+
+
+def test_mla_prefix_from_batch_8_set(monkeypatch, tmp_path):
+    """mla_fmla8 (gpu_session.sh fmlabatch): its DDTREE servers carry flashmla:8 on the
+    FlashMLA-paged target, compared with mla_fmla_tv's AR server."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "mla_fmla8:16", "--batch-sizes", "1,8",
+                   "--eager-check=", "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    ddtree = [s for s in FakeServer.started if s.spec]
+    assert ddtree and all(s.env.get("SGLANG_DDTREE_MLA_PREFIX") == "flashmla:8" for s in ddtree)
+    ar = [s for s in FakeServer.started if not s.spec]
+    assert len(ar) == 1 and "SGLANG_DDTREE_MLA_PREFIX" not in (ar[0].env or {})
+    assert all("--page-size" in s.args for s in FakeServer.started)

@@ -870,10 +870,10 @@ def _fake_flashmla(clean_cache, pool_buffer, calls):
     return get_metadata, attend
 
 
-def _mla_prefix_backend(sgl, monkeypatch, seed, seq_lens, n):
+def _mla_prefix_backend(sgl, monkeypatch, seed, seq_lens, n, setting="flashmla"):
     """The MLA target on 64-token pages behind our verify backend with the prefix on the
     FlashMLA stand-in; returns the case and the stand-in's call log."""
-    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", setting)
     g, layout, mask, layer, prefill_path, pool = _mla_setup(seed, torch.bfloat16,
                                                             seq_lens=seq_lens, n=n, page=64)
     clean = pool.kv_buffer[0].clone()
@@ -957,6 +957,49 @@ def test_mla_prefix_on_flashmla_graph_path_uses_static_buffers(sgl, monkeypatch)
     assert rel_err(out[: bs * n].view(ref.shape), ref) < TOL
 
 
+def test_mla_prefix_from_a_batch_size(sgl, monkeypatch):
+    """SGLANG_DDTREE_MLA_PREFIX=flashmla:3: a verify batch of 2 runs our kernel alone over the
+    whole prefix (FlashMLA neither prepared nor called; the pool's prefix rows are read, so
+    they are clean here), a padded graph batch of 3 takes the prefix on FlashMLA."""
+    n = 3
+    g, layout, mask, layer, clean, w, calls = _mla_prefix_backend(sgl, monkeypatch, 13, (64, 9),
+                                                                  n, setting="flashmla:3")
+    assert w._prefix_min_bs == 3
+    pool_rows = w._runner.token_to_kv_pool.kv_buffer[0]
+    pool_rows.copy_(clean)
+    fb = _verify_batch(layout, mask, n)
+    q, latent = _mla_tokens(g, layout.out_cache_loc.numel())
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        out = layer(q, latent, latent[..., :RANK], fb)
+    assert calls == []
+    ref_cache = clean.clone()
+    ref_cache[layout.out_cache_loc] = latent
+    ref = REF.mla_tree_attention_reference(q, ref_cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=RANK, sm_scale=layer.scaling,
+                                           **layout.table_kwargs())
+    assert rel_err(out.view(ref.shape), ref) < TOL
+    # a graph batch padded to 3 requests: FlashMLA prepares and attends
+    w.init_cuda_graph_state(4, 4 * n)
+    calls.clear()
+    pad_bs, tokens = 3, 3 * n
+    q3, latent3 = _mla_tokens(g, tokens)
+    fb_view = types.SimpleNamespace(
+        forward_mode=_mode("TARGET_VERIFY"), batch_size=pad_bs,
+        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
+        out_cache_loc=torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)]),
+        positions=torch.zeros(tokens, dtype=torch.int64), out_cache_loc_is_physical=False,
+        spec_info=types.SimpleNamespace(draft_token=torch.zeros(2 * n)))
+    verify_backend.attach_tree_mask(fb_view.spec_info, mask)
+    w.init_forward_metadata_out_graph(fb_view)
+    with _attn_context(w):
+        layer(q3, latent3, latent3[..., :RANK], fb_view)
+    assert [c[0] for c in calls] == ["metadata", "attend"]
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "flashmla")
+    assert cfg.read_mla_prefix_min_batch() == 1
+
+
 def test_mla_prefix_on_flashmla_refusals(sgl, monkeypatch):
     """Start-up refusals name the fix: pages other than 64, an fp8 KV cache, an MHA target, a
     bad value; without the stand-in the real kernel's needs (its dims, a Hopper GPU) are
@@ -986,6 +1029,9 @@ def test_mla_prefix_on_flashmla_refusals(sgl, monkeypatch):
     with pytest.raises(cfg.DDTreeConfigError) as info:
         capture_install(mha, fns)
     assert "non-MLA target" in str(info.value)
-    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", "fa3")
-    with pytest.raises(cfg.DDTreeConfigError, match="expected one of triton, flashmla"):
-        cfg.read_mla_prefix()
+    for bad in ("fa3", "flashmla:0", "flashmla:x", "triton:8", "flashmla:"):
+        monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", bad)
+        with pytest.raises(cfg.DDTreeConfigError, match="expected one of triton, flashmla"):
+            cfg.read_mla_prefix()
+    monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", " FlashMLA:8 ")
+    assert (cfg.read_mla_prefix(), cfg.read_mla_prefix_min_batch()) == ("flashmla", 8)
