@@ -174,6 +174,11 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
             "fits_shared_memory": out.metadata.shared <= SMEM_LIMIT.get(arch, 101376),
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "tcgen05_mma": ptx.count("tcgen05.mma"),  # Blackwell (sm_100 / sm_103) tensor cores
+            # how tiles reach shared memory: asynchronous copies (the pipeliner's cp.async,
+            # Hopper's bulk/TMA copies) against plain global loads through registers
+            "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+            "bulk_copies": ptx.count("cp.async.bulk"),
+            "ld_global": len(re.findall(r"\bld\.global", ptx)),
             "ctas_per_sm": occupancy,
             "ptxas_error": None if r.returncode == 0 else log[-500:]}
 
