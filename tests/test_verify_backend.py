@@ -921,6 +921,21 @@ def test_mla_prefix_on_flashmla_eager_matches_reference(sgl, monkeypatch):
     assert rel_err(out.view(ref.shape), ref) < TOL
 
 
+def _padded_by_one(layout, mask, n):
+    """A graph-style verify batch of the layout's requests plus one padding request (row 0,
+    prefix 1, slots 0), the tree mask attached for the real ones."""
+    bs = layout.req_pool_indices.numel()
+    view = types.SimpleNamespace(
+        forward_mode=_mode("TARGET_VERIFY"), batch_size=bs + 1,
+        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
+        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
+        out_cache_loc=torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)]),
+        positions=torch.zeros((bs + 1) * n, dtype=torch.int64), out_cache_loc_is_physical=False,
+        spec_info=types.SimpleNamespace(draft_token=torch.zeros(bs * n)))
+    verify_backend.attach_tree_mask(view.spec_info, mask)
+    return view
+
+
 def test_mla_prefix_on_flashmla_graph_path_uses_static_buffers(sgl, monkeypatch):
     """Capture-style prep of a padded batch: the page table, lengths and metadata land in the
     static buffers a captured graph reads (metadata copied in, not rebound), and the output of
@@ -932,14 +947,7 @@ def test_mla_prefix_on_flashmla_graph_path_uses_static_buffers(sgl, monkeypatch)
     bs, pad_bs = 2, 3
     tokens = pad_bs * n
     q, latent = _mla_tokens(g, tokens)
-    fb_view = types.SimpleNamespace(
-        forward_mode=_mode("TARGET_VERIFY"), batch_size=pad_bs,
-        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
-        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
-        out_cache_loc=torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)]),
-        positions=torch.zeros(tokens, dtype=torch.int64), out_cache_loc_is_physical=False,
-        spec_info=types.SimpleNamespace(draft_token=torch.zeros(bs * n)))
-    verify_backend.attach_tree_mask(fb_view.spec_info, mask)
+    fb_view = _padded_by_one(layout, mask, n)
     w.init_forward_metadata_out_graph(fb_view)
     assert all(a is b for a, b in zip(buffers, (w._prefix.block_table, w._prefix.seq_lens,
                                                 w._prefix.sched, w._prefix.splits)))
@@ -982,16 +990,8 @@ def test_mla_prefix_from_a_batch_size(sgl, monkeypatch):
     # a graph batch padded to 3 requests: FlashMLA prepares and attends
     w.init_cuda_graph_state(4, 4 * n)
     calls.clear()
-    pad_bs, tokens = 3, 3 * n
-    q3, latent3 = _mla_tokens(g, tokens)
-    fb_view = types.SimpleNamespace(
-        forward_mode=_mode("TARGET_VERIFY"), batch_size=pad_bs,
-        req_pool_indices=torch.cat([layout.req_pool_indices, torch.zeros(1, dtype=torch.int64)]),
-        seq_lens=torch.cat([layout.seq_lens, torch.ones(1, dtype=torch.int64)]),
-        out_cache_loc=torch.cat([layout.out_cache_loc, torch.zeros(n, dtype=torch.int64)]),
-        positions=torch.zeros(tokens, dtype=torch.int64), out_cache_loc_is_physical=False,
-        spec_info=types.SimpleNamespace(draft_token=torch.zeros(2 * n)))
-    verify_backend.attach_tree_mask(fb_view.spec_info, mask)
+    q3, latent3 = _mla_tokens(g, 3 * n)
+    fb_view = _padded_by_one(layout, mask, n)
     w.init_forward_metadata_out_graph(fb_view)
     with _attn_context(w):
         layer(q3, latent3, latent3[..., :RANK], fb_view)
