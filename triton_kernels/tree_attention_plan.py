@@ -87,18 +87,20 @@ _MLA_NARROW_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=
 # counts as planned for each): budget 64 at batch 1 / 8 / 32 x 2,048 / 16,384 / 65,536 keys
 # 1.10-1.16x faster than the 32-row tile; budget 32 at batch 8 / 32 1.03-1.09x, at batch 1
 # 0.96x at 2,048 keys (kept on the 32-row tile); budget 8 0.64-1.12x, mostly below 1.
-# Unmeasured elsewhere (Blackwell's tcgen05, Ampere): the 32-row tile stays there.
+# Unmeasured elsewhere (Blackwell's tcgen05, Ampere): the 32-row tile stays there. The rule
+# reads rows (tree tokens x query heads on the rank), the work a row block does, so a rank of
+# 16 heads (DeepSeek V3 on TP8) reaches it at budget 16; measured with Kimi's 8 heads only.
 _MLA_WGMMA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 _MLA_WGMMA_SMEM = 225_280
 _MLA_WGMMA_MIN_ROWS = 264
 _MLA_WGMMA_MIN_GROUPS_AT_MIN = 8  # batch x KV heads when rows == _MLA_WGMMA_MIN_ROWS
+_MLA_PROGRAMS_PER_SM = 2  # 4-warp tiles: registers (255 a thread x 128 threads) allow no more
 
 
 def _hopper(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.x (not asked off a GPU)."""
     return (device.type == "cuda" and torch.cuda.is_available()
             and torch.cuda.get_device_capability(device)[0] == 9)
-_MLA_PROGRAMS_PER_SM = 2  # registers (255 a thread x 128 threads) allow no more
 
 
 def _mla_tile_smem(cfg: KernelConfig) -> Optional[int]:
