@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -320,6 +320,21 @@ for s in "$@"; do
              step fmla-batch ${FMLA_BATCH_LIMIT:-300} python3 scripts/e2e_lossless.py --cases mla_fmla8:16,32 \
                --batch-sizes 1,8 --prompts 12 --eager-check= --speed= --deterministic= \
                --out "$OUT/e2e_lossless_mla_fmla_batch_h200.json" ;;
+    tvncu)   # Nsight Compute (if it reads the counters here: KINDS.md) on one issue-4 point each,
+             # ours against fa3, where fa3 stays at the memory floor and ours does not (session
+             # 33): MHA batch 8 / budget 16 / 64k keys, MLA batch 8 / budget 32 / 16k keys.
+             # Needs FA3's parts installed. Speed-of-light, warp stalls, memory and compute
+             # sections as CSV; no --clock-control (METHOD.md: leave the clocks alone)
+             for pt in "mha 65536 16" "mla 16384 32"; do
+               read -r kind ctx bud <<< "$pt"
+               step tvncu-$kind ${TVNCU_LIMIT:-240} ncu --clock-control none --graph-profiling node \
+                 -k "regex:tree_attn|flash" --launch-count ${TVNCU_LAUNCHES:-8} \
+                 --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+                 --section MemoryWorkloadAnalysis --section Occupancy --csv --page details \
+                 --log-file "$OUT/ncu_tree_verify_${kind}_h200.csv" \
+                 python3 scripts/bench_tree_verify.py --kinds $kind --batch-sizes 8 --budgets $bud \
+                 --contexts $ctx --iters 3 --no-sglang-triton --out "$OUT/tree_verify_ncu_${kind}_h200.json"
+             done ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
@@ -348,7 +363,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
