@@ -100,6 +100,10 @@ def test_the_planners_mla_tile_table_matches_the_compiler(arch):
         assert got[block_m]["shared_bytes"] == smem, (arch, got[block_m])
     assert got[16]["fits_shared_memory"]
     assert got[32]["fits_shared_memory"] == (arch == 90)
+    if arch == 90:  # the 8-warp tile the planner serves wide trees with on Hopper
+        wide, = _run("--kind", "mla", "--arch", "90", "--configs", "64,64,8,2", "--budget", "64")
+        assert wide["shared_bytes"] == plan._MLA_WGMMA_SMEM and wide["wgmma"] > 0, wide
+        assert wide["ctas_per_sm"]["ctas"] == 1, wide
 
 
 def test_shared_memory_record_by_arch(tmp_path):

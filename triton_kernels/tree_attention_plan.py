@@ -105,6 +105,8 @@ def _hopper(device: torch.device) -> bool:
 
 def _mla_tile_smem(cfg: KernelConfig) -> Optional[int]:
     """Shared memory of a served MLA tile shape, None for other shapes."""
+    if cfg == _MLA_WGMMA_TILE:
+        return _MLA_WGMMA_SMEM
     if (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dv_split, cfg.dk_chunk) != (64, 4, 2, 1, 0):
         return None
     return _MLA_TILE_SMEM.get(cfg.block_m)
@@ -176,10 +178,8 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
                        min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
     if (rows > _MLA_WGMMA_MIN_ROWS or (rows == _MLA_WGMMA_MIN_ROWS
                                        and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN)) \
-            and _hopper(device):
-        have = shared_memory(device)
-        if have is None or _MLA_WGMMA_SMEM <= have[0]:
-            return _MLA_WGMMA_TILE
+            and _hopper(device) and _mla_fits(_MLA_WGMMA_TILE, device):
+        return _MLA_WGMMA_TILE
     return None
 
 
