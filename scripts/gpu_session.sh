@@ -327,8 +327,12 @@ for s in "$@"; do
              # sections as CSV; no --clock-control (METHOD.md: leave the clocks alone)
              for pt in "mha 65536 16" "mla 16384 32"; do
                read -r kind ctx bud <<< "$pt"
+               # demangled names: fa3's kernels are cutlass::device_kernel<flash::...> templates,
+               # whose plain function name ("device_kernel") the regex would not match; ours come
+               # first in the script (warm-up + 3 replays), then fa3's prefix, tree and merge passes
                step tvncu-$kind ${TVNCU_LIMIT:-240} ncu --clock-control none --graph-profiling node \
-                 -k "regex:tree_attn|flash" --launch-count ${TVNCU_LAUNCHES:-8} \
+                 --kernel-name-base demangled -k "regex:tree_attn|flash" \
+                 --launch-count ${TVNCU_LAUNCHES:-24} \
                  --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
                  --section MemoryWorkloadAnalysis --section Occupancy --csv --page details \
                  --log-file "$OUT/ncu_tree_verify_${kind}_h200.csv" \
