@@ -428,8 +428,9 @@ def main(argv=None):
                     help="override our tile config: block_m,block_n,num_warps,num_stages")
     ap.add_argument("--sweep", default=None,
                     help="tile configs to time at every point besides the default, ';'-separated "
-                         "block_m,block_n,num_warps,num_stages[,dv_split[,dk_chunk]] (e.g. "
-                         "'64,64,8,2;64,32,4,2,2,64'; screen them first with "
+                         "block_m,block_n,num_warps,num_stages[,dv_split[,dk_chunk"
+                         "[,min_split_keys[,tail_m]]]] (KernelConfig's order; e.g. "
+                         "'64,64,8,2;64,32,4,2,2,64;64,64,4,3,1,0,256,16'; screen them first with "
                          "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
                          "default config's)")

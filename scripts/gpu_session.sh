@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -339,6 +339,15 @@ for s in "$@"; do
                  python3 scripts/bench_tree_verify.py --kinds $kind --batch-sizes 8 --budgets $bud \
                  --contexts $ctx --iters 3 --no-sglang-triton --out "$OUT/tree_verify_ncu_${kind}_h200.json"
              done ;;
+    tvtail)  # MHA trees of k x 64 (or 128) rows plus one group (budget 16 / 32 / 64 at 4 query
+             # heads per KV head: 68 / 132 / 260 rows) with the leftover rows in a 16-row tail
+             # tile of the last block (KernelConfig.tail_m) against the served tiles and fa3,
+             # split counts as planned for each (session 34: ncu showed the 4-row second block
+             # of budget 16 doubling the instructions per key of fa3's one 128-row tile)
+             step tvtail ${TVTAIL_LIMIT:-420} python3 scripts/bench_tree_verify.py --kinds mha \
+               --no-sglang-triton --budgets ${TVTAIL_BUDGETS:-16,32,64} \
+               --sweep "${TVTAIL_SWEEP:-64,64,4,3,1,0,256,16;64,64,4,2,1,0,256,16;128,64,8,3,1,0,256,16;128,64,8,2,1,0,256,16}" \
+               --out "$OUT/tree_verify_tail_mha_h200.json" ${TVTAIL_ARGS:-} ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
@@ -367,7 +376,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

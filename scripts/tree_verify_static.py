@@ -105,7 +105,7 @@ def next_pow2(x: int) -> int:
 
 def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = False,
             group: int = 0, budget: int = 0, min_split_keys: int = 0,
-            draft_block: bool = False) -> dict:
+            draft_block: bool = False, tail_m: int = 0) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -129,10 +129,12 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
                   BLOCK_N=block_n, SPLIT=not merge_prefix, USE_INDPTR=False,
                   SHARED_KV=shape["SHARED_KV"], HAS_CAP=False, INTERPRET=False,
                   DV_SPLIT=dv_split, DK_CHUNK=dk_chunk, MERGE_PREFIX=merge_prefix)
-    if draft_block:
-        consts["ORDERED_MASK"] = False
-    if min_split_keys:
-        consts["MIN_CHUNK"] = min_split_keys
+    # the constexprs with defaults, as a launch passes them (an argument left out of consts
+    # would compile as a runtime integer; an older checkout lacks TAIL_M)
+    consts["ORDERED_MASK"] = not draft_block
+    consts["MIN_CHUNK"] = min_split_keys or 256
+    if "TAIL_M" in fn.arg_names:
+        consts["TAIL_M"] = tail_m
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_table_ptr": "*i32",
             "kv_row_ptr": "*i64", "seq_lens_ptr": "*i64", "tree_loc_ptr": "*i64",
@@ -168,6 +170,7 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
             **({"budget": budget, "specialized": sorted(specialized)} if budget else {}),
             **({"draft_block": True} if draft_block else {}),
             **({"min_split_keys": min_split_keys} if min_split_keys else {}),
+            **({"tail_m": tail_m} if tail_m else {}),
             "registers": int(regs.group(1)) if regs else None,
             "spill_store_bytes": int(spill.group(1)) if spill else None,
             "shared_bytes": out.metadata.shared,
@@ -203,6 +206,9 @@ def main(argv=None):
     ap.add_argument("--min-split-keys", type=int, default=0,
                     help="the kernel's MIN_CHUNK (the plan's min_split_keys; default the "
                          "kernel's 256; MLA trees of 145-264 rows are served with 128)")
+    ap.add_argument("--tail-m", type=int, default=0,
+                    help="the kernel's TAIL_M: rows past the last full block in a tail tile of "
+                         "this height (KernelConfig.tail_m; MHA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -211,7 +217,7 @@ def main(argv=None):
         try:
             row = analyse(args.kind, cfg, args.arch, args.ptxas or bundled_ptxas(args.arch),
                           args.merge_prefix, args.group, args.budget, args.min_split_keys,
-                          args.draft_block)
+                          args.draft_block, args.tail_m)
             row["group"] = args.group or shapes()[args.kind]["G"]
         except Exception as exc:  # noqa: BLE001 -- a config Triton rejects is a result too
             row = {"kind": args.kind, "config": spec, "error": f"{type(exc).__name__}: {exc}"[:300]}

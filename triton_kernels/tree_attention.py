@@ -75,6 +75,30 @@ def _tanh(x):
 
 
 @triton.jit
+def _online_update(acc, m_i, l_i, s, allowed, v, qk_scale, logit_cap,
+                   HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr):
+    """One key tile's online-softmax step: raw scores ``s`` [BM, BN] scaled (and capped), masked
+    by ``allowed``, folded into the running max / sum / output with values ``v`` [BN, BDV]."""
+    if HAS_CAP:
+        # logit soft cap as SGLang applies it: cap * tanh(scaled / cap), then to log2 domain
+        s = logit_cap * _tanh(s * qk_scale / logit_cap) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at zero
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if INTERPRET:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i,            # running output [BM, BDV] fp32, max [BM] and sum [BM] (log2 domain)
     q, q_pe,                  # [BM, BDK] and [BM, D_PE] query tiles (q_pe unused when D_PE == 0;
@@ -86,10 +110,11 @@ def _attend_tile(
     key_ok,                   # [BN] bool: key exists (guards every cache read)
     stride_kt, stride_vt,
     qk_scale, logit_cap, dv0,  # dv0: first output column of this program (DV_SPLIT > 1)
+    acc_t, m_t, l_t, q_t, allowed_t,  # the tail block's state, query and mask (TAIL_M > 0)
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHARED_KV: tl.constexpr, HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr,
-    DV_SPLIT: tl.constexpr, DK_CHUNK: tl.constexpr,
+    DV_SPLIT: tl.constexpr, DK_CHUNK: tl.constexpr, TAIL_M: tl.constexpr,
 ):
     qdt = q_rows.dtype.element_ty
     if DK_CHUNK == 0:
@@ -103,6 +128,8 @@ def _attend_tile(
         else:
             kd = k.to(qdt)  # fp8 caches are upcast; the scale is folded into qk_scale / v_scale
         s = tl.dot(q, tl.trans(kd))
+        if TAIL_M > 0:
+            s_t = tl.dot(q_t, tl.trans(kd))
     else:
         # the QK reduction in DK_CHUNK-wide slices of the query (re-read, L1-resident) and of
         # the keys, so neither full-width tile stays live in registers (MLA: 512 dims)
@@ -128,18 +155,7 @@ def _attend_tile(
         else:
             k_pe = k_pe.to(qdt)
         s += tl.dot(q_pe, tl.trans(k_pe))
-    if HAS_CAP:
-        # logit soft cap as SGLang applies it: cap * tanh(scaled / cap), then to log2 domain
-        s = logit_cap * _tanh(s * qk_scale / logit_cap) * 1.4426950408889634
-    else:
-        s = s * qk_scale
-    s = tl.where(allowed, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at zero
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
     if SHARED_KV and DV_SPLIT == 1 and DK_CHUNK == 0:
         v = kd  # absorbed MLA: V is the first DV (= DK) latent dims of the same row
     else:
@@ -154,48 +170,105 @@ def _attend_tile(
             v = v.to(tl.float32)
         else:
             v = v.to(qdt)
-    if INTERPRET:
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, allowed, v, qk_scale, logit_cap,
+                                   HAS_CAP, INTERPRET)
+    if TAIL_M > 0:
+        acc_t, m_t, l_t = _online_update(acc_t, m_t, l_t, s_t, allowed_t, v, qk_scale,
+                                         logit_cap, HAS_CAP, INTERPRET)
+    return acc, m_i, l_i, acc_t, m_t, l_t
 
 
 @triton.jit
 def _prefix_tile(n0, end, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, kv_table_ptr, row_base,
-                 row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N: tl.constexpr,
+                 row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                 acc_t, m_t, l_t, q_t, row_ok_t, BLOCK_N: tl.constexpr,
                  DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_KV: tl.constexpr,
                  HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr, DV_SPLIT: tl.constexpr,
-                 DK_CHUNK: tl.constexpr):
+                 DK_CHUNK: tl.constexpr, TAIL_M: tl.constexpr):
     # prefix keys [n0, n0 + BLOCK_N) clipped to the split's end: every row may see them
     pos = n0 + tl.arange(0, BLOCK_N)
     key_ok = pos < end
     slots = tl.load(kv_table_ptr + row_base + pos, mask=key_ok, other=0).to(tl.int64)
     allowed = row_ok[:, None] & key_ok[None, :]
+    if TAIL_M > 0:
+        allowed_t = row_ok_t[:, None] & key_ok[None, :]
+    else:
+        allowed_t = allowed
     return _attend_tile(acc, m_i, l_i, q, q_pe, q_rows, row_ok, k_base, v_base, slots, allowed,
                         key_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                        acc_t, m_t, l_t, q_t, allowed_t,
                         DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET,
-                        DV_SPLIT, DK_CHUNK)
+                        DV_SPLIT, DK_CHUNK, TAIL_M)
 
 
 @triton.jit
 def _tree_tile(j0, N, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, loc_row, mask_row, row_ok,
-               stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N: tl.constexpr,
+               stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+               acc_t, m_t, l_t, q_t, mask_row_t, row_ok_t, BLOCK_N: tl.constexpr,
                DK: tl.constexpr, BLOCK_DK: tl.constexpr, D_PE: tl.constexpr,
                DV: tl.constexpr, BLOCK_DV: tl.constexpr, SHARED_KV: tl.constexpr,
                HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr, DV_SPLIT: tl.constexpr,
-               DK_CHUNK: tl.constexpr):
+               DK_CHUNK: tl.constexpr, TAIL_M: tl.constexpr):
     # tree keys [j0, j0 + BLOCK_N): a row sees key j iff tree_mask[b, row's token, j]
     j = j0 + tl.arange(0, BLOCK_N)
     key_ok = j < N
     slots = tl.load(loc_row + j, mask=key_ok, other=0).to(tl.int64)
     anc = tl.load(mask_row[:, None] + j[None, :], mask=row_ok[:, None] & key_ok[None, :],
                   other=0)
+    if TAIL_M > 0:
+        anc_t = tl.load(mask_row_t[:, None] + j[None, :],
+                        mask=row_ok_t[:, None] & key_ok[None, :], other=0) != 0
+    else:
+        anc_t = anc != 0
     return _attend_tile(acc, m_i, l_i, q, q_pe, q_rows, row_ok, k_base, v_base, slots,
                         anc != 0, key_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                        acc_t, m_t, l_t, q_t, anc_t,
                         DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET,
-                        DV_SPLIT, DK_CHUNK)
+                        DV_SPLIT, DK_CHUNK, TAIL_M)
+
+
+@triton.jit
+def _epilogue(acc, m_i, l_i, row_ok, row_live, tok, head, t_glob, b, split, dvp, dv0,
+              Hq, num_splits, o_ptr, part_o_ptr, part_lse_ptr, v_scale,
+              stride_ot, stride_oh, pre_o_ptr, pre_lse_ptr, stride_pot, stride_poh,
+              stride_plb, stride_plh, stride_pln,
+              DV: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT: tl.constexpr,
+              MERGE_PREFIX: tl.constexpr):
+    """Normalise a row block's output and write it: to ``o`` (merged with a given prefix part
+    under MERGE_PREFIX), or as this split's partial and log2-sum-exp (SPLIT)."""
+    offs_dv = dv0 + tl.arange(0, BLOCK_DV)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if not SPLIT:
+        out = out * v_scale
+        if MERGE_PREFIX:
+            # both parts normalised; weights from their log-sum-exps (log2 units here: qk_scale
+            # holds log2 e, and the prefix kernel's natural-log value is converted)
+            t_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            p_lse = tl.load(pre_lse_ptr + b.to(tl.int64) * stride_plb + head * stride_plh
+                            + tok * stride_pln, mask=row_ok, other=float("-inf"))
+            p_lse = p_lse * 1.4426950408889634  # log2 e
+            p_out = tl.load(pre_o_ptr + t_glob[:, None] * stride_pot + head[:, None] * stride_poh
+                            + offs_dv[None, :],
+                            mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            p_out = tl.where((p_lse == float("-inf"))[:, None], 0.0, p_out.to(tl.float32))
+            top = tl.maximum(t_lse, p_lse)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_t = tl.exp2(t_lse - top)
+            w_p = tl.exp2(p_lse - top)
+            den = tl.where(w_t + w_p == 0.0, 1.0, w_t + w_p)
+            out = (w_t[:, None] * out + w_p[:, None] * p_out) / den[:, None]
+        o_off = t_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    else:
+        # partial layout is contiguous [T, Hq, num_splits, DV]
+        ph = (t_glob * Hq + head) * num_splits + split
+        tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
+                 mask=row_live[:, None] & (offs_dv[None, :] < DV))
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + ph, lse, mask=row_ok & (dvp == 0))  # the same in every part
 
 
 @triton.jit
@@ -239,6 +312,9 @@ def _tree_attn_fwd_kernel(
     MERGE_PREFIX: tl.constexpr = False,  # prefix part given (pre_o, pre_lse): tree keys only
     ORDERED_MASK: tl.constexpr = True,  # a row's mask admits no later token (a tree); False:
                                         # any token may be a key (a bidirectional block)
+    TAIL_M: tl.constexpr = 0,  # > 0: the TAIL_M rows after the last full block ride with it
+                               # (the last program's; masked off in the others), so a tree of
+                               # k x BLOCK_M + a few rows runs k programs, not k + 1
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
     pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
@@ -297,90 +373,102 @@ def _tree_attn_fwd_kernel(
         q = q.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
 
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # the tail block (TAIL_M > 0; the plan allows it only with DK_CHUNK == 0 and D_PE == 0):
+    # rows from the end of the last full block, live in the last program only
+    last_block = pid_m == tl.num_programs(0) - 1
+    if TAIL_M > 0:
+        rows_t = tl.num_programs(0) * BLOCK_M + tl.arange(0, TAIL_M)
+        row_ok_t = (rows_t < N * G) & last_block
+        row_live_t = row_ok_t & live
+        tok_t = rows_t // G
+        head_t = kvh * G + rows_t % G
+        t_glob_t = (b * N + tok_t).to(tl.int64)
+        q_rows_t = q_ptr + t_glob_t * stride_qt + head_t * stride_qh
+        q_t = tl.load(q_rows_t[:, None] + tl.arange(0, BLOCK_DK)[None, :],
+                      mask=row_live_t[:, None] & (tl.arange(0, BLOCK_DK)[None, :] < DK),
+                      other=0.0)
+        if INTERPRET:
+            q_t = q_t.to(tl.float32)
+        acc_t = tl.zeros([TAIL_M, BLOCK_DV], dtype=tl.float32)
+        m_t = tl.full([TAIL_M], float("-inf"), dtype=tl.float32)
+        l_t = tl.zeros([TAIL_M], dtype=tl.float32)
+    else:  # placeholders, never read
+        row_ok_t = row_ok
+        tok_t = tok
+        q_t = q
+        acc_t = 0.0
+        m_t = 0.0
+        l_t = 0.0
+
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
 
     # the interpreter walks the same tiles with a while loop; compiled code keeps range(),
     # which Triton software-pipelines
     if INTERPRET:
         n0 = start
         while n0 < end:
-            acc, m_i, l_i = _prefix_tile(
+            acc, m_i, l_i, acc_t, m_t, l_t = _prefix_tile(
                 n0, end, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, kv_table_ptr, row_base,
-                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                acc_t, m_t, l_t, q_t, row_ok_t, BLOCK_N,
                 DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
-                DK_CHUNK)
+                DK_CHUNK, TAIL_M)
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _prefix_tile(
+            acc, m_i, l_i, acc_t, m_t, l_t = _prefix_tile(
                 n0, end, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, kv_table_ptr, row_base,
-                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                acc_t, m_t, l_t, q_t, row_ok_t, BLOCK_N,
                 DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
-                DK_CHUNK)
+                DK_CHUNK, TAIL_M)
 
     if split == num_splits - 1:
         # tree tokens: a row only sees ancestors, which precede it in node order, so keys past
-        # the block's last token are never needed (a bound that depends on pid alone); an
-        # unordered mask (the drafter's bidirectional block) needs all N
+        # the block's last token are never needed (a bound that depends on pid alone; the last
+        # program's tail rows reach the last token); an unordered mask (the drafter's
+        # bidirectional block) needs all N
         if ORDERED_MASK:
             last_tok = tl.minimum((pid_m + 1) * BLOCK_M - 1, N * G - 1) // G
+            if TAIL_M > 0:
+                last_tok = tl.where(last_block, N - 1, last_tok)
         else:
             last_tok = N - 1
         mask_row = tree_mask_ptr + b.to(tl.int64) * stride_mb + tok * stride_mi
+        mask_row_t = tree_mask_ptr + b.to(tl.int64) * stride_mb + tok_t * stride_mi
         loc_row = tree_loc_ptr + b.to(tl.int64) * N
         if INTERPRET:
             j0 = 0
             while j0 <= last_tok:
-                acc, m_i, l_i = _tree_tile(
+                acc, m_i, l_i, acc_t, m_t, l_t = _tree_tile(
                     j0, N, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, loc_row, mask_row,
-                    row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                    row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                    acc_t, m_t, l_t, q_t, mask_row_t, row_ok_t, BLOCK_N,
                     DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
-                    DK_CHUNK)
+                    DK_CHUNK, TAIL_M)
                 j0 += BLOCK_N
         else:
             for j0 in range(0, last_tok + 1, BLOCK_N):
-                acc, m_i, l_i = _tree_tile(
+                acc, m_i, l_i, acc_t, m_t, l_t = _tree_tile(
                     j0, N, acc, m_i, l_i, q, q_pe, q_rows, k_base, v_base, loc_row, mask_row,
-                    row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0, BLOCK_N,
+                    row_ok, stride_kt, stride_vt, qk_scale, logit_cap, dv0,
+                    acc_t, m_t, l_t, q_t, mask_row_t, row_ok_t, BLOCK_N,
                     DK, BLOCK_DK, D_PE, DV, BLOCK_DV, SHARED_KV, HAS_CAP, INTERPRET, DV_SPLIT,
-                    DK_CHUNK)
+                    DK_CHUNK, TAIL_M)
 
-    offs_dv = dv0 + tl.arange(0, BLOCK_DV)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if not SPLIT:
-        out = out * v_scale
-        if MERGE_PREFIX:
-            # both parts normalised; weights from their log-sum-exps (log2 units here: qk_scale
-            # holds log2 e, and the prefix kernel's natural-log value is converted)
-            t_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            p_lse = tl.load(pre_lse_ptr + b.to(tl.int64) * stride_plb + head * stride_plh
-                            + tok * stride_pln, mask=row_ok, other=float("-inf"))
-            p_lse = p_lse * 1.4426950408889634  # log2 e
-            p_out = tl.load(pre_o_ptr + t_glob[:, None] * stride_pot + head[:, None] * stride_poh
-                            + offs_dv[None, :],
-                            mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            p_out = tl.where((p_lse == float("-inf"))[:, None], 0.0, p_out.to(tl.float32))
-            top = tl.maximum(t_lse, p_lse)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            w_t = tl.exp2(t_lse - top)
-            w_p = tl.exp2(p_lse - top)
-            den = tl.where(w_t + w_p == 0.0, 1.0, w_t + w_p)
-            out = (w_t[:, None] * out + w_p[:, None] * p_out) / den[:, None]
-        o_off = t_glob[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    else:
-        # partial layout is contiguous [T, Hq, num_splits, DV]
-        ph = (t_glob * Hq + head) * num_splits + split
-        tl.store(part_o_ptr + ph[:, None] * DV + offs_dv[None, :], out,
-                 mask=row_live[:, None] & (offs_dv[None, :] < DV))
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + ph, lse, mask=row_ok & (dvp == 0))  # the same in every part
+    _epilogue(acc, m_i, l_i, row_ok, row_live, tok, head, t_glob, b, split, dvp, dv0,
+              Hq, num_splits, o_ptr, part_o_ptr, part_lse_ptr, v_scale,
+              stride_ot, stride_oh, pre_o_ptr, pre_lse_ptr, stride_pot, stride_poh,
+              stride_plb, stride_plh, stride_pln, DV, BLOCK_DV, SPLIT, MERGE_PREFIX)
+    if TAIL_M > 0:
+        _epilogue(acc_t, m_t, l_t, row_ok_t, row_live_t, tok_t, head_t, t_glob_t, b,
+                  split, dvp, dv0, Hq, num_splits, o_ptr, part_o_ptr, part_lse_ptr, v_scale,
+                  stride_ot, stride_oh, pre_o_ptr, pre_lse_ptr, stride_pot, stride_poh,
+                  stride_plb, stride_plh, stride_pln, DV, BLOCK_DV, SPLIT, MERGE_PREFIX)
 
 
 # The same kernel for tree verify, with N and the mask strides (N, N x N) not specialized, so
@@ -549,6 +637,11 @@ class TreeAttention:
                    "config.dk_chunk", "0 or a power of two >= 16 dividing the padded head dim",
                    dkc)
             _check(cfg.min_split_keys >= 1, "config.min_split_keys", ">= 1", cfg.min_split_keys)
+            tm = cfg.tail_m
+            _check(tm == 0 or (tm >= 16 and tm & (tm - 1) == 0 and cfg.dk_chunk == 0
+                               and self.rope_dim == 0),
+                   "config.tail_m", "0, or a power of two >= 16 without dk_chunk or rope dims",
+                   (tm, cfg.dk_chunk, self.rope_dim))
         self._fixed_splits = num_kv_splits
         # static per batch size: computed once here, read by every run
         self._splits = {bs: self._count_splits(bs) for bs in range(1, self.max_batch_size + 1)}
@@ -600,9 +693,21 @@ class TreeAttention:
         """The kernel config ``run`` launches for ``batch_size`` requests."""
         return self._configs.get(int(batch_size), self.config)
 
+    def tail_rows(self, batch_size: Optional[int] = None) -> int:
+        """TAIL_M of the launch for ``batch_size``: the config's tail_m where the rows past the
+        last full block fit it (see KernelConfig.tail_m), else 0."""
+        cfg = self.config if batch_size is None else self.config_for(batch_size)
+        rows = self.num_tree_tokens * self.group
+        extra = rows % cfg.block_m
+        return cfg.tail_m if cfg.tail_m and rows > cfg.block_m and extra <= cfg.tail_m \
+            and extra else 0
+
     def num_blocks_m(self, batch_size: Optional[int] = None) -> int:
         cfg = self.config if batch_size is None else self.config_for(batch_size)
-        return triton.cdiv(self.num_tree_tokens * self.group, cfg.block_m)
+        rows = self.num_tree_tokens * self.group
+        if self.tail_rows(batch_size):
+            return rows // cfg.block_m  # the leftover rows ride with the last block
+        return triton.cdiv(rows, cfg.block_m)
 
     def num_splits(self, batch_size: int) -> int:
         """Prefix splits used for ``batch_size`` requests (a pure function of static sizes)."""
@@ -802,7 +907,7 @@ class TreeAttention:
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
             MIN_CHUNK=cfg.min_split_keys, MERGE_PREFIX=merge, ORDERED_MASK=self.ordered_mask,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            TAIL_M=self.tail_rows(bs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](

@@ -39,6 +39,11 @@ class KernelConfig:
     # fewest prefix keys a live split covers (the kernel's MIN_CHUNK); it also caps the split
     # count at the planned context / min_split_keys
     min_split_keys: int = _MIN_SPLIT_KEYS
+    # > 0 (a power of two >= 16): a tree whose rows per KV head are k x block_m plus at most
+    # this many (k >= 1) runs k row blocks, the last also attending the leftover rows in a
+    # tail tile of this height over the same loaded keys, instead of a (k + 1)-th block that
+    # reloads every key for those few rows. MHA only (no rope part, no dk_chunk)
+    tail_m: int = 0
 
 
 # MLA with few query rows in the whole batch (see _batch_config): 16-row tiles and splits

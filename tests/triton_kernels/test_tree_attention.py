@@ -112,6 +112,74 @@ def test_mha_fp8_kv_with_scales(fp8):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+TAIL_CASES = [
+    # (name, seq_lens, N, Hq, Hkv, page, splits, mode, cap, ordered, blocks): rows = N x group
+    ("one_block_plus_4", [13, 40], 5, 4, 1, 1, 1, "table", 0.0, True, 1),    # 20 = 16 + 4
+    ("two_blocks_plus_2_split", [3, 50], 17, 2, 1, 4, 3, "indptr", 0.0, True, 2),  # 34 = 32 + 2
+    ("plus_12_cap_split", [21], 7, 8, 2, 2, 2, "table", 5.0, True, 1),     # 28 = 16 + 12
+    ("unordered_plus_3", [9, 2], 19, 1, 1, 1, 2, "table", 0.0, False, 1),  # 19 = 16 + 3
+]
+
+
+@pytest.mark.parametrize("case", TAIL_CASES, ids=[c[0] for c in TAIL_CASES])
+def test_tail_rows_ride_with_the_last_block(case):
+    """config.tail_m: a tree of k x block_m rows plus a few runs k programs, the last
+    attending the leftover rows in a tail tile over the keys it already loaded (several blocks,
+    splits, a logit cap, an unordered mask); every element written, as the reference."""
+    name, seq_lens, n, hq, hkv, page, splits, mode, cap, ordered, blocks = case
+    g, layout, mask = make_layout(seq_lens, n, page, seed=sum(map(ord, name)))
+    if not ordered:
+        mask = (torch.rand(len(seq_lens), n, n, generator=g) < 0.5) | torch.eye(n, dtype=torch.bool)
+    bs, d = len(seq_lens), 32
+    k = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).bfloat16()
+    v = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).bfloat16()
+    q = (torch.randn(bs * n, hq, d, generator=g) * (4.0 if cap else 1.0)).bfloat16()
+    kv = layout.table_kwargs() if mode == "table" else layout.indptr_kwargs()
+    attn = TA.TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=hq,
+                                 num_kv_heads=hkv, head_dim=d, max_context_len=64,
+                                 device="cpu", logit_cap=cap, num_kv_splits=splits,
+                                 config=TA.KernelConfig(16, 16, 1, 1, min_split_keys=1,
+                                                        tail_m=16),
+                                 ordered_mask=ordered)
+    assert (attn.num_blocks_m(bs), attn.tail_rows(bs)) == (blocks, 16)
+    attn.part_o.fill_(float("nan"))
+    attn.part_lse.fill_(float("nan"))
+    out = torch.full((bs * n, hq, d), float("nan"), dtype=torch.bfloat16)
+    attn.run(q, k, v, layout.out_cache_loc, mask, out=out, **kv)
+    ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask, logit_cap=cap, **kv)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
+
+
+def test_tail_rows_only_where_the_leftover_fits():
+    """tail_m applies to k x block_m + 1..tail_m rows with k >= 1; elsewhere the usual blocks.
+    Refused with rope dims (MLA) or dk_chunk."""
+    def blocks(n, g, tail=16, bm=32):
+        attn = TA.TreeAttention.plan(max_batch_size=1, num_tree_tokens=n, num_q_heads=g,
+                                     num_kv_heads=1, head_dim=32, max_context_len=64,
+                                     device="cpu", config=TA.KernelConfig(bm, 16, 1, 1,
+                                                                          tail_m=tail))
+        return attn.num_blocks_m(1), attn.tail_rows(1)
+    assert blocks(9, 4) == (1, 16)    # 36 = 32 + 4
+    assert blocks(12, 4) == (1, 16)   # 48 = 32 + 16
+    assert blocks(13, 4) == (2, 0)    # 52 = 32 + 20: a second block
+    assert blocks(5, 4) == (1, 0)     # 20 < 32: one partial block
+    assert blocks(16, 4) == (2, 0)    # 64: whole blocks
+    assert blocks(17, 4, tail=0) == (3, 0)
+    assert blocks(17, 4) == (2, 16)   # 68 = 64 + 4
+    with pytest.raises(ValueError, match="tail_m"):
+        blocks(9, 4, tail=8)
+    with pytest.raises(ValueError, match="tail_m"):
+        TA.TreeAttention.plan(max_batch_size=1, num_tree_tokens=9, num_q_heads=4,
+                              num_kv_heads=1, head_dim=32, max_context_len=64, device="cpu",
+                              config=TA.KernelConfig(32, 16, 1, 1, dk_chunk=16, tail_m=16))
+    with pytest.raises(ValueError, match="tail_m"):
+        MLA.TreeAttentionMLA.plan(max_batch_size=1, num_tree_tokens=9, num_heads=4,
+                                  max_context_len=64, device="cpu", sm_scale=0.2,
+                                  kv_lora_rank=32, rope_dim=16,
+                                  config=TA.KernelConfig(32, 16, 1, 1, tail_m=16))
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_unordered_mask_reads_keys_after_the_row(splits):
     """``ordered_mask=False`` (the drafter's block): any mask, rows attending later tokens too,
