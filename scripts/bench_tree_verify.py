@@ -255,6 +255,33 @@ def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0
     return us, out.clone(), alone
 
 
+def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0):
+    """MHA point ``p`` with the prefix on FA3 (``SGLANG_DDTREE_MHA_PREFIX=fa3``): FA3's paged
+    decode over the prefix (pages of one token, as SGLang's fa3 backend keeps them), then our
+    kernel over the tree keys merging the two, page table and lengths prepared before the
+    timed graph as the verify backend does before a replay."""
+    from sglang_ddtree.mha_prefix import FA3Prefix
+
+    lay = p.layout
+    attn = plan_ours(ta, None, p, config, plan_context)
+    prefix = FA3Prefix(num_tree_tokens=p.n, page_size=1, device="cuda",
+                       context_width=lay.req_to_token.shape[1],
+                       table_dtype=lay.req_to_token.dtype)
+    prefix.init_graph_buffers(p.bs)
+    rows = torch.arange(p.bs, device="cuda")
+    table = lay.req_to_token.index_select(0, lay.req_pool_indices).contiguous()
+    prefix.prepare(table, rows, lay.seq_lens, static=True)
+    out = torch.empty(p.q.shape[0], 32, 128, device="cuda", dtype=torch.bfloat16)
+
+    def fn():
+        p_out, p_lse = prefix.run(p.q, p.k_cache, p.v_cache, p.sm_scale)
+        attn.run(p.q, p.k_cache, p.v_cache, lay.out_cache_loc, p.mask, out=out, validate=False,
+                 prefix_out=p_out, prefix_lse=p_lse, **lay.table_kwargs())
+
+    us, _ = time_graph(fn, iters, flush)
+    return us, out.clone()
+
+
 def bench_sglang(extend, p, iters, flush):
     n, bs, lay = p.n, p.bs, p.layout
     loc = lay.out_cache_loc
@@ -424,6 +451,9 @@ def main(argv=None):
     ap.add_argument("--mla-prefix", action="store_true",
                     help="also time MLA points with the prefix on FlashMLA "
                          "(SGLANG_DDTREE_MLA_PREFIX=flashmla; Hopper; pages of 64)")
+    ap.add_argument("--mha-prefix", action="store_true",
+                    help="also time MHA points with the prefix on FA3 "
+                         "(SGLANG_DDTREE_MHA_PREFIX=fa3; Hopper), under 'fa3_prefix_us'")
     ap.add_argument("--config", default=None,
                     help="override our tile config: block_m,block_n,num_warps,num_stages")
     ap.add_argument("--sweep", default=None,
@@ -511,6 +541,7 @@ def main(argv=None):
                     python=platform.python_version(), copy_bandwidth_GBps=round(copy_bw, 1),
                     sglang_triton=extend_src, fa3=fa3_src, iters=args.iters,
                     mla_prefix="flashmla" if args.mla_prefix else None,
+                    mha_prefix="fa3" if args.mha_prefix else None,
                     peak_tflops_datasheet=args.peak_tflops, sweep=args.sweep,
                     min_split_keys=args.min_split_keys, splits=args.splits,
                     timing="median of CUDA-graph replays, L2 flushed (256 MB write) before each",
@@ -578,6 +609,15 @@ def main(argv=None):
                         diff = rel_diff(o, ours)
                         r["reduce_chunk_us"][c] = (round(t, 2) if diff < 2e-2 else
                                                    f"wrong output: rel diff {diff:.3g}")
+                    if args.mha_prefix and kind == "mha":
+                        try:
+                            t, o = bench_fa3_prefix(ta, p, args.iters, flush, config,
+                                                    args.plan_context)
+                            r["fa3_prefix_us"] = round(t, 2)
+                            r["fa3_prefix_rel_diff"] = round(rel_diff(o, ours), 5)
+                            r["speedup_fa3_prefix"] = round(us / t, 2)
+                        except Exception as exc:  # noqa: BLE001 - recorded per point
+                            r["fa3_prefix_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
                     if args.mla_prefix and kind == "mla":
                         try:
                             t, o, alone = bench_flashmla_prefix(ref, mla, p, args.iters, flush,
@@ -624,7 +664,7 @@ def _row(r):
             f"sglang {_fmt(r['sglang_triton_us'])} | fa3 {_fmt(r['fa3_us'])}"
             + "".join(f" | {key} {r[key]}" for key in ("sweep_us", "min_split_keys_us",
                                                         "reduce_chunk_us", "splits_us",
-                                                        "flashmla_prefix_us")
+                                                        "flashmla_prefix_us", "fa3_prefix_us")
                     if key in r))
 
 

@@ -104,6 +104,13 @@ MODEL_SETS["mla_fmla"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv",
 # batch-1 case then runs our kernel alone, batch 8 the merged path
 MODEL_SETS["mla_fmla8"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv",
                                ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "flashmla:8"})
+# the tiny pair on SGLang's fa3 backend with the verify's prefix part on FA3 and the tree keys
+# on our kernel (SGLANG_DDTREE_MHA_PREFIX=fa3, session 34), against the same target's AR on fa3;
+# fa3:4 takes FA3 from verify batches of 4 only (batch 1 our kernel alone)
+MODEL_SETS["tiny_fa3p"] = dict(MODEL_SETS["tiny_fa3"], ar_of="tiny_fa3",
+                               ddtree_env={"SGLANG_DDTREE_MHA_PREFIX": "fa3"})
+MODEL_SETS["tiny_fa3p4"] = dict(MODEL_SETS["tiny_fa3"], ar_of="tiny_fa3",
+                                ddtree_env={"SGLANG_DDTREE_MHA_PREFIX": "fa3:4"})
 # an 8-layer Kimi K2.6 TP8 rank with int4 experts through our fused MoE, in the AR reference
 # too (server_env goes to every server of the set): the verify's MoE calls (M = N x batch)
 # run other config bands than a decode step's (M = batch), so this checks that those bands'

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -348,6 +348,18 @@ for s in "$@"; do
                --no-sglang-triton --budgets ${TVTAIL_BUDGETS:-16,32,64} \
                --sweep "${TVTAIL_SWEEP:-64,64,4,3,1,0,256,16;64,64,4,2,1,0,256,16;128,64,8,3,1,0,256,16;128,64,8,2,1,0,256,16}" \
                --out "$OUT/tree_verify_tail_mha_h200.json" ${TVTAIL_ARGS:-} ;;
+    fa3prefix) # SGLANG_DDTREE_MHA_PREFIX=fa3 (session 34, CPU-tested): FA3's prefix contract and
+             # the merged kernel eager / graph (GPU tests), issue 4's MHA grid with the
+             # FA3-prefix column beside ours and fa3's tree verify, and DDTREE against AR token
+             # for token on the tiny pair on the fa3 backend (fa3 at every batch; fa3:4)
+             step fa3p-tests ${FA3P_TEST_LIMIT:-180} python3 -m pytest -q tests/gpu/test_mha_prefix_gpu.py
+             step fa3p-bench ${FA3P_BENCH_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mha \
+               --no-sglang-triton --mha-prefix --out "$OUT/tree_verify_fa3_prefix_mha_h200.json" \
+               ${FA3P_BENCH_ARGS:-}
+             step fa3p-e2e ${FA3P_E2E_LIMIT:-300} python3 scripts/e2e_lossless.py \
+               --cases "${FA3P_CASES:-tiny_fa3p:8,16,32;tiny_fa3p4:16}" --batch-sizes 1,4 \
+               --prompts 12 --eager-check= --speed= --deterministic= \
+               --out "$OUT/e2e_lossless_tiny_fa3_prefix_h200.json" ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
@@ -376,7 +388,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -273,15 +273,20 @@ ENV_MLA_PREFIX = "SGLANG_DDTREE_MLA_PREFIX"
 MLA_PREFIX_CHOICES = ("triton", "flashmla")
 
 
-def _mla_prefix_setting(environ) -> tuple:
-    raw = environ.get(ENV_MLA_PREFIX, "").strip().lower() or "triton"
+def _prefix_setting(environ, env: str, choices: tuple, kernel: str) -> tuple:
+    """(name, smallest batch) of a prefix setting ``triton``, ``<kernel>`` or ``<kernel>:B``."""
+    raw = environ.get(env, "").strip().lower() or "triton"
     name, sep, arg = raw.partition(":")
-    if name not in MLA_PREFIX_CHOICES or (sep and (name != "flashmla" or not arg.isdigit()
-                                                   or int(arg) < 1)):
-        raise DDTreeConfigError(f"{ENV_MLA_PREFIX}: expected one of {', '.join(MLA_PREFIX_CHOICES)}"
-                                f" or flashmla:B (B >= 1: FlashMLA for verify batches of B "
+    if name not in choices or (sep and (name != choices[1] or not arg.isdigit()
+                                        or int(arg) < 1)):
+        raise DDTreeConfigError(f"{env}: expected one of {', '.join(choices)} or "
+                                f"{choices[1]}:B (B >= 1: {kernel} for verify batches of B "
                                 f"requests and more), got {raw!r}")
     return name, int(arg) if sep else 1
+
+
+def _mla_prefix_setting(environ) -> tuple:
+    return _prefix_setting(environ, ENV_MLA_PREFIX, MLA_PREFIX_CHOICES, "FlashMLA")
 
 
 def read_mla_prefix(environ=os.environ) -> str:
@@ -303,6 +308,27 @@ def read_mla_prefix_min_batch(environ=os.environ) -> int:
     budgets 8 / 16 (0.89-0.90x), while at batch 1 it was 1.62-2.41x at 65,536 keys but
     0.75-0.83x at 2,048: ``flashmla:8`` suits batched serving."""
     return _mla_prefix_setting(environ)[1]
+
+
+ENV_MHA_PREFIX = "SGLANG_DDTREE_MHA_PREFIX"
+MHA_PREFIX_CHOICES = ("triton", "fa3")
+
+
+def read_mha_prefix(environ=os.environ) -> str:
+    """SGLANG_DDTREE_MHA_PREFIX: who attends the prefix in an MHA / GQA tree verify on DDTREE's
+    Triton verify backend. ``triton`` (default): our tree kernel, every arch. ``fa3``
+    (opt-in): FlashAttention 3's paged decode kernel (sgl_kernel's, non-causal) over the
+    prefix, our kernel for the tree keys, merged by log-sum-exp in its epilogue
+    (``mha_prefix.py``; Hopper, bf16 / fp16 KV cache, checked at start-up). ``fa3:B``: the
+    same for verify batches of B requests and more, our kernel alone below (static per
+    CUDA graph)."""
+    return _prefix_setting(environ, ENV_MHA_PREFIX, MHA_PREFIX_CHOICES, "FA3")[0]
+
+
+def read_mha_prefix_min_batch(environ=os.environ) -> int:
+    """The smallest verify batch whose prefix goes to FA3 under
+    ``SGLANG_DDTREE_MHA_PREFIX=fa3:B`` (1 for plain ``fa3``)."""
+    return _prefix_setting(environ, ENV_MHA_PREFIX, MHA_PREFIX_CHOICES, "FA3")[1]
 
 
 ENV_DRAFT_ATTENTION = "SGLANG_DDTREE_DRAFT_ATTENTION"

@@ -206,11 +206,22 @@ class TreeVerifyBackend:
                 num_tree_tokens=self._n, num_heads=heads.pop(), v_dim=keys[0].v_dim,
                 context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
                 device=_device_of(model_runner), fns=prefix_fns)
+        elif not is_mla and block_mask is None and cfg.read_mha_prefix() == "fa3":
+            from .mha_prefix import FA3Prefix
+
+            self._prefix_min_bs = cfg.read_mha_prefix_min_batch()
+            self._prefix = FA3Prefix(
+                num_tree_tokens=self._n,
+                page_size=int(getattr(model_runner, "page_size", 1) or 1),
+                context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
+                table_dtype=model_runner.req_to_token_pool.req_to_token.dtype,
+                device=_device_of(model_runner), fns=prefix_fns)
 
     def _prefix_serves(self, bs: int) -> bool:
-        """Whether FlashMLA attends the prefix of a verify batch of ``bs`` requests (padded, as
-        a graph runs it): SGLANG_DDTREE_MLA_PREFIX=flashmla, or flashmla:B with bs >= B. Each
-        batch size is its own graph, so the choice is static within one."""
+        """Whether another kernel attends the prefix of a verify batch of ``bs`` requests
+        (padded, as a graph runs it): FlashMLA under SGLANG_DDTREE_MLA_PREFIX=flashmla, FA3 under
+        SGLANG_DDTREE_MHA_PREFIX=fa3, or from batch B with ``:B``. Each batch size is its own
+        graph, so the choice is static within one."""
         return self._prefix is not None and bs >= self._prefix_min_bs
 
     # --- delegation -------------------------------------------------------------------------
@@ -414,11 +425,16 @@ class TreeVerifyBackend:
         scaled = layer.k_scale is not None and layer.v_scale is not None
         tokens = q.shape[0]
         out = torch.empty((tokens, hq, dv), dtype=q.dtype, device=q.device)
-        plan.run(q.view(tokens, hq, dqk), pool.get_key_buffer(layer.layer_id),
-                 pool.get_value_buffer(layer.layer_id), forward_batch.out_cache_loc, meta.mask,
+        q3 = q.view(tokens, hq, dqk)
+        k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        prefix_out = prefix_lse = None
+        if self._prefix_serves(tokens // self._n):  # the prefix on FA3, the tree keys below
+            prefix_out, prefix_lse = self._prefix.run(q3, k_cache, v_cache, layer.scaling)
+        plan.run(q3, k_cache, v_cache, forward_batch.out_cache_loc, meta.mask,
                  req_to_token=meta.table, req_pool_indices=meta.rows, seq_lens=meta.seq_lens,
                  k_scale=layer.k_scale_float if scaled else 1.0,
-                 v_scale=layer.v_scale_float if scaled else 1.0, out=out)
+                 v_scale=layer.v_scale_float if scaled else 1.0, out=out,
+                 prefix_out=prefix_out, prefix_lse=prefix_lse)
         # same layout as the triton backend returns: q's shape when dims agree, else [T, H*Dv]
         return out.view(q.shape) if dv == dqk else out.view(tokens, hq * dv)
 
@@ -540,7 +556,7 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
     ``num_tree_tokens``; ``model_runner.attn_backend`` is left as it is (``--speculative-ddtree-
     budget auto`` wraps each width's own backend before its verify graphs are captured).
     ``prefix_fns`` stands in for FlashMLA's functions under ``SGLANG_DDTREE_MLA_PREFIX=flashmla``
-    (tests)."""
+    and for FA3's ``(attend,)`` under ``SGLANG_DDTREE_MHA_PREFIX=fa3`` (tests)."""
     is_mla = sgl.is_mla(model_runner.model_config)
     problems = blockers(model_runner, sgl, is_mla)
     layers = verify_layers(model_runner.model, is_mla, sgl.RadixAttention,
@@ -555,6 +571,17 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
             f"{'; '.join(problems)}. Use --speculative-ddtree-verify-backend native with a "
             "tree-capable --attention-backend (triton, or flashinfer for MHA)."
         )
+    if cfg.read_mha_prefix() == "fa3":
+        from .mha_prefix import problems as fa3_problems
+
+        why = (["an MLA target (SGLANG_DDTREE_MLA_PREFIX is MLA's)"] if is_mla else
+               fa3_problems(model_runner, {layer_key(m) for m in layers},
+                            _device_of(model_runner), kernel=prefix_fns is None))
+        if why:
+            raise cfg.DDTreeConfigError(
+                f"DDTREE: {cfg.ENV_MHA_PREFIX}=fa3 cannot serve this target: "
+                f"{'; '.join(sorted(set(why)))}. Unset it to verify on DDTREE's Triton kernels "
+                "alone.")
     if cfg.read_mla_prefix() == "flashmla":
         from .mla_prefix import problems as prefix_problems
 
@@ -571,6 +598,8 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
                                 sgl=sgl, kernels=kernels, prefix_fns=prefix_fns)
     logger.info("DDTREE verify backend: triton (%s, N=%d, %d kernel plan(s)%s) behind %s",
                 "MLA" if is_mla else "MHA", num_tree_tokens, len(wrapper._plans),
-                ", prefix on FlashMLA" if wrapper._prefix is not None else "",
+                "" if wrapper._prefix is None else
+                ", prefix on " + ("FlashMLA" if is_mla else "FA3")
+                + (f" from batch {wrapper._prefix_min_bs}" if wrapper._prefix_min_bs > 1 else ""),
                 type(wrapper.wrapped_backend).__name__)
     return wrapper

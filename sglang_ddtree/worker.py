@@ -230,6 +230,13 @@ def _make_worker_class(sgl):
                     f"verify-backend {requested}). Add --speculative-ddtree-verify-backend "
                     f"triton, or unset {cfg.ENV_MLA_PREFIX}."
                 )
+            if cfg.read_mha_prefix() == "fa3" and verify != "triton":
+                raise cfg.DDTreeConfigError(
+                    f"DDTREE: {cfg.ENV_MHA_PREFIX}=fa3 runs inside DDTREE's Triton verify "
+                    f"backend, but this target verifies on '{backend}' (--speculative-ddtree-"
+                    f"verify-backend {requested}). Add --speculative-ddtree-verify-backend "
+                    f"triton, or unset {cfg.ENV_MHA_PREFIX}."
+                )
             if verify == "triton" and requested == "auto":  # one line per rank, at start-up
                 if backend in cfg.TREE_VERIFY_BACKENDS[arch]:
                     logger.info("DDTREE: verifying with DDTREE's Triton tree-attention kernels, "

@@ -291,3 +291,22 @@ def test_mla_prefix_from_batch_8_set(monkeypatch, tmp_path):
     ar = [s for s in FakeServer.started if not s.spec]
     assert len(ar) == 1 and "SGLANG_DDTREE_MLA_PREFIX" not in (ar[0].env or {})
     assert all("--page-size" in s.args for s in FakeServer.started)
+
+
+@pytest.mark.parametrize("case,setting", [("tiny_fa3p", "fa3"), ("tiny_fa3p4", "fa3:4")])
+def test_mha_prefix_on_fa3_sets(monkeypatch, tmp_path, case, setting):
+    """tiny_fa3p / tiny_fa3p4 (gpu_session.sh fa3prefix): DDTREE servers on the fa3 backend with
+    our Triton verify and the prefix on FA3, compared with tiny_fa3's AR server."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases", f"{case}:16", "--batch-sizes", "1,4",
+                   "--eager-check=", "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    ddtree = [s for s in FakeServer.started if s.spec]
+    assert ddtree and all(s.env.get("SGLANG_DDTREE_MHA_PREFIX") == setting for s in ddtree)
+    assert all(s.args[s.args.index("--speculative-ddtree-verify-backend") + 1] == "triton"
+               for s in ddtree)
+    ar = [s for s in FakeServer.started if not s.spec]
+    assert len(ar) == 1 and "SGLANG_DDTREE_MHA_PREFIX" not in (ar[0].env or {})
+    assert all(s.args[s.args.index("--attention-backend") + 1] == "fa3"
+               for s in FakeServer.started)

@@ -1035,3 +1035,183 @@ def test_mla_prefix_on_flashmla_refusals(sgl, monkeypatch):
             cfg.read_mla_prefix()
     monkeypatch.setenv("SGLANG_DDTREE_MLA_PREFIX", " FlashMLA:8 ")
     assert (cfg.read_mla_prefix(), cfg.read_mla_prefix_min_batch()) == ("flashmla", 8)
+
+
+# --- SGLANG_DDTREE_MHA_PREFIX=fa3: the prefix on FA3 (a stand-in here) ------------------------
+
+def _fake_fa3(clean_k, clean_v, pool_k, calls, empty_lse=float("inf")):
+    """FA3's prefix call with flash_attn_with_kvcache's contract, in fp32 torch: a non-causal
+    paged decode (page table of page indices, int32 lengths) returning the normalised output
+    and the natural-log LSE [b, hq, s]; a row with no keys gets FlashAttention's +inf LSE and
+    a zero output. It attends over the clean caches after checking it was handed the pool's
+    own key buffer."""
+
+    def attend(q, k_cache, v_cache, page_table, cache_seqlens, softmax_scale):
+        calls.append(("attend", page_table.clone(), cache_seqlens.clone(), k_cache.shape))
+        assert page_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
+        assert k_cache.data_ptr() == pool_k.data_ptr()
+        b, s, hq, d = q.shape
+        page, hkv = k_cache.shape[1], k_cache.shape[2]
+        kp, vp = clean_k.view(-1, page, hkv, d), clean_v.view(-1, page, hkv, d)
+        out = torch.zeros(b, s, hq, d)
+        lse = torch.full((b, hq, s), empty_lse)
+        for i in range(b):
+            length = int(cache_seqlens[i])
+            if not length:
+                continue
+            pages = page_table[i, :-(-length // page)].long()
+            k = kp[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
+            v = vp[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
+            sc = torch.einsum("shd,lhd->hsl", q[i].float(), k) * softmax_scale
+            lse[i] = torch.logsumexp(sc, dim=-1)
+            out[i] = torch.einsum("hsl,lhd->shd", torch.softmax(sc, -1), v)
+        return out.to(q.dtype), lse
+
+    return (attend,)
+
+
+def _mha_prefix_backend(sgl, monkeypatch, seed, seq_lens, n, page, setting="fa3", hq=4, hkv=2,
+                        d=16):
+    """The MHA target behind our verify backend with the prefix on the FA3 stand-in; every
+    prefix slot NaN in the pool our kernel reads (the stand-in reads clean copies)."""
+    monkeypatch.setenv("SGLANG_DDTREE_MHA_PREFIX", setting)
+    g, layout, mask, layer, pool = _mha_setup(seed=seed, seq_lens=seq_lens, n=n, hq=hq,
+                                              hkv=hkv, d=d, page=page)
+    kb, vb = pool.get_key_buffer(1), pool.get_value_buffer(1)
+    clean_k, clean_v = kb.clone(), vb.clone()
+    prefix = _used_slots(kb.shape[0], layout)
+    kb[prefix] = float("nan")
+    vb[prefix] = float("nan")
+    mr = _runner(pool, layout.req_to_token, [layer], RecordingBackend())
+    mr.page_size = page
+    calls = []
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS,
+                               prefix_fns=_fake_fa3(clean_k, clean_v, kb, calls))
+    assert w._prefix is not None
+    return g, layout, mask, layer, pool, (clean_k, clean_v), w, calls
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_mha_prefix_on_fa3_eager_matches_reference(sgl, monkeypatch, page):
+    n, hq, hkv, d = 5, 4, 2, 16
+    g, layout, mask, layer, pool, (ck, cv), w, calls = _mha_prefix_backend(
+        sgl, monkeypatch, 21, (37, 9), n, page)
+    tokens = layout.out_cache_loc.numel()
+    q, k, v, _, _ = _step_qkv(g, pool, layout, tokens, hq, hkv, d)
+    fb = _verify_batch(layout, mask, n)
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        out = layer(q, k, v, fb)
+    kind, table, lens, kshape = calls[-1]
+    assert kind == "attend" and torch.equal(lens, layout.seq_lens.int())
+    assert kshape[1:] == (page, hkv, d)
+    for b in range(2):  # each request's pages, in order
+        row = layout.req_to_token[layout.req_pool_indices[b]]
+        want = row[: -(-int(layout.seq_lens[b]) // page) * page:page] // page
+        assert torch.equal(table[b, :want.numel()], want)
+    ck[layout.out_cache_loc] = k.view(-1, hkv, d)
+    cv[layout.out_cache_loc] = v.view(-1, hkv, d)
+    ref = _expected_mha(layout, mask, layer, ck, cv, q)
+    assert not out.isnan().any()
+    assert rel_err(out.view(ref.shape), ref) < TOL
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_mha_prefix_on_fa3_graph_path_reads_static_buffers(sgl, monkeypatch, page):
+    """Capture-style prep of a padded batch: FA3 is handed the backend's req_to_token snapshot
+    itself (pages of one token) or the static page-table buffer, and the static lengths; the
+    real requests match the reference and the padding row stays finite."""
+    n, hq, hkv, d = 3, 4, 2, 16
+    g, layout, mask, layer, pool, (ck, cv), w, calls = _mha_prefix_backend(
+        sgl, monkeypatch, 22, (64, 9), n, page)
+    w.init_cuda_graph_state(4, 4 * n)
+    bs, pad_bs = 2, 3
+    tokens = pad_bs * n
+    q = torch.randn(tokens, hq * d, generator=g).bfloat16()
+    k = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    v = torch.randn(tokens, hkv * d, generator=g).bfloat16()
+    fb_view = _padded_by_one(layout, mask, n)
+    w.init_forward_metadata_out_graph(fb_view)
+    lens_buffer = w._prefix.seq_lens
+    with _attn_context(w):
+        out = layer(q, k, v, fb_view)
+    _, table, lens, _ = calls[-1]
+    assert table.shape[0] == pad_bs and torch.equal(lens, fb_view.seq_lens.int())
+    assert w._prefix.seq_lens is lens_buffer
+    pages = w._prefix._batch[0]
+    if page == 1:  # no copy: the snapshot the tree kernel reads too
+        assert pages.data_ptr() == w._graph["table"].data_ptr()
+    else:
+        assert pages.data_ptr() == w._prefix.page_table.data_ptr()
+    ck[layout.out_cache_loc] = k[: bs * n].view(-1, hkv, d)
+    cv[layout.out_cache_loc] = v[: bs * n].view(-1, hkv, d)
+    ref = _expected_mha(layout, mask, layer, ck, cv, q[: bs * n])
+    assert rel_err(out[: bs * n].view(ref.shape), ref) < TOL
+    assert torch.isfinite(out[bs * n:].float()).all()
+
+
+def test_mha_prefix_empty_prefix_and_from_a_batch_size(sgl, monkeypatch):
+    """fa3:3: a verify batch of 2 runs our kernel alone (FA3 not called); a padded graph batch
+    of 3 takes the prefix on FA3, a request with an empty prefix (FA3's +inf LSE) included."""
+    n, hq, hkv, d = 3, 4, 2, 16
+    g, layout, mask, layer, pool, (ck, cv), w, calls = _mha_prefix_backend(
+        sgl, monkeypatch, 23, (40, 0), n, 1, setting="fa3:3")
+    assert w._prefix_min_bs == 3
+    pool.get_key_buffer(1).copy_(ck)
+    pool.get_value_buffer(1).copy_(cv)
+    tokens = layout.out_cache_loc.numel()
+    q, k, v, want_k, want_v = _step_qkv(g, pool, layout, tokens, hq, hkv, d)
+    fb = _verify_batch(layout, mask, n)
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        out = layer(q, k, v, fb)
+    assert calls == []
+    ref = _expected_mha(layout, mask, layer, want_k, want_v, q)
+    assert rel_err(out.view(ref.shape), ref) < TOL
+    w.init_cuda_graph_state(4, 4 * n)
+    q3 = torch.cat([q, torch.randn(n, hq * d, generator=g).bfloat16()])
+    k3 = torch.cat([k, torch.randn(n, hkv * d, generator=g).bfloat16()])
+    v3 = torch.cat([v, torch.randn(n, hkv * d, generator=g).bfloat16()])
+    fb_view = _padded_by_one(layout, mask, n)
+    w.init_forward_metadata_out_graph(fb_view)
+    with _attn_context(w):
+        out3 = layer(q3, k3, v3, fb_view)
+    assert [c[0] for c in calls] == ["attend"] and int(calls[0][2][1]) == 0
+    assert not out3[:tokens].isnan().any()
+    assert rel_err(out3[:tokens].view(ref.shape), ref) < TOL
+    monkeypatch.setenv("SGLANG_DDTREE_MHA_PREFIX", "fa3")
+    assert cfg.read_mha_prefix_min_batch() == 1
+
+
+def test_mha_prefix_on_fa3_refusals(sgl, monkeypatch):
+    """Start-up refusals name the fix: an fp8 KV cache, a logit cap, an MLA target, a bad
+    value; without the stand-in the machine is checked too (no GPU here)."""
+    monkeypatch.setenv("SGLANG_DDTREE_MHA_PREFIX", "fa3")
+    n = 3
+    fns = (lambda *a: None,)
+    _, layout, _, layer, pool = _mha_setup(n=n)
+    mr = _runner(pool, layout.req_to_token, [layer], RecordingBackend())
+
+    def install(runner, prefix_fns):
+        verify_backend.install(runner, n, sgl, kernels=KERNELS, prefix_fns=prefix_fns)
+
+    with pytest.raises(cfg.DDTreeConfigError, match="MHA_PREFIX=fa3 cannot serve") as info:
+        install(mr, None)
+    assert "device cpu" in str(info.value)
+    mr.kv_cache_dtype = torch.float8_e4m3fn
+    with pytest.raises(cfg.DDTreeConfigError, match="bf16 or fp16 KV cache"):
+        install(mr, fns)
+    mr.kv_cache_dtype = torch.bfloat16
+    layer.logit_cap = 30.0
+    with pytest.raises(cfg.DDTreeConfigError, match="logit cap"):
+        install(mr, fns)
+    layer.logit_cap = 0.0
+    _, mlayout, _, mlayer, prefill_path, mpool = _mla_setup(1, torch.bfloat16, n=n)
+    mla = _runner(mpool, mlayout.req_to_token, [mlayer, prefill_path], RecordingBackend(),
+                  mla=True)
+    with pytest.raises(cfg.DDTreeConfigError, match="an MLA target"):
+        install(mla, fns)
+    for bad in ("flashmla", "fa3:0", "fa3:x", "triton:2", "fa3:"):
+        monkeypatch.setenv("SGLANG_DDTREE_MHA_PREFIX", bad)
+        with pytest.raises(cfg.DDTreeConfigError, match="expected one of triton, fa3"):
+            cfg.read_mha_prefix()

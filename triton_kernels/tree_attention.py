@@ -248,7 +248,8 @@ def _epilogue(acc, m_i, l_i, row_ok, row_live, tok, head, t_glob, b, split, dvp,
             t_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             p_lse = tl.load(pre_lse_ptr + b.to(tl.int64) * stride_plb + head * stride_plh
                             + tok * stride_pln, mask=row_ok, other=float("-inf"))
-            p_lse = p_lse * 1.4426950408889634  # log2 e
+            # an empty prefix: -inf, or +inf as FlashAttention marks a row with no keys
+            p_lse = tl.where(p_lse == float("inf"), float("-inf"), p_lse * 1.4426950408889634)
             p_out = tl.load(pre_o_ptr + t_glob[:, None] * stride_pot + head[:, None] * stride_poh
                             + offs_dv[None, :],
                             mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
