@@ -66,7 +66,11 @@ MODEL_SETS["tiny_page16"] = dict(MODEL_SETS["tiny"], extra_args=["--page-size", 
 # decode staying on the target's backend
 TRITON_VERIFY = ["--speculative-ddtree-verify-backend", "triton"]
 MODEL_SETS["tiny_flashinfer"] = dict(MODEL_SETS["tiny"], backend="flashinfer")
+# (tiny_fa3: the defaults, so on Hopper the verify's prefix on FA3 since session 34's auto;
+# tiny_fa3_tv: our kernel alone, SGLANG_DDTREE_MHA_PREFIX=triton)
 MODEL_SETS["tiny_fa3"] = dict(MODEL_SETS["tiny"], backend="fa3", ddtree_args=TRITON_VERIFY)
+MODEL_SETS["tiny_fa3_tv"] = dict(MODEL_SETS["tiny_fa3"], ar_of="tiny_fa3",
+                                 ddtree_env={"SGLANG_DDTREE_MHA_PREFIX": "triton"})
 MODEL_SETS["mla_fa3"] = dict(MODEL_SETS["mla"], backend="fa3", ddtree_args=TRITON_VERIFY)
 MODEL_SETS["tiny_tv"] = dict(MODEL_SETS["tiny"], ddtree_args=TRITON_VERIFY, ar_of="tiny")
 # the tiny pair in fp32 (target and drafter; its own AR reference): bf16 logits of this model
@@ -92,12 +96,16 @@ MODEL_SETS["mla_dtv"] = dict(MODEL_SETS["mla"], ar_of="mla", ddtree_env=DRAFT_ON
 MODEL_SETS["tiny_dnat"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
                                ddtree_env={"SGLANG_DDTREE_DRAFT_ATTENTION": "native"})
 # MLA + MoE on SGLang's flashmla backend (pages of 64, Hopper; AR decodes on FlashMLA too):
-# the verify on our Triton kernels alone, and with its prefix part on FlashMLA
+# the verify on our Triton kernels alone (SGLANG_DDTREE_MLA_PREFIX=triton: since session 34
+# the default, auto, takes FlashMLA here), and with its prefix part on FlashMLA
 # (SGLANG_DDTREE_MLA_PREFIX=flashmla); the dense drafter stays on triton
 FLASHMLA_PAGES = {"backend": "flashmla", "extra_args": ["--page-size", "64"]}
 MODEL_SETS["mla_fmla_tv"] = dict(
     MODEL_SETS["mla"], **FLASHMLA_PAGES,
-    ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"])
+    ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"],
+    ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "triton"})
+# the defaults on FlashMLA pages: auto puts the prefix on FlashMLA
+MODEL_SETS["mla_fmla_auto"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv", ddtree_env={})
 MODEL_SETS["mla_fmla"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv",
                               ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "flashmla"})
 # flashmla:8 (session 33): the prefix on FlashMLA for verify batches of 8 and more only; a

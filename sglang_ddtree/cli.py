@@ -36,6 +36,7 @@ def collect_info() -> dict:
         "tree_verify_backends": {},
         "triton_verify_behind": {},
         "mla_prefix_flashmla": None,
+        "mha_prefix_fa3": None,
         "settings": {},
     }
     try:
@@ -61,6 +62,7 @@ def collect_info() -> dict:
     info["tree_verify_backends"] = installed_tree_backends()
     info["triton_verify_behind"] = triton_verify_backends()
     info["mla_prefix_flashmla"] = flashmla_prefix_status()
+    info["mha_prefix_fa3"] = fa3_prefix_status()
     try:
         info["settings"] = {
             "budget": (f"auto {config.read_auto_table()}" if config.is_auto_budget()
@@ -69,6 +71,8 @@ def collect_info() -> dict:
             "verify_backend": config.read_verify_backend(),
             "mla_prefix": (config.read_mla_prefix() if config.read_mla_prefix_min_batch() == 1
                            else f"flashmla from batch {config.read_mla_prefix_min_batch()}"),
+            "mha_prefix": (config.read_mha_prefix() if config.read_mha_prefix_min_batch() == 1
+                           else f"fa3 from batch {config.read_mha_prefix_min_batch()}"),
             "draft_attention": config.read_draft_attention(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
         }
@@ -126,6 +130,21 @@ def flashmla_prefix_status() -> str:
         return f"unknown ({type(e).__name__}: {e})"
     return "usable (with --page-size 64 and a bf16 KV cache)" if not why else \
         "not usable: " + "; ".join(why)
+
+
+def fa3_prefix_status() -> str:
+    """Whether the FA3 prefix (``SGLANG_DDTREE_MHA_PREFIX``: auto or fa3) can run on this
+    machine (a Hopper GPU and FA3; the target's own needs, a bf16 / fp16 KV cache and its head
+    dims, are checked at start-up)."""
+    try:
+        import torch
+
+        from .mha_prefix import machine_problems
+
+        why = machine_problems(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except Exception as e:  # a diagnostic: say what failed
+        return f"unknown ({type(e).__name__}: {e})"
+    return "usable (with a bf16 / fp16 KV cache)" if not why else "not usable: " + "; ".join(why)
 
 
 def _cmd_info(args) -> int:

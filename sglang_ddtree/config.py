@@ -270,12 +270,13 @@ def resolve_verify_backend(requested: str, backend: str, native_ok, triton_ok,
 
 
 ENV_MLA_PREFIX = "SGLANG_DDTREE_MLA_PREFIX"
-MLA_PREFIX_CHOICES = ("triton", "flashmla")
+MLA_PREFIX_CHOICES = ("triton", "flashmla", "auto")
 
 
 def _prefix_setting(environ, env: str, choices: tuple, kernel: str) -> tuple:
-    """(name, smallest batch) of a prefix setting ``triton``, ``<kernel>`` or ``<kernel>:B``."""
-    raw = environ.get(env, "").strip().lower() or "triton"
+    """(name, smallest batch) of a prefix setting ``auto`` (the default), ``triton``,
+    ``<kernel>`` or ``<kernel>:B``."""
+    raw = environ.get(env, "").strip().lower() or "auto"
     name, sep, arg = raw.partition(":")
     if name not in choices or (sep and (name != choices[1] or not arg.isdigit()
                                         or int(arg) < 1)):
@@ -291,12 +292,14 @@ def _mla_prefix_setting(environ) -> tuple:
 
 def read_mla_prefix(environ=os.environ) -> str:
     """SGLANG_DDTREE_MLA_PREFIX: who attends the prefix in an MLA tree verify on DDTREE's Triton
-    verify backend. ``triton`` (default): our tree kernel, every arch and page size.
-    ``flashmla`` (opt-in): FlashMLA's dense decode kernel over the prefix pages, our kernel
-    for the tree keys, merged by log-sum-exp (``mla_prefix.py``; Hopper, ``--page-size 64``,
-    bf16 KV cache, checked at start-up). ``flashmla:B``: the same for verify batches of B
-    requests and more, our kernel alone below (each batch size is its own CUDA graph, so the
-    choice is static per graph): see :func:`read_mla_prefix_min_batch`."""
+    verify backend. ``auto`` (default): FlashMLA where it can serve the target (below), else
+    our kernel, with the reason in the start-up log. ``triton``: our tree kernel alone, every
+    arch and page size. ``flashmla``: FlashMLA's dense decode kernel over the prefix pages,
+    our kernel for the tree keys, merged by log-sum-exp (``mla_prefix.py``; Hopper,
+    ``--page-size 64``, bf16 KV cache, 576 / 512-dim latent rows, no logit cap; anything else
+    stops start-up with the reason). ``flashmla:B``: the same for verify batches of B requests
+    and more, our kernel alone below (each batch size is its own CUDA graph, so the choice is
+    static per graph): see :func:`read_mla_prefix_min_batch`."""
     return _mla_prefix_setting(environ)[0]
 
 
@@ -311,17 +314,21 @@ def read_mla_prefix_min_batch(environ=os.environ) -> int:
 
 
 ENV_MHA_PREFIX = "SGLANG_DDTREE_MHA_PREFIX"
-MHA_PREFIX_CHOICES = ("triton", "fa3")
+MHA_PREFIX_CHOICES = ("triton", "fa3", "auto")
 
 
 def read_mha_prefix(environ=os.environ) -> str:
     """SGLANG_DDTREE_MHA_PREFIX: who attends the prefix in an MHA / GQA tree verify on DDTREE's
-    Triton verify backend. ``triton`` (default): our tree kernel, every arch. ``fa3``
-    (opt-in): FlashAttention 3's paged decode kernel (sgl_kernel's, non-causal) over the
+    Triton verify backend. ``auto`` (default): FA3 where it can serve the target (below), else
+    our kernel, with the reason in the start-up log. ``triton``: our tree kernel alone, every
+    arch. ``fa3``: FlashAttention 3's paged decode kernel (sgl_kernel's, non-causal) over the
     prefix, our kernel for the tree keys, merged by log-sum-exp in its epilogue
-    (``mha_prefix.py``; Hopper, bf16 / fp16 KV cache, checked at start-up). ``fa3:B``: the
-    same for verify batches of B requests and more, our kernel alone below (static per
-    CUDA graph)."""
+    (``mha_prefix.py``; Hopper, bf16 / fp16 KV cache, equal q / v head dims up to 256, no
+    logit cap; anything else stops start-up with the reason). ``fa3:B``: the same for verify
+    batches of B requests and more, our kernel alone below (static per CUDA graph). On the
+    H200 (session 34, ``bench_results/tree_verify_fa3_prefix_mha_h200_s34.json``, Qwen3-8B
+    shapes, issue 4's 36 points): 1.03-2.36x fa3's own tree verify at every point; against
+    our kernel alone 0.78-0.87x at batch 1 with 2,048 keys, up to 2.1x at 65,536."""
     return _prefix_setting(environ, ENV_MHA_PREFIX, MHA_PREFIX_CHOICES, "FA3")[0]
 
 

@@ -32,7 +32,7 @@ DRAFT_SHAPE = dict(num_q_heads=8, num_kv_heads=1, head_dim=128)
 
 @dataclass
 class CaseResult:
-    kernel: str          # "mha", "mla", "mla_fp8", "mla_flashmla" or "draft"
+    kernel: str          # "mha", "mha_fa3", "mla", "mla_fp8", "mla_flashmla" or "draft"
     budget: int          # "draft" rows: the drafter's block size (its N), not a budget
     batch_size: int
     status: str          # "pass" | "mismatch" | "error"
@@ -73,10 +73,13 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     is_mla = kernel.startswith("mla")
     flashmla = kernel == "mla_flashmla"  # the prefix on FlashMLA (SGLANG_DDTREE_MLA_PREFIX)
+    fa3 = kernel == "mha_fa3"  # the prefix on FA3 (SGLANG_DDTREE_MHA_PREFIX)
     if flashmla:
         from .mla_prefix import PAGE, FlashMLAPrefix
 
         page_size = PAGE
+    if fa3:
+        from .mha_prefix import FA3Prefix
     if is_mla:
         hq, hkv = MLA_SHAPE["num_heads"], 1
         dq, dv = MLA_SHAPE["kv_lora_rank"] + MLA_SHAPE["rope_dim"], MLA_SHAPE["kv_lora_rank"]
@@ -93,10 +96,11 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
                                   num_kv_heads=hkv, head_dim=dq,
                                   max_context_len=planned, device=dev,
                                   ordered_mask=not draft)
-    res.num_splits = 1 if flashmla else attn.num_splits(bs)  # FlashMLA: our kernel, tree keys
+    # the prefix elsewhere: our kernel attends the tree keys only, in one split
+    res.num_splits = 1 if flashmla or fa3 else attn.num_splits(bs)
     cfg = attn.config_for(bs)  # the tile this GPU gets (MLA: 16 rows where 32 do not fit)
     res.extra["tile"] = f"{cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w"
-    if flashmla:
+    if flashmla or fa3:
         res.extra["page_size"] = page_size
     fp8 = kernel.endswith("fp8")
     kv_scale = 0.5 if fp8 else 1.0
@@ -123,12 +127,26 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
         prefix = FlashMLAPrefix(num_tree_tokens=n, num_heads=hq, v_dim=dv, device=dev,
                                 context_width=req_to_token.shape[1])
         prefix.init_graph_buffers(bs)
+    if fa3:
+        prefix = FA3Prefix(num_tree_tokens=n, page_size=page_size, device=dev,
+                           context_width=req_to_token.shape[1], table_dtype=req_to_token.dtype)
+        prefix.init_graph_buffers(bs)
+        # the verify backend's static snapshot of the batch's req_to_token rows
+        snapshot = torch.zeros(bs, req_to_token.shape[1], dtype=req_to_token.dtype, device=dev)
+        snap_rows = torch.arange(bs, device=dev)
 
     def prepare(static):  # outside the graph, before each replay (as the verify backend)
-        if prefix is not None:
+        if fa3:
+            torch.index_select(req_to_token, 0, req_pool_indices, out=snapshot)
+            prefix.prepare(snapshot, snap_rows, seq_lens, static=static)
+        elif prefix is not None:
             prefix.prepare(req_to_token, req_pool_indices, seq_lens, static=static)
 
     def call(o):
+        if fa3:
+            p_out, p_lse = prefix.run(q, k_cache, v_cache, sm_scale)
+            return attn.run(q, k_cache, v_cache, out_cache_loc, tree_mask, out=o,
+                            prefix_out=p_out, prefix_lse=p_lse, **kv_kwargs)
         if prefix is not None:
             p_out, p_lse = prefix.run(q, k_cache, sm_scale)
             return attn.run(q, k_cache, out_cache_loc, tree_mask, out=o, prefix_out=p_out,
@@ -198,15 +216,18 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
 
 def default_kernels() -> list:
     """The doctor's kernels: MHA, MLA bf16 and fp8 KV and the drafter's block everywhere; MLA
-    with the prefix on FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``) where FlashMLA can run
-    (Hopper)."""
+    with the prefix on FlashMLA and MHA with the prefix on FA3 (``SGLANG_DDTREE_MLA_PREFIX`` /
+    ``SGLANG_DDTREE_MHA_PREFIX``, auto by default) where that kernel can run (Hopper)."""
     import torch
 
+    from .mha_prefix import machine_problems as fa3_problems
     from .mla_prefix import machine_problems
 
     kernels = ["mha", "mla", "mla_fp8", "draft"]
     if torch.cuda.is_available() and not machine_problems(torch.device("cuda")):
         kernels.append("mla_flashmla")
+    if torch.cuda.is_available() and not fa3_problems(torch.device("cuda")):
+        kernels.append("mha_fa3")
     return kernels
 
 
@@ -225,7 +246,8 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
     kernels : sequence of str
         ``"mha"`` (GQA 32/8 x 128), ``"mla"`` (8 heads, 512 + 64 latent, bf16 cache) and
         ``"mla_fp8"`` (the same with an fp8 e4m3 cache), ``"mla_flashmla"`` (bf16, pages of 64,
-        the prefix on FlashMLA and the tree keys on our kernel: Hopper only), ``"draft"`` (the
+        the prefix on FlashMLA and the tree keys on our kernel: Hopper only), ``"mha_fa3"``
+        (the MHA shape with the prefix on FA3, pages of ``page_size``: Hopper only), ``"draft"`` (the
         DFlash drafter's block attention, ``SGLANG_DDTREE_DRAFT_ATTENTION=triton``: GQA 8:1 x
         128, an all-ones block mask; its rows read each budget as the block size). Default:
         :func:`default_kernels`.
@@ -328,8 +350,9 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_ints, default=[4, 8, 9, 16, 32, 64, 128])
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 8, 32])
     p.add_argument("--kernels", type=lambda s: s.split(","), default=None,
-                   help="mha,mla,mla_fp8,draft[,mla_flashmla] (default: these, mla_flashmla "
-                        "where FlashMLA runs; draft rows read the budgets as block sizes)")
+                   help="mha,mla,mla_fp8,draft[,mla_flashmla][,mha_fa3] (default: these, "
+                        "mla_flashmla / mha_fa3 where FlashMLA / FA3 run; draft rows read the "
+                        "budgets as block sizes)")
     p.add_argument("--max-context", type=int, default=2048,
                    help="longest prefix the replays draw")
     p.add_argument("--plan-context", type=int, default=DEFAULT_PLAN_CONTEXT,

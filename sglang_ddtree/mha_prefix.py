@@ -118,9 +118,10 @@ class FA3Prefix:
     def prepare(self, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                 static: bool) -> None:
         """Page table and prefix lengths of a batch. ``table[rows[b]]`` holds request b's token
-        slots; ``seq_lens`` its prefix lengths. ``static``: ``table`` is the verify backend's
-        graph snapshot (``rows`` = 0..bs-1) and everything lands in buffers a captured ``run``
-        reads."""
+        slots; ``seq_lens`` its prefix lengths. ``static``: into buffers a captured ``run``
+        reads; at pages of one token with int32 slots ``table`` must then be a static snapshot
+        whose first rows are the batch's (``rows`` = 0..bs-1, the verify backend's), read in
+        place."""
         bs = int(rows.shape[0])
         if static:
             if bs > self._max_bs:
@@ -128,14 +129,14 @@ class FA3Prefix:
                                    f"{self._max_bs} (init_graph_buffers not called)")
             if not self._own_table:  # the snapshot itself
                 pages = table[:bs]
-            else:
-                first = table[:bs, ::self.page]
+            else:  # each page's first slot, gathered for the batch's rows only
+                first = table[:, ::self.page].index_select(0, rows)
                 self.page_table[:bs, :first.shape[1]].copy_(first // self.page)
                 pages = self.page_table[:bs]
             self.seq_lens[:bs].copy_(seq_lens)
             self._batch = (pages, self.seq_lens[:bs])
         else:
-            first = table.index_select(0, rows)[:, ::self.page]
+            first = table[:, ::self.page].index_select(0, rows)
             self._batch = ((first // self.page).to(torch.int32).contiguous(),
                            seq_lens.to(torch.int32))
 

@@ -61,6 +61,8 @@ def problems(model_runner, layer_keys, device: torch.device, kernel: bool = True
     leaves out what only FlashMLA's own kernel needs (its dims, the machine), for a stand-in
     with the same contract (tests)."""
     out = []
+    if len({key.q_heads for key in layer_keys}) > 1:
+        out.append(f"layers with different head counts {sorted({k.q_heads for k in layer_keys})}")
     for key in layer_keys:
         if kernel and (key.qk_dim, key.v_dim) != (LATENT_DIM, V_DIM):
             out.append(f"latent rows of {key.qk_dim} dims with {key.v_dim}-dim values "

@@ -170,9 +170,12 @@ class TreeVerifyBackend:
                       "_name"})
 
     def __init__(self, inner, model_runner, *, num_tree_tokens: int, is_mla: bool, layers,
-                 sgl, kernels=None, prefix_fns=None, block_mask=None):
+                 sgl, kernels=None, prefix=None, prefix_fns=None, block_mask=None):
         """``block_mask`` ([N, N] bool): one mask for every request and step instead of the
-        tree the worker attaches (the drafter's block: ``draft_attention.install_draft``)."""
+        tree the worker attaches (the drafter's block: ``draft_attention.install_draft``).
+        ``prefix``: ``(kernel, B)``, the prefix of verify batches of B requests and more on
+        ``"flashmla"`` (MLA) or ``"fa3"`` (MHA), the tree keys on ours (:func:`choose_prefix`);
+        None: our kernel alone. ``prefix_fns`` stands in for that kernel's functions (tests)."""
         if kernels is None:
             from .triton_kernels import tree_attention, tree_attention_mla
 
@@ -193,29 +196,29 @@ class TreeVerifyBackend:
                                              dtype=torch.uint8).contiguous()
         keys = tuple(dict.fromkeys(layer_key(m) for m in layers))  # distinct, in layer order
         self._plan(keys, int(model_runner.req_to_token_pool.size))
-        if is_mla and cfg.read_mla_prefix() == "flashmla":
-            from .mla_prefix import FlashMLAPrefix
+        if prefix is not None:
+            self._prefix_min_bs = prefix[1]
+            width = int(model_runner.req_to_token_pool.req_to_token.shape[1])
+            if prefix[0] == "flashmla":
+                from .mla_prefix import FlashMLAPrefix
 
-            heads = {key.q_heads for key in keys}
-            if len(heads) != 1:
-                raise cfg.DDTreeConfigError(
-                    f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla: layers with different head counts "
-                    f"{sorted(heads)}; unset it.")
-            self._prefix_min_bs = cfg.read_mla_prefix_min_batch()
-            self._prefix = FlashMLAPrefix(
-                num_tree_tokens=self._n, num_heads=heads.pop(), v_dim=keys[0].v_dim,
-                context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
-                device=_device_of(model_runner), fns=prefix_fns)
-        elif not is_mla and block_mask is None and cfg.read_mha_prefix() == "fa3":
-            from .mha_prefix import FA3Prefix
+                heads = {key.q_heads for key in keys}
+                if len(heads) != 1:
+                    raise cfg.DDTreeConfigError(
+                        f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla: layers with different head "
+                        f"counts {sorted(heads)}; set {cfg.ENV_MLA_PREFIX}=triton.")
+                self._prefix = FlashMLAPrefix(
+                    num_tree_tokens=self._n, num_heads=heads.pop(), v_dim=keys[0].v_dim,
+                    context_width=width, device=_device_of(model_runner), fns=prefix_fns)
+            else:
+                from .mha_prefix import FA3Prefix
 
-            self._prefix_min_bs = cfg.read_mha_prefix_min_batch()
-            self._prefix = FA3Prefix(
-                num_tree_tokens=self._n,
-                page_size=int(getattr(model_runner, "page_size", 1) or 1),
-                context_width=int(model_runner.req_to_token_pool.req_to_token.shape[1]),
-                table_dtype=model_runner.req_to_token_pool.req_to_token.dtype,
-                device=_device_of(model_runner), fns=prefix_fns)
+                self._prefix = FA3Prefix(
+                    num_tree_tokens=self._n,
+                    page_size=int(getattr(model_runner, "page_size", 1) or 1),
+                    context_width=width,
+                    table_dtype=model_runner.req_to_token_pool.req_to_token.dtype,
+                    device=_device_of(model_runner), fns=prefix_fns)
 
     def _prefix_serves(self, bs: int) -> bool:
         """Whether another kernel attends the prefix of a verify batch of ``bs`` requests
@@ -550,6 +553,46 @@ def install(model_runner, num_tree_tokens: int, sgl, kernels=None,
     return wrapper
 
 
+def choose_prefix(model_runner, is_mla: bool, layers, kernel: bool = True):
+    """Who attends the prefix of this target's verify: ``(kernel, B)`` for FlashMLA (MLA,
+    ``SGLANG_DDTREE_MLA_PREFIX``) or FA3 (MHA, ``SGLANG_DDTREE_MHA_PREFIX``) from verify batches
+    of B requests, or None for our kernel alone. Named explicitly, a kernel that cannot serve
+    the target stops start-up with the reason; ``auto`` (the default) takes it where it can
+    serve (all batch sizes) and says at start-up why not otherwise. ``kernel=False``: a
+    stand-in replaces the kernel, so the machine is not checked (tests)."""
+    keys = {layer_key(m) for m in layers}
+    device = _device_of(model_runner)
+    mha_setting, mla_setting = cfg.read_mha_prefix(), cfg.read_mla_prefix()
+    if is_mla:
+        from .mla_prefix import problems
+        env, name, setting, min_bs = (cfg.ENV_MLA_PREFIX, "flashmla", mla_setting,
+                                      cfg.read_mla_prefix_min_batch())
+        if mha_setting == "fa3":
+            raise cfg.DDTreeConfigError(
+                f"DDTREE: {cfg.ENV_MHA_PREFIX}=fa3 cannot serve this target: an MLA target "
+                f"({cfg.ENV_MLA_PREFIX} is MLA's). Unset it.")
+    else:
+        from .mha_prefix import problems
+        env, name, setting, min_bs = (cfg.ENV_MHA_PREFIX, "fa3", mha_setting,
+                                      cfg.read_mha_prefix_min_batch())
+        if mla_setting == "flashmla":
+            raise cfg.DDTreeConfigError(
+                f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla cannot serve this target: a non-MLA "
+                f"target. Unset it.")
+    if setting == "triton":
+        return None
+    why = sorted(set(problems(model_runner, keys, device, kernel=kernel)))
+    if not why:
+        return name, min_bs
+    if setting == name:
+        raise cfg.DDTreeConfigError(
+            f"DDTREE: {env}={name} cannot serve this target: {'; '.join(why)}. Set {env}=triton "
+            "to verify on DDTREE's Triton kernels alone.")
+    logger.info("DDTREE: %s=auto: the verify's prefix stays on DDTREE's Triton kernel (%s "
+                "cannot serve: %s)", env, "FlashMLA" if is_mla else "FA3", "; ".join(why))
+    return None
+
+
 def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
          prefix_fns=None) -> TreeVerifyBackend:
     """:class:`TreeVerifyBackend` around the target attention backend ``inner`` for trees of
@@ -571,31 +614,11 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
             f"{'; '.join(problems)}. Use --speculative-ddtree-verify-backend native with a "
             "tree-capable --attention-backend (triton, or flashinfer for MHA)."
         )
-    if cfg.read_mha_prefix() == "fa3":
-        from .mha_prefix import problems as fa3_problems
-
-        why = (["an MLA target (SGLANG_DDTREE_MLA_PREFIX is MLA's)"] if is_mla else
-               fa3_problems(model_runner, {layer_key(m) for m in layers},
-                            _device_of(model_runner), kernel=prefix_fns is None))
-        if why:
-            raise cfg.DDTreeConfigError(
-                f"DDTREE: {cfg.ENV_MHA_PREFIX}=fa3 cannot serve this target: "
-                f"{'; '.join(sorted(set(why)))}. Unset it to verify on DDTREE's Triton kernels "
-                "alone.")
-    if cfg.read_mla_prefix() == "flashmla":
-        from .mla_prefix import problems as prefix_problems
-
-        why = (["a non-MLA target"] if not is_mla else
-               prefix_problems(model_runner, {layer_key(m) for m in layers},
-                               _device_of(model_runner), kernel=prefix_fns is None))
-        if why:
-            raise cfg.DDTreeConfigError(
-                f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla cannot serve this target: "
-                f"{'; '.join(sorted(set(why)))}. Unset it to verify on DDTREE's Triton kernels "
-                "alone.")
+    prefix = choose_prefix(model_runner, is_mla, layers, kernel=prefix_fns is None)
     wrapper = TreeVerifyBackend(inner, model_runner,
                                 num_tree_tokens=num_tree_tokens, is_mla=is_mla, layers=layers,
-                                sgl=sgl, kernels=kernels, prefix_fns=prefix_fns)
+                                sgl=sgl, kernels=kernels, prefix=prefix,
+                                prefix_fns=prefix_fns)
     logger.info("DDTREE verify backend: triton (%s, N=%d, %d kernel plan(s)%s) behind %s",
                 "MLA" if is_mla else "MHA", num_tree_tokens, len(wrapper._plans),
                 "" if wrapper._prefix is None else

@@ -108,3 +108,39 @@ def test_plan_context_sets_the_split_count_as_a_server_plans_it(interpret, monke
                                 device="cpu", plan_context=doctor.DEFAULT_PLAN_CONTEXT)
     assert short.num_splits == 1 and served.num_splits > 1, (short, served)
     assert short.status == served.status == "pass", (short, served)
+
+
+def _torch_fa3(q, k_cache, v_cache, page_table, cache_seqlens, softmax_scale):
+    """FA3's prefix call in fp32 torch (mha_prefix.load_fa3's contract): a non-causal paged
+    decode returning the normalised output and the natural-log LSE [b, hq, s]."""
+    import torch
+
+    b, s, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(b, s, hq, v_cache.shape[-1])
+    lse = torch.full((b, hq, s), float("inf"))
+    for i in range(b):
+        length = int(cache_seqlens[i])
+        pages = page_table[i, :-(-length // page)].long()
+        k = k_cache[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
+        v = v_cache[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
+        sc = torch.einsum("shd,lhd->hsl", q[i].float(), k) * softmax_scale
+        lse[i] = torch.logsumexp(sc, dim=-1)
+        out[i] = torch.einsum("hsl,lhd->shd", torch.softmax(sc, -1), v)
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_fa3_prefix_case_on_cpu(interpret, monkeypatch, page):
+    """mha_fa3 rows: the prefix through FA3's contract (a torch stand-in here), prepared from
+    the verify backend's kind of snapshot, the tree keys on our kernel; one split."""
+    import sglang_ddtree.mha_prefix as mha_prefix
+
+    monkeypatch.setattr(mha_prefix, "load_fa3", lambda: _torch_fa3)
+    monkeypatch.setitem(doctor.MHA_SHAPE, "num_q_heads", 4)
+    monkeypatch.setitem(doctor.MHA_SHAPE, "num_kv_heads", 2)
+    monkeypatch.setitem(doctor.MHA_SHAPE, "head_dim", 16)
+    r = doctor._check_case("mha_fa3", 5, 2, max_context=40, page_size=page, trials=2, seed=7,
+                           device="cpu")
+    assert r.status == "pass", r
+    assert r.num_splits == 1 and r.extra["page_size"] == page

@@ -133,12 +133,13 @@ def test_sets_sharing_an_absent_base_share_one_ar(monkeypatch, tmp_path):
 
 
 def test_flashmla_sets_share_an_ar_on_flashmla_pages(monkeypatch, tmp_path):
-    """mla_fmla_tv / mla_fmla: every server on the flashmla backend with 64-token pages (AR
-    included: one reference for both), the DDTREE servers on our Triton verify with the drafter
-    on triton, and only mla_fmla's DDTREE server with the prefix on FlashMLA."""
+    """mla_fmla_tv / mla_fmla / mla_fmla_auto: every server on the flashmla backend with
+    64-token pages (AR included: one reference for all), the DDTREE servers on our Triton verify
+    with the drafter on triton; mla_fmla_tv's prefix on our kernel alone (triton), mla_fmla's
+    on FlashMLA, mla_fmla_auto's left to the default (auto)."""
     pytest.importorskip("sglang")
     FakeServer.dead = None
-    rc, res = _run(monkeypatch, tmp_path, "--cases", "mla_fmla_tv:8;mla_fmla:8",
+    rc, res = _run(monkeypatch, tmp_path, "--cases", "mla_fmla_tv:8;mla_fmla:8;mla_fmla_auto:8",
                    "--eager-check=", "--speed=", "--deterministic=")
     assert rc == 0 and res["errors"] == [], res["failures"]
     assert len([s for s in FakeServer.started if not s.spec]) == 1
@@ -147,9 +148,9 @@ def test_flashmla_sets_share_an_ar_on_flashmla_pages(monkeypatch, tmp_path):
         assert srv.args[srv.args.index("--page-size") + 1] == "64", srv.log
     ddtree = [s for s in FakeServer.started if s.spec]
     assert ddtree and all("--speculative-draft-attention-backend" in s.args for s in ddtree)
-    prefix = {("mla_fmla-" in s.log and "mla_fmla_tv" not in s.log):
-              s.env.get("SGLANG_DDTREE_MLA_PREFIX") for s in ddtree}
-    assert prefix == {True: "flashmla", False: None}
+    prefix = {s.log.split("/")[-1].split("-ddtree")[0]: s.env.get("SGLANG_DDTREE_MLA_PREFIX")
+              for s in ddtree}
+    assert prefix == {"mla_fmla_tv": "triton", "mla_fmla": "flashmla", "mla_fmla_auto": None}
     assert all(c["verify_backend"] == "triton" for c in res["cases"])
 
 

@@ -212,6 +212,8 @@ def test_cli_info_reports_registration(loaded, capsys):
     assert "tree_verify_backends" in out
     # no GPU here: the FlashMLA prefix says why it cannot run
     assert "mla_prefix_flashmla    not usable: device cpu" in out
+    assert "mha_prefix_fa3         not usable: device cpu" in out
+    assert "'mla_prefix': 'auto'" in out and "'mha_prefix': 'auto'" in out  # the defaults
     assert "'draft_attention': 'auto'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
 
 

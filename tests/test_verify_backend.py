@@ -1215,3 +1215,41 @@ def test_mha_prefix_on_fa3_refusals(sgl, monkeypatch):
         monkeypatch.setenv("SGLANG_DDTREE_MHA_PREFIX", bad)
         with pytest.raises(cfg.DDTreeConfigError, match="expected one of triton, fa3"):
             cfg.read_mha_prefix()
+
+
+def test_prefix_auto_takes_the_kernel_where_it_can_serve(sgl, monkeypatch, caplog):
+    """The default (auto): the prefix kernel where nothing stops it (here a stand-in, so the
+    machine is not checked), our kernel alone otherwise with the reason logged at start-up;
+    triton keeps our kernel alone."""
+    for env in ("SGLANG_DDTREE_MHA_PREFIX", "SGLANG_DDTREE_MLA_PREFIX"):
+        monkeypatch.delenv(env, raising=False)
+    assert (cfg.read_mha_prefix(), cfg.read_mla_prefix()) == ("auto", "auto")
+    n = 3
+    _, layout, _, layer, pool = _mha_setup(n=n)
+    mr = _runner(pool, layout.req_to_token, [layer], RecordingBackend())
+    fns = (lambda *a: None,)
+    w = verify_backend.install(mr, n, sgl, kernels=KERNELS, prefix_fns=fns)
+    assert type(w._prefix).__name__ == "FA3Prefix" and w._prefix_min_bs == 1
+    mr.kv_cache_dtype = torch.float8_e4m3fn  # FA3 cannot serve it: our kernel alone, logged
+    with caplog.at_level("INFO", logger=verify_backend.__name__):
+        w = verify_backend.install(mr, n, sgl, kernels=KERNELS, prefix_fns=fns)
+    assert w._prefix is None and "MHA_PREFIX=auto" in caplog.text
+    assert "bf16 or fp16 KV cache" in caplog.text
+    mr.kv_cache_dtype = torch.bfloat16
+    monkeypatch.setenv("SGLANG_DDTREE_MHA_PREFIX", "triton")
+    assert verify_backend.install(mr, n, sgl, kernels=KERNELS, prefix_fns=fns)._prefix is None
+    # MLA: FlashMLA needs 64-token pages
+    _, mlayout, _, mlayer, prefill_path, mpool = _mla_setup(1, torch.bfloat16, n=n, page=64)
+    mla = _runner(mpool, mlayout.req_to_token, [mlayer, prefill_path], RecordingBackend(),
+                  mla=True)
+    mfns = (lambda *a: None, lambda *a, **k: None)
+    caplog.clear()
+    with caplog.at_level("INFO", logger=verify_backend.__name__):
+        assert verify_backend.install(mla, n, sgl, kernels=KERNELS, prefix_fns=mfns)._prefix \
+            is None
+    assert "MLA_PREFIX=auto" in caplog.text and "--page-size 64" in caplog.text
+    mla.page_size = 64
+    w = verify_backend.install(mla, n, sgl, kernels=KERNELS, prefix_fns=mfns)
+    assert type(w._prefix).__name__ == "FlashMLAPrefix"
+    # without a stand-in the machine counts: no GPU here, so our kernel alone
+    assert verify_backend.install(mla, n, sgl, kernels=KERNELS)._prefix is None
