@@ -1,5 +1,5 @@
-"""MHA / GQA tree verify with the prefix part on FlashAttention 3 (opt-in:
-``SGLANG_DDTREE_MHA_PREFIX=fa3``).
+"""MHA / GQA tree verify with the prefix part on FlashAttention 3 (``SGLANG_DDTREE_MHA_PREFIX``:
+``auto``, the default since session 34, or ``fa3``).
 
 A tree verify's attention splits in two: every tree row attends its request's whole prefix with
 no mask, and the tree tokens (at most budget + 1 keys) under the ancestor mask. The first part is
@@ -15,8 +15,10 @@ backend's expand pass and merge kernel.
 
 Requirements, checked at start-up (:func:`problems`): an MHA / GQA target whose head dims FA3
 has (q / k and v dims equal, at most 256), a bf16 or fp16 KV cache, no logit cap, a Hopper GPU
-(FA3 is built for sm_90a), and FA3 importable. Anything else is refused at start-up with the
-reason (never a silent fallback). Any page size: FA3 reads a page table of the cache's pages.
+(FA3 is built for sm_90a), and FA3 importable. Named explicitly (``fa3``), anything else is
+refused at start-up with the reason (never a silent fallback); under ``auto`` our kernel attends
+the whole tree verify instead and the start-up log says why. Any page size: FA3 reads a page
+table of the cache's pages.
 
 CUDA graphs: FA3 takes the page table and prefix lengths as device tensors. At page size 1 the
 page table is the verify backend's own snapshot of the batch's ``req_to_token`` rows (no copy);
@@ -29,6 +31,8 @@ from __future__ import annotations
 from typing import Callable, Optional, Tuple
 
 import torch
+
+from . import prefix_kernel
 
 MAX_HEAD_DIM = 256  # FA3's largest head dim
 
@@ -52,17 +56,8 @@ def load_fa3() -> Callable:
 
 def machine_problems(device: torch.device) -> list:
     """Why FA3 cannot run on ``device`` (empty: it can): CUDA, a Hopper GPU, FA3 importable."""
-    if device.type != "cuda":
-        return [f"device {device} (FA3 runs on CUDA)"]
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        return [f"a GPU of compute capability {major}.{minor} (FA3 is built for sm_90a: "
-                "H100 / H200)"]
-    try:
-        load_fa3()
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return [f"FA3 not importable ({type(e).__name__}: {e})"]
-    return []
+    return prefix_kernel.machine_problems(device, "FA3", "sm_90a: H100 / H200",
+                                          lambda cap: cap[0] == 9, load_fa3)
 
 
 def problems(model_runner, layer_keys, device: torch.device, kernel: bool = True) -> list:

@@ -1,4 +1,5 @@
-"""MLA tree verify with the prefix part on FlashMLA (opt-in: ``SGLANG_DDTREE_MLA_PREFIX=flashmla``).
+"""MLA tree verify with the prefix part on FlashMLA (``SGLANG_DDTREE_MLA_PREFIX``: ``auto``, the
+default since session 34, or ``flashmla``).
 
 A tree verify's attention splits in two: every tree row attends its request's whole prefix with
 no mask, and the tree tokens (at most budget + 1 keys) under the ancestor mask. The first part is
@@ -12,7 +13,9 @@ log-sum-exp to our tree kernel, which attends only the tree keys and merges the 
 Requirements, checked at start-up (:func:`problems`): an MLA target with 576-dim latent rows
 (512 + 64) and 512-dim values, KV pages of 64 tokens (``--page-size 64``, FlashMLA's page), a bf16
 KV cache, no logit cap, a Hopper GPU (FlashMLA's dense decode kernel is sm_90a), and FlashMLA
-importable. Anything else is refused at start-up with the reason (never a silent fallback).
+importable. Named explicitly (``flashmla``), anything else is refused at start-up with the reason
+(never a silent fallback); under ``auto`` our kernel attends the whole tree verify instead and the
+start-up log says why.
 
 CUDA graphs: the page table, prefix lengths and FlashMLA's tile-scheduler metadata of a verify
 batch are computed outside the graph (``prepare``, before replay) into buffers sized at
@@ -24,6 +27,8 @@ from __future__ import annotations
 from typing import Callable, Optional, Tuple
 
 import torch
+
+from . import prefix_kernel
 
 PAGE = 64                 # FlashMLA's page_block_size
 LATENT_DIM, V_DIM = 576, 512  # the only head dims FlashMLA's dense decode kernel has
@@ -43,17 +48,9 @@ def load_flashmla() -> Tuple[Callable, Callable]:
 def machine_problems(device: torch.device) -> list:
     """Why FlashMLA's kernel cannot run on ``device`` (empty: it can): CUDA, a Hopper GPU
     (its dense decode kernel is sm_90a), and FlashMLA importable."""
-    if device.type != "cuda":
-        return [f"device {device} (FlashMLA runs on CUDA)"]
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        return [f"a GPU of compute capability {major}.{minor} (FlashMLA's dense decode kernel "
-                "is built for sm_90a: H100 / H200)"]
-    try:
-        load_flashmla()
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return [f"FlashMLA not importable ({type(e).__name__}: {e})"]
-    return []
+    return prefix_kernel.machine_problems(
+        device, "FlashMLA", "sm_90a (its dense decode kernel): H100 / H200",
+        lambda cap: tuple(cap) == (9, 0), load_flashmla)
 
 
 def problems(model_runner, layer_keys, device: torch.device, kernel: bool = True) -> list:

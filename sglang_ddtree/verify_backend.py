@@ -560,28 +560,22 @@ def choose_prefix(model_runner, is_mla: bool, layers, kernel: bool = True):
     the target stops start-up with the reason; ``auto`` (the default) takes it where it can
     serve (all batch sizes) and says at start-up why not otherwise. ``kernel=False``: a
     stand-in replaces the kernel, so the machine is not checked (tests)."""
+    from . import mha_prefix, mla_prefix
+
     keys = {layer_key(m) for m in layers}
     device = _device_of(model_runner)
-    mha_setting, mla_setting = cfg.read_mha_prefix(), cfg.read_mla_prefix()
-    if is_mla:
-        from .mla_prefix import problems
-        env, name, setting, min_bs = (cfg.ENV_MLA_PREFIX, "flashmla", mla_setting,
-                                      cfg.read_mla_prefix_min_batch())
-        if mha_setting == "fa3":
-            raise cfg.DDTreeConfigError(
-                f"DDTREE: {cfg.ENV_MHA_PREFIX}=fa3 cannot serve this target: an MLA target "
-                f"({cfg.ENV_MLA_PREFIX} is MLA's). Unset it.")
-    else:
-        from .mha_prefix import problems
-        env, name, setting, min_bs = (cfg.ENV_MHA_PREFIX, "fa3", mha_setting,
-                                      cfg.read_mha_prefix_min_batch())
-        if mla_setting == "flashmla":
-            raise cfg.DDTreeConfigError(
-                f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla cannot serve this target: a non-MLA "
-                f"target. Unset it.")
+    # (env, kernel, setting, smallest batch, its module, what the target is to the other one)
+    mla = (cfg.ENV_MLA_PREFIX, "flashmla", cfg.read_mla_prefix(),
+           cfg.read_mla_prefix_min_batch(), mla_prefix, "a non-MLA target")
+    mha = (cfg.ENV_MHA_PREFIX, "fa3", cfg.read_mha_prefix(), cfg.read_mha_prefix_min_batch(),
+           mha_prefix, f"an MLA target ({cfg.ENV_MLA_PREFIX} is MLA's)")
+    (env, name, setting, min_bs, module, _), other = (mla, mha) if is_mla else (mha, mla)
+    if other[2] == other[1]:  # the other arch's kernel named for this target
+        raise cfg.DDTreeConfigError(f"DDTREE: {other[0]}={other[1]} cannot serve this target: "
+                                    f"{other[5]}. Unset it.")
     if setting == "triton":
         return None
-    why = sorted(set(problems(model_runner, keys, device, kernel=kernel)))
+    why = sorted(set(module.problems(model_runner, keys, device, kernel=kernel)))
     if not why:
         return name, min_bs
     if setting == name:

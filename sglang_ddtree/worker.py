@@ -223,20 +223,15 @@ def _make_worker_class(sgl):
                                                 cfg.TRITON_VERIFY_TARGET_BACKENDS[arch],
                                                 cfg.AUTO_PREFERS_TRITON_VERIFY[arch])
             self._tree_verify = None
-            if cfg.read_mla_prefix() == "flashmla" and verify != "triton":
-                raise cfg.DDTreeConfigError(
-                    f"DDTREE: {cfg.ENV_MLA_PREFIX}=flashmla runs inside DDTREE's Triton verify "
-                    f"backend, but this target verifies on '{backend}' (--speculative-ddtree-"
-                    f"verify-backend {requested}). Add --speculative-ddtree-verify-backend "
-                    f"triton, or unset {cfg.ENV_MLA_PREFIX}."
-                )
-            if cfg.read_mha_prefix() == "fa3" and verify != "triton":
-                raise cfg.DDTreeConfigError(
-                    f"DDTREE: {cfg.ENV_MHA_PREFIX}=fa3 runs inside DDTREE's Triton verify "
-                    f"backend, but this target verifies on '{backend}' (--speculative-ddtree-"
-                    f"verify-backend {requested}). Add --speculative-ddtree-verify-backend "
-                    f"triton, or unset {cfg.ENV_MHA_PREFIX}."
-                )
+            # a prefix kernel named explicitly runs inside our Triton verify backend only
+            for env, name, setting in ((cfg.ENV_MLA_PREFIX, "flashmla", cfg.read_mla_prefix()),
+                                       (cfg.ENV_MHA_PREFIX, "fa3", cfg.read_mha_prefix())):
+                if setting == name and verify != "triton":
+                    raise cfg.DDTreeConfigError(
+                        f"DDTREE: {env}={name} runs inside DDTREE's Triton verify backend, but "
+                        f"this target verifies on '{backend}' (--speculative-ddtree-verify-"
+                        f"backend {requested}). Add --speculative-ddtree-verify-backend "
+                        f"triton, or unset {env}.")
             if verify == "triton" and requested == "auto":  # one line per rank, at start-up
                 if backend in cfg.TREE_VERIFY_BACKENDS[arch]:
                     logger.info("DDTREE: verifying with DDTREE's Triton tree-attention kernels, "

@@ -110,33 +110,14 @@ def test_plan_context_sets_the_split_count_as_a_server_plans_it(interpret, monke
     assert short.status == served.status == "pass", (short, served)
 
 
-def _torch_fa3(q, k_cache, v_cache, page_table, cache_seqlens, softmax_scale):
-    """FA3's prefix call in fp32 torch (mha_prefix.load_fa3's contract): a non-causal paged
-    decode returning the normalised output and the natural-log LSE [b, hq, s]."""
-    import torch
-
-    b, s, hq, d = q.shape
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.zeros(b, s, hq, v_cache.shape[-1])
-    lse = torch.full((b, hq, s), float("inf"))
-    for i in range(b):
-        length = int(cache_seqlens[i])
-        pages = page_table[i, :-(-length // page)].long()
-        k = k_cache[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
-        v = v_cache[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
-        sc = torch.einsum("shd,lhd->hsl", q[i].float(), k) * softmax_scale
-        lse[i] = torch.logsumexp(sc, dim=-1)
-        out[i] = torch.einsum("hsl,lhd->shd", torch.softmax(sc, -1), v)
-    return out.to(q.dtype), lse
-
-
 @pytest.mark.parametrize("page", [1, 4])
 def test_fa3_prefix_case_on_cpu(interpret, monkeypatch, page):
     """mha_fa3 rows: the prefix through FA3's contract (a torch stand-in here), prepared from
     the verify backend's kind of snapshot, the tree keys on our kernel; one split."""
     import sglang_ddtree.mha_prefix as mha_prefix
+    from tests._fa3_standin import torch_fa3
 
-    monkeypatch.setattr(mha_prefix, "load_fa3", lambda: _torch_fa3)
+    monkeypatch.setattr(mha_prefix, "load_fa3", lambda: torch_fa3)
     monkeypatch.setitem(doctor.MHA_SHAPE, "num_q_heads", 4)
     monkeypatch.setitem(doctor.MHA_SHAPE, "num_kv_heads", 2)
     monkeypatch.setitem(doctor.MHA_SHAPE, "head_dim", 16)

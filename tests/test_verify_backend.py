@@ -1039,33 +1039,19 @@ def test_mla_prefix_on_flashmla_refusals(sgl, monkeypatch):
 
 # --- SGLANG_DDTREE_MHA_PREFIX=fa3: the prefix on FA3 (a stand-in here) ------------------------
 
-def _fake_fa3(clean_k, clean_v, pool_k, calls, empty_lse=float("inf")):
-    """FA3's prefix call with flash_attn_with_kvcache's contract, in fp32 torch: a non-causal
-    paged decode (page table of page indices, int32 lengths) returning the normalised output
-    and the natural-log LSE [b, hq, s]; a row with no keys gets FlashAttention's +inf LSE and
-    a zero output. It attends over the clean caches after checking it was handed the pool's
-    own key buffer."""
+def _fake_fa3(clean_k, clean_v, pool_k, calls):
+    """FA3's prefix call (tests/_fa3_standin.py) over the clean caches, after checking it was
+    handed the pool's own key buffer and int32 page table and lengths; calls logged."""
+    from tests._fa3_standin import torch_fa3
 
     def attend(q, k_cache, v_cache, page_table, cache_seqlens, softmax_scale):
         calls.append(("attend", page_table.clone(), cache_seqlens.clone(), k_cache.shape))
         assert page_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
         assert k_cache.data_ptr() == pool_k.data_ptr()
-        b, s, hq, d = q.shape
-        page, hkv = k_cache.shape[1], k_cache.shape[2]
-        kp, vp = clean_k.view(-1, page, hkv, d), clean_v.view(-1, page, hkv, d)
-        out = torch.zeros(b, s, hq, d)
-        lse = torch.full((b, hq, s), empty_lse)
-        for i in range(b):
-            length = int(cache_seqlens[i])
-            if not length:
-                continue
-            pages = page_table[i, :-(-length // page)].long()
-            k = kp[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
-            v = vp[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(hq // hkv, 1)
-            sc = torch.einsum("shd,lhd->hsl", q[i].float(), k) * softmax_scale
-            lse[i] = torch.logsumexp(sc, dim=-1)
-            out[i] = torch.einsum("hsl,lhd->shd", torch.softmax(sc, -1), v)
-        return out.to(q.dtype), lse
+        page, hkv, d = k_cache.shape[1:]
+        return torch_fa3(q, clean_k.view(-1, page, hkv, d),
+                         clean_v.view(-1, page, hkv, clean_v.shape[-1]), page_table,
+                         cache_seqlens, softmax_scale)
 
     return (attend,)
 
@@ -1091,17 +1077,24 @@ def _mha_prefix_backend(sgl, monkeypatch, seed, seq_lens, n, page, setting="fa3"
     return g, layout, mask, layer, pool, (clean_k, clean_v), w, calls
 
 
+def _eager_step(w, g, pool, layout, mask, layer, n, hq, hkv, d):
+    """One eager verify step of random q / k / v through layer 1 behind ``w``: returns
+    _step_qkv's five and the layer's output."""
+    q, k, v, want_k, want_v = _step_qkv(g, pool, layout, layout.out_cache_loc.numel(), hq, hkv,
+                                        d)
+    fb = _verify_batch(layout, mask, n)
+    w.init_forward_metadata(fb)
+    with _attn_context(w):
+        out = layer(q, k, v, fb)
+    return q, k, v, want_k, want_v, out
+
+
 @pytest.mark.parametrize("page", [1, 4])
 def test_mha_prefix_on_fa3_eager_matches_reference(sgl, monkeypatch, page):
     n, hq, hkv, d = 5, 4, 2, 16
     g, layout, mask, layer, pool, (ck, cv), w, calls = _mha_prefix_backend(
         sgl, monkeypatch, 21, (37, 9), n, page)
-    tokens = layout.out_cache_loc.numel()
-    q, k, v, _, _ = _step_qkv(g, pool, layout, tokens, hq, hkv, d)
-    fb = _verify_batch(layout, mask, n)
-    w.init_forward_metadata(fb)
-    with _attn_context(w):
-        out = layer(q, k, v, fb)
+    q, k, v, _, _, out = _eager_step(w, g, pool, layout, mask, layer, n, hq, hkv, d)
     kind, table, lens, kshape = calls[-1]
     assert kind == "attend" and torch.equal(lens, layout.seq_lens.int())
     assert kshape[1:] == (page, hkv, d)
@@ -1159,12 +1152,8 @@ def test_mha_prefix_empty_prefix_and_from_a_batch_size(sgl, monkeypatch):
     assert w._prefix_min_bs == 3
     pool.get_key_buffer(1).copy_(ck)
     pool.get_value_buffer(1).copy_(cv)
-    tokens = layout.out_cache_loc.numel()
-    q, k, v, want_k, want_v = _step_qkv(g, pool, layout, tokens, hq, hkv, d)
-    fb = _verify_batch(layout, mask, n)
-    w.init_forward_metadata(fb)
-    with _attn_context(w):
-        out = layer(q, k, v, fb)
+    q, k, v, want_k, want_v, out = _eager_step(w, g, pool, layout, mask, layer, n, hq, hkv, d)
+    tokens = q.shape[0]
     assert calls == []
     ref = _expected_mha(layout, mask, layer, want_k, want_v, q)
     assert rel_err(out.view(ref.shape), ref) < TOL

@@ -51,3 +51,39 @@ def load_kernels(interpret: bool) -> types.SimpleNamespace:
     return types.SimpleNamespace(**load_copy(
         "kernels", ("tree_attention", "tree_attention_mla", "tree_attention_plan", "reference"),
         interpret))
+
+
+def compiled_kernels_where(kernel: str, machine_problems) -> types.SimpleNamespace:
+    """GPU tests of a prefix kernel (FlashMLA, FA3): :func:`load_kernels` compiled where a CUDA
+    GPU is there and ``machine_problems(device)`` finds nothing, else the test is skipped with
+    the reason."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"{kernel} cannot run here: no CUDA GPU")
+    why = machine_problems(torch.device("cuda"))
+    if why:
+        pytest.skip(f"{kernel} cannot run here: {'; '.join(why)}")
+    return load_kernels(interpret=False)
+
+
+def rel_err(out, ref) -> float:
+    """max |out - ref| / max |ref| (the GPU tests' relative error)."""
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def graph_replay(call, like):
+    """``call(out)`` captured in a CUDA graph (after a warm-up run outside the capture) and
+    replayed into a NaN-filled buffer shaped as ``like``; returns that buffer."""
+    import torch
+
+    out = torch.full_like(like, float("nan"))
+    call(out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
