@@ -247,10 +247,10 @@ def run_graph_doctor(budgets: Sequence[int] = (4, 8, 9, 16, 32, 64, 128),
         ``"mha"`` (GQA 32/8 x 128), ``"mla"`` (8 heads, 512 + 64 latent, bf16 cache) and
         ``"mla_fp8"`` (the same with an fp8 e4m3 cache), ``"mla_flashmla"`` (bf16, pages of 64,
         the prefix on FlashMLA and the tree keys on our kernel: Hopper only), ``"mha_fa3"``
-        (the MHA shape with the prefix on FA3, pages of ``page_size``: Hopper only), ``"draft"`` (the
-        DFlash drafter's block attention, ``SGLANG_DDTREE_DRAFT_ATTENTION=triton``: GQA 8:1 x
-        128, an all-ones block mask; its rows read each budget as the block size). Default:
-        :func:`default_kernels`.
+        (the MHA shape with the prefix on FA3, pages of ``page_size``: Hopper only),
+        ``"draft"`` (the DFlash drafter's block attention,
+        ``SGLANG_DDTREE_DRAFT_ATTENTION=triton``: GQA 8:1 x 128, an all-ones block mask; its
+        rows read each budget as the block size). Default: :func:`default_kernels`.
     max_context : int
         Replays draw prefix lengths in 1..max_context.
     plan_context : int

@@ -429,7 +429,8 @@ class TreeVerifyBackend:
         tokens = q.shape[0]
         out = torch.empty((tokens, hq, dv), dtype=q.dtype, device=q.device)
         q3 = q.view(tokens, hq, dqk)
-        k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        k_cache = pool.get_key_buffer(layer.layer_id)
+        v_cache = pool.get_value_buffer(layer.layer_id)
         prefix_out = prefix_lse = None
         if self._prefix_serves(tokens // self._n):  # the prefix on FA3, the tree keys below
             prefix_out, prefix_lse = self._prefix.run(q3, k_cache, v_cache, layer.scaling)

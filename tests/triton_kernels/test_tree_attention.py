@@ -129,7 +129,8 @@ def test_tail_rows_ride_with_the_last_block(case):
     name, seq_lens, n, hq, hkv, page, splits, mode, cap, ordered, blocks = case
     g, layout, mask = make_layout(seq_lens, n, page, seed=sum(map(ord, name)))
     if not ordered:
-        mask = (torch.rand(len(seq_lens), n, n, generator=g) < 0.5) | torch.eye(n, dtype=torch.bool)
+        mask = torch.rand(len(seq_lens), n, n, generator=g) < 0.5
+        mask |= torch.eye(n, dtype=torch.bool)
     bs, d = len(seq_lens), 32
     k = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).bfloat16()
     v = poison_unused(torch.randn(layout.num_slots, hkv, d, generator=g), layout).bfloat16()
