@@ -26,6 +26,7 @@ A config is block_m,block_n,num_warps,num_stages[,dv_split[,dk_chunk]] (KernelCo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -182,6 +183,9 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
             "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
             "bulk_copies": ptx.count("cp.async.bulk"),
             "ld_global": len(re.findall(r"\bld\.global", ptx)),
+            # the PTX itself, for same-binary checks across checkouts (a refactor that should
+            # leave the compiled kernel alone)
+            "ptx_sha256": hashlib.sha256(ptx.encode()).hexdigest()[:16],
             "ctas_per_sm": occupancy,
             "ptxas_error": None if r.returncode == 0 else log[-500:]}
 

@@ -69,16 +69,21 @@ def collect_info() -> dict:
                        else config.read_budget()),
             "topk": config.read_topk() or "min(budget, vocab)",
             "verify_backend": config.read_verify_backend(),
-            "mla_prefix": (config.read_mla_prefix() if config.read_mla_prefix_min_batch() == 1
-                           else f"flashmla from batch {config.read_mla_prefix_min_batch()}"),
-            "mha_prefix": (config.read_mha_prefix() if config.read_mha_prefix_min_batch() == 1
-                           else f"fa3 from batch {config.read_mha_prefix_min_batch()}"),
+            "mla_prefix": _prefix_setting(config.read_mla_prefix(),
+                                          config.read_mla_prefix_min_batch()),
+            "mha_prefix": _prefix_setting(config.read_mha_prefix(),
+                                          config.read_mha_prefix_min_batch()),
             "draft_attention": config.read_draft_attention(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
         }
     except config.DDTreeConfigError as e:  # a bad env value is what the user needs to see
         info["settings"] = {"error": str(e)}
     return info
+
+
+def _prefix_setting(name: str, min_batch: int) -> str:
+    """A prefix setting as ``info`` shows it: ``flashmla:8`` reads "flashmla from batch 8"."""
+    return name if min_batch == 1 else f"{name} from batch {min_batch}"
 
 
 _BACKEND_MODULES = {
@@ -117,34 +122,34 @@ def triton_verify_backends() -> dict:
             for arch, names in TRITON_VERIFY_TARGET_BACKENDS.items()}
 
 
-def flashmla_prefix_status() -> str:
-    """Whether ``SGLANG_DDTREE_MLA_PREFIX=flashmla`` can run on this machine (GPU and FlashMLA;
-    the target's own needs, --page-size 64 and a bf16 KV cache, are checked at start-up)."""
+def _prefix_status(module: str, usable: str) -> str:
+    """Whether a prefix kernel's machine needs (``sglang_ddtree.<module>.machine_problems``: a
+    GPU of its arch, the kernel importable) hold here; the target's own needs are checked at
+    start-up."""
     try:
+        import importlib
+
         import torch
 
-        from .mla_prefix import machine_problems
-
+        machine_problems = importlib.import_module(f"sglang_ddtree.{module}").machine_problems
         why = machine_problems(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     except Exception as e:  # a diagnostic: say what failed
         return f"unknown ({type(e).__name__}: {e})"
-    return "usable (with --page-size 64 and a bf16 KV cache)" if not why else \
-        "not usable: " + "; ".join(why)
+    return usable if not why else "not usable: " + "; ".join(why)
+
+
+def flashmla_prefix_status() -> str:
+    """Whether FlashMLA's prefix (``SGLANG_DDTREE_MLA_PREFIX``: auto or flashmla) can run on
+    this machine (GPU and FlashMLA; the target's own needs, --page-size 64 and a bf16 KV cache,
+    are checked at start-up)."""
+    return _prefix_status("mla_prefix", "usable (with --page-size 64 and a bf16 KV cache)")
 
 
 def fa3_prefix_status() -> str:
     """Whether the FA3 prefix (``SGLANG_DDTREE_MHA_PREFIX``: auto or fa3) can run on this
     machine (a Hopper GPU and FA3; the target's own needs, a bf16 / fp16 KV cache and its head
     dims, are checked at start-up)."""
-    try:
-        import torch
-
-        from .mha_prefix import machine_problems
-
-        why = machine_problems(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    except Exception as e:  # a diagnostic: say what failed
-        return f"unknown ({type(e).__name__}: {e})"
-    return "usable (with a bf16 / fp16 KV cache)" if not why else "not usable: " + "; ".join(why)
+    return _prefix_status("mha_prefix", "usable (with a bf16 / fp16 KV cache)")
 
 
 def _cmd_info(args) -> int:

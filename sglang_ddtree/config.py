@@ -317,6 +317,10 @@ ENV_MHA_PREFIX = "SGLANG_DDTREE_MHA_PREFIX"
 MHA_PREFIX_CHOICES = ("triton", "fa3", "auto")
 
 
+def _mha_prefix_setting(environ) -> tuple:
+    return _prefix_setting(environ, ENV_MHA_PREFIX, MHA_PREFIX_CHOICES, "FA3")
+
+
 def read_mha_prefix(environ=os.environ) -> str:
     """SGLANG_DDTREE_MHA_PREFIX: who attends the prefix in an MHA / GQA tree verify on DDTREE's
     Triton verify backend. ``auto`` (default): FA3 where it can serve the target (below), else
@@ -329,13 +333,13 @@ def read_mha_prefix(environ=os.environ) -> str:
     H200 (session 34, ``bench_results/tree_verify_fa3_prefix_mha_h200_s34.json``, Qwen3-8B
     shapes, issue 4's 36 points): 1.03-2.36x fa3's own tree verify at every point; against
     our kernel alone 0.78-0.87x at batch 1 with 2,048 keys, up to 2.1x at 65,536."""
-    return _prefix_setting(environ, ENV_MHA_PREFIX, MHA_PREFIX_CHOICES, "FA3")[0]
+    return _mha_prefix_setting(environ)[0]
 
 
 def read_mha_prefix_min_batch(environ=os.environ) -> int:
     """The smallest verify batch whose prefix goes to FA3 under
     ``SGLANG_DDTREE_MHA_PREFIX=fa3:B`` (1 for plain ``fa3``)."""
-    return _prefix_setting(environ, ENV_MHA_PREFIX, MHA_PREFIX_CHOICES, "FA3")[1]
+    return _mha_prefix_setting(environ)[1]
 
 
 ENV_DRAFT_ATTENTION = "SGLANG_DDTREE_DRAFT_ATTENTION"

@@ -571,9 +571,10 @@ def choose_prefix(model_runner, is_mla: bool, layers, kernel: bool = True):
     mha = (cfg.ENV_MHA_PREFIX, "fa3", cfg.read_mha_prefix(), cfg.read_mha_prefix_min_batch(),
            mha_prefix, f"an MLA target ({cfg.ENV_MLA_PREFIX} is MLA's)")
     (env, name, setting, min_bs, module, _), other = (mla, mha) if is_mla else (mha, mla)
-    if other[2] == other[1]:  # the other arch's kernel named for this target
-        raise cfg.DDTreeConfigError(f"DDTREE: {other[0]}={other[1]} cannot serve this target: "
-                                    f"{other[5]}. Unset it.")
+    other_env, other_name, other_setting, _, _, this_target = other
+    if other_setting == other_name:  # the other arch's kernel named for this target
+        raise cfg.DDTreeConfigError(f"DDTREE: {other_env}={other_name} cannot serve this "
+                                    f"target: {this_target}. Unset it.")
     if setting == "triton":
         return None
     why = sorted(set(module.problems(model_runner, keys, device, kernel=kernel)))

@@ -75,10 +75,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _online_update(acc, m_i, l_i, s, allowed, v, qk_scale, logit_cap,
-                   HAS_CAP: tl.constexpr, INTERPRET: tl.constexpr):
-    """One key tile's online-softmax step: raw scores ``s`` [BM, BN] scaled (and capped), masked
-    by ``allowed``, folded into the running max / sum / output with values ``v`` [BN, BDV]."""
+def _softmax_step(m_i, l_i, s, allowed, qk_scale, logit_cap, HAS_CAP: tl.constexpr):
+    """One key tile's online-softmax step on raw scores ``s`` [BM, BN]: scaled (and capped),
+    masked by ``allowed``; returns the tile's probabilities, the rescale of the running output,
+    and the new running max and sum (log2 domain)."""
     if HAS_CAP:
         # logit soft cap as SGLang applies it: cap * tanh(scaled / cap), then to log2 domain
         s = logit_cap * _tanh(s * qk_scale / logit_cap) * 1.4426950408889634
@@ -91,11 +91,15 @@ def _online_update(acc, m_i, l_i, s, allowed, v, qk_scale, logit_cap,
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, INTERPRET: tl.constexpr):
+    """The running output rescaled and the tile's ``p @ v`` added."""
     if INTERPRET:
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+        return acc * alpha[:, None] + tl.dot(p, v)
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -155,7 +159,10 @@ def _attend_tile(
         else:
             k_pe = k_pe.to(qdt)
         s += tl.dot(q_pe, tl.trans(k_pe))
-
+    p, alpha, m_i, l_i = _softmax_step(m_i, l_i, s, allowed, qk_scale, logit_cap, HAS_CAP)
+    if TAIL_M > 0:
+        p_t, alpha_t, m_t, l_t = _softmax_step(m_t, l_t, s_t, allowed_t, qk_scale, logit_cap,
+                                               HAS_CAP)
     if SHARED_KV and DV_SPLIT == 1 and DK_CHUNK == 0:
         v = kd  # absorbed MLA: V is the first DV (= DK) latent dims of the same row
     else:
@@ -170,11 +177,9 @@ def _attend_tile(
             v = v.to(tl.float32)
         else:
             v = v.to(qdt)
-    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, allowed, v, qk_scale, logit_cap,
-                                   HAS_CAP, INTERPRET)
+    acc = _accumulate(acc, alpha, p, v, INTERPRET)
     if TAIL_M > 0:
-        acc_t, m_t, l_t = _online_update(acc_t, m_t, l_t, s_t, allowed_t, v, qk_scale,
-                                         logit_cap, HAS_CAP, INTERPRET)
+        acc_t = _accumulate(acc_t, alpha_t, p_t, v, INTERPRET)
     return acc, m_i, l_i, acc_t, m_t, l_t
 
 
@@ -388,9 +393,8 @@ def _tree_attn_fwd_kernel(
         head_t = kvh * G + rows_t % G
         t_glob_t = (b * N + tok_t).to(tl.int64)
         q_rows_t = q_ptr + t_glob_t * stride_qt + head_t * stride_qh
-        q_t = tl.load(q_rows_t[:, None] + tl.arange(0, BLOCK_DK)[None, :],
-                      mask=row_live_t[:, None] & (tl.arange(0, BLOCK_DK)[None, :] < DK),
-                      other=0.0)
+        q_t = tl.load(q_rows_t[:, None] + offs_dk[None, :],
+                      mask=row_live_t[:, None] & (offs_dk[None, :] < DK), other=0.0)
         if INTERPRET:
             q_t = q_t.to(tl.float32)
         acc_t = tl.zeros([TAIL_M, BLOCK_DV], dtype=tl.float32)
