@@ -152,7 +152,41 @@ def time_graph(fn, iters, flush):
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) * 1e3)
     times.sort()
+    if KERNEL_TIMES["on"]:
+        KERNEL_TIMES["last"] = kernel_times(run, flush)
     return times[len(times) // 2], mode
+
+
+# --kernel-times: the kernels of the last timed graph, from the PyTorch profiler (CUPTI)
+KERNEL_TIMES = {"on": False, "last": None}
+
+
+def kernel_times(run, flush, reps=5):
+    """Per-kernel device times of ``run`` (a graph replay) and the span from its first kernel's
+    start to its last kernel's end, medians over ``reps`` profiled replays, each after an L2
+    flush that has finished before the profiler starts (so only ``run``'s kernels are seen).
+    The span leaves out the graph's launch; the events' time includes it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_rep = []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        ks = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
+        per_rep.append(ks)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    n = min(len(ks) for ks in per_rep)
+    kernels = [dict(name=per_rep[0][i][2][:90],
+                    us=round(med([ks[i][1] - ks[i][0] for ks in per_rep]), 2),
+                    gap_before_us=round(med([ks[i][0] - ks[i - 1][1] for ks in per_rep]), 2)
+                    if i else 0.0) for i in range(n)]
+    spans = [ks[-1][1] - ks[0][0] for ks in per_rep if ks]
+    return dict(kernels=kernels, span_us=round(med(spans), 2) if spans else None,
+                sum_us=round(sum(k["us"] for k in kernels), 2))
 
 
 def rel_diff(a, b):
@@ -487,6 +521,9 @@ def main(argv=None):
     ap.add_argument("--plan-context", type=int, default=0,
                     help="plan our kernel for contexts up to this many tokens (as a server "
                          "does for its --context-length) instead of each point's own context")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also record each timed graph's kernels (PyTorch profiler: device "
+                         "time each, gaps, first-start-to-last-end span) under '<name>_kernels'")
     ap.add_argument("--roofline-of", default=None, metavar="JSON",
                     help="print a results JSON against its roofline and exit (no GPU needed)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
@@ -515,6 +552,7 @@ def main(argv=None):
         print("bench_tree_verify needs a CUDA GPU")
         return 2
 
+    KERNEL_TIMES["on"] = args.kernel_times
     ref, ta, mla = _import_ours(args.kernels_dir)
     config = ta.KernelConfig(*parse_ints(args.config)) if args.config else None
     extend, extend_src = (None, "skipped") if args.no_baselines or args.no_sglang_triton else \
@@ -571,6 +609,8 @@ def main(argv=None):
                              kv_bytes=p.kv_bytes)
                     us, ours, splits = bench_ours(ta, mla, p, args.iters, flush, config,
                                                   args.plan_context)
+                    if args.kernel_times:
+                        r["ours_kernels"] = KERNEL_TIMES["last"]
                     r.update(ours_us=round(us, 2), num_splits=splits,
                              kv_GBps=round(p.kv_bytes / us / 1e3, 1),
                              TFLOPs=round(p.flops / us / 1e6, 1))
@@ -614,6 +654,8 @@ def main(argv=None):
                             t, o = bench_fa3_prefix(ta, p, args.iters, flush, config,
                                                     args.plan_context)
                             r["fa3_prefix_us"] = round(t, 2)
+                            if args.kernel_times:
+                                r["fa3_prefix_kernels"] = KERNEL_TIMES["last"]
                             r["fa3_prefix_rel_diff"] = round(rel_diff(o, ours), 5)
                             r["speedup_fa3_prefix"] = round(us / t, 2)
                         except Exception as exc:  # noqa: BLE001 - recorded per point
@@ -623,6 +665,8 @@ def main(argv=None):
                             t, o, alone = bench_flashmla_prefix(ref, mla, p, args.iters, flush,
                                                                 gen, config, args.plan_context)
                             r["flashmla_prefix_us"] = round(t, 2)
+                            if args.kernel_times:
+                                r["flashmla_prefix_kernels"] = KERNEL_TIMES["last"]
                             r["flashmla_prefix_rel_diff"] = round(rel_diff(o, alone), 5)
                             r["speedup_flashmla_prefix"] = round(us / t, 2)
                         except Exception as exc:  # noqa: BLE001 - recorded per point
@@ -636,6 +680,8 @@ def main(argv=None):
                             t, o, mode = fn(avail, p, max(3, args.iters // 4), flush)
                             r[f"{name}_us"] = round(t, 2)
                             r[f"{name}_timing"] = mode
+                            if args.kernel_times:
+                                r[f"{name}_kernels"] = KERNEL_TIMES["last"]
                             r[f"{name}_rel_diff"] = round(rel_diff(o, ours), 5)
                             r[f"speedup_vs_{name}"] = round(t / us, 2)
                         except Exception as exc:  # noqa: BLE001 - recorded per point
