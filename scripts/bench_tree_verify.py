@@ -225,19 +225,32 @@ def reduce_chunk(ta, chunk):
         ta._reduce_chunk = served
 
 
-def plan_ours(ta, mla, p, config, plan_context=0, num_kv_splits=None):
+def plan_ours(ta, mla, p, config, plan_context=0, num_kv_splits=None, merge_config=None):
     """Our kernel planned for point ``p`` as a server plans it: for contexts up to
     max(plan_context, p.ctx) (its longest context: more splits, most of them empty on a short
-    prefix); ``num_kv_splits`` fixes the split count instead of the rule's."""
+    prefix); ``num_kv_splits`` fixes the split count instead of the rule's; ``merge_config``
+    replaces the tile of the launch that merges a prefix part from FlashMLA / FA3 (left out
+    when None: checkouts before session 35 have no such argument)."""
     max_ctx = max(plan_context, p.ctx)
+    extra = {} if merge_config is None else dict(merge_config=merge_config)
     if p.kind == "mha":
         return ta.TreeAttention.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_q_heads=32,
                                      num_kv_heads=8, head_dim=128, max_context_len=max_ctx,
-                                     device="cuda", config=config, num_kv_splits=num_kv_splits)
+                                     device="cuda", config=config, num_kv_splits=num_kv_splits,
+                                     **extra)
     return mla.TreeAttentionMLA.plan(max_batch_size=p.bs, num_tree_tokens=p.n, num_heads=8,
                                      max_context_len=max_ctx, device="cuda",
                                      sm_scale=p.sm_scale, config=config,
-                                     num_kv_splits=num_kv_splits)
+                                     num_kv_splits=num_kv_splits, **extra)
+
+
+def merge_tile(attn, bs):
+    """The merging launch's tile of a plan, as text (None before session 35's merge tile)."""
+    fn = getattr(attn, "merge_config_for", None)
+    if fn is None:
+        return None
+    c = fn(bs)
+    return f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages},{c.dv_split}"
 
 
 def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=None,
@@ -262,7 +275,8 @@ def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=
     return us, out.clone(), attn.num_splits(p.bs)
 
 
-def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0):
+def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0,
+                          merge_config=None):
     """MLA point ``p`` with the prefix on FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``):
     the same queries and cache, laid out in pages of 64 tokens (FlashMLA's page); page table,
     lengths and metadata prepared before the timed graph, as the verify backend does before a
@@ -272,7 +286,7 @@ def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0
     lay = ref.random_paged_layout([p.ctx] * p.bs, p.n, PAGE, gen).to("cuda")
     assert lay.num_slots <= p.k_cache.shape[0]
     kv = p.k_cache[: lay.num_slots // PAGE * PAGE]
-    attn = plan_ours(None, mla, p, config, plan_context)
+    attn = plan_ours(None, mla, p, config, plan_context, merge_config=merge_config)
     prefix = FlashMLAPrefix(num_tree_tokens=p.n, num_heads=8, device="cuda",
                             context_width=lay.req_to_token.shape[1])
     prefix.init_graph_buffers(p.bs)
@@ -286,10 +300,10 @@ def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0
 
     us, _ = time_graph(fn, iters, flush)
     alone = attn.run(p.q, kv, lay.out_cache_loc, p.mask, **lay.table_kwargs())
-    return us, out.clone(), alone
+    return us, out.clone(), alone, merge_tile(attn, p.bs)
 
 
-def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0):
+def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0, merge_config=None):
     """MHA point ``p`` with the prefix on FA3 (``SGLANG_DDTREE_MHA_PREFIX=fa3``): FA3's paged
     decode over the prefix (pages of one token, as SGLang's fa3 backend keeps them), then our
     kernel over the tree keys merging the two, page table and lengths prepared before the
@@ -297,7 +311,7 @@ def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0):
     from sglang_ddtree.mha_prefix import FA3Prefix
 
     lay = p.layout
-    attn = plan_ours(ta, None, p, config, plan_context)
+    attn = plan_ours(ta, None, p, config, plan_context, merge_config=merge_config)
     prefix = FA3Prefix(num_tree_tokens=p.n, page_size=1, device="cuda",
                        context_width=lay.req_to_token.shape[1],
                        table_dtype=lay.req_to_token.dtype)
@@ -313,7 +327,22 @@ def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0):
                  prefix_out=p_out, prefix_lse=p_lse, **lay.table_kwargs())
 
     us, _ = time_graph(fn, iters, flush)
-    return us, out.clone()
+    return us, out.clone(), merge_tile(attn, p.bs)
+
+
+def merge_sweep(spec, ta, base_out, run):
+    """Microseconds of a prefix path (``run(merge_config) -> (us, out)``) with each tile of
+    ``spec`` (';'-separated block_m,block_n,num_warps,num_stages[,dv_split]) on the merging
+    launch, outputs checked against the default tile's ``base_out``."""
+    res = {}
+    for cfg_s in spec.split(";"):
+        try:
+            t, o = run(ta.KernelConfig(*parse_ints(cfg_s)))
+            diff = rel_diff(o, base_out)
+            res[cfg_s] = round(t, 2) if diff < 2e-2 else f"wrong output: rel diff {diff:.3g}"
+        except Exception as exc:  # noqa: BLE001 - recorded per config
+            res[cfg_s] = f"error: {type(exc).__name__}: {exc}"[:200]
+    return res
 
 
 def bench_sglang(extend, p, iters, flush):
@@ -521,6 +550,12 @@ def main(argv=None):
     ap.add_argument("--plan-context", type=int, default=0,
                     help="plan our kernel for contexts up to this many tokens (as a server "
                          "does for its --context-length) instead of each point's own context")
+    ap.add_argument("--merge-sweep", default=None,
+                    help="with --mla-prefix / --mha-prefix: also time the prefix path with "
+                         "each of these tiles on the launch that attends the tree keys and "
+                         "merges (';'-separated block_m,block_n,num_warps,num_stages"
+                         "[,dv_split]), under '<prefix>_merge_us' (outputs checked against the "
+                         "default tile's)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="also record each timed graph's kernels (PyTorch profiler: device "
                          "time each, gaps, first-start-to-last-end span) under '<name>_kernels'")
@@ -651,24 +686,43 @@ def main(argv=None):
                                                    f"wrong output: rel diff {diff:.3g}")
                     if args.mha_prefix and kind == "mha":
                         try:
-                            t, o = bench_fa3_prefix(ta, p, args.iters, flush, config,
-                                                    args.plan_context)
+                            t, o, tile = bench_fa3_prefix(ta, p, args.iters, flush, config,
+                                                          args.plan_context)
                             r["fa3_prefix_us"] = round(t, 2)
+                            r["fa3_prefix_merge_tile"] = tile
                             if args.kernel_times:
                                 r["fa3_prefix_kernels"] = KERNEL_TIMES["last"]
                             r["fa3_prefix_rel_diff"] = round(rel_diff(o, ours), 5)
                             r["speedup_fa3_prefix"] = round(us / t, 2)
+                            if args.merge_sweep:
+                                r["fa3_prefix_merge_us"] = merge_sweep(
+                                    args.merge_sweep, ta, o, lambda c: bench_fa3_prefix(
+                                        ta, p, args.iters, flush, config, args.plan_context,
+                                        merge_config=c)[:2])
                         except Exception as exc:  # noqa: BLE001 - recorded per point
                             r["fa3_prefix_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
                     if args.mla_prefix and kind == "mla":
                         try:
-                            t, o, alone = bench_flashmla_prefix(ref, mla, p, args.iters, flush,
-                                                                gen, config, args.plan_context)
+                            # its paged layout from a seed of its own, so the merge sweep
+                            # runs on the same one
+                            lay_seed = 1000 + len(results)
+                            t, o, alone, tile = bench_flashmla_prefix(
+                                ref, mla, p, args.iters, flush,
+                                torch.Generator().manual_seed(lay_seed), config,
+                                args.plan_context)
                             r["flashmla_prefix_us"] = round(t, 2)
+                            r["flashmla_prefix_merge_tile"] = tile
                             if args.kernel_times:
                                 r["flashmla_prefix_kernels"] = KERNEL_TIMES["last"]
                             r["flashmla_prefix_rel_diff"] = round(rel_diff(o, alone), 5)
                             r["speedup_flashmla_prefix"] = round(us / t, 2)
+                            if args.merge_sweep:
+                                # same seed: the same paged layout as the default's
+                                r["flashmla_prefix_merge_us"] = merge_sweep(
+                                    args.merge_sweep, ta, o, lambda c: bench_flashmla_prefix(
+                                        ref, mla, p, args.iters, flush,
+                                        torch.Generator().manual_seed(lay_seed), config,
+                                        args.plan_context, merge_config=c)[:2])
                         except Exception as exc:  # noqa: BLE001 - recorded per point
                             r["flashmla_prefix_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),

@@ -98,7 +98,9 @@ def _check_case(kernel: str, budget: int, bs: int, max_context: int, page_size: 
                                   ordered_mask=not draft)
     # the prefix elsewhere: our kernel attends the tree keys only, in one split
     res.num_splits = 1 if flashmla or fa3 else attn.num_splits(bs)
-    cfg = attn.config_for(bs)  # the tile this GPU gets (MLA: 16 rows where 32 do not fit)
+    # the tile this GPU gets (MLA: 16 rows where 32 do not fit; the merging launch's own tile
+    # with the prefix elsewhere)
+    cfg = attn.merge_config_for(bs) if flashmla or fa3 else attn.config_for(bs)
     res.extra["tile"] = f"{cfg.block_m}x{cfg.block_n}/{cfg.num_warps}w"
     if flashmla or fa3:
         res.extra["page_size"] = page_size

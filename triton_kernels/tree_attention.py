@@ -52,6 +52,7 @@ from .tree_attention_plan import (
     _batch_config,
     _default_config,
     _latent_rows,
+    _merge_config,
     _num_sms,
     _reduce_chunk,
     mha_split_count,
@@ -598,7 +599,8 @@ class TreeAttention:
                  num_kv_heads: int, head_dim: int, v_head_dim: int, rope_dim: int,
                  max_context_len: int, device, sm_scale: float, logit_cap: float,
                  num_kv_splits: Optional[int], config: Optional[KernelConfig],
-                 shared_kv: bool, ordered_mask: bool = True):
+                 shared_kv: bool, ordered_mask: bool = True,
+                 merge_config: Optional[KernelConfig] = None):
         self.device = torch.device(device)
         self.ordered_mask = bool(ordered_mask)
         self.max_batch_size = int(max_batch_size)
@@ -630,7 +632,11 @@ class TreeAttention:
                 self.head_dim, self.rope_dim, self.v_head_dim, rows, bs * self.num_kv_heads,
                 self.device)
             self._configs[bs] = chosen or self.config
-        for cfg in set(self._configs.values()):
+        # the launch that attends the tree keys alone and merges a prefix part given by
+        # another kernel (run(prefix_out=)): its own tile (_merge_config), not the full verify's
+        self._merge_config = merge_config or _merge_config(
+            self.head_dim, self.rope_dim, self.v_head_dim, self.device)
+        for cfg in set(self._configs.values()) | ({self._merge_config} - {None}):
             dvs = cfg.dv_split
             _check(dvs >= 1 and dvs & (dvs - 1) == 0
                    and triton.next_power_of_2(self.v_head_dim) % dvs == 0
@@ -663,7 +669,8 @@ class TreeAttention:
              v_head_dim: Optional[int] = None, sm_scale: Optional[float] = None,
              logit_cap: float = 0.0, num_kv_splits: Optional[int] = None,
              config: Optional[KernelConfig] = None,
-             ordered_mask: bool = True) -> "TreeAttention":
+             ordered_mask: bool = True,
+             merge_config: Optional[KernelConfig] = None) -> "TreeAttention":
         """Size and allocate everything for MHA/GQA tree verify (not graph-safe).
 
         Parameters
@@ -685,6 +692,9 @@ class TreeAttention:
             True (a tree): no row's mask admits a later token, so a row block skips the tree
             keys past its last token. False: any mask (the drafter's bidirectional block);
             every row block reads all N tree keys.
+        merge_config : KernelConfig, optional
+            Tile of the launches that merge a prefix part given by another kernel
+            (``run(prefix_out=)``); default: the plan's merge tile (see ``merge_config_for``).
         """
         return cls(max_batch_size=max_batch_size, num_tree_tokens=num_tree_tokens,
                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -692,25 +702,38 @@ class TreeAttention:
                    max_context_len=max_context_len, device=device,
                    sm_scale=sm_scale if sm_scale is not None else head_dim ** -0.5,
                    logit_cap=logit_cap, num_kv_splits=num_kv_splits, config=config,
-                   shared_kv=False, ordered_mask=ordered_mask)
+                   shared_kv=False, ordered_mask=ordered_mask, merge_config=merge_config)
 
     def config_for(self, batch_size: int) -> KernelConfig:
         """The kernel config ``run`` launches for ``batch_size`` requests."""
         return self._configs.get(int(batch_size), self.config)
 
-    def tail_rows(self, batch_size: Optional[int] = None) -> int:
+    def merge_config_for(self, batch_size: int) -> KernelConfig:
+        """The kernel config of a launch that merges a given prefix part
+        (``run(prefix_out=, prefix_lse=)``: the tree keys alone, one split) for ``batch_size``
+        requests: the plan's merge tile where it has one (see _merge_config), else the full
+        launch's."""
+        return self._merge_config or self.config_for(batch_size)
+
+    def _launch_config(self, batch_size: Optional[int], merge: bool) -> KernelConfig:
+        if batch_size is None:
+            return self.config
+        return self.merge_config_for(batch_size) if merge else self.config_for(batch_size)
+
+    def tail_rows(self, batch_size: Optional[int] = None, merge: bool = False) -> int:
         """TAIL_M of the launch for ``batch_size``: the config's tail_m where the rows past the
-        last full block fit it (see KernelConfig.tail_m), else 0."""
-        cfg = self.config if batch_size is None else self.config_for(batch_size)
+        last full block fit it (see KernelConfig.tail_m), else 0. ``merge``: of the launch
+        that merges a given prefix part."""
+        cfg = self._launch_config(batch_size, merge)
         rows = self.num_tree_tokens * self.group
         extra = rows % cfg.block_m
         return cfg.tail_m if cfg.tail_m and rows > cfg.block_m and extra <= cfg.tail_m \
             and extra else 0
 
-    def num_blocks_m(self, batch_size: Optional[int] = None) -> int:
-        cfg = self.config if batch_size is None else self.config_for(batch_size)
+    def num_blocks_m(self, batch_size: Optional[int] = None, merge: bool = False) -> int:
+        cfg = self._launch_config(batch_size, merge)
         rows = self.num_tree_tokens * self.group
-        if self.tail_rows(batch_size):
+        if self.tail_rows(batch_size, merge):
             return rows // cfg.block_m  # the leftover rows ride with the last block
         return triton.cdiv(rows, cfg.block_m)
 
@@ -885,7 +908,7 @@ class TreeAttention:
             stride_table = req_to_token.stride(0)
         merge = prefix_out is not None
         splits = 1 if merge else self.num_splits(bs)  # the tree keys alone: one split
-        cfg = self.config_for(bs)
+        cfg = self._launch_config(bs, merge)
         has_cap = self.logit_cap > 0.0
         if not merge:  # unread (MERGE_PREFIX off): any tensors, zero strides
             prefix_out, prefix_lse = out, self.part_lse
@@ -895,7 +918,7 @@ class TreeAttention:
             pl_strides = (prefix_lse.stride(0), prefix_lse.stride(1), prefix_lse.stride(2))
         qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
         part_o, part_lse = self.part_o, self.part_lse
-        grid = (self.num_blocks_m(bs), self.num_kv_heads * splits * cfg.dv_split, bs)
+        grid = (self.num_blocks_m(bs, merge), self.num_kv_heads * splits * cfg.dv_split, bs)
         kernel = _tree_attn_verify_kernel if self.ordered_mask else _tree_attn_fwd_kernel
         kernel[grid](
             q, k_cache, v_cache, out, part_o, part_lse,
@@ -912,7 +935,8 @@ class TreeAttention:
             USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
             INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
             MIN_CHUNK=cfg.min_split_keys, MERGE_PREFIX=merge, ORDERED_MASK=self.ordered_mask,
-            TAIL_M=self.tail_rows(bs), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            TAIL_M=self.tail_rows(bs, merge), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](

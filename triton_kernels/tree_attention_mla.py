@@ -32,7 +32,8 @@ class TreeAttentionMLA(TreeAttention):
     def plan(cls, *, max_batch_size: int, num_tree_tokens: int, num_heads: int,
              max_context_len: int, device, sm_scale: float, kv_lora_rank: int = 512,
              rope_dim: int = 64, logit_cap: float = 0.0, num_kv_splits: Optional[int] = None,
-             config: Optional[KernelConfig] = None) -> "TreeAttentionMLA":
+             config: Optional[KernelConfig] = None,
+             merge_config: Optional[KernelConfig] = None) -> "TreeAttentionMLA":
         """Size and allocate everything for MLA tree verify (not graph-safe).
 
         Parameters
@@ -52,6 +53,9 @@ class TreeAttentionMLA(TreeAttention):
             Latent and rope dims of a cache row (512 + 64 for DeepSeek V3 / Kimi K2).
         num_kv_splits : int, optional
             Fixed prefix split count (1 disables split-K); default picks per batch size.
+        merge_config : KernelConfig, optional
+            Tile of the launches that merge a prefix part from another kernel (FlashMLA's);
+            default: the plan's merge tile (``TreeAttention.merge_config_for``).
         """
         _check(kv_lora_rank & (kv_lora_rank - 1) == 0 and kv_lora_rank >= 16, "kv_lora_rank",
                "a power of two >= 16", kv_lora_rank)
@@ -59,7 +63,8 @@ class TreeAttentionMLA(TreeAttention):
                    num_q_heads=num_heads, num_kv_heads=1, head_dim=kv_lora_rank,
                    v_head_dim=kv_lora_rank, rope_dim=rope_dim, max_context_len=max_context_len,
                    device=device, sm_scale=sm_scale, logit_cap=logit_cap,
-                   num_kv_splits=num_kv_splits, config=config, shared_kv=True)
+                   num_kv_splits=num_kv_splits, config=config, shared_kv=True,
+                   merge_config=merge_config)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out_cache_loc: torch.Tensor,
             tree_mask: torch.Tensor, *, req_to_token: Optional[torch.Tensor] = None,

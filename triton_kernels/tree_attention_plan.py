@@ -188,6 +188,23 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
     return None
 
 
+# The launch that attends only the tree keys and merges a prefix part from another kernel
+# (FlashMLA's / FA3's, run(prefix_out=)): a few tiles of at most budget + 1 keys per row
+# block, so latency, not bandwidth. MLA: the 16-row tile at every batch size. Session 35's
+# kernel times (bench_results/tree_verify_mla_kernel_times_h200_s35.json, H200): with the full
+# launch's tiles this launch took 24-30 us at budgets 32 / 64 (the 32-row and the 8-warp 64-row
+# tiles, 9 programs at batch 1) and at batch 8 budget 8, against 9.6-9.9 us on the 16-row tile
+# (5-9 programs) at batch 1 budgets 8 / 16. MHA: the full launch's tile (None).
+_MLA_MERGE_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+
+
+def _merge_config(dk: int, d_pe: int, dv: int, device: torch.device) -> Optional[KernelConfig]:
+    """The tile of a merging launch (see _MLA_MERGE_TILE), None where it is the full launch's."""
+    if device.type != "cuda" or not _latent_rows(dk, d_pe, dv):
+        return None
+    return _MLA_MERGE_TILE
+
+
 def _waves(programs: int, splits: int, slots: int) -> int:
     """Waves of ``programs`` x ``splits`` programs on a GPU running ``slots`` at once."""
     return -(-programs * splits // slots)

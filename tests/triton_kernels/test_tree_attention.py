@@ -558,15 +558,23 @@ def test_per_batch_size_configs_size_buffers_and_match_reference(monkeypatch):
 
 # --- the prefix part given by another kernel (FlashMLA's for MLA), merged in the epilogue ------
 
-@pytest.mark.parametrize("kind,seq_lens,n,page,plan_splits", [
-    ("mla", [1, 37, 130], 5, 64, 4),      # page 64 as FlashMLA reads it; a planned split count
-    ("mla", [64], 17, 64, None),          # budget 16, Kimi-like: the prefix ends on a page edge
-    ("mha", [9, 2], 4, 1, 3),
+# a merging launch's own tile, other than SHORT_SPLITS' rows (as on Hopper, where the merge
+# tile of MLA differs from the full launch's): rows of one block span several tree tokens
+MERGE_TILE = TA.KernelConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+
+
+@pytest.mark.parametrize("kind,seq_lens,n,page,plan_splits,merge", [
+    ("mla", [1, 37, 130], 5, 64, 4, None),  # page 64 as FlashMLA reads it; planned splits
+    ("mla", [64], 17, 64, None, None),     # budget 16, Kimi-like: the prefix ends on a page edge
+    ("mla", [1, 37, 130], 5, 64, 4, MERGE_TILE),
+    ("mha", [9, 2], 4, 1, 3, None),
+    ("mha", [9, 2], 4, 1, 3, MERGE_TILE),
 ])
-def test_given_prefix_merges_to_the_full_attention(kind, seq_lens, n, page, plan_splits):
+def test_given_prefix_merges_to_the_full_attention(kind, seq_lens, n, page, plan_splits, merge):
     """The tree kernel with the prefix part handed in (output + natural-log LSE, as FlashMLA
     returns them) equals the whole tree attention; prefix keys are poisoned in the cache the
-    kernel reads, so reading any of them fails."""
+    kernel reads, so reading any of them fails. ``merge``: a tile of the merging launch's own
+    (``merge_config``), which that launch alone takes."""
     g, layout, mask = make_layout(seq_lens, n, page, seed=len(seq_lens) * 31 + n)
     bs = len(seq_lens)
     kw = layout.table_kwargs()
@@ -579,7 +587,8 @@ def test_given_prefix_merges_to_the_full_attention(kind, seq_lens, n, page, plan
         attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
                                          max_context_len=256, device="cpu", sm_scale=sm,
                                          kv_lora_rank=rank, rope_dim=rope,
-                                         num_kv_splits=plan_splits, config=SHORT_SPLITS)
+                                         num_kv_splits=plan_splits, config=SHORT_SPLITS,
+                                         merge_config=merge)
         ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask,
                                                kv_lora_rank=rank, sm_scale=sm, **kw)
         p_out, p_lse = REF.prefix_attention_reference(q, cache, cache[..., :rank], n,
@@ -593,10 +602,14 @@ def test_given_prefix_merges_to_the_full_attention(kind, seq_lens, n, page, plan
         attn = TA.TreeAttention.plan(max_batch_size=bs, num_tree_tokens=n, num_q_heads=h,
                                      num_kv_heads=hkv, head_dim=d, max_context_len=64,
                                      device="cpu", num_kv_splits=plan_splits,
-                                     config=SHORT_SPLITS)
+                                     config=SHORT_SPLITS, merge_config=merge)
         ref = REF.tree_attention_reference(q, k, v, layout.out_cache_loc, mask, **kw)
         p_out, p_lse = REF.prefix_attention_reference(q, k, v, n, **kw)
         dv = d
+    rows = n * (h if kind == "mla" else h // hkv)
+    assert attn.merge_config_for(bs) == (merge or attn.config_for(bs))
+    assert attn.num_blocks_m(bs, merge=True) == -(-rows // attn.merge_config_for(bs).block_m)
+    assert attn.num_blocks_m(bs) == -(-rows // SHORT_SPLITS.block_m)
     # the kernel must not touch a prefix key: NaN every prefix slot of the cache it reads
     prefix_slots = torch.cat([layout.req_to_token[layout.req_pool_indices[b], :seq_lens[b]]
                               for b in range(bs)]).long()
