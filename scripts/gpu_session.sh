@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -380,11 +380,9 @@ for s in "$@"; do
                --budgets ${MLAKT_BUDGETS:-8,16,32,64} --contexts ${MLAKT_CTX:-2048,16384} \
                --out "$OUT/tree_verify_mla_kernel_times_h200.json" ;;
     mergetile) # the merging launch's own tile (session 35: TreeAttention.merge_config_for;
-             # MLA 16 x 64 where the full launch's 32-row / 64-row tiles took 24-30 us for the
-             # tree keys alone): the prefix paths of issue 4's grid at 2k / 16k with candidate
-             # merge tiles (outputs checked against the default's), then the GPU tests of both
-             # prefix paths, the doctor's mla_flashmla / mha_fa3 rows (graph == eager, against
-             # the fp32 reference) and DDTREE against AR on FlashMLA pages with nothing set
+             # where the full launch's 32-row / 64-row MLA tiles took 24-30 us for the tree
+             # keys alone): the prefix paths of issue 4's grid at 2k / 16k with candidate
+             # merge tiles (outputs checked against the default's)
              step merge-mla ${MERGE_MLA_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mla \
                --no-sglang-triton --mla-prefix --contexts ${MERGE_CTX:-2048,16384} \
                --merge-sweep "${MERGE_MLA_SWEEP:-16,64,4,2;16,32,4,2;16,32,2,2;16,16,4,1;16,64,4,2,2;32,64,4,2}" \
@@ -392,16 +390,23 @@ for s in "$@"; do
              step merge-mha ${MERGE_MHA_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mha \
                --no-sglang-triton --mha-prefix --contexts ${MERGE_CTX:-2048,16384} \
                --merge-sweep "${MERGE_MHA_SWEEP:-64,64,4,3;16,64,4,2;32,64,4,2;16,32,2,2;32,32,4,2}" \
-               --out "$OUT/tree_verify_merge_tile_mha_h200.json"
+               --out "$OUT/tree_verify_merge_tile_mha_h200.json" ;;
+    mergecheck) # the merging launch's tile, served: the GPU tests of both prefix paths, the
+             # doctor's mla_flashmla / mha_fa3 rows (graph == eager, against the fp32
+             # reference) and DDTREE against AR on FlashMLA pages with nothing set
              step merge-gpu-tests ${MERGE_TESTS_LIMIT:-200} python3 -m pytest -q \
                tests/gpu/test_mla_prefix_gpu.py tests/gpu/test_mha_prefix_gpu.py
              step merge-doctor ${MERGE_DOCTOR_LIMIT:-150} python3 -m sglang_ddtree.cli doctor --graphs \
                --kernels mla_flashmla,mha_fa3 --budgets 4,8,9,16,32,64,128 --batch-sizes 1,2,8,32 \
                --out "$OUT/doctor_graphs_merge_tile_h200.json"
-             [ -z "${MERGE_E2E:-1}" ] || step merge-e2e ${MERGE_E2E_LIMIT:-280} python3 scripts/e2e_lossless.py \
+             [ -z "${MERGE_E2E-1}" ] || step merge-e2e ${MERGE_E2E_LIMIT:-280} python3 scripts/e2e_lossless.py \
                --cases "${MERGE_CASES:-mla_fmla_auto:16,32}" --batch-sizes 1,4 --prompts 12 \
                --eager-check= --speed= --deterministic= \
                --out "$OUT/e2e_lossless_merge_tile_h200.json" ;;
+    mlagrid) # issue 4's MLA grid (batch 1 / 8 / 32 x budget 8 / 16 / 32 / 64 x 2k / 16k / 64k
+             # keys) with the FlashMLA-prefix path as served beside ours alone and fa3
+             step mlagrid ${MLAGRID_LIMIT:-240} python3 scripts/bench_tree_verify.py --kinds mla \
+               --no-sglang-triton --mla-prefix --out "$OUT/tree_verify_fa3_fmla_mla_h200.json" ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
@@ -430,7 +435,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -152,3 +152,15 @@ def test_wide_mla_trees_take_the_8_warp_tile_on_hopper_only(monkeypatch):
     monkeypatch.setattr(PLAN, "shared_memory", lambda device: (166912, 167936))  # sm_80's
     assert PLAN._batch_config(512, 64, 512, 65 * 8, 1, cuda) is None
     assert PLAN._batch_config(128, 0, 128, 65 * 4, 1, cuda) is None  # MHA untouched
+
+
+def test_merging_launch_tile():
+    """The launch that merges a prefix part from FlashMLA / FA3 (tree keys only): MLA's latent
+    rows take the 16 x 32 tile measured on the H200 at every batch size, MHA keeps the full
+    launch's tile (None), and off a GPU nothing changes."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    mla = PLAN._merge_config(512, 64, 512, cuda)
+    assert (mla.block_m, mla.block_n, mla.num_warps, mla.num_stages, mla.dv_split) == \
+        (16, 32, 4, 2, 1)
+    assert PLAN._merge_config(128, 0, 128, cuda) is None
+    assert PLAN._merge_config(512, 64, 512, cpu) is None
