@@ -196,9 +196,10 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
 # (bench_results/tree_verify_mla_kernel_times_h200_s35.json); over issue 4's MLA points at 2k /
 # 16k keys (bench_results/tree_verify_merge_tile_mla_h200_s35.json, whole FlashMLA-prefix
 # path, 6 tiles in one call) 16 x 32 / 4 warps / 2 stages is the fastest by geometric mean
-# (1.08x the 16 x 64 tile, 1.18x the 32 x 64) and the only one at or above fa3's tree verify
-# at all 24 (1.03-1.88x). MHA: the full launch's tile (None): the same call's candidates were
-# within 7 % of it either way (tree_verify_merge_tile_mha_h200_s35.json).
+# (1.08x the 16 x 64 tile, 1.27x the 32 x 64) and the only one at or above fa3's tree verify
+# at all 24 (1.03-1.91x). MHA: the full launch's tile (None): the same call's four other
+# candidates were 0.92-1.12x its speed, none faster everywhere (faster at batch 1, slower at
+# batch 32; tree_verify_merge_tile_mha_h200_s35.json).
 _MLA_MERGE_TILE = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 
 
