@@ -175,9 +175,16 @@ def kernel_times(run, flush, reps=5):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize()
-        ks = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[0])
-        per_rep.append(ks)
+        per_rep.append([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA])
+    return summarize_kernel_times(per_rep)
+
+
+def summarize_kernel_times(per_rep):
+    """``per_rep``: one list of (start_us, end_us, name) device events per replay. The i-th
+    kernel of each replay (by start) is taken as the same kernel; medians over the replays of
+    each one's time and of the gap before it, and of the first-start-to-last-end span."""
+    per_rep = [sorted(ks, key=lambda t: t[0]) for ks in per_rep]
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     n = min(len(ks) for ks in per_rep)
     kernels = [dict(name=per_rep[0][i][2][:90],

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -245,6 +245,17 @@ for s in "$@"; do
                --timer-budgets ${SKINNY_COSTS_BUDGETS:-16,31} --concurrency 1 \
                --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
                --server-env SGLANG_DDTREE_SKINNY_GEMM=1 ;;
+    kimifmla) # issue 6's ratio as a Hopper Kimi deployment serves it: the 61-layer int4 rank at
+             # batch 1 on SGLang's flashmla backend with 64-token pages (AR decode on FlashMLA;
+             # DDTREE's verify with the prefix on FlashMLA under auto and session 35's merge
+             # tile), budgets 16 / 31: against 1.268 / 1.408 on the triton backend at page 1
+             # (sessions 28 / 32)
+             step kimi-fmla ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
+               --out "$OUT/cost_curves_kimi_fmla_h200.json" \
+               --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
+               --timer-budgets ${KIMI_FMLA_BUDGETS:-16,31} --concurrency 1 \
+               --attention-backend flashmla --page-size 64 \
+               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
     moedual) # our MoE beside the shared expert on SGLang's second stream (its DeepseekV2 layer
              # in CUDA graphs) against each alone, 16 weight sets a graph (no L2 reuse across
              # layers); session 30's in-server gate-up times were above the kernel-only bench
@@ -435,7 +446,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)

@@ -1,4 +1,5 @@
-"""scripts/bench_tree_verify.py's roofline reading (pure arithmetic on a results JSON)."""
+"""scripts/bench_tree_verify.py's host-side parts: the roofline reading (pure arithmetic on a
+results JSON), the --kernel-times summary and the --merge-sweep bookkeeping."""
 
 import importlib.util
 import json
@@ -101,3 +102,39 @@ def test_ab_summary_takes_each_variants_fastest_round(bench, tmp_path):
     assert json.loads(out.read_text())["summary"] == rows
     with pytest.raises(SystemExit):
         bench.parse_ab(["new=" + str(paths[0])])  # one variant is no A/B
+
+
+def test_kernel_times_summary(bench):
+    """--kernel-times: per-kernel medians over replays (the i-th kernel by start), the gaps
+    between kernels (negative where they overlap) and the span; a replay with no events gives
+    an empty summary."""
+    reps = [[(10.0, 20.0, "b"), (0.0, 8.0, "a")],   # unordered: sorted by start
+            [(0.0, 9.0, "a"), (11.0, 23.0, "b")],
+            [(0.0, 7.0, "a"), (6.0, 21.0, "b")]]    # b starts before a ends: gap -1
+    out = bench.summarize_kernel_times(reps)
+    assert [k["name"] for k in out["kernels"]] == ["a", "b"]
+    assert [k["us"] for k in out["kernels"]] == [8.0, 12.0]
+    assert [k["gap_before_us"] for k in out["kernels"]] == [0.0, 2.0]
+    assert out["span_us"] == 21.0 and out["sum_us"] == 20.0
+    assert bench.summarize_kernel_times([[], []]) == dict(kernels=[], span_us=None, sum_us=0)
+
+
+def test_merge_sweep_checks_outputs(bench):
+    """--merge-sweep: a time per tile, a tile whose output differs from the default's recorded
+    as wrong, a failing tile as its error."""
+    import torch
+
+    base = torch.ones(4, 2, 8)
+
+    def run(cfg):
+        if cfg.block_m == 32:
+            raise ValueError("no such tile")
+        return float(cfg.block_n), base + (1.0 if cfg.block_n == 16 else 1e-4)
+
+    from tests.triton_kernels import load_kernels
+
+    ta = load_kernels(interpret=True).tree_attention
+    res = bench.merge_sweep("16,32,4,2;16,16,4,1;32,64,4,2", ta, base, run)
+    assert res["16,32,4,2"] == 32.0
+    assert res["16,16,4,1"].startswith("wrong output")
+    assert res["32,64,4,2"].startswith("error: ValueError")
