@@ -391,7 +391,7 @@ for s in "$@"; do
                --budgets ${MLAKT_BUDGETS:-8,16,32,64} --contexts ${MLAKT_CTX:-2048,16384} \
                --out "$OUT/tree_verify_mla_kernel_times_h200.json" ;;
     mergetile) # the merging launch's own tile (session 35: TreeAttention.merge_config_for;
-             # where the full launch's 32-row / 64-row MLA tiles took 24-30 us for the tree
+             # where the full launch's 32-row / 64-row MLA tiles took 23-30 us for the tree
              # keys alone): the prefix paths of issue 4's grid at 2k / 16k with candidate
              # merge tiles (outputs checked against the default's)
              step merge-mla ${MERGE_MLA_LIMIT:-300} python3 scripts/bench_tree_verify.py --kinds mla \

@@ -192,8 +192,8 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
 # (FlashMLA's / FA3's, run(prefix_out=)): a few tiles of at most budget + 1 keys per row
 # block, so latency, not bandwidth. MLA: 16 x 32 tiles at every batch size. On the H200
 # (session 35): with the full launch's tiles (32-row, and the 8-warp 64-row) this launch took
-# 24-30 us at budgets 32 / 64 and at batch 8 budget 8, against 9.6-9.9 us on the 16-row tile
-# (bench_results/tree_verify_mla_kernel_times_h200_s35.json); over issue 4's MLA points at 2k /
+# 23-30 us at budgets 32 / 64 and at batch 8 (every budget), against 9.6-9.9 us on the
+# 16-row tile (bench_results/tree_verify_mla_kernel_times_h200_s35.json); over issue 4's MLA points at 2k /
 # 16k keys (bench_results/tree_verify_merge_tile_mla_h200_s35.json, whole FlashMLA-prefix
 # path, 6 tiles in one call) 16 x 32 / 4 warps / 2 stages is the fastest by geometric mean
 # (1.08x the 16 x 64 tile, 1.27x the 32 x 64) and the only one at or above fa3's tree verify
