@@ -287,7 +287,8 @@ def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0
     """MLA point ``p`` with the prefix on FlashMLA (``SGLANG_DDTREE_MLA_PREFIX=flashmla``):
     the same queries and cache, laid out in pages of 64 tokens (FlashMLA's page); page table,
     lengths and metadata prepared before the timed graph, as the verify backend does before a
-    replay. Returns (us, output, our kernel alone on the same layout)."""
+    replay. Returns (us, output, the merging launch's tile, our kernel alone on the same
+    layout)."""
     from sglang_ddtree.mla_prefix import PAGE, FlashMLAPrefix
 
     lay = ref.random_paged_layout([p.ctx] * p.bs, p.n, PAGE, gen).to("cuda")
@@ -307,7 +308,7 @@ def bench_flashmla_prefix(ref, mla, p, iters, flush, gen, config, plan_context=0
 
     us, _ = time_graph(fn, iters, flush)
     alone = attn.run(p.q, kv, lay.out_cache_loc, p.mask, **lay.table_kwargs())
-    return us, out.clone(), alone, merge_tile(attn, p.bs)
+    return us, out.clone(), merge_tile(attn, p.bs), alone
 
 
 def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0, merge_config=None):
@@ -335,6 +336,26 @@ def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0, merge_config=N
 
     us, _ = time_graph(fn, iters, flush)
     return us, out.clone(), merge_tile(attn, p.bs)
+
+
+def time_prefix_path(r, key, us, args, ta, run):
+    """Record one prefix path (``key``: ``fa3_prefix`` or ``flashmla_prefix``) at point row
+    ``r``: ``run(merge_config)`` -> (us, output, merging tile, our kernel alone's output on the
+    same layout); ``us`` our kernel alone's time. Its time, tile, kernels (--kernel-times),
+    difference from ours, speedup and, with --merge-sweep, the other merge tiles' times; an
+    error is recorded in place of the time."""
+    try:
+        t, o, tile, ours = run(None)
+        r[f"{key}_us"] = round(t, 2)
+        r[f"{key}_merge_tile"] = tile
+        if args.kernel_times:
+            r[f"{key}_kernels"] = KERNEL_TIMES["last"]
+        r[f"{key}_rel_diff"] = round(rel_diff(o, ours), 5)
+        r[f"speedup_{key}"] = round(us / t, 2)
+        if args.merge_sweep:
+            r[f"{key}_merge_us"] = merge_sweep(args.merge_sweep, ta, o, lambda c: run(c)[:2])
+    except Exception as exc:  # noqa: BLE001 - recorded per point
+        r[f"{key}_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
 
 
 def merge_sweep(spec, ta, base_out, run):
@@ -692,46 +713,17 @@ def main(argv=None):
                         r["reduce_chunk_us"][c] = (round(t, 2) if diff < 2e-2 else
                                                    f"wrong output: rel diff {diff:.3g}")
                     if args.mha_prefix and kind == "mha":
-                        try:
-                            t, o, tile = bench_fa3_prefix(ta, p, args.iters, flush, config,
-                                                          args.plan_context)
-                            r["fa3_prefix_us"] = round(t, 2)
-                            r["fa3_prefix_merge_tile"] = tile
-                            if args.kernel_times:
-                                r["fa3_prefix_kernels"] = KERNEL_TIMES["last"]
-                            r["fa3_prefix_rel_diff"] = round(rel_diff(o, ours), 5)
-                            r["speedup_fa3_prefix"] = round(us / t, 2)
-                            if args.merge_sweep:
-                                r["fa3_prefix_merge_us"] = merge_sweep(
-                                    args.merge_sweep, ta, o, lambda c: bench_fa3_prefix(
-                                        ta, p, args.iters, flush, config, args.plan_context,
-                                        merge_config=c)[:2])
-                        except Exception as exc:  # noqa: BLE001 - recorded per point
-                            r["fa3_prefix_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                        time_prefix_path(r, "fa3_prefix", us, args, ta, lambda c: (
+                            *bench_fa3_prefix(ta, p, args.iters, flush, config,
+                                              args.plan_context, merge_config=c), ours))
                     if args.mla_prefix and kind == "mla":
-                        try:
-                            # its paged layout from a seed of its own, so the merge sweep
-                            # runs on the same one
-                            lay_seed = 1000 + len(results)
-                            t, o, alone, tile = bench_flashmla_prefix(
-                                ref, mla, p, args.iters, flush,
-                                torch.Generator().manual_seed(lay_seed), config,
-                                args.plan_context)
-                            r["flashmla_prefix_us"] = round(t, 2)
-                            r["flashmla_prefix_merge_tile"] = tile
-                            if args.kernel_times:
-                                r["flashmla_prefix_kernels"] = KERNEL_TIMES["last"]
-                            r["flashmla_prefix_rel_diff"] = round(rel_diff(o, alone), 5)
-                            r["speedup_flashmla_prefix"] = round(us / t, 2)
-                            if args.merge_sweep:
-                                # same seed: the same paged layout as the default's
-                                r["flashmla_prefix_merge_us"] = merge_sweep(
-                                    args.merge_sweep, ta, o, lambda c: bench_flashmla_prefix(
-                                        ref, mla, p, args.iters, flush,
-                                        torch.Generator().manual_seed(lay_seed), config,
-                                        args.plan_context, merge_config=c)[:2])
-                        except Exception as exc:  # noqa: BLE001 - recorded per point
-                            r["flashmla_prefix_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
+                        # the paged layout from a seed of the point's own, so the merge sweep
+                        # runs on the default's
+                        lay_seed = 1000 + len(results)
+                        time_prefix_path(r, "flashmla_prefix", us, args, ta, lambda c: (
+                            bench_flashmla_prefix(ref, mla, p, args.iters, flush,
+                                                  torch.Generator().manual_seed(lay_seed),
+                                                  config, args.plan_context, merge_config=c)))
                     for name, avail, fn in (("sglang_triton", extend, bench_sglang),
                                             ("fa3", fa3, bench_fa3)):
                         if not avail:

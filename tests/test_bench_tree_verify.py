@@ -138,3 +138,34 @@ def test_merge_sweep_checks_outputs(bench):
     assert res["16,32,4,2"] == 32.0
     assert res["16,16,4,1"].startswith("wrong output")
     assert res["32,64,4,2"].startswith("error: ValueError")
+
+
+def test_prefix_path_record(bench):
+    """One prefix path's fields at a point (the same for FA3's and FlashMLA's): time, tile,
+    difference from our kernel alone, speedup, the merge sweep; an error in place of the time."""
+    import argparse
+
+    import torch
+
+    from tests.triton_kernels import load_kernels
+
+    ta = load_kernels(interpret=True).tree_attention
+    out = torch.ones(2, 2, 4)
+
+    def run(cfg):
+        t = 10.0 if cfg is None else 8.0
+        return t, out, "16,32,4,2,1", out * 1.01
+
+    args = argparse.Namespace(kernel_times=False, merge_sweep="16,64,4,2")
+    r = {}
+    bench.time_prefix_path(r, "flashmla_prefix", 20.0, args, ta, run)
+    assert r == {"flashmla_prefix_us": 10.0, "flashmla_prefix_merge_tile": "16,32,4,2,1",
+                 "flashmla_prefix_rel_diff": round(0.01 / 1.01, 5),
+                 "speedup_flashmla_prefix": 2.0, "flashmla_prefix_merge_us": {"16,64,4,2": 8.0}}
+
+    def broken(cfg):
+        raise RuntimeError("no FA3")
+
+    r = {}
+    bench.time_prefix_path(r, "fa3_prefix", 20.0, args, ta, broken)
+    assert r == {"fa3_prefix_us": "error: RuntimeError: no FA3"}
