@@ -139,9 +139,38 @@ def run_ours(layers, xs, tws, tis, n=None, **kw):
     return out
 
 
+def parse_variants(specs) -> dict:
+    """``--ours-variants`` specs ``NAME:VAR=VALUE[,VAR=VALUE...]`` -> {"ours_NAME": {VAR: VALUE}}."""
+    out = {}
+    for spec in specs or ():
+        name, sep, assigns = spec.partition(":")
+        env = dict(a.split("=", 1) for a in assigns.split(",") if "=" in a)
+        if not sep or not name or not env:
+            raise SystemExit(f"--ours-variants: NAME:VAR=VALUE[,VAR=VALUE], got {spec!r}")
+        out[f"ours_{name}"] = env
+    return out
+
+
+def with_env(env: dict, fn):
+    """``fn`` called with ``env`` set in os.environ (the kernel reads its switches per call,
+    so a CUDA graph captured this way keeps the variant's launches)."""
+    def call():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return call
+
+
 def compare_with_sglang(row: dict) -> None:
     """Name the fastest SGLang path of a row and our speed-up over it (when both ran)."""
-    base = {k: v for k, v in row["us"].items() if k != "ours" and v}
+    base = {k: v for k, v in row["us"].items() if not k.startswith("ours") and v}
     if base and row["us"].get("ours"):
         row["best_sglang"] = min(base, key=base.get)
         row["speedup_vs_best_sglang"] = base[row["best_sglang"]] / row["us"]["ours"]
@@ -824,12 +853,17 @@ def main(argv=None) -> int:
                     help="time by kernel durations from the CUDA profiler over eager calls "
                          "(no CUDA graphs; each implementation over all M before the next, "
                          "ours first, saved after every row)")
+    ap.add_argument("--ours-variants", nargs="*", default=None, metavar="NAME:VAR=VALUE",
+                    help="also time our kernel with these env switches set while its graphs are "
+                         "captured (e.g. nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0), "
+                         "interleaved with the rest; rows get us['ours_NAME']")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation this many times per M, interleaved; the "
                          "row keeps the median (all rounds under 'us_rounds')")
     ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
                     help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
+    variants = parse_variants(args.ours_variants)
 
     def parse_routing(routing):  # -> experts to concentrate on, 0 for random
         if routing == "random":
@@ -993,6 +1027,7 @@ def main(argv=None) -> int:
         "copy_bandwidth_gbs": copy_gbs,
         "bytes_formula": "touched_experts * (packed w13 + w2 + bf16 scales) + 2 * M * hidden * 2",
         "baseline_errors": baseline_errors,
+        "ours_variants": variants,
         "rows": rows,
     }
 
@@ -1008,6 +1043,8 @@ def main(argv=None) -> int:
         """{name: one call over every weight set}: ours first, then the SGLang baselines."""
         impls = {"ours": lambda: run_ours(layers, xs, tws, tis,
                                           routed_scaling_factor=args.routed_scaling)}
+        for name, env in variants.items():  # same kernel, other env switches (A/B in one run)
+            impls[name] = with_env(env, impls["ours"])
         for name, (prep, fn) in baselines.items():
             impls[name] = (lambda prep=prep, fn=fn: [fn(xs[i], prep[i], tws[i], tis[i], logits[i])
                                                      for i in range(len(layers))])
@@ -1076,7 +1113,7 @@ def main(argv=None) -> int:
               flush=True)
 
     dump()
-    names = ["ours"] + list(baselines)
+    names = ["ours"] + list(variants) + list(baselines)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
     print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)
           + f" {'ours GB/s':>9} {'%copy':>6} {'speedup':>7}")

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moecombine moencu
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -277,6 +277,24 @@ for s in "$@"; do
              step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
                --prologue --ms ${MOE_PROLOGUE_MS:-1 2 4 8 9 16 17 32 33 64 128} \
                --routings concentrated:8,random --out "$OUT/fused_moe_prologue_h200.json" ;;
+    moecombine) # session 36: the looped down launch's own top-k sum (_combine_last, one launch
+             # less a call): the MoE GPU tests, then ours with and without it against Marlin in
+             # one run (needs the tvm-ffi JIT cache for Marlin: carry .devkit/tvm_ffi_cache.tgz)
+             step moe ${MOE_LIMIT:-180} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
+             step moe-combine-bench ${MOE_BENCH_LIMIT:-330} python3 scripts/bench_fused_moe.py --check \
+               --rounds 3 --baselines sglang_marlin --ms ${MOE_COMBINE_MS:-1 8 16 32 64 128 256 512 1024 2048} \
+               --ours-variants nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0 \
+               --out "$OUT/fused_moe_combine_h200.json" ;;
+    moencu)  # Nsight Compute on the fused MoE's launches at M = 8 / 16 (random routing, eager
+             # calls, caches flushed by ncu between kernels): speed of light, occupancy, launch
+             # and warp-state stats as CSV, where the small-M gate-up and down lose bandwidth
+             step moencu ${MOENCU_LIMIT:-200} ncu --clock-control none \
+               -k "regex:_prologue|_gate_up|_down|_combine" --launch-count ${MOENCU_LAUNCHES:-24} \
+               --section SpeedOfLight --section Occupancy --section LaunchStats \
+               --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+               --csv --page details --log-file "$OUT/ncu_fused_moe_h200.csv" \
+               python3 scripts/bench_fused_moe.py --no-sglang --profile-ms ${MOENCU_MS:-8 16} \
+               --layers 1 --out "$OUT/moencu.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

@@ -88,6 +88,22 @@ def test_rounds_keep_the_median(bench, tmp_path):
     assert row["us"]["ours"] == pytest.approx(sorted(row["us_rounds"]["ours"])[1], rel=1e-3)
 
 
+def test_ours_variants_time_env_switches_beside_ours(bench, tmp_path, monkeypatch):
+    """--ours-variants times our kernel again with env switches set while it runs (restored
+    afterwards); variants are not baselines: the speed-up stays against SGLang's paths."""
+    out = tmp_path / "variants.json"
+    monkeypatch.delenv("SGLANG_DDTREE_MOE_FUSED_COMBINE", raising=False)
+    assert bench.main(TINY + ["--ours-variants", "nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ours_variants"] == {"ours_nocombine": {"SGLANG_DDTREE_MOE_FUSED_COMBINE": "0"}}
+    row = result["rows"][0]
+    assert row["us"]["ours_nocombine"] > 0 and "best_sglang" not in row
+    assert "SGLANG_DDTREE_MOE_FUSED_COMBINE" not in __import__("os").environ
+    with pytest.raises(SystemExit, match="ours-variants"):
+        bench.main(TINY + ["--ours-variants", "broken", "--out", str(out)])
+
+
 def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):
     """A tuning run of some M bands replaces those bands only; the table lists every run that
     still owns a band with the bands it owns (a dict-valued "tuned" is an older table's)."""
