@@ -294,7 +294,9 @@ for s in "$@"; do
                --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
                --csv --page details --log-file "$OUT/ncu_fused_moe_h200.csv" \
                python3 scripts/bench_fused_moe.py --no-sglang --profile-ms ${MOENCU_MS:-8 16} \
-               --layers 1 --out "$OUT/moencu.json" ;;
+               --layers 1 --out "$OUT/moencu.json"
+             step moencu-summary 60 python3 scripts/ncu_details_summary.py \
+               "$OUT/ncu_fused_moe_h200.csv" --out "$OUT/ncu_fused_moe_summary_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

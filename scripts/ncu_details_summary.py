@@ -22,7 +22,8 @@ METRICS = (
     "Executed Ipc Active", "Warp Cycles Per Issued Instruction", "L2 Hit Rate",
     "L1/TEX Hit Rate", "Theoretical Occupancy", "Achieved Occupancy",
     "Achieved Active Warps Per SM", "Block Limit Registers", "Block Limit Shared Mem",
-    "SM Frequency", "DRAM Frequency",
+    "SM Frequency", "DRAM Frequency", "Grid Size", "Block Size", "Registers Per Thread",
+    "Waves Per SM", "No Eligible", "Block Limit Warps",
 )
 RULES = ("HighPipeUtilization", "TheoreticalOccupancy", "SOLBottleneck")
 
