@@ -283,7 +283,8 @@ for s in "$@"; do
              step moe ${MOE_LIMIT:-180} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
              step moe-combine-bench ${MOE_BENCH_LIMIT:-330} python3 scripts/bench_fused_moe.py --check \
                --rounds 3 --baselines sglang_marlin --ms ${MOE_COMBINE_MS:-1 8 16 32 64 128 256 512 1024 2048} \
-               --ours-variants nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0 \
+               --ours-variants fusedcombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=1 \
+                 nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0 \
                --out "$OUT/fused_moe_combine_h200.json" ;;
     moencu)  # Nsight Compute on the fused MoE's launches at M = 8 / 16 (random routing, eager
              # calls, caches flushed by ncu between kernels): speed of light, occupancy, launch

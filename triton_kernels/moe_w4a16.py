@@ -1224,11 +1224,12 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-# The looped down launch sums each token's top-k rows itself (_combine_last): one launch less
-# per MoE call. Its (token, column range) arrival counters: one int32 buffer per device, zero
+# SGLANG_DDTREE_MOE_FUSED_COMBINE=1 (read per call; off by default until timed on a GPU): the
+# looped down launch sums each token's top-k rows itself (_combine_last), one launch less per
+# MoE call. Its (token, column range) arrival counters: one int32 buffer per device, zero
 # between launches, allocated outside CUDA-graph capture only, like the gate-up's; a call
 # captured before the buffer exists or needing more than it has takes _combine_kernel (same
-# result, bit for bit). SGLANG_DDTREE_MOE_FUSED_COMBINE=0 (read per call) always does.
+# result, bit for bit).
 FUSED_COMBINE_ENV = "SGLANG_DDTREE_MOE_FUSED_COMBINE"
 _combine_store: dict = {}
 
@@ -1236,7 +1237,7 @@ _combine_store: dict = {}
 def _combine_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """The device's (token, column range) counters (at least ``n``), or None: the combine
     launch."""
-    if os.environ.get(FUSED_COMBINE_ENV, "1") == "0":
+    if os.environ.get(FUSED_COMBINE_ENV, "0") != "1":
         return None
     return arrival_counters(_combine_store, device, n, _MIN_COUNTERS)
 

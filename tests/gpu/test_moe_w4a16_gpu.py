@@ -276,12 +276,13 @@ def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
 
 @pytest.mark.parametrize("m", [2, 8, 17, 64, 300, 2048])
 def test_fused_combine_equals_combine_launch(K, w, m, monkeypatch):
-    """The looped down launch's own top-k sum (the served path) equals the combine launch bit
-    for bit, eager and over 20 CUDA-graph replays with fresh routing on few experts and on
-    many (graph padding tokens with ids -1 in the last rows: zeros), out aliasing x, and leaves
-    every (token, column range) counter at 0."""
+    """The looped down launch's own top-k sum (SGLANG_DDTREE_MOE_FUSED_COMBINE=1) equals the
+    combine launch bit for bit, eager and over 20 CUDA-graph replays with fresh routing on few
+    experts and on many (a graph padding token with ids -1 in the last row: zeros), out
+    aliasing x, and leaves every (token, column range) counter at 0."""
     moe = K.moe
     assert moe.select_config(m).down.n_per_cta > 0  # the looped down kernel serves these M
+    monkeypatch.setenv(moe.FUSED_COMBINE_ENV, "1")
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
 
     def unfused(x, tw, ti):

@@ -139,6 +139,7 @@ def test_fused_combine_skipped_without_counters(experts, monkeypatch):
     launch runs: same output."""
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(79)).bfloat16()
     tw, ti = random_routing(9, 9, 3, seed=80)
+    monkeypatch.setenv(MOE.FUSED_COMBINE_ENV, "1")
     monkeypatch.setattr(MOE, "_combine_counters", lambda device, n: None)
     got, ref = run(experts[9], x, tw, ti, cfg=CFG_LOOP)
     check(got, ref)
