@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moecombine moencu
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moecombine moencu moewave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -286,6 +286,23 @@ for s in "$@"; do
                --ours-variants fusedcombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=1 \
                  nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0 \
                --out "$OUT/fused_moe_combine_h200.json" ;;
+    moewave) # session 36: ncu put the M = 8 / 16 gate-up at 1.8 / 2.4 active warps per scheduler
+             # (7 / 5 programs an SM by shared memory, 480 programs at M = 8: half a wave), issuing
+             # 0.53 a cycle and reading DRAM at 52-54 %. Tiles of 3 stages fit 10 programs an SM
+             # (shared memory and registers, sm_90); live splits whose target fills about one
+             # wave at M = 5-16 on random routing and splits deep on shared experts. The grid
+             # against the table on 8 / 32 shared experts and random routing, then two trial
+             # tables (bench_results/moe_trial_table_s36_{a,b}.json: bands 7 / 8 / 16) against
+             # the shipped one and Marlin in one run
+             step moe-wave-grid ${MOE_WAVE_LIMIT:-240} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_WAVE_MS:-5 7 8 9 12 16} --routings concentrated:8,concentrated:32,random \
+               --grid "32,128,2,3,0,1,4,512;32,128,2,3,0,1,8,512;32,128,2,3,0,1,4,700;32,128,2,3,0,1,8,700;32,128,2,3,0,1,4,256;32,128,2,2,0,1,4,512" \
+               --out "$OUT/fused_moe_wave_grid_h200.json"
+             step moe-wave-bench ${MOE_BENCH_LIMIT:-200} python3 scripts/bench_fused_moe.py --check \
+               --rounds 3 --baselines sglang_marlin --ms 1 5 8 9 12 16 32 \
+               --ours-variants "a:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_trial_table_s36_a.json" \
+                 "b:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_trial_table_s36_b.json" \
+               --out "$OUT/fused_moe_wave_h200.json" ;;
     moencu)  # Nsight Compute on the fused MoE's launches at M = 8 / 16 (random routing, eager
              # calls, caches flushed by ncu between kernels): speed of light, occupancy, launch
              # and warp-state stats as CSV, where the small-M gate-up and down lose bandwidth
