@@ -855,7 +855,7 @@ def main(argv=None) -> int:
                          "ours first, saved after every row)")
     ap.add_argument("--ours-variants", nargs="*", default=None, metavar="NAME:VAR=VALUE",
                     help="also time our kernel with these env switches set while its graphs are "
-                         "captured (e.g. nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0), "
+                         "captured (e.g. twolaunch:SGLANG_DDTREE_MOE_SERIAL_REDUCE=0), "
                          "interleaved with the rest; rows get us['ours_NAME']")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every implementation this many times per M, interleaved; the "

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moecombine moencu moewave
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -277,15 +277,6 @@ for s in "$@"; do
              step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
                --prologue --ms ${MOE_PROLOGUE_MS:-1 2 4 8 9 16 17 32 33 64 128} \
                --routings concentrated:8,random --out "$OUT/fused_moe_prologue_h200.json" ;;
-    moecombine) # session 36: the looped down launch's own top-k sum (_combine_last, one launch
-             # less a call): the MoE GPU tests, then ours with and without it against Marlin in
-             # one run (needs the tvm-ffi JIT cache for Marlin: carry .devkit/tvm_ffi_cache.tgz)
-             step moe ${MOE_LIMIT:-180} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang"
-             step moe-combine-bench ${MOE_BENCH_LIMIT:-330} python3 scripts/bench_fused_moe.py --check \
-               --rounds 3 --baselines sglang_marlin --ms ${MOE_COMBINE_MS:-1 8 16 32 64 128 256 512 1024 2048} \
-               --ours-variants fusedcombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=1 \
-                 nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0 \
-               --out "$OUT/fused_moe_combine_h200.json" ;;
     moewave) # session 36: ncu put the M = 8 / 16 gate-up at 1.8 / 2.4 active warps per scheduler
              # (7 / 5 programs an SM by shared memory, 480 programs at M = 8: half a wave), issuing
              # 0.53 a cycle and reading DRAM at 52-54 %. Tiles of 3 stages fit 10 programs an SM

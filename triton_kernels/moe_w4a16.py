@@ -109,24 +109,6 @@ def _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _zero_idle_row(topk_ids_ptr, out_ptr, m, stride_om, k0, CHUNKS: tl.constexpr, K: tl.constexpr,
-                   TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NUM_EXPERTS: tl.constexpr):
-    """Under the down GEMM's fused combine (``_combine_last``) only a token's expert pairs write
-    its output row, so a token with no valid slot (a CUDA-graph padding token, ids -1) gets
-    zeros here, as ``_combine_kernel`` gives it: columns ``k0 .. k0 + 1024 * CHUNKS - 1`` of row
-    ``m``, after the copy's reads of that row (``out`` may alias ``x``)."""
-    ks = tl.arange(0, TOPK_PAD)
-    ids = tl.load(topk_ids_ptr + m * TOPK + ks, mask=ks < TOPK, other=-1).to(tl.int32)
-    live = tl.sum(((ids >= 0) & (ids < NUM_EXPERTS)).to(tl.int32))
-    if live == 0:
-        tl.debug_barrier()
-        for c in range(CHUNKS):
-            o = k0 + c * 1024 + tl.arange(0, 1024)
-            tl.store(out_ptr + m * stride_om + o, tl.zeros([1024], dtype=out_ptr.dtype.element_ty),
-                     mask=o < K)
-
-
-@triton.jit
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
@@ -148,11 +130,6 @@ def _prologue_kernel(
     COPY_FIRST: tl.constexpr = False,  # x's copy in COPY_PROGS programs per row, before the experts
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x under COPY_FIRST (1,024-column chunks)
     RUN_M: tl.constexpr = 1,  # > 1: also label each block's run (see run_chunk), after the count
-    out_ptr=None,  # ZERO_IDLE: [M, K] bf16 output, row stride stride_om (may alias x)
-    stride_om=0,
-    ZERO_IDLE: tl.constexpr = False,  # zero out's rows of tokens with no valid slot (see below)
-    TOPK: tl.constexpr = 1,  # (ZERO_IDLE) slots per token ...
-    TOPK_PAD: tl.constexpr = 1,  # ... and the next power of two
 ):
     pid = tl.program_id(0)
     if COPY_FIRST:
@@ -165,10 +142,6 @@ def _prologue_kernel(
             for c in range(CHUNKS):
                 _copy_chunk(x_ptr, xp_ptr, m, stride_xm,
                             ((pid % COPY_PROGS) * CHUNKS + c) * 1024, K, BLOCK_K)
-            if ZERO_IDLE:
-                _zero_idle_row(topk_ids_ptr, out_ptr, m, stride_om,
-                               (pid % COPY_PROGS) * CHUNKS * 1024, CHUNKS, K, TOPK, TOPK_PAD,
-                               NUM_EXPERTS)
             return
         e = pid - n_copy
     else:
@@ -177,9 +150,6 @@ def _prologue_kernel(
             m = (pid - NUM_EXPERTS).to(tl.int64)
             for k0 in range(0, K, 1024):
                 _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K, BLOCK_K)
-            if ZERO_IDLE:
-                _zero_idle_row(topk_ids_ptr, out_ptr, m, stride_om, 0,
-                               (K + 1023) // 1024, K, TOPK, TOPK_PAD, NUM_EXPERTS)
             return
         e = pid
     # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
@@ -270,7 +240,7 @@ PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows (default) | chunks; see moe_
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              run_m: int = 1, zero_idle: torch.Tensor | None = None):
+              run_m: int = 1):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
 
     Parameters
@@ -288,10 +258,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         row in 1,024-column chunks. ``chunks``: one program per chunk, before the experts'
         programs. Same output; which is faster at which M is for the H200 to say
         (``bench_fused_moe.py --prologue``).
-    zero_idle : torch.Tensor, optional
-        ``[M, K]`` bf16 output of the MoE call (may alias ``x``; needs ``x``): the rows of
-        tokens with no valid slot are zeroed, after their copy (for the down launch's fused
-        combine, which writes only the rows of tokens with expert pairs).
 
     Returns
     -------
@@ -325,10 +291,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"{PROLOGUE_ENV} / copy: rows or chunks, got {copy!r}")
     k = 0 if x is None else x.shape[1]
     per_row = triton.cdiv(k, 1024) if copy == "chunks" else 1
-    if zero_idle is not None and (x is None or tuple(zero_idle.shape) != tuple(x.shape)
-                                  or zero_idle.stride(1) != 1):
-        raise ValueError("moe_align: zero_idle needs x and an output of x's shape")
-    topk = topk_ids.shape[-1] if topk_ids.dim() == 2 else 1
     _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
         sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
@@ -336,8 +298,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
-        RUN_M=run_m, out_ptr=zero_idle, stride_om=0 if zero_idle is None else zero_idle.stride(0),
-        ZERO_IDLE=zero_idle is not None, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
+        RUN_M=run_m,
     )
     return sorted_ids, block_expert, xp
 
@@ -904,15 +865,7 @@ def _down_loop_kernel(
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
     RUN_M: tl.constexpr = 1,  # as _gate_up_kernel's: a run's programs split N_PER_CTA
-    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M, COMBINE) experts: moe_align's block count, valid ids
-    topk_ids_ptr=None,  # COMBINE: [M * TOPK] int32/int64 expert ids
-    out_ptr=None,  # COMBINE: [M, N] bf16 out, row stride stride_om
-    cnt_ptr=None,  # COMBINE: [>= M * (N // N_PER_CTA)] int32, zero between launches (self-rearming)
-    scale=1.0,  # COMBINE: routed_scaling_factor
-    stride_om=0,
-    COMBINE: tl.constexpr = False,  # also the weighted top-k sum (see _combine_last); RUN_M 1 only
-    TOPK: tl.constexpr = 1,
-    TOPK_PAD: tl.constexpr = 1,
+    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M) experts, for moe_align's block count
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -962,52 +915,6 @@ def _down_loop_kernel(
         _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                      pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE,
                      HALF_M)
-        if COMBINE:
-            _combine_last(y_ptr, sorted_ids_ptr, topk_ids_ptr, out_ptr, cnt_ptr, scale, stride_om,
-                          T, pid_m * BLOCK_M, pid_s, N, BLOCK_M, BLOCK_N, N_PER_CTA, TOPK,
-                          TOPK_PAD, NUM_EXPERTS)
-
-
-@triton.jit
-def _combine_last(y_ptr, sorted_ids_ptr, topk_ids_ptr, out_ptr, cnt_ptr, scale, stride_om, T,
-                  row0, pid_s, N: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  N_PER_CTA: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                  NUM_EXPERTS: tl.constexpr):
-    """The weighted top-k sum in the down launch (no ``_combine_kernel``): after a program has
-    stored its block's y rows for columns ``pid_s``'s (``N_PER_CTA`` wide), each real row's
-    token counts the program in on its (token, column range) counter; the program that brings
-    a token's count to its number of valid slots is the last of that token's expert pairs for
-    these columns, and sums the token's y rows in slot order in fp32, scales and stores them
-    (the same operations, in the same order, as ``_combine_kernel``: the same bits whichever
-    program is last), then re-arms the counter. As in the gate-up's serial split-K, the barrier
-    puts every thread's y stores before the counter's release, and the acquire plus L2-only
-    loads (.cg) let the last program read the others' rows. A block's rows belong to distinct
-    tokens except where one token routes several slots to one expert; then each slot counts
-    once and only the lane that arrives last stores the row."""
-    NUM_S: tl.constexpr = N // N_PER_CTA
-    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
-    tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
-    ks = tl.arange(0, TOPK_PAD)
-    ids = tl.load(topk_ids_ptr + tok[:, None] * TOPK + ks[None, :],
-                  mask=row_ok[:, None] & (ks[None, :] < TOPK), other=-1).to(tl.int32)
-    need = tl.sum(((ids >= 0) & (ids < NUM_EXPERTS)).to(tl.int32), axis=1)
-    c_ptrs = cnt_ptr + tok * NUM_S + pid_s
-    tl.debug_barrier()
-    arrived = tl.atomic_add(c_ptrs, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (arrived == need - 1)
-    if tl.sum(last.to(tl.int32)) > 0:
-        offs_n = pid_s * N_PER_CTA + tl.arange(0, BLOCK_N)
-        for _ in range(N_PER_CTA // BLOCK_N):
-            acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-            for k in tl.static_range(TOPK):  # fixed order: deterministic sum
-                ek = tl.load(topk_ids_ptr + tok * TOPK + k, mask=last, other=-1)
-                live = last & (ek >= 0) & (ek < NUM_EXPERTS)
-                acc += tl.load(y_ptr + (tok * TOPK + k)[None, :] * N + offs_n[:, None],
-                               mask=live[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(out_ptr + tok[None, :] * stride_om + offs_n[:, None],
-                     (acc * scale).to(out_ptr.dtype.element_ty), mask=last[None, :])
-            offs_n += BLOCK_N
-        tl.atomic_xchg(c_ptrs, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -1224,24 +1131,6 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-# SGLANG_DDTREE_MOE_FUSED_COMBINE=1 (read per call; off by default until timed on a GPU): the
-# looped down launch sums each token's top-k rows itself (_combine_last), one launch less per
-# MoE call. Its (token, column range) arrival counters: one int32 buffer per device, zero
-# between launches, allocated outside CUDA-graph capture only, like the gate-up's; a call
-# captured before the buffer exists or needing more than it has takes _combine_kernel (same
-# result, bit for bit).
-FUSED_COMBINE_ENV = "SGLANG_DDTREE_MOE_FUSED_COMBINE"
-_combine_store: dict = {}
-
-
-def _combine_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The device's (token, column range) counters (at least ``n``), or None: the combine
-    launch."""
-    if os.environ.get(FUSED_COMBINE_ENV, "0") != "1":
-        return None
-    return arrival_counters(_combine_store, device, n, _MIN_COUNTERS)
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -1336,14 +1225,8 @@ def fused_moe_w4a16(
     portable_path = portable(hidden_states.device)
     t = m * topk
     run_m = cfg.run_m if cfg.run_m > 1 else 1
-    # The weighted top-k sum inside the looped down launch (_combine_last), not in a launch of
-    # its own, where its counters are at hand (see _combine_counters)
-    combine_cnt = None
-    if dn.n_per_cta and run_m == 1 and _upto >= 4:
-        combine_cnt = _combine_counters(hidden_states.device, m * (hidden // dn.n_per_cta))
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
-                                             run_m=run_m, zero_idle=None if combine_cnt is None
-                                             else out)
+                                             run_m=run_m)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -1382,18 +1265,12 @@ def fused_moe_w4a16(
     if dn.n_per_cta:
         # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
         down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
-        fused = combine_cnt is not None
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=bool(cfg.half_m), RUN_M=down_runs,
-            NUM_EXPERTS=num_experts if down_runs > 1 or fused else 0,
-            topk_ids_ptr=topk_ids if fused else None, out_ptr=out if fused else None,
-            cnt_ptr=combine_cnt, scale=float(routed_scaling_factor), stride_om=out.stride(0),
-            COMBINE=fused, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk),
+            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
             num_warps=dn.num_warps, num_stages=dn.num_stages)
-        if fused:
-            return out
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

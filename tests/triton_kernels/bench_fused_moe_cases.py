@@ -92,14 +92,14 @@ def test_ours_variants_time_env_switches_beside_ours(bench, tmp_path, monkeypatc
     """--ours-variants times our kernel again with env switches set while it runs (restored
     afterwards); variants are not baselines: the speed-up stays against SGLang's paths."""
     out = tmp_path / "variants.json"
-    monkeypatch.delenv("SGLANG_DDTREE_MOE_FUSED_COMBINE", raising=False)
-    assert bench.main(TINY + ["--ours-variants", "nocombine:SGLANG_DDTREE_MOE_FUSED_COMBINE=0",
+    monkeypatch.delenv("SGLANG_DDTREE_MOE_SERIAL_REDUCE", raising=False)
+    assert bench.main(TINY + ["--ours-variants", "twolaunch:SGLANG_DDTREE_MOE_SERIAL_REDUCE=0",
                               "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["ours_variants"] == {"ours_nocombine": {"SGLANG_DDTREE_MOE_FUSED_COMBINE": "0"}}
+    assert result["ours_variants"] == {"ours_twolaunch": {"SGLANG_DDTREE_MOE_SERIAL_REDUCE": "0"}}
     row = result["rows"][0]
-    assert row["us"]["ours_nocombine"] > 0 and "best_sglang" not in row
-    assert "SGLANG_DDTREE_MOE_FUSED_COMBINE" not in __import__("os").environ
+    assert row["us"]["ours_twolaunch"] > 0 and "best_sglang" not in row
+    assert "SGLANG_DDTREE_MOE_SERIAL_REDUCE" not in __import__("os").environ
     with pytest.raises(SystemExit, match="ours-variants"):
         bench.main(TINY + ["--ours-variants", "broken", "--out", str(out)])
 

@@ -105,46 +105,6 @@ def test_down_loop_kernel_matches_reference(experts, m):
     assert torch.equal(out, plain), "loop and per-tile down kernels must round identically"
 
 
-@pytest.mark.parametrize("cfg", [CFG_LOOP, CFG_HALF_LOOP], ids=["loop", "half32_loop"])
-def test_fused_combine_matches_combine_launch(experts, monkeypatch, cfg):
-    """The looped down launch's own top-k sum (_combine_last) gives the combine launch's bits:
-    a token with no valid slot (a graph padding token) gets zeros from the prologue, a token
-    with a dropped slot sums the rest, a token whose slots share one expert counts each slot,
-    the output may alias the input, and a second call finds the counters re-armed."""
-    m = 24
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(77)).bfloat16()
-    tw, ti = random_routing(m, 9, 3, seed=78)
-    ti[3] = -1  # no valid slot
-    ti[5, 1] = -1  # one dropped slot
-    ti[7] = 4  # all three slots on expert 4 (one block holds the token thrice)
-    monkeypatch.setenv(MOE.FUSED_COMBINE_ENV, "0")
-    want, ref = run(experts[9], x, tw, ti, scale=1.25, cfg=cfg)
-    check(want, ref)
-    assert torch.equal(want[3], torch.zeros_like(want[3]))
-    monkeypatch.setenv(MOE.FUSED_COMBINE_ENV, "1")
-    for _ in range(2):  # the second call reuses the re-armed counters
-        got, _ = run(experts[9], x, tw, ti, scale=1.25, cfg=cfg)
-        assert torch.equal(got, want), "fused combine must round as the combine launch"
-    cnt = MOE._combine_store[(x.device.type, x.device.index)]
-    assert int(cnt.abs().sum()) == 0, "counters left armed"
-    aliased = x.clone()
-    MOE.fused_moe_w4a16(aliased, experts[9]["w13_packed"], experts[9]["w13_scale"],
-                        experts[9]["w2_packed"], experts[9]["w2_scale"], tw, ti,
-                        routed_scaling_factor=1.25, out=aliased, config=cfg)
-    assert torch.equal(aliased, want), "out aliasing hidden_states"
-
-
-def test_fused_combine_skipped_without_counters(experts, monkeypatch):
-    """Where no counter buffer can be had (CUDA-graph capture before it exists), the combine
-    launch runs: same output."""
-    x = torch.randn(9, H, generator=torch.Generator().manual_seed(79)).bfloat16()
-    tw, ti = random_routing(9, 9, 3, seed=80)
-    monkeypatch.setenv(MOE.FUSED_COMBINE_ENV, "1")
-    monkeypatch.setattr(MOE, "_combine_counters", lambda device, n: None)
-    got, ref = run(experts[9], x, tw, ti, cfg=CFG_LOOP)
-    check(got, ref)
-
-
 def test_split_dequant_matches_reference():
     w = REF.make_random_moe(9, H, I, seed=3)
     x = torch.randn(20, H, generator=torch.Generator().manual_seed(20)).bfloat16()

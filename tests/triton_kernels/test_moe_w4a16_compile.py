@@ -59,14 +59,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
-        # as served: with the top-k sum fused in (_combine_last) where runs are off
-        combine = run_m == 1
-        if combine:
-            sig = dict(sig, topk_ids_ptr="*i32", out_ptr="*bf16", cnt_ptr="*i32", scale="fp32",
-                       stride_om="i32")
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                     HALF_M=half_m, RUN_M=run_m, NUM_EXPERTS=384 if run_m > 1 or combine else 0,
-                     COMBINE=combine, TOPK=TOPK, TOPK_PAD=TOPK)
+                     HALF_M=half_m, RUN_M=run_m, NUM_EXPERTS=384 if run_m > 1 else 0)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
@@ -106,11 +100,6 @@ def test_prologue_and_combine_compile(MOE):
     _compile(MOE._prologue_kernel, sig, const, 4, 1)
     _compile(MOE._prologue_kernel, sig, dict(const, COPY_FIRST=True, COPY_PROGS=7), 4, 1)
     _compile(MOE._prologue_kernel, sig, dict(const, RUN_M=4), 4, 1)
-    zero = dict(sig, out_ptr="*bf16", stride_om="i32")  # the fused combine's idle-row zeros
-    _compile(MOE._prologue_kernel, zero, dict(const, ZERO_IDLE=True, TOPK=TOPK, TOPK_PAD=TOPK),
-             4, 1)
-    _compile(MOE._prologue_kernel, zero, dict(const, COPY_FIRST=True, COPY_PROGS=7,
-                                              ZERO_IDLE=True, TOPK=TOPK, TOPK_PAD=TOPK), 4, 1)
     sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
