@@ -20,15 +20,8 @@ def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=(),
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import inspect
-
     const = {k: v for k, v in const.items() if k in fn.arg_names}
-    # arguments left out take their defaults as constants (a launch passes a None pointer as a
-    # constexpr None too); the signature in the kernel's argument order
-    for name, p in inspect.signature(fn.fn).parameters.items():
-        if name not in sig and name not in const and p.default is not inspect.Parameter.empty:
-            const[name] = p.default
-    sig = {k: sig.get(k, "constexpr") for k in fn.arg_names if k in sig or k in const}
+    sig = dict(sig, **{k: "constexpr" for k in const})
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t[0] == "*" or n in div16}

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,7 @@ def test_ours_variants_time_env_switches_beside_ours(bench, tmp_path, monkeypatc
     assert result["ours_variants"] == {"ours_twolaunch": {"SGLANG_DDTREE_MOE_SERIAL_REDUCE": "0"}}
     row = result["rows"][0]
     assert row["us"]["ours_twolaunch"] > 0 and "best_sglang" not in row
-    assert "SGLANG_DDTREE_MOE_SERIAL_REDUCE" not in __import__("os").environ
+    assert "SGLANG_DDTREE_MOE_SERIAL_REDUCE" not in os.environ
     with pytest.raises(SystemExit, match="ours-variants"):
         bench.main(TINY + ["--ours-variants", "broken", "--out", str(out)])
 
