@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave moekw
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -294,15 +294,6 @@ for s in "$@"; do
                --ours-variants "a:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_trial_table_s36_a.json" \
                  "b:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_trial_table_s36_b.json" \
                --out "$OUT/fused_moe_wave_h200.json" ;;
-    moekw)   # session 36: GemmConfig.k_warps (k_warps K tiles a step as one batched dot, one per
-             # warp or warp pair, summed at the end): more warps and loads in flight per gate-up
-             # tile at M = 8-16, where ncu saw 1.8-2.4 active warps per scheduler, without the
-             # extra programs and partials of a K split. Grid against the table (no SGLang
-             # needed: run gpu_session.sh directly, without the kit)
-             step moe-kw-grid ${MOE_KW_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOE_KW_MS:-8 9 16} --routings concentrated:8,random \
-               --grid "32,128,4,2,0,1,2,256,4;32,128,2,2,0,1,2,256,2;32,128,4,2,0,1,1,0,4;32,128,2,2,0,1,4,256,2;32,128,4,2,0,1,2,0,4" \
-               --out "$OUT/fused_moe_kw_grid_h200.json" ;;
     moencu)  # Nsight Compute on the fused MoE's launches at M = 8 / 16 (random routing, eager
              # calls, caches flushed by ncu between kernels): speed of light, occupancy, launch
              # and warp-state stats as CSV, where the small-M gate-up and down lose bandwidth

@@ -525,7 +525,6 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
     RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
-    KW: tl.constexpr = 1,  # > 1: KW K tiles a step, one per warp group (GemmConfig.k_warps)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -566,52 +565,52 @@ def _gate_up_kernel(
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, KW)
+                          n_split)
         elif run_label // 16 == 2:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row_r, pid_n * 2 + place, pid_k, K, I, TOPK, BLOCK_M * 2,
                           BLOCK_N // 2, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                          cnt_ptr, pid_mn, SERIAL, n_split, KW)
+                          cnt_ptr, pid_mn, SERIAL, n_split)
         else:
             if RUN_M >= 4:
                 if run_label // 16 == 4:
                     _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                                   part_rows, e, row_r, pid_n * 4 + place, pid_k, K, I, TOPK,
                                   BLOCK_M * 4, BLOCK_N // 4, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
-                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, KW)
+                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
                 else:
                     if RUN_M >= 8:
                         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                                       part_rows, e, row_r, pid_n * 8 + place, pid_k, K, I, TOPK,
                                       BLOCK_M * 8, BLOCK_N // 8, BLOCK_K, DOWN_BLOCK_K,
                                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                                      n_split, KW)
+                                      n_split)
     elif HALF_M:
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, KW)
+                          n_split)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, KW)
+                              n_split)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, KW)
+                              n_split)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, KW)
+                          n_split)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, KW)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
 
 
 @triton.jit
@@ -619,8 +618,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  KW: tl.constexpr = 1):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -643,11 +641,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    if KW > 1:
-        acc_g, acc_u = _gate_up_acc_kw(xp_ptr, w_ptr, s_ptr, tok, row_ok, e64, k0, offs_n,
-                                       K_STEPS, K, I, BM, BLOCK_N, BLOCK_K, PORTABLE, SPLIT_DQ,
-                                       KW)
-    elif PORTABLE:
+    if PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live split): a while loop
         i = 0
         while i < K_STEPS:
@@ -694,55 +688,6 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
-
-
-@triton.jit
-def _gate_up_acc_kw(xp_ptr, w_ptr, s_ptr, tok, row_ok, e64, k0, offs_n, K_STEPS,
-                    K: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                    KW: tl.constexpr):
-    """_gate_up_rows' K loop with KW consecutive BLOCK_K tiles a step as one batched dot: the
-    [KW, BLOCK_N, BM] accumulators put the KW slices on separate warps (a 3-D dot's batch
-    dimension), so a tile gets KW times the warps without more programs or partial sums in
-    memory; the slices are added at the end (tl.sum over the batch axis). ``K_STEPS`` (BLOCK_K
-    tiles of this program's range) must be a multiple of KW (the host checks, see _fit)."""
-    KP: tl.constexpr = BLOCK_K // _PACK
-    N2: tl.constexpr = 2 * I
-    offs_s = tl.arange(0, KW)
-    offs_r = tl.arange(0, KP)
-    # [KW, BLOCK_N, KP] packed words and scales of slice s: input rows k0 + s * BLOCK_K + ...
-    w_ptrs = (w_ptr + e64 * (K // _PACK * N2)
-              + (k0 // _PACK + offs_s[:, None, None] * KP + offs_r[None, None, :]) * N2
-              + offs_n[None, :, None])
-    s_ptrs = (s_ptr + e64 * (K // _GROUP * N2)
-              + (k0 // _GROUP + offs_s[:, None, None] * (BLOCK_K // _GROUP)
-                 + offs_r[None, None, :] // 4) * N2
-              + offs_n[None, :, None])
-    # [KW, KP, BM] plane-0 activations of slice s (plane-major inside each BLOCK_K tile)
-    x_ptrs = (xp_ptr + tok[None, None, :] * K + k0 + offs_s[:, None, None] * BLOCK_K
-              + offs_r[None, :, None])
-    x_mask = row_ok[None, None, :]
-    acc_g = tl.zeros([KW, BLOCK_N, BM], dtype=tl.float32)
-    acc_u = tl.zeros([KW, BLOCK_N, BM], dtype=tl.float32)
-    if PORTABLE:
-        i = 0
-        while i < K_STEPS // KW:  # the interpreter cannot range() over a loaded bound
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
-            x_ptrs += KW * BLOCK_K
-            w_ptrs += KW * KP * N2
-            s_ptrs += KW * (BLOCK_K // _GROUP) * N2
-            i += 1
-    else:
-        for _ in range(0, K_STEPS // KW):  # a for loop: the compiler pipelines its loads
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
-            x_ptrs += KW * BLOCK_K
-            w_ptrs += KW * KP * N2
-            s_ptrs += KW * (BLOCK_K // _GROUP) * N2
-    return tl.sum(acc_g, axis=0), tl.sum(acc_u, axis=0)
 
 
 @triton.jit
@@ -1064,11 +1009,6 @@ class GemmConfig:
     # split_target programs, read on the GPU from moe_align's block count (so one band serves
     # calls on few experts, which want a deep split, and calls on many, which want none).
     split_target: int = 0
-    # gate-up GEMM only: > 1 (2 or 4) runs k_warps consecutive K tiles a step as one batched
-    # dot, one slice per group of num_warps / k_warps warps, summed at the end: more warps per
-    # tile without more programs (small-M calls fill few SMs' warp slots). Experimental
-    # (session 36), in no band of the shipped table.
-    k_warps: int = 1
 
 
 @dataclass(frozen=True)
@@ -1167,15 +1107,8 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     block_k = min(cfg.block_k, k)
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
     split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
-    split_target = cfg.split_target if split_k > 1 else 0
-    # every split a launch can take must leave whole KW-tile steps (live splits: any divisor
-    # candidate of the K steps)
-    steps = k // block_k
-    splits = _split_candidates(steps, split_k) if split_target else [split_k]
-    k_warps = cfg.k_warps if cfg.k_warps > 1 and all(
-        steps % s == 0 and (steps // s) % cfg.k_warps == 0 for s in splits) else 1
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
-                      split_k, split_target, k_warps)
+                      split_k, cfg.split_target if split_k > 1 else 0)
 
 
 # Split-K gate-up sums its partials inside the GEMM launch (the last program of each tile, see
@@ -1320,7 +1253,7 @@ def fused_moe_w4a16(
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
-        KW=gu.k_warps, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](

@@ -653,37 +653,3 @@ def test_run_tiles_keep_whole_down_steps():
                         ti, out=out, config=cfg)
     check(out, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                        w["w2_scale"], tw, ti, 1.0))
-
-
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_k_warps_gate_up_matches_reference(experts, split_k):
-    """GemmConfig.k_warps: two K tiles a step as one batched dot, summed at the end (hidden 512:
-    four K tiles of 128, so two steps, or one per split with split_k 2); against the reference
-    and close to the same config without it (the slices are added in another order)."""
-    h = 512
-    w = REF.make_random_moe(9, h, I, seed=40 + split_k)
-    x = torch.randn(20, h, generator=torch.Generator().manual_seed(41)).bfloat16()
-    tw, ti = random_routing(20, 9, 3, seed=42)
-    ti[2, 0] = -1
-    outs = {}
-    for kw in (1, 2):
-        cfg = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1, split_k, 0, kw),
-                            MOE.GemmConfig(64, 128, 4, 1, 128))
-        outs[kw] = torch.full((20, h), float("nan"), dtype=torch.bfloat16)
-        MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
-                            tw, ti, routed_scaling_factor=1.5, out=outs[kw], config=cfg)
-    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                  w["w2_scale"], tw, ti, 1.5)
-    check(outs[2], ref)
-    d = (outs[2].float() - outs[1].float()).abs().max() / outs[1].float().abs().max()
-    assert d <= 2e-2, d
-
-
-def test_k_warps_dropped_where_steps_do_not_divide():
-    """_fit keeps k_warps only where every split the launch can take leaves whole KW steps."""
-    g = MOE.GemmConfig(32, 128, 4, 3, 0, 1, 4, 0, 2)
-    assert MOE._fit(g, 256, 7168).k_warps == 2  # 56 steps: 14 per split
-    assert MOE._fit(MOE.GemmConfig(32, 128, 4, 3, 0, 1, 8, 0, 2), 256, 7168).k_warps == 1  # 7
-    live = MOE.GemmConfig(32, 128, 4, 3, 0, 1, 8, 512, 2)  # live candidates 1, 2, 4, 7, 8
-    assert MOE._fit(live, 256, 7168).k_warps == 1
-    assert MOE._fit(MOE.GemmConfig(32, 128, 4, 3, 0, 1, 4, 512, 2), 256, 7168).k_warps == 2
