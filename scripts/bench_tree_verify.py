@@ -338,6 +338,15 @@ def bench_fa3_prefix(ta, p, iters, flush, config, plan_context=0, merge_config=N
     return us, out.clone(), merge_tile(attn, p.bs)
 
 
+def record_timed(r, key, t, out, ours, args):
+    """A timed path's common fields at point row ``r``: its time, its kernels (--kernel-times)
+    and its output's difference from our kernel alone's."""
+    r[f"{key}_us"] = round(t, 2)
+    if args.kernel_times:
+        r[f"{key}_kernels"] = KERNEL_TIMES["last"]
+    r[f"{key}_rel_diff"] = round(rel_diff(out, ours), 5)
+
+
 def time_prefix_path(r, key, us, args, ta, run):
     """Record one prefix path (``key``: ``fa3_prefix`` or ``flashmla_prefix``) at point row
     ``r``: ``run(merge_config)`` -> (us, output, merging tile, our kernel alone's output on the
@@ -346,11 +355,8 @@ def time_prefix_path(r, key, us, args, ta, run):
     error is recorded in place of the time."""
     try:
         t, o, tile, ours = run(None)
-        r[f"{key}_us"] = round(t, 2)
+        record_timed(r, key, t, o, ours, args)
         r[f"{key}_merge_tile"] = tile
-        if args.kernel_times:
-            r[f"{key}_kernels"] = KERNEL_TIMES["last"]
-        r[f"{key}_rel_diff"] = round(rel_diff(o, ours), 5)
         r[f"speedup_{key}"] = round(us / t, 2)
         if args.merge_sweep:
             r[f"{key}_merge_us"] = merge_sweep(args.merge_sweep, ta, o, lambda c: run(c)[:2])
@@ -731,11 +737,8 @@ def main(argv=None):
                             continue
                         try:
                             t, o, mode = fn(avail, p, max(3, args.iters // 4), flush)
-                            r[f"{name}_us"] = round(t, 2)
+                            record_timed(r, name, t, o, ours, args)
                             r[f"{name}_timing"] = mode
-                            if args.kernel_times:
-                                r[f"{name}_kernels"] = KERNEL_TIMES["last"]
-                            r[f"{name}_rel_diff"] = round(rel_diff(o, ours), 5)
                             r[f"speedup_vs_{name}"] = round(t / us, 2)
                         except Exception as exc:  # noqa: BLE001 - recorded per point
                             r[f"{name}_us"] = f"error: {type(exc).__name__}: {exc}"[:200]
