@@ -213,3 +213,123 @@ def unavailable_reason() -> Optional[str]:
 def _reset_for_tests() -> None:
     with _lock:
         _state.update(attempted=False, module=None, error=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The small-M W4A16 MoE GEMMs (moe_w4a16_small.cu): a plain shared library built by nvcc alone
+# (static CUDA runtime, no torch headers: a few seconds, not the minute a torch extension takes)
+# and called through ctypes by sglang_ddtree.triton_kernels.moe_w4a16_small.
+
+_MOE_SOURCES = ("moe_w4a16_small.cu", "moe_w4a16_small.cuh")
+_MOE_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-shared", "-Xcompiler", "-fPIC"]
+_moe_lock = threading.Lock()
+_moe_state: dict = {"attempted": False, "lib": None, "error": None, "probe": {}}
+# Kernels the probe reports, in the order ddtree_moe_small_probe writes them.
+MOE_KERNELS = (("gate_up", 1, 2), ("gate_up", 1, 3), ("gate_up", 1, 4), ("gate_up", 2, 2),
+               ("gate_up", 2, 3), ("down", 1, 4), ("down", 1, 8), ("down", 2, 4), ("down", 2, 8))
+
+
+def moe_build_command(nvcc: str, capability: Tuple[int, int], include_dirs: List[str],
+                      out: str) -> List[str]:
+    """The nvcc command line of the MoE library (tests check it; the build runs it)."""
+    return ([nvcc] + _MOE_FLAGS + arch_flags(capability)
+            + [f"-I{_HERE}"] + [f"-I{d}" for d in include_dirs]
+            + [os.path.join(_HERE, _MOE_SOURCES[0]), "-o", out])
+
+
+def moe_cache_path(capability: Tuple[int, int]) -> str:
+    """Where the built library lives: keyed by CUDA version, arch and a hash of the sources."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in _MOE_SOURCES:
+        with open(os.path.join(_HERE, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    h.update("\0".join(_MOE_FLAGS + arch_flags(capability)).encode())
+    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "sglang_ddtree")
+    key = (f"moe_small-cu{torch.version.cuda}-sm{capability[0]}{capability[1]}"
+           f"-{h.hexdigest()[:12]}")
+    return os.path.join(root, re.sub(r"[^A-Za-z0-9._-]", "_", key), "libddtree_moe_small.so")
+
+
+def _moe_declare(lib) -> None:
+    import ctypes
+
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.ddtree_moe_small_gate_up.argtypes = [p, ll, p, p, p, p, p, p, p] + [i] * 11 + [p]
+    lib.ddtree_moe_small_gate_up.restype = i
+    lib.ddtree_moe_small_down.argtypes = [p, p, p, p, p, p, i, p] + [i] * 7 + [p]
+    lib.ddtree_moe_small_down.restype = i
+    lib.ddtree_moe_small_probe.argtypes = [i, ctypes.POINTER(ctypes.c_int), i]
+    lib.ddtree_moe_small_probe.restype = i
+
+
+def _moe_try_load():
+    import ctypes
+    import subprocess
+
+    from torch.utils import cpp_extension
+
+    capability = _cuda_capability()
+    include_dirs, _ = _toolkit_flags()
+    nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+    path = moe_cache_path(capability)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        cmd = moe_build_command(nvcc, capability, include_dirs, tmp)
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            first = (r.stderr.strip().splitlines() or ["nvcc failed"])[0]
+            raise ExtensionUnavailable(f"MoE library build for sm_{capability[0]}{capability[1]} "
+                                       f"failed: {first[:200]}", r.stderr)
+        os.replace(tmp, path)  # atomic: a concurrent process loads a whole file or builds its own
+        logger.info("sglang_ddtree: small-M MoE library built in %.1f s (%s)",
+                    time.perf_counter() - t0, path)
+    lib = ctypes.CDLL(path)
+    _moe_declare(lib)
+    return lib
+
+
+def load_moe_small_lib(required: bool = False):
+    """The ctypes library of the small-M MoE GEMMs, or None when it cannot be used here (reason
+    logged once). required=True raises :class:`ExtensionUnavailable` instead of returning None.
+    Built at most once per process (and once per machine: cached on disk)."""
+    with _moe_lock:
+        if not _moe_state["attempted"]:
+            _moe_state["attempted"] = True
+            try:
+                _moe_state["lib"] = _moe_try_load()
+            except ExtensionUnavailable as e:
+                _moe_state["error"] = e
+                logger.warning("sglang_ddtree: small-M MoE CUDA kernels unavailable (%s); the "
+                               "Triton MoE serves every M", e.reason)
+        lib, error = _moe_state["lib"], _moe_state["error"]
+    if lib is None and required:
+        raise ExtensionUnavailable(f"small-M MoE CUDA kernels unavailable: {error.reason}",
+                                   error.detail)
+    return lib
+
+
+def moe_probe(device: int) -> dict:
+    """Load every MoE kernel on ``device`` (outside stream capture) and return
+    {(kind, n_tiles, depth): (registers, spill bytes per thread)}; cached per device."""
+    import ctypes
+
+    with _moe_lock:
+        if device in _moe_state["probe"]:
+            return _moe_state["probe"][device]
+    lib = load_moe_small_lib(required=True)
+    buf = (ctypes.c_int * (2 * len(MOE_KERNELS)))()
+    n = lib.ddtree_moe_small_probe(device, buf, len(buf))
+    if n < 0:
+        raise RuntimeError(f"ddtree_moe_small_probe: CUDA error {-n}")
+    if n != len(MOE_KERNELS):
+        raise RuntimeError(f"ddtree_moe_small_probe: {n} kernels, expected {len(MOE_KERNELS)}")
+    out = {k: (buf[2 * j], buf[2 * j + 1]) for j, k in enumerate(MOE_KERNELS)}
+    with _moe_lock:
+        _moe_state["probe"][device] = out
+    return out
