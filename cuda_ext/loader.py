@@ -224,9 +224,12 @@ _MOE_SOURCES = ("moe_w4a16_small.cu", "moe_w4a16_small.cuh")
 _MOE_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-shared", "-Xcompiler", "-fPIC"]
 _moe_lock = threading.Lock()
 _moe_state: dict = {"attempted": False, "lib": None, "error": None, "probe": {}}
-# Kernels the probe reports, in the order ddtree_moe_small_probe writes them.
-MOE_KERNELS = (("gate_up", 1, 2), ("gate_up", 1, 3), ("gate_up", 1, 4), ("gate_up", 2, 2),
-               ("gate_up", 2, 3), ("down", 1, 4), ("down", 1, 8), ("down", 2, 4), ("down", 2, 8))
+# Kernels the probe reports, in the order ddtree_moe_small_probe writes them:
+# (kind, n-tiles, ring stages).
+_MOE_GU = ((1, 4), (1, 6), (1, 8), (2, 4))
+_MOE_DN = ((1, 4), (1, 8), (2, 4), (2, 6))
+MOE_KERNELS = (tuple(("gate_up", nt, st) for nt, st in _MOE_GU)
+               + tuple(("down", nt, st) for nt, st in _MOE_DN))
 
 
 def moe_build_command(nvcc: str, capability: Tuple[int, int], include_dirs: List[str],
@@ -258,9 +261,9 @@ def _moe_declare(lib) -> None:
     import ctypes
 
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.ddtree_moe_small_gate_up.argtypes = [p, ll, p, p, p, p, p, p, p] + [i] * 11 + [p]
+    lib.ddtree_moe_small_gate_up.argtypes = [p, ll, p, p, p, p, p, p, p] + [i] * 9 + [p]
     lib.ddtree_moe_small_gate_up.restype = i
-    lib.ddtree_moe_small_down.argtypes = [p, p, p, p, p, p, i, p] + [i] * 7 + [p]
+    lib.ddtree_moe_small_down.argtypes = [p, p, p, p, p, p, i, p] + [i] * 8 + [p]
     lib.ddtree_moe_small_down.restype = i
     lib.ddtree_moe_small_probe.argtypes = [i, ctypes.POINTER(ctypes.c_int), i]
     lib.ddtree_moe_small_probe.restype = i
@@ -315,21 +318,22 @@ def load_moe_small_lib(required: bool = False):
 
 
 def moe_probe(device: int) -> dict:
-    """Load every MoE kernel on ``device`` (outside stream capture) and return
-    {(kind, n_tiles, depth): (registers, spill bytes per thread)}; cached per device."""
+    """Load every MoE kernel on ``device`` (outside stream capture; raises each one's dynamic
+    shared memory limit) and return {(kind, n_tiles, stages): (registers, spill bytes per
+    thread, resident CTAs per SM, dynamic shared bytes)}; cached per device."""
     import ctypes
 
     with _moe_lock:
         if device in _moe_state["probe"]:
             return _moe_state["probe"][device]
     lib = load_moe_small_lib(required=True)
-    buf = (ctypes.c_int * (2 * len(MOE_KERNELS)))()
+    buf = (ctypes.c_int * (4 * len(MOE_KERNELS)))()
     n = lib.ddtree_moe_small_probe(device, buf, len(buf))
     if n < 0:
         raise RuntimeError(f"ddtree_moe_small_probe: CUDA error {-n}")
     if n != len(MOE_KERNELS):
         raise RuntimeError(f"ddtree_moe_small_probe: {n} kernels, expected {len(MOE_KERNELS)}")
-    out = {k: (buf[2 * j], buf[2 * j + 1]) for j, k in enumerate(MOE_KERNELS)}
+    out = {k: tuple(buf[4 * j:4 * j + 4]) for j, k in enumerate(MOE_KERNELS)}
     with _moe_lock:
         _moe_state["probe"][device] = out
     return out

@@ -96,6 +96,37 @@ DDT_DEV uint4 ld_act16(const void* p) { return __ldg(reinterpret_cast<const uint
 // Split partials written by other CTAs: from L2, never a stale L1 line.
 DDT_DEV float4 ld_partial(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 DDT_DEV void st16(void* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+// Asynchronous global -> shared copies (sm_80+): the lane that issues a copy is the only one
+// that reads it back, so cp.async.wait_group alone orders them (no barrier).
+DDT_DEV void cp_async16_stream(void* dst, const void* src) {  // past L1: read once
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src) : "memory");
+}
+DDT_DEV void cp_async16(void* dst, const void* src) {  // through L1: rows every warp reads
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;"
+               :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src) : "memory");
+}
+DDT_DEV void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;"
+               :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src) : "memory");
+}
+DDT_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+DDT_DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+DDT_DEV uint4 lds16(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(uint32_t(__cvta_generic_to_shared(p))) : "memory");
+  return v;
+}
+DDT_DEV uint2 lds8(const void* p) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y) : "r"(uint32_t(__cvta_generic_to_shared(p))) : "memory");
+  return v;
+}
+#define DDT_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 DDT_DEV void st8(void* p, uint32_t lo, uint32_t hi) {
   *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
 }
@@ -159,11 +190,11 @@ struct GateUpParams {
   const uint16_t* s;             // [E, K / 32, 2 I] bf16
   const int32_t* sorted_ids;     // [max_padded]
   const int32_t* block_expert;   // [max_blocks + 1]
-  float* part;                   // [split_max, part_rows, 2 I] fp32 (split > 1)
+  float* part;                   // [2 P, BM, 2 I] fp32 partial slabs (P = gridDim.x)
   int* counters;                 // [max_blocks * gridDim.y], zero between launches
   uint16_t* h;                   // [max_padded, I] bf16 out
   long long x_stride;
-  int max_blocks, T, topk, K, I, part_rows, split_max, split_target;
+  int max_blocks, T, topk, K, I;
 };
 
 struct DownParams {
@@ -174,221 +205,371 @@ struct DownParams {
   const int32_t* block_expert;   // [max_blocks + 1]
   const void* topk_w;            // [T] fp32, or bf16 with topk_bf16
   uint16_t* y;                   // [T, N] bf16 out, row = pair id
-  int T, N, I, topk_bf16;
+  int max_blocks, T, N, I, topk_bf16;
 };
 
-// The split of this call: smallest divisor c < split_max of the K groups with
-// used_blocks * col_ctas * c >= split_target, else split_max (host mirror: live_split_small).
-DDT_DEV int live_split(int used, int col_ctas, int groups, int split_max, int target) {
-  for (int c = 1; c < split_max; ++c)
-    if (groups % c == 0 && used * col_ctas * c >= target) return c;
-  return split_max;
-}
+// Per-warp ring of S stages of packed weights and scales in dynamic shared memory; within a
+// stage each field is lane-major (16-byte fields at 16-byte lane stride, 8-byte at 8:
+// conflict-free ld.shared). Activations (x, h: a few rows every warp of the CTA reads) go
+// through L1 into registers one step ahead instead: through the ring they missed L1 and
+// doubled the L2 traffic (Nsight Compute, session 37).
+struct GateUpStage {  // gate words, up words, gate scales, up scales
+  static constexpr int kWg = 0, kWu = 512, kSg = 1024, kSu = 1280;
+  static constexpr int kBytes = 1536;
+};
+struct DownStage {  // words, scales
+  static constexpr int kW = 0, kS = 512;
+  static constexpr int kBytes = 768;
+};
+template <int NT, int S>
+constexpr int gate_up_smem() { return kWarps * S * GateUpStage::kBytes; }
+template <int NT, int S>
+constexpr int down_smem() { return kWarps * S * DownStage::kBytes; }
 
-template <int NT, int U>
-DDT_GLOBAL void __launch_bounds__(kThreads, 2) gate_up_kernel(const GateUpParams p) {
-  constexpr int BM = 8 * NT;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int used = p.block_expert[p.max_blocks];
-  const int groups = p.K >> 5;
-  const int col_ctas = gridDim.y;
-  const int split = live_split(used, col_ctas, groups, p.split_max, p.split_target);
-  const int blk = blockIdx.x / split, ks = blockIdx.x % split;
-  if (blk >= used) return;  // CTA-uniform: this call needs fewer CTAs than the grid has
-  const int e = p.block_expert[blk];
-  const int row0 = blk * BM;
-  const int chunk = blockIdx.y * kWarps + warp;
-  const bool active = chunk * 32 < p.I;  // warp-uniform
-  const int col = chunk * 32 + 4 * gid;
-  const int n2 = 2 * p.I;
-  const int per = groups / split, g0 = ks * per;
-  // the block's real rows precede its padding: row 8 real <=> the second n-tile has work
-  const bool second = NT > 1 && p.sorted_ids[row0 + 8] < p.T;
-  float accg[2][NT][4], accu[2][NT][4];
+template <int NT>
+DDT_DEV void zero_acc(float (&a)[2][NT][4]) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) accg[mt][nt][i] = accu[mt][nt][i] = 0.0f;
-
-  if (active) {
-    const uint16_t* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int pair = p.sorted_ids[row0 + 8 * nt + gid];
-      const int tok = pair < p.T ? pair / p.topk : 0;  // padding rows read row 0, never stored
-      xr[nt] = p.x + (long long)tok * p.x_stride + 32LL * g0 + 8 * tig;
-    }
-    const int32_t* wp = p.w + ((long long)e * (p.K >> 3) + 4LL * g0 + tig) * n2 + col;
-    const uint16_t* sp = p.s + ((long long)e * groups + g0) * n2 + col;
-    uint4 wg[U], wu[U], xv[U][NT];
-    uint2 sg[U], su[U];
-    auto load = [&](int u, int g) {
-      const int32_t* w = wp + (long long)g * 4 * n2;
-      const uint16_t* s = sp + (long long)g * n2;
-      wg[u] = ld_stream16(w);
-      wu[u] = ld_stream16(w + p.I);
-      sg[u] = ld_stream8(s);
-      su[u] = ld_stream8(s + p.I);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        if (nt == 0 || second) xv[u][nt] = ld_act16(xr[nt] + 32 * g);
-    };
-    auto compute = [&](int u) {
-      uint32_t b[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        if (nt == 0 || second) act_pairs(xv[u][nt], b[nt]);
-      group_mma<NT>(wg[u], sg[u], b, accg, second);
-      group_mma<NT>(wu[u], su[u], b, accu, second);
-    };
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (u < per) load(u, u);
-    for (int base = 0; base < per; base += U) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (base + u < per) {
-          compute(u);
-          if (base + u + U < per) load(u, base + u + U);
-        }
-      }
-    }
-  }
-
-  if (split == 1) {
-    if (!active) return;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt > 0 && !second) continue;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = row0 + 8 * nt + 2 * tig + i;
-        const float g[4] = {accg[0][nt][i], accg[0][nt][2 + i], accg[1][nt][i], accg[1][nt][2 + i]};
-        const float u[4] = {accu[0][nt][i], accu[0][nt][2 + i], accu[1][nt][i], accu[1][nt][2 + i]};
-        store_h(p.h + (long long)r * p.I + col, g, u);
-      }
-    }
-    return;
-  }
-
-  // Split K: partials of the real rows, then the tile's last CTA sums them in split order.
-  if (active) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt > 0 && !second) continue;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = row0 + 8 * nt + 2 * tig + i;
-        if (p.sorted_ids[r] >= p.T) continue;
-        float* q = p.part + ((long long)ks * p.part_rows + r) * n2 + col;
-        st16(q, make_float4(accg[0][nt][i], accg[0][nt][2 + i], accg[1][nt][i], accg[1][nt][2 + i]));
-        st16(q + p.I,
-             make_float4(accu[0][nt][i], accu[0][nt][2 + i], accu[1][nt][i], accu[1][nt][2 + i]));
-      }
-    }
-  }
-  __threadfence();  // this thread's partials before the CTA's arrival
-  __syncthreads();
-  DDT_SHARED int is_last;
-  const int tile = blk * col_ctas + blockIdx.y;
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counters + tile, 1) == split - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // the other CTAs' partials (arrived before their counter increments)
-  if (active) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt > 0 && !second) continue;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = row0 + 8 * nt + 2 * tig + i;
-        if (p.sorted_ids[r] >= p.T) continue;
-        float g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k = 0; k < split; ++k) {
-          const float* q = p.part + ((long long)k * p.part_rows + r) * n2 + col;
-          const float4 a = ld_partial(q), c = ld_partial(q + p.I);
-          g[0] += a.x; g[1] += a.y; g[2] += a.z; g[3] += a.w;
-          u[0] += c.x; u[1] += c.y; u[2] += c.z; u[3] += c.w;
-        }
-        store_h(p.h + (long long)r * p.I + col, g, u);
-      }
-    }
-  }
-  if (threadIdx.x == 0) p.counters[tile] = 0;  // re-armed for the next launch
+      for (int i = 0; i < 4; ++i) a[mt][nt][i] = 0.0f;
 }
 
-template <int NT, int U>
-DDT_GLOBAL void __launch_bounds__(kThreads) down_kernel(const DownParams p) {
-  constexpr int BM = 8 * NT;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int blk = blockIdx.x;
-  if (p.block_expert[blk] < 0) return;  // unused block (CTA-uniform)
-  const int chunk = blockIdx.y * kWarps + warp;
-  if (chunk * 32 >= p.N) return;  // warp-uniform; no block barrier below
-  const int e = p.block_expert[blk];
-  const int row0 = blk * BM;
-  const int col = chunk * 32 + 4 * gid;
-  const int groups = p.I >> 5;
-  const bool second = NT > 1 && p.sorted_ids[row0 + 8] < p.T;
-  float acc[2][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
-  const uint16_t* hr[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    hr[nt] = p.h + (long long)(row0 + 8 * nt + gid) * p.I + 8 * tig;
-  const int32_t* wp = p.w + ((long long)e * (p.I >> 3) + tig) * p.N + col;
-  const uint16_t* sp = p.s + (long long)e * groups * p.N + col;
-  uint4 wv[U], hv[U][NT];
-  uint2 sv[U];
-  auto load = [&](int u, int g) {
-    wv[u] = ld_stream16(wp + (long long)g * 4 * p.N);
-    sv[u] = ld_stream8(sp + (long long)g * p.N);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      if (nt == 0 || second) hv[u][nt] = ld_act16(hr[nt] + 32 * g);
-  };
-  auto compute = [&](int u) {
-    uint32_t b[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      if (nt == 0 || second) act_pairs(hv[u][nt], b[nt]);
-    group_mma<NT>(wv[u], sv[u], b, acc, second);
-  };
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (u < groups) load(u, u);
-  for (int base = 0; base < groups; base += U) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (base + u < groups) {
-        compute(u);
-        if (base + u + U < groups) load(u, base + u + U);
-      }
-    }
-  }
+// h rows of the lane (tokens 2 tig, 2 tig + 1 of each live n-tile) from finished sums.
+template <int NT>
+DDT_DEV void gate_up_epilogue(const GateUpParams& p, int row0, int col, int tig, bool second,
+                              const float (&accg)[2][NT][4], const float (&accu)[2][NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     if (nt > 0 && !second) continue;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int pair = p.sorted_ids[row0 + 8 * nt + 2 * tig + i];
-      if (pair >= p.T) continue;
-      const float wt = p.topk_bf16 ? bf16_to_float(static_cast<const uint16_t*>(p.topk_w)[pair])
-                                   : static_cast<const float*>(p.topk_w)[pair];
-      st8(p.y + (long long)pair * p.N + col,
-          pack_bf16x2(acc[0][nt][i] * wt, acc[0][nt][2 + i] * wt),
-          pack_bf16x2(acc[1][nt][i] * wt, acc[1][nt][2 + i] * wt));
+      const int r = row0 + 8 * nt + 2 * tig + i;
+      const float g[4] = {accg[0][nt][i], accg[0][nt][2 + i], accg[1][nt][i], accg[1][nt][2 + i]};
+      const float u[4] = {accu[0][nt][i], accu[0][nt][2 + i], accu[1][nt][i], accu[1][nt][2 + i]};
+      store_h(p.h + (long long)r * p.I + col, g, u);
     }
   }
+}
+
+// fp32 partials of the lane's real rows at slab (BM rows x 2 I columns per slab).
+template <int NT>
+DDT_DEV void store_partials(const GateUpParams& p, long long slab, int row0, int col, int tig,
+                            bool second, const float (&accg)[2][NT][4],
+                            const float (&accu)[2][NT][4]) {
+  constexpr int BM = 8 * NT;
+  const int n2 = 2 * p.I;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if (nt > 0 && !second) continue;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int rr = 8 * nt + 2 * tig + i;
+      if (p.sorted_ids[row0 + rr] >= p.T) continue;
+      float* q = p.part + (slab * BM + rr) * n2 + col;
+      st16(q, make_float4(accg[0][nt][i], accg[0][nt][2 + i], accg[1][nt][i], accg[1][nt][2 + i]));
+      st16(q + p.I,
+           make_float4(accu[0][nt][i], accu[0][nt][2 + i], accu[1][nt][i], accu[1][nt][2 + i]));
+    }
+  }
+}
+
+// h of the lane's real rows from partial slabs slab_of(0 .. count - 1), summed in that order.
+template <int NT, typename SlabOf>
+DDT_DEV void sum_partials(const GateUpParams& p, int count, SlabOf slab_of, int row0, int col,
+                          int tig, bool second) {
+  constexpr int BM = 8 * NT;
+  const int n2 = 2 * p.I;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if (nt > 0 && !second) continue;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int rr = 8 * nt + 2 * tig + i;
+      if (p.sorted_ids[row0 + rr] >= p.T) continue;
+      float g[4] = {0.0f, 0.0f, 0.0f, 0.0f}, u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int k = 0; k < count; ++k) {
+        const float* q = p.part + ((long long)slab_of(k) * BM + rr) * n2 + col;
+        const float4 a = ld_partial(q), c = ld_partial(q + p.I);
+        g[0] += a.x; g[1] += a.y; g[2] += a.z; g[3] += a.w;
+        u[0] += c.x; u[1] += c.y; u[2] += c.z; u[3] += c.w;
+      }
+      store_h(p.h + (long long)(row0 + rr) * p.I + col, g, u);
+    }
+  }
+}
+
+// The CTA's arrival at a split tile; true for the last of `count` (after a block barrier).
+DDT_DEV bool arrive_last(int* counter, int count) {
+  __threadfence();  // this thread's partials before the CTA's arrival
+  __syncthreads();
+  DDT_SHARED int is_last;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == count - 1;
+  __syncthreads();
+  const bool last = is_last;
+  if (last) __threadfence();  // the other CTAs' partials (stored before their arrivals)
+  __syncthreads();  // every thread has read is_last before a later arrival rewrites it
+  return last;
+}
+
+// Gate-up, stream-K: a grid of P CTAs (one wave) over the call's used_blocks x (K / 32) group
+// steps in equal contiguous ranges of L = ceil(work / P) steps, so no CTA waits for a second
+// wave and one grid serves calls on 8 experts and on hundreds. Each warp streams its range
+// through an S-stage cp.async ring (the next block's first groups load while this block's last
+// ones compute). A tile (block) whose range one CTA covers whole is finished by it; a tile
+// split between CTAs c0 .. c1 (at most two partial tiles per CTA: its first and its last) gets
+// their fp32 partials in slabs 2 c + (0 for the CTA's first tile, 1 for its last), and the last
+// to arrive sums them in CTA order (deterministic) and re-arms the tile's counter.
+// Grid (P, ceil(I / 256)); dynamic shared memory gate_up_smem<NT, S>().
+template <int NT, int S>
+DDT_GLOBAL void __launch_bounds__(kThreads) gate_up_kernel(const GateUpParams p) {
+  using St = GateUpStage;
+  constexpr int BM = 8 * NT;
+  DDT_DYN_SMEM(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int used = p.block_expert[p.max_blocks];
+  const int G = p.K >> 5;
+  const int P = gridDim.x;
+  const long long work = (long long)used * G;
+  const long long L = (work + P - 1) / P;
+  const long long start = (long long)blockIdx.x * L;
+  const long long end = start + L < work ? start + L : work;
+  if (start >= end) return;  // CTA-uniform
+  const int chunk = blockIdx.y * kWarps + warp;
+  const bool active = chunk * 32 < p.I;  // warp-uniform
+  const int col = chunk * 32 + 4 * gid;
+  const int n2 = 2 * p.I;
+  unsigned char* ring = smem + warp * S * St::kBytes;
+  const int first_blk = int(start / G);
+
+  // issue side: the next group step to copy into the ring (incremental: no division per step)
+  const int total = int(end - start);
+  int issued = 0, iblk = first_blk, ig = int(start - (long long)first_blk * G);
+  const int32_t* wp = nullptr;
+  const uint16_t* sp = nullptr;
+  auto setup = [&]() {  // block iblk's expert, at group ig
+    const int e = p.block_expert[iblk];
+    wp = p.w + ((long long)e * (p.K >> 3) + 4LL * ig + tig) * n2 + col;
+    sp = p.s + ((long long)e * G + ig) * n2 + col;
+  };
+  if (active) setup();
+  auto issue = [&](int stage) {
+    if (issued < total && active) {
+      unsigned char* st = ring + stage * St::kBytes;
+      cp_async16_stream(st + St::kWg + 16 * lane, wp);
+      cp_async16_stream(st + St::kWu + 16 * lane, wp + p.I);
+      cp_async8(st + St::kSg + 8 * lane, sp);
+      cp_async8(st + St::kSu + 8 * lane, sp + p.I);
+      wp += 4 * n2;
+      sp += n2;
+      if (++ig == G && issued + 1 < total) {
+        ++iblk;
+        ig = 0;
+        setup();
+      }
+    }
+    ++issued;
+    cp_async_commit();  // one group per step, empty or not: wait_group counts stay uniform
+  };
+#pragma unroll
+  for (int k = 0; k < S - 1; ++k) issue(k);
+
+  // x of the block's tokens, one step ahead of compute (through L1); the next block's pair ids
+  // are loaded when a block starts
+  auto x_row = [&](int pair) {  // padding rows read token 0, never stored
+    return p.x + (long long)(pair < p.T ? pair / p.topk : 0) * p.x_stride + 8 * tig;
+  };
+  const uint16_t* xbase[NT];
+  int npair[NT];
+  uint4 xcur[NT], xnext[NT];
+  {
+    const int g0 = int(start - (long long)first_blk * G);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      xbase[nt] = x_row(p.sorted_ids[first_blk * BM + 8 * nt + gid]);
+      npair[nt] = first_blk + 1 < used ? p.sorted_ids[(first_blk + 1) * BM + 8 * nt + gid] : p.T;
+      if (active) xcur[nt] = ld_act16(xbase[nt] + 32 * g0);
+    }
+  }
+
+  // compute side
+  float accg[2][NT][4], accu[2][NT][4];
+  zero_acc<NT>(accg);
+  zero_acc<NT>(accu);
+  int cblk = first_blk, cg = int(start - (long long)first_blk * G), seg0 = cg;
+  bool second = NT > 1 && p.sorted_ids[cblk * BM + 8] < p.T;
+  int stage = 0;
+  for (long long cpos = start; cpos < end; ++cpos) {
+    const bool last_group = cg + 1 == G;
+    if (active && cpos + 1 < end) {  // the next step's x
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        xnext[nt] = ld_act16(last_group ? x_row(npair[nt]) : xbase[nt] + 32 * (cg + 1));
+    }
+    cp_async_wait<S - 2>();  // this lane's copies of step cpos have landed
+    if (active) {
+      const unsigned char* st = ring + stage * St::kBytes;
+      const uint4 wg = lds16(st + St::kWg + 16 * lane), wu = lds16(st + St::kWu + 16 * lane);
+      const uint2 sg = lds8(st + St::kSg + 8 * lane), su = lds8(st + St::kSu + 8 * lane);
+      uint32_t b[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) act_pairs(xcur[nt], b[nt]);
+      group_mma<NT>(wg, sg, b, accg, second);
+      group_mma<NT>(wu, su, b, accu, second);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xcur[nt] = xnext[nt];
+    issue(stage == 0 ? S - 1 : stage - 1);  // refill the stage consumed one step ago
+    stage = stage + 1 == S ? 0 : stage + 1;
+    ++cg;
+    if (cg == G || cpos + 1 == end) {  // the end of this CTA's segment of block cblk
+      const int row0 = cblk * BM;
+      if (seg0 == 0 && cg == G) {
+        if (active) gate_up_epilogue<NT>(p, row0, col, tig, second, accg, accu);
+      } else {
+        const int slot = cblk == first_blk ? 0 : 1;
+        if (active)
+          store_partials<NT>(p, 2LL * blockIdx.x + slot, row0, col, tig, second, accg, accu);
+        const long long tile_end = (long long)(cblk + 1) * G;
+        const int c0 = int((long long)cblk * G / L);
+        const int c1 = int((tile_end - 1) / L);
+        const int tile = cblk * gridDim.y + blockIdx.y;
+        if (arrive_last(p.counters + tile, c1 - c0 + 1)) {
+          const int blk = cblk;
+          if (active)
+            sum_partials<NT>(p, c1 - c0 + 1, [&](int k) {
+              const long long c = c0 + k;  // CTA c's slab: its first tile or its last
+              return 2 * c + ((c * L) / G == blk ? 0 : 1);
+            }, row0, col, tig, second);
+          if (threadIdx.x == 0) p.counters[tile] = 0;
+        }
+      }
+      zero_acc<NT>(accg);
+      zero_acc<NT>(accu);
+      ++cblk;
+      cg = seg0 = 0;
+      if (cpos + 1 < end) {
+        second = NT > 1 && p.sorted_ids[cblk * BM + 8] < p.T;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          xbase[nt] = x_row(npair[nt]);
+          npair[nt] = cblk + 1 < used ? p.sorted_ids[(cblk + 1) * BM + 8 * nt + gid] : p.T;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// Down: grid (R, ceil(N / 256)); CTA (r, y) takes blocks r, r + R, ... of the call's used ones
+// for its 256 output columns, its warps streaming every K group of those blocks through one
+// S-stage cp.async ring; y[pair, cols] = bf16(h[row] D_e * topk_weight[pair]).
+// Dynamic shared memory down_smem<NT, S>().
+template <int NT, int S>
+DDT_GLOBAL void __launch_bounds__(kThreads) down_kernel(const DownParams p) {
+  using St = DownStage;
+  constexpr int BM = 8 * NT;
+  DDT_DYN_SMEM(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int used = p.block_expert[p.max_blocks];
+  const int R = gridDim.x, r = blockIdx.x;
+  const int nblk = used > r ? (used - r + R - 1) / R : 0;
+  const int chunk = blockIdx.y * kWarps + warp;
+  if (nblk == 0 || chunk * 32 >= p.N) return;  // no block barrier in this kernel
+  const int col = chunk * 32 + 4 * gid;
+  const int G = p.I >> 5;
+  const int n = nblk * G;
+  unsigned char* ring = smem + warp * S * St::kBytes;
+
+  // issue side, incremental; the next block's expert is loaded one block ahead
+  int issued = 0, ig = 0, ij = 0;
+  int e_next = p.block_expert[r];
+  const int32_t* wp = nullptr;
+  const uint16_t* sp = nullptr;
+  auto setup = [&]() {  // block r + ij R
+    const int blk = r + ij * R;
+    const int e = e_next;
+    if (ij + 1 < nblk) e_next = p.block_expert[blk + R];
+    wp = p.w + ((long long)e * (p.I >> 3) + tig) * p.N + col;
+    sp = p.s + (long long)e * G * p.N + col;
+  };
+  setup();
+  auto issue = [&](int stage) {
+    if (issued < n) {
+      unsigned char* st = ring + stage * St::kBytes;
+      cp_async16_stream(st + St::kW + 16 * lane, wp);
+      cp_async8(st + St::kS + 8 * lane, sp);
+      wp += 4 * p.N;
+      sp += p.N;
+      if (++ig == G && issued + 1 < n) {
+        ++ij;
+        ig = 0;
+        setup();
+      }
+    }
+    ++issued;
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < S - 1; ++k) issue(k);
+
+  // h rows of the block (by padded row: no indirection), one step ahead of compute, via L1
+  auto h_row = [&](int jj, int nt) {
+    return p.h + (long long)((r + jj * R) * BM + 8 * nt + gid) * p.I + 8 * tig;
+  };
+  uint4 hcur[NT], hnext[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) hcur[nt] = ld_act16(h_row(0, nt));
+
+  float acc[2][NT][4];
+  zero_acc<NT>(acc);
+  int stage = 0, g = 0, j = 0;
+  bool second = NT > 1 && p.sorted_ids[r * BM + 8] < p.T;
+  for (int i = 0; i < n; ++i) {
+    if (i + 1 < n) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        hnext[nt] = ld_act16(g + 1 < G ? h_row(j, nt) + 32 * (g + 1) : h_row(j + 1, nt));
+    }
+    cp_async_wait<S - 2>();
+    const unsigned char* st = ring + stage * St::kBytes;
+    const uint4 wv = lds16(st + St::kW + 16 * lane);
+    const uint2 sv = lds8(st + St::kS + 8 * lane);
+    uint32_t b[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) act_pairs(hcur[nt], b[nt]);
+    group_mma<NT>(wv, sv, b, acc, second);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) hcur[nt] = hnext[nt];
+    issue(stage == 0 ? S - 1 : stage - 1);
+    stage = stage + 1 == S ? 0 : stage + 1;
+    if (++g == G) {  // block done: y rows of its real pairs
+      const int row0 = (r + j * R) * BM;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt > 0 && !second) continue;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int pair = p.sorted_ids[row0 + 8 * nt + 2 * tig + q];
+          if (pair >= p.T) continue;
+          const float wt = p.topk_bf16
+                               ? bf16_to_float(static_cast<const uint16_t*>(p.topk_w)[pair])
+                               : static_cast<const float*>(p.topk_w)[pair];
+          st8(p.y + (long long)pair * p.N + col,
+              pack_bf16x2(acc[0][nt][q] * wt, acc[0][nt][2 + q] * wt),
+              pack_bf16x2(acc[1][nt][q] * wt, acc[1][nt][2 + q] * wt));
+        }
+      }
+      zero_acc<NT>(acc);
+      g = 0;
+      ++j;
+      if (j < nblk) second = NT > 1 && p.sorted_ids[(r + j * R) * BM + 8] < p.T;
+    }
+  }
+  cp_async_wait<0>();
 }
 
 }  // namespace ddtree_moe

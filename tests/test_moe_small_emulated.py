@@ -5,8 +5,9 @@ rounding points.
 ``tests/cuda_ext_emu/moe_emu.h`` (one std::thread per CUDA thread; the warp-collective
 ``mma.sync.m16n8k16`` emulated from the PTX fragment layouts; bf16x2 arithmetic rounded to nearest
 even) and run on small random problems: both n-tile widths, every pipeline depth the driver
-builds, split and unsplit K, concentrated routing, padding slots (-1). This checks the fragment
-mapping (columns, the permuted K order), the split-K fix-up and the counters' re-arming in CI;
+builds, stream-K ranges inside one tile and across tiles, concentrated routing, padding slots
+(-1). This checks the fragment mapping (columns, the permuted K order), the cp.async rings, the
+split tiles' fix-up and the counters' re-arming in CI;
 the compiled kernels are tested on the GPU by ``tests/gpu/test_moe_w4a16_small_gpu.py``.
 
 Tolerance: ``y`` within 1e-2 of max |y_ref| (fp32 summation order differs, so an ``h`` value may
@@ -29,7 +30,6 @@ from tests.triton_kernels import load_copy
 _MODS = load_copy("moesmall", ("moe_reference", "moe_w4a16_small"), interpret=True)
 dequantize = _MODS["moe_reference"].dequantize
 make_random_moe = _MODS["moe_reference"].make_random_moe
-live_split_small = _MODS["moe_w4a16_small"].live_split_small
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU_DIR = ROOT / "tests" / "cuda_ext_emu"
@@ -102,14 +102,12 @@ def reference(x, w, tw, ids):
     return h, y
 
 
-def run_driver(exe, tmp_path, x, w, tw, ids, nt, ugu, udn, split_max, target, launches=2):
+def run_driver(exe, tmp_path, x, w, tw, ids, nt, sgu, sdn, gu_ctas, dn_ctas, launches=2):
     m = x.shape[0]
     bm = 8 * nt
     sorted_ids, block_expert, max_padded = align(ids, E, bm)
-    col_ctas = -(-I // 256)
-    part_rows = max_padded
-    header = np.array([m, K, I, E, TOPK, nt, ugu, udn, split_max, target, K, max_padded,
-                       part_rows, launches], dtype=np.int64)
+    header = np.array([m, K, I, E, TOPK, nt, sgu, sdn, gu_ctas, dn_ctas, K, max_padded,
+                       launches], dtype=np.int64)
     inp = tmp_path / "in.bin"
     with open(inp, "wb") as f:
         for a in (header, bf16_bits(x), w["w13_packed"].numpy(), bf16_bits(w["w13_scale"]),
@@ -124,27 +122,29 @@ def run_driver(exe, tmp_path, x, w, tw, ids, nt, ugu, udn, split_max, target, la
     h = np.frombuffer(raw, dtype=np.uint16, count=n_h).reshape(max_padded, I)
     y = np.frombuffer(raw, dtype=np.uint16, count=n_y, offset=2 * n_h).reshape(m * TOPK, K)
     counters = np.frombuffer(raw, dtype=np.int32, offset=2 * (n_h + n_y))
-    used = int(block_expert[-1])
-    split = live_split_small(used, col_ctas, K // 32, split_max, target) if target else 1
-    return h, y, counters, sorted_ids, split
+    return h, y, counters, sorted_ids, int(block_expert[-1])
 
 
 CASES = [
-    # name, m, nt, u_gate_up, u_down, split_max, split_target, routing
-    ("m1_nt1", 1, 1, 2, 4, 1, 0, "random"),
-    ("m3_nt1_split4", 3, 1, 3, 8, 4, 10_000, "random"),
-    ("m8_nt1_live", 8, 1, 2, 8, 8, 40, "random"),
-    ("m8_nt1_conc", 8, 1, 3, 4, 2, 10_000, "concentrated"),
-    ("m9_nt2", 9, 2, 2, 8, 1, 0, "random"),
-    ("m16_nt2_conc_split", 16, 2, 3, 4, 4, 10_000, "concentrated"),
-    ("m13_nt2_padding", 13, 2, 2, 8, 2, 10_000, "padding"),
+    # name, m, nt, gate-up stages, down stages, gate-up CTAs, down CTAs, routing. The gate-up
+    # splits each call's used blocks x 8 K groups evenly over its CTAs (stream-K): CTAs inside
+    # one tile, across tiles, more CTAs than groups, one CTA for everything.
+    ("m1_one_cta", 1, 1, 4, 4, 1, 1, "random"),
+    ("m3_ctas5", 3, 1, 6, 8, 5, 2, "random"),
+    ("m8_ctas7", 8, 1, 4, 8, 7, 3, "random"),
+    ("m8_ctas40_conc", 8, 1, 6, 4, 40, 5, "concentrated"),
+    ("m2_ctas200", 2, 1, 4, 4, 200, 9, "random"),
+    ("m9_nt2_ctas3", 9, 2, 4, 8, 3, 2, "random"),
+    ("m16_nt2_ctas9_conc", 16, 2, 6, 4, 9, 3, "concentrated"),
+    ("m13_nt2_ctas6_padding", 13, 2, 4, 8, 6, 4, "padding"),
+    ("m12_nt1_ctas11", 12, 1, 6, 4, 11, 7, "random"),
 ]
 
 
-@pytest.mark.parametrize("name,m,nt,ugu,udn,split_max,target,routing", CASES,
+@pytest.mark.parametrize("name,m,nt,sgu,sdn,gu_ctas,dn_ctas,routing", CASES,
                          ids=[c[0] for c in CASES])
-def test_emulated_small_moe_matches_reference(driver, tmp_path, name, m, nt, ugu, udn,
-                                              split_max, target, routing):
+def test_emulated_small_moe_matches_reference(driver, tmp_path, name, m, nt, sgu, sdn, gu_ctas,
+                                              dn_ctas, routing):
     g = torch.Generator().manual_seed(m * 31 + nt)
     w = make_random_moe(E, K, I, seed=m)
     x = torch.randn(m, K, generator=g).to(torch.bfloat16)
@@ -157,13 +157,9 @@ def test_emulated_small_moe_matches_reference(driver, tmp_path, name, m, nt, ugu
             ids[-3:] = -1
             ids[0, 1] = -1
     tw = torch.rand(m, TOPK, generator=g)
-    h, y, counters, sorted_ids, split = run_driver(driver, tmp_path, x, w, tw, ids, nt, ugu,
-                                                   udn, split_max, target)
-    if target >= 10_000 or not target:  # the case's split is the one it means to test
-        assert split == (split_max if target else 1), (split, name)
-    elif name.endswith("_live"):
-        assert 1 < split < split_max, (split, name)
-    assert (counters == 0).all(), "split-K counters must be re-armed"
+    h, y, counters, sorted_ids, used = run_driver(driver, tmp_path, x, w, tw, ids, nt, sgu, sdn,
+                                                  gu_ctas, dn_ctas)
+    assert (counters == 0).all(), "split tiles' counters must be re-armed"
     h_ref, y_ref = reference(x, w, tw, ids)
     flat = ids.reshape(-1)
     yt = from_bits(y)
@@ -184,9 +180,19 @@ def test_emulated_small_moe_matches_reference(driver, tmp_path, name, m, nt, ugu
         assert bool((diff <= tol).all()), f"h row {row} (pair {p}): {float(diff.max()):.3g}"
 
 
-def test_live_split_mirror():
-    # smallest divisor of the K groups reaching the target, else split_max
-    assert live_split_small(59, 1, 224, 8, 264) == 7  # 7 divides 224
-    assert live_split_small(101, 1, 224, 8, 264) == 4
-    assert live_split_small(300, 1, 224, 8, 264) == 1
-    assert live_split_small(40, 1, 224, 8, 0) == 1
+def test_stream_k_ranges_cover_each_tile_once():
+    # the kernel's contributor arithmetic: CTAs c0 .. c1 of a tile, slab 2 c + (first tile? 0 : 1)
+    for used, groups, ctas in ((59, 224, 264), (8, 224, 264), (3, 8, 5), (101, 224, 396),
+                               (1, 224, 1), (2, 8, 200)):
+        work = used * groups
+        length = -(-work // ctas)
+        seen = {}
+        for c in range(ctas):
+            start, end = c * length, min(work, c * length + length)
+            for pos in range(start, end):
+                seen.setdefault(pos // groups, set()).add(c)
+        for blk, cs in seen.items():
+            c0, c1 = blk * groups // length, ((blk + 1) * groups - 1) // length
+            assert cs == set(range(c0, c1 + 1)), (used, groups, ctas, blk)
+            slabs = [2 * c + (0 if c * length // groups == blk else 1) for c in cs]
+            assert len(set(slabs)) == len(slabs)

@@ -3,15 +3,16 @@
 For calls of a few tokens (a verify of a small tree, decode) the Triton GEMMs of
 ``moe_w4a16`` read DRAM at about half the copy bandwidth: few programs fit an SM and each keeps
 little in flight (Nsight Compute, ``bench_results/ncu_fused_moe_summary_h200_s36.json``). The
-kernels in ``cuda_ext/moe_w4a16_small.cuh`` give each lane one 16-byte load of packed weights per
-32-row K group, feed the words straight into the MMA's A operand (no shared memory, no repack) and
-keep several groups in flight through registers. Between them and around them nothing changes:
+kernels in ``cuda_ext/moe_w4a16_small.cuh`` give each lane one 16-byte copy of packed weights per
+32-row K group, feed the words straight into the MMA's A operand (no repack, no shuffle between
+lanes) and keep 4-8 groups per warp in flight through a cp.async ring in shared memory, in grids
+of one wave whatever the routing. Between them and around them nothing changes:
 ``moe_w4a16``'s Triton prologue groups the pairs by expert (in blocks of 8 or 16 rows) and its
 combine kernel sums the top-k slots.
 
 Selection (read per call, so benchmarks can switch it): ``SGLANG_DDTREE_MOE_SMALL=<max M>``
 serves calls of up to that many tokens here (0, the default: off). ``SGLANG_DDTREE_MOE_SMALL_CFG``
-overrides the launch settings for tuning, e.g. ``u=3,du=8,split=8,target=264``. Where the
+overrides the launch settings for tuning, e.g. ``nt=1,s=6,ds=8,dw=1``. Where the
 library cannot be built or loaded (no nvcc, no GPU) the Triton kernels serve every call and
 the loader logs why, once. Off the GPU (``TRITON_INTERPRET=1``, CPU) it is never used.
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._device import arrival_counters
+from ._device import arrival_counters, num_sms
 
 ENV = "SGLANG_DDTREE_MOE_SMALL"
 ENV_CFG = "SGLANG_DDTREE_MOE_SMALL_CFG"
@@ -40,18 +41,17 @@ class SmallConfig:
     """Launch settings of one small-M call."""
 
     n_tiles: int  # 8-token MMA n-tiles per block: blocks of 8 * n_tiles rows (1 or 2)
-    u_gate_up: int  # K groups in flight per lane in the gate-up (2-4; 2-3 with 2 n-tiles)
-    u_down: int  # ... in the down (4 or 8)
-    split_max: int  # most CTAs one gate-up tile's K is split over (a divisor of K / 32)
-    split_target: int  # CTAs a call's split aims for (0: never split)
+    stages_gate_up: int  # cp.async ring stages per warp in the gate-up (4 / 6 / 8; 4 at 2 tiles)
+    stages_down: int  # ... in the down (4 / 8 at 1 tile, 4 / 6 at 2)
+    waves_down: int  # down grid: this many waves of resident CTAs (over its column CTAs)
 
     def validate(self) -> None:
-        ok_gu = {1: (2, 3, 4), 2: (2, 3)}
-        if self.n_tiles not in ok_gu or self.u_gate_up not in ok_gu[self.n_tiles]:
-            raise ValueError(f"{ENV_CFG}: n_tiles 1 with u 2/3/4 or n_tiles 2 with u 2/3, got "
-                             f"{self.n_tiles} / {self.u_gate_up}")
-        if self.u_down not in (4, 8) or self.split_max < 1 or self.split_target < 0:
-            raise ValueError(f"{ENV_CFG}: du 4 or 8, split >= 1, target >= 0, got {self}")
+        gu = {1: (4, 6, 8), 2: (4,)}
+        dn = {1: (4, 8), 2: (4, 6)}
+        if (self.n_tiles not in gu or self.stages_gate_up not in gu[self.n_tiles]
+                or self.stages_down not in dn[self.n_tiles] or self.waves_down < 1):
+            raise ValueError(f"{ENV_CFG}: n_tiles 1 (gate-up stages 4/6/8, down 4/8) or 2 "
+                             f"(gate-up 4, down 4/6), down waves >= 1; got {self}")
 
 
 def max_m() -> int:
@@ -69,32 +69,22 @@ def max_m() -> int:
 
 def config_for(m: int) -> SmallConfig:
     """Settings for an M-token call: blocks of 8 rows up to M = 8 (an expert then holds at most 8
-    of the call's tokens, so one block), 16 above; env overrides after."""
-    cfg = SmallConfig(n_tiles=1 if m <= 8 else 2, u_gate_up=3 if m <= 8 else 2, u_down=8,
-                      split_max=8, split_target=264)
+    of the call's tokens, so one block), 16 above; ``SGLANG_DDTREE_MOE_SMALL_CFG`` overrides
+    (stages not given take the defaults of the n-tiles chosen)."""
+    keys = {"nt": "n_tiles", "s": "stages_gate_up", "ds": "stages_down", "dw": "waves_down"}
+    given = {}
     raw = os.environ.get(ENV_CFG, "").strip()
-    if raw:
-        keys = {"nt": "n_tiles", "u": "u_gate_up", "du": "u_down", "split": "split_max",
-                "target": "split_target"}
-        changes = {}
-        for item in raw.split(","):
-            k, _, v = item.partition("=")
-            if k.strip() not in keys or not v.strip().isdigit():
-                raise ValueError(f"{ENV_CFG}: comma-separated nt|u|du|split|target=<int>, got "
-                                 f"{item!r}")
-            changes[keys[k.strip()]] = int(v)
-        cfg = replace(cfg, **changes)
+    for item in raw.split(",") if raw else ():
+        k, _, v = item.partition("=")
+        if k.strip() not in keys or not v.strip().isdigit():
+            raise ValueError(f"{ENV_CFG}: comma-separated nt|s|ds|dw=<int>, got {item!r}")
+        given[keys[k.strip()]] = int(v)
+    nt = given.get("n_tiles", 1 if m <= 8 else 2)
+    cfg = SmallConfig(n_tiles=nt, stages_gate_up=6 if nt == 1 else 4,
+                      stages_down=8 if nt == 1 else 6, waves_down=1)
+    cfg = replace(cfg, **given)
     cfg.validate()
     return cfg
-
-
-def live_split_small(used_blocks: int, col_ctas: int, groups: int, split_max: int,
-                     target: int) -> int:
-    """Host mirror of the kernel's per-call split (``live_split`` in the .cuh), for tests."""
-    for c in range(1, split_max):
-        if groups % c == 0 and used_blocks * col_ctas * c >= target:
-            return c
-    return split_max
 
 
 def _loader():
@@ -140,46 +130,50 @@ def gate_up_down(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk
                  upto: int = 4) -> torch.Tensor:
     """``y [M * topk, H]`` bf16 (row = pair id; slots with invalid ids unwritten) for blocks of
     ``8 * cfg.n_tiles`` rows from ``moe_align``. ``upto`` < 3 stops after the gate-up (benchmark
-    breakdowns). CUDA-graph safe: no allocation outside the caching allocator, no host sync."""
+    breakdowns). CUDA-graph safe: no allocation outside the caching allocator, no host sync.
+
+    Both grids are one wave of the SMs' resident CTAs (from the probe's occupancy), whatever the
+    routing: the gate-up splits the call's used blocks x K groups evenly over its CTAs
+    (stream-K), the down deals the used blocks round-robin to its CTAs."""
     dev = hidden_states.device
-    lib = _loader().load_moe_small_lib(required=True)
+    loader = _loader()
+    lib = loader.load_moe_small_lib(required=True)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    _loader().moe_probe(index)  # loads the kernels once, outside any capture
+    probe = loader.moe_probe(index)  # loads the kernels once, outside any capture
     m, hidden = hidden_states.shape
     inter = w2_packed.shape[1] * 8
     bm = 8 * cfg.n_tiles
     max_padded = sorted_ids.numel()
     max_blocks = max_padded // bm
-    col_ctas = -(-inter // COLS_PER_CTA)
-    groups = hidden // GROUP
-    split_max = cfg.split_max if groups % cfg.split_max == 0 else 1
+    sms = num_sms(dev, 1)
     t = m * topk
     h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=dev)
     y = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    if split_max > 1 and cfg.split_target > 0:
-        # a call splits only while used_blocks * col_ctas < split_target: fewer rows than this
-        part_rows = min(max_padded, -(-cfg.split_target // col_ctas) * bm)
-        part = torch.empty(split_max, part_rows, 2 * inter, dtype=torch.float32, device=dev)
-        counters = arrival_counters(_counters, dev, max_blocks * col_ctas, 1 << 14)
-        if counters is None:  # first call inside a capture: no counters, no split
-            split_max, part_rows, part = 1, 0, h
-    else:
-        split_max, part_rows, part, counters = 1, 0, h, None
+    gu_cols = -(-inter // COLS_PER_CTA)
+    gu_ctas = max(1, sms * probe[("gate_up", cfg.n_tiles, cfg.stages_gate_up)][2] // gu_cols)
+    part = torch.empty(2 * gu_ctas * bm, 2 * inter, dtype=torch.float32, device=dev)
+    counters = arrival_counters(_counters, dev, max_blocks * gu_cols, 1 << 14)
+    if counters is None:
+        raise RuntimeError("the small-M MoE path's first call on a device ran inside a CUDA-graph "
+                           "capture: run one call eagerly first (SGLang's warm-up does)")
     rc = lib.ddtree_moe_small_gate_up(
         hidden_states.data_ptr(), hidden_states.stride(0), w13_packed.data_ptr(),
         w13_scale.data_ptr(), sorted_ids.data_ptr(), block_expert.data_ptr(), part.data_ptr(),
-        None if counters is None else counters.data_ptr(), h.data_ptr(), max_blocks, t, topk,
-        hidden, inter, part_rows, split_max, cfg.split_target if split_max > 1 else 0,
-        cfg.n_tiles, cfg.u_gate_up, index, stream)
+        counters.data_ptr(), h.data_ptr(), max_blocks, t, topk, hidden, inter, gu_ctas,
+        cfg.n_tiles, cfg.stages_gate_up, index, stream)
     if rc:
         raise RuntimeError(f"ddtree_moe_small_gate_up: CUDA error {rc} ({cfg})")
     if upto < 3:
         return y
+    dn_cols = -(-hidden // COLS_PER_CTA)
+    dn_occ = probe[("down", cfg.n_tiles, cfg.stages_down)][2]
+    dn_ctas = max(1, -(-sms * dn_occ * cfg.waves_down // dn_cols))
     rc = lib.ddtree_moe_small_down(
         h.data_ptr(), w2_packed.data_ptr(), w2_scale.data_ptr(), sorted_ids.data_ptr(),
         block_expert.data_ptr(), topk_weights.data_ptr(), int(topk_weights.dtype == torch.bfloat16),
-        y.data_ptr(), max_blocks, t, hidden, inter, cfg.n_tiles, cfg.u_down, index, stream)
+        y.data_ptr(), max_blocks, t, hidden, inter, dn_ctas, cfg.n_tiles, cfg.stages_down, index,
+        stream)
     if rc:
         raise RuntimeError(f"ddtree_moe_small_down: CUDA error {rc} ({cfg})")
     return y

@@ -1,12 +1,13 @@
 // Runs the small-M MoE gate-up and down kernels (cuda_ext/moe_w4a16_small.cuh) under
 // moe_emu.h. Usage: moe_driver IN OUT
-// IN : int64 header [M, K, I, E, topk, NT, U_gate_up, U_down, split_max, split_target, x_stride,
-//      max_padded, part_rows, launches]; then bf16 x [M * x_stride]; int32 w13 [E, K/8, 2I];
+// IN : int64 header [M, K, I, E, topk, NT, S_gate_up, S_down, gate-up CTAs, down CTAs,
+//      x_stride, max_padded, launches]; then bf16 x [M * x_stride]; int32 w13 [E, K/8, 2I];
 //      bf16 s13 [E, K/32, 2I]; int32 w2 [E, I/8, K]; bf16 s2 [E, I/32, K]; int32 sorted_ids
 //      [max_padded]; int32 block_expert [max_padded / BM + 1]; fp32 topk_w [M * topk]
 // OUT: bf16 h [max_padded, I] (unwritten: 0); bf16 y [M * topk, K] (unwritten: 0xFFFF, a NaN);
 //      int32 counters after the launches (all 0 expected).
 // `launches` > 1 runs the pair that many times on the same counters (re-arming check).
+// Kernels built here: gate-up stages 4 / 6 and down stages 4 / 8 (n-tiles 1 and 2).
 #include "moe_emu.h"
 
 #include "moe_w4a16_small.cuh"
@@ -22,25 +23,25 @@ static std::vector<T> take(FILE* f, size_t n) {
 }
 
 template <int NT>
-static void run(const ddtree_moe::GateUpParams& gp, const ddtree_moe::DownParams& dp, int ugu,
-                int udn, unsigned gx, unsigned gy, unsigned dx, unsigned dy) {
+static void run(const ddtree_moe::GateUpParams& gp, const ddtree_moe::DownParams& dp, int sgu,
+                int sdn, unsigned gx, unsigned gy, unsigned dx, unsigned dy) {
   using namespace ddtree_moe;
-  if (ugu == 2) emu_launch2(gate_up_kernel<NT, 2>, gx, gy, kThreads, gp);
-  else if (ugu == 3) emu_launch2(gate_up_kernel<NT, 3>, gx, gy, kThreads, gp);
-  else { fprintf(stderr, "U_gate_up %d not built\n", ugu); exit(2); }
-  if (udn == 4) emu_launch2(down_kernel<NT, 4>, dx, dy, kThreads, dp);
-  else if (udn == 8) emu_launch2(down_kernel<NT, 8>, dx, dy, kThreads, dp);
-  else { fprintf(stderr, "U_down %d not built\n", udn); exit(2); }
+  if (sgu == 4) emu_launch2(gate_up_kernel<NT, 4>, gx, gy, kThreads, gate_up_smem<NT, 4>(), gp);
+  else if (sgu == 6) emu_launch2(gate_up_kernel<NT, 6>, gx, gy, kThreads, gate_up_smem<NT, 6>(), gp);
+  else { fprintf(stderr, "S_gate_up %d not built\n", sgu); exit(2); }
+  if (sdn == 4) emu_launch2(down_kernel<NT, 4>, dx, dy, kThreads, down_smem<NT, 4>(), dp);
+  else if (sdn == 8) emu_launch2(down_kernel<NT, 8>, dx, dy, kThreads, down_smem<NT, 8>(), dp);
+  else { fprintf(stderr, "S_down %d not built\n", sdn); exit(2); }
 }
 
 int main(int argc, char** argv) {
   if (argc != 3) { fprintf(stderr, "usage: moe_driver IN OUT\n"); return 2; }
   FILE* f = fopen(argv[1], "rb");
   if (!f) return 2;
-  const auto hd = take<int64_t>(f, 14);
-  const int M = hd[0], K = hd[1], I = hd[2], E = hd[3], topk = hd[4], NT = hd[5], ugu = hd[6],
-            udn = hd[7], split_max = hd[8], split_target = hd[9], max_padded = hd[11],
-            part_rows = hd[12], launches = hd[13];
+  const auto hd = take<int64_t>(f, 13);
+  const int M = hd[0], K = hd[1], I = hd[2], E = hd[3], topk = hd[4], NT = hd[5], sgu = hd[6],
+            sdn = hd[7], gu_ctas = hd[8], dn_ctas = hd[9], max_padded = hd[11],
+            launches = hd[12];
   const long long x_stride = hd[10];
   const int T = M * topk, BM = 8 * NT, max_blocks = max_padded / BM;
   auto x = take<uint16_t>(f, size_t(M) * x_stride);
@@ -55,16 +56,16 @@ int main(int argc, char** argv) {
 
   const unsigned gy = (I + 255) / 256, dy = (K + 255) / 256;
   std::vector<uint16_t> h(size_t(max_padded) * I, 0), y(size_t(T) * K, 0xFFFF);
-  std::vector<float> part(size_t(split_max) * part_rows * 2 * I, NAN);
+  std::vector<float> part(size_t(2) * gu_ctas * BM * 2 * I, NAN);
   std::vector<int> counters(size_t(max_blocks) * gy, 0);
   ddtree_moe::GateUpParams gp{x.data(), w13.data(), s13.data(), sorted.data(), bexp.data(),
                               part.data(), counters.data(), h.data(), x_stride, max_blocks, T,
-                              topk, K, I, part_rows, split_max, split_target};
+                              topk, K, I};
   ddtree_moe::DownParams dp{h.data(), w2.data(), s2.data(), sorted.data(), bexp.data(),
-                            tw.data(), y.data(), T, K, I, 0};
+                            tw.data(), y.data(), max_blocks, T, K, I, 0};
   for (int l = 0; l < launches; ++l) {
-    if (NT == 1) run<1>(gp, dp, ugu, udn, max_blocks * split_max, gy, max_blocks, dy);
-    else if (NT == 2) run<2>(gp, dp, ugu, udn, max_blocks * split_max, gy, max_blocks, dy);
+    if (NT == 1) run<1>(gp, dp, sgu, sdn, gu_ctas, gy, dn_ctas, dy);
+    else if (NT == 2) run<2>(gp, dp, sgu, sdn, gu_ctas, gy, dn_ctas, dy);
     else { fprintf(stderr, "NT %d not built\n", NT); return 2; }
   }
   FILE* o = fopen(argv[2], "wb");

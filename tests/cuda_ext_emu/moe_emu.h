@@ -91,6 +91,16 @@ inline void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint3
   }
 }
 
+// cp.async lands at once here (the kernels read only their own lane's copies after a wait).
+inline void cp_async16_stream(void* d, const void* s) { std::memcpy(d, s, 16); }
+inline void cp_async16(void* d, const void* s) { std::memcpy(d, s, 16); }
+inline void cp_async8(void* d, const void* s) { std::memcpy(d, s, 8); }
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+inline uint4 lds16(const void* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
+inline uint2 lds8(const void* p) { uint2 v; std::memcpy(&v, p, 8); return v; }
+inline std::vector<unsigned char> g_emu_dyn_smem;  // one block's dynamic shared memory
+#define DDT_DYN_SMEM(name) unsigned char* name = ::ddtree_moe::g_emu_dyn_smem.data()
 inline uint4 ld_stream16(const void* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
 inline uint2 ld_stream8(const void* p) { uint2 v; std::memcpy(&v, p, 8); return v; }
 inline uint4 ld_act16(const void* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
@@ -104,14 +114,17 @@ inline void st8(void* p, uint32_t lo, uint32_t hi) {
 }  // namespace ddtree_moe
 
 // A 2-D grid, blocks one after another, one std::thread per CUDA thread.
+// Dynamic shared memory starts filled with 0xAB in every block (stale data must not matter).
 template <typename Kernel, typename Params>
-inline void emu_launch2(Kernel kernel, unsigned gx, unsigned gy, int threads, const Params& p) {
+inline void emu_launch2(Kernel kernel, unsigned gx, unsigned gy, int threads, size_t smem,
+                        const Params& p) {
   const int nw = threads / 32;
   gridDim.x = gx;
   gridDim.y = gy;
   ddtree_moe::g_emu_mma_buf.assign(threads, {});
   for (unsigned by = 0; by < gy; ++by)
     for (unsigned bx = 0; bx < gx; ++bx) {
+      ddtree_moe::g_emu_dyn_smem.assign(smem, 0xAB);
       blockIdx.x = bx;
       blockIdx.y = by;
       blockDim.x = threads;
