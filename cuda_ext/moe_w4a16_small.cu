@@ -6,6 +6,7 @@
 // ddtree_moe_small_probe on a device before the first launch there (outside any capture): it
 // loads the kernels and raises their dynamic shared memory limit.
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 #include "moe_w4a16_small.cuh"
 
@@ -58,6 +59,7 @@ int ddtree_moe_small_gate_up(const void* x, long long x_stride, const void* w, c
   p.topk = topk;
   p.K = K;
   p.I = I;
+  p.dbg = getenv("DDTREE_MOE_DBG_X") != nullptr;
   const dim3 grid(ctas, col_ctas(I));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
 #define DDT_CASE(A, B) \
@@ -87,6 +89,7 @@ int ddtree_moe_small_down(const void* h, const void* w, const void* s, const int
   p.T = T;
   p.N = N;
   p.I = I;
+  p.dbg = getenv("DDTREE_MOE_DBG_X") != nullptr;
   const dim3 grid(ctas, col_ctas(N));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
 #define DDT_CASE(A, B) \
@@ -106,9 +109,11 @@ int ddtree_moe_small_probe(int device, int* out, int capacity) {
   int n = 0;
   cudaFuncAttributes a;
   int occ = 0;
+  const char* carve = getenv("DDTREE_MOE_CARVEOUT");
 #define DDT_PROBE(K, SMEM)                                                                   \
   err = cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);          \
   if (err != cudaSuccess) return -int(err);                                                 \
+  if (carve) cudaFuncSetAttribute(K, cudaFuncAttributePreferredSharedMemoryCarveout, atoi(carve)); \
   err = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(K));                            \
   if (err != cudaSuccess) return -int(err);                                                 \
   err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, K, ddtree_moe::kThreads, SMEM);   \

@@ -195,6 +195,7 @@ struct GateUpParams {
   uint16_t* h;                   // [max_padded, I] bf16 out
   long long x_stride;
   int max_blocks, T, topk, K, I;
+  int dbg;
 };
 
 struct DownParams {
@@ -206,6 +207,7 @@ struct DownParams {
   const void* topk_w;            // [T] fp32, or bf16 with topk_bf16
   uint16_t* y;                   // [T, N] bf16 out, row = pair id
   int max_blocks, T, N, I, topk_bf16;
+  int dbg;
 };
 
 // Per-warp ring of S stages of packed weights and scales in dynamic shared memory; within a
@@ -406,7 +408,7 @@ DDT_GLOBAL void __launch_bounds__(kThreads) gate_up_kernel(const GateUpParams p)
     if (active && cpos + 1 < end) {  // the next step's x
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        xnext[nt] = ld_act16(last_group ? x_row(npair[nt]) : xbase[nt] + 32 * (cg + 1));
+        xnext[nt] = ld_act16(p.dbg ? xbase[nt] : last_group ? x_row(npair[nt]) : xbase[nt] + 32 * (cg + 1));
     }
     cp_async_wait<S - 2>();  // this lane's copies of step cpos have landed
     if (active) {
@@ -532,7 +534,7 @@ DDT_GLOBAL void __launch_bounds__(kThreads) down_kernel(const DownParams p) {
     if (i + 1 < n) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        hnext[nt] = ld_act16(g + 1 < G ? h_row(j, nt) + 32 * (g + 1) : h_row(j + 1, nt));
+        hnext[nt] = ld_act16(p.dbg ? h_row(0, nt) : g + 1 < G ? h_row(j, nt) + 32 * (g + 1) : h_row(j + 1, nt));
     }
     cp_async_wait<S - 2>();
     const unsigned char* st = ring + stage * St::kBytes;
