@@ -593,8 +593,6 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
         base = mw.select_config(m)
         cands = [base] + [mw.MoeConfig(base.block_m, base.gate_up, mw.GemmConfig(*c))
                           for c in CANDIDATES.get(base.block_m, ([], []))[1]]
-        if mw._small.max_m() >= m:  # SGLANG_DDTREE_MOE_SMALL: the CUDA GEMMs (config=None)
-            cands = [None]
         for cfg in cands:
             t = []
             for upto in (1, 2, 3, 4):
@@ -608,14 +606,12 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
             k = {"align": t[0], "gate_up": t[1] - t[0], "down": t[2] - t[1],
                  "combine": t[3] - t[2], "total": t[3]}
             row = {"m": m, "routing": args.routing, "touched_experts": touched,
-                   "config": dataclasses.asdict(cfg if cfg is not None
-                                                else mw._small.config_for(m)),
-                   "path": "triton" if cfg is not None else "cuda_small",
+                   "config": dataclasses.asdict(cfg),
                    "table_config": cfg is base, "us": k,
                    "gbs": {"gate_up": touched * w13_bytes / k["gate_up"] / 1e3,
                            "down": touched * w2_bytes / k["down"] / 1e3}}
             out["rows"].append(row)
-            print(f"M={m:5d} dn={dataclasses.astuple(cfg.down) if cfg else 'cuda_small'} "
+            print(f"M={m:5d} dn={dataclasses.astuple(cfg.down)} "
                   + " ".join(f"{n} {v:7.1f}" for n, v in k.items())
                   + f" | GB/s gu {row['gbs']['gate_up']:.0f} dn {row['gbs']['down']:.0f}",
                   flush=True)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave moesmall
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -277,16 +277,6 @@ for s in "$@"; do
              step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
                --prologue --ms ${MOE_PROLOGUE_MS:-1 2 4 8 9 16 17 32 33 64 128} \
                --routings concentrated:8,random --out "$OUT/fused_moe_prologue_h200.json" ;;
-    moesmall) # session 37: the small-M gate-up / down on CUDA mma.sync kernels
-             # (SGLANG_DDTREE_MOE_SMALL, cuda_ext/moe_w4a16_small.cuh): their GPU tests, then
-             # their settings beside the Triton path on random routing (MOE_SMALL_ARGS adds
-             # e.g. --routing concentrated:8 or the SGLang baselines)
-             step moe-small-test ${MOE_SMALL_TEST_LIMIT:-240} python3 -m pytest -q -x \
-               tests/gpu/test_moe_w4a16_small_gpu.py
-             step moe-small-grid ${MOE_SMALL_LIMIT:-300} python3 scripts/bench_fused_moe.py \
-               --no-sglang --ms ${MOE_SMALL_MS:-1 2 4 8 16 32} --rounds 3 --ours-variants \
-               ${MOE_SMALL_VARIANTS:-small:SGLANG_DDTREE_MOE_SMALL=64} ${MOE_SMALL_ARGS:-} \
-               --out "$OUT/fused_moe_small_grid_h200.json" ;;
     moewave) # session 36: ncu put the M = 8 / 16 gate-up at 1.8 / 2.4 active warps per scheduler
              # (7 / 5 programs an SM by shared memory, 480 programs at M = 8: half a wave), issuing
              # 0.53 a cycle and reading DRAM at 52-54 %. Tiles of 3 stages fit 10 programs an SM

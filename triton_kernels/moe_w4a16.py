@@ -70,7 +70,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import moe_w4a16_small as _small
 from ._device import arrival_counters, portable
 
 PACK_FACTOR = 8  # int4 values per int32 word
@@ -1210,10 +1209,6 @@ def fused_moe_w4a16(
     if m == 0:
         return out
 
-    if (config is None and topk_weights.dtype in (torch.float32, torch.bfloat16)
-            and _small.usable(hidden_states, m)):
-        return _small_path(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
-                           topk_weights, topk_ids, routed_scaling_factor, out, _upto)
     cfg = config or select_config(m)
     gu = _fit(cfg.gate_up, inter, hidden)
     dn = _fit(cfg.down, hidden, inter)
@@ -1283,33 +1278,8 @@ def fused_moe_w4a16(
             HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
-    _combine(y, topk_ids, out, routed_scaling_factor, num_experts)
-    return out
-
-
-def _combine(y, topk_ids, out, routed_scaling_factor, num_experts):
-    m, hidden = out.shape
     block_c = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_c))](
-        y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden,
-        TOPK=topk_ids.shape[1], NUM_EXPERTS=num_experts, BLOCK_N=block_c)
-
-
-def _small_path(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights,
-                topk_ids, routed_scaling_factor, out, upto):
-    """The same four steps with the GEMMs on the CUDA kernels of ``moe_w4a16_small``
-    (``SGLANG_DDTREE_MOE_SMALL``): the prologue without the plane-major copy of x (the CUDA
-    gate-up reads x as it is), blocks of 8 or 16 rows."""
-    m = hidden_states.shape[0]
-    num_experts = w13_packed.shape[0]
-    cfg = _small.config_for(m)
-    sorted_ids, block_expert, _ = moe_align(topk_ids, num_experts, 8 * cfg.n_tiles)
-    if upto < 2:
-        return out
-    y = _small.gate_up_down(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
-                            topk_weights, sorted_ids, block_expert, topk_ids.shape[1], cfg,
-                            upto=upto)
-    if upto < 4:
-        return out
-    _combine(y, topk_ids, out, routed_scaling_factor, num_experts)
+        y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk,
+        NUM_EXPERTS=num_experts, BLOCK_N=block_c)
     return out
