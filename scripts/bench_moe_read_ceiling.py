@@ -1,0 +1,139 @@
+"""Read-only ceilings for the fused MoE's weight traffic: how fast the H200 reads the packed
+gate-up weights of the experts one call touches, with no dequantization and no MMA.
+
+Three Triton read kernels over the same bytes (the touched experts' ``w13 [E, H / 8, 2 I]``
+int32 of Kimi's TP8-rank shapes, random distinct experts per call, several weight sets so that
+nothing stays in L2), each XOR-folding what it loads into one word per program:
+
+* ``contiguous``: each program streams one contiguous chunk of an expert's 1.8 MB;
+* ``row_slices``: each program reads ``cols`` columns (``4 * cols`` bytes) of every packed row
+  in its K range, as a gate-up tile of ``cols`` columns does (128 B runs at 32 columns);
+* ``copy``: ``torch.Tensor.copy_`` of a contiguous buffer of the same size (read + write), the
+  denominator the MoE benchmark uses.
+
+Bandwidth = bytes read / time (copy: 2 x bytes). Medians of CUDA-graph replays. Writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _read_contiguous(w_ptr, ids_ptr, out_ptr, EXPERT_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    e = tl.load(ids_ptr + tl.program_id(0)).to(tl.int64)
+    c = tl.program_id(1)
+    base = w_ptr + e * EXPERT_WORDS + c * CHUNK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, CHUNK, BLOCK):
+        acc ^= tl.load(base + i + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + c, tl.xor_sum(acc, 0))
+
+
+@triton.jit
+def _read_row_slices(w_ptr, ids_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexpr,
+                     COLS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (expert, column tile, K part): COLS columns of ROWS / SPLIT packed rows."""
+    e = tl.load(ids_ptr + tl.program_id(0)).to(tl.int64)
+    tile = tl.program_id(1)
+    n_tiles: tl.constexpr = N // COLS
+    col0 = (tile % n_tiles) * COLS
+    r0 = (tile // n_tiles) * (ROWS // SPLIT)
+    offs_c = col0 + tl.arange(0, COLS)
+    acc = tl.zeros([BLOCK_R, COLS], dtype=tl.int32)
+    base = w_ptr + e * (ROWS * N)
+    for i in range(0, ROWS // SPLIT, BLOCK_R):
+        rows = r0 + i + tl.arange(0, BLOCK_R)
+        acc ^= tl.load(base + rows[:, None] * N + offs_c[None, :])
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tile, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+def graph_us(fn, iters: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts-touched", type=int, nargs="+", default=[8, 29, 61, 112, 187])
+    ap.add_argument("--layers", type=int, default=4, help="weight sets per graph (L2 flush)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=256)
+    ap.add_argument("--num-experts", type=int, default=384)
+    ap.add_argument("--out", default="bench_results/moe_read_ceiling_h200.json")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rows, n = args.hidden // 8, 2 * args.inter
+    words = rows * n
+    ws = [torch.randint(-2**31, 2**31 - 1, (args.num_experts, rows, n), dtype=torch.int32,
+                        device=dev) for _ in range(args.layers)]
+    out = torch.empty(1 << 16, dtype=torch.int32, device=dev)
+    result = {"command": " ".join([sys.executable] + sys.argv),
+              "gpu": torch.cuda.get_device_name(dev),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "versions": {"torch": torch.__version__, "triton": triton.__version__},
+              "expert_bytes": words * 4, "rows": []}
+    for touched in args.experts_touched:
+        g = torch.Generator(device="cpu").manual_seed(touched)
+        ids = [torch.randperm(args.num_experts, generator=g)[:touched].sort().values
+               .to(torch.int32).to(dev) for _ in range(args.layers)]
+        nbytes = touched * words * 4
+        row = {"experts": touched, "bytes_per_call": nbytes, "us": {}, "gbs": {}}
+        variants = {}
+        for chunks in (8, 16, 32):
+            def f(chunks=chunks):
+                for w, i in zip(ws, ids):
+                    _read_contiguous[(touched, chunks)](w, i, out, EXPERT_WORDS=words,
+                                                        CHUNK=words // chunks, BLOCK=2048,
+                                                        num_warps=4)
+            variants[f"contiguous_{chunks}"] = f
+        # BLOCK_R divides each program's rows (896 / split)
+        for cols, split, br, nw in ((32, 4, 32, 2), (32, 8, 16, 2), (64, 4, 32, 4),
+                                    (128, 4, 32, 4), (512, 16, 8, 4)):
+            def f(cols=cols, split=split, br=br, nw=nw):
+                for w, i in zip(ws, ids):
+                    _read_row_slices[(touched, (n // cols) * split)](
+                        w, i, out, ROWS=rows, N=n, COLS=cols, SPLIT=split, BLOCK_R=br,
+                        num_warps=nw)
+            variants[f"row_slices_{cols}c_k{split}"] = f
+        src = torch.empty(nbytes // 4, dtype=torch.int32, device=dev)
+        dst = torch.empty_like(src)
+        variants["copy"] = lambda: dst.copy_(src)
+        for name, fn in variants.items():
+            us = graph_us(fn, args.iters) / (1 if name == "copy" else args.layers)
+            row["us"][name] = us
+            row["gbs"][name] = (2 if name == "copy" else 1) * nbytes / us / 1e3
+        result["rows"].append(row)
+        print(touched, {k: round(v) for k, v in row["gbs"].items()}, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
