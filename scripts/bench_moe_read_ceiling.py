@@ -1,9 +1,10 @@
 """Read-only ceilings for the fused MoE's weight traffic: how fast the H200 reads the packed
 gate-up weights of the experts one call touches, with no dequantization and no MMA.
 
-Three Triton read kernels over the same bytes (the touched experts' ``w13 [E, H / 8, 2 I]``
-int32 of Kimi's TP8-rank shapes, random distinct experts per call, several weight sets so that
-nothing stays in L2), each XOR-folding what it loads into one word per program:
+Three Triton read kernels over the same bytes (the touched experts' ``w13 [E, H / 8, 2 I]``, or
+with ``--matrix down`` ``w2 [E, I / 8, H]``, int32 of Kimi's TP8-rank shapes, random distinct
+experts per call, several weight sets so that nothing stays in L2), each XOR-folding what it
+loads into one word per program:
 
 * ``contiguous``: each program streams one contiguous chunk of an expert's 1.8 MB;
 * ``row_slices``: each program reads ``cols`` columns (``4 * cols`` bytes) of every packed row
@@ -84,10 +85,20 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--inter", type=int, default=256)
     ap.add_argument("--num-experts", type=int, default=384)
+    ap.add_argument("--matrix", choices=("gate_up", "down"), default="gate_up",
+                    help="gate_up: w13 [E, H / 8, 2 I]; down: w2 [E, I / 8, H]")
     ap.add_argument("--out", default="bench_results/moe_read_ceiling_h200.json")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    rows, n = args.hidden // 8, 2 * args.inter
+    if args.matrix == "gate_up":
+        rows, n = args.hidden // 8, 2 * args.inter
+        # (columns, K parts, rows a step, warps); rows a step divide each part's rows
+        slices = ((32, 4, 32, 2), (32, 8, 16, 2), (64, 4, 32, 4), (128, 4, 32, 4),
+                  (512, 16, 8, 4))
+    else:
+        rows, n = args.inter // 8, args.hidden
+        # the down tiles: a column range of every one of the few packed rows
+        slices = ((32, 1, 32, 2), (64, 1, 32, 4), (128, 1, 32, 4), (256, 1, 16, 4))
     words = rows * n
     ws = [torch.randint(-2**31, 2**31 - 1, (args.num_experts, rows, n), dtype=torch.int32,
                         device=dev) for _ in range(args.layers)]
@@ -96,7 +107,7 @@ def main(argv=None) -> int:
               "gpu": torch.cuda.get_device_name(dev),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
-              "expert_bytes": words * 4, "rows": []}
+              "matrix": args.matrix, "expert_bytes": words * 4, "rows": []}
     for touched in args.experts_touched:
         g = torch.Generator(device="cpu").manual_seed(touched)
         ids = [torch.randperm(args.num_experts, generator=g)[:touched].sort().values
@@ -107,13 +118,13 @@ def main(argv=None) -> int:
         for chunks in (8, 16, 32):
             def f(chunks=chunks):
                 for w, i in zip(ws, ids):
+                    chunk = words // chunks
                     _read_contiguous[(touched, chunks)](w, i, out, EXPERT_WORDS=words,
-                                                        CHUNK=words // chunks, BLOCK=2048,
+                                                        CHUNK=chunk,
+                                                        BLOCK=min(2048, chunk & -chunk),
                                                         num_warps=4)
             variants[f"contiguous_{chunks}"] = f
-        # BLOCK_R divides each program's rows (896 / split)
-        for cols, split, br, nw in ((32, 4, 32, 2), (32, 8, 16, 2), (64, 4, 32, 4),
-                                    (128, 4, 32, 4), (512, 16, 8, 4)):
+        for cols, split, br, nw in slices:
             def f(cols=cols, split=split, br=br, nw=nw):
                 for w, i in zip(ws, ids):
                     _read_row_slices[(touched, (n // cols) * split)](
