@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from bench_tree_build import time_graph  # CUDA-graph replays, median us per call
+
+from sglang_ddtree.provenance import checkout_digest
 
 
 @triton.jit
@@ -57,26 +59,6 @@ def _read_row_slices(w_ptr, ids_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexp
     tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tile, tl.xor_sum(tl.xor_sum(acc, 1), 0))
 
 
-def graph_us(fn, iters: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts-touched", type=int, nargs="+", default=[8, 29, 61, 112, 187])
@@ -107,6 +89,7 @@ def main(argv=None) -> int:
               "gpu": torch.cuda.get_device_name(dev),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "versions": {"torch": torch.__version__, "triton": triton.__version__},
+              "source_digest": checkout_digest(__file__),
               "matrix": args.matrix, "expert_bytes": words * 4, "rows": []}
     for touched in args.experts_touched:
         g = torch.Generator(device="cpu").manual_seed(touched)
@@ -135,7 +118,7 @@ def main(argv=None) -> int:
         dst = torch.empty_like(src)
         variants["copy"] = lambda: dst.copy_(src)
         for name, fn in variants.items():
-            us = graph_us(fn, args.iters) / (1 if name == "copy" else args.layers)
+            us = time_graph(fn, 1, args.iters) / (1 if name == "copy" else args.layers)
             row["us"][name] = us
             row["gbs"][name] = (2 if name == "copy" else 1) * nbytes / us / 1e3
         result["rows"].append(row)
