@@ -1,14 +1,14 @@
-"""Read-only ceilings for the fused MoE's weight traffic: how fast the H200 reads the packed
-gate-up weights of the experts one call touches, with no dequantization and no MMA.
+"""Read-only ceilings for the fused MoE's weight traffic: how fast the GPU reads the packed
+gate-up (or down) weights of the experts one call touches, with no dequantization and no MMA.
 
 Three Triton read kernels over the same bytes (the touched experts' ``w13 [E, H / 8, 2 I]``, or
 with ``--matrix down`` ``w2 [E, I / 8, H]``, int32 of Kimi's TP8-rank shapes, random distinct
 experts per call, several weight sets so that nothing stays in L2), each XOR-folding what it
 loads into one word per program:
 
-* ``contiguous``: each program streams one contiguous chunk of an expert's 1.8 MB;
+* ``contiguous``: each program streams one contiguous chunk of an expert's matrix;
 * ``row_slices``: each program reads ``cols`` columns (``4 * cols`` bytes) of every packed row
-  in its K range, as a gate-up tile of ``cols`` columns does (128 B runs at 32 columns);
+  in its K range, as a GEMM tile of ``cols`` columns does (128 B runs at 32 columns);
 * ``copy``: ``torch.Tensor.copy_`` of a contiguous buffer of the same size (read + write), the
   denominator the MoE benchmark uses.
 
@@ -84,7 +84,6 @@ def main(argv=None) -> int:
     words = rows * n
     ws = [torch.randint(-2**31, 2**31 - 1, (args.num_experts, rows, n), dtype=torch.int32,
                         device=dev) for _ in range(args.layers)]
-    out = torch.empty(1 << 16, dtype=torch.int32, device=dev)
     result = {"command": " ".join([sys.executable] + sys.argv),
               "gpu": torch.cuda.get_device_name(dev),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -96,6 +95,9 @@ def main(argv=None) -> int:
         ids = [torch.randperm(args.num_experts, generator=g)[:touched].sort().values
                .to(torch.int32).to(dev) for _ in range(args.layers)]
         nbytes = touched * words * 4
+        # one folded word per program
+        out = torch.empty(touched * max([(n // c) * sp for c, sp, _, _ in slices] + [32]),
+                          dtype=torch.int32, device=dev)
         row = {"experts": touched, "bytes_per_call": nbytes, "us": {}, "gbs": {}}
         variants = {}
         for chunks in (8, 16, 32):
