@@ -101,9 +101,10 @@ def main(argv=None) -> int:
         row = {"experts": touched, "bytes_per_call": nbytes, "us": {}, "gbs": {}}
         variants = {}
         for chunks in (8, 16, 32):
-            def f(chunks=chunks):
+            chunk = words // chunks
+
+            def f(chunks=chunks, chunk=chunk):
                 for w, i in zip(ws, ids):
-                    chunk = words // chunks
                     _read_contiguous[(touched, chunks)](w, i, out, EXPERT_WORDS=words,
                                                         CHUNK=chunk,
                                                         BLOCK=min(2048, chunk & -chunk),
