@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import statistics
+import subprocess
 import sys
 
 METRICS = (
@@ -72,13 +74,28 @@ def summarise(lines) -> list:
     return out
 
 
+def _gpu_name() -> str:
+    """nvidia-smi's name of GPU 0, or "" where there is none (the summary runs where ncu ran)."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return r.stdout.splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("logs", nargs="+", help="ncu --csv --page details logs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--note", default="", help="what was profiled (recorded in the JSON)")
+    ap.add_argument("--gpu", default=None,
+                    help="the profiled GPU's name (default: nvidia-smi's first GPU, if any)")
     args = ap.parse_args(argv)
-    result = {"note": args.note, "files": {}}
+    words = sys.argv[1:] if argv is None else list(argv)
+    result = {"note": args.note, "command": " ".join([sys.executable, sys.argv[0]] + words),
+              "gpu": args.gpu if args.gpu is not None else _gpu_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "files": {}}
     for path in args.logs:
         with open(path) as f:
             result["files"][path.rsplit("/", 1)[-1]] = summarise(f)

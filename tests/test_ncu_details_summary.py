@@ -37,3 +37,14 @@ def test_medians_per_kernel_and_grid_with_rules():
     assert first["units"]["Duration"] == "ns"
     assert first["rules"] == {"HighPipeUtilization": "ALU 34%"}
     assert nds.summarise(["no csv here"]) == []
+
+
+def test_summary_records_command_gpu_and_date(tmp_path):
+    log = tmp_path / "ncu.csv"
+    log.write_text("\n".join([HEAD, _row(0, "tree", "(2, 16, 8)", "Duration", "ns", "1,000")]))
+    out = tmp_path / "s.json"
+    assert nds.main([str(log), "--out", str(out), "--gpu", "NVIDIA H200", "--note", "n"]) == 0
+    res = __import__("json").loads(out.read_text())
+    assert res["gpu"] == "NVIDIA H200" and res["note"] == "n"
+    assert res["command"].endswith(f"{log} --out {out} --gpu NVIDIA H200 --note n")
+    assert res["date"].startswith("20") and res["files"]["ncu.csv"][0]["kernel"] == "tree"
