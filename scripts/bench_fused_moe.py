@@ -618,39 +618,49 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     return out
 
 
+PROLOGUE_VARIANTS = (("rows", "one"), ("chunks", "one"), ("rows", "two"), ("chunks", "two"))
+
+
 def prologue_times(args, layers, make_inputs, dev) -> dict:
-    """The prologue alone (moe_align: the grouping by expert and x's plane-major copy, one
-    launch) per M and routing, with x's copy laid out per row and per 1,024-column chunk
-    (``moe_align(copy=...)``), interleaved over at least 3 rounds; medians. Both layouts'
-    outputs are compared first (grouping and copy must be equal)."""
+    """The prologue alone (moe_align: the grouping by expert and x's plane-major copy) per M and
+    routing, for x's copy laid out per row and per 1,024-column chunk (``copy``) and the
+    grouping in one launch or two (``method``), interleaved over at least 3 rounds; medians.
+    Every variant's outputs are compared with the first's first (grouping and copy must be
+    equal)."""
     out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
            "source_digest": checkout_digest(__file__),
            "note": "us per moe_align call (grouping + x copy), mean of CUDA-graph replays over "
-                   f"{len(layers)} calls, median of the rounds; block_m and block_k from the table",
+                   f"{len(layers)} calls, median of the rounds; block_m and block_k from the "
+                   "table; variant names copy/method",
            "rows": []}
-    layouts = ("rows", "chunks")
+    names = [f"{c}/{m}" for c, m in PROLOGUE_VARIANTS]
     for m in args.ms:
         cfg = mw.select_config(m)
         block_k = mw._fit(cfg.gate_up, args.inter, args.hidden).block_k
         for routing in args.routings.split(","):
             xs, _, tis, _ = make_inputs(m, routing)
 
-            def align(copy, i):
-                return mw.moe_align(tis[i], args.experts, cfg.block_m, xs[i], block_k, copy=copy)
+            def align(variant, i):
+                copy, method = variant
+                return mw.moe_align(tis[i], args.experts, cfg.block_m, xs[i], block_k,
+                                    copy=copy, method=method)
 
             for i in range(len(xs)):
-                a, b = align("rows", i), align("chunks", i)
+                a = align(PROLOGUE_VARIANTS[0], i)
                 used = int(a[1][-1]) * cfg.block_m  # moe_align's used-block count
-                if not (torch.equal(a[0][:used], b[0][:used]) and torch.equal(a[1], b[1])
-                        and torch.equal(a[2], b[2])):
-                    raise SystemExit(f"--prologue: the two copy layouts disagree at M={m}")
-            rounds = {c: [] for c in layouts}
+                for v in PROLOGUE_VARIANTS[1:]:
+                    b = align(v, i)
+                    if not (torch.equal(a[0][:used], b[0][:used]) and torch.equal(a[1], b[1])
+                            and torch.equal(a[2], b[2])):
+                        raise SystemExit(f"--prologue: {v} disagrees with "
+                                         f"{PROLOGUE_VARIANTS[0]} at M={m}")
+            rounds = {n: [] for n in names}
             for _ in range(max(args.rounds, 3)):
-                for c in layouts:
-                    rounds[c].append(graph_time_us(
-                        lambda c=c: [align(c, i) for i in range(len(xs))], args.iters, dev)
+                for n, v in zip(names, PROLOGUE_VARIANTS):
+                    rounds[n].append(graph_time_us(
+                        lambda v=v: [align(v, i) for i in range(len(xs))], args.iters, dev)
                         / len(xs))
             row = {"m": m, "routing": routing, "block_m": cfg.block_m, "block_k": block_k,
                    "us": {c: round(statistics.median(v), 2) for c, v in rounds.items()},
@@ -658,6 +668,55 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
             out["rows"].append(row)
             print(f"M={m} {routing}: " + " ".join(f"{c} {u}" for c, u in row["us"].items()),
                   flush=True)
+    return out
+
+
+COMBINE_SHAPES = ((1024, 4, 0), (1024, 4, 1), (512, 4, 0), (512, 4, 1), (2048, 8, 0),
+                  (2048, 8, 1), (1024, 8, 1), (512, 2, 1))
+
+
+def combine_times(args, layers, make_inputs, dev) -> dict:
+    """The combine launch alone (``moe_w4a16.combine``) per M and launch shape (block_n,
+    num_warps, two_d), on random per-slot rows ``y`` (one buffer per weight set, so that
+    consecutive calls do not share them), interleaved over at least 3 rounds; medians. Every
+    shape's output must equal the first's bit for bit."""
+    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+           "source_digest": checkout_digest(__file__),
+           "note": "us per combine call, mean of CUDA-graph replays over "
+                   f"{len(layers)} calls (distinct y), median of the rounds; shape = "
+                   "block_n,num_warps,two_d; gbs = bytes of y read plus out written per us",
+           "rows": []}
+    names = [",".join(map(str, c)) for c in COMBINE_SHAPES]
+    for m in args.ms:
+        _, _, tis, _ = make_inputs(m)
+        g = torch.Generator(device=dev).manual_seed(m)
+        ys = [torch.randn(m * args.topk, args.hidden, device=dev, generator=g,
+                          dtype=torch.bfloat16) for _ in tis]
+        outs = [torch.empty(m, args.hidden, device=dev, dtype=torch.bfloat16) for _ in tis]
+
+        def run(shape):
+            for y, ti, o in zip(ys, tis, outs):
+                mw.combine(y, ti, o, args.routed_scaling, args.experts, shape)
+
+        run(COMBINE_SHAPES[0])
+        want = [o.clone() for o in outs]
+        for shape in COMBINE_SHAPES[1:]:
+            run(shape)
+            if not all(torch.equal(a, b) for a, b in zip(want, outs)):
+                raise SystemExit(f"--combine: shape {shape} disagrees at M={m}")
+        rounds = {n: [] for n in names}
+        for _ in range(max(args.rounds, 3)):
+            for n, shape in zip(names, COMBINE_SHAPES):
+                rounds[n].append(graph_time_us(lambda s=shape: run(s), args.iters, dev)
+                                 / len(tis))
+        nbytes = (m * args.topk + m) * args.hidden * 2
+        us = {n: round(statistics.median(v), 2) for n, v in rounds.items()}
+        row = {"m": m, "us": us, "gbs": {n: round(nbytes / u / 1e3, 1) for n, u in us.items()},
+               "us_rounds": {n: [round(t, 2) for t in v] for n, v in rounds.items()}}
+        out["rows"].append(row)
+        print(f"M={m}: " + " ".join(f"{n} {u}" for n, u in us.items()), flush=True)
     return out
 
 
@@ -785,9 +844,12 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4, help="distinct weight sets per graph")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--combine", action="store_true",
+                    help="time only the combine launch, over its launch shapes (COMBINE_SHAPES)")
     ap.add_argument("--prologue", action="store_true",
-                    help="time only the prologue (moe_align), x's copy per row and per chunk, "
-                         "over --ms and --routings (at least 3 interleaved rounds)")
+                    help="time only the prologue (moe_align): x's copy per row and per chunk, "
+                         "the grouping in one launch and in two (PROLOGUE_VARIANTS), over --ms "
+                         "and --routings (at least 3 interleaved rounds)")
     ap.add_argument("--dual-stream", action="store_true",
                     help="time our MoE beside a bf16 shared expert on a second stream, as "
                          "SGLang's DeepseekV2 layer runs them in CUDA graphs, against each alone "
@@ -980,11 +1042,13 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    if grid is not None or args.prologue or args.breakdown or args.dual_stream:
+    if grid is not None or args.prologue or args.breakdown or args.dual_stream or args.combine:
         if grid is not None:
             save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
         elif args.dual_stream:
             save(dual_stream_times(args, layers, make_inputs, dev))
+        elif args.combine:
+            save(combine_times(args, layers, make_inputs, dev))
         else:
             save((prologue_times if args.prologue else breakdown)(args, layers, make_inputs, dev))
         print(f"wrote {args.out}")

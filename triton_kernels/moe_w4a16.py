@@ -178,7 +178,18 @@ def _prologue_kernel(
     pad = run + tl.arange(0, BLOCK_M)  # fewer than BLOCK_M padding slots per expert
     tl.store(sorted_ids_ptr + start + pad, T, mask=pad < n_pad)
 
-    # Program e also labels blocks e * BLOCK_B + [0, BLOCK_B): the expert of block j is the number
+    _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks, NUM_EXPERTS,
+                  BLOCK_M, BLOCK_B, RUN_M)
+
+
+@triton.jit
+def _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks,
+                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+                  RUN_M: tl.constexpr):
+    """block_expert's labels from the padded per-expert row counts (``padded``, their inclusive
+    cumsum ``ends`` and ``total``; one entry per bin of ``bins``), written by expert ``e``'s
+    program: see moe_align."""
+    # Expert e's program labels blocks e * BLOCK_B + [0, BLOCK_B): the expert of block j is the number
     # of experts whose padded range ends at or before row j * BLOCK_M; -1 past the last block.
     j = e * BLOCK_B + tl.arange(0, BLOCK_B)
     ends_live = tl.where(bins < NUM_EXPERTS, ends, total + 1)
@@ -211,6 +222,101 @@ def _prologue_kernel(
         tl.store(block_expert_ptr + max_blocks + 1 + j, label, mask=j < max_blocks)
 
 
+@triton.jit
+def _align_count_kernel(
+    topk_ids_ptr,  # [T] int32/int64
+    counts_ptr,  # [NUM_CH, E_PAD] int32 out: each chunk's per-expert pair counts
+    x_ptr,  # [M, K] bf16 (read by the copy programs only)
+    xp_ptr,  # [M, K] bf16 out: plane-major copy (see _prologue_kernel)
+    T,
+    stride_xm,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CH: tl.constexpr,  # pairs per chunk
+    NUM_CH: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
+):
+    """First launch of the two-pass grouping (large calls): one program per chunk of CH pairs
+    writes that chunk's expert histogram; the programs after them copy x (plane-major)."""
+    pid = tl.program_id(0)
+    if pid < NUM_CH:
+        offs = pid * CH + tl.arange(0, CH)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
+        hist = tl.histogram(ids, E_PAD, mask=(ids >= 0) & (ids < NUM_EXPERTS))
+        tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
+        return
+    q = pid - NUM_CH
+    CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
+    m = (q // COPY_PROGS).to(tl.int64)
+    for c in range(CHUNKS):
+        _copy_chunk(x_ptr, xp_ptr, m, stride_xm, ((q % COPY_PROGS) * CHUNKS + c) * 1024, K,
+                    BLOCK_K)
+
+
+@triton.jit
+def _align_place_kernel(
+    topk_ids_ptr,  # [T] int32/int64
+    counts_ptr,  # [NUM_CH, E_PAD] int32: _align_count_kernel's histograms
+    base_ptr,  # [NUM_CH, E_PAD] int32 scratch (each chunk program's row)
+    sorted_ids_ptr,  # [max_padded] int32 out (as _prologue_kernel's)
+    block_expert_ptr,  # out (as _prologue_kernel's)
+    T,
+    max_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CH: tl.constexpr,
+    NUM_CH: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    RUN_M: tl.constexpr = 1,
+):
+    """Second launch of the two-pass grouping: the same sorted_ids and block_expert as
+    _prologue_kernel, with O(T + (NUM_CH + E) * NUM_CH * E) work instead of O(E * T).
+
+    Every program sums the chunk histograms (the expert offsets). Chunk program c places its
+    pairs: sorting the keys ``expert * CH + local index`` lists them by expert and, inside an
+    expert, in flat order; the pair at sorted position p with expert e goes to row
+    ``start[e] + (pairs of e in earlier chunks) + p - (pairs of the chunk with experts < e)``,
+    the row _prologue_kernel gives it. Expert programs (after the chunks) write their padding
+    and the block labels."""
+    pid = tl.program_id(0)
+    bins = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    prefix = tl.zeros([E_PAD], dtype=tl.int32)  # pairs of each expert in chunks before pid
+    mine = tl.zeros([E_PAD], dtype=tl.int32)  # chunk pid's histogram
+    for c in range(NUM_CH):
+        row = tl.load(counts_ptr + c * E_PAD + bins)
+        counts += row
+        prefix += tl.where(c < pid, row, 0)
+        mine = tl.where(c == pid, row, mine)
+    padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded)
+    if pid < NUM_CH:
+        base = ends - padded + prefix - (tl.cumsum(mine, 0) - mine)
+        tl.store(base_ptr + pid * E_PAD + bins, base)
+        local = tl.arange(0, CH)
+        offs = pid * CH + local
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < T, other=-1).to(tl.int32)
+        live = (ids >= 0) & (ids < NUM_EXPERTS)
+        key = tl.sort(tl.where(live, ids * CH + local, E_PAD * CH))
+        ok = key < E_PAD * CH
+        tl.debug_barrier()  # base's stores before the gather below (same program)
+        b = tl.load(base_ptr + pid * E_PAD + key // CH, mask=ok, other=0)
+        tl.store(sorted_ids_ptr + b + local, pid * CH + key % CH, mask=ok)
+    else:
+        e = pid - NUM_CH
+        n_e = tl.sum(tl.where(bins == e, counts, 0))
+        start = tl.sum(tl.where(bins == e, ends - padded, 0))
+        n_pad = tl.sum(tl.where(bins == e, padded, 0))
+        pad = n_e + tl.arange(0, BLOCK_M)  # fewer than BLOCK_M padding slots per expert
+        tl.store(sorted_ids_ptr + start + pad, T, mask=pad < n_pad)
+        _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks, NUM_EXPERTS,
+                      BLOCK_M, BLOCK_B, RUN_M)
+
+
 def run_chunk(index: int, count: int, run_m: int) -> tuple[int, int]:
     """(blocks in its run, place in the run) of block ``index`` of an expert's ``count`` blocks
     when the gate-up runs up to ``run_m`` of them as one tile (``MoeConfig.run_m``): runs of
@@ -236,12 +342,19 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows (default) | chunks; see moe_align
+# one | two | auto (default): the grouping in one launch (_prologue_kernel, every expert's
+# program histograms all T pairs) or in two (_align_count_kernel + _align_place_kernel, each
+# pair read by one chunk program); auto takes two from ALIGN_TWO_PASS_MIN_PAIRS pairs.
+ALIGN_ENV = "SGLANG_DDTREE_MOE_ALIGN"
+ALIGN_TWO_PASS_MIN_PAIRS = 2048
+_ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              run_m: int = 1):
-    """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch).
+              run_m: int = 1, method: str | None = None):
+    """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
+    for large calls: ``method``).
 
     Parameters
     ----------
@@ -258,6 +371,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         row in 1,024-column chunks. ``chunks``: one program per chunk, before the experts'
         programs. Same output; which is faster at which M is for the H200 to say
         (``bench_fused_moe.py --prologue``).
+    method : str, optional
+        ``one``: one launch whose expert programs each histogram all T pairs (O(E T) work,
+        which grows to tens of microseconds at thousands of tokens); ``two``: a histogram
+        launch over chunks of 1,024 pairs (with x's copy), then a launch that places each
+        chunk's pairs by sorting them; ``auto`` (default: ``SGLANG_DDTREE_MOE_ALIGN``, else
+        auto) takes ``two`` from ``ALIGN_TWO_PASS_MIN_PAIRS`` pairs. Same outputs bit for bit.
 
     Returns
     -------
@@ -291,6 +410,25 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"{PROLOGUE_ENV} / copy: rows or chunks, got {copy!r}")
     k = 0 if x is None else x.shape[1]
     per_row = triton.cdiv(k, 1024) if copy == "chunks" else 1
+    method = method or os.environ.get(ALIGN_ENV) or "auto"
+    if method not in ("one", "two", "auto"):
+        raise ValueError(f"{ALIGN_ENV} / method: one, two or auto, got {method!r}")
+    if method == "two" or (method == "auto" and t >= ALIGN_TWO_PASS_MIN_PAIRS):
+        num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
+        e_pad = triton.next_power_of_2(num_experts)
+        scratch = torch.empty(2, num_ch, e_pad, dtype=torch.int32, device=dev)
+        _align_count_kernel[(num_ch + rows * per_row,)](
+            topk_ids.reshape(-1), scratch[0], sorted_ids if x is None else x,
+            sorted_ids if x is None else xp, t, 0 if x is None else x.stride(0),
+            NUM_EXPERTS=num_experts, E_PAD=e_pad, CH=_ALIGN_CHUNK, NUM_CH=num_ch, K=k,
+            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1))
+        _align_place_kernel[(num_ch + num_experts,)](
+            topk_ids.reshape(-1), scratch[0], scratch[1], sorted_ids, block_expert, t,
+            max_blocks, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
+            CH=_ALIGN_CHUNK, NUM_CH=num_ch,
+            BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
+            RUN_M=run_m)
+        return sorted_ids, block_expert, xp
     _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
         sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
@@ -972,16 +1110,53 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TWO_D: tl.constexpr = False,  # load all TOPK rows as one [TOPK_PAD, BLOCK_N] tile
 ):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(TOPK):  # fixed order: deterministic sum
-        e = tl.load(topk_ids_ptr + m * TOPK + k)
-        live = ok & (e >= 0) & (e < NUM_EXPERTS)
-        acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=live, other=0.0).to(tl.float32)
+    if TWO_D:
+        # One load of every slot's row; the rows are then added in slot order (the same sum,
+        # bit for bit, as the per-slot loop below).
+        TOPK_PAD: tl.constexpr = triton.next_power_of_2(TOPK)
+        kk = tl.arange(0, TOPK_PAD)
+        e = tl.load(topk_ids_ptr + m * TOPK + kk, mask=kk < TOPK, other=-1)
+        live = (kk < TOPK) & (e >= 0) & (e < NUM_EXPERTS)
+        v = tl.load(y_ptr + (m * TOPK + kk)[:, None] * N + offs[None, :],
+                    mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        for k in tl.static_range(TOPK):
+            acc += tl.sum(tl.where(kk[:, None] == k, v, 0.0), axis=0)
+    else:
+        for k in tl.static_range(TOPK):  # fixed order: deterministic sum
+            e = tl.load(topk_ids_ptr + m * TOPK + k)
+            live = ok & (e >= 0) & (e < NUM_EXPERTS)
+            acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=live,
+                           other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# The combine launch's shape: columns per program, warps, and TWO_D; SGLANG_DDTREE_MOE_COMBINE
+# ("block_n,num_warps,two_d", read per call) overrides it for benchmarks.
+COMBINE_ENV = "SGLANG_DDTREE_MOE_COMBINE"
+COMBINE_DEFAULT = (1024, 4, 0)
+
+
+def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: float,
+            num_experts: int, shape: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``out[m] = scale * sum_k y[m * topk + k]`` over the slots with a valid expert id, in slot
+    order (fp32), one launch (``_combine_kernel``); ``shape`` = (block_n, num_warps, two_d)."""
+    m, topk = topk_ids.shape
+    hidden = y.shape[1]
+    if shape is None:
+        env = os.environ.get(COMBINE_ENV)
+        shape = tuple(int(v) for v in env.split(",")) if env else COMBINE_DEFAULT
+    block_n, warps, two_d = shape
+    block_n = min(block_n, triton.next_power_of_2(hidden))
+    _combine_kernel[(m, triton.cdiv(hidden, block_n))](
+        y, topk_ids, out, float(scale), out.stride(0), N=hidden, TOPK=topk,
+        NUM_EXPERTS=num_experts, BLOCK_N=block_n, TWO_D=bool(two_d), num_warps=warps)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1278,8 +1453,4 @@ def fused_moe_w4a16(
             HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
-    block_c = min(1024, triton.next_power_of_2(hidden))
-    _combine_kernel[(m, triton.cdiv(hidden, block_c))](
-        y, topk_ids, out, float(routed_scaling_factor), out.stride(0), N=hidden, TOPK=topk,
-        NUM_EXPERTS=num_experts, BLOCK_N=block_c)
-    return out
+    return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

@@ -244,6 +244,49 @@ def test_graph_replay_and_determinism(K, w):
     assert torch.equal(out, ours(K, w, x, tw2, ti2))
 
 
+@pytest.mark.parametrize("m", [1, 64, 255, 256, 300, 1024, 2048])
+@pytest.mark.parametrize("few", [False, True])
+def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
+    """moe_align's two-launch grouping gives the one-launch kernel's sorted ids, labels and x
+    copy bit for bit on the GPU (tl.sort, the chunk histograms, the barrier before the
+    gather), and the whole call is equal either way, eager and replayed from a CUDA graph with
+    new routing (few experts on even replays)."""
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    tw, ti = few_or_random(m, seed=m, few=few)
+    bm = K.moe.select_config(m).block_m
+    one = K.moe.moe_align(ti, E, bm, x, 256, method="one")
+    two = K.moe.moe_align(ti, E, bm, x, 256, method="two")
+    used = int(one[1][-1]) * bm
+    assert torch.equal(one[0][:used], two[0][:used])
+    assert torch.equal(one[1], two[1]) and torch.equal(one[2], two[2])
+    monkeypatch.setenv(K.moe.ALIGN_ENV, "one")
+    want = ours(K, w, x, tw, ti).clone()
+    monkeypatch.setenv(K.moe.ALIGN_ENV, "two")
+    assert torch.equal(ours(K, w, x, tw, ti), want)
+    out = torch.empty_like(want)
+    graph = captured(K, w, x, tw, ti, out)
+    for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=m + 100):
+        monkeypatch.setenv(K.moe.ALIGN_ENV, "one")
+        assert torch.equal(out, ours(K, w, x, tw2, ti2))
+        monkeypatch.setenv(K.moe.ALIGN_ENV, "two")
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 512])
+def test_combine_shapes_equal_bit_for_bit(K, m):
+    """Every combine launch shape the benchmark times gives the default shape's bits (slot
+    order, fp32), with padding slots (-1) left out."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    y = torch.randn(m * TOPK, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    _, ti = few_or_random(m, seed=m, few=False)
+    ti[0, -1] = -1
+    want = K.moe.combine(y, ti, torch.empty(m, H, device="cuda", dtype=torch.bfloat16), 2.827,
+                         E, K.moe.COMBINE_DEFAULT)
+    for shape in [(1024, 4, 1), (512, 4, 0), (512, 4, 1), (2048, 8, 0), (2048, 8, 1),
+                  (1024, 8, 1), (512, 2, 1)]:
+        got = K.moe.combine(y, ti, torch.empty_like(want), 2.827, E, shape)
+        assert torch.equal(got, want), shape
+
+
 @pytest.mark.parametrize("m", [1, 2, 4, 9, 16, 17, 33, 64])
 def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
     """Split-K gate-up summed by each tile's last program (the served path) equals the reduce

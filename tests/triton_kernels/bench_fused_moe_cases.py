@@ -378,7 +378,7 @@ def test_percent(bench):
                                                                       "12.5%"]
 
 
-def test_prologue_mode_times_both_copy_layouts(bench, tmp_path):
+def test_prologue_mode_times_both_copy_layouts_and_groupings(bench, tmp_path):
     out = tmp_path / "prologue.json"
     assert bench.main(TINY + ["--prologue", "--routings", "concentrated:2,random",
                               "--out", str(out)]) == 0
@@ -386,8 +386,19 @@ def test_prologue_mode_times_both_copy_layouts(bench, tmp_path):
     assert [(r["m"], r["routing"]) for r in result["rows"]] == [(3, "concentrated:2"),
                                                                  (3, "random")]
     for r in result["rows"]:
-        assert set(r["us"]) == {"rows", "chunks"} and all(len(v) == 3 for v in
-                                                          r["us_rounds"].values())
+        assert set(r["us"]) == {"rows/one", "chunks/one", "rows/two", "chunks/two"}
+        assert all(len(v) == 3 for v in r["us_rounds"].values())
+        assert all(math.isfinite(u) and u > 0 for u in r["us"].values())
+
+
+def test_combine_mode_times_every_shape(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "COMBINE_SHAPES", ((1024, 4, 0), (64, 2, 1)))
+    out = tmp_path / "combine.json"
+    assert bench.main(TINY + ["--combine", "--ms", "3", "5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["m"] for r in result["rows"]] == [3, 5]
+    for r in result["rows"]:
+        assert set(r["us"]) == set(r["gbs"]) == {"1024,4,0", "64,2,1"}
         assert all(math.isfinite(u) and u > 0 for u in r["us"].values())
 
 

@@ -399,6 +399,56 @@ def test_prologue_copy_layouts_agree(block_k, monkeypatch):
         MOE.moe_align(ti, e, 16, x, block_k)
 
 
+@pytest.mark.parametrize("m,e,topk,bm,run_m", [(7, 9, 3, 16, 1), (300, 40, 8, 16, 1),
+                                               (257, 384, 8, 16, 2)])
+def test_two_pass_align_equals_one_launch(m, e, topk, bm, run_m):
+    """moe_align's two-launch grouping (chunk histograms, then each chunk's pairs placed by a
+    sort) gives _prologue_kernel's sorted_ids, block labels, run labels and x copy bit for bit:
+    one chunk, three chunks (2,400 pairs; chunks of 1,024) and Kimi's 384 experts with runs,
+    with a padding slot (-1) among the ids."""
+    _, ti = random_routing(m, e, topk, seed=m + 5)
+    ti[m // 2, topk - 1] = -1
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    one = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="one")
+    two = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="two")
+    rows, owners = _align_reference(ti, e, bm)
+    assert two[0][: len(rows)].tolist() == rows
+    assert torch.equal(one[1], two[1]) and torch.equal(one[2], two[2])
+    assert int(two[1][len(two[0]) // bm]) == len(owners)
+
+
+def test_align_method_switch(monkeypatch):
+    _, ti = random_routing(3, 9, 2, seed=3)
+    monkeypatch.setenv(MOE.ALIGN_ENV, "two")
+    assert MOE.moe_align(ti, 9, 16)[0][:16].tolist() == _align_reference(ti, 9, 16)[0][:16]
+    monkeypatch.setenv(MOE.ALIGN_ENV, "three")
+    with pytest.raises(ValueError, match="one, two or auto"):
+        MOE.moe_align(ti, 9, 16)
+
+
+@pytest.mark.parametrize("shape", [(1024, 4, 1), (64, 2, 0), (64, 2, 1)])
+def test_combine_shapes_agree(shape):
+    """Every combine launch shape sums the valid slots in slot order: equal bit for bit to the
+    default shape (K = 200: a partial last column tile), and the fp32 sum within one bf16
+    rounding."""
+    m, topk, hidden, e = 5, 3, 200, 9
+    g = torch.Generator().manual_seed(11)
+    _, ti = random_routing(m, e, topk, seed=12)
+    ti[1, 0] = -1
+    y = torch.randn(m * topk, hidden, generator=g).bfloat16()
+    outs = []
+    for sh in (MOE.COMBINE_DEFAULT, shape):
+        outs.append(MOE.combine(y, ti, torch.empty(m, hidden, dtype=torch.bfloat16), 2.5, e, sh))
+    assert torch.equal(outs[0], outs[1])
+    live = ((ti >= 0) & (ti < e)).reshape(-1, 1)
+    ref = torch.zeros(m, hidden)
+    yf = torch.where(live, y.float(), 0.0).reshape(m, topk, hidden)
+    for k in range(topk):
+        ref += yf[:, k]
+    # one bf16 rounding (the interpreter truncates: up to 2^-7 relative)
+    assert torch.allclose(outs[1].float(), ref * 2.5, rtol=2 ** -7, atol=1e-6)
+
+
 def test_config_table_tiles_kimi_shapes():
     table = MOE._config_table(MOE._CONFIG_PATH)
     assert [b for b, _ in table] == sorted(b for b, _ in table)
