@@ -618,13 +618,16 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     return out
 
 
-PROLOGUE_VARIANTS = (("rows", "one"), ("chunks", "one"), ("rows", "two"), ("chunks", "two"))
+PROLOGUE_VARIANTS = (("rows", "one", 4), ("rows", "one", 2), ("rows", "one", 1),
+                     ("chunks", "one", 4), ("rows", "two", 4), ("chunks", "two", 4),
+                     ("chunks", "two", 2), ("chunks", "two", 1))
 
 
 def prologue_times(args, layers, make_inputs, dev) -> dict:
     """The prologue alone (moe_align: the grouping by expert and x's plane-major copy) per M and
-    routing, for x's copy laid out per row and per 1,024-column chunk (``copy``) and the
-    grouping in one launch or two (``method``), interleaved over at least 3 rounds; medians.
+    routing, for x's copy laid out per row and per 1,024-column chunk (``copy``), the
+    grouping in one launch or two (``method``) and warps per program, interleaved over at
+    least 3 rounds; medians.
     Every variant's outputs are compared with the first's first (grouping and copy must be
     equal)."""
     out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
@@ -633,9 +636,9 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
            "source_digest": checkout_digest(__file__),
            "note": "us per moe_align call (grouping + x copy), mean of CUDA-graph replays over "
                    f"{len(layers)} calls, median of the rounds; block_m and block_k from the "
-                   "table; variant names copy/method",
+                   "table; variant names copy/method/warps",
            "rows": []}
-    names = [f"{c}/{m}" for c, m in PROLOGUE_VARIANTS]
+    names = ["/".join(map(str, v)) for v in PROLOGUE_VARIANTS]
     for m in args.ms:
         cfg = mw.select_config(m)
         block_k = mw._fit(cfg.gate_up, args.inter, args.hidden).block_k
@@ -643,9 +646,9 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
             xs, _, tis, _ = make_inputs(m, routing)
 
             def align(variant, i):
-                copy, method = variant
+                copy, method, warps = variant
                 return mw.moe_align(tis[i], args.experts, cfg.block_m, xs[i], block_k,
-                                    copy=copy, method=method)
+                                    copy=copy, method=method, warps=warps)
 
             for i in range(len(xs)):
                 a = align(PROLOGUE_VARIANTS[0], i)
@@ -671,13 +674,12 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
     return out
 
 
-COMBINE_SHAPES = ((1024, 4, 0), (1024, 4, 1), (512, 4, 0), (512, 4, 1), (2048, 8, 0),
-                  (2048, 8, 1), (1024, 8, 1), (512, 2, 1))
+COMBINE_SHAPES = ((1024, 4), (512, 4), (512, 2), (256, 2), (2048, 8), (256, 1))
 
 
 def combine_times(args, layers, make_inputs, dev) -> dict:
     """The combine launch alone (``moe_w4a16.combine``) per M and launch shape (block_n,
-    num_warps, two_d), on random per-slot rows ``y`` (one buffer per weight set, so that
+    num_warps), on random per-slot rows ``y`` (one buffer per weight set, so that
     consecutive calls do not share them), interleaved over at least 3 rounds; medians. Every
     shape's output must equal the first's bit for bit."""
     out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
@@ -686,7 +688,7 @@ def combine_times(args, layers, make_inputs, dev) -> dict:
            "source_digest": checkout_digest(__file__),
            "note": "us per combine call, mean of CUDA-graph replays over "
                    f"{len(layers)} calls (distinct y), median of the rounds; shape = "
-                   "block_n,num_warps,two_d; gbs = bytes of y read plus out written per us",
+                   "block_n,num_warps; gbs = bytes of y read plus out written per us",
            "rows": []}
     names = [",".join(map(str, c)) for c in COMBINE_SHAPES]
     for m in args.ms:

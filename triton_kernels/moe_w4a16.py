@@ -347,12 +347,15 @@ PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows (default) | chunks; see moe_
 # pair read by one chunk program); auto takes two from ALIGN_TWO_PASS_MIN_PAIRS pairs.
 ALIGN_ENV = "SGLANG_DDTREE_MOE_ALIGN"
 ALIGN_TWO_PASS_MIN_PAIRS = 2048
+# warps per program of the grouping launches (SGLANG_DDTREE_MOE_ALIGN_WARPS overrides, per call)
+ALIGN_WARPS_ENV = "SGLANG_DDTREE_MOE_ALIGN_WARPS"
+ALIGN_WARPS = 4
 _ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              run_m: int = 1, method: str | None = None):
+              run_m: int = 1, method: str | None = None, warps: int | None = None):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
     for large calls: ``method``).
 
@@ -377,6 +380,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         launch over chunks of 1,024 pairs (with x's copy), then a launch that places each
         chunk's pairs by sorting them; ``auto`` (default: ``SGLANG_DDTREE_MOE_ALIGN``, else
         auto) takes ``two`` from ``ALIGN_TWO_PASS_MIN_PAIRS`` pairs. Same outputs bit for bit.
+    warps : int, optional
+        Warps per program of the launches (default ``SGLANG_DDTREE_MOE_ALIGN_WARPS``, else
+        ``ALIGN_WARPS``); the same outputs at any count.
 
     Returns
     -------
@@ -413,6 +419,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     method = method or os.environ.get(ALIGN_ENV) or "auto"
     if method not in ("one", "two", "auto"):
         raise ValueError(f"{ALIGN_ENV} / method: one, two or auto, got {method!r}")
+    warps = warps or int(os.environ.get(ALIGN_WARPS_ENV) or ALIGN_WARPS)
     if method == "two" or (method == "auto" and t >= ALIGN_TWO_PASS_MIN_PAIRS):
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
         e_pad = triton.next_power_of_2(num_experts)
@@ -421,13 +428,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             topk_ids.reshape(-1), scratch[0], sorted_ids if x is None else x,
             sorted_ids if x is None else xp, t, 0 if x is None else x.stride(0),
             NUM_EXPERTS=num_experts, E_PAD=e_pad, CH=_ALIGN_CHUNK, NUM_CH=num_ch, K=k,
-            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1))
+            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), num_warps=warps)
         _align_place_kernel[(num_ch + num_experts,)](
             topk_ids.reshape(-1), scratch[0], scratch[1], sorted_ids, block_expert, t,
             max_blocks, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
             CH=_ALIGN_CHUNK, NUM_CH=num_ch,
             BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-            RUN_M=run_m)
+            RUN_M=run_m, num_warps=warps)
         return sorted_ids, block_expert, xp
     _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
@@ -436,7 +443,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
-        RUN_M=run_m,
+        RUN_M=run_m, num_warps=warps,
     )
     return sorted_ids, block_expert, xp
 
@@ -1110,52 +1117,41 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TWO_D: tl.constexpr = False,  # load all TOPK rows as one [TOPK_PAD, BLOCK_N] tile
 ):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if TWO_D:
-        # One load of every slot's row; the rows are then added in slot order (the same sum,
-        # bit for bit, as the per-slot loop below).
-        TOPK_PAD: tl.constexpr = triton.next_power_of_2(TOPK)
-        kk = tl.arange(0, TOPK_PAD)
-        e = tl.load(topk_ids_ptr + m * TOPK + kk, mask=kk < TOPK, other=-1)
-        live = (kk < TOPK) & (e >= 0) & (e < NUM_EXPERTS)
-        v = tl.load(y_ptr + (m * TOPK + kk)[:, None] * N + offs[None, :],
-                    mask=live[:, None] & ok[None, :], other=0.0).to(tl.float32)
-        for k in tl.static_range(TOPK):
-            acc += tl.sum(tl.where(kk[:, None] == k, v, 0.0), axis=0)
-    else:
-        for k in tl.static_range(TOPK):  # fixed order: deterministic sum
-            e = tl.load(topk_ids_ptr + m * TOPK + k)
-            live = ok & (e >= 0) & (e < NUM_EXPERTS)
-            acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=live,
-                           other=0.0).to(tl.float32)
+    for k in tl.static_range(TOPK):  # fixed order: deterministic sum
+        e = tl.load(topk_ids_ptr + m * TOPK + k)
+        live = ok & (e >= 0) & (e < NUM_EXPERTS)
+        acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# The combine launch's shape: columns per program, warps, and TWO_D; SGLANG_DDTREE_MOE_COMBINE
-# ("block_n,num_warps,two_d", read per call) overrides it for benchmarks.
+# The combine launch's shape: (columns per program, warps). On the H200 (session 39,
+# bench_results/fused_moe_combine_shapes_h200_s39.json) 512 columns and 4 warps were the fastest
+# or within 1 % of it at every M from 1 to 2,048 (1,024 / 4 before: 0.1-0.4 us more a call up
+# to M = 64). SGLANG_DDTREE_MOE_COMBINE="block_n:num_warps" (read per call) overrides it.
 COMBINE_ENV = "SGLANG_DDTREE_MOE_COMBINE"
-COMBINE_DEFAULT = (1024, 4, 0)
+COMBINE_DEFAULT = (512, 4)
 
 
 def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: float,
-            num_experts: int, shape: tuple[int, int, int] | None = None) -> torch.Tensor:
+            num_experts: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
     """``out[m] = scale * sum_k y[m * topk + k]`` over the slots with a valid expert id, in slot
-    order (fp32), one launch (``_combine_kernel``); ``shape`` = (block_n, num_warps, two_d)."""
+    order (fp32), one launch (``_combine_kernel``); ``shape`` = (block_n, num_warps). Any
+    shape gives the same bits."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
     if shape is None:
         env = os.environ.get(COMBINE_ENV)
-        shape = tuple(int(v) for v in env.split(",")) if env else COMBINE_DEFAULT
-    block_n, warps, two_d = shape
+        shape = tuple(int(v) for v in env.split(":")) if env else COMBINE_DEFAULT
+    block_n, warps = shape
     block_n = min(block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_n))](
         y, topk_ids, out, float(scale), out.stride(0), N=hidden, TOPK=topk,
-        NUM_EXPERTS=num_experts, BLOCK_N=block_n, TWO_D=bool(two_d), num_warps=warps)
+        NUM_EXPERTS=num_experts, BLOCK_N=block_n, num_warps=warps)
     return out
 
 

@@ -410,7 +410,7 @@ def test_two_pass_align_equals_one_launch(m, e, topk, bm, run_m):
     ti[m // 2, topk - 1] = -1
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
     one = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="one")
-    two = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="two")
+    two = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="two", warps=1)
     rows, owners = _align_reference(ti, e, bm)
     assert two[0][: len(rows)].tolist() == rows
     assert torch.equal(one[1], two[1]) and torch.equal(one[2], two[2])
@@ -426,7 +426,7 @@ def test_align_method_switch(monkeypatch):
         MOE.moe_align(ti, 9, 16)
 
 
-@pytest.mark.parametrize("shape", [(1024, 4, 1), (64, 2, 0), (64, 2, 1)])
+@pytest.mark.parametrize("shape", [(1024, 4), (64, 2), (64, 1)])
 def test_combine_shapes_agree(shape):
     """Every combine launch shape sums the valid slots in slot order: equal bit for bit to the
     default shape (K = 200: a partial last column tile), and the fp32 sum within one bf16

@@ -103,22 +103,22 @@ def test_prologue_and_combine_compile(MOE):
     sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
-    for block_n, warps, two_d in {MOE.COMBINE_DEFAULT, (1024, 4, 1), (2048, 8, 1)}:
-        _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384,
-                                                BLOCK_N=block_n, TWO_D=bool(two_d)), warps, 1)
+    block_n, warps = MOE.COMBINE_DEFAULT
+    _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=block_n),
+             warps, 1)
     # the two-pass grouping (large calls): 16 chunks of 1,024 pairs (M = 2,048 at top-8)
     sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
            "T": "i32", "stride_xm": "i32"}
     for copy_progs in (1, 7):
         _compile(MOE._align_count_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, CH=1024,
                                                     NUM_CH=16, K=H, BLOCK_K=256,
-                                                    COPY_PROGS=copy_progs), 4, 1)
+                                                    COPY_PROGS=copy_progs), MOE.ALIGN_WARPS, 1)
     sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
            "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32", "max_blocks": "i32"}
     for run_m in (1, 4):
         _compile(MOE._align_place_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64,
                                                     CH=1024, NUM_CH=16, BLOCK_B=64,
-                                                    RUN_M=run_m), 4, 1)
+                                                    RUN_M=run_m), MOE.ALIGN_WARPS, 1)
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
     const = dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256, SPLIT_TARGET=0,
