@@ -13,7 +13,8 @@ Baselines (each used when importable, named in the JSON):
   compressed-tensors WNA16 MoE on CUDA by default (``CompressedTensorsWNA16MoE``).
 * ``sglang_triton``: ``fused_experts(..., use_int4_w4a16=True)``, what it runs with
   ``--moe-runner-backend triton`` (``CompressedTensorsWNA16TritonMoE``; no tuned config ships for
-  these shapes, so SGLang's default config is used).
+  these shapes, so SGLang's default config is used), in place on a copy of x (its time includes
+  the copy).
 
 Bytes moved per call = touched experts x (packed w13 + w2 + their scales) + x read + out written.
 Bandwidth is compared with a measured device-to-device copy (bytes read + written).
@@ -248,7 +249,7 @@ def sglang_baselines(layers, args, wanted=("sglang_marlin", "sglang_triton")):
         cfg = MoeRunnerConfig(
             num_experts=args.experts, num_local_experts=args.experts, hidden_size=args.hidden,
             intermediate_size_per_partition=args.inter, top_k=args.topk,
-            params_dtype=torch.bfloat16, activation="silu", inplace=False,
+            params_dtype=torch.bfloat16, activation="silu", inplace=True,
             routed_scaling_factor=args.routed_scaling)
         prepared = []
         for lw in layers:  # CompressedTensorsWNA16TritonMoE.process_weights_after_loading
@@ -259,9 +260,12 @@ def sglang_baselines(layers, args, wanted=("sglang_marlin", "sglang_triton")):
                 s2=lw["w2_scale"].transpose(1, 2).contiguous()))
 
         def triton_int4(x, lw, tw, ti, logits):
-            return fused_experts(x, lw["w1"], lw["w2"], StandardTopKOutput(tw, ti, logits), cfg,
-                                 use_int4_w4a16=True, w1_scale=lw["s1"], w2_scale=lw["s2"],
-                                 block_shape=[0, 32])
+            # In place on a copy of x (the copy is in its time: 1-2 us): 0.5.17's out-of-place
+            # path asks for the tensor-parallel group, which this process does not have
+            # (session 39: "tensor model parallel group is not initialized").
+            return fused_experts(x.clone(), lw["w1"], lw["w2"],
+                                 StandardTopKOutput(tw, ti, logits), cfg, use_int4_w4a16=True,
+                                 w1_scale=lw["s1"], w2_scale=lw["s2"], block_shape=[0, 32])
 
         out["sglang_triton"] = (prepared, triton_int4)
     except Exception as exc:

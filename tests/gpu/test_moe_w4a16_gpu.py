@@ -404,10 +404,12 @@ def test_vs_sglang_triton_int4(K, w):
     tw, ti, logits = routing(m, seed=5)
     cfg = MoeRunnerConfig(num_experts=E, num_local_experts=E, hidden_size=H,
                           intermediate_size_per_partition=I, top_k=TOPK,
-                          params_dtype=torch.bfloat16, activation="silu", inplace=False)
-    # CompressedTensorsWNA16TritonMoE.process_weights_after_loading's conversion.
+                          params_dtype=torch.bfloat16, activation="silu", inplace=True)
+    # CompressedTensorsWNA16TritonMoE.process_weights_after_loading's conversion. In place (on
+    # a copy of x): 0.5.17's out-of-place path asks for the tensor-parallel group (to place its
+    # output in symmetric memory), which a process without a server does not have.
     theirs = fused_experts(
-        x, w["w13_packed"].transpose(1, 2).contiguous().view(torch.uint8),
+        x.clone(), w["w13_packed"].transpose(1, 2).contiguous().view(torch.uint8),
         w["w2_packed"].transpose(1, 2).contiguous().view(torch.uint8),
         StandardTopKOutput(tw, ti, logits), cfg, use_int4_w4a16=True,
         w1_scale=w["w13_scale"].transpose(1, 2).contiguous(),
