@@ -7,7 +7,11 @@ weights once per step, dequantizes them in registers and fuses the rest around t
 1. ``_prologue_kernel`` (one launch, two jobs): group the ``T = M * topk`` (token, slot) pairs by
    expert into blocks of ``BLOCK_M`` rows (padding with the sentinel ``T``; static sizes,
    deterministic: pairs keep flat order inside an expert; CUDA-graph safe), and copy ``x`` into
-   the plane-major order described below.
+   the plane-major order described below. Its expert programs each histogram all T pairs, work
+   that grows as E x T, so from 2,048 pairs (``moe_align``'s ``method``) the same outputs come
+   from two launches instead: ``_align_count_kernel`` (per-chunk histograms, the copy) and
+   ``_align_place_kernel`` (each chunk's pairs placed by a sort), 12.9 -> 10.9 us at M = 256
+   tokens and 82 -> 28 us at M = 2,048 on the H200.
 2. ``_gate_up_kernel``: ``h = silu(x @ G_e) * (x @ U_e)`` per block, int4 -> bf16 in registers,
    fp32 accumulation, SiLU-and-multiply in the epilogue; ``h`` is stored in bf16 (as SGLang does).
    With ``split_k`` > 1 the programs of a tile each sum part of K into fp32 partials (few
@@ -341,7 +345,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
-PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows (default) | chunks; see moe_align
+PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows | chunks (default: by grouping); see moe_align
 # one | two | auto (default): the grouping in one launch (_prologue_kernel, every expert's
 # program histograms all T pairs) or in two (_align_count_kernel + _align_place_kernel, each
 # pair read by one chunk program); auto takes two from ALIGN_TWO_PASS_MIN_PAIRS pairs.
@@ -370,10 +374,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         same launch.
     copy : str, optional
         How that copy is laid out over programs (default: ``SGLANG_DDTREE_MOE_PROLOGUE``, else
-        ``rows``). ``rows``: one program per row of x, after the experts' programs, walking the
-        row in 1,024-column chunks. ``chunks``: one program per chunk, before the experts'
-        programs. Same output; which is faster at which M is for the H200 to say
-        (``bench_fused_moe.py --prologue``).
+        ``rows`` with the one-launch grouping and ``chunks`` with the two-pass one, the faster
+        at every M timed on the H200, session 39). ``rows``: one program per row of x, walking
+        the row in 1,024-column chunks. ``chunks``: one program per chunk. Same output
+        (``bench_fused_moe.py --prologue`` times both).
     method : str, optional
         ``one``: one launch whose expert programs each histogram all T pairs (O(E T) work,
         which grows to tens of microseconds at thousands of tokens); ``two``: a histogram
@@ -411,16 +415,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     rows = 0 if x is None else x.shape[0]
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
     block_t = min(1024, max(16, triton.next_power_of_2(max(t, 1))))
-    copy = copy or os.environ.get(PROLOGUE_ENV) or "rows"
+    method = method or os.environ.get(ALIGN_ENV) or "auto"
+    if method not in ("one", "two", "auto"):
+        raise ValueError(f"{ALIGN_ENV} / method: one, two or auto, got {method!r}")
+    two_pass = method == "two" or (method == "auto" and t >= ALIGN_TWO_PASS_MIN_PAIRS)
+    # rows beside the one-launch grouping, chunks beside the two-pass one: the faster of the
+    # two at every M timed on the H200 (bench_results/fused_moe_prologue_h200_s39.json)
+    copy = copy or os.environ.get(PROLOGUE_ENV) or ("chunks" if two_pass else "rows")
     if copy not in ("rows", "chunks"):
         raise ValueError(f"{PROLOGUE_ENV} / copy: rows or chunks, got {copy!r}")
     k = 0 if x is None else x.shape[1]
     per_row = triton.cdiv(k, 1024) if copy == "chunks" else 1
-    method = method or os.environ.get(ALIGN_ENV) or "auto"
-    if method not in ("one", "two", "auto"):
-        raise ValueError(f"{ALIGN_ENV} / method: one, two or auto, got {method!r}")
     warps = warps or int(os.environ.get(ALIGN_WARPS_ENV) or ALIGN_WARPS)
-    if method == "two" or (method == "auto" and t >= ALIGN_TWO_PASS_MIN_PAIRS):
+    if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
         e_pad = triton.next_power_of_2(num_experts)
         scratch = torch.empty(2, num_ch, e_pad, dtype=torch.int32, device=dev)
