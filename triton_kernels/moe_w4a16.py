@@ -426,7 +426,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"{PROLOGUE_ENV} / copy: rows or chunks, got {copy!r}")
     k = 0 if x is None else x.shape[1]
     per_row = triton.cdiv(k, 1024) if copy == "chunks" else 1
-    warps = warps or int(os.environ.get(ALIGN_WARPS_ENV) or ALIGN_WARPS)
+    if not warps:
+        env = os.environ.get(ALIGN_WARPS_ENV)
+        warps = _env_ints(ALIGN_WARPS_ENV, env, 1, "a warp count, e.g. 4")[0] if env else \
+            ALIGN_WARPS
     if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
         e_pad = triton.next_power_of_2(num_experts)
@@ -1144,6 +1147,17 @@ COMBINE_ENV = "SGLANG_DDTREE_MOE_COMBINE"
 COMBINE_DEFAULT = (512, 4)
 
 
+def _env_ints(name: str, value: str, n: int, form: str) -> tuple[int, ...]:
+    """``n`` positive ints from env variable ``name`` (``a:b``), or a ValueError naming it."""
+    try:
+        ints = tuple(int(v) for v in value.split(":"))
+    except ValueError:
+        ints = ()
+    if len(ints) != n or min(ints) < 1:
+        raise ValueError(f"{name}: expected {form}, got {value!r}")
+    return ints
+
+
 def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: float,
             num_experts: int, shape: tuple[int, int] | None = None) -> torch.Tensor:
     """``out[m] = scale * sum_k y[m * topk + k]`` over the slots with a valid expert id, in slot
@@ -1153,7 +1167,8 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
     hidden = y.shape[1]
     if shape is None:
         env = os.environ.get(COMBINE_ENV)
-        shape = tuple(int(v) for v in env.split(":")) if env else COMBINE_DEFAULT
+        shape = _env_ints(COMBINE_ENV, env, 2, "block_n:num_warps, e.g. 512:4") if env else \
+            COMBINE_DEFAULT
     block_n, warps = shape
     block_n = min(block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_n))](

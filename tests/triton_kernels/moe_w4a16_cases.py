@@ -424,6 +424,23 @@ def test_align_method_switch(monkeypatch):
     monkeypatch.setenv(MOE.ALIGN_ENV, "three")
     with pytest.raises(ValueError, match="one, two or auto"):
         MOE.moe_align(ti, 9, 16)
+    monkeypatch.setenv(MOE.ALIGN_ENV, "auto")
+    for bad in ("four", "0", "2:2"):
+        monkeypatch.setenv(MOE.ALIGN_WARPS_ENV, bad)
+        with pytest.raises(ValueError, match=MOE.ALIGN_WARPS_ENV):
+            MOE.moe_align(ti, 9, 16)
+
+
+def test_combine_env_is_checked(monkeypatch):
+    _, ti = random_routing(2, 9, 2, seed=4)
+    y = torch.zeros(4, 64, dtype=torch.bfloat16)
+    out = torch.empty(2, 64, dtype=torch.bfloat16)
+    for bad in ("512", "512,4", "a:4", "512:0"):
+        monkeypatch.setenv(MOE.COMBINE_ENV, bad)
+        with pytest.raises(ValueError, match=MOE.COMBINE_ENV):
+            MOE.combine(y, ti, out, 1.0, 9)
+    monkeypatch.setenv(MOE.COMBINE_ENV, "64:2")
+    assert torch.equal(MOE.combine(y, ti, out, 1.0, 9), torch.zeros(2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("shape", [(1024, 4), (64, 2), (64, 1)])
