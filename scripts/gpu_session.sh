@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -272,11 +272,23 @@ for s in "$@"; do
                --methods ar,ddtree --budget ${KIMI_PROFILE_BUDGETS:-32,16,8} --steps 20 \
                --max-new-tokens 96 --server-env SGLANG_DDTREE_FUSED_MOE=1 \
                --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
-    moeprologue) # the MoE prologue alone (grouping + x's copy; 4.8 us a call at M = 1, 8.7 at
-             # M = 9 in session 26's profile), x's copy per row (served) against per chunk
+    moeprologue) # the MoE prologue alone (grouping + x's copy; session 39: one launch 4.8 us
+             # at M = 1 up to 82 at 2,048, two launches 9.7-28), both copy layouts, both
+             # groupings, 1 / 2 / 4 warps
              step moe-prologue ${MOE_PROLOGUE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
-               --prologue --ms ${MOE_PROLOGUE_MS:-1 2 4 8 9 16 17 32 33 64 128} \
+               --prologue --ms ${MOE_PROLOGUE_MS:-1 8 16 64 128 256 512 1024 2048} \
                --routings concentrated:8,random --out "$OUT/fused_moe_prologue_h200.json" ;;
+    moealign) # whole MoE calls: the shipped grouping (two launches from 2,048 pairs, x copied
+             # per chunk there) against one launch and against two launches with x copied per
+             # row (session 39 timed only the latter pair in whole calls), then the combine
+             # launch's shapes alone
+             step moe-align ${MOE_ALIGN_LIMIT:-240} python3 scripts/bench_fused_moe.py --no-sglang \
+               --rounds 3 --ms ${MOE_ALIGN_MS:-128 256 512 1024 2048} \
+               --ours-variants one:SGLANG_DDTREE_MOE_ALIGN=one \
+               tworows:SGLANG_DDTREE_MOE_ALIGN=two,SGLANG_DDTREE_MOE_PROLOGUE=rows \
+               --out "$OUT/fused_moe_align_ab_h200.json"
+             step moe-combine ${MOE_COMBINE_LIMIT:-120} python3 scripts/bench_fused_moe.py --no-sglang \
+               --combine --out "$OUT/fused_moe_combine_shapes_h200.json" ;;
     moewave) # session 36: ncu put the M = 8 / 16 gate-up at 1.8 / 2.4 active warps per scheduler
              # (7 / 5 programs an SM by shared memory, 480 programs at M = 8: half a wave), issuing
              # 0.53 a cycle and reading DRAM at 52-54 %. Tiles of 3 stages fit 10 programs an SM
@@ -475,7 +487,7 @@ for s in "$@"; do
                --ab "new=$OUT/tree_verify_spec_new_r1_h200.json,$OUT/tree_verify_spec_new_r2_h200.json" \
                --ab "old=$OUT/tree_verify_spec_old_r1_h200.json,$OUT/tree_verify_spec_old_r2_h200.json" \
                --out "$OUT/tree_verify_spec_ab_h200.json" ;;
-    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec)" ;;
+    *) log "unknown step $s (quick unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec)" ;;
   esac
 done
 (cd /tmp && tar czf "$OUT/logs.tgz" ddtree_e2e/*.log ddtree_e2e_b/*.log ddtree_e2e_det/*.log 2>/dev/null)
