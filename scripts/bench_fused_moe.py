@@ -391,15 +391,12 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     the concentrated ones (below 1: faster). Block_m and the down config stay the table's.
     """
     routings = args.routings.split(",")
-    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
-           "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
-           "grid_run_m": args.grid_run_m,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-           "source_digest": checkout_digest(__file__),
-           "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
-                   f"replays over {len(layers)} weight sets; block_m and down from the table",
-           "rows": [], "summary": {}}
+    out = run_header(dev, {
+        "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
+        "grid_run_m": args.grid_run_m,
+        "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
+                f"replays over {len(layers)} weight sets; block_m and down from the table",
+        "rows": [], "summary": {}})
     for m in args.ms:
         table = mw.select_config(m)
         for routing in routings:
@@ -578,6 +575,14 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
     _dump_table(path, table.get("note", ""), runs, table["bands"])
 
 
+def run_header(dev: torch.device, fields: dict) -> dict:
+    """A result's provenance (command, GPU, date, versions, source digest) and ``fields``."""
+    return {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+            "source_digest": checkout_digest(__file__), **fields}
+
+
 def breakdown(args, layers, make_inputs, dev) -> dict:
     """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
 
@@ -586,11 +591,8 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     """
     w13_bytes = args.hidden // 8 * 2 * args.inter * 4 + args.hidden // 32 * 2 * args.inter * 2
     w2_bytes = args.inter // 8 * args.hidden * 4 + args.inter // 32 * args.hidden * 2
-    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-           "source_digest": checkout_digest(__file__),
-           "copy_bandwidth_gbs": copy_bandwidth_gbs(dev), "rows": []}
+    out = run_header(dev, {
+        "copy_bandwidth_gbs": copy_bandwidth_gbs(dev), "rows": []})
     for m in args.ms:
         xs, tws, tis, _ = make_inputs(m)
         touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
@@ -622,6 +624,16 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     return out
 
 
+def interleaved_rounds(calls: dict, args, dev, per_call: int) -> dict:
+    """{name: [us per call, one per round]}: each of ``calls`` (name -> fn) timed by CUDA-graph
+    replay in turn, for at least 3 rounds (``--rounds``); ``per_call`` calls per fn."""
+    rounds = {n: [] for n in calls}
+    for _ in range(max(args.rounds, 3)):
+        for n, fn in calls.items():
+            rounds[n].append(graph_time_us(fn, args.iters, dev) / per_call)
+    return rounds
+
+
 PROLOGUE_VARIANTS = (("rows", "one", 4), ("rows", "one", 2), ("rows", "one", 1),
                      ("chunks", "one", 4), ("rows", "two", 4), ("chunks", "two", 4),
                      ("chunks", "two", 2), ("chunks", "two", 1))
@@ -632,16 +644,13 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
     routing, for x's copy laid out per row and per 1,024-column chunk (``copy``), the
     grouping in one launch or two (``method``) and warps per program, interleaved over at
     least 3 rounds; medians.
-    Every variant's outputs are compared with the first's first (grouping and copy must be
+    Every variant's outputs are compared with the first variant's (grouping and copy must be
     equal)."""
-    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-           "source_digest": checkout_digest(__file__),
-           "note": "us per moe_align call (grouping + x copy), mean of CUDA-graph replays over "
-                   f"{len(layers)} calls, median of the rounds; block_m and block_k from the "
-                   "table; variant names copy/method/warps",
-           "rows": []}
+    out = run_header(dev, {
+        "note": "us per moe_align call (grouping + x copy), mean of CUDA-graph replays over "
+                f"{len(layers)} calls, median of the rounds; block_m and block_k from the "
+                "table; variant names copy/method/warps",
+        "rows": []})
     names = ["/".join(map(str, v)) for v in PROLOGUE_VARIANTS]
     for m in args.ms:
         cfg = mw.select_config(m)
@@ -663,12 +672,9 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
                             and torch.equal(a[2], b[2])):
                         raise SystemExit(f"--prologue: {v} disagrees with "
                                          f"{PROLOGUE_VARIANTS[0]} at M={m}")
-            rounds = {n: [] for n in names}
-            for _ in range(max(args.rounds, 3)):
-                for n, v in zip(names, PROLOGUE_VARIANTS):
-                    rounds[n].append(graph_time_us(
-                        lambda v=v: [align(v, i) for i in range(len(xs))], args.iters, dev)
-                        / len(xs))
+            rounds = interleaved_rounds(
+                {n: (lambda v=v: [align(v, i) for i in range(len(xs))])
+                 for n, v in zip(names, PROLOGUE_VARIANTS)}, args, dev, len(xs))
             row = {"m": m, "routing": routing, "block_m": cfg.block_m, "block_k": block_k,
                    "us": {c: round(statistics.median(v), 2) for c, v in rounds.items()},
                    "us_rounds": {c: [round(t, 2) for t in v] for c, v in rounds.items()}}
@@ -686,14 +692,11 @@ def combine_times(args, layers, make_inputs, dev) -> dict:
     num_warps), on random per-slot rows ``y`` (one buffer per weight set, so that
     consecutive calls do not share them), interleaved over at least 3 rounds; medians. Every
     shape's output must equal the first's bit for bit."""
-    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-           "source_digest": checkout_digest(__file__),
-           "note": "us per combine call, mean of CUDA-graph replays over "
-                   f"{len(layers)} calls (distinct y), median of the rounds; shape = "
-                   "block_n,num_warps; gbs = bytes of y read plus out written per us",
-           "rows": []}
+    out = run_header(dev, {
+        "note": "us per combine call, mean of CUDA-graph replays over "
+                f"{len(layers)} calls (distinct y), median of the rounds; shape = "
+                "block_n,num_warps; gbs = bytes of y read plus out written per us",
+        "rows": []})
     names = [",".join(map(str, c)) for c in COMBINE_SHAPES]
     for m in args.ms:
         _, _, tis, _ = make_inputs(m)
@@ -712,11 +715,8 @@ def combine_times(args, layers, make_inputs, dev) -> dict:
             run(shape)
             if not all(torch.equal(a, b) for a, b in zip(want, outs)):
                 raise SystemExit(f"--combine: shape {shape} disagrees at M={m}")
-        rounds = {n: [] for n in names}
-        for _ in range(max(args.rounds, 3)):
-            for n, shape in zip(names, COMBINE_SHAPES):
-                rounds[n].append(graph_time_us(lambda s=shape: run(s), args.iters, dev)
-                                 / len(tis))
+        rounds = interleaved_rounds(
+            {n: (lambda c=c: run(c)) for n, c in zip(names, COMBINE_SHAPES)}, args, dev, len(tis))
         nbytes = (m * args.topk + m) * args.hidden * 2
         us = {n: round(statistics.median(v), 2) for n, v in rounds.items()}
         row = {"m": m, "us": us, "gbs": {n: round(nbytes / u / 1e3, 1) for n, u in us.items()},
@@ -756,15 +756,12 @@ def dual_stream_times(args, layers, make_inputs, dev) -> dict:
     smoke run) the two streams are one."""
     side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
     shared = shared_expert_weights(len(layers), args.hidden, args.inter, dev)
-    out = {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-           "source_digest": checkout_digest(__file__),
-           "note": "us per layer (one MoE call and / or one shared expert), mean of CUDA-graph "
-                   f"replays over {len(layers)} layers, median of the rounds; the table's "
-                   "configs; dual = the shared expert on a second stream after the MoE's "
-                   "launches, as SGLang 0.5.17 captures a DeepseekV2 MoE layer",
-           "rows": []}
+    out = run_header(dev, {
+        "note": "us per layer (one MoE call and / or one shared expert), mean of CUDA-graph "
+                f"replays over {len(layers)} layers, median of the rounds; the table's "
+                "configs; dual = the shared expert on a second stream after the MoE's "
+                "launches, as SGLang 0.5.17 captures a DeepseekV2 MoE layer",
+        "rows": []})
     kinds = ("moe", "shared", "serial", "dual")
     for m in args.ms:
         for routing in args.routings.split(","):

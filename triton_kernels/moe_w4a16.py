@@ -193,8 +193,9 @@ def _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks,
     """block_expert's labels from the padded per-expert row counts (``padded``, their inclusive
     cumsum ``ends`` and ``total``; one entry per bin of ``bins``), written by expert ``e``'s
     program: see moe_align."""
-    # Expert e's program labels blocks e * BLOCK_B + [0, BLOCK_B): the expert of block j is the number
-    # of experts whose padded range ends at or before row j * BLOCK_M; -1 past the last block.
+    # Expert e's program labels blocks e * BLOCK_B + [0, BLOCK_B): the expert of block j is the
+    # number of experts whose padded range ends at or before row j * BLOCK_M; -1 past the last
+    # block.
     j = e * BLOCK_B + tl.arange(0, BLOCK_B)
     ends_live = tl.where(bins < NUM_EXPERTS, ends, total + 1)
     owner = tl.sum((ends_live[None, :] <= j[:, None] * BLOCK_M).to(tl.int32), axis=1)
