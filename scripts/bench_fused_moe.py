@@ -625,13 +625,15 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
 
 
 def interleaved_rounds(calls: dict, args, dev, per_call: int) -> dict:
-    """{name: [us per call, one per round]}: each of ``calls`` (name -> fn) timed by CUDA-graph
-    replay in turn, for at least 3 rounds (``--rounds``); ``per_call`` calls per fn."""
+    """Each of ``calls`` (name -> fn) timed by CUDA-graph replay in turn, for at least 3 rounds
+    (``--rounds``), ``per_call`` calls per fn: {"us": {name: median us per call},
+    "us_rounds": {name: [us per call, one per round]}}, rounded to 0.01 us."""
     rounds = {n: [] for n in calls}
     for _ in range(max(args.rounds, 3)):
         for n, fn in calls.items():
             rounds[n].append(graph_time_us(fn, args.iters, dev) / per_call)
-    return rounds
+    return {"us": {n: round(statistics.median(v), 2) for n, v in rounds.items()},
+            "us_rounds": {n: [round(t, 2) for t in v] for n, v in rounds.items()}}
 
 
 PROLOGUE_VARIANTS = (("rows", "one", 4), ("rows", "one", 2), ("rows", "one", 1),
@@ -672,12 +674,10 @@ def prologue_times(args, layers, make_inputs, dev) -> dict:
                             and torch.equal(a[2], b[2])):
                         raise SystemExit(f"--prologue: {v} disagrees with "
                                          f"{PROLOGUE_VARIANTS[0]} at M={m}")
-            rounds = interleaved_rounds(
-                {n: (lambda v=v: [align(v, i) for i in range(len(xs))])
-                 for n, v in zip(names, PROLOGUE_VARIANTS)}, args, dev, len(xs))
             row = {"m": m, "routing": routing, "block_m": cfg.block_m, "block_k": block_k,
-                   "us": {c: round(statistics.median(v), 2) for c, v in rounds.items()},
-                   "us_rounds": {c: [round(t, 2) for t in v] for c, v in rounds.items()}}
+                   **interleaved_rounds(
+                       {n: (lambda v=v: [align(v, i) for i in range(len(xs))])
+                        for n, v in zip(names, PROLOGUE_VARIANTS)}, args, dev, len(xs))}
             out["rows"].append(row)
             print(f"M={m} {routing}: " + " ".join(f"{c} {u}" for c, u in row["us"].items()),
                   flush=True)
@@ -715,12 +715,12 @@ def combine_times(args, layers, make_inputs, dev) -> dict:
             run(shape)
             if not all(torch.equal(a, b) for a, b in zip(want, outs)):
                 raise SystemExit(f"--combine: shape {shape} disagrees at M={m}")
-        rounds = interleaved_rounds(
+        timed = interleaved_rounds(
             {n: (lambda c=c: run(c)) for n, c in zip(names, COMBINE_SHAPES)}, args, dev, len(tis))
         nbytes = (m * args.topk + m) * args.hidden * 2
-        us = {n: round(statistics.median(v), 2) for n, v in rounds.items()}
+        us = timed["us"]
         row = {"m": m, "us": us, "gbs": {n: round(nbytes / u / 1e3, 1) for n, u in us.items()},
-               "us_rounds": {n: [round(t, 2) for t in v] for n, v in rounds.items()}}
+               "us_rounds": timed["us_rounds"]}
         out["rows"].append(row)
         print(f"M={m}: " + " ".join(f"{n} {u}" for n, u in us.items()), flush=True)
     return out
@@ -788,15 +788,12 @@ def dual_stream_times(args, layers, make_inputs, dev) -> dict:
                         run_shared(xs[i], shared[i])
                     main.wait_stream(side)
 
-            rounds = {k: [] for k in kinds}
-            for _ in range(max(args.rounds, 3)):
-                for k in kinds:
-                    rounds[k].append(graph_time_us(lambda k=k: run(k), args.iters, dev)
-                                     / len(layers))
-            us = {k: round(statistics.median(v), 2) for k, v in rounds.items()}
+            timed = interleaved_rounds({k: (lambda k=k: run(k)) for k in kinds}, args, dev,
+                                       len(layers))
+            us = timed["us"]
             touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
             row = {"m": m, "routing": routing, "touched_experts": touched, "us": us,
-                   "us_rounds": {k: [round(t, 2) for t in v] for k, v in rounds.items()},
+                   "us_rounds": timed["us_rounds"],
                    "dual_over_longer": round(us["dual"] / max(us["moe"], us["shared"]), 4),
                    "dual_over_serial": round(us["dual"] / us["serial"], 4)}
             out["rows"].append(row)
