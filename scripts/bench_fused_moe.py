@@ -393,8 +393,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     routings = args.routings.split(",")
     out = run_header(dev, {
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
-        "grid_run_m": args.grid_run_m, "grid_run_full": int(args.grid_run_full),
-        "grid_down": args.grid_down,
+        "grid_run_m": args.grid_run_m,
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
                 f"replays over {len(layers)} weight sets; block_m and down from the table",
         "rows": [], "summary": {}})
@@ -419,11 +418,9 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
                    "table": dataclasses.asdict(table), "table_us": timed(table)["us"],
                    "candidates": {}}
             for c in grid:
-                down = (mw.GemmConfig(*map(int, args.grid_down.split(",")))
-                        if args.grid_down else table.down)
                 cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
-                                   down, half_m=int(args.grid_half_m),
-                                   run_m=args.grid_run_m, run_full=int(args.grid_run_full))
+                                   table.down, half_m=int(args.grid_half_m),
+                                   run_m=args.grid_run_m)
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
@@ -894,11 +891,6 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with MoeConfig.run_m (an expert's "
                          "16-row blocks in runs of up to this many, each run's programs of a "
                          "column tile sharing its rows and splitting its columns)")
-    ap.add_argument("--grid-run-full", action="store_true",
-                    help="--grid only, with --grid-run-m: MoeConfig.run_full (a run's first "
-                         "block takes the run's rows and the whole column tile in the gate-up)")
-    ap.add_argument("--grid-down", default=None, metavar="BN,BK,WARPS,STAGES[,N_PER_CTA]",
-                    help="--grid only: the candidates' down config (default: the table's)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
@@ -980,11 +972,9 @@ def main(argv=None) -> int:
         for path in args.pick_from:
             with open(path) as f:
                 grid_runs.append(json.load(f))
-        if any(g.get("grid_block_m") or g.get("grid_half_m") or g.get("grid_run_full")
-               or g.get("grid_down") for g in grid_runs):
-            ap.error("--pick-from: this grid ran its candidates with another block_m / half_m / "
-                     "run_full / down config than the table's; a pick writes gate-up configs "
-                     "(and run_m) only, so it "
+        if any(g.get("grid_block_m") or g.get("grid_half_m") for g in grid_runs):
+            ap.error("--pick-from: this grid ran its candidates with another block_m / half_m "
+                     "than the table's; a pick writes gate-up configs (and run_m) only, so it "
                      "cannot carry them: change the table's band by hand")
         run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
         if len(run_ms) > 1:

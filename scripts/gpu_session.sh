@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave moerunfull
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -289,23 +289,6 @@ for s in "$@"; do
                --out "$OUT/fused_moe_align_ab_h200.json"
              step moe-combine ${MOE_COMBINE_LIMIT:-120} python3 scripts/bench_fused_moe.py --no-sglang \
                --combine --out "$OUT/fused_moe_combine_shapes_h200.json" ;;
-    moerunfull) # session 40: the Kimi verify's MoE on shared experts. Per-kernel times on 8
-             # shared experts at M = 1 / 9 / 16 / 17 / 32 (table), then runs of 2 / 4 blocks whose
-             # first block takes the whole gate-up tile (MoeConfig.run_full) against the table on
-             # 8 / 32 shared experts and random routing, then their GPU test
-             step moe-bd-conc8 ${MOE_RUNFULL_BD_LIMIT:-200} python3 scripts/bench_fused_moe.py \
-               --no-sglang --breakdown --routing concentrated:8 --ms 1 9 16 17 32 \
-               --out "$OUT/fused_moe_breakdown_conc8_h200.json"
-             step moe-full2 ${MOE_RUNFULL_LIMIT:-240} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms 17 24 32 --routings concentrated:8,concentrated:32,random \
-               --grid "${MOE_RUNFULL2_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,7,1024;32,128,2,4,0,1,8,2048;32,256,2,3,0,1,4,1024;64,128,4,4,0,1,8,1024}" \
-               --grid-run-m 2 --grid-run-full --out "$OUT/fused_moe_runfull2_grid_h200.json"
-             step moe-full4 ${MOE_RUNFULL_LIMIT:-240} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms 33 48 64 --routings concentrated:8,concentrated:32,random \
-               --grid "${MOE_RUNFULL4_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,7,1024;32,128,2,4,0,1,8,2048;32,256,2,3,0,1,4,1024}" \
-               --grid-run-m 4 --grid-run-full --out "$OUT/fused_moe_runfull4_grid_h200.json"
-             step moe-full-test ${MOE_RUNFULL_TEST_LIMIT:-200} python3 -m pytest -q \
-               tests/gpu/test_moe_w4a16_gpu.py -k run_tiles ;;
     moewave) # session 36: ncu put the M = 8 / 16 gate-up at 1.8 / 2.4 active warps per scheduler
              # (7 / 5 programs an SM by shared memory, 480 programs at M = 8: half a wave), issuing
              # 0.53 a cycle and reading DRAM at 52-54 %. Tiles of 3 stages fit 10 programs an SM

@@ -681,7 +681,6 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
     RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
-    RUN_FULL: tl.constexpr = False,  # RUN_M > 1: a run's first block takes its whole tile
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -711,36 +710,7 @@ def _gate_up_kernel(
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
-    if RUN_M > 1 and RUN_FULL:
-        # A run's first block's programs take all R * BLOCK_M rows and the whole column tile;
-        # the other blocks' programs leave. Half the programs of a run of two, but no tile
-        # narrower than BLOCK_N (see MoeConfig.run_full).
-        if run_label % 16 == 0:
-            if run_label // 16 == 1:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                              part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N,
-                              BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr,
-                              pid_mn, SERIAL, n_split)
-            elif run_label // 16 == 2:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                              part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M * 2,
-                              BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                              cnt_ptr, pid_mn, SERIAL, n_split)
-            else:
-                if RUN_M >= 4:
-                    if run_label // 16 == 4:
-                        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr,
-                                      T, part_rows, e, row0, pid_n, pid_k, K, I, TOPK,
-                                      BLOCK_M * 4, BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
-                                      SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
-                    else:
-                        if RUN_M >= 8:
-                            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr,
-                                          part_ptr, T, part_rows, e, row0, pid_n, pid_k, K, I,
-                                          TOPK, BLOCK_M * 8, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                                          PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                                          n_split)
-    elif RUN_M > 1:
+    if RUN_M > 1:
         # A run of R blocks of one expert (R = run_label // 16, this block's place in it
         # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
         # rows and 1 / R of the tile's columns, so each weight column is dequantized once per
@@ -1260,10 +1230,6 @@ class MoeConfig:
     # bench_results/fused_moe_run{2,4}_grid_h200_s29.json): faster only where a call's tokens
     # share few experts and slower on random routing; no band of the shipped table uses it.
     run_m: int = 0
-    # 1 (with run_m): in the gate-up a run's first block takes all the run's rows and the whole
-    # column tile, the run's other blocks' programs leave (fewer programs, full-width tiles;
-    # session 40). The down launch as with run_m alone.
-    run_full: int = 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -1280,7 +1246,7 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
             down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
-            run_m=int(band.get("run_m", 0)), run_full=int(band.get("run_full", 0)))))
+            run_m=int(band.get("run_m", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -1481,7 +1447,6 @@ def fused_moe_w4a16(
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
-        RUN_FULL=bool(cfg.run_full) and run_m > 1,
         num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)

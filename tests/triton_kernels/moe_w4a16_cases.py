@@ -657,23 +657,18 @@ _DN_LOOP32 = MOE.GemmConfig(32, 128, 4, 1, 128)  # runs of 4 split it too
 _DN_TILE = MOE.GemmConfig(64, 128, 4, 1)  # the per-tile down kernel: one block a program
 
 
-@pytest.mark.parametrize("gate_up,run_m,serial,down,run_full", [
-    (_GU_RUN, 2, "1", _DN_LOOP, 0), (_GU_RUN, 4, "1", _DN_LOOP32, 0),
-    (_GU_RUN, 4, "1", _DN_TILE, 0), (_GU_RUN_SPLIT, 4, "1", _DN_LOOP, 0),
-    (_GU_RUN_SPLIT, 4, "0", _DN_LOOP32, 0), (_GU_RUN_LIVE, 4, "1", _DN_LOOP32, 0),
-    (_GU_RUN_LIVE, 2, "0", _DN_LOOP, 0), (_GU_RUN, 4, "1", _DN_LOOP32, 1),
-    (_GU_RUN_LIVE, 2, "1", _DN_LOOP, 1), (_GU_RUN_SPLIT, 4, "0", _DN_TILE, 1)],
+@pytest.mark.parametrize("gate_up,run_m,serial,down", [
+    (_GU_RUN, 2, "1", _DN_LOOP), (_GU_RUN, 4, "1", _DN_LOOP32), (_GU_RUN, 4, "1", _DN_TILE),
+    (_GU_RUN_SPLIT, 4, "1", _DN_LOOP), (_GU_RUN_SPLIT, 4, "0", _DN_LOOP32),
+    (_GU_RUN_LIVE, 4, "1", _DN_LOOP32), (_GU_RUN_LIVE, 2, "0", _DN_LOOP)],
     ids=["run2", "run4_down32", "run4_down_tile", "run4_splitk_serial",
-         "run4_splitk_reduce_down32", "run4_live_down32", "run2_live_reduce", "full4_down32",
-         "full2_live_serial", "full4_splitk_reduce_down_tile"])
-def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, down, run_full,
-                                                    monkeypatch):
+         "run4_splitk_reduce_down32", "run4_live_down32", "run2_live_reduce"])
+def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, down, monkeypatch):
     """Runs of 2 / 4 blocks of one expert as one tile (MoeConfig.run_m) in the gate-up, alone,
     with split-K (one launch and the reduce kernel) and with a live split, and in the looped
     down kernel where its column range splits that far: every row written once, within
     tolerance of the reference, and equal (up to fp32 summation order) to the same config with
-    one tile per block; split-K counters end at 0. With run_full the run's first block takes
-    the whole tile (rows of 32 / 64 at full width)."""
+    one tile per block; split-K counters end at 0."""
     monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
     w = REF.make_random_moe(9, H_LIVE, I, seed=88)
     tw, ti = _runs_routing()
@@ -686,7 +681,7 @@ def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, down
                                    w["w2_scale"], tw, ti, routed_scaling_factor=1.7, out=out,
                                    config=cfg)
 
-    runs = call(MOE.MoeConfig(16, gate_up, down, run_m=run_m, run_full=run_full))
+    runs = call(MOE.MoeConfig(16, gate_up, down, run_m=run_m))
     plain = call(MOE.MoeConfig(16, gate_up, down))
     ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                   w["w2_scale"], tw, ti, 1.7)

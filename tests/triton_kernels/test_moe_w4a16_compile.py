@@ -40,11 +40,10 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1,
-          run_full: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target]) as in GemmConfig; ``half_m``, ``run_m`` (gate-up;
-    1 = off) and ``run_full`` as MoeConfig's."""
+    split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` and ``run_m`` (gate-up;
+    1 = off) as MoeConfig's."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target = (
         tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
@@ -55,8 +54,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m,
-                     RUN_FULL=run_full)
+                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -84,9 +82,8 @@ def _shipped():
 
 
 @pytest.mark.parametrize("kind,bm,tiles", _shipped(), ids=str)
-def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1,
-                           run_full=False):
-    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m, run_full)
+def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1):
+    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -170,16 +167,6 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
 def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     test_compiles_for_sm90(MOE, kind, 16, tiles, tmp_path, run_m=run_m)
-
-
-# A run's first block taking the whole gate-up tile (MoeConfig.run_full, session 40): tiles of
-# 32 / 64 rows at full width beside the 16-row one in one kernel.
-@pytest.mark.parametrize("tiles,run_m", [
-    ((64, 256, 4, 3, 0, 1, 4, 512), 2), ((64, 256, 4, 3, 0, 1, 7, 1024), 2),
-    ((32, 128, 2, 4, 0, 1, 8, 2048), 2), ((64, 256, 4, 3, 0, 1, 4, 512), 4)], ids=str)
-def test_run_full_variants_compile_without_spills(MOE, tiles, run_m, tmp_path):
-    """In-register dequant kept, no spills, within shared memory."""
-    test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path, run_m=run_m, run_full=True)
 
 
 def test_rerun_in_clean_process():
