@@ -720,3 +720,49 @@ def test_run_tiles_keep_whole_down_steps():
                         ti, out=out, config=cfg)
     check(out, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                        w["w2_scale"], tw, ti, 1.0))
+
+
+# Capped grids (GRID_LOOP, session 40): each program steps over the call's used work items.
+@pytest.mark.parametrize("cfg", [
+    MOE.MoeConfig(16, _GU_RUN, _DN_TILE), MOE.MoeConfig(16, _GU_RUN_SPLIT, _DN_LOOP),
+    MOE.MoeConfig(16, _GU_RUN_LIVE, _DN_LOOP32), MOE.MoeConfig(16, _GU_RUN_LIVE, _DN_LOOP, run_m=2),
+    MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2), _DN_LOOP, half_m=1)],
+    ids=["plain_down_tile", "splitk_serial_down_loop", "live_split_down32", "runs2_live",
+         "half_m32_splitk"])
+@pytest.mark.parametrize("cap", ["1", "5"])
+def test_capped_grid_equals_full_grid(cfg, cap, monkeypatch):
+    """A grid capped below the call's work (programs loop over used tiles, splits and column
+    ranges) gives the full grid's output bit for bit, on routing with several blocks per expert
+    and with 1-row blocks; split-K counters end at 0."""
+    w = REF.make_random_moe(9, H_LIVE, I, seed=41)
+    tw, ti = _runs_routing()
+    m = ti.shape[0]
+    x = torch.randn(m, H_LIVE, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    def call():
+        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
+        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                   w["w2_scale"], tw, ti, routed_scaling_factor=1.3, out=out,
+                                   config=cfg)
+
+    monkeypatch.setenv(MOE.GRID_CAP_ENV, "0")
+    full = call()
+    monkeypatch.setenv(MOE.GRID_CAP_ENV, cap)
+    capped = call()
+    assert not full.isnan().any()
+    assert torch.equal(full, capped)
+    if cfg.gate_up.split_k > 1:
+        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
+
+
+def test_grid_cap_env_is_checked(monkeypatch):
+    """A bad SGLANG_DDTREE_MOE_GRID_CAP names the variable; auto never caps off a GPU."""
+    for bad in ("many", "-3", "2:2"):
+        monkeypatch.setenv(MOE.GRID_CAP_ENV, bad)
+        with pytest.raises(ValueError, match=MOE.GRID_CAP_ENV):
+            MOE._capped_grid(("k",), 100, torch.device("cpu"))
+    monkeypatch.setenv(MOE.GRID_CAP_ENV, "auto")
+    assert MOE._capped_grid(("k",), 100, torch.device("cpu")) == (100, False)
+    monkeypatch.setenv(MOE.GRID_CAP_ENV, "40")
+    assert MOE._capped_grid(("k",), 100, torch.device("cpu")) == (40, True)
+    assert MOE._capped_grid(("k",), 30, torch.device("cpu")) == (30, False)
