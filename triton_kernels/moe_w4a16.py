@@ -68,13 +68,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._device import BLOCK_RESERVE, arrival_counters, num_sms, portable
+from ._device import arrival_counters, portable
 
 PACK_FACTOR = 8  # int4 values per int32 word
 GROUP_SIZE = 32  # input rows per scale
@@ -681,84 +681,23 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
     RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
-    GRID_LOOP: tl.constexpr = False,  # a capped grid: programs step over the call's used work
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
-    if GRID_LOOP:
-        # The grid holds fewer programs than the most any call can need (grid_cap): program p
-        # takes work items p, p + G, ... of this call's used tiles x splits, the same items in
-        # the same order within each tile as the one-item-a-program grid, so the same bits.
-        mb = _max_blocks(T, NUM_EXPERTS, BLOCK_M)
-        if SPLIT_TARGET > 0:
-            n_split, live = _live_split(block_expert_ptr, mb, NUM_N, K // BLOCK_K, SPLIT_K,
-                                        SPLIT_TARGET)
-        else:
-            n_split = SPLIT_K
-            live = tl.load(block_expert_ptr + mb) * NUM_N
-        n_work = live * n_split
-        step = tl.num_programs(0)
-        if PORTABLE:  # the interpreter cannot range() over a loaded bound
-            w = pid
-            while w < n_work:
-                _gate_up_item_call(w // n_split, w % n_split, n_split, xp_ptr, w_ptr, s_ptr,
-                                   sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T,
-                                   part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                                   PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, NUM_EXPERTS, RUN_M)
-                w += step
-        else:
-            for w in range(pid, n_work, step):
-                _gate_up_item_call(w // n_split, w % n_split, n_split, xp_ptr, w_ptr, s_ptr,
-                                   sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T,
-                                   part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                                   PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, NUM_EXPERTS, RUN_M)
+    if SPLIT_TARGET > 0:
+        # The used tiles' programs first, n_split per tile (the used blocks lead block_expert),
+        # whatever the split: the grid (live_grid) holds the most any call can need, and
+        # programs past this call's leave at once. max_blocks as moe_align sized it.
+        n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_N,
+                                    K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
+        if pid >= live * n_split:
+            return
+        pid_k = pid % n_split
+        pid_mn = pid // n_split
     else:
-        if SPLIT_TARGET > 0:
-            # The used tiles' programs first, n_split per tile (the used blocks lead
-            # block_expert), whatever the split: the grid (live_grid) holds the most any call
-            # can need, and programs past this call's leave at once. max_blocks as moe_align
-            # sized it.
-            n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M),
-                                        NUM_N, K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
-            if pid < live * n_split:
-                _gate_up_item(pid // n_split, pid % n_split, n_split, xp_ptr, w_ptr, s_ptr,
-                              sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T,
-                              part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                              PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, NUM_EXPERTS, RUN_M)
-        else:
-            _gate_up_item(pid // SPLIT_K, pid % SPLIT_K, SPLIT_K, xp_ptr, w_ptr, s_ptr,
-                          sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T,
-                          part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                          PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, NUM_EXPERTS, RUN_M)
-
-
-@triton.jit(noinline=True)
-def _gate_up_item_call(pid_mn, pid_k, n_split, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                       block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T, part_rows,
-                       K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr,
-                       SPLIT_DQ: tl.constexpr, SPLIT_K: tl.constexpr, HALF_M: tl.constexpr,
-                       SERIAL: tl.constexpr, NUM_EXPERTS: tl.constexpr, RUN_M: tl.constexpr):
-    """_gate_up_item as a real call: the GRID_LOOP loop's body stays opaque to the loop, so
-    the compiler does not hoist the item's address arithmetic out of it and keep it live across
-    items (inlined, the looping kernels held 16-75 % more registers, session 40)."""
-    _gate_up_item(pid_mn, pid_k, n_split, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr,
-                  h_ptr, part_ptr, cnt_ptr, T, part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                  DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, NUM_EXPERTS, RUN_M)
-
-
-@triton.jit
-def _gate_up_item(pid_mn, pid_k, n_split, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                  block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T, part_rows, K: tl.constexpr,
-                  I: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-                  PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr, SPLIT_K: tl.constexpr,
-                  HALF_M: tl.constexpr, SERIAL: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                  RUN_M: tl.constexpr):
-    """One gate-up work item: column tile ``pid_mn`` (block x column range), K range ``pid_k``
-    of ``n_split``; nothing for an unused block."""
-    NUM_N: tl.constexpr = I // BLOCK_N
+        pid_k = pid % SPLIT_K
+        pid_mn = pid // SPLIT_K
+        n_split = SPLIT_K
     pid_m = pid_mn // NUM_N
     pid_n = pid_mn % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
@@ -768,65 +707,66 @@ def _gate_up_item(pid_mn, pid_k, n_split, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr,
     run_label = 16  # a run of one block
     if RUN_M > 1:  # beside e too: moe_align's run labels follow its block count
         run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
-    if e >= 0:
-        row0 = pid_m * BLOCK_M
-        if RUN_M > 1:
-            # A run of R blocks of one expert (R = run_label // 16, this block's place in it
-            # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
-            # rows and 1 / R of the tile's columns, so each weight column is dequantized once per
-            # run instead of once per block, in as many programs (and counters) as before.
-            place = run_label % 16
-            row_r = row0 - place * BLOCK_M
-            if run_label // 16 == 1:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                              e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split)
-            elif run_label // 16 == 2:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                              e, row_r, pid_n * 2 + place, pid_k, K, I, TOPK, BLOCK_M * 2,
-                              BLOCK_N // 2, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                              cnt_ptr, pid_mn, SERIAL, n_split)
-            else:
-                if RUN_M >= 4:
-                    if run_label // 16 == 4:
-                        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                                      part_rows, e, row_r, pid_n * 4 + place, pid_k, K, I, TOPK,
-                                      BLOCK_M * 4, BLOCK_N // 4, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
-                                      SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
-                    else:
-                        if RUN_M >= 8:
-                            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr,
-                                          part_ptr, T, part_rows, e, row_r, pid_n * 8 + place,
-                                          pid_k, K, I, TOPK, BLOCK_M * 8, BLOCK_N // 8,
-                                          BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                                          cnt_ptr, pid_mn, SERIAL, n_split)
-        elif HALF_M:
-            if level == 0:
-                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                              e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split)
-            elif BLOCK_M >= 64:
-                if level == 1:
+    if e < 0:
+        return
+    row0 = pid_m * BLOCK_M
+    if RUN_M > 1:
+        # A run of R blocks of one expert (R = run_label // 16, this block's place in it
+        # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
+        # rows and 1 / R of the tile's columns, so each weight column is dequantized once per
+        # run instead of once per block, in as many programs (and counters) as before.
+        place = run_label % 16
+        row_r = row0 - place * BLOCK_M
+        if run_label // 16 == 1:
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
+        elif run_label // 16 == 2:
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                          e, row_r, pid_n * 2 + place, pid_k, K, I, TOPK, BLOCK_M * 2,
+                          BLOCK_N // 2, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
+                          cnt_ptr, pid_mn, SERIAL, n_split)
+        else:
+            if RUN_M >= 4:
+                if run_label // 16 == 4:
                     _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                                  part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2,
-                                  BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                                  cnt_ptr, pid_mn, SERIAL, n_split)
+                                  part_rows, e, row_r, pid_n * 4 + place, pid_k, K, I, TOPK,
+                                  BLOCK_M * 4, BLOCK_N // 4, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
+                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
                 else:
-                    _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                                  part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4,
-                                  BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                                  cnt_ptr, pid_mn, SERIAL, n_split)
-            else:
+                    if RUN_M >= 8:
+                        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
+                                      part_rows, e, row_r, pid_n * 8 + place, pid_k, K, I, TOPK,
+                                      BLOCK_M * 8, BLOCK_N // 8, BLOCK_K, DOWN_BLOCK_K,
+                                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                                      n_split)
+    elif HALF_M:
+        if level == 0:
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
+        elif BLOCK_M >= 64:
+            if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
                               n_split)
+            else:
+                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                              e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
+                              DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                              n_split)
         else:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
-                          row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                          PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
+            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                          n_split)
+    else:
+        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
+                      row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
 
 
 @triton.jit
@@ -981,56 +921,19 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
-    GRID_LOOP: tl.constexpr = False,  # as _gate_up_kernel's
-    NUM_EXPERTS: tl.constexpr = 0,  # (GRID_LOOP) experts, for moe_align's block count
 ):
     NUM_N: tl.constexpr = N // BLOCK_N
     pid = tl.program_id(0)
-    if GRID_LOOP:
-        n_work = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M)) * NUM_N
-        step = tl.num_programs(0)
-        if PORTABLE:  # the interpreter cannot range() over a loaded bound
-            w = pid
-            while w < n_work:
-                _down_item_call(w // NUM_N, w % NUM_N, h_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                                block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N,
-                                BLOCK_K, PORTABLE, HALF_M)
-                w += step
-        else:
-            for w in range(pid, n_work, step):
-                _down_item_call(w // NUM_N, w % NUM_N, h_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                                block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N,
-                                BLOCK_K, PORTABLE, HALF_M)
-    else:
-        _down_item(pid // NUM_N, pid % NUM_N, h_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                   block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, BLOCK_K,
-                   PORTABLE, HALF_M)
-
-
-@triton.jit(noinline=True)
-def _down_item_call(pid_m, pid_n, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr,
-                    topk_w_ptr, y_ptr, T, N: tl.constexpr, I: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PORTABLE: tl.constexpr, HALF_M: tl.constexpr):
-    """_down_item as a real call (see _gate_up_item_call)."""
-    _down_item(pid_m, pid_n, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-               y_ptr, T, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE, HALF_M)
-
-
-@triton.jit
-def _down_item(pid_m, pid_n, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr,
-               y_ptr, T, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr,
-               HALF_M: tl.constexpr):
-    """The per-tile down kernel's work for block ``pid_m``, column tile ``pid_n``."""
+    pid_m = pid // NUM_N
+    pid_n = pid % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
-    if e >= 0:
-        _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
-                     pid_m * BLOCK_M, pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, 0, PORTABLE,
-                     HALF_M)
+    if e < 0:
+        return
+    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                 pid_m * BLOCK_M, pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, 0, PORTABLE, HALF_M)
 
 
 @triton.jit
@@ -1118,8 +1021,7 @@ def _down_loop_kernel(
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
     RUN_M: tl.constexpr = 1,  # as _gate_up_kernel's: a run's programs split N_PER_CTA
-    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M, GRID_LOOP) experts, for moe_align's block count
-    GRID_LOOP: tl.constexpr = False,  # as _gate_up_kernel's
+    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M) experts, for moe_align's block count
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -1133,46 +1035,8 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     pid = tl.program_id(0)
-    if GRID_LOOP:
-        n_work = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M)) * NUM_S
-        step = tl.num_programs(0)
-        if PORTABLE:  # the interpreter cannot range() over a loaded bound
-            w = pid
-            while w < n_work:
-                _down_loop_item_call(w // NUM_S, w % NUM_S, h_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                                     block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N,
-                                     N_PER_CTA, PORTABLE, HALF_M, RUN_M, NUM_EXPERTS)
-                w += step
-        else:
-            for w in range(pid, n_work, step):
-                _down_loop_item_call(w // NUM_S, w % NUM_S, h_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                                     block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N,
-                                     N_PER_CTA, PORTABLE, HALF_M, RUN_M, NUM_EXPERTS)
-    else:
-        _down_loop_item(pid // NUM_S, pid % NUM_S, h_ptr, w_ptr, s_ptr, sorted_ids_ptr,
-                        block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, N_PER_CTA,
-                        PORTABLE, HALF_M, RUN_M, NUM_EXPERTS)
-
-
-@triton.jit(noinline=True)
-def _down_loop_item_call(pid_m, pid_s, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr,
-                         topk_w_ptr, y_ptr, T, N: tl.constexpr, I: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_CTA: tl.constexpr,
-                         PORTABLE: tl.constexpr, HALF_M: tl.constexpr, RUN_M: tl.constexpr,
-                         NUM_EXPERTS: tl.constexpr):
-    """_down_loop_item as a real call (see _gate_up_item_call)."""
-    _down_loop_item(pid_m, pid_s, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr,
-                    topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE, HALF_M,
-                    RUN_M, NUM_EXPERTS)
-
-
-@triton.jit
-def _down_loop_item(pid_m, pid_s, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr,
-                    topk_w_ptr, y_ptr, T, N: tl.constexpr, I: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_CTA: tl.constexpr,
-                    PORTABLE: tl.constexpr, HALF_M: tl.constexpr, RUN_M: tl.constexpr,
-                    NUM_EXPERTS: tl.constexpr):
-    """The looped down kernel's work for block ``pid_m``, column range ``pid_s``."""
+    pid_m = pid // NUM_S
+    pid_s = pid % NUM_S
     e = tl.load(block_expert_ptr + pid_m)
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
@@ -1180,33 +1044,33 @@ def _down_loop_item(pid_m, pid_s, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_exp
     run_label = 16  # a run of one block
     if RUN_M > 1:
         run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
-    if e >= 0:
-        if RUN_M > 1:
-            place = run_label % 16
-            row_r = (pid_m - place) * BLOCK_M
-            if run_label // 16 == 1:
-                _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
-                                pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA,
-                                PORTABLE)
-            elif run_label // 16 == 2:
-                _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
-                                row_r, pid_s * 2 + place, N, I, BLOCK_M * 2, BLOCK_N,
-                                N_PER_CTA // 2, PORTABLE)
-            else:
-                if RUN_M >= 4:
-                    if run_label // 16 == 4:
-                        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr,
-                                        T, e, row_r, pid_s * 4 + place, N, I, BLOCK_M * 4,
-                                        BLOCK_N, N_PER_CTA // 4, PORTABLE)
-                    else:
-                        if RUN_M >= 8:
-                            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr,
-                                            y_ptr, T, e, row_r, pid_s * 8 + place, N, I,
-                                            BLOCK_M * 8, BLOCK_N, N_PER_CTA // 8, PORTABLE)
+    if e < 0:
+        return
+    if RUN_M > 1:
+        place = run_label % 16
+        row_r = (pid_m - place) * BLOCK_M
+        if run_label // 16 == 1:
+            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
+                            pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+        elif run_label // 16 == 2:
+            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row_r,
+                            pid_s * 2 + place, N, I, BLOCK_M * 2, BLOCK_N, N_PER_CTA // 2,
+                            PORTABLE)
         else:
-            _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
-                         pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE,
-                         HALF_M)
+            if RUN_M >= 4:
+                if run_label // 16 == 4:
+                    _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
+                                    row_r, pid_s * 4 + place, N, I, BLOCK_M * 4, BLOCK_N,
+                                    N_PER_CTA // 4, PORTABLE)
+                else:
+                    if RUN_M >= 8:
+                        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr,
+                                        T, e, row_r, pid_s * 8 + place, N, I, BLOCK_M * 8,
+                                        BLOCK_N, N_PER_CTA // 8, PORTABLE)
+    else:
+        _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                     pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE,
+                     HALF_M)
 
 
 @triton.jit
@@ -1461,67 +1325,6 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-# Capped grids (session 40). A GEMM launch's grid holds the most programs any call of its M can
-# need: every pair in its own expert, so up to T + min(T, E) * (block_m - 1) padded rows. A call
-# whose tokens share experts uses few of those blocks and the rest of the programs only load
-# their block's label and leave; on the H200 they cost whole microseconds (8 shared experts: the
-# M = 16 call 35.4 against 30.2 us, M = 17 41.7 against 36.4 with only the used blocks
-# launched, bench_results/README.md, Session 40). So where the full grid is larger than the
-# programs that fit on the GPU at once (one wave: resident programs per SM from the compiled
-# kernel's registers and shared memory, times the SMs), the launch takes one wave, GRID_LOOP
-# on, and every program steps over this call's used work items (p, p + grid, ...): the same
-# items, each computed as before (the same bits). The cap is known once the kernel has run
-# uncapped (it is read from that compiled kernel), so a first call, e.g. SGLang's warm-up
-# before graph capture, launches the full grid. SGLANG_DDTREE_MOE_GRID_CAP: unset or "auto"
-# (the above), "0" (never cap: the grids of session 39), or a number of programs (tests).
-GRID_CAP_ENV = "SGLANG_DDTREE_MOE_GRID_CAP"
-_resident: dict = {}  # (kernel, constexprs, device) -> resident programs per SM
-
-
-def _grid_cap_mode() -> int | None:
-    """None: auto; 0: off; n > 0: a fixed cap of n programs."""
-    value = os.environ.get(GRID_CAP_ENV, "auto").strip()
-    if value in ("", "auto"):
-        return None
-    if value == "0":
-        return 0
-    return _env_ints(GRID_CAP_ENV, value, 1, "auto, 0 or a number of programs")[0]
-
-
-def _capped_grid(key: tuple, programs: int, device: torch.device) -> tuple[int, bool]:
-    """(grid, GRID_LOOP) for a launch whose full grid is ``programs``."""
-    mode = _grid_cap_mode()
-    if mode == 0:
-        return programs, False
-    if mode is None:
-        per_sm = _resident.get(key)
-        if per_sm is None:
-            return programs, False
-        # the loop variant's own count once it has run (its loop keeps more registers live)
-        cap = min(per_sm, _resident.get(key + ("loop",), per_sm)) * num_sms(device, 4)
-    else:
-        cap = mode
-    return (cap, True) if programs > cap else (programs, False)
-
-
-def _note_resident(key: tuple, kernel, warps: int, device: torch.device) -> None:
-    """Record the resident programs per SM of a launched kernel (``key`` + ("loop",) for a
-    GRID_LOOP launch), once."""
-    if key in _resident or device.type != "cuda" or kernel is None:
-        return
-    try:
-        regs, smem = int(kernel.n_regs), int(kernel.metadata.shared)
-    except (AttributeError, TypeError, ValueError):
-        return
-    props = torch.cuda.get_device_properties(device)
-    regs_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
-    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
-    threads_sm = int(getattr(props, "max_threads_per_multi_processor", 2048))
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256  # registers are allocated per warp, by 256
-    _resident[key] = max(1, min(regs_sm // (per_warp * warps), smem_sm // (smem + BLOCK_RESERVE),
-                                threads_sm // (32 * warps), 32))
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -1636,20 +1439,15 @@ def fused_moe_w4a16(
     counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
     programs = tiles * gu.split_k if not gu.split_target else live_grid(
         tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
-    dev = hidden_states.device
-    key = ("gate_up", bm, astuple(gu), dn.block_k, cfg.half_m, run_m,
-           counters is not None, hidden, inter, topk, num_experts, dev.index)
-    grid, loop = _capped_grid(key, programs, dev)
-    kernel = _gate_up_kernel[(grid,)](
+    _gate_up_kernel[(programs,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
         sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
-        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 or loop else 0, RUN_M=run_m,
-        GRID_LOOP=loop, num_warps=gu.num_warps, num_stages=gu.num_stages)
-    _note_resident(key + (("loop",) if loop else ()), kernel, gu.num_warps, dev)
+        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
@@ -1661,25 +1459,17 @@ def fused_moe_w4a16(
     if dn.n_per_cta:
         # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
         down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
-        key = ("down_loop", bm, astuple(dn), cfg.half_m, down_runs, hidden, inter,
-               num_experts, dev.index)
-        grid, loop = _capped_grid(key, n_blocks * (hidden // dn.n_per_cta), dev)
-        kernel = _down_loop_kernel[(grid,)](
+        _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=bool(cfg.half_m), RUN_M=down_runs,
-            NUM_EXPERTS=num_experts if down_runs > 1 or loop else 0, GRID_LOOP=loop,
+            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
             num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
-        key = ("down", bm, astuple(dn), cfg.half_m, hidden, inter, num_experts,
-               dev.index)
-        grid, loop = _capped_grid(key, n_blocks * (hidden // dn.block_n), dev)
-        kernel = _down_kernel[(grid,)](
+        _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
-            HALF_M=bool(cfg.half_m), GRID_LOOP=loop, NUM_EXPERTS=num_experts if loop else 0,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
-    _note_resident(key + (("loop",) if loop else ()), kernel, dn.num_warps, dev)
+            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

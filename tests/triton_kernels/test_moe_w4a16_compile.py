@@ -40,11 +40,10 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1,
-          grid_loop: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` and ``run_m`` (gate-up;
-    1 = off) as MoeConfig's; ``grid_loop``: the capped grid's variant (GRID_LOOP)."""
+    1 = off) as MoeConfig's."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target = (
         tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
@@ -55,18 +54,15 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target or run_m > 1 or grid_loop else 0,
-                     RUN_M=run_m, GRID_LOOP=grid_loop)
+                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                     HALF_M=half_m, RUN_M=run_m,
-                     NUM_EXPERTS=384 if run_m > 1 or grid_loop else 0, GRID_LOOP=grid_loop)
+                     HALF_M=half_m, RUN_M=run_m, NUM_EXPERTS=384 if run_m > 1 else 0)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
-    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m,
-                 GRID_LOOP=grid_loop, NUM_EXPERTS=384 if grid_loop else 0)
+    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
 
 
@@ -86,9 +82,8 @@ def _shipped():
 
 
 @pytest.mark.parametrize("kind,bm,tiles", _shipped(), ids=str)
-def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1,
-                           grid_loop=False):
-    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m, grid_loop)
+def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1):
+    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -172,13 +167,6 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
 def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     test_compiles_for_sm90(MOE, kind, 16, tiles, tmp_path, run_m=run_m)
-
-
-@pytest.mark.parametrize("kind,bm,tiles", _shipped(), ids=str)
-def test_grid_loop_variants_compile(MOE, kind, bm, tiles, tmp_path):
-    """The capped grid's variant (GRID_LOOP) of every shipped config: in-register dequant kept,
-    no spills, within shared memory."""
-    test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, grid_loop=True)
 
 
 def test_rerun_in_clean_process():
