@@ -356,6 +356,80 @@ def test_live_split_follows_the_routing_in_one_graph(K, w, m, serial, monkeypatc
         assert int(moe._counters[("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
+def _switch_ext_or_skip(K):
+    try:
+        ext = K.moe._switch_ext()
+    except Exception as e:  # no nvcc / build failure: the switch cannot run here
+        pytest.skip(f"sglang-ddtree CUDA extension unavailable: {e}")
+    if not ext.graph_switch_supported():
+        pytest.skip("CUDA extension built without SWITCH nodes (CUDA < 12.8)")
+    return ext
+
+
+def test_graph_switch_picks_the_body_from_the_count(K):
+    """The SWITCH node reads the count at replay: body i for the first limit holding it."""
+    ext = _switch_ext_or_skip(K)
+    counts = torch.zeros(4, dtype=torch.int32, device="cuda")
+    x = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert ext.graph_switch_begin(counts, 2, [8, 16]) == ""
+        for i in range(3):
+            err, raw = ext.graph_switch_body_begin(i)
+            assert err == "", err
+            with torch.cuda.stream(torch.cuda.ExternalStream(raw)):
+                x.fill_(10.0 * (i + 1))
+            assert ext.graph_switch_body_end() == ""
+        assert ext.graph_switch_end() == ""
+        x.add_(1)  # after the switch, on the capture stream
+    for count, want in [(0, 11), (8, 11), (9, 21), (16, 21), (17, 31), (10**6, 31)]:
+        counts[2] = count
+        x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert x.item() == want, (count, x.item())
+    assert ext.graph_switch_body_end() != ""  # nothing open: an error message, no crash
+
+
+_TRIAL_SWITCH = Path(__file__).resolve().parents[2] / "bench_results" / \
+    "moe_trial_table_s41_switch_b.json"
+
+
+@pytest.mark.parametrize("m", [2, 9, 16, 17, 32, 64])
+def test_switch_bodies_follow_the_routing_in_one_graph(K, w, m, monkeypatch):
+    """One graph with switch cases (session 41's trial table B) runs, per replay, the case that
+    holds the call's used blocks: each replay equals bit for bit an eager call of that case's
+    configs (full grids: a grid only decides which programs exist), on 8 shared experts and on
+    random routing, and stays within the fp32 reference's tolerance."""
+    moe = K.moe
+    _switch_ext_or_skip(K)
+    monkeypatch.setenv(moe.SWITCH_ENV, "1")
+    band = moe.select_config(m, str(_TRIAL_SWITCH))
+    assert band.switch, band
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+
+    def expected(tw, ti):
+        _, block_expert, _ = moe.moe_align(ti, E, band.block_m)
+        n_blocks, used = block_expert.numel() - 1, int(block_expert[-1])
+        case = next((c for c in band.switch if used <= c.max_blocks < n_blocks), None)
+        cfg = moe.MoeConfig(band.block_m, (case and case.gate_up) or band.gate_up,
+                            (case and case.down) or band.down)
+        return ours(K, w, x, tw, ti, config=cfg).clone(), None if case is None else \
+            case.max_blocks
+
+    tw, ti = few_or_random(m, 30, few=True)
+    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+    graph = captured(K, w, x, tw, ti, out, config=band)
+    taken = set()
+    for i, tw2, ti2 in replays(graph, x, tw, ti, 6, 300):
+        want, case = expected(tw2, ti2)
+        taken.add(case)
+        assert torch.equal(out, want), f"replay {i}, case {case}"
+        rel, mx = errors(out, reference(K, w, x, tw2, ti2))
+        assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
+    assert len(taken) > 1, taken  # a case on 8 shared experts, the full grid on random routing
+
+
 def _sglang_or_skip():
     try:
         # Through the scheme module: importing gptq_kernels first hits a circular import.
