@@ -33,11 +33,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = ("tree_build.cpp", "tree_build.cu")
 _HEADERS = ("tree_build_kernel.cuh", "tree_build_params.h")
 _EXT_NAME = "sglang_ddtree_tree_build"
-# The fused MoE's CUDA-graph switch (graph_switch.cpp): a second, small extension, built only
-# when the MoE asks for it (load_graph_switch_ext), so that neither build can break the other.
-_SWITCH_SOURCES = ("graph_switch.cpp", "graph_switch.cu")
-_SWITCH_HEADERS = ("graph_switch.h",)
-_SWITCH_NAME = "sglang_ddtree_graph_switch"
 _CUDA_CFLAGS = ["-O3", "-lineinfo"]
 
 
@@ -70,25 +65,24 @@ def arch_flags(capability: Tuple[int, int]) -> List[str]:
             f"-gencode=arch=compute_{arch},code=compute_{arch}"]
 
 
-def _source_hash(extra: List[str], files: Tuple[str, ...] = _SOURCES + _HEADERS) -> str:
+def _source_hash(extra: List[str]) -> str:
     h = hashlib.sha256()
-    for name in files:
+    for name in _SOURCES + _HEADERS:
         with open(os.path.join(_HERE, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read() + b"\0")
     h.update("\0".join(extra).encode())
     return h.hexdigest()[:12]
 
 
-def cache_dir(capability: Tuple[int, int], extra: List[str], ext: str = "tree_build") -> str:
-    """Build directory for this extension / torch / CUDA / arch / source combination."""
+def cache_dir(capability: Tuple[int, int], extra: List[str]) -> str:
+    """Build directory for this torch / CUDA / arch / source combination."""
     import torch
 
     root = os.environ.get(ENV_CACHE_DIR) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "sglang_ddtree")
-    files = _SOURCES + _HEADERS if ext == "tree_build" else _SWITCH_SOURCES + _SWITCH_HEADERS
-    key = (f"{ext}-torch{torch.__version__}-cu{torch.version.cuda}"
-           f"-sm{capability[0]}{capability[1]}-{_source_hash(extra, files)}")
+    key = (f"tree_build-torch{torch.__version__}-cu{torch.version.cuda}"
+           f"-sm{capability[0]}{capability[1]}-{_source_hash(extra)}")
     return os.path.join(root, re.sub(r"[^A-Za-z0-9._-]", "_", key))
 
 
@@ -219,45 +213,3 @@ def unavailable_reason() -> Optional[str]:
 def _reset_for_tests() -> None:
     with _lock:
         _state.update(attempted=False, module=None, error=None)
-
-
-_switch_state: dict = {"attempted": False, "module": None, "error": None}
-
-
-def load_graph_switch_ext():
-    """The CUDA-graph switch extension (``graph_switch.cpp``), built once per process like the
-    tree builder; raises :class:`ExtensionUnavailable` (the same reason on every call) when it
-    cannot be used here. Its caller (the fused MoE, ``SGLANG_DDTREE_MOE_SWITCH``) decides
-    whether that is an error or a logged fallback."""
-    with _lock:
-        if not _switch_state["attempted"]:
-            _switch_state["attempted"] = True
-            try:
-                capability = _cuda_capability()
-                include_dirs, ldflags = _toolkit_flags()
-                _ninja_check()
-                cuda_cflags = _CUDA_CFLAGS + arch_flags(capability)
-                build_dir = cache_dir(capability, cuda_cflags, ext="graph_switch")
-                os.makedirs(build_dir, exist_ok=True)
-                from torch.utils.cpp_extension import load
-
-                t0 = time.perf_counter()
-                try:
-                    _switch_state["module"] = load(
-                        name=_SWITCH_NAME, sources=[os.path.join(_HERE, s) for s in _SWITCH_SOURCES],
-                        extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags,
-                        extra_include_paths=[_HERE] + include_dirs, extra_ldflags=ldflags,
-                        build_directory=build_dir, verbose=False)
-                except Exception as e:  # compiler / linker / import errors: no extension
-                    text = str(e).strip()
-                    first = text.splitlines()[0] if text else type(e).__name__
-                    raise ExtensionUnavailable(f"graph switch build failed: {first[:200]}",
-                                               text) from e
-                logger.info("sglang_ddtree: CUDA graph switch ready in %.1f s (cache %s)",
-                            time.perf_counter() - t0, build_dir)
-            except ExtensionUnavailable as e:
-                _switch_state["error"] = e
-        module, error = _switch_state["module"], _switch_state["error"]
-    if module is None:
-        raise error
-    return module

@@ -1206,18 +1206,6 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
-class SwitchCase:
-    """A switch body (see ``switch_mode``): grids for the first ``max_blocks`` row blocks, taken
-    by calls that use at most that many; ``gate_up`` / ``down`` replace the band's configs
-    (None: the band's). The gate-up's ``block_k`` must be the band's (moe_align lays x out for
-    it before the body is chosen)."""
-
-    max_blocks: int
-    gate_up: GemmConfig | None = None
-    down: GemmConfig | None = None
-
-
-@dataclass(frozen=True)
 class MoeConfig:
     """Launch configuration for one M band; ``block_m`` is shared by both GEMMs (same alignment)."""
 
@@ -1242,25 +1230,6 @@ class MoeConfig:
     # bench_results/fused_moe_run{2,4}_grid_h200_s29.json): faster only where a call's tokens
     # share few experts and slower on random routing; no band of the shipped table uses it.
     run_m: int = 0
-    # Switch cases, ascending max_blocks (see SwitchCase): inside CUDA graphs a call that uses
-    # few row blocks runs grids sized for them, chosen on the GPU. Empty: none.
-    switch: tuple = ()
-
-
-def _switch_cases(band: dict) -> tuple:
-    cases = []
-    for c in band.get("switch", ()):
-        case = SwitchCase(int(c["max_blocks"]),
-                          GemmConfig(**c["gate_up"]) if c.get("gate_up") else None,
-                          GemmConfig(**c["down"]) if c.get("down") else None)
-        if case.gate_up and case.gate_up.block_k != int(band["gate_up"]["block_k"]):
-            raise ValueError(f"switch case {c} of band max_m {band['max_m']}: its gate-up "
-                             "block_k must be the band's")
-        if cases and case.max_blocks <= cases[-1].max_blocks:
-            raise ValueError(f"band max_m {band['max_m']}: switch cases need ascending "
-                             "max_blocks")
-        cases.append(case)
-    return tuple(cases)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1277,7 +1246,7 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
             down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
-            run_m=int(band.get("run_m", 0)), switch=_switch_cases(band))))
+            run_m=int(band.get("run_m", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -1362,150 +1331,6 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None =
                          f"{t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
-
-
-def _part_rows(gu: GemmConfig, inter: int, max_padded: int, bm: int) -> int:
-    """Rows of a split's partial-sum slice: every padded row, or under a live split only the
-    rows of calls that split at all (fewer than split_target / num_n used blocks; see
-    _live_split)."""
-    if not gu.split_target:
-        return max_padded
-    return min(max_padded, triton.cdiv(gu.split_target, inter // gu.block_n) * bm)
-
-
-def _launch_gemms(blocks: int, gu: GemmConfig, dn: GemmConfig, xp, w13_packed, w13_scale,
-                  w2_packed, w2_scale, topk_weights, sorted_ids, block_expert, h, y, part,
-                  counters, t: int, topk: int, num_experts: int, bm: int, run_m: int,
-                  half_m: int, portable_path: bool, max_padded: int, _upto: int,
-                  warm_only: bool = False) -> None:
-    """The gate-up (and, without arrival counters, its reduce) and the down launch, with grids
-    for the first ``blocks`` row blocks: every block (``max_padded // bm``) on the table's path,
-    fewer in a switch body that serves only calls using at most that many. ``warm_only``
-    launches empty grids: Triton compiles and loads the kernels and runs nothing (a switch body
-    must not compile inside a CUDA-graph capture)."""
-    inter = w2_packed.shape[1] * PACK_FACTOR
-    hidden = w13_packed.shape[1] * PACK_FACTOR
-    num_n = inter // gu.block_n
-    part_rows = _part_rows(gu, inter, max_padded, bm)
-    tiles = blocks * num_n
-    serial = gu.split_k > 1 and counters is not None
-    programs = tiles * gu.split_k if not gu.split_target else live_grid(
-        tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
-    if _upto < 2:
-        return
-    _gate_up_kernel[(0 if warm_only else programs,)](
-        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part if gu.split_k > 1 else h,
-        counters if serial else sorted_ids, t, part_rows, K=hidden,
-        I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
-        SPLIT_K=gu.split_k, HALF_M=bool(half_m), SERIAL=serial,
-        SPLIT_TARGET=gu.split_target,
-        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
-        num_warps=gu.num_warps, num_stages=gu.num_stages)
-    if gu.split_k > 1 and not serial:
-        block_c = min(inter, 128)
-        _gate_up_reduce_kernel[(0 if warm_only else blocks, inter // block_c)](
-            part, sorted_ids, block_expert, h, t, part_rows, I=inter, SPLIT_K=gu.split_k,
-            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k,
-            SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k)
-    if _upto < 3:
-        return
-    if dn.n_per_cta:
-        # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
-        down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
-        _down_loop_kernel[(0 if warm_only else blocks * (hidden // dn.n_per_cta),)](
-            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
-            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
-            PORTABLE=portable_path, HALF_M=bool(half_m), RUN_M=down_runs,
-            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
-    else:
-        _down_kernel[(0 if warm_only else blocks * (hidden // dn.block_n),)](
-            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
-            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
-            HALF_M=bool(half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
-
-
-# --------------------------------------------------------------------------------------------
-# switch: grids sized for the blocks a call uses, chosen on the GPU inside a CUDA graph
-# --------------------------------------------------------------------------------------------
-# A launch's grid holds the most row blocks any call of its M can use (every pair in its own
-# expert: 128 blocks at M = 16), and a call whose tokens share few experts (a tree's tokens;
-# the Kimi emulation's dummy router: 8 experts) leaves all but a few of those programs to load
-# a label and exit: 3.7-5.5 us of a 31-42 us call on the H200 (session 40,
-# bench_results/fused_moe_probe_tight_grid_conc8_h200_s40.json). Under CUDA-graph capture a band
-# with "switch" cases in the table launches its GEMMs in a SWITCH node
-# (cuda_ext/graph_switch.cpp): a one-thread kernel reads the used-block count moe_align wrote
-# and picks the first case whose max_blocks holds it; each case's grids cover max_blocks
-# blocks, with its own down (and gate-up) config, and the table's full-grid launches are the
-# last body. Eager calls (no graph) always take the table's launches. Needs the sglang-ddtree
-# CUDA extension built with CUDA >= 12.8. SGLANG_DDTREE_MOE_SWITCH: 1 (use it where the table
-# has cases; the build must work), auto (the same, but a failed build falls back to the
-# table's launches with one log line), 0 (never). Default: see SWITCH_DEFAULT.
-SWITCH_ENV = "SGLANG_DDTREE_MOE_SWITCH"
-SWITCH_DEFAULT = "0"
-_switch_state: dict = {"ext": None, "warned": False, "warm": set()}
-
-
-def switch_mode() -> str:
-    """``SGLANG_DDTREE_MOE_SWITCH`` (0 | 1 | auto), validated."""
-    value = (os.environ.get(SWITCH_ENV) or SWITCH_DEFAULT).strip().lower()
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{SWITCH_ENV}: 0, 1 or auto, got {value!r}")
-    return value
-
-
-def _switch_ext():
-    if _switch_state["ext"] is None:
-        from sglang_ddtree.cuda_ext import loader
-
-        _switch_state["ext"] = loader.load_graph_switch_ext()
-    return _switch_state["ext"]
-
-
-def _switch_available() -> bool:
-    """Whether the switch can be used here: mode on and the extension (CUDA >= 12.8) loads."""
-    mode = switch_mode()
-    if mode == "0":
-        return False
-    try:
-        ext = _switch_ext()
-        if not ext.graph_switch_supported():
-            raise RuntimeError("the CUDA extension was built without SWITCH nodes (CUDA < 12.8)")
-    except Exception as e:  # ExtensionUnavailable, or the build's CUDA too old
-        if mode == "1":
-            raise RuntimeError(f"{SWITCH_ENV}=1 but the graph switch is unavailable: {e}") from e
-        if not _switch_state["warned"]:
-            _switch_state["warned"] = True
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "sglang_ddtree: fused MoE switch unavailable (%s); full grids in CUDA graphs",
-                str(e).splitlines()[0])
-        _switch_state["ext"] = None
-        return False
-    return True
-
-
-def _switch_call(err: str) -> None:
-    if err:
-        raise RuntimeError(err)
-
-
-def _switch_bodies(cfg: MoeConfig, gu: GemmConfig, dn: GemmConfig, inter: int, hidden: int,
-                   n_blocks: int) -> list:
-    """The switch cases of ``cfg`` that serve fewer blocks than the full grid, as
-    ``(max_blocks, gate-up, down)`` (empty: no switch for this call)."""
-    if not cfg.switch or not _switch_available():
-        return []
-    out = []
-    for case in cfg.switch:
-        if case.max_blocks >= n_blocks or (out and case.max_blocks <= out[-1][0]):
-            continue
-        c_gu = _fit(case.gate_up, inter, hidden) if case.gate_up else gu
-        c_dn = _fit(case.down, hidden, inter) if case.down else dn
-        out.append((case.max_blocks, c_gu, c_dn))
-    return out
 
 
 def fused_moe_w4a16(
@@ -1599,49 +1424,52 @@ def fused_moe_w4a16(
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
+    h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=hidden_states.device)
+    y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
     n_blocks = max_padded // bm
-    dev = hidden_states.device
-    # Bodies: (most used blocks served, gate-up, down); the last is the table's, for any call.
-    # The switch cases run only inside CUDA-graph capture; the first eager call of a shape
-    # compiles and loads their kernels (empty grids) with this call's own arguments, so that
-    # Triton specializes them as the capture will.
-    full = (n_blocks, gu, dn)
-    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-    cases = _switch_bodies(cfg, gu, dn, inter, hidden, n_blocks) if (
-        cfg.switch and not portable_path and hidden_states.is_cuda) else []
-    warm_key = (cfg, m, hidden, inter, num_experts, topk, dev.index)
-    warm = bool(cases) and not capturing and warm_key not in _switch_state["warm"]
-    bodies = cases + [full] if cases and (capturing or warm) else [full]
-    h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=dev)
-    y = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)
-    # Partial sums and arrival counters are shared by the bodies (one runs per call): sized
-    # for the largest, allocated before any body is captured.
-    part_numel = max(_part_rows(b_gu, inter, max_padded, bm) * b_gu.split_k * 2 * inter
-                     for _, b_gu, _ in bodies if b_gu.split_k > 1) if any(
-        b_gu.split_k > 1 for _, b_gu, _ in bodies) else 0
-    part = torch.empty(part_numel, dtype=torch.float32, device=dev) if part_numel else h
-    tiles = max(n_blocks * (inter // b_gu.block_n) for _, b_gu, _ in bodies)
-    counters = _tile_counters(dev, tiles) if part_numel else None
-    args = (xp, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, sorted_ids,
-            block_expert, h, y, part, counters, t, topk, num_experts, bm, run_m, cfg.half_m,
-            portable_path, max_padded, _upto)
-    if warm:
-        for blocks, b_gu, b_dn in cases:
-            _launch_gemms(blocks, b_gu, b_dn, *args, warm_only=True)
-        _switch_state["warm"].add(warm_key)
-    if not capturing or len(bodies) == 1:
-        _launch_gemms(n_blocks, gu, dn, *args)
+
+    num_n = inter // gu.block_n
+    # Rows of a split's partial slice: every padded row, or under a live split only the rows of
+    # calls that split at all (fewer than split_target / num_n used blocks; see _live_split).
+    part_rows = max_padded if not gu.split_target else min(
+        max_padded, triton.cdiv(gu.split_target, num_n) * bm)
+    part = h if gu.split_k == 1 else torch.empty(
+        gu.split_k, part_rows, 2 * inter, dtype=torch.float32, device=hidden_states.device)
+    tiles = n_blocks * num_n
+    counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
+    programs = tiles * gu.split_k if not gu.split_target else live_grid(
+        tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
+    _gate_up_kernel[(programs,)](
+        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
+        sorted_ids if counters is None else counters, t, part_rows, K=hidden,
+        I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
+        SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
+        SPLIT_TARGET=gu.split_target,
+        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
+    if gu.split_k > 1 and counters is None:
+        block_c = min(inter, 128)
+        _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
+            part, sorted_ids, block_expert, h, t, part_rows, I=inter, SPLIT_K=gu.split_k,
+            BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k,
+            SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k)
+    if _upto < 3:
+        return out
+    if dn.n_per_cta:
+        # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
+        down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
+        _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
+            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
+            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
+            PORTABLE=portable_path, HALF_M=bool(cfg.half_m), RUN_M=down_runs,
+            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
+            num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
-        ext = _switch_ext()
-        _switch_call(ext.graph_switch_begin(block_expert, n_blocks,
-                                            [b for b, _, _ in bodies[:-1]]))
-        for i, (blocks, b_gu, b_dn) in enumerate(bodies):
-            err, raw = ext.graph_switch_body_begin(i)
-            _switch_call(err)
-            with torch.cuda.stream(torch.cuda.ExternalStream(raw, device=dev)):
-                _launch_gemms(blocks, b_gu, b_dn, *args)
-            _switch_call(ext.graph_switch_body_end())
-        _switch_call(ext.graph_switch_end())
+        _down_kernel[(n_blocks * (hidden // dn.block_n),)](
+            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
+            I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
+            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

@@ -43,7 +43,7 @@ def test_breakdown_times_every_stage(bench, tmp_path):
     assert len(rows) == 1 + len(DOWN) and rows[0]["table_config"]
     # the shipped table's band for M = 3 (a Kimi-shaped config, fitted to the tiny shapes inside
     # the kernel wrapper: it still has to run)
-    assert rows[0]["config"] == json.loads(json.dumps(dataclasses.asdict(bench.mw.select_config(3))))
+    assert rows[0]["config"] == dataclasses.asdict(bench.mw.select_config(3))
     for r in rows:
         assert set(r["us"]) == {"align", "gate_up", "down", "combine", "total"}
         assert all(math.isfinite(v) for v in r["us"].values()), r
@@ -132,7 +132,7 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
                                                                 (3, "random")]
     assert result["rows"][0]["touched_experts"] == 2.0
     for r in result["rows"]:
-        assert r["table"] == json.loads(json.dumps(dataclasses.asdict(bench.mw.select_config(3))))
+        assert r["table"] == dataclasses.asdict(bench.mw.select_config(3))
         assert math.isfinite(r["table_us"])
         assert list(r["candidates"]) == ["64,128,4,1", "64,128,4,1,0,1,2"]
         for c in r["candidates"].values():

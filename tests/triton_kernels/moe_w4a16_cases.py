@@ -11,8 +11,6 @@ expert or token gives errors of order 1. Outputs are poisoned with NaN to catch 
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -722,76 +720,3 @@ def test_run_tiles_keep_whole_down_steps():
                         ti, out=out, config=cfg)
     check(out, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                        w["w2_scale"], tw, ti, 1.0))
-
-
-_TRIAL_SWITCH = Path(__file__).resolve().parents[2] / "bench_results" / \
-    "moe_trial_table_s41_switch_b.json"
-
-
-def test_switch_cases_parse_and_serve_only_smaller_grids(monkeypatch):
-    band16 = dict(MOE._config_table(str(_TRIAL_SWITCH)))[16]
-    assert [c.max_blocks for c in band16.switch] == [8, 16, 32, 64]
-    assert band16.switch[0].down.block_n == 128 and band16.switch[2].down is None
-    assert band16.switch[0].gate_up is None
-    monkeypatch.setattr(MOE, "_switch_available", lambda: True)
-    gu, dn = band16.gate_up, band16.down
-    bodies = MOE._switch_bodies(band16, gu, dn, 256, 7168, 72)  # M = 9: 72 blocks at most
-    assert [(b, g, d.block_n) for b, g, d in bodies] == [
-        (8, gu, 128), (16, gu, 128), (32, gu, dn.block_n), (64, gu, dn.block_n)]
-    assert [b for b, _, _ in MOE._switch_bodies(band16, gu, dn, 256, 7168, 16)] == [8]
-    assert MOE._switch_bodies(band16, gu, dn, 256, 7168, 8) == []
-    monkeypatch.setattr(MOE, "_switch_available", lambda: False)
-    assert MOE._switch_bodies(band16, gu, dn, 256, 7168, 72) == []
-
-
-def test_switch_cases_are_checked(tmp_path):
-    gemm = {"block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3}
-    band = {"max_m": 16, "block_m": 16, "gate_up": gemm, "down": gemm}
-    for cases, words in (([{"max_blocks": 16}, {"max_blocks": 8}], "ascending"),
-                         ([{"max_blocks": 8, "gate_up": dict(gemm, block_k=128)}], "block_k")):
-        path = tmp_path / f"t{len(words)}.json"
-        path.write_text(__import__("json").dumps({"bands": [dict(band, switch=cases)]}))
-        with pytest.raises(ValueError, match=words):
-            MOE._config_table(str(path))
-
-
-def test_switch_mode_env(monkeypatch):
-    monkeypatch.delenv(MOE.SWITCH_ENV, raising=False)
-    assert MOE.switch_mode() == MOE.SWITCH_DEFAULT
-    for value in ("0", "1", "auto", " AUTO "):
-        monkeypatch.setenv(MOE.SWITCH_ENV, value)
-        assert MOE.switch_mode() == value.strip().lower()
-    monkeypatch.setenv(MOE.SWITCH_ENV, "yes")
-    with pytest.raises(ValueError, match=MOE.SWITCH_ENV):
-        MOE.switch_mode()
-
-
-def test_switch_unavailable_is_an_error_at_1_and_a_log_line_at_auto(monkeypatch):
-    def broken():
-        raise RuntimeError("no nvcc here")
-
-    monkeypatch.setattr(MOE, "_switch_ext", broken)
-    monkeypatch.setenv(MOE.SWITCH_ENV, "1")
-    with pytest.raises(RuntimeError, match="graph switch is unavailable: no nvcc here"):
-        MOE._switch_available()
-    monkeypatch.setenv(MOE.SWITCH_ENV, "auto")
-    assert MOE._switch_available() is False
-    monkeypatch.setenv(MOE.SWITCH_ENV, "0")
-    assert MOE._switch_available() is False
-
-
-def test_switch_table_on_the_interpreter_matches_reference(experts, monkeypatch):
-    """Off the GPU (and outside graph capture) a band with switch cases runs the table's own
-    launches: no extension needed."""
-    monkeypatch.setenv(MOE.SWITCH_ENV, "1")
-    cfg = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 128),
-                        switch=(MOE.SwitchCase(1, down=MOE.GemmConfig(64, 128, 4, 1)),))
-    w = experts[9]
-    x = torch.randn(5, H, dtype=torch.bfloat16)
-    tw, ti = torch.topk(torch.randn(5, 9).softmax(-1), 3)
-    out = MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                              w["w2_scale"], tw.float(), ti.to(torch.int32), config=cfg)
-    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                  w["w2_scale"], tw.float(), ti.to(torch.int32))
-    d = out.float() - ref
-    assert (d.norm() / ref.norm()).item() <= REL_FRO
