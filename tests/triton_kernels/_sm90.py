@@ -22,6 +22,8 @@ def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=(),
 
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = dict(sig, **{k: "constexpr" for k in const})
+    # in the kernel's argument order (constexprs may precede runtime arguments)
+    sig = {n: sig[n] for n in fn.arg_names if n in sig}
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
              if t[0] == "*" or n in div16}
