@@ -681,21 +681,9 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
     RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
-    ITEMS: tl.constexpr = 1,  # work items per program: pid, pid + programs, ...
-    n_items=0,  # work items of the launch (the grid holds ceil(n_items / ITEMS) programs)
 ):
-    pid = tl.program_id(0)
-    _gate_up_item(pid, n_items, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T, part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, SPLIT_TARGET, NUM_EXPERTS, RUN_M)
-    for k in tl.static_range(1, ITEMS):
-        _gate_up_item(pid + k * tl.num_programs(0), n_items, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T, part_rows, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, HALF_M, SERIAL, SPLIT_TARGET, NUM_EXPERTS, RUN_M)
-
-
-@triton.jit
-def _gate_up_item(pid, n_items, xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, h_ptr, part_ptr, cnt_ptr, T, part_rows, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr, SPLIT_K: tl.constexpr, HALF_M: tl.constexpr, SERIAL: tl.constexpr, SPLIT_TARGET: tl.constexpr, NUM_EXPERTS: tl.constexpr, RUN_M: tl.constexpr):
-    """One work item of _gate_up_kernel (program ``pid`` of a launch of ``n_items``)."""
     NUM_N: tl.constexpr = I // BLOCK_N
-    if pid >= n_items:  # past the launch's items (ITEMS > 1)
-        return
+    pid = tl.program_id(0)
     if SPLIT_TARGET > 0:
         # The used tiles' programs first, n_split per tile (the used blocks lead block_expert),
         # whatever the split: the grid (live_grid) holds the most any call can need, and
@@ -933,21 +921,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     PORTABLE: tl.constexpr,  # no inline PTX, fp32 dots: interpreter / any device
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
-    ITEMS: tl.constexpr = 1,  # work items per program: pid, pid + programs, ...
-    n_items=0,  # work items of the launch (the grid holds ceil(n_items / ITEMS) programs)
 ):
-    pid = tl.program_id(0)
-    _down_item(pid, n_items, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE, HALF_M)
-    for k in tl.static_range(1, ITEMS):
-        _down_item(pid + k * tl.num_programs(0), n_items, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, BLOCK_K, PORTABLE, HALF_M)
-
-
-@triton.jit
-def _down_item(pid, n_items, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, y_ptr, T, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, HALF_M: tl.constexpr):
-    """One work item of _down_kernel (program ``pid`` of a launch of ``n_items``)."""
     NUM_N: tl.constexpr = N // BLOCK_N
-    if pid >= n_items:  # past the launch's items (ITEMS > 1)
-        return
+    pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
     e = tl.load(block_expert_ptr + pid_m)
@@ -1046,8 +1022,6 @@ def _down_loop_kernel(
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
     RUN_M: tl.constexpr = 1,  # as _gate_up_kernel's: a run's programs split N_PER_CTA
     NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M) experts, for moe_align's block count
-    ITEMS: tl.constexpr = 1,  # work items per program: pid, pid + programs, ...
-    n_items=0,  # work items of the launch (the grid holds ceil(n_items / ITEMS) programs)
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -1059,18 +1033,8 @@ def _down_loop_kernel(
     With RUN_M > 1 the R programs of a run of R blocks (moe_align's run labels) for one column
     range each take all R * BLOCK_M rows and N_PER_CTA / R of its columns.
     """
-    pid = tl.program_id(0)
-    _down_loop_item(pid, n_items, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE, HALF_M, RUN_M, NUM_EXPERTS)
-    for k in tl.static_range(1, ITEMS):
-        _down_loop_item(pid + k * tl.num_programs(0), n_items, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, y_ptr, T, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE, HALF_M, RUN_M, NUM_EXPERTS)
-
-
-@triton.jit
-def _down_loop_item(pid, n_items, h_ptr, w_ptr, s_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, y_ptr, T, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr, HALF_M: tl.constexpr, RUN_M: tl.constexpr, NUM_EXPERTS: tl.constexpr):
-    """One work item of _down_loop_kernel (program ``pid`` of a launch of ``n_items``)."""
     NUM_S: tl.constexpr = N // N_PER_CTA
-    if pid >= n_items:  # past the launch's items (ITEMS > 1)
-        return
+    pid = tl.program_id(0)
     pid_m = pid // NUM_S
     pid_s = pid % NUM_S
     e = tl.load(block_expert_ptr + pid_m)
@@ -1369,30 +1333,6 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None =
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
-# Work items per program of the gate-up and down launches (SGLANG_DDTREE_MOE_ITEMS = G[:D], read
-# per call; default 1): program p runs items p, p + P, ... of a grid of P = ceil(items / G)
-# programs. Items past a call's used blocks leave at once, and a grid sized for the most blocks
-# a call can use holds mostly such items when a call's tokens share few experts (session 40:
-# 3.7-5.5 us of a 31-42 us call on 8 shared experts); fewer programs carry them here. Each item
-# is the one-item kernel's code inlined again, not a loop (session 40's looping kernels needed
-# far more registers).
-ITEMS_ENV = "SGLANG_DDTREE_MOE_ITEMS"
-
-
-def moe_items() -> tuple[int, int]:
-    """(gate-up, down) work items per program from ``SGLANG_DDTREE_MOE_ITEMS`` (G or G:D: 1, 2
-    or 4 each; default 1:1)."""
-    env = os.environ.get(ITEMS_ENV)
-    if not env:
-        return 1, 1
-    form = "G or G:D with G, D in 1, 2, 4"
-    vals = _env_ints(ITEMS_ENV, env, 2, form) if ":" in env else _env_ints(ITEMS_ENV, env, 1,
-                                                                            form) * 2
-    if any(v not in (1, 2, 4) for v in vals):
-        raise ValueError(f"{ITEMS_ENV}: items per program must be 1, 2 or 4, got {env!r}")
-    return vals[0], vals[1]
-
-
 def fused_moe_w4a16(
     hidden_states: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -1499,8 +1439,7 @@ def fused_moe_w4a16(
     counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
     programs = tiles * gu.split_k if not gu.split_target else live_grid(
         tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
-    items_gu, items_dn = moe_items()
-    _gate_up_kernel[(triton.cdiv(programs, items_gu),)](
+    _gate_up_kernel[(programs,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
         sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
@@ -1508,7 +1447,7 @@ def fused_moe_w4a16(
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
-        ITEMS=items_gu, n_items=programs, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
@@ -1520,20 +1459,17 @@ def fused_moe_w4a16(
     if dn.n_per_cta:
         # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
         down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
-        n_items = n_blocks * (hidden // dn.n_per_cta)
-        _down_loop_kernel[(triton.cdiv(n_items, items_dn),)](
+        _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=bool(cfg.half_m), RUN_M=down_runs,
-            NUM_EXPERTS=num_experts if down_runs > 1 else 0, ITEMS=items_dn, n_items=n_items,
+            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
             num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
-        n_items = n_blocks * (hidden // dn.block_n)
-        _down_kernel[(triton.cdiv(n_items, items_dn),)](
+        _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
-            HALF_M=bool(cfg.half_m), ITEMS=items_dn, n_items=n_items, num_warps=dn.num_warps,
-            num_stages=dn.num_stages)
+            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

@@ -40,34 +40,29 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1,
-          items: int = 1):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` and ``run_m`` (gate-up;
-    1 = off) as MoeConfig's; ``items`` work items per program (SGLANG_DDTREE_MOE_ITEMS)."""
+    1 = off) as MoeConfig's."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target = (
         tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
-               "cnt_ptr": "*i32", "T": "i32", "part_rows": "i32", "n_items": "i32"}
+               "cnt_ptr": "*i32", "T": "i32", "part_rows": "i32"}
         # split-K as served: each tile's last program sums the partials (SERIAL)
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m,
-                     ITEMS=items)
+                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-           "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32",
-           "n_items": "i32"}
+           "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                     HALF_M=half_m, RUN_M=run_m, NUM_EXPERTS=384 if run_m > 1 else 0,
-                     ITEMS=items)
+                     HALF_M=half_m, RUN_M=run_m, NUM_EXPERTS=384 if run_m > 1 else 0)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
-    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m,
-                 ITEMS=items)
+    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
 
 
