@@ -681,7 +681,6 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
     RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
-    RUN_STAGES: tl.constexpr = 0,  # > 0: pipeline stages of the run tiles' K loop
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -727,21 +726,21 @@ def _gate_up_kernel(
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row_r, pid_n * 2 + place, pid_k, K, I, TOPK, BLOCK_M * 2,
                           BLOCK_N // 2, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                          cnt_ptr, pid_mn, SERIAL, n_split, RUN_STAGES)
+                          cnt_ptr, pid_mn, SERIAL, n_split)
         else:
             if RUN_M >= 4:
                 if run_label // 16 == 4:
                     _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                                   part_rows, e, row_r, pid_n * 4 + place, pid_k, K, I, TOPK,
                                   BLOCK_M * 4, BLOCK_N // 4, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
-                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, RUN_STAGES)
+                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
                 else:
                     if RUN_M >= 8:
                         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                                       part_rows, e, row_r, pid_n * 8 + place, pid_k, K, I, TOPK,
                                       BLOCK_M * 8, BLOCK_N // 8, BLOCK_K, DOWN_BLOCK_K,
                                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                                      n_split, RUN_STAGES)
+                                      n_split)
     elif HALF_M:
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
@@ -775,8 +774,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  STAGES: tl.constexpr = 0):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -810,14 +808,6 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
             w_ptrs += KP * N2
             s_ptrs += (BLOCK_K // _GROUP) * N2
             i += 1
-    elif STAGES > 0:  # this loop's own pipeline depth (run tiles: RUN_STAGES)
-        for _ in tl.range(0, K_STEPS, num_stages=STAGES):
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
-            x_ptrs += BLOCK_K
-            w_ptrs += KP * N2
-            s_ptrs += (BLOCK_K // _GROUP) * N2
     else:
         for _ in range(0, K_STEPS):
             acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
@@ -1457,10 +1447,7 @@ def fused_moe_w4a16(
         SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0, RUN_M=run_m,
-        RUN_STAGES=int(os.environ.get("SGLANG_DDTREE_MOE_RUN_STAGES", "0")) if run_m > 1 else 0,
-        num_warps=gu.num_warps, num_stages=gu.num_stages,
-        **({"maxnreg": int(os.environ["SGLANG_DDTREE_MOE_MAXNREG"])}
-           if os.environ.get("SGLANG_DDTREE_MOE_MAXNREG") else {}))
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
