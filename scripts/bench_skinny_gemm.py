@@ -73,6 +73,16 @@ def cublas_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.float(), w.float().t())
 
 
+def sglang_tiny_router():
+    """SGLang's own router GEMM for up to 16 tokens (0.5.17: the dsv3 JIT kernel that its
+    DeepseekV2 ``MoEGate`` calls with fp32 output), or the import error as a string."""
+    try:
+        from sglang.kernels.ops.gemm.dsv3_router_gemm import dsv3_router_gemm
+    except Exception as exc:  # no SGLang here (the kernel-only runs): recorded, not fatal
+        return f"unavailable: {exc!r}"[:200]
+    return dsv3_router_gemm
+
+
 def sweep_config(fields: dict, n: int, k: int, sms: int):
     """The sweep item as a SkinnyConfig for ``N x K``, or None where its tiles do not fit."""
     bn, bk = fields["block_n"], fields["block_k"]
@@ -99,11 +109,15 @@ def main(argv=None) -> int:
                     help="fp32 outputs, as the MoE router's GEMM returns them: ours into an fp32 "
                          "out, cuBLAS as SGLang's linear_bf16_fp32 calls it (torch.mm with "
                          "out_dtype=float32)")
+    ap.add_argument("--sglang-router", action="store_true",
+                    help="also time SGLang's tiny router GEMM (dsv3_router_gemm, fp32 out) where "
+                         "it serves: N 256 / 384, K a multiple of 1,024, M <= 16")
     ap.add_argument("--sweep", default="",
                     help="also time these configs (see parse_sweep), outputs checked against "
                          "the fp32 reference, under 'sweep_us'")
     args = ap.parse_args(argv)
     sweep = parse_sweep(args.sweep)
+    tiny_router = sglang_tiny_router() if args.sglang_router else None
     dev = torch.device(args.device)
     out_dtype = torch.float32 if args.fp32_out else torch.bfloat16
     shapes = parse_shapes(args.shapes)
@@ -120,6 +134,9 @@ def main(argv=None) -> int:
                       + (" with fp32 output (torch.mm out_dtype=float32, as SGLang's "
                          "linear_bf16_fp32)" if args.fp32_out else ""),
               "out_dtype": "float32" if args.fp32_out else "bfloat16",
+              **({"sglang_router": tiny_router if isinstance(tiny_router, str) else
+                  "sglang.kernels.ops.gemm.dsv3_router_gemm.dsv3_router_gemm (fp32 out)"}
+                 if args.sglang_router else {}),
               "rows": []}
 
     def save():
@@ -150,6 +167,13 @@ def main(argv=None) -> int:
                 "ours": lambda: [sg.skinny_gemm(x, w, out=o) for x, w, o in zip(xs, ws, outs)],
                 "cublas": cublas,
             }
+            if (callable(tiny_router) and n in (256, 384) and k % 1024 == 0 and m <= 16
+                    and dev.type == "cuda"):
+                got = tiny_router(xs[0], ws[0], out_dtype=torch.float32)
+                rerr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                print(f"  sglang router M={m}: err {rerr:.1e} vs fp32", flush=True)
+                runs["sglang_router"] = lambda: [tiny_router(x, w, out_dtype=torch.float32)
+                                                 for x, w in zip(xs, ws)]
             rounds = {key: [] for key in runs}
             for _ in range(args.rounds):
                 for key, fn in runs.items():
@@ -190,8 +214,9 @@ def main(argv=None) -> int:
             result["rows"].append(row)
             save()  # a run cut by its time limit keeps what it measured
             print(f"{name} N={n} K={k} M={m}: ours {us['ours']} us, cuBLAS {us['cublas']} us "
-                  f"({row['speedup_vs_cublas']}x), split {cfg.split_k}, err {err:.1e}",
-                  flush=True)
+                  f"({row['speedup_vs_cublas']}x), split {cfg.split_k}, err {err:.1e}"
+                  + (f", SGLang router {us['sglang_router']} us" if "sglang_router" in us else "")
+                  + (f", sweep {sweep_us}" if sweep else ""), flush=True)
     save()
     print("->", args.out)
     return 0

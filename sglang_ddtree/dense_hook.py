@@ -38,6 +38,18 @@ DeepseekV2 layer runs the shared expert's GEMMs on a second stream inside CUDA g
 the router. The buffer is allocated at the first eligible call, which
 SGLang makes eagerly (its graph runner warms every batch size up before capturing); a first
 call inside capture raises with the fix.
+
+A second, narrower switch puts only the MoE router's GEMM (``[N, K]`` = 384 x 7168 on the Kimi
+rank, fp32 logits) on the kernel: ``SGLANG_DDTREE_ROUTER_GEMM=<lo>-<hi>`` (``1`` means
+``DEFAULT_ROUTER_RANGE``). It patches both of SGLang's router GEMMs: the tiny one DeepseekV2's
+``MoEGate`` calls up to 16 rows (0.5.17: the dsv3 JIT ``dsv3_router_gemm``; 0.5.23:
+``tiny_gemm_bf16``; ``compat.<release>.ROUTER_TINY_GEMM``) and ``linear_bf16_fp32`` above.
+Why: session 30's profile of the Kimi rank (8 layers, batch 1) had the dsv3 router GEMM at 3.3
+us a call for one token and 8.1 us for 16 (cuBLAS at 17 rows: 6.6 us plus a 2.6 us split-K
+reduce), about 5 us a layer of the verify's extra time over decode. Its tiles come from
+``SGLANG_DDTREE_ROUTER_GEMM_CONFIG=block_n,block_k,split_k[,num_warps[,num_stages]]``
+(default ``ROUTER_CONFIG``). When both switches are set, the router switch alone decides the
+router's calls (one config and one set of arrival counters per weight).
 """
 from __future__ import annotations
 
@@ -52,6 +64,10 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "SGLANG_DDTREE_SKINNY_GEMM"
 DEFAULT_RANGE = (17, 32)
+ROUTER_ENV = "SGLANG_DDTREE_ROUTER_GEMM"
+ROUTER_CONFIG_ENV = "SGLANG_DDTREE_ROUTER_GEMM_CONFIG"
+DEFAULT_ROUTER_RANGE = (2, 32)
+ROUTER_CONFIG = (64, 128, 14, 4, 0)  # block_n, block_k, split_k, num_warps, num_stages
 WIDE_K = 2  # a weight [N, K] takes the kernel only when K >= WIDE_K * N (see above)
 _COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers
 
@@ -60,25 +76,47 @@ class SkinnyGemmHookError(RuntimeError):
     """The switch is set but SGLang's linear method or the environment does not fit it."""
 
 
-def parse_range(value: str) -> tuple[int, int] | None:
-    """``""``/``0``/``off`` -> None; ``1``/``on`` -> DEFAULT_RANGE; ``lo-hi`` -> (lo, hi) with
+def parse_range(value: str, env: str = ENV_SWITCH,
+                default: tuple[int, int] = DEFAULT_RANGE) -> tuple[int, int] | None:
+    """``""``/``0``/``off`` -> None; ``1``/``on`` -> ``default``; ``lo-hi`` -> (lo, hi) with
     1 <= lo <= hi <= the kernel's MAX_M (64). Anything else raises, naming the accepted forms."""
     v = value.strip().lower()
     if v in ("", "0", "off", "false", "no"):
         return None
     if v in ("1", "on", "true", "yes"):
-        return DEFAULT_RANGE
+        return default
     lo, sep, hi = v.partition("-")
     from .triton_kernels.skinny_gemm import MAX_M
 
     if sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi) <= MAX_M:
         return int(lo), int(hi)
-    raise SkinnyGemmHookError(f"{ENV_SWITCH}={value!r}: expected 0, 1 (= {DEFAULT_RANGE[0]}-"
-                              f"{DEFAULT_RANGE[1]}) or LO-HI "
+    raise SkinnyGemmHookError(f"{env}={value!r}: expected 0, 1 (= {default[0]}-"
+                              f"{default[1]}) or LO-HI "
                               f"token rows with 1 <= LO <= HI <= {MAX_M}")
 
 
-_state = {"range": None, "buffers": {}, "next": {}, "router": None}
+def parse_router_config(value: str):
+    """``block_n,block_k,split_k[,num_warps[,num_stages]]`` (empty: ``ROUTER_CONFIG``) -> a
+    SkinnyConfig; raises naming the form. Whether it tiles a router is checked at install."""
+    from .triton_kernels import skinny_gemm as sg
+
+    v = value.strip()
+    vals = v.split(",") if v else [str(x) for x in ROUTER_CONFIG]
+    if not 3 <= len(vals) <= 5 or not all(x.strip().isdigit() for x in vals):
+        raise SkinnyGemmHookError(f"{ROUTER_CONFIG_ENV}={value!r}: expected "
+                                  "block_n,block_k,split_k[,num_warps[,num_stages]] (integers)")
+    nums = [int(x) for x in vals]
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages")
+    cfg = sg.SkinnyConfig(**dict(zip(keys, nums)))
+    pow2 = all(x > 0 and x & (x - 1) == 0 for x in (cfg.block_n, cfg.block_k, cfg.num_warps))
+    if not pow2 or cfg.block_n < 16 or cfg.block_k < 16 or cfg.split_k < 1 or cfg.num_stages < 0:
+        raise SkinnyGemmHookError(f"{ROUTER_CONFIG_ENV}={value!r}: block_n / block_k >= 16 and "
+                                  "num_warps powers of two, split_k >= 1, num_stages >= 0")
+    return cfg
+
+
+_state = {"range": None, "buffers": {}, "next": {}, "router": None, "router_range": None,
+          "router_config": None, "tiny": None}
 
 
 def _counters_for_layer(layer, device: torch.device, n_tiles: int):
@@ -125,16 +163,36 @@ def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
             and w.shape[1] % sg.BLOCK_K == 0 and w.shape[1] >= WIDE_K * w.shape[0])
 
 
-def _skinny(holder, w: torch.Tensor, x: torch.Tensor, out=None):
-    """The skinny GEMM with ``holder``'s config and counters (fixed at its first call)."""
+def _skinny(holder, w: torch.Tensor, x: torch.Tensor, out=None, config=None):
+    """The skinny GEMM with ``holder``'s config and counters (fixed at its first call:
+    ``config``, else the kernel's default for the shape)."""
     from .triton_kernels import skinny_gemm as sg
 
     cfg = getattr(holder, "_ddtree_skinny_config", None)
     if cfg is None:  # per call site, once: its tiles, and so its counter count, stay fixed
-        cfg = sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
+        cfg = config or sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
         holder._ddtree_skinny_config = cfg
     return sg.skinny_gemm(x, w, out=out, config=cfg, counters=_counters_for_layer(
         holder, x.device, w.shape[0] // cfg.block_n))
+
+
+def router_fits(w, x: torch.Tensor, lo: int, hi: int, cfg) -> bool:
+    """Whether a router call takes the kernel under the router switch: ``lo``-``hi`` rows of a
+    2-D CUDA bf16 ``x`` (unit column stride) against a contiguous bf16 ``[N, K]`` weight that
+    ``cfg`` tiles (N a multiple of block_n, K of block_k x split_k)."""
+    return (isinstance(w, torch.Tensor) and x.dim() == 2 and lo <= x.shape[0] <= hi
+            and x.dtype == torch.bfloat16 and x.stride(1) == 1 and w.dtype == torch.bfloat16
+            and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[1]
+            and w.shape[0] % cfg.block_n == 0 and w.shape[1] % (cfg.block_k * cfg.split_k) == 0)
+
+
+def _router_call(x: torch.Tensor, weight: torch.Tensor, out_dtype):
+    """The router GEMM on our kernel when the router switch takes this call, else None."""
+    rng, cfg = _state["router_range"], _state["router_config"]
+    if rng is None or not x.is_cuda or not router_fits(weight, x, *rng, cfg):
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
+    return _skinny(weight, weight, x, out=out, config=cfg)
 
 
 def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
@@ -147,10 +205,27 @@ def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
 def _router_linear(x: torch.Tensor, weight: torch.Tensor, **kwargs):
     """Stands in for SGLang's ``linear_bf16_fp32`` (the MoE router's fp32-output GEMM)."""
     rng, router = _state["range"], _state["router"]
+    if _state["router_range"] is not None:  # the router switch alone decides (docstring)
+        y = None if kwargs else _router_call(x, weight, torch.float32)
+        return y if y is not None else router[2](x, weight, **kwargs)
     if rng is not None and not kwargs and x.is_cuda and shapes_fit(weight, x, None, *rng):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
         return _skinny(weight, weight, x, out=out)
     return router[2](x, weight, **kwargs)
+
+
+def _router_tiny(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs):
+    """Stands in for SGLang's tiny router GEMM (0.5.17 ``dsv3_router_gemm(x, w, out_dtype=,
+    output=)``, 0.5.23 ``tiny_gemm_bf16(x, w, out=None, *, out_dtype=, n_split=, max_m=)``):
+    calls that pass no output buffer and ask for bf16 or fp32 may take the kernel."""
+    tiny = _state["tiny"]
+    out_dtype = kwargs.get("out_dtype") or torch.bfloat16
+    if (not args and set(kwargs) <= {"out_dtype", "max_m", "n_split"}
+            and out_dtype in (torch.float32, torch.bfloat16)):
+        y = _router_call(x, weight, out_dtype)
+        if y is not None:
+            return y
+    return tiny[2](x, weight, *args, **kwargs)
 
 
 def _router_target(spec: tuple[str, str] | None = None):
@@ -176,6 +251,59 @@ def _router_target(spec: tuple[str, str] | None = None):
                                       f"{[p.name for p in params]}, expected (x, y, *, ...); "
                                       "unset the switch")
     return mod, attr
+
+
+def _tiny_router_target(spec: tuple[str, str] | None = None):
+    """(module, attribute name) of SGLang's tiny router GEMM (default: the installed release's,
+    ``compat.<release>.ROUTER_TINY_GEMM``); raises SkinnyGemmHookError naming the fix where it
+    is missing (a build without CUDA does not import it)."""
+    if spec is None:
+        from . import compat
+
+        spec = compat.load().ROUTER_TINY_GEMM
+    mod_name, attr = spec
+    try:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, attr)
+    except (ImportError, AttributeError) as exc:
+        raise SkinnyGemmHookError(f"{ROUTER_ENV}: cannot find SGLang's tiny router GEMM "
+                                  f"{mod_name}.{attr}: {exc!r}; unset the switch") from exc
+    if fn is not _router_tiny:
+        params = list(inspect.signature(fn).parameters)
+        if len(params) < 2 or "out_dtype" not in params:
+            raise SkinnyGemmHookError(f"{ROUTER_ENV}: {mod_name}.{attr} takes {params}, "
+                                      "expected (x, w, ..., out_dtype, ...); unset the switch")
+    return mod, attr
+
+
+def install_router(token_range: tuple[int, int] = DEFAULT_ROUTER_RANGE, config=None,
+                   tiny_target="sglang", router_target="sglang") -> bool:
+    """Put the MoE router's GEMM for ``token_range`` rows on the skinny kernel with ``config``
+    (default ``ROUTER_CONFIG``): patch SGLang's tiny router GEMM (``tiny_target``) and its
+    ``linear_bf16_fp32`` (``router_target``; ``(module, attribute)`` each, None to leave it).
+    False if both were already patched."""
+    if tiny_target == "sglang":
+        tiny_target = _tiny_router_target()
+    if router_target == "sglang":
+        router_target = _router_target()
+    _state["router_range"] = token_range
+    _state["router_config"] = config or parse_router_config("")
+    patched = False
+    if tiny_target is not None and _state["tiny"] is None:
+        mod, attr = tiny_target
+        _state["tiny"] = (mod, attr, getattr(mod, attr))
+        setattr(mod, attr, _router_tiny)
+        patched = True
+    if router_target is not None and _state["router"] is None:
+        mod, attr = router_target
+        _state["router"] = (mod, attr, getattr(mod, attr))
+        setattr(mod, attr, _router_linear)
+        patched = True
+    if patched:
+        logger.warning("sglang-ddtree: %s: the MoE router's GEMM runs the skinny Triton GEMM "
+                       "for %d-%d token rows (%s)", ROUTER_ENV, *token_range,
+                       _state["router_config"])
+    return patched
 
 
 def _linear_method_class():
@@ -215,21 +343,28 @@ def install(token_range: tuple[int, int] = DEFAULT_RANGE, cls=None,
 
 
 def uninstall(cls=None) -> None:
-    """Undo :func:`install` (tests)."""
-    cls = cls or _linear_method_class()
-    if cls.__dict__.get("apply") is _apply:
+    """Undo :func:`install` and :func:`install_router` (tests)."""
+    if cls is None and _state["range"] is not None:
+        cls = _linear_method_class()
+    if cls is not None and cls.__dict__.get("apply") is _apply:
         cls.apply = cls.__dict__["_ddtree_original_apply"]
         del cls._ddtree_original_apply
-    if _state["router"] is not None:
-        mod, attr, original = _state["router"]
-        setattr(mod, attr, original)
-    _state.update(range=None, buffers={}, next={}, router=None)
+    for key in ("router", "tiny"):
+        if _state[key] is not None:
+            mod, attr, original = _state[key]
+            setattr(mod, attr, original)
+    _state.update(range=None, buffers={}, next={}, router=None, router_range=None,
+                  router_config=None, tiny=None)
 
 
 def maybe_install(environ=os.environ) -> bool:
-    """Install when ``SGLANG_DDTREE_SKINNY_GEMM`` asks for it; return whether it is on."""
+    """Install what ``SGLANG_DDTREE_SKINNY_GEMM`` and ``SGLANG_DDTREE_ROUTER_GEMM`` ask for
+    (both values checked first); return whether either is on."""
     rng = parse_range(environ.get(ENV_SWITCH, ""))
-    if rng is None:
-        return False
-    install(rng)
-    return True
+    router_rng = parse_range(environ.get(ROUTER_ENV, ""), ROUTER_ENV, DEFAULT_ROUTER_RANGE)
+    router_cfg = parse_router_config(environ.get(ROUTER_CONFIG_ENV, ""))
+    if rng is not None:
+        install(rng)
+    if router_rng is not None:
+        install_router(router_rng, router_cfg)
+    return rng is not None or router_rng is not None

@@ -156,3 +156,109 @@ def test_the_installed_sglangs_router_gemm_is_found():
 
     src = inspect.getsource(dsv2.MoEGate.forward)
     assert f"from {mod.__name__} import {attr}" in src
+
+
+@pytest.mark.parametrize("value,want", [("1", (2, 32)), ("9-16", (9, 16)), ("0", None)])
+def test_router_switch_range(value, want):
+    assert dh.parse_range(value, dh.ROUTER_ENV, dh.DEFAULT_ROUTER_RANGE) == want
+    with pytest.raises(dh.SkinnyGemmHookError, match="SGLANG_DDTREE_ROUTER_GEMM=.*LO-HI"):
+        dh.parse_range("2-99", dh.ROUTER_ENV, dh.DEFAULT_ROUTER_RANGE)
+
+
+def test_router_config_parses_and_names_the_form():
+    cfg = dh.parse_router_config("")
+    assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages) == \
+        dh.ROUTER_CONFIG
+    cfg = dh.parse_router_config("32,64,28")
+    assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps) == (32, 64, 28, 4)
+    assert dh.parse_router_config(" 64,128,28,8,2 ").num_stages == 2
+    for bad in ("64,128", "64,x,2", "48,128,2", "64,128,0", "64,128,2,3", "1,2,3,4,5,6"):
+        with pytest.raises(dh.SkinnyGemmHookError, match="SGLANG_DDTREE_ROUTER_GEMM_CONFIG"):
+            dh.parse_router_config(bad)
+
+
+def test_router_fits_follows_the_config():
+    cfg = dh.parse_router_config("64,128,14")
+    w = _w(384, 7168)
+    x = torch.zeros(16, 7168, dtype=torch.bfloat16)
+    assert dh.router_fits(w, x, 2, 32, cfg)
+    assert not dh.router_fits(w, x[:1], 2, 32, cfg)  # below the range: SGLang's
+    assert not dh.router_fits(w, torch.zeros(33, 7168, dtype=torch.bfloat16), 2, 32, cfg)
+    assert not dh.router_fits(w, x, 2, 32, dh.parse_router_config("64,128,16"))  # K split
+    assert not dh.router_fits(_w(320, 7168), x, 2, 32, dh.parse_router_config("128,128,14"))
+    assert dh.router_fits(_w(320, 7168), x, 2, 32, dh.parse_router_config("64,128,14"))
+    assert not dh.router_fits(w, x.float(), 2, 32, cfg)
+    assert not dh.router_fits(w.t().contiguous().t(), x, 2, 32, cfg)
+
+
+def _fake_tiny_module(name="_ddtree_fake_tiny"):
+    import sys
+    import types
+
+    mod = types.ModuleType(name)
+
+    def dsv3_router_gemm(hidden_states, router_weights, out_dtype=torch.bfloat16, output=None):
+        return "sglang-tiny"
+
+    mod.dsv3_router_gemm = dsv3_router_gemm
+    sys.modules[name] = mod
+    return mod
+
+
+def test_router_switch_patches_both_router_gemms_and_restores():
+    tiny, lin = _fake_tiny_module(), _fake_router_module("_ddtree_fake_router3")
+    orig_tiny, orig_lin = tiny.dsv3_router_gemm, lin.linear_bf16_fp32
+    try:
+        assert dh.install_router((2, 32), tiny_target=(tiny, "dsv3_router_gemm"),
+                                 router_target=(lin, "linear_bf16_fp32")) is True
+        assert tiny.dsv3_router_gemm is dh._router_tiny
+        assert lin.linear_bf16_fp32 is dh._router_linear
+        assert dh.install_router((2, 32), tiny_target=(tiny, "dsv3_router_gemm"),
+                                 router_target=(lin, "linear_bf16_fp32")) is False
+        w = _w(384, 7168)
+        x = torch.zeros(16, 7168, dtype=torch.bfloat16)  # fits, but on the CPU: SGLang's
+        assert tiny.dsv3_router_gemm(x, w, out_dtype=torch.float32) == "sglang-tiny"
+        assert tiny.dsv3_router_gemm(x, w, out_dtype=torch.float32, output=x) == "sglang-tiny"
+        assert lin.linear_bf16_fp32(x, w) == "sglang-router"
+        assert dh._state["tiny"][2] is orig_tiny and dh._state["router"][2] is orig_lin
+    finally:
+        dh.uninstall()
+    assert tiny.dsv3_router_gemm is orig_tiny and lin.linear_bf16_fp32 is orig_lin
+    assert dh._state["tiny"] is None and dh._state["router_range"] is None
+
+
+def test_tiny_router_target_checks_what_it_patches():
+    mod = _fake_tiny_module("_ddtree_fake_tiny2")
+    assert dh._tiny_router_target(("_ddtree_fake_tiny2", "dsv3_router_gemm")) == (
+        mod, "dsv3_router_gemm")
+    with pytest.raises(dh.SkinnyGemmHookError, match="SGLANG_DDTREE_ROUTER_GEMM: cannot find"):
+        dh._tiny_router_target(("_ddtree_fake_tiny2", "missing"))
+    mod.other = lambda a, b: None
+    with pytest.raises(dh.SkinnyGemmHookError, match="out_dtype"):
+        dh._tiny_router_target(("_ddtree_fake_tiny2", "other"))
+
+
+def test_maybe_install_checks_the_router_values_first():
+    with pytest.raises(dh.SkinnyGemmHookError, match="ROUTER_GEMM_CONFIG"):
+        dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "1",
+                          "SGLANG_DDTREE_ROUTER_GEMM_CONFIG": "64"})
+    assert dh._state["tiny"] is None and dh._state["router_range"] is None
+    assert dh.maybe_install({}) is False
+
+
+def test_the_installed_sglangs_tiny_router_gemm_is_named_in_moegate():
+    """compat.<release>.ROUTER_TINY_GEMM is the name DeepseekV2's MoEGate calls for few rows
+    (0.5.17: dsv3_router_gemm; 0.5.23: tiny_gemm_bf16), imported into the model module on CUDA
+    builds (on this CPU-only machine the attribute may be absent, so the source is checked)."""
+    pytest.importorskip("sglang")
+    import inspect
+
+    from sglang_ddtree import compat
+
+    import sglang.srt.models.deepseek_v2 as dsv2
+
+    mod_name, attr = compat.load().ROUTER_TINY_GEMM
+    assert mod_name == dsv2.__name__
+    assert f"logits = {attr}(" in inspect.getsource(dsv2.MoEGate.forward)
+    assert f"import {attr}" in inspect.getsource(dsv2) or f"{attr} as {attr}" in \
+        inspect.getsource(dsv2)

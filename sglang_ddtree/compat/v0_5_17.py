@@ -32,6 +32,10 @@ DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "server_args", "custom_mask",
 # above 16 rows on sm_90 (dense_hook's SGLANG_DDTREE_SKINNY_GEMM patches this attribute)
 ROUTER_GEMM = ("sglang.kernels.ops.attention.dsv4", "linear_bf16_fp32")
 
+# SGLang's tiny router GEMM, the one DeepseekV2's MoEGate calls up to 16 rows on sm_90
+# (dense_hook's SGLANG_DDTREE_ROUTER_GEMM patches this attribute of the model module)
+ROUTER_TINY_GEMM = ("sglang.srt.models.deepseek_v2", "dsv3_router_gemm")
+
 # name -> (module, attribute), imported on first use
 _LAZY = {
     **LAZY_COMMON,

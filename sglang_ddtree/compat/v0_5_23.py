@@ -51,6 +51,11 @@ DUMMY_VERIFY_INPUT_PARAMS = ("spec_algorithm", "custom_mask", "num_tokens_per_re
 # above its tiny-router kernel's row limit (moved here from attention.dsv4 after 0.5.17)
 ROUTER_GEMM = ("sglang.kernels.ops.gemm.bf16_fp32", "linear_bf16_fp32")
 
+# SGLang's tiny router GEMM, the one DeepseekV2's MoEGate calls up to its
+# tiny_router_gemm_max_tokens rows (dense_hook's SGLANG_DDTREE_ROUTER_GEMM patches this
+# attribute of the model module)
+ROUTER_TINY_GEMM = ("sglang.srt.models.deepseek_v2", "tiny_gemm_bf16")
+
 # name -> (module, attribute), imported on first use
 _LAZY = {
     **LAZY_COMMON,

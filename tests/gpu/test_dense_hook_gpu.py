@@ -4,7 +4,10 @@ UnquantizedLinearMethod: calls in the token range take the skinny GEMM and match
 F.linear bit for bit, and a CUDA graph
 captured after an eager call replays them (two layers, each with its own counters). The MoE
 router's fp32-output GEMM (SGLang's ``linear_bf16_fp32``) likewise: fp32 out, within 1e-4 of
-SGLang's own (both sum in fp32), untouched outside the range."""
+SGLang's own (both sum in fp32), untouched outside the range. SGLANG_DDTREE_ROUTER_GEMM: both of
+SGLang's router GEMMs (the tiny one up to 16 rows, ``linear_bf16_fp32`` above) take the kernel in
+its range with the router's config, fp32 out within 1e-4 of the fp32 reference, and a captured
+graph replays them bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -87,3 +90,63 @@ def test_router_gemm_takes_the_kernel_in_range_and_returns_fp32(hook):
             ref = x.float() @ w.float().t()
             assert ((got - ref).norm() / ref.norm()).item() <= 1e-4
     assert getattr(w, "_ddtree_skinny_counters", None) is not None
+
+
+@pytest.fixture()
+def router_hook():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("sglang")
+    from tests.triton_kernels._moe_kernels import lang_mode_matches
+
+    from sglang_ddtree import dense_hook
+
+    if not lang_mode_matches(interpret=False):
+        pytest.skip("triton was imported in interpreter mode in this process")
+    dense_hook.install_router((2, 32))
+    yield dense_hook
+    dense_hook.uninstall()
+
+
+def test_router_switch_takes_both_router_gemms_in_range(router_hook):
+    hook = router_hook
+    tiny_mod, tiny_attr = hook._tiny_router_target()
+    lin_mod, lin_attr = hook._router_target()
+    tiny, lin = getattr(tiny_mod, tiny_attr), getattr(lin_mod, lin_attr)
+    assert tiny is hook._router_tiny and lin is hook._router_linear
+    tiny_orig, lin_orig = hook._state["tiny"][2], hook._state["router"][2]
+    w = _layer(384, 7168, 5).weight
+    for m in (1, 2, 8, 16, 17, 32, 33):
+        x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ w.float().t()
+        calls = [(lin, lin_orig, {})]
+        if m <= 16:
+            calls.append((tiny, tiny_orig, {"out_dtype": torch.float32}))
+        for fn, orig, kw in calls:
+            got, want = fn(x, w, **kw), orig(x, w, **kw)
+            assert got.dtype == torch.float32 and tuple(got.shape) == (m, 384)
+            if m in (1, 33):
+                assert torch.equal(got, want)  # out of the range: SGLang's path untouched
+            else:
+                assert ((got - ref).norm() / ref.norm()).item() <= 1e-4, (m, fn)
+    assert w._ddtree_skinny_config == hook._state["router_config"]
+    x = torch.randn(16, 7168, device="cuda").to(torch.bfloat16)
+    got = tiny(x, w)  # SGLang's default bf16 out
+    assert got.dtype == torch.bfloat16
+    ref = x.float() @ w.float().t()
+    assert ((got.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def test_router_switch_graph_replay_is_bitwise(router_hook):
+    hook = router_hook
+    tiny_mod, tiny_attr = hook._tiny_router_target()
+    tiny = getattr(tiny_mod, tiny_attr)
+    ws = [_layer(384, 7168, 6 + i).weight for i in range(2)]
+    x = torch.randn(16, 7168, device="cuda").to(torch.bfloat16)
+    eager = [tiny(x, w, out_dtype=torch.float32).clone() for w in ws]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = [tiny(x, w, out_dtype=torch.float32) for w in ws]
+    for _ in range(3):
+        graph.replay()
+        assert all(torch.equal(y, e) for y, e in zip(ys, eager))
