@@ -48,7 +48,17 @@ Why: session 30's profile of the Kimi rank (8 layers, batch 1) had the dsv3 rout
 us a call for one token and 8.1 us for 16 (cuBLAS at 17 rows: 6.6 us plus a 2.6 us split-K
 reduce), about 5 us a layer of the verify's extra time over decode. Its tiles come from
 ``SGLANG_DDTREE_ROUTER_GEMM_CONFIG=block_n,block_k,split_k[,num_warps[,num_stages]]``
-(default ``ROUTER_CONFIG``). When both switches are set, the router switch alone decides the
+(default ``ROUTER_CONFIG``, the fastest of 32 tilings at 1-16 rows in session 42's sweeps).
+
+Measured (session 42, H200, ``bench_results/skinny_router_*_h200_s42.json``, CUDA graphs over
+256 MB of router weights, us per call at 1 / 2 / 8 / 16 rows): SGLang 0.5.17's dsv3 router
+3.07 / 3.30 / 4.92 / 7.45, this kernel 5.13 / 5.78 / 5.85 / 6.03, cuBLAS 7.32 / 7.29 / 7.40 /
+7.62; at 17 / 32 rows this kernel 7.28 / 7.81 against cuBLAS 7.63 / 7.74. The dsv3 kernel's time
+grows with the rows and crosses this one's near 12, hence ``DEFAULT_ROUTER_RANGE``. Served on the
+61-layer int4 Kimi rank at budget 15, batch 1 (one verify of 16 rows a step), range 2-32: verify
+7.452 ms against 7.476 without the switch (AR 6.235 ms: 1.195 against 1.199), a 0.3 % gain;
+DDTREE budgets 15 / 16 at batch 1 / 2 on the 8-layer int4 rank with the switch: 48 / 48
+identical to AR. Off by default. When both switches are set, the router switch alone decides the
 router's calls (one config and one set of arrival counters per weight).
 """
 from __future__ import annotations
@@ -66,7 +76,7 @@ ENV_SWITCH = "SGLANG_DDTREE_SKINNY_GEMM"
 DEFAULT_RANGE = (17, 32)
 ROUTER_ENV = "SGLANG_DDTREE_ROUTER_GEMM"
 ROUTER_CONFIG_ENV = "SGLANG_DDTREE_ROUTER_GEMM_CONFIG"
-DEFAULT_ROUTER_RANGE = (2, 32)
+DEFAULT_ROUTER_RANGE = (12, 32)  # below 12 rows SGLang's dsv3 router is faster (session 42)
 ROUTER_CONFIG = (64, 128, 14, 4, 0)  # block_n, block_k, split_k, num_warps, num_stages
 WIDE_K = 2  # a weight [N, K] takes the kernel only when K >= WIDE_K * N (see above)
 _COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers

@@ -158,7 +158,7 @@ def test_the_installed_sglangs_router_gemm_is_found():
     assert f"from {mod.__name__} import {attr}" in src
 
 
-@pytest.mark.parametrize("value,want", [("1", (2, 32)), ("9-16", (9, 16)), ("0", None)])
+@pytest.mark.parametrize("value,want", [("1", (12, 32)), ("9-16", (9, 16)), ("0", None)])
 def test_router_switch_range(value, want):
     assert dh.parse_range(value, dh.ROUTER_ENV, dh.DEFAULT_ROUTER_RANGE) == want
     with pytest.raises(dh.SkinnyGemmHookError, match="SGLANG_DDTREE_ROUTER_GEMM=.*LO-HI"):
