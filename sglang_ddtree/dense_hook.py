@@ -238,26 +238,32 @@ def _router_tiny(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs):
     return tiny[2](x, weight, *args, **kwargs)
 
 
+def _find_sglang_fn(spec, compat_name: str, env: str, what: str):
+    """(module, attribute, function) that ``spec`` (default ``compat.<release>.<compat_name>``)
+    names; raises SkinnyGemmHookError naming ``env`` where it is missing."""
+    if spec is None:
+        from . import compat
+
+        spec = getattr(compat.load(), compat_name)
+    mod_name, attr = spec
+    try:
+        mod = importlib.import_module(mod_name)
+        return mod, attr, getattr(mod, attr)
+    except (ImportError, AttributeError) as exc:
+        raise SkinnyGemmHookError(f"{env}: cannot find SGLang's {what} {mod_name}.{attr}: "
+                                  f"{exc!r}; unset the switch") from exc
+
+
 def _router_target(spec: tuple[str, str] | None = None):
     """(module, attribute name) of the router GEMM ``spec`` names (default: the installed
     release's, ``compat.<release>.ROUTER_GEMM``); raises SkinnyGemmHookError where it is
     missing or takes other arguments."""
-    if spec is None:
-        from . import compat
-
-        spec = compat.load().ROUTER_GEMM
-    mod_name, attr = spec
-    try:
-        mod = importlib.import_module(mod_name)
-        fn = getattr(mod, attr)
-    except (ImportError, AttributeError) as exc:
-        raise SkinnyGemmHookError(f"{ENV_SWITCH}: cannot find SGLang's router GEMM "
-                                  f"{mod_name}.{attr}: {exc!r}; unset the switch") from exc
+    mod, attr, fn = _find_sglang_fn(spec, "ROUTER_GEMM", ENV_SWITCH, "router GEMM")
     if fn is not _router_linear:  # already ours: SGLang's was checked when it was patched
         params = list(inspect.signature(fn).parameters.values())
         if [p.name for p in params[:2]] != ["x", "y"] or any(
                 p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[2:]):
-            raise SkinnyGemmHookError(f"{ENV_SWITCH}: {mod_name}.{attr} takes "
+            raise SkinnyGemmHookError(f"{ENV_SWITCH}: {mod.__name__}.{attr} takes "
                                       f"{[p.name for p in params]}, expected (x, y, *, ...); "
                                       "unset the switch")
     return mod, attr
@@ -267,21 +273,11 @@ def _tiny_router_target(spec: tuple[str, str] | None = None):
     """(module, attribute name) of SGLang's tiny router GEMM (default: the installed release's,
     ``compat.<release>.ROUTER_TINY_GEMM``); raises SkinnyGemmHookError naming the fix where it
     is missing (a build without CUDA does not import it)."""
-    if spec is None:
-        from . import compat
-
-        spec = compat.load().ROUTER_TINY_GEMM
-    mod_name, attr = spec
-    try:
-        mod = importlib.import_module(mod_name)
-        fn = getattr(mod, attr)
-    except (ImportError, AttributeError) as exc:
-        raise SkinnyGemmHookError(f"{ROUTER_ENV}: cannot find SGLang's tiny router GEMM "
-                                  f"{mod_name}.{attr}: {exc!r}; unset the switch") from exc
+    mod, attr, fn = _find_sglang_fn(spec, "ROUTER_TINY_GEMM", ROUTER_ENV, "tiny router GEMM")
     if fn is not _router_tiny:
         params = list(inspect.signature(fn).parameters)
         if len(params) < 2 or "out_dtype" not in params:
-            raise SkinnyGemmHookError(f"{ROUTER_ENV}: {mod_name}.{attr} takes {params}, "
+            raise SkinnyGemmHookError(f"{ROUTER_ENV}: {mod.__name__}.{attr} takes {params}, "
                                       "expected (x, w, ..., out_dtype, ...); unset the switch")
     return mod, attr
 

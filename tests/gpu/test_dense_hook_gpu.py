@@ -17,8 +17,8 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture()
-def hook():
+def _dense_hook():
+    """sglang_ddtree.dense_hook where this process can run its kernel on the GPU, else skip."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("sglang")
@@ -28,6 +28,12 @@ def hook():
 
     if not lang_mode_matches(interpret=False):
         pytest.skip("triton was imported in interpreter mode in this process")
+    return dense_hook
+
+
+@pytest.fixture()
+def hook():
+    dense_hook = _dense_hook()
     dense_hook.install((17, 64))
     yield dense_hook
     dense_hook.uninstall()
@@ -94,15 +100,7 @@ def test_router_gemm_takes_the_kernel_in_range_and_returns_fp32(hook):
 
 @pytest.fixture()
 def router_hook():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("sglang")
-    from tests.triton_kernels._moe_kernels import lang_mode_matches
-
-    from sglang_ddtree import dense_hook
-
-    if not lang_mode_matches(interpret=False):
-        pytest.skip("triton was imported in interpreter mode in this process")
+    dense_hook = _dense_hook()
     dense_hook.install_router((2, 32))
     yield dense_hook
     dense_hook.uninstall()
