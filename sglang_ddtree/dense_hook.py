@@ -48,7 +48,8 @@ Why: session 30's profile of the Kimi rank (8 layers, batch 1) had the dsv3 rout
 us a call for one token and 8.1 us for 16 (cuBLAS at 17 rows: 6.6 us plus a 2.6 us split-K
 reduce), about 5 us a layer of the verify's extra time over decode. Its tiles come from
 ``SGLANG_DDTREE_ROUTER_GEMM_CONFIG=block_n,block_k,split_k[,num_warps[,num_stages]]``
-(default ``ROUTER_CONFIG``, the fastest of 32 tilings at 1-16 rows in session 42's sweeps).
+(default ``ROUTER_CONFIG``: of 32 tilings in session 42's sweeps the fastest at 1 row and
+within 0.2 us of the fastest, 16 x 128 on 2 warps, at 8 and 16).
 
 Measured (session 42, H200, ``bench_results/skinny_router_*_h200_s42.json``, CUDA graphs over
 256 MB of router weights, us per call at 1 / 2 / 8 / 16 rows): SGLang 0.5.17's dsv3 router
