@@ -161,16 +161,21 @@ def eligible(layer: torch.nn.Module, x: torch.Tensor, bias, lo: int, hi: int) ->
     return x.is_cuda and shapes_fit(getattr(layer, "weight", None), x, bias, lo, hi)
 
 
+def _operands_fit(w, x: torch.Tensor, lo: int, hi: int) -> bool:
+    """A 2-D bf16 ``x`` of ``lo``-``hi`` rows with unit column stride against a contiguous bf16
+    ``[N, K]`` weight of the same K: what every call the kernel takes has."""
+    return (isinstance(w, torch.Tensor) and x.dim() == 2 and lo <= x.shape[0] <= hi
+            and x.dtype == torch.bfloat16 and x.stride(1) == 1 and w.dtype == torch.bfloat16
+            and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[1])
+
+
 def shapes_fit(w, x: torch.Tensor, bias, lo: int, hi: int) -> bool:
     """:func:`eligible` but for the device: no bias, 2-D bf16 ``x`` of ``lo``-``hi`` rows with
     unit column stride, and a contiguous bf16 ``[N, K]`` weight the kernel tiles, wide in K
     (``K >= WIDE_K * N``: the only shapes it beat cuBLAS on)."""
     from .triton_kernels import skinny_gemm as sg  # the tiles the kernel's default config takes
 
-    return (bias is None and isinstance(w, torch.Tensor) and x.dim() == 2
-            and lo <= x.shape[0] <= hi and x.dtype == torch.bfloat16 and x.stride(1) == 1
-            and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
-            and w.shape[1] == x.shape[1] and w.shape[0] % sg.BLOCK_N == 0
+    return (bias is None and _operands_fit(w, x, lo, hi) and w.shape[0] % sg.BLOCK_N == 0
             and w.shape[1] % sg.BLOCK_K == 0 and w.shape[1] >= WIDE_K * w.shape[0])
 
 
@@ -191,16 +196,21 @@ def router_fits(w, x: torch.Tensor, lo: int, hi: int, cfg) -> bool:
     """Whether a router call takes the kernel under the router switch: ``lo``-``hi`` rows of a
     2-D CUDA bf16 ``x`` (unit column stride) against a contiguous bf16 ``[N, K]`` weight that
     ``cfg`` tiles (N a multiple of block_n, K of block_k x split_k)."""
-    return (isinstance(w, torch.Tensor) and x.dim() == 2 and lo <= x.shape[0] <= hi
-            and x.dtype == torch.bfloat16 and x.stride(1) == 1 and w.dtype == torch.bfloat16
-            and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[1]
-            and w.shape[0] % cfg.block_n == 0 and w.shape[1] % (cfg.block_k * cfg.split_k) == 0)
+    return (_operands_fit(w, x, lo, hi) and w.shape[0] % cfg.block_n == 0
+            and w.shape[1] % (cfg.block_k * cfg.split_k) == 0)
 
 
 def _router_call(x: torch.Tensor, weight: torch.Tensor, out_dtype):
-    """The router GEMM on our kernel when the router switch takes this call, else None."""
+    """The router GEMM on our kernel where a switch takes this call, else None: the router
+    switch alone decides where it is set (its range and tiles), else the skinny switch (its
+    range, wide-K weights, default tiles)."""
     rng, cfg = _state["router_range"], _state["router_config"]
-    if rng is None or not x.is_cuda or not router_fits(weight, x, *rng, cfg):
+    if not x.is_cuda:
+        return None
+    if rng is not None:
+        if not router_fits(weight, x, *rng, cfg):
+            return None
+    elif _state["range"] is None or not shapes_fit(weight, x, None, *_state["range"]):
         return None
     out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
     return _skinny(weight, weight, x, out=out, config=cfg)
@@ -215,14 +225,8 @@ def _apply(self, layer: torch.nn.Module, x: torch.Tensor, bias=None):
 
 def _router_linear(x: torch.Tensor, weight: torch.Tensor, **kwargs):
     """Stands in for SGLang's ``linear_bf16_fp32`` (the MoE router's fp32-output GEMM)."""
-    rng, router = _state["range"], _state["router"]
-    if _state["router_range"] is not None:  # the router switch alone decides (docstring)
-        y = None if kwargs else _router_call(x, weight, torch.float32)
-        return y if y is not None else router[2](x, weight, **kwargs)
-    if rng is not None and not kwargs and x.is_cuda and shapes_fit(weight, x, None, *rng):
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-        return _skinny(weight, weight, x, out=out)
-    return router[2](x, weight, **kwargs)
+    y = None if kwargs else _router_call(x, weight, torch.float32)
+    return y if y is not None else _state["router"][2](x, weight, **kwargs)
 
 
 def _router_tiny(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs):
@@ -283,6 +287,17 @@ def _tiny_router_target(spec: tuple[str, str] | None = None):
     return mod, attr
 
 
+def _patch(key: str, target, stand_in) -> bool:
+    """Put ``stand_in`` at ``target`` (``(module, attribute)``, None: nothing) unless ``key``'s
+    slot already holds a patch; the original is kept in ``_state[key]`` for :func:`uninstall`."""
+    if target is None or _state[key] is not None:
+        return False
+    mod, attr = target
+    _state[key] = (mod, attr, getattr(mod, attr))
+    setattr(mod, attr, stand_in)
+    return True
+
+
 def install_router(token_range: tuple[int, int] = DEFAULT_ROUTER_RANGE, config=None,
                    tiny_target="sglang", router_target="sglang") -> bool:
     """Put the MoE router's GEMM for ``token_range`` rows on the skinny kernel with ``config``
@@ -295,17 +310,8 @@ def install_router(token_range: tuple[int, int] = DEFAULT_ROUTER_RANGE, config=N
         router_target = _router_target()
     _state["router_range"] = token_range
     _state["router_config"] = config or parse_router_config("")
-    patched = False
-    if tiny_target is not None and _state["tiny"] is None:
-        mod, attr = tiny_target
-        _state["tiny"] = (mod, attr, getattr(mod, attr))
-        setattr(mod, attr, _router_tiny)
-        patched = True
-    if router_target is not None and _state["router"] is None:
-        mod, attr = router_target
-        _state["router"] = (mod, attr, getattr(mod, attr))
-        setattr(mod, attr, _router_linear)
-        patched = True
+    patched = _patch("tiny", tiny_target, _router_tiny)
+    patched = _patch("router", router_target, _router_linear) or patched
     if patched:
         logger.warning("sglang-ddtree: %s: the MoE router's GEMM runs the skinny Triton GEMM "
                        "for %d-%d token rows (%s)", ROUTER_ENV, *token_range,
@@ -335,10 +341,7 @@ def install(token_range: tuple[int, int] = DEFAULT_RANGE, cls=None,
     if router_target == "sglang":
         router_target = _router_target()
     _state["range"] = token_range
-    if router_target is not None and _state["router"] is None:
-        mod, attr = router_target
-        _state["router"] = (mod, attr, getattr(mod, attr))
-        setattr(mod, attr, _router_linear)
+    _patch("router", router_target, _router_linear)
     if cls.__dict__.get("apply") is _apply:
         return False
     cls._ddtree_original_apply = cls.apply
