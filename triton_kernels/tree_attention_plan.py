@@ -55,14 +55,23 @@ _MLA_SMALL_BATCH = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=
                                 min_split_keys=128)
 _MLA_SMALL_BATCH_MAX_ROWS = 144
 # MLA trees of 145-264 query rows per KV head (Kimi TP8: budgets 18-32) in a batch of at most 528
-# rows: the default tile with splits of at least 128 keys instead of 256. On the H200
+# rows: splits of at least 128 keys instead of 256. On the H200
 # (bench_results/tree_verify_mla_minsplit_h200_s18.json and tree_verify_mla_rows_h200_s18.json,
 # 264 rows per request, same split counts as served): batch 1 33.0 -> 29.1 us at 512 keys and
 # 33.7 -> 31.1 at 2,048, batch 2 37.3 -> 29.3 and 39.7 -> 34.8, equal at 8,192; not at 520 rows
-# (budget 64, batch 1: 40.5 -> 59.8 at 2,048) nor at batch 8 (equal).
+# (budget 64, batch 1: 40.5 -> 59.8 at 2,048) nor at batch 8 (equal). On Hopper these trees take
+# the 8-warp 64-row tile (_MLA_WGMMA_TILE) with the same 128-key splits: budgets 31 / 32 (256 /
+# 264 rows) at batch 1 and 2 faster than the 32-row tile at all 40 measured points, 576 to
+# 65,536 keys, planned for 1,600 (the Kimi cost curves' servers) and for 262,144 keys
+# (bench_results/tv_short_mla_s43.json, tv_short_mla_plan1600_s43.json,
+# tv_wgmma_mla_plan262k_s43.json): 24.4 -> 23.0 us (batch 1, budget 31, 576 keys), 28.4 -> 23.9
+# (batch 2), 34.8 -> 32.8 (1,536 keys), 202.6 -> 170.7 (65,536 keys). Session 33's 0.96x at
+# batch 1 / 2,048 keys was the tile with 256-key splits (31.3-41.2 us at 576-1,536 keys here).
+# Trees of 145-255 rows (budgets 18-30) were not measured on it and keep the 32-row tile.
 _MLA_FEW_ROWS_MIN_SPLIT = 128
 _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
+_MLA_FEW_ROWS_WGMMA_MIN_ROWS = 256
 # MHA (head dim <= 128) tiles. A tree's rows per KV head are (budget + 1) x group, a power of
 # two plus a group at the usual budgets, so 128-row tiles of 132 rows (budget 32 at 4 query
 # heads per KV head) run a second block for 4 rows. On the H200
@@ -110,7 +119,7 @@ def _hopper(device: torch.device) -> bool:
 
 def _mla_tile_smem(cfg: KernelConfig) -> Optional[int]:
     """Shared memory of a served MLA tile shape, None for other shapes."""
-    if cfg == _MLA_WGMMA_TILE:
+    if replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) == _MLA_WGMMA_TILE:
         return _MLA_WGMMA_SMEM
     if (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dv_split, cfg.dk_chunk) != (64, 4, 2, 1, 0):
         return None
@@ -164,8 +173,9 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
     """The config of one batch size where it differs from the default, else None. MLA with
     few query rows: a smaller tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch,
     and shorter splits for trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in
-    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS; wider trees on Hopper, the 8-warp 64-row
-    tile (_MLA_WGMMA_TILE). MHA trees wide enough for 128-row tiles:
+    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS (from _MLA_FEW_ROWS_WGMMA_MIN_ROWS rows on
+    Hopper on the 8-warp 64-row tile); wider trees on Hopper, the 8-warp 64-row tile
+    (_MLA_WGMMA_TILE). MHA trees wide enough for 128-row tiles:
     64-row tiles again in batches of more than _MHA_WIDE_MAX_GROUPS KV-head groups.
 
     ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
@@ -179,7 +189,9 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
         return _MLA_SMALL_BATCH
     if (_MLA_SMALL_BATCH_MAX_ROWS < rows <= _MLA_FEW_ROWS_MAX_ROWS
             and groups * rows <= _MLA_FEW_ROWS_MAX_BATCH_ROWS):
-        return replace(_default_config(dk, d_pe, dv, rows, device),
+        wide = (rows >= _MLA_FEW_ROWS_WGMMA_MIN_ROWS and _hopper(device)
+                and _mla_fits(_MLA_WGMMA_TILE, device))
+        return replace(_MLA_WGMMA_TILE if wide else _default_config(dk, d_pe, dv, rows, device),
                        min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
     if (rows > _MLA_WGMMA_MIN_ROWS or (rows == _MLA_WGMMA_MIN_ROWS
                                        and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN)) \

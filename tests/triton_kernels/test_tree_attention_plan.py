@@ -133,21 +133,29 @@ def test_mla_split_count_uses_the_devices_slots(monkeypatch):
 def test_wide_mla_trees_take_the_8_warp_tile_on_hopper_only(monkeypatch):
     """MLA trees of more than 264 rows per request (Kimi TP8: budget 33 and up), or of 264 in
     batches of 8 and more, run the 8-warp 64-row tile on Hopper (wgmma; one program per SM in
-    the split planner's slots); budget 32 at batch 1-2 keeps the 32-row tile's short splits,
-    and other archs, or a device whose blocks cannot take 225,280 bytes, keep the 32-row tile."""
+    the split planner's slots); budgets 31 / 32 (256 / 264 rows) at batch 1-2 run it too, with
+    128-key splits; budgets 18-30 there, and other archs, or a device whose blocks cannot take
+    225,280 bytes, keep the 32-row tile."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
     assert not PLAN._hopper(torch.device("cpu"))
     monkeypatch.setattr(PLAN, "shared_memory", lambda device: (232448, 233472))
+    shape = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages, c.dv_split,  # noqa: E731
+                       c.dk_chunk)
     for major, wgmma in ((9, True), (10, False), (8, False)):
         monkeypatch.setattr(PLAN, "_hopper", lambda device, major=major: major == 9)
-        for rows, bs, want in ((65 * 8, 1, wgmma), (34 * 8, 2, wgmma), (33 * 8, 8, wgmma),
-                               (33 * 8, 32, wgmma), (33 * 8, 4, False), (33 * 8, 1, False),
-                               (32 * 8, 8, False), (9 * 8, 32, False)):
+        for rows, bs, want, min_split in (
+                (65 * 8, 1, wgmma, 256), (34 * 8, 2, wgmma, 256), (33 * 8, 8, wgmma, 256),
+                (33 * 8, 32, wgmma, 256), (33 * 8, 4, False, 256), (33 * 8, 1, wgmma, 128),
+                (33 * 8, 2, wgmma, 128), (32 * 8, 1, wgmma, 128), (32 * 8, 2, wgmma, 128),
+                (31 * 8, 1, False, 128), (19 * 8, 2, False, 128), (32 * 8, 8, False, 256),
+                (9 * 8, 32, False, 256)):
             cfg = PLAN._batch_config(512, 64, 512, rows, bs, cuda)
-            got = cfg == PLAN._MLA_WGMMA_TILE
+            got = cfg is not None and shape(cfg) == shape(PLAN._MLA_WGMMA_TILE)
             assert got == want, (major, rows, bs, cfg)
+            assert (cfg.min_split_keys if cfg else 256) == min_split, (major, rows, bs, cfg)
             if got:
                 assert PLAN.mla_programs_per_sm(cfg, cuda) == 1
+                assert PLAN._mla_tile_smem(cfg) == PLAN._MLA_WGMMA_SMEM
     monkeypatch.setattr(PLAN, "_hopper", lambda device: True)
     monkeypatch.setattr(PLAN, "shared_memory", lambda device: (166912, 167936))  # sm_80's
     assert PLAN._batch_config(512, 64, 512, 65 * 8, 1, cuda) is None
