@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -459,6 +459,32 @@ for s in "$@"; do
              # keys) with the FlashMLA-prefix path as served beside ours alone and fa3
              step mlagrid ${MLAGRID_LIMIT:-240} python3 scripts/bench_tree_verify.py --kinds mla \
                --no-sglang-triton --mla-prefix --out "$OUT/tree_verify_fa3_fmla_mla_h200.json" ;;
+    widemla) # e67d3b1: MLA budgets 31 / 32 at batch 1 / 2 on Hopper serve the 8-warp 64-row tile
+             # with 128-key splits. Kernel A/B against the 32-row tile it replaced (same 128-key
+             # splits) and the 8-warp tile with 256-key splits (session 33's), the served tile
+             # timed again last (order check), planned for 1,600 keys (the cost-curve servers)
+             # and for 262,144
+             step widemla-tv-short ${WIDEMLA_TV_LIMIT:-150} python3 scripts/bench_tree_verify.py --kinds mla \
+               --no-baselines --batch-sizes 1,2 --budgets 31,32 --contexts 576,1024,1536 \
+               --plan-context 1600 --sweep "32,64,4,2,1,0,128;64,64,8,2,1,0,256;64,64,8,2,1,0,128" --kernel-times \
+               --out "$OUT/tv_wide_mla_plan1600_h200.json"
+             step widemla-tv-long ${WIDEMLA_TV_LIMIT:-150} python3 scripts/bench_tree_verify.py --kinds mla \
+               --no-baselines --batch-sizes 1,2 --budgets 31,32 --contexts 2048,8192,65536 \
+               --plan-context 262144 --sweep "32,64,4,2,1,0,128;64,64,8,2,1,0,256;64,64,8,2,1,0,128" \
+               --out "$OUT/tv_wide_mla_plan262k_h200.json" ;;
+    widemlaserve) # the served tile token for token (8-layer int4 Kimi rank), the doctor's graph
+             # rows at budgets 30-32, and the 61-layer rank's verify / decode at budgets 31 / 32
+             step widemla-e2e ${WIDEMLA_E2E_LIMIT:-300} python3 scripts/e2e_lossless.py \
+               --cases kimi_int4:31,32 --batch-sizes 1,2 --prompts 12 --eager-check= --speed= \
+               --deterministic= --out "$OUT/e2e_lossless_kimi_int4_b31_b32_h200.json"
+             step widemla-doctor ${WIDEMLA_DOCTOR_LIMIT:-200} python3 -m sglang_ddtree.cli doctor --graphs \
+               --kernels mla,mla_fp8 --budgets 30,31,32 --batch-sizes 1,2,8 \
+               --out "$OUT/doctor_mla_b30_b32_h200.json" ;;
+    widemlacosts) step widemla-costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
+               --out "$OUT/cost_curves_kimi_l61_b31_b32_h200.json" \
+               --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
+               --timer-budgets 31,32 --concurrency 1 \
+               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
