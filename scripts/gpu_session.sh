@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -472,6 +472,19 @@ for s in "$@"; do
                --no-baselines --batch-sizes 1,2 --budgets 31,32 --contexts 2048,8192,65536 \
                --plan-context 262144 --sweep "32,64,4,2,1,0,128;64,64,8,2,1,0,256;64,64,8,2,1,0,128" \
                --out "$OUT/tv_wide_mla_plan262k_h200.json" ;;
+    mlahopper) # session 44's Hopper MLA rule (_mla_hopper_config): the served tiles against the
+             # 32-row tile with 256-key splits (what these points served before) in one call,
+             # the doctor's graph rows and DDTREE against AR token for token where it changed
+             step mlahopper-tv ${MLAHOPPER_TV_LIMIT:-150} python3 scripts/bench_tree_verify.py --kinds mla \
+               --no-baselines --batch-sizes 2,4,8,16 --budgets 7,15,16,23,31,32 \
+               --contexts 576,2048,65536 --plan-context 262144 --sweep "32,64,4,2" \
+               --out "$OUT/tv_mla_hopper_rule_h200.json"
+             step mlahopper-doctor ${MLAHOPPER_DOCTOR_LIMIT:-200} python3 -m sglang_ddtree.cli doctor --graphs \
+               --kernels mla,mla_fp8 --budgets 7,15,16,23,29,32 --batch-sizes 2,4,8 \
+               --out "$OUT/doctor_mla_hopper_rule_h200.json"
+             step mlahopper-e2e ${MLAHOPPER_E2E_LIMIT:-330} python3 scripts/e2e_lossless.py \
+               --cases kimi_int4:7,15,16 --batch-sizes 4,8 --prompts 12 --eager-check= --speed= \
+               --deterministic= --out "$OUT/e2e_lossless_kimi_int4_hopper_rule_h200.json" ;;
     widemlaserve) # the served tile token for token (8-layer int4 Kimi rank), the doctor's graph
              # rows at budgets 30-32, and the 61-layer rank's verify / decode at budgets 31 / 32
              step widemla-e2e ${WIDEMLA_E2E_LIMIT:-300} python3 scripts/e2e_lossless.py \

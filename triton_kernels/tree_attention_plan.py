@@ -59,19 +59,11 @@ _MLA_SMALL_BATCH_MAX_ROWS = 144
 # (bench_results/tree_verify_mla_minsplit_h200_s18.json and tree_verify_mla_rows_h200_s18.json,
 # 264 rows per request, same split counts as served): batch 1 33.0 -> 29.1 us at 512 keys and
 # 33.7 -> 31.1 at 2,048, batch 2 37.3 -> 29.3 and 39.7 -> 34.8, equal at 8,192; not at 520 rows
-# (budget 64, batch 1: 40.5 -> 59.8 at 2,048) nor at batch 8 (equal). On Hopper these trees take
-# the 8-warp 64-row tile (_MLA_WGMMA_TILE) with the same 128-key splits: budgets 31 / 32 (256 /
-# 264 rows) at batch 1 and 2 faster than the 32-row tile at all 40 measured points, 576 to
-# 65,536 keys, planned for 1,600 (the Kimi cost curves' servers) and for 262,144 keys
-# (bench_results/tv_short_mla_s43.json, tv_short_mla_plan1600_s43.json,
-# tv_wgmma_mla_plan262k_s43.json): 24.4 -> 23.0 us (batch 1, budget 31, 576 keys), 28.4 -> 23.9
-# (batch 2), 34.8 -> 32.8 (1,536 keys), 202.6 -> 170.7 (65,536 keys). Session 33's 0.96x at
-# batch 1 / 2,048 keys was the tile with 256-key splits (31.3-41.2 us at 576-1,536 keys here).
-# Trees of 145-255 rows (budgets 18-30) were not measured on it and keep the 32-row tile.
+# (budget 64, batch 1: 40.5 -> 59.8 at 2,048) nor at batch 8 (equal). On Hopper most of these
+# trees, and more, take the 8-warp 64-row tile instead (_mla_hopper_config).
 _MLA_FEW_ROWS_MIN_SPLIT = 128
 _MLA_FEW_ROWS_MAX_ROWS = 264
 _MLA_FEW_ROWS_MAX_BATCH_ROWS = 528
-_MLA_FEW_ROWS_WGMMA_MIN_ROWS = 256
 # MHA (head dim <= 128) tiles. A tree's rows per KV head are (budget + 1) x group, a power of
 # two plus a group at the usual budgets, so 128-row tiles of 132 rows (budget 32 at 4 query
 # heads per KV head) run a second block for 4 rows. On the H200
@@ -107,7 +99,30 @@ _MLA_NARROW_TILE = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=
 _MLA_WGMMA_TILE = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 _MLA_WGMMA_SMEM = 225_280
 _MLA_WGMMA_MIN_ROWS = 264
-_MLA_WGMMA_MIN_GROUPS_AT_MIN = 8  # batch x KV heads when rows == _MLA_WGMMA_MIN_ROWS
+_MLA_WGMMA_MIN_GROUPS_AT_MIN = 4  # batch x KV heads when rows == _MLA_WGMMA_MIN_ROWS
+# MLA trees of 64-264 rows per request on Hopper, past the small-batch tile (_mla_hopper_config):
+# the 8-warp 64-row tile too. Session 44 timed it beside the served tiles over budgets 7, 8, 13,
+# 15, 16, 20, 23, 24, 29, 31, 32 (64-264 rows) x batch 1-16 x 576-65,536 keys, planned for 1,600
+# and for 262,144 keys (bench_results/tv_mla_*_s44.json, tv_wide_mla_*_s44.json; Kimi rank
+# shapes, one call). Where 64-row blocks pad a tree no more than 32-row blocks do (rows % 64 ==
+# 0 or > 32) it was faster at all 146 points it takes over, 0.62-0.97x the served time, median
+# 0.86x (budget 15 / batch 4 / 576 keys 38.9 -> 24.2 us, budget 29 / batch 16 / 65,536 keys
+# 2,846 -> 2,414), with splits of at least 128 keys up to
+# _MLA_HOPPER_SHORT_SPLIT_MAX_BATCH_ROWS rows in the batch and of 256 past it (below it 256-key
+# splits were up to 1.41x slower at 576 keys and 128-key ones at most 1.04x slower; past it
+# 128-key splits up to 1.57x slower at 2,048 rows, though up to 1.36x faster at 1,024 rows and
+# 576 keys). Where they pad more (budgets 8, 16, 24, 32: 72 / 136 / 200 / 264 rows) it loses
+# at long contexts (budget 8 / batch 4 / 65,536 keys 293 -> 320 us; budget 24 / batch 4 /
+# 2,048 keys 40.5 -> 53.7) but not for trees of 128 rows or more in batches of up to
+# _MLA_HOPPER_PADDED_MAX_BATCH_ROWS rows (31 points, median 0.82x, e.g. budget 16 / batch 4 /
+# 576 keys 38.2 -> 23.8 us, 462.7 -> 447.8 at 65,536; one slower, budget 24 / batch 2 / 2,048
+# keys 31.8 -> 34.0), nor budget 32 at batch 4 with 256-key splits (7 points, 0.85-0.95x:
+# hence _MLA_WGMMA_MIN_GROUPS_AT_MIN 4, was 8). Budgets 4-6 (40-56 rows) were not measured and
+# keep the 32-row tile.
+_MLA_HOPPER_MIN_ROWS = 64
+_MLA_HOPPER_SHORT_SPLIT_MAX_BATCH_ROWS = 768
+_MLA_HOPPER_PADDED_MIN_ROWS = 128
+_MLA_HOPPER_PADDED_MAX_BATCH_ROWS = 544
 _MLA_PROGRAMS_PER_SM = 2  # 4-warp tiles: registers (255 a thread x 128 threads) allow no more
 
 
@@ -172,11 +187,12 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
                   device: torch.device) -> Optional[KernelConfig]:
     """The config of one batch size where it differs from the default, else None. MLA with
     few query rows: a smaller tile up to _MLA_SMALL_BATCH_MAX_ROWS rows in the whole batch,
-    and shorter splits for trees of more rows than that but at most _MLA_FEW_ROWS_MAX_ROWS, in
-    batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS (from _MLA_FEW_ROWS_WGMMA_MIN_ROWS rows on
-    Hopper on the 8-warp 64-row tile); wider trees on Hopper, the 8-warp 64-row tile
-    (_MLA_WGMMA_TILE). MHA trees wide enough for 128-row tiles:
-    64-row tiles again in batches of more than _MHA_WIDE_MAX_GROUPS KV-head groups.
+    on Hopper the 8-warp 64-row tile (_MLA_WGMMA_TILE) for trees of 64 to
+    _MLA_FEW_ROWS_MAX_ROWS rows where it was measured faster (_mla_hopper_config) and for wider
+    trees; elsewhere shorter splits for trees of more rows than the small-batch limit but at most
+    _MLA_FEW_ROWS_MAX_ROWS, in batches of at most _MLA_FEW_ROWS_MAX_BATCH_ROWS. MHA trees wide
+    enough for 128-row tiles: 64-row tiles again in batches of more than _MHA_WIDE_MAX_GROUPS
+    KV-head groups.
 
     ``rows`` = query rows per KV head of one request (N x group); ``groups`` = batch size x KV
     heads."""
@@ -187,16 +203,35 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
         return _MHA_TILE if wide and groups > _MHA_WIDE_MAX_GROUPS else None
     if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
         return _MLA_SMALL_BATCH
+    hopper_wide = _hopper(device) and _mla_fits(_MLA_WGMMA_TILE, device)
+    if hopper_wide:
+        cfg = _mla_hopper_config(rows, groups)
+        if cfg is not None:
+            return cfg
     if (_MLA_SMALL_BATCH_MAX_ROWS < rows <= _MLA_FEW_ROWS_MAX_ROWS
             and groups * rows <= _MLA_FEW_ROWS_MAX_BATCH_ROWS):
-        wide = (rows >= _MLA_FEW_ROWS_WGMMA_MIN_ROWS and _hopper(device)
-                and _mla_fits(_MLA_WGMMA_TILE, device))
-        return replace(_MLA_WGMMA_TILE if wide else _default_config(dk, d_pe, dv, rows, device),
+        return replace(_default_config(dk, d_pe, dv, rows, device),
                        min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
-    if (rows > _MLA_WGMMA_MIN_ROWS or (rows == _MLA_WGMMA_MIN_ROWS
-                                       and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN)) \
-            and _hopper(device) and _mla_fits(_MLA_WGMMA_TILE, device):
+    if hopper_wide and (rows > _MLA_WGMMA_MIN_ROWS or (
+            rows == _MLA_WGMMA_MIN_ROWS and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN)):
         return _MLA_WGMMA_TILE
+    return None
+
+
+def _mla_hopper_config(rows: int, groups: int) -> Optional[KernelConfig]:
+    """The 8-warp 64-row MLA tile for a tree of _MLA_HOPPER_MIN_ROWS to
+    _MLA_FEW_ROWS_MAX_ROWS rows per request on Hopper (past the small-batch tile), with its
+    split minimum, where session 44 measured it faster than the 32-row tile; else None."""
+    if not _MLA_HOPPER_MIN_ROWS <= rows <= _MLA_FEW_ROWS_MAX_ROWS:
+        return None
+    batch_rows = groups * rows
+    tail = rows % _MLA_WGMMA_TILE.block_m
+    if tail == 0 or tail > _MLA_WGMMA_TILE.block_m // 2:  # no more padding than 32-row blocks
+        short = batch_rows <= _MLA_HOPPER_SHORT_SPLIT_MAX_BATCH_ROWS
+        return replace(_MLA_WGMMA_TILE,
+                       min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT if short else _MIN_SPLIT_KEYS)
+    if rows >= _MLA_HOPPER_PADDED_MIN_ROWS and batch_rows <= _MLA_HOPPER_PADDED_MAX_BATCH_ROWS:
+        return replace(_MLA_WGMMA_TILE, min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
     return None
 
 

@@ -45,11 +45,13 @@ def test_mha_split_count_evens_out_waves():
     assert f(8, 132, 4, 4) == 4 and f(8, 132, 4, 512, max_splits=2) == 2  # caps
 
 
-def test_small_batch_mla_tile_rule():
-    """The small-batch MLA tile serves a whole batch of at most 144 query rows per KV head, the
-    default tile with 128-key splits trees of at most 264 rows in batches of at most 528, on
-    CUDA only; MHA shapes and bigger batches keep the default tile."""
+def test_small_batch_mla_tile_rule(monkeypatch):
+    """Off Hopper (the Hopper rules: the next tests) the small-batch MLA tile serves a whole
+    batch of at most 144 query rows per KV head, the default tile with 128-key splits trees of
+    at most 264 rows in batches of at most 528, on CUDA only; MHA shapes and bigger batches
+    keep the default tile."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    monkeypatch.setattr(PLAN, "_hopper", lambda device: False)  # the same answer on an H200
     small = PLAN._batch_config(512, 64, 512, 17 * 8, 1, cuda)  # Kimi TP8: budget 16, batch 1
     assert small is not None and small.block_m == 16 and small.min_split_keys == 128
     assert PLAN._batch_config(512, 64, 512, 9 * 8, 2, cuda) == small  # budget 8, batch 2
@@ -91,6 +93,7 @@ def test_mla_tiles_follow_the_devices_shared_memory(monkeypatch):
     in split_count's slots; on an H200 (227 KB a block, 228 KB an SM) nothing changes: the
     32-row tile, two programs per SM. Off a GPU, or where CUDA cannot be asked, the H200's."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    monkeypatch.setattr(PLAN, "_hopper", lambda device: False)  # the 32-row tile's rules
     rows = 33 * 8  # Kimi TP8, budget 32
     for have, block_m, per_sm in (((232448, 233472), 32, 2), ((166912, 167936), 32, 1),
                                   ((101376, 102400), 16, 1), (None, 32, 2)):
@@ -131,34 +134,54 @@ def test_mla_split_count_uses_the_devices_slots(monkeypatch):
 
 
 def test_wide_mla_trees_take_the_8_warp_tile_on_hopper_only(monkeypatch):
-    """MLA trees of more than 264 rows per request (Kimi TP8: budget 33 and up), or of 264 in
-    batches of 8 and more, run the 8-warp 64-row tile on Hopper (wgmma; one program per SM in
-    the split planner's slots); budgets 31 / 32 (256 / 264 rows) at batch 1-2 run it too, with
-    128-key splits; budgets 18-30 there, and other archs, or a device whose blocks cannot take
-    225,280 bytes, keep the 32-row tile."""
+    """On Hopper the 8-warp 64-row MLA tile (wgmma; one program per SM in the split planner's
+    slots) serves trees of more than 264 rows per request (Kimi TP8: budget 33 and up), of 264
+    in batches of 4 and more, and, past the small-batch tile, trees of 64-264 rows that 64-row
+    blocks pad no more than 32-row blocks (rows % 64 == 0 or > 32; 128-key splits up to 768
+    rows in the batch, 256-key past it) and padded trees of 128-264 rows in batches of up to
+    544 rows (128-key splits): session 44's H200 measurements. Elsewhere, on other archs and on
+    a device whose blocks cannot take 225,280 bytes, the 32-row tile (128-key splits for
+    145-264 rows in batches of up to 528 rows) or the small-batch tile."""
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
     assert not PLAN._hopper(torch.device("cpu"))
     monkeypatch.setattr(PLAN, "shared_memory", lambda device: (232448, 233472))
     shape = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages, c.dv_split,  # noqa: E731
                        c.dk_chunk)
-    for major, wgmma in ((9, True), (10, False), (8, False)):
+    # (budget, batch): (8-warp tile, split minimum) on Hopper, the same on other archs
+    cases = {
+        (64, 1): ((True, 256), (False, 256)), (33, 2): ((True, 256), (False, 256)),
+        (32, 8): ((True, 256), (False, 256)), (32, 32): ((True, 256), (False, 256)),
+        (32, 4): ((True, 256), (False, 256)), (32, 3): ((False, 256), (False, 256)),
+        (32, 1): ((True, 128), (False, 128)), (32, 2): ((True, 128), (False, 128)),
+        (31, 1): ((True, 128), (False, 128)), (31, 2): ((True, 128), (False, 128)),
+        (31, 8): ((True, 256), (False, 256)), (30, 1): ((True, 128), (False, 128)),
+        (29, 4): ((True, 256), (False, 256)), (23, 4): ((True, 128), (False, 256)),
+        (24, 1): ((True, 128), (False, 128)), (24, 4): ((False, 256), (False, 256)),
+        (18, 2): ((True, 128), (False, 128)), (16, 4): ((True, 128), (False, 256)),
+        (16, 8): ((False, 256), (False, 256)), (15, 4): ((True, 128), (False, 256)),
+        (15, 8): ((True, 256), (False, 256)), (13, 2): ((True, 128), (False, 256)),
+        (7, 4): ((True, 128), (False, 256)), (7, 16): ((True, 256), (False, 256)),
+        (8, 4): ((False, 256), (False, 256)), (8, 32): ((False, 256), (False, 256)),
+        (6, 8): ((False, 256), (False, 256)),
+    }
+    for major in (9, 10, 8):
         monkeypatch.setattr(PLAN, "_hopper", lambda device, major=major: major == 9)
-        for rows, bs, want, min_split in (
-                (65 * 8, 1, wgmma, 256), (34 * 8, 2, wgmma, 256), (33 * 8, 8, wgmma, 256),
-                (33 * 8, 32, wgmma, 256), (33 * 8, 4, False, 256), (33 * 8, 1, wgmma, 128),
-                (33 * 8, 2, wgmma, 128), (32 * 8, 1, wgmma, 128), (32 * 8, 2, wgmma, 128),
-                (31 * 8, 1, False, 128), (19 * 8, 2, False, 128), (32 * 8, 8, False, 256),
-                (9 * 8, 32, False, 256)):
-            cfg = PLAN._batch_config(512, 64, 512, rows, bs, cuda)
+        for (budget, bs), (hopper, other) in cases.items():
+            want, min_split = hopper if major == 9 else other
+            cfg = PLAN._batch_config(512, 64, 512, (budget + 1) * 8, bs, cuda)
             got = cfg is not None and shape(cfg) == shape(PLAN._MLA_WGMMA_TILE)
-            assert got == want, (major, rows, bs, cfg)
-            assert (cfg.min_split_keys if cfg else 256) == min_split, (major, rows, bs, cfg)
+            assert got == want, (major, budget, bs, cfg)
+            assert (cfg.min_split_keys if cfg else 256) == min_split, (major, budget, bs, cfg)
             if got:
                 assert PLAN.mla_programs_per_sm(cfg, cuda) == 1
                 assert PLAN._mla_tile_smem(cfg) == PLAN._MLA_WGMMA_SMEM
+        # the small-batch tile keeps batches of at most 144 rows, Hopper or not
+        small = PLAN._batch_config(512, 64, 512, 16 * 8, 1, cuda)  # budget 15, batch 1
+        assert small.block_m == 16 and small.min_split_keys == 128
     monkeypatch.setattr(PLAN, "_hopper", lambda device: True)
     monkeypatch.setattr(PLAN, "shared_memory", lambda device: (166912, 167936))  # sm_80's
     assert PLAN._batch_config(512, 64, 512, 65 * 8, 1, cuda) is None
+    assert PLAN._batch_config(512, 64, 512, 16 * 8, 4, cuda) is None
     assert PLAN._batch_config(128, 0, 128, 65 * 4, 1, cuda) is None  # MHA untouched
 
 
