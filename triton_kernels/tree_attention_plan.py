@@ -118,7 +118,8 @@ _MLA_WGMMA_MIN_GROUPS_AT_MIN = 4  # batch x KV heads when rows == _MLA_WGMMA_MIN
 # 576 keys 38.2 -> 23.8 us, 462.7 -> 447.8 at 65,536; one slower, budget 24 / batch 2 / 2,048
 # keys 31.8 -> 34.0), nor budget 32 at batch 4 with 256-key splits (7 points, 0.85-0.95x:
 # hence _MLA_WGMMA_MIN_GROUPS_AT_MIN 4, was 8). Budgets 4-6 (40-56 rows) were not measured and
-# keep the 32-row tile.
+# keep the 32-row tile; the unmeasured budgets between the measured ones (12, 14, 17-19, 21,
+# 22, 25-28, 30) follow the rule of their padding class.
 _MLA_HOPPER_MIN_ROWS = 64
 _MLA_HOPPER_SHORT_SPLIT_MAX_BATCH_ROWS = 768
 _MLA_HOPPER_PADDED_MIN_ROWS = 128
