@@ -560,7 +560,7 @@ def main(argv=None):
                          "'64,64,8,2;64,32,4,2,2,64;64,64,4,3,1,0,256,16'; screen them first with "
                          "scripts/tree_verify_static.py); "
                          "each point records them under 'sweep_us' (outputs checked against the "
-                         "default config's)")
+                         "default config's) and their split counts under 'sweep_splits'")
     ap.add_argument("--splits", type=parse_ints, default=[],
                     help="also time every point with these fixed split counts (num_kv_splits; "
                          "the served tile of each batch size), under 'splits_us' (outputs "
@@ -686,12 +686,12 @@ def main(argv=None):
                     r["frac_copy_bw"] = round(r["kv_GBps"] / copy_bw, 3)
                     r.update(roofline(r, copy_bw, args.peak_tflops))
                     if args.sweep:
-                        r["sweep_us"] = {}
+                        r["sweep_us"], r["sweep_splits"] = {}, {}
                         for cfg_s in args.sweep.split(";"):
                             try:
                                 cfg = ta.KernelConfig(*parse_ints(cfg_s))
-                                t, o, _ = bench_ours(ta, mla, p, args.iters, flush, cfg,
-                                                     args.plan_context)
+                                t, o, r["sweep_splits"][cfg_s] = bench_ours(
+                                    ta, mla, p, args.iters, flush, cfg, args.plan_context)
                                 diff = rel_diff(o, ours)
                                 r["sweep_us"][cfg_s] = (round(t, 2) if diff < 2e-2 else
                                                         f"wrong output: rel diff {diff:.3g}")
