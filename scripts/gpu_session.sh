@@ -464,13 +464,14 @@ for s in "$@"; do
              # splits) and the 8-warp tile with 256-key splits (session 33's), the served tile
              # timed again last (order check), planned for 1,600 keys (the cost-curve servers)
              # and for 262,144
+             widemla_sweep="32,64,4,2,1,0,128;64,64,8,2,1,0,256;64,64,8,2,1,0,128"
              step widemla-tv-short ${WIDEMLA_TV_LIMIT:-150} python3 scripts/bench_tree_verify.py --kinds mla \
                --no-baselines --batch-sizes 1,2 --budgets 31,32 --contexts 576,1024,1536 \
-               --plan-context 1600 --sweep "32,64,4,2,1,0,128;64,64,8,2,1,0,256;64,64,8,2,1,0,128" --kernel-times \
+               --plan-context 1600 --sweep "$widemla_sweep" --kernel-times \
                --out "$OUT/tv_wide_mla_plan1600_h200.json"
              step widemla-tv-long ${WIDEMLA_TV_LIMIT:-150} python3 scripts/bench_tree_verify.py --kinds mla \
                --no-baselines --batch-sizes 1,2 --budgets 31,32 --contexts 2048,8192,65536 \
-               --plan-context 262144 --sweep "32,64,4,2,1,0,128;64,64,8,2,1,0,256;64,64,8,2,1,0,128" \
+               --plan-context 262144 --sweep "$widemla_sweep" \
                --out "$OUT/tv_wide_mla_plan262k_h200.json" ;;
     mlahopper) # session 44's Hopper MLA rule (_mla_hopper_config): the served tiles against the
              # 32-row tile with 256-key splits (what these points served before) in one call,

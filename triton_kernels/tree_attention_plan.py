@@ -204,8 +204,7 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
         return _MHA_TILE if wide and groups > _MHA_WIDE_MAX_GROUPS else None
     if groups * rows <= _MLA_SMALL_BATCH_MAX_ROWS:
         return _MLA_SMALL_BATCH
-    hopper_wide = _hopper(device) and _mla_fits(_MLA_WGMMA_TILE, device)
-    if hopper_wide:
+    if _hopper(device) and _mla_fits(_MLA_WGMMA_TILE, device):
         cfg = _mla_hopper_config(rows, groups)
         if cfg is not None:
             return cfg
@@ -213,16 +212,18 @@ def _batch_config(dk: int, d_pe: int, dv: int, rows: int, groups: int,
             and groups * rows <= _MLA_FEW_ROWS_MAX_BATCH_ROWS):
         return replace(_default_config(dk, d_pe, dv, rows, device),
                        min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
-    if hopper_wide and (rows > _MLA_WGMMA_MIN_ROWS or (
-            rows == _MLA_WGMMA_MIN_ROWS and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN)):
-        return _MLA_WGMMA_TILE
     return None
 
 
 def _mla_hopper_config(rows: int, groups: int) -> Optional[KernelConfig]:
-    """The 8-warp 64-row MLA tile for a tree of _MLA_HOPPER_MIN_ROWS to
-    _MLA_FEW_ROWS_MAX_ROWS rows per request on Hopper (past the small-batch tile), with its
-    split minimum, where session 44 measured it faster than the 32-row tile; else None."""
+    """On Hopper, past the small-batch tile: the 8-warp 64-row MLA tile, with its split
+    minimum, for trees of more than _MLA_WGMMA_MIN_ROWS rows per request (or of that many in
+    batches of _MLA_WGMMA_MIN_GROUPS_AT_MIN and more) and for trees of _MLA_HOPPER_MIN_ROWS to
+    _MLA_FEW_ROWS_MAX_ROWS rows where session 44 measured it faster than the 32-row tile;
+    else None (the 32-row tile's rules)."""
+    if rows > _MLA_WGMMA_MIN_ROWS or (rows == _MLA_WGMMA_MIN_ROWS
+                                      and groups >= _MLA_WGMMA_MIN_GROUPS_AT_MIN):
+        return _MLA_WGMMA_TILE
     if not _MLA_HOPPER_MIN_ROWS <= rows <= _MLA_FEW_ROWS_MAX_ROWS:
         return None
     batch_rows = groups * rows
