@@ -328,6 +328,10 @@ CANDIDATES = {
 }
 
 
+# 8-row expert blocks (MMA n = 8; session 45): the 16-row blocks' candidates
+CANDIDATES[8] = CANDIDATES[16]
+
+
 def block_m_candidates(m: int) -> list[int]:
     """Tokens per expert average M * topk / experts (M / 48 for Kimi): small M, small MMA N side."""
     if m <= 64:
@@ -395,7 +399,9 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
         "grid_run_m": args.grid_run_m,
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
-                f"replays over {len(layers)} weight sets; block_m and down from the table",
+                f"replays over {len(layers)} weight sets; down from the table, block_m "
+                + (f"{args.grid_block_m} for the candidates (the table's for its own row)"
+                   if args.grid_block_m else "from the table"),
         "rows": [], "summary": {}})
     for m in args.ms:
         table = mw.select_config(m)
@@ -549,8 +555,9 @@ def gemm_json(cfg) -> dict:
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
     ``down`` (whichever the pick names; for gate-up picks also ``run_m``, set from the pick or
-    removed, and ``us``, the random-routing time at max_m of the whole call, where the grid has
-    it) change; block_m and the other GEMM stay; ``meta`` is recorded under "tuned" with the
+    removed, ``block_m`` where the pick has one (a grid run with --grid-block-m), and ``us``, the
+    random-routing time at max_m of the whole call, where the grid has it) change; the other
+    GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
     with open(path) as f:
         table = json.load(f)
@@ -565,6 +572,8 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
                 band["run_m"] = pick["run_m"]
             else:
                 band.pop("run_m", None)
+            if pick.get("block_m"):
+                band["block_m"] = pick["block_m"]
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
         else:
@@ -902,6 +911,10 @@ def main(argv=None) -> int:
                     help="no GPU: choose each band's down config from --breakdown runs (on "
                          "several routings; pick_down's rule, --max-random-loss) and write the "
                          "choices into --tune-out (an existing table; other fields kept)")
+    ap.add_argument("--pick-routings", default=None, metavar="R1,R2",
+                    help="--pick-from: judge by these routings' rows only (e.g. "
+                         "random,concentrated:32 leaves out concentrated:8, the routing of "
+                         "SGLang's stock dummy fill, where every token picks the same experts)")
     ap.add_argument("--pick-bands", type=int, nargs="*", default=None, metavar="MAX_M",
                     help="--pick-from: only these bands (by max_m) may change (default: all "
                          "the grid timed)")
@@ -972,26 +985,37 @@ def main(argv=None) -> int:
         for path in args.pick_from:
             with open(path) as f:
                 grid_runs.append(json.load(f))
-        if any(g.get("grid_block_m") or g.get("grid_half_m") for g in grid_runs):
-            ap.error("--pick-from: this grid ran its candidates with another block_m / half_m "
-                     "than the table's; a pick writes gate-up configs (and run_m) only, so it "
-                     "cannot carry them: change the table's band by hand")
+        if any(g.get("grid_half_m") for g in grid_runs):
+            ap.error("--pick-from: this grid ran its candidates with half_m; a pick writes "
+                     "gate-up configs, run_m and block_m only, so it cannot carry it: change "
+                     "the table's band by hand")
         run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
-        if len(run_ms) > 1:
-            ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)}; "
-                     "pick from runs of one grid")
-        run_m = run_ms.pop()
-        picks = pick_gate_up([r for g in grid_runs for r in g["rows"]], args.max_random_loss)
+        block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
+        if len(run_ms) > 1 or len(block_ms) > 1:
+            ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)} "
+                     f"or --grid-block-m {sorted(block_ms)}; pick from runs of one grid")
+        run_m, block_m = run_ms.pop(), block_ms.pop()
+        rows = [r for g in grid_runs for r in g["rows"]]
+        routings = args.pick_routings.split(",") if args.pick_routings else None
+        if routings:
+            for r in routings:
+                parse_routing(r)
+            rows = [r for r in rows if r["routing"] in routings]
+        picks = pick_gate_up(rows, args.max_random_loss)
         for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
             pick["run_m"] = run_m
+            if block_m:  # and one with --grid-block-m its block_m (the down config stays)
+                pick["block_m"] = block_m
         return write_picks(
             picks, "gate_up", grid_runs[0],
             f"gate-up picked from {', '.join(os.path.basename(g) for g in args.pick_from)}: "
             f"at most {_percent(args.max_random_loss)} slower than the table on random routing "
             "at every measured M of the band"
             + (" in every run" if len(grid_runs) > 1 else "")
-            + ", the best worst case on concentrated routing; block_m and down unchanged; "
-            "'us' is the pick's random-routing time at max_m"
+            + ", the best worst case on concentrated routing"
+            + (f" (rows of {', '.join(routings)} only)" if routings else "")
+            + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
+            + "; down unchanged; 'us' is the pick's random-routing time at max_m"
             + (f"; the grid ran with run_m {run_m}" if run_m else ""))
     grid = None
     if args.grid is not None:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -322,7 +322,7 @@ for s in "$@"; do
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6
              step moe-serve ${MOE_SERVE_LIMIT:-420} python3 scripts/e2e_lossless.py \
-               --cases "${MOE_SERVE_CASES:-kimi_int4:4,6,8}" --batch-sizes 1,6 --prompts 12 \
+               --cases "${MOE_SERVE_CASES:-kimi_int4:4,6,8}" --batch-sizes ${MOE_SERVE_BATCHES:-1,6} --prompts 12 \
                --eager-check= --speed= --deterministic= --out "$OUT/e2e_lossless_kimi_int4_h200.json" ;;
     moehalf) # MoeConfig.half_m: 32-row blocks run as 16-row tiles while their second half is
              # padding, so an expert with 17-32 rows of a call dequantizes each weight tile once
@@ -335,6 +335,25 @@ for s in "$@"; do
                  --routings concentrated:8,concentrated:32,random --grid-block-m $bm --grid-half-m \
                  --grid "${MOE_HALF_GRID:-32,256,4,3,0,1,4;64,256,4,3,0,1,2;64,256,4,3,0,1,1;64,256,4,3,0,1,4}" \
                  --out "$OUT/fused_moe_half_m${bm}_grid_h200.json"
+             done ;;
+    moebm8)  # 8-row expert blocks (the MMA's n = 8): half the activation tile, MMAs and shared
+             # memory of the 16-row blocks at calls whose experts hold one or two rows each;
+             # the table's gate-up tiles (and its down tiles) run with block_m 8 against the table
+             step moe-bm8 ${MOE_BM8_LIMIT:-420} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_BM8_MS:-8 16 32 64 128 1} --routings ${MOE_BM8_ROUTINGS:-random,concentrated:8} \
+               --grid-block-m 8 --grid "${MOE_BM8_GRID:-32,128,2,4,0,1,4,256;32,128,2,4,0,1,4;32,128,2,4,0,1,1;32,128,2,6,0,1,4,256;32,256,2,3,0,1,4;32,256,2,3,0,1,1;32,128,2,4,0,1,8;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,256;64,256,4,3,0,1,2;64,256,4,3,0,1,1}" \
+               --out "$OUT/fused_moe_bm8_grid_h200.json" ;;
+    moebm8wide) # block_m 8 per band: gate-up candidates over each band's M on three routings,
+             # then the down candidates per kernel (--breakdown) under MOE_BM8_TABLE's gate-up
+             step moe-bm8-grid ${MOE_BM8_LIMIT:-330} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_BM8_MS:-8 16 2 4 7 9 12 24 32 17 48 64 33 96 128 65} \
+               --routings random,concentrated:8,concentrated:32 --grid-block-m 8 \
+               --grid "${MOE_BM8_GRID:-32,256,2,3,0,1,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,512;32,256,2,3,0,1,7,512;32,256,2,4,0,1,1;32,256,2,3,0,0,1;32,128,2,4,0,1,4,256;32,128,2,4,0,1,8;32,128,2,4,0,1,8,512;64,256,4,3,0,1,1;64,256,4,3,0,1,2;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,256;16,256,1,4,0,1,1}" \
+               --out "$OUT/fused_moe_bm8_wide_grid_h200.json"
+             for r in random concentrated:8; do
+               step moe-bm8-down-${r%%:*} ${MOE_BM8_DOWN_LIMIT:-110} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --breakdown --config "${MOE_BM8_TABLE:-triton_kernels/moe_w4a16_configs.json}" --routing $r \
+                 --ms ${MOE_BM8_DOWN_MS:-8 16 32 64 128} --out "$OUT/fused_moe_bm8_down_${r%%:*}_h200.json"
              done ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server

@@ -1209,6 +1209,11 @@ class GemmConfig:
 class MoeConfig:
     """Launch configuration for one M band; ``block_m`` is shared by both GEMMs (same alignment)."""
 
+    # rows of an expert block, >= 8: the MMAs' n side (the GEMMs compute W^T @ A, so a block's
+    # rows are the n of m16n8k16). 8 (session 45, the M = 8 and 9-16 bands) halves a 16-row
+    # block's activation tile, MMAs and shared memory where experts hold 1-8 rows of a call;
+    # an expert with more rows takes several blocks, each dequantizing its weights again
+    # (bench_results/fused_moe_bm8_wide_grid_h200_s45.json)
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
@@ -1408,12 +1413,13 @@ def fused_moe_w4a16(
     dn = _fit(cfg.down, hidden, inter)
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
-            or gu.block_k % 128 or dn.block_k % 128 or bm < 16 or gu.split_k < 1
+            or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
             or (cfg.half_m and bm not in (32, 64))
             or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
                                    or gu.block_n // cfg.run_m < 16))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
-        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum; _fit has
+        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
+        # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable_path = portable(hidden_states.device)

@@ -227,9 +227,10 @@ def _same_gate_up(bench, table_entry: dict, pick: list) -> bool:
 
 
 def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
-    """The M 9-16 band's gate-up config is what --pick-from chooses from session 21's H200
-    grid, the M 17-32 / 33-64 bands' (live splits since session 27) what it chooses from
-    session 27's; a table edited by hand (or re-tuned on random routing only) fails."""
+    """The M 17-32 / 33-64 bands' gate-up configs (live splits since session 27) are what
+    --pick-from chooses from session 27's H200 grid (the M 9-16 band's was session 21's until
+    session 45: the next test); a table edited by hand (or re-tuned on random routing only)
+    fails."""
     def picks_of(name):
         grid = json.loads((REPO / "bench_results" / name).read_text())
         return bench.pick_gate_up(grid["rows"])
@@ -237,20 +238,67 @@ def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     s21 = picks_of("fused_moe_split_grid_h200_s21.json")
     s27 = picks_of("fused_moe_live_grid_h200_s27.json")
     assert sorted(s21) == [16, 32, 64] and sorted(s27) == [32, 64]
-    picks = {16: s21[16], 32: s27[32], 64: s27[64]}
+    picks = {32: s27[32], 64: s27[64]}
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     bands = {b["max_m"]: b for b in table["bands"]}
     for band, pick in picks.items():
         assert _same_gate_up(bench, bands[band]["gate_up"], pick["gate_up"]), band
         assert pick["random"] <= 1.02 and pick["concentrated"] < 1
-    assert [bands[b]["gate_up"].get("split_target", 0) for b in (16, 32, 64)] == [0, 512, 256]
+    assert [bands[b]["gate_up"].get("split_target", 0) for b in (32, 64)] == [512, 256]
     # applying the picks again changes no band (the table already holds them)
     copy = tmp_path / "table.json"
     copy.write_text(json.dumps(table))
     bench.apply_picks(str(copy), picks, {"command": "test"})
     again = json.loads(copy.read_text())
     assert again["bands"] == table["bands"]
-    assert again["tuned"][-1] == {"command": "test", "max_m": [16, 32, 64]}
+    assert again["tuned"][-1] == {"command": "test", "max_m": [32, 64]}
+
+
+def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench, tmp_path):
+    """Session 45's H200 grid ran the candidates with 8-row expert blocks against the table's
+    16-row ones. The M = 8 band is what the default rule picks from it (faster on random and on
+    every concentrated routing); the M 9-16 band what it picks from the rows of random routing
+    and of 32 shared experts (--pick-routings), which leaves out the stock dummy fill's 8
+    shared experts, where the pick is 1.15x slower. Every other band: no pick under either.
+    Both picks carry block_m 8 into the table; the down configs stay."""
+    grid = REPO / "bench_results" / "fused_moe_bm8_wide_grid_h200_s45.json"
+    rows = json.loads(grid.read_text())["rows"]
+    assert json.loads(grid.read_text())["grid_block_m"] == 8
+    every = bench.pick_gate_up(rows)
+    no_dummy = bench.pick_gate_up([r for r in rows if r["routing"] != "concentrated:8"])
+    assert sorted(every) == [8] and sorted(no_dummy) == [8, 16]
+    table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
+    table = json.loads(table_path.read_text())
+    bands = {b["max_m"]: b for b in table["bands"]}
+    for band, pick in ((8, every[8]), (16, no_dummy[16])):
+        assert bands[band]["block_m"] == 8, band
+        assert _same_gate_up(bench, bands[band]["gate_up"], pick["gate_up"]), band
+        assert pick["random"] < 0.92 and pick["concentrated"] < 0.93, pick
+    name = ",".join(map(str, no_dummy[16]["gate_up"]))
+    dummy = [r["candidates"][name]["us"] / r["table_us"] for r in rows
+             if r["band"] == 16 and r["routing"] == "concentrated:8"]
+    assert len(dummy) == 3 and 1.1 < max(dummy) < 1.2
+    assert [b["max_m"] for b in table["bands"] if b["block_m"] == 8] == [8, 16]
+    # the two --pick-from calls of the table's 'tuned' entries rebuild both bands from a table
+    # whose bands 8 / 16 are the pre-session-45 ones
+    before = json.loads(table_path.read_text())
+    old = {8: (16, (32, 128, 2, 4, 0, 1, 4, 256)), 16: (16, (32, 256, 2, 3, 0, 1, 4))}
+    for band in before["bands"]:
+        if band["max_m"] in old:
+            band["block_m"] = old[band["max_m"]][0]
+            band["gate_up"] = bench.gemm_json(bench.mw.GemmConfig(*old[band["max_m"]][1]))
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(before))
+    assert bench.main(["--pick-from", str(grid), "--pick-bands", "8", "--tune-out",
+                       str(path)]) == 0
+    assert bench.main(["--pick-from", str(grid), "--pick-bands", "16", "--pick-routings",
+                       "random,concentrated:32", "--tune-out", str(path)]) == 0
+    after = json.loads(path.read_text())
+    strip = lambda bs: [{k: v for k, v in b.items() if k != "us"} for b in bs]  # noqa: E731
+    assert strip(after["bands"]) == strip(table["bands"])
+    assert "rows of random, concentrated:32 only" in after["tuned"][-1]["rule"]
+    assert "block_m 8 (the grid's)" in after["tuned"][-1]["rule"]
+    assert [e["max_m"] for e in table["tuned"][-2:]] == [[8], [16]]
 
 
 def test_pick_down_rule(bench):
@@ -327,22 +375,23 @@ def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     bands = {b["max_m"]: b for b in table["bands"]}
     assert _same_gate_up(bench, bands[7]["gate_up"], picks[7]["gate_up"])
-    assert bands[7]["block_m"] == bands[8]["block_m"] and bands[7]["down"] == bands[8]["down"]
+    # (the M = 8 band has run 8-row blocks since session 45; M 5-7 keeps 16, as timed)
+    assert bands[7]["block_m"] == 16 and bands[7]["down"] == bands[8]["down"]
     assert bench.pick_gate_up([r for r in grid["rows"] if r["m"] == 8]) == {}
 
 
-def test_m8_band_is_the_pick_from_the_session_29_grids(bench, tmp_path):
-    """The M = 8 band's gate-up is the live split --pick-from chooses from session 29's two H200
-    runs of one grid at --max-random-loss 0.035 (3.0 % slower on random routing in one run,
-    0.74-0.78x on 8 / 29 experts); the default 2 % keeps the table's split 1; the band's
-    'tuned' entry says why."""
+def test_m8_band_was_the_pick_from_the_session_29_grids(bench, tmp_path):
+    """Sessions 29-44: the M = 8 band's gate-up was the live split --pick-from chooses from
+    session 29's two H200 runs of one grid at --max-random-loss 0.035 (3.0 % slower on random
+    routing in one run, 0.74-0.78x on 8 / 29 experts); the default 2 % keeps split 1; the
+    band's 'tuned' entry says why. (Session 45 replaced the band: the test above.)"""
     runs = [REPO / "bench_results" / f"fused_moe_m8_live_grid_h200_s29_r{i}.json" for i in (1, 2)]
     table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
     table = json.loads(table_path.read_text())
-    before = json.loads(table_path.read_text())  # the band as it was: split 1, no target
+    before = json.loads(table_path.read_text())  # the band as it was: 16 rows, split 1
     band8 = next(b for b in before["bands"] if b["max_m"] == 8)
-    band8["gate_up"].update(split_k=1)
-    band8["gate_up"].pop("split_target")
+    band8["block_m"] = 16
+    band8["gate_up"] = bench.gemm_json(bench.mw.GemmConfig(32, 128, 2, 4, 0, 1, 1))
     path = tmp_path / "table.json"
     path.write_text(json.dumps(before))
     argv = ["--pick-from", *map(str, runs), "--pick-bands", "8", "--tune-out", str(path)]
@@ -350,9 +399,13 @@ def test_m8_band_is_the_pick_from_the_session_29_grids(bench, tmp_path):
     assert json.loads(path.read_text())["bands"] == before["bands"]
     assert bench.main(argv + ["--max-random-loss", "0.035", "--pick-why", "test"]) == 0
     after = json.loads(path.read_text())
-    assert after["bands"] == table["bands"]
+    got = next(b for b in after["bands"] if b["max_m"] == 8)
+    assert got["block_m"] == 16 and _same_gate_up(bench, got["gate_up"],
+                                                  (32, 128, 2, 4, 0, 1, 4, 256))
+    assert [a for a in after["bands"] if a["max_m"] != 8] == \
+        [b for b in table["bands"] if b["max_m"] != 8]
     assert after["tuned"][-1]["why"] == "test" and "3.5%" in after["tuned"][-1]["rule"]
-    entry = table["tuned"][-1]
+    entry = next(e for e in table["tuned"] if "fused_moe_m8_live_grid_h200_s29" in e["command"])
     assert entry["max_m"] == [8] and "--max-random-loss 0.035" in entry["command"]
     assert "budget 7" in entry["why"]
     # one run alone (2.3 % on random) would pass a 3 % rule; both runs together do not
