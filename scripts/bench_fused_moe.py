@@ -397,7 +397,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     routings = args.routings.split(",")
     out = run_header(dev, {
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
-        "grid_run_m": args.grid_run_m,
+        "grid_run_m": args.grid_run_m, "grid_pairs": int(args.grid_pairs),
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
                 f"replays over {len(layers)} weight sets; down from the table, block_m "
                 + (f"{args.grid_block_m} for the candidates (the table's for its own row)"
@@ -426,7 +426,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
             for c in grid:
                 cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
                                    table.down, half_m=int(args.grid_half_m),
-                                   run_m=args.grid_run_m)
+                                   run_m=args.grid_run_m, pairs=int(args.grid_pairs))
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
@@ -554,8 +554,8 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``run_m``, set from the pick or
-    removed, ``block_m`` where the pick has one (a grid run with --grid-block-m), and ``us``, the
+    ``down`` (whichever the pick names; for gate-up picks also ``run_m`` and ``pairs``, set from
+    the pick or removed, ``block_m`` where the pick has one (a grid run with --grid-block-m), and ``us``, the
     random-routing time at max_m of the whole call, where the grid has it) change; the other
     GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
@@ -574,6 +574,10 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
                 band.pop("run_m", None)
             if pick.get("block_m"):
                 band["block_m"] = pick["block_m"]
+            if pick.get("pairs"):
+                band["pairs"] = pick["pairs"]
+            else:
+                band.pop("pairs", None)
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
         else:
@@ -900,6 +904,10 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with MoeConfig.run_m (an expert's "
                          "16-row blocks in runs of up to this many, each run's programs of a "
                          "column tile sharing its rows and splitting its columns)")
+    ap.add_argument("--grid-pairs", action="store_true",
+                    help="--grid only: run the candidates with MoeConfig.pairs (the gate-up in "
+                         "two launches: single blocks, then an expert's blocks in pairs as one "
+                         "tile of twice the rows; with --grid-block-m 8)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
@@ -991,10 +999,12 @@ def main(argv=None) -> int:
                      "the table's band by hand")
         run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
-        if len(run_ms) > 1 or len(block_ms) > 1:
-            ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)} "
-                     f"or --grid-block-m {sorted(block_ms)}; pick from runs of one grid")
-        run_m, block_m = run_ms.pop(), block_ms.pop()
+        pairs = {int(g.get("grid_pairs") or 0) for g in grid_runs}
+        if len(run_ms) > 1 or len(block_ms) > 1 or len(pairs) > 1:
+            ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)}, "
+                     f"--grid-block-m {sorted(block_ms)} or --grid-pairs {sorted(pairs)}; pick "
+                     "from runs of one grid")
+        run_m, block_m, pair = run_ms.pop(), block_ms.pop(), pairs.pop()
         rows = [r for g in grid_runs for r in g["rows"]]
         routings = args.pick_routings.split(",") if args.pick_routings else None
         if routings:
@@ -1004,6 +1014,7 @@ def main(argv=None) -> int:
         picks = pick_gate_up(rows, args.max_random_loss)
         for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
             pick["run_m"] = run_m
+            pick["pairs"] = pair
             if block_m:  # and one with --grid-block-m its block_m (the down config stays)
                 pick["block_m"] = block_m
         return write_picks(
@@ -1016,7 +1027,8 @@ def main(argv=None) -> int:
             + (f" (rows of {', '.join(routings)} only)" if routings else "")
             + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
             + "; down unchanged; 'us' is the pick's random-routing time at max_m"
-            + (f"; the grid ran with run_m {run_m}" if run_m else ""))
+            + (f"; the grid ran with run_m {run_m}" if run_m else "")
+            + ("; the grid ran with pairs" if pair else ""))
     grid = None
     if args.grid is not None:
         try:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -355,6 +355,15 @@ for s in "$@"; do
                  --no-sglang --breakdown --config "${MOE_BM8_TABLE:-triton_kernels/moe_w4a16_configs.json}" --routing $r \
                  --ms ${MOE_BM8_DOWN_MS:-8 16 32 64 128} --out "$OUT/fused_moe_bm8_down_${r%%:*}_h200.json"
              done ;;
+    moepairs) # MoeConfig.pairs with 8-row blocks (session 45, not yet timed): the gate-up in two
+             # launches, single blocks then an expert's pairs of blocks as one 16-row tile, so that
+             # 8-row blocks keep their random-routing gain at M >= 9 without dequantizing a shared
+             # expert's weights once per 8 rows; against the table on three routings
+             step moe-pairs ${MOE_PAIRS_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_PAIRS_MS:-9 16 17 32 33 64 65 128 12 24 48 96} \
+               --routings random,concentrated:8,concentrated:32 --grid-block-m 8 --grid-pairs \
+               --grid "${MOE_PAIRS_GRID:-32,256,2,3,0,1,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,512;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,256;64,256,4,3,0,1,1;64,256,4,3,0,1,2}" \
+               --out "$OUT/fused_moe_pairs_grid_h200.json" ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server
              step mla-reduce ${MLA_REDUCE_LIMIT:-240} python3 scripts/bench_tree_verify.py \

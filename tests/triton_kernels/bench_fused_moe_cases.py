@@ -30,7 +30,7 @@ def bench(monkeypatch):
                                                   REPO / "scripts" / "bench_fused_moe.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setattr(mod, "CANDIDATES", {16: (GATE_UP, DOWN)})
+    monkeypatch.setattr(mod, "CANDIDATES", {8: (GATE_UP, DOWN), 16: (GATE_UP, DOWN)})
     monkeypatch.setattr(mod, "block_m_candidates", lambda m: [16])
     monkeypatch.setattr(mod, "copy_bandwidth_gbs", lambda dev, **kw: 1.0)
     return mod
@@ -278,7 +278,7 @@ def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench
     dummy = [r["candidates"][name]["us"] / r["table_us"] for r in rows
              if r["band"] == 16 and r["routing"] == "concentrated:8"]
     assert len(dummy) == 3 and 1.1 < max(dummy) < 1.2
-    assert [b["max_m"] for b in table["bands"] if b["block_m"] == 8] == [8, 16]
+    assert [b["max_m"] for b in table["bands"] if b["block_m"] == 8] == [2, 4, 7, 8, 16]
     # the two --pick-from calls of the table's 'tuned' entries rebuild both bands from a table
     # whose bands 8 / 16 are the pre-session-45 ones
     before = json.loads(table_path.read_text())
@@ -298,7 +298,22 @@ def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench
     assert strip(after["bands"]) == strip(table["bands"])
     assert "rows of random, concentrated:32 only" in after["tuned"][-1]["rule"]
     assert "block_m 8 (the grid's)" in after["tuned"][-1]["rule"]
-    assert [e["max_m"] for e in table["tuned"][-2:]] == [[8], [16]]
+    assert [e["max_m"] for e in table["tuned"][-3:-1]] == [[8], [16]]
+
+
+def test_m2_to_7_bands_are_the_block_m_8_picks_from_the_session_45_small_grid(bench):
+    """The M = 2, 3-4 and 5-7 bands: what the default rule picks from session 45's grid of
+    8-row-block candidates at M = 2-7 on three routings, with block_m 8."""
+    grid = REPO / "bench_results" / "fused_moe_bm8_small_grid_h200_s45.json"
+    picks = bench.pick_gate_up(json.loads(grid.read_text())["rows"])
+    assert sorted(picks) == [2, 4, 7]
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    bands = {b["max_m"]: b for b in table["bands"]}
+    for band, pick in picks.items():
+        assert bands[band]["block_m"] == 8
+        assert _same_gate_up(bench, bands[band]["gate_up"], pick["gate_up"]), band
+        assert pick["random"] <= 1.02 and pick["concentrated"] < 0.96
+    assert table["tuned"][-1]["max_m"] == [2, 4, 7]
 
 
 def test_pick_down_rule(bench):
@@ -365,18 +380,18 @@ def test_committed_down_configs_are_the_pick_from_the_session_28_breakdown(bench
 
 
 def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
-    """The M 5-7 band (split off the M 5-8 band in session 26) holds what the pick rule chooses
-    from the H200 grid's rows M = 5-7; at M = 8 no fixed split of that grid met the rule (the
-    M = 8 band's live split came in session 29: the next test)."""
+    """The M 5-7 band (split off the M 5-8 band in session 26) held, until session 45's 8-row
+    blocks, what the pick rule chooses from the H200 grid's rows M = 5-7; at M = 8 no fixed
+    split of that grid met the rule (the M = 8 band's live split came in session 29: the next
+    test)."""
     grid = json.loads((REPO / "bench_results" / "fused_moe_serial_grid_h200_s26.json").read_text())
     rows = [dict(r, band=7) for r in grid["rows"] if 5 <= r["m"] <= 7]
     assert len(rows) == 6
     picks = bench.pick_gate_up(rows)
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     bands = {b["max_m"]: b for b in table["bands"]}
-    assert _same_gate_up(bench, bands[7]["gate_up"], picks[7]["gate_up"])
-    # (the M = 8 band has run 8-row blocks since session 45; M 5-7 keeps 16, as timed)
-    assert bands[7]["block_m"] == 16 and bands[7]["down"] == bands[8]["down"]
+    assert picks[7]["gate_up"] == [32, 128, 2, 4, 0, 1, 4]
+    assert bands[7]["block_m"] == bands[8]["block_m"] and bands[7]["down"] == bands[8]["down"]
     assert bench.pick_gate_up([r for r in grid["rows"] if r["m"] == 8]) == {}
 
 
@@ -488,6 +503,33 @@ def test_grid_with_half_m_blocks_and_pick_refuses_it(bench, tmp_path):
     table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     with pytest.raises(SystemExit):
         bench.main(["--pick-from", str(out), "--tune-out", str(table)])
+
+
+def test_grid_with_pairs_and_pick_carries_block_m_and_pairs(bench, tmp_path):
+    """--grid-block-m 8 --grid-pairs: every candidate runs 8-row blocks with the gate-up's
+    pair pass, within tolerance of the table's output; the JSON says so; a pick from such a
+    grid writes block_m 8 and pairs 1 into the band, and a later pick without pairs removes
+    the key."""
+    out = tmp_path / "grid_pairs.json"
+    assert bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", "--grid-block-m", "8",
+                              "--grid-pairs", "--routings", "concentrated:2,random",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["grid_block_m"] == 8 and result["grid_pairs"] == 1
+    for r in result["rows"]:
+        c = r["candidates"]["64,128,4,1"]
+        assert math.isfinite(c["us"]) and c["rel_diff_vs_table"] < 2e-2, c
+    table = tmp_path / "table.json"
+    table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    pick = {"gate_up": [64, 128, 4, 1], "random": 0.9, "pairs": 1, "block_m": 8}
+    bench.apply_picks(str(table), {32: pick}, {"command": "test"})
+    band = next(b for b in json.loads(table.read_text())["bands"] if b["max_m"] == 32)
+    assert band["block_m"] == 8 and band["pairs"] == 1
+    assert bench.mw._config_table(str(table))[-1][1].pairs == 0  # other bands: none
+    assert dict(bench.mw._config_table(str(table)))[32].pairs == 1
+    bench.apply_picks(str(table), {32: dict(pick, pairs=0)}, {"command": "test"})
+    assert "pairs" not in next(b for b in json.loads(table.read_text())["bands"]
+                               if b["max_m"] == 32)
 
 
 def test_dual_stream_mode_times_the_moe_beside_the_shared_expert(bench, tmp_path):
