@@ -1227,10 +1227,10 @@ class MoeConfig:
     """Launch configuration for one M band; ``block_m`` is shared by both GEMMs (same alignment)."""
 
     # rows of an expert block, >= 8: the MMAs' n side (the GEMMs compute W^T @ A, so a block's
-    # rows are the n of m16n8k16). 8 (session 45, the M = 8 and 9-16 bands) halves a 16-row
+    # rows are the n of m16n8k16). 8 (session 45, the bands of M 2-16) halves a 16-row
     # block's activation tile, MMAs and shared memory where experts hold 1-8 rows of a call;
     # an expert with more rows takes several blocks, each dequantizing its weights again
-    # (bench_results/fused_moe_bm8_wide_grid_h200_s45.json)
+    # (bench_results/fused_moe_bm8_{wide,small}_grid_h200_s45.json)
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
