@@ -485,22 +485,29 @@ def test_pick_bands_limits_what_pick_from_writes(bench, tmp_path):
     assert changed == [16] and after["tuned"][-1]["max_m"] == [16]
 
 
-def test_grid_with_half_m_blocks_and_pick_refuses_it(bench, tmp_path):
-    """--grid-block-m 32 --grid-half-m: every candidate runs as 32-row blocks with half-width
-    tiles where a block's second half is padding, the outputs equal the table's within the
-    tolerance, the JSON says so, and --pick-from refuses to write its gate-up picks into the
-    table (which would drop the block size they were timed with)."""
-    out = tmp_path / "grid_half.json"
-    assert bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", "--grid-block-m", "32",
-                              "--grid-half-m", "--routings", "concentrated:2,random",
-                              "--out", str(out)]) == 0
+def _tiny_grid(bench, tmp_path, *flags):
+    """A tiny --grid run of one candidate at M = 20 with ``flags`` on two routings: every row's
+    candidate timed and within tolerance of the table's output. Returns the JSON's path, the
+    JSON and a copy of the shipped table to pick into."""
+    out = tmp_path / "grid.json"
+    assert bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", *flags, "--routings",
+                              "concentrated:2,random", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["grid_block_m"] == 32 and result["grid_half_m"] == 1
     for r in result["rows"]:
         c = r["candidates"]["64,128,4,1"]
         assert math.isfinite(c["us"]) and c["rel_diff_vs_table"] < 2e-2, c
     table = tmp_path / "table.json"
     table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    return out, result, table
+
+
+def test_grid_with_half_m_blocks_and_pick_refuses_it(bench, tmp_path):
+    """--grid-block-m 32 --grid-half-m: every candidate runs as 32-row blocks with half-width
+    tiles where a block's second half is padding, the outputs equal the table's within the
+    tolerance, the JSON says so, and --pick-from refuses to write its gate-up picks into the
+    table (which would drop the block size they were timed with)."""
+    out, result, table = _tiny_grid(bench, tmp_path, "--grid-block-m", "32", "--grid-half-m")
+    assert result["grid_block_m"] == 32 and result["grid_half_m"] == 1
     with pytest.raises(SystemExit):
         bench.main(["--pick-from", str(out), "--tune-out", str(table)])
 
@@ -510,17 +517,8 @@ def test_grid_with_pairs_and_pick_carries_block_m_and_pairs(bench, tmp_path):
     pair pass, within tolerance of the table's output; the JSON says so; a pick from such a
     grid writes block_m 8 and pairs 1 into the band, and a later pick without pairs removes
     the key."""
-    out = tmp_path / "grid_pairs.json"
-    assert bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", "--grid-block-m", "8",
-                              "--grid-pairs", "--routings", "concentrated:2,random",
-                              "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
+    _, result, table = _tiny_grid(bench, tmp_path, "--grid-block-m", "8", "--grid-pairs")
     assert result["grid_block_m"] == 8 and result["grid_pairs"] == 1
-    for r in result["rows"]:
-        c = r["candidates"]["64,128,4,1"]
-        assert math.isfinite(c["us"]) and c["rel_diff_vs_table"] < 2e-2, c
-    table = tmp_path / "table.json"
-    table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     pick = {"gate_up": [64, 128, 4, 1], "random": 0.9, "pairs": 1, "block_m": 8}
     bench.apply_picks(str(table), {32: pick}, {"command": "test"})
     band = next(b for b in json.loads(table.read_text())["bands"] if b["max_m"] == 32)
