@@ -344,7 +344,8 @@ for s in "$@"; do
                --grid-block-m 8 --grid "${MOE_BM8_GRID:-32,128,2,4,0,1,4,256;32,128,2,4,0,1,4;32,128,2,4,0,1,1;32,128,2,6,0,1,4,256;32,256,2,3,0,1,4;32,256,2,3,0,1,1;32,128,2,4,0,1,8;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,256;64,256,4,3,0,1,2;64,256,4,3,0,1,1}" \
                --out "$OUT/fused_moe_bm8_grid_h200.json" ;;
     moebm8wide) # block_m 8 per band: gate-up candidates over each band's M on three routings,
-             # then the down candidates per kernel (--breakdown) under MOE_BM8_TABLE's gate-up
+             # then the down candidates per kernel (--breakdown) under MOE_BM8_TABLE (default the
+             # shipped table; session 45 ran it with a copy whose M 2-128 bands had block_m 8)
              step moe-bm8-grid ${MOE_BM8_LIMIT:-330} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOE_BM8_MS:-8 16 2 4 7 9 12 24 32 17 48 64 33 96 128 65} \
                --routings random,concentrated:8,concentrated:32 --grid-block-m 8 \
