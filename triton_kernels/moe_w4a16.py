@@ -710,23 +710,22 @@ def _gate_up_kernel(
         run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
     if e < 0:
         return
-    row0 = pid_m * BLOCK_M
+    # MoeConfig.pairs: moe_align labelled the blocks in runs of 2; the first pass takes the
+    # blocks alone in their run (as plain blocks, below), the second each pair's first block
     if PAIRS == 1:
-        # moe_align labelled the blocks in runs of 2 (MoeConfig.pairs): this pass takes the
-        # blocks alone in their run, the pass after it the pairs
-        if run_label // 16 == 1:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
-    elif PAIRS == 2:
-        # a pair's first block takes both blocks' rows (2 BLOCK_M padded positions, one expert)
-        # as one tile at the full BLOCK_N: each weight tile dequantized once for both
-        if run_label == 32:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                          e, row0, pid_n, pid_k, K, I, TOPK, 2 * BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
+        if run_label // 16 != 1:
+            return
+    if PAIRS == 2:
+        if run_label != 32:
+            return
+    row0 = pid_m * BLOCK_M
+    if PAIRS == 2:
+        # both blocks' rows (2 BLOCK_M padded positions, one expert) as one tile at the full
+        # BLOCK_N: each weight tile dequantized once for both
+        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
+                      e, row0, pid_n, pid_k, K, I, TOPK, 2 * BLOCK_M, BLOCK_N, BLOCK_K,
+                      DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
+                      n_split)
     elif RUN_M > 1:
         # A run of R blocks of one expert (R = run_label // 16, this block's place in it
         # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
