@@ -554,10 +554,10 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``run_m`` and ``pairs``, set from
-    the pick or removed, ``block_m`` where the pick has one (a grid run with --grid-block-m), and ``us``, the
-    random-routing time at max_m of the whole call, where the grid has it) change; the other
-    GEMM stays; ``meta`` is recorded under "tuned" with the
+    ``down`` (whichever the pick names; for gate-up picks also ``run_m`` and ``pairs``, set
+    from the pick or removed, ``block_m`` where the pick has one (a grid run with
+    --grid-block-m), and ``us``, the random-routing time at max_m of the whole call, where the
+    grid has it) change; the other GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
     with open(path) as f:
         table = json.load(f)
