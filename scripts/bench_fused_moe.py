@@ -24,6 +24,7 @@ Run: ``python scripts/bench_fused_moe.py`` (add ``--check`` to compare with the 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import importlib
@@ -464,16 +465,21 @@ def grid_summary(rows: list) -> dict:
             for band, cands in _worst_ratios(rows).items()}
 
 
-def pick_gate_up(rows: list, max_random_loss: float = 0.02) -> dict:
+def pick_gate_up(rows: list, max_random_loss: float = 0.02,
+                 max_conc_loss: float | None = None) -> dict:
     """The gate-up config per table band from a --grid run's rows: among the candidates timed
     at every row of the band and at most ``max_random_loss`` slower than the table on random
     routing at each of them, the one with the best worst-case ratio on the concentrated
     routings (ties: the better worst case on random). A band keeps the table's config when no
     candidate beats it on concentrated routing. Random routing is what a real router's worst
     case looks like; concentrated routing is the stock dummy fill, and a tree whose tokens
-    share experts. {band: {"gate_up": [ints], "random": worst ratio, "concentrated": worst
-    ratio, "random_us_at_max_m": us}}."""
-    return _pick(rows, max_random_loss, "gate_up", random_only=False)
+    share experts. With ``max_conc_loss`` the other way round: among the candidates at most
+    that much slower than the table on every concentrated row, the one with the best worst case
+    on random routing, if it beats the table there (for a change that trades a bounded loss
+    where tokens share experts for a gain where they do not). {band: {"gate_up": [ints],
+    "random": worst ratio, "concentrated": worst ratio, "random_us_at_max_m": us}}."""
+    return _pick(rows, max_random_loss, "gate_up", random_only=False,
+                 max_conc_loss=max_conc_loss)
 
 
 def pick_down(rows: list, max_random_loss: float = 0.02) -> dict:
@@ -485,14 +491,21 @@ def pick_down(rows: list, max_random_loss: float = 0.02) -> dict:
     return _pick(rows, max_random_loss, "down", random_only=True)
 
 
-def _pick(rows: list, max_random_loss: float, field: str, random_only: bool) -> dict:
+def _pick(rows: list, max_random_loss: float, field: str, random_only: bool,
+          max_conc_loss: float | None = None) -> dict:
     picks = {}
     for band, cands in sorted(_worst_ratios(rows).items()):
         band_rows = [r for r in rows if int(r["band"]) == band]
         if not all(r["table_us"] for r in band_rows):
             continue
         conc_rows = any(r["routing"] != "random" for r in band_rows)
-        if conc_rows or not random_only:
+        if (conc_rows or not random_only) and max_conc_loss is not None:
+            ok = [(ratio["random"], ratio["concentrated"], name)
+                  for name, (ratio, timed) in cands.items()
+                  if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
+                  and ratio["concentrated"] <= 1 + max_conc_loss and ratio["random"] < 1]
+            ok = [(conc, rand, name) for rand, conc, name in sorted(ok)[:1]]
+        elif conc_rows or not random_only:
             ok = [(ratio["concentrated"], ratio["random"], name)
                   for name, (ratio, timed) in cands.items()
                   if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
@@ -554,13 +567,20 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``run_m`` and ``pairs``, set
-    from the pick or removed, ``block_m`` where the pick has one (a grid run with
+    ``down`` (whichever the pick names; for gate-up picks also ``run_m``, ``pairs`` and
+    ``half_m``, set from the pick or removed, ``block_m`` where the pick has one (a grid run with
     --grid-block-m), and ``us``, the random-routing time at max_m of the whole call, where the
     grid has it) change; the other GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
     with open(path) as f:
         table = json.load(f)
+    for max_m in sorted(int(b) for b in picks):
+        if all(band["max_m"] != max_m for band in table["bands"]):
+            # a new band (--pick-new-band): a copy of the band that served its M until now
+            # (the largest for M past the table), then the pick below
+            served = next((b for b in table["bands"] if b["max_m"] > max_m), table["bands"][-1])
+            table["bands"].append({**copy.deepcopy(served), "max_m": max_m})
+            table["bands"].sort(key=lambda b: b["max_m"])
     changed = []
     for band in table["bands"]:
         pick = picks.get(band["max_m"]) or picks.get(str(band["max_m"]))
@@ -574,10 +594,11 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
                 band.pop("run_m", None)
             if pick.get("block_m"):
                 band["block_m"] = pick["block_m"]
-            if pick.get("pairs"):
-                band["pairs"] = pick["pairs"]
-            else:
-                band.pop("pairs", None)
+            for key in ("pairs", "half_m"):
+                if pick.get(key):
+                    band[key] = pick[key]
+                else:
+                    band.pop(key, None)
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
         else:
@@ -896,7 +917,7 @@ def main(argv=None) -> int:
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--grid-block-m", type=int, default=0,
                     help="--grid only: run the candidates with this block_m (0: the table's)")
-    ap.add_argument("--grid-half-m", action="store_true",
+    ap.add_argument("--grid-half-m", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
                     help="--grid only: run the candidates with MoeConfig.half_m (blocks "
                          "narrowed to the fewest rows holding their real ones, down to 16; "
                          "block_m 32 or 64)")
@@ -926,6 +947,14 @@ def main(argv=None) -> int:
     ap.add_argument("--pick-bands", type=int, nargs="*", default=None, metavar="MAX_M",
                     help="--pick-from: only these bands (by max_m) may change (default: all "
                          "the grid timed)")
+    ap.add_argument("--max-conc-loss", type=float, default=None,
+                    help="--pick-from: pick by random routing instead (pick_gate_up): the "
+                         "largest slowdown against the table on concentrated routing a pick may "
+                         "have at any M of its band, then the best worst case on random routing")
+    ap.add_argument("--pick-new-band", type=int, nargs="*", default=(), metavar="MAX_M",
+                    help="--pick-from: judge the grid's rows of M <= MAX_M as a band of their own "
+                         "(from the band that served them) and write it into the table as a new "
+                         "band, a copy of that band with the pick")
     ap.add_argument("--max-random-loss", type=float, default=0.02,
                     help="--pick-from: the largest slowdown against the table on random "
                          "routing a pick may have at any M of its band")
@@ -993,42 +1022,54 @@ def main(argv=None) -> int:
         for path in args.pick_from:
             with open(path) as f:
                 grid_runs.append(json.load(f))
-        if any(g.get("grid_half_m") for g in grid_runs):
-            ap.error("--pick-from: this grid ran its candidates with half_m; a pick writes "
-                     "gate-up configs, run_m and block_m only, so it cannot carry it: change "
-                     "the table's band by hand")
         run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
         pairs = {int(g.get("grid_pairs") or 0) for g in grid_runs}
-        if len(run_ms) > 1 or len(block_ms) > 1 or len(pairs) > 1:
+        half_ms = {int(g.get("grid_half_m") or 0) for g in grid_runs}
+        if len(run_ms) > 1 or len(block_ms) > 1 or len(pairs) > 1 or len(half_ms) > 1:
             ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)}, "
-                     f"--grid-block-m {sorted(block_ms)} or --grid-pairs {sorted(pairs)}; pick "
-                     "from runs of one grid")
-        run_m, block_m, pair = run_ms.pop(), block_ms.pop(), pairs.pop()
-        rows = [r for g in grid_runs for r in g["rows"]]
+                     f"--grid-block-m {sorted(block_ms)}, --grid-pairs {sorted(pairs)} or "
+                     f"--grid-half-m {sorted(half_ms)}; pick from runs of one grid")
+        run_m, block_m, pair, half_m = run_ms.pop(), block_ms.pop(), pairs.pop(), half_ms.pop()
+        if half_m and not block_m:
+            ap.error("--pick-from: a grid with --grid-half-m but no --grid-block-m; half_m "
+                     "needs the block_m it was timed with")
+        rows = [copy.deepcopy(r) for g in grid_runs for r in g["rows"]]
+        for new_band in sorted(args.pick_new_band, reverse=True):
+            for r in rows:
+                if r["m"] <= new_band < int(r["band"]):
+                    r["band"] = new_band
         routings = args.pick_routings.split(",") if args.pick_routings else None
         if routings:
             for r in routings:
                 parse_routing(r)
             rows = [r for r in rows if r["routing"] in routings]
-        picks = pick_gate_up(rows, args.max_random_loss)
+        picks = pick_gate_up(rows, args.max_random_loss, args.max_conc_loss)
         for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
             pick["run_m"] = run_m
             pick["pairs"] = pair
+            pick["half_m"] = half_m
             if block_m:  # and one with --grid-block-m its block_m (the down config stays)
                 pick["block_m"] = block_m
         return write_picks(
             picks, "gate_up", grid_runs[0],
             f"gate-up picked from {', '.join(os.path.basename(g) for g in args.pick_from)}: "
-            f"at most {_percent(args.max_random_loss)} slower than the table on random routing "
-            "at every measured M of the band"
-            + (" in every run" if len(grid_runs) > 1 else "")
-            + ", the best worst case on concentrated routing"
+            + (f"at most {_percent(args.max_random_loss)} slower than the table on random "
+               "routing at every measured M of the band"
+               + (" in every run" if len(grid_runs) > 1 else "")
+               + ", the best worst case on concentrated routing"
+               if args.max_conc_loss is None else
+               f"at most {_percent(args.max_conc_loss)} slower than the table on concentrated "
+               "routing at every measured M of the band"
+               + (" in every run" if len(grid_runs) > 1 else "")
+               + ", the best worst case on random routing")
             + (f" (rows of {', '.join(routings)} only)" if routings else "")
             + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
             + "; down unchanged; 'us' is the pick's random-routing time at max_m"
             + (f"; the grid ran with run_m {run_m}" if run_m else "")
-            + ("; the grid ran with pairs" if pair else ""))
+            + ("; the grid ran with pairs" if pair else "")
+            + (f"; the grid ran with half_m {half_m}" if half_m else "")
+            + (f"; new bands {sorted(args.pick_new_band)}" if args.pick_new_band else ""))
     grid = None
     if args.grid is not None:
         try:

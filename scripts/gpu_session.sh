@@ -329,12 +329,17 @@ for s in "$@"; do
              # (a tree's tokens that share experts; the dummy fill's 8 experts), against the
              # table's 16-row blocks, at the M 9-64 bands' gate-up configs
              # (block_m 64: 4-warp gate-up tiles only; 2 warps at 32 x 256 spill there)
+             # (session 46: block_m 16 too, 8-row tiles for experts of up to 8 rows;
+             # MOE_HALF_MODE 2 narrows the gate-up only, files *_gu_*)
              for bm in ${MOE_HALF_BLOCK_M:-32 64}; do
-               step moe-half-$bm ${MOE_HALF_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+               for mode in ${MOE_HALF_MODE:-1}; do
+               tag=$bm$([ "$mode" = 2 ] && echo _gu)
+               step moe-half-$tag ${MOE_HALF_LIMIT:-200} python3 scripts/bench_fused_moe.py \
                  --no-sglang --ms ${MOE_HALF_MS:-9 16 17 24 32 33 48 64} \
-                 --routings concentrated:8,concentrated:32,random --grid-block-m $bm --grid-half-m \
+                 --routings concentrated:8,concentrated:32,random --grid-block-m $bm --grid-half-m $mode \
                  --grid "${MOE_HALF_GRID:-32,256,4,3,0,1,4;64,256,4,3,0,1,2;64,256,4,3,0,1,1;64,256,4,3,0,1,4}" \
-                 --out "$OUT/fused_moe_half_m${bm}_grid_h200.json"
+                 --out "$OUT/fused_moe_half_m${tag}_grid_h200.json"
+               done
              done ;;
     moebm8)  # 8-row expert blocks (the MMA's n = 8): half the activation tile, MMAs and shared
              # memory of the 16-row blocks at calls whose experts hold one or two rows each;
@@ -358,8 +363,9 @@ for s in "$@"; do
              done ;;
     moebm8check) # the GPU MoE tests that take the table's configs at M <= 64 (8-row blocks at
              # M 2-16 since session 45) and the pairs test, not run in session 45
+             # (session 46: and the half_m blocks, 16-row ones at M 17-48 since then)
              step moe-bm8-check ${MOE_BM8_CHECK_LIMIT:-300} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
-               -k "serial_split_k_equals or live_split_follows or pairs_equal or kimi_shapes" ;;
+               -k "serial_split_k_equals or live_split_follows or pairs_equal or kimi_shapes or half_m_blocks" ;;
     moepairs) # MoeConfig.pairs with 8-row blocks (session 45, not yet timed): the gate-up in two
              # launches, single blocks then an expert's pairs of blocks as one 16-row tile, so that
              # 8-row blocks keep their random-routing gain at M >= 9 without dequantizing a shared

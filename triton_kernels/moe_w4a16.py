@@ -29,13 +29,16 @@ weights once per step, dequantizes them in registers and fuses the rest around t
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
-With ``MoeConfig.half_m`` both GEMMs narrow a ``BLOCK_M``-row block (32 or 64) to the fewest
-rows that hold its real rows, down to 16 (one kernel holds every width; a block's real rows
-precede its padding, so one or two ids tell which): an expert with up to ``BLOCK_M`` rows in a
-call then dequantizes each weight tile once for all of them, as a tree's tokens that share
-experts need, while a call that spreads over many experts keeps 16-row tiles. Off in the
-shipped table: on the H200 (session 26) it was up to 17 % faster on 8 experts but 9-13 % slower
-on random routing with 32-row blocks (48-58 % with 64).
+With ``MoeConfig.half_m`` both GEMMs narrow a ``BLOCK_M``-row block (16, 32 or 64) to the
+fewest rows that hold its real rows, down to 8 with 16-row blocks and to 16 with larger ones
+(one kernel holds every width; a block's real rows precede its padding, so one or two ids tell
+which): an expert with up to ``BLOCK_M`` rows in a call then dequantizes each weight tile once
+for all of them, as a tree's tokens that share experts need, while a call that spreads over
+many experts runs narrow tiles. With 32- or 64-row blocks it was up to 17 % faster on 8 experts
+but 9-13 % slower on random routing (48-58 % with 64) on the H200 in session 26; with 16-row
+blocks (session 46) it runs 8-row tiles for the one or two rows most experts hold at M 17-48 on
+random routing, 5-7 % faster there, and 16-row ones for experts of 9-16 rows: the M 17-32 and
+33-48 bands use it.
 
 Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
@@ -510,7 +513,7 @@ def _rows_at(sorted_ids_ptr, row0, T, BM: tl.constexpr):
 @triton.jit
 def _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
     """How far block ``pid_m`` can narrow under HALF_M: 0 runs all BLOCK_M rows, 1 the first
-    half, 2 the first quarter (BLOCK_M >= 64 only; never below 16 rows). An expert's real rows
+    half, 2 the first quarter (BLOCK_M >= 64 only; never below 16 rows, 8 with BLOCK_M 16). An expert's real rows
     come before its padding (moe_align), so a half or quarter holds them all when the row just
     past it is padding. Fewer rows, narrower MMAs; more rows in one tile, each weight tile
     dequantized once for all of them."""
@@ -1233,12 +1236,15 @@ class MoeConfig:
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
-    # 1 (block_m 32 or 64): both GEMMs run a block whose second half holds no real row as a
-    # block_m / 2-row tile, and with block_m 64 one whose last three quarters hold none as a
+    # 1 (block_m 16, 32 or 64): both GEMMs run a block whose second half holds no real row as
+    # a block_m / 2-row tile, and with block_m 64 one whose last three quarters hold none as a
     # 16-row tile. An expert with up to block_m rows in a call then dequantizes each weight tile
     # once for all of them, while blocks of few rows pay for narrow tiles only (timed in
-    # session 26, scripts/bench_fused_moe.py --grid-block-m 32|64 --grid-half-m,
-    # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; no band of the table uses it).
+    # session 26 with block_m 32 / 64, slower on random routing,
+    # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; in session 46 with block_m 16,
+    # 8-row tiles for experts of 1-8 rows: the M 17-48 bands,
+    # bench_results/fused_moe_half_m16_*grid_h200_s46.json). 2: the gate-up only (the down runs
+    # full blocks; timed in session 46, not in the table).
     half_m: int = 0
     # 2, 4 or 8 (not with half_m): an expert's blocks go in runs of up to run_m (moe_align
     # labels them, see run_chunk), and in the gate-up the run's programs of a column tile each
@@ -1439,7 +1445,7 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
-            or (cfg.half_m and bm not in (32, 64))
+            or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
             or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
                                    or gu.block_n // cfg.run_m < 16))
             or cfg.pairs not in (0, 1) or (cfg.pairs and (cfg.half_m or cfg.run_m > 1))
@@ -1498,14 +1504,14 @@ def fused_moe_w4a16(
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
-            PORTABLE=portable_path, HALF_M=bool(cfg.half_m), RUN_M=down_runs,
+            PORTABLE=portable_path, HALF_M=cfg.half_m == 1, RUN_M=down_runs,
             NUM_EXPERTS=num_experts if down_runs > 1 else 0,
             num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
-            HALF_M=bool(cfg.half_m), num_warps=dn.num_warps, num_stages=dn.num_stages)
+            HALF_M=cfg.half_m == 1, num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

@@ -71,7 +71,8 @@ def errors(out, ref):
     return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 16, 64, 300, 2048])  # (M 2-16: 8-row blocks)
+# (M 2-16: 8-row blocks; M 17-48: 16-row blocks with half_m)
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 16, 24, 40, 64, 300, 2048])
 def test_kimi_shapes_vs_reference(K, w, m):
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti, _ = routing(m, seed=m)
@@ -125,27 +126,30 @@ def test_all_tokens_one_expert_set(K, w):
     assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
 
 
-@pytest.mark.parametrize("bm", [32, 64])
+@pytest.mark.parametrize("bm", [16, 32, 64])
 @pytest.mark.parametrize("m", [9, 17, 40])
 def test_half_m_blocks_on_shared_experts(K, w, m, bm):
-    """MoeConfig.half_m at Kimi shapes (block_m 32 / 64, gate-up tiles of the M 9-64 bands with
-    and without split-K, both down kernels): every token on the same 8 experts (9 / 17 / 40
+    """MoeConfig.half_m at Kimi shapes (block_m 16 / 32 / 64, gate-up tiles of the M 9-64 bands
+    with and without split-K and the M 17-48 bands' live split, both down kernels; with
+    block_m 16 also half_m 2, the gate-up only): every token on the same 8 experts (9 / 17 / 40
     rows each: every tile width) and random routing, against the reference."""
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     same = torch.tensor([[5, 0, 383, 17, 200, 9, 64, 1]], device="cuda", dtype=torch.int32)
     tw_r, ti_r, _ = routing(m, seed=70 + m)
     cases = [(torch.rand(m, TOPK, device="cuda"), same.repeat(m, 1).contiguous()), (tw_r, ti_r)]
     bad = []
-    for gu in [(32, 256, 2, 3, 0, 1, 4), (64, 256, 4, 3, 0, 1, 2), (64, 256, 4, 3, 0, 1, 1)]:
-        for dn in [(64, 256, 4, 3, 512), (64, 256, 4, 3)]:
-            cfg = K.moe.MoeConfig(bm, K.moe.GemmConfig(*gu), K.moe.GemmConfig(*dn), half_m=1)
+    for gu in [(32, 256, 2, 3, 0, 1, 4), (64, 256, 4, 3, 0, 1, 2), (64, 256, 4, 3, 0, 1, 1),
+               (64, 256, 4, 3, 0, 1, 4, 512)]:
+        for dn, half in [((64, 256, 4, 3, 512), 1), ((64, 256, 4, 3), 1)] + (
+                [((64, 256, 4, 3, 512), 2)] if bm == 16 else []):
+            cfg = K.moe.MoeConfig(bm, K.moe.GemmConfig(*gu), K.moe.GemmConfig(*dn), half_m=half)
             for tw, ti in cases:
                 out = torch.full((m, H), float("nan"), device="cuda", dtype=torch.bfloat16)
                 K.moe.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                       w["w2_scale"], tw, ti, out=out, config=cfg)
                 rel, mx = errors(out, reference(K, w, x, tw, ti))
                 if out.isnan().any() or not (rel <= REL_FRO and mx <= REL_MAX):
-                    bad.append((gu, dn, rel, mx))
+                    bad.append((gu, dn, half, rel, mx))
     assert not bad, bad
 
 
