@@ -71,8 +71,8 @@ def errors(out, ref):
     return (d.norm() / ref.norm()).item(), (d.abs().max() / ref.abs().max()).item()
 
 
-# (M 2-16: 8-row blocks; M 17-48: 16-row blocks with half_m)
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 16, 24, 40, 64, 300, 2048])
+# (M 2-16: 8-row blocks; M 17-48: 16-row blocks with half_m 1, M 49-128 with half_m 2)
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 16, 24, 40, 64, 100, 300, 2048])
 def test_kimi_shapes_vs_reference(K, w, m):
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti, _ = routing(m, seed=m)

@@ -43,6 +43,12 @@ CFG_HALF_LOOP = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1),
                               MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1)
 CFG_HALF_SPLITK = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
                                 MOE.GemmConfig(64, 128, 4, 1), half_m=1)
+# 16-row blocks narrowed to 8 rows (session 46): looped down; and half_m 2 (the gate-up only)
+# with a live split-K gate-up
+CFG_HALF16_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
+                                MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1)
+CFG_HALF16_GU_LIVE = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2, 8),
+                                   MOE.GemmConfig(64, 128, 4, 1, 128), half_m=2)
 # 64-row blocks narrowed to 32 or 16 rows
 CFG_HALF64 = MOE.MoeConfig(64, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
                            half_m=1)
@@ -652,13 +658,14 @@ def test_sixteen_column_gate_up_tiles(experts):
 
 
 @pytest.mark.parametrize("cfg", [CFG_HALF, CFG_HALF_LOOP, CFG_HALF_SPLITK, CFG_HALF64,
-                                 CFG_HALF64_LOOP_SPLITK],
-                         ids=["down", "down_loop", "split_k", "bm64", "bm64_loop_split_k"])
+                                 CFG_HALF64_LOOP_SPLITK, CFG_HALF16_LOOP, CFG_HALF16_GU_LIVE],
+                         ids=["down", "down_loop", "split_k", "bm64", "bm64_loop_split_k",
+                              "bm16_loop", "bm16_gate_up_only_live_split"])
 def test_half_m_blocks_match_reference(experts, cfg):
     """HALF_M: experts with 6-7 rows, 20 and 40 (32-row blocks: half; full; full then half.
-    64-row blocks: quarter; half; full), and with 64-row blocks one of 70 (full, then a
-    quarter): every row written once, outputs within tolerance of the reference and of the
-    same blocks run full width."""
+    64-row blocks: quarter; half; full. 16-row blocks: half; full then half; full, full,
+    half), and with 64-row blocks one of 70 (full, then a quarter): every row written once,
+    outputs within tolerance of the reference and of the same blocks run full width."""
     m = 70 if cfg.block_m == 64 else 40
     x = torch.randn(m, H, generator=torch.Generator().manual_seed(41)).bfloat16()
     tw, ti = random_routing(m, 9, 3, seed=42)
@@ -672,18 +679,18 @@ def test_half_m_blocks_match_reference(experts, cfg):
     assert counts[5] == m and counts[7] == 20 and 6 <= counts[0] <= 12, counts
     out, ref = run(experts[9], x, tw, ti, scale=1.3, cfg=cfg)
     check(out, ref)
-    full = MOE.MoeConfig(32, cfg.gate_up, cfg.down)
+    full = MOE.MoeConfig(min(cfg.block_m, 32), cfg.gate_up, cfg.down)
     wide, _ = run(experts[9], x, tw, ti, scale=1.3, cfg=full)
     assert (out.float() - wide.float()).abs().max() <= 2e-2 * wide.float().abs().max()
 
 
-def test_half_m_needs_blocks_of_32_or_64():
+def test_half_m_needs_blocks_of_16_32_or_64():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()
     tw, ti = random_routing(3, 4, 2, seed=1)
-    for bm in (16, 128):
+    for bm, half in ((8, 1), (128, 1), (16, 3)):
         bad = MOE.MoeConfig(bm, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
-                            half_m=1)
+                            half_m=half)
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 

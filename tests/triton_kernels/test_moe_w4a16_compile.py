@@ -69,22 +69,29 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
 
 
 def _shipped():
-    """(kind, block_m, tiles) of every config in the shipped table."""
+    """(kind, block_m, tiles, half_m) of every config in the shipped table (half_m: whether
+    that GEMM runs with HALF_M, as fused_moe_w4a16 launches it for the band's half_m)."""
     seen = []
     for band in json.loads(_CONFIGS.read_text())["bands"]:
         for kind in ("gate_up", "down"):
             g = band[kind]
+            half = band.get("half_m", 0)
             key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
                                            g["num_stages"], g.get("n_per_cta", 0),
                                            g.get("split_dq", 0), g.get("split_k", 1),
-                                           g.get("split_target", 0)))
+                                           g.get("split_target", 0)),
+                   half == 1 or (kind == "gate_up" and half == 2))
             if key not in seen:
                 seen.append(key)
     return seen
 
 
-@pytest.mark.parametrize("kind,bm,tiles", _shipped(), ids=str)
-def test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1, pairs=0):
+@pytest.mark.parametrize("kind,bm,tiles,half", _shipped(), ids=str)
+def test_compiles_for_sm90(MOE, kind, bm, tiles, half, tmp_path):
+    _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half)
+
+
+def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1, pairs=0):
     kern = _gemm(MOE, kind, bm, tiles, half_m, run_m, pairs)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
@@ -138,10 +145,12 @@ def test_prologue_and_combine_compile(MOE):
                                    (32, 128, 2, 4, 0, 1, 8, 256), (32, 256, 2, 3, 0, 1, 4, 256),
                                    (64, 256, 4, 3, 0, 1, 4, 512)], ids=str)
 def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
-    test_compiles_for_sm90(MOE, "gate_up", 16, tiles, tmp_path)
+    _check_compiles(MOE, "gate_up", 16, tiles, tmp_path)
 
 
-_HALF_M_TILES = [(32, "gate_up", (32, 256, 2, 3, 0, 1, 4)),
+_HALF_M_TILES = [(16, "gate_up", (32, 256, 2, 3, 0, 1, 4)), (16, "gate_up", (64, 256, 4, 3, 0, 1, 1)),
+                 (16, "gate_up", (64, 256, 4, 3, 0, 1, 4, 512)), (16, "down", (64, 256, 4, 3, 512)),
+                 (32, "gate_up", (32, 256, 2, 3, 0, 1, 4)),
                  (32, "gate_up", (64, 256, 4, 3, 0, 1, 2)),
                  (32, "gate_up", (32, 128, 2, 4, 0, 1, 1)), (32, "down", (64, 256, 4, 3, 512)),
                  (32, "down", (32, 256, 2, 3, 512)),
@@ -154,9 +163,10 @@ _HALF_M_TILES = [(32, "gate_up", (32, 256, 2, 3, 0, 1, 4)),
 
 @pytest.mark.parametrize("bm,kind,tiles", _HALF_M_TILES, ids=str)
 def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
-    """32- and 64-row blocks with HALF_M (every tile width in one kernel): in-register dequant
-    kept, no spills, within shared memory, for gate-up and down tiles of the M 5-64 bands."""
-    test_compiles_for_sm90(MOE, kind, bm, tiles, tmp_path, half_m=True)
+    """16-, 32- and 64-row blocks with HALF_M (every tile width in one kernel): in-register
+    dequant kept, no spills, within shared memory, for gate-up and down tiles of the M 5-128
+    bands."""
+    _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=True)
 
 
 # Runs of blocks as one tile (MoeConfig.run_m; not in the shipped table): the Kimi bands'
@@ -168,7 +178,7 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
     ("down", (64, 256, 4, 3, 512), 4), ("down", (64, 256, 4, 3, 512), 2)], ids=str)
 def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
-    test_compiles_for_sm90(MOE, kind, 16, tiles, tmp_path, run_m=run_m)
+    _check_compiles(MOE, kind, 16, tiles, tmp_path, run_m=run_m)
 
 
 # MoeConfig.pairs (not in the shipped table): each of the gate-up's two passes with 8-row
@@ -179,7 +189,7 @@ def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
 @pytest.mark.parametrize("pairs", [1, 2])
 def test_pairs_passes_compile_without_spills(MOE, tiles, pairs, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
-    test_compiles_for_sm90(MOE, "gate_up", 8, tiles, tmp_path, pairs=pairs)
+    _check_compiles(MOE, "gate_up", 8, tiles, tmp_path, pairs=pairs)
 
 
 def test_rerun_in_clean_process():
