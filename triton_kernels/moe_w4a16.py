@@ -38,7 +38,8 @@ many experts runs narrow tiles. With 32- or 64-row blocks it was up to 17 % fast
 but 9-13 % slower on random routing (48-58 % with 64) on the H200 in session 26; with 16-row
 blocks (session 46) it runs 8-row tiles for the one or two rows most experts hold at M 17-48 on
 random routing, 5-7 % faster there, and 16-row ones for experts of 9-16 rows: the M 17-32 and
-33-48 bands use it.
+33-48 bands use it, and the M 49-64 and 65-128 bands ``half_m`` 2 (the gate-up only; the down's
+two-width kernel cost 5-6 % where 32 experts hold 16 rows each).
 
 Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
@@ -1244,7 +1245,7 @@ class MoeConfig:
     # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; in session 46 with block_m 16,
     # 8-row tiles for experts of 1-8 rows: the M 17-48 bands,
     # bench_results/fused_moe_half_m16_*grid_h200_s46.json). 2: the gate-up only (the down runs
-    # full blocks; timed in session 46, not in the table).
+    # full blocks): the M 49-128 bands (session 46, fused_moe_half_m16_gu_m49_*_s46.json).
     half_m: int = 0
     # 2, 4 or 8 (not with half_m): an expert's blocks go in runs of up to run_m (moe_align
     # labels them, see run_chunk), and in the gate-up the run's programs of a column tile each
