@@ -499,24 +499,23 @@ def _pick(rows: list, max_random_loss: float, field: str, random_only: bool,
         if not all(r["table_us"] for r in band_rows):
             continue
         conc_rows = any(r["routing"] != "random" for r in band_rows)
-        if (conc_rows or not random_only) and max_conc_loss is not None:
-            ok = [(ratio["random"], ratio["concentrated"], name)
-                  for name, (ratio, timed) in cands.items()
-                  if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
-                  and ratio["concentrated"] <= 1 + max_conc_loss and ratio["random"] < 1]
-            ok = [(conc, rand, name) for rand, conc, name in sorted(ok)[:1]]
+        both = [(ratio, name) for name, (ratio, timed) in cands.items()
+                if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio]
+        by_random = (conc_rows or not random_only) and max_conc_loss is not None
+        if by_random:  # (random, concentrated, name): the best on random routing first
+            ok = [(r["random"], r["concentrated"], name) for r, name in both
+                  if r["concentrated"] <= 1 + max_conc_loss and r["random"] < 1]
         elif conc_rows or not random_only:
-            ok = [(ratio["concentrated"], ratio["random"], name)
-                  for name, (ratio, timed) in cands.items()
-                  if timed == len(band_rows) and "random" in ratio and "concentrated" in ratio
-                  and ratio["random"] <= 1 + max_random_loss and ratio["concentrated"] < 1]
+            ok = [(r["concentrated"], r["random"], name) for r, name in both
+                  if r["random"] <= 1 + max_random_loss and r["concentrated"] < 1]
         else:
             ok = [(ratio["random"], ratio["random"], name)
                   for name, (ratio, timed) in cands.items()
                   if timed == len(band_rows) and ratio.get("random", 1) < 1]
         if not ok:
             continue
-        conc, rand, name = min(ok)
+        first, second, name = min(ok)
+        rand, conc = (first, second) if by_random else (second, first)
         top = [r for r in band_rows if r["routing"] == "random"
                and r["m"] == max(x["m"] for x in band_rows)]
         picks[band] = {field: [int(v) for v in name.split(",")], "random": rand,
@@ -919,8 +918,8 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with this block_m (0: the table's)")
     ap.add_argument("--grid-half-m", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2),
                     help="--grid only: run the candidates with MoeConfig.half_m (blocks "
-                         "narrowed to the fewest rows holding their real ones, down to 16; "
-                         "block_m 32 or 64)")
+                         "narrowed to the fewest rows holding their real ones, down to 8 with "
+                         "--grid-block-m 16 and 16 with 32 or 64; 2: the gate-up only)")
     ap.add_argument("--grid-run-m", type=int, default=0, choices=(0, 2, 4, 8),
                     help="--grid only: run the candidates with MoeConfig.run_m (an expert's "
                          "16-row blocks in runs of up to this many, each run's programs of a "

@@ -366,7 +366,7 @@ for s in "$@"; do
              # (session 46: and the half_m blocks, 16-row ones at M 17-48 since then)
              step moe-bm8-check ${MOE_BM8_CHECK_LIMIT:-300} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
                -k "serial_split_k_equals or live_split_follows or pairs_equal or kimi_shapes or half_m_blocks" ;;
-    moepairs) # MoeConfig.pairs with 8-row blocks (session 45, not yet timed): the gate-up in two
+    moepairs) # MoeConfig.pairs with 8-row blocks (session 45; timed in session 46, not taken): the gate-up in two
              # launches, single blocks then an expert's pairs of blocks as one 16-row tile, so that
              # 8-row blocks keep their random-routing gain at M >= 9 without dequantizing a shared
              # expert's weights once per 8 rows; against the table on three routings
