@@ -1266,6 +1266,9 @@ class MoeConfig:
     # which cost registers: sessions 29-41). Programs of the other pass's blocks leave at once.
     # The down GEMM runs every block_m-row block as without pairs. Meant for block_m 8 at
     # M >= 9, where 8-row blocks lose to 16-row ones when tokens share experts (session 45).
+    # Timed in session 46 (bench_results/fused_moe_pairs_grid_h200_s46.json): 1.30-1.50x the
+    # table at best where tokens share 8 / 32 experts; no band uses it (half_m on 16-row
+    # blocks does that job).
     pairs: int = 0
 
 
