@@ -144,8 +144,28 @@ def _process_weights_after_loading(self, layer: torch.nn.Module) -> None:
                  "w2_g_idx_sort_indices"):
         setattr(layer, name, torch.nn.Parameter(
             torch.empty((e, 0), dtype=torch.int32, device=w13.device), requires_grad=False))
+    _check_config_table_once(hidden, inter)
     layer._ddtree_fused_moe_ready = True
     _log_first_layer(e, hidden, inter)
+
+
+_checked_tables: dict = {}
+
+
+def _check_config_table_once(hidden: int, inter: int) -> None:
+    """The kernel's launch-config table (the shipped one or SGLANG_DDTREE_MOE_CONFIG) checked
+    against this layer's shapes while the server loads weights, once per shape and table: a
+    band that cannot tile them would otherwise fail at the first MoE call of its size, maybe a
+    large prefill long after start-up."""
+    from .triton_kernels.moe_w4a16 import check_config_table
+
+    key = (hidden, inter, os.environ.get("SGLANG_DDTREE_MOE_CONFIG"))
+    if key in _checked_tables:
+        return
+    try:
+        _checked_tables[key] = check_config_table(hidden, inter)
+    except (ValueError, FileNotFoundError) as exc:
+        raise FusedMoeHookError(f"{ENV_SWITCH}=1: {exc}") from None
 
 
 _logged_layer = {"done": False}

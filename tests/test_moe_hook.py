@@ -172,6 +172,22 @@ _E2E = textwrap.dedent("""
         raise SystemExit("group 128 accepted")
     except NotImplementedError as exc:
         assert "group_size=128" in str(exc), exc
+    # a config table that cannot serve some M: refused while weights load, naming the band
+    import json, tempfile
+    from sglang_ddtree.triton_kernels import moe_w4a16
+    table = json.load(open(moe_w4a16._CONFIG_PATH))
+    next(b for b in table["bands"] if b["max_m"] == 512)["half_m"] = 3
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(table, f)
+    os.environ["SGLANG_DDTREE_MOE_CONFIG"] = f.name
+    bad = torch.nn.Module()
+    bad.moe_tp_size = 1
+    s.create_weights(bad, E, H, I, torch.bfloat16)
+    try:
+        s.process_weights_after_loading(bad)
+        raise SystemExit("bad config table accepted")
+    except moe_hook.FusedMoeHookError as exc:
+        assert "band max_m=512" in str(exc) and "SGLANG_DDTREE_MOE_CONFIG" in str(exc), exc
     print("E2E_OK", rel)
 """)
 

@@ -1345,6 +1345,47 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
                       split_k, cfg.split_target if split_k > 1 else 0)
 
 
+def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
+    """``cfg``'s gate-up and down configs fitted to the shapes (_fit); ValueError where they do
+    not tile them or the config's options do not go together."""
+    gu = _fit(cfg.gate_up, inter, hidden)
+    dn = _fit(cfg.down, hidden, inter)
+    bm = cfg.block_m
+    if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
+            or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
+            or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
+            or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
+                                   or gu.block_n // cfg.run_m < 16))
+            or cfg.pairs not in (0, 1) or (cfg.pairs and (cfg.half_m or cfg.run_m > 1))
+            or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
+        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
+        # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
+        # already dropped split-K and the looped down kernel where the shape rules them out.
+        raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
+    return gu, dn
+
+
+def check_config_table(hidden: int, inter: int, path: str | None = None) -> str:
+    """Check every band of the config table that ``select_config`` reads (``path``, else
+    ``SGLANG_DDTREE_MOE_CONFIG``, else the shipped one) against these shapes, so that a table
+    that cannot serve some M fails when a server loads its weights rather than at the first
+    call of that size. Returns the table's path; ValueError naming the band and the fix."""
+    path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
+    try:
+        table = _config_table(path)
+    except (KeyError, TypeError, ValueError) as exc:  # a band without a field, or a bad one
+        raise ValueError(f"fused MoE config table {path}: unreadable band ({exc!r}); fix it or "
+                         "unset SGLANG_DDTREE_MOE_CONFIG for the shipped table") from exc
+    for max_m, cfg in table:
+        try:
+            _fitted(cfg, hidden, inter)
+        except ValueError as exc:
+            raise ValueError(f"fused MoE config table {path}, band max_m={max_m}: {exc}; fix "
+                             "that band or unset SGLANG_DDTREE_MOE_CONFIG for the shipped "
+                             "table") from None
+    return path
+
+
 # Split-K gate-up sums its partials inside the GEMM launch (the last program of each tile, see
 # _gate_up_rows) instead of in _gate_up_reduce_kernel: one launch less per MoE call. Its
 # per-tile arrival counters live in one int32 buffer per device, zero between launches (each
@@ -1444,20 +1485,8 @@ def fused_moe_w4a16(
         return out
 
     cfg = config or select_config(m)
-    gu = _fit(cfg.gate_up, inter, hidden)
-    dn = _fit(cfg.down, hidden, inter)
+    gu, dn = _fitted(cfg, hidden, inter)
     bm = cfg.block_m
-    if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
-            or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
-            or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
-            or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
-                                   or gu.block_n // cfg.run_m < 16))
-            or cfg.pairs not in (0, 1) or (cfg.pairs and (cfg.half_m or cfg.run_m > 1))
-            or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
-        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
-        # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
-        # already dropped split-K and the looped down kernel where the shape rules them out.
-        raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     portable_path = portable(hidden_states.device)
     t = m * topk
     run_m = cfg.run_m if cfg.run_m > 1 else 1

@@ -685,6 +685,32 @@ def test_half_m_blocks_match_reference(experts, cfg):
     assert (out.float() - wide.float()).abs().max() <= 2e-2 * wide.float().abs().max()
 
 
+def test_config_table_is_checked_against_the_shapes(tmp_path):
+    """check_config_table (run by the SGLang hook while weights load): the shipped table tiles
+    Kimi's rank shapes and these tests' tiny ones; a table with a band that cannot (half_m 3,
+    a gate-up block_n that does not divide the intermediate size, 4-row blocks) or with an
+    unreadable band is refused, naming the band's max_m and the fix."""
+    import json
+    from pathlib import Path
+    assert MOE.check_config_table(7168, 256) == MOE._CONFIG_PATH
+    assert MOE.check_config_table(H, I) == MOE._CONFIG_PATH
+    table = json.loads(Path(MOE._CONFIG_PATH).read_text())
+    for band, change, shape in ((512, {"half_m": 3}, (7168, 256)),
+                                (32, {"gate_up": dict(table["bands"][0]["gate_up"], block_n=96)},
+                                 (7168, 256)),
+                                (2048, {"block_m": 4}, (H, I))):
+        bad = json.loads(json.dumps(table))
+        next(b for b in bad["bands"] if b["max_m"] == band).update(change)
+        path = tmp_path / f"bad_{band}.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"band max_m={band}: .*SGLANG_DDTREE_MOE_CONFIG"):
+            MOE.check_config_table(*shape, str(path))
+    del bad["bands"][0]["down"]
+    (tmp_path / "no_down.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unreadable band"):
+        MOE.check_config_table(7168, 256, str(tmp_path / "no_down.json"))
+
+
 def test_half_m_needs_blocks_of_16_32_or_64():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()
