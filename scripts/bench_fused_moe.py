@@ -393,7 +393,9 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     split depends on how many experts a call touches (few experts: few row blocks, too few
     programs without a split). So each candidate is timed at several M and routings, and
     ``summary`` gives, per table band, its worst ratio to the table on random routing and on
-    the concentrated ones (below 1: faster). Block_m and the down config stay the table's.
+    the concentrated ones (below 1: faster). Block_m and the down config stay the table's;
+    half_m, run_m and pairs are the grid's flags' (0 without them, whatever the band has), which
+    a pick from the grid writes into the table.
     """
     routings = args.routings.split(",")
     out = run_header(dev, {
@@ -620,7 +622,8 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
 
     Each M is timed with the config table's choice and with every down candidate of that band's
-    block_m (gate-up fixed to the table's); gate-up and down bandwidth use their own bytes.
+    block_m (``--breakdown-down`` instead where given; gate-up, block_m, half_m, run_m and
+    pairs fixed to the table's); gate-up and down bandwidth use their own bytes.
     """
     w13_bytes = args.hidden // 8 * 2 * args.inter * 4 + args.hidden // 32 * 2 * args.inter * 2
     w2_bytes = args.inter // 8 * args.hidden * 4 + args.inter // 32 * args.hidden * 2
@@ -630,8 +633,8 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
         xs, tws, tis, _ = make_inputs(m)
         touched = sum(int(torch.unique(ti).numel()) for ti in tis) / len(tis)
         base = mw.select_config(m)
-        cands = [base] + [mw.MoeConfig(base.block_m, base.gate_up, mw.GemmConfig(*c))
-                          for c in CANDIDATES.get(base.block_m, ([], []))[1]]
+        downs = args.breakdown_down or CANDIDATES.get(base.block_m, ([], []))[1]
+        cands = [base] + [dataclasses.replace(base, down=mw.GemmConfig(*c)) for c in downs]
         for cfg in cands:
             t = []
             for upto in (1, 2, 3, 4):
@@ -907,6 +910,9 @@ def main(argv=None) -> int:
                     help="per-kernel times (align, gate-up, down, combine) by differences of "
                          "graphs that stop after each kernel, for the table's config and the "
                          "down-kernel candidates; JSON to --out")
+    ap.add_argument("--breakdown-down", default=None, metavar="CONFIGS",
+                    help="--breakdown: these down configs (';'-separated block_n,block_k,"
+                         "num_warps,num_stages[,n_per_cta]) instead of the block_m's candidates")
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
@@ -974,6 +980,15 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-ms", type=int, nargs="*", default=None,
                     help="only run a few eager calls per M (for ncu) and exit")
     args = ap.parse_args(argv)
+    if args.breakdown_down is not None:
+        try:
+            args.breakdown_down = [tuple(int(v) for v in c.split(","))
+                                   for c in args.breakdown_down.split(";") if c]
+        except ValueError:
+            args.breakdown_down = []
+        if not args.breakdown_down or any(not 4 <= len(c) <= 5 for c in args.breakdown_down):
+            ap.error("--breakdown-down: ';'-separated block_n,block_k,num_warps,num_stages"
+                     "[,n_per_cta] lists")
     variants = parse_variants(args.ours_variants)
 
     def parse_routing(routing):  # -> experts to concentrate on, 0 for random

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check moedownwave
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -375,6 +375,14 @@ for s in "$@"; do
                --routings random,concentrated:8,concentrated:32 --grid-block-m 8 --grid-pairs \
                --grid "${MOE_PAIRS_GRID:-32,256,2,3,0,1,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,512;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,256;64,256,4,3,0,1,1;64,256,4,3,0,1,2}" \
                --out "$OUT/fused_moe_pairs_grid_h200.json" ;;
+    moedownwave) # (session 46, not yet run) issue 5's bandwidth at M = 8: the down kernel reads
+             # its weights at 62 % of copy there (854 programs, about 1.3 waves, at the table's
+             # 512-column ranges); narrower / other ranges and stages against the table's, per
+             # kernel (--breakdown), at M = 8 / 16 / 32
+             step moe-down-wave ${MOE_DOWN_WAVE_LIMIT:-240} python3 scripts/bench_fused_moe.py \
+               --no-sglang --breakdown --ms ${MOE_DOWN_WAVE_MS:-8 16 32} --breakdown-down \
+               "${MOE_DOWN_WAVE:-64,256,4,3,256;64,256,4,4,256;64,256,4,3,448;32,256,2,3,256;32,256,2,3,448;64,256,4,4,512;64,256,4,3,896}" \
+               --out "$OUT/fused_moe_down_wave_h200.json" ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server
              step mla-reduce ${MLA_REDUCE_LIMIT:-240} python3 scripts/bench_tree_verify.py \

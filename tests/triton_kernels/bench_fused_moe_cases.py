@@ -51,6 +51,25 @@ def test_breakdown_times_every_stage(bench, tmp_path):
     assert [r["config"]["down"]["n_per_cta"] for r in rows[1:]] == [0, 128]
 
 
+def test_breakdown_down_candidates_keep_the_bands_options(bench, tmp_path):
+    """--breakdown-down replaces the down candidates; each runs with the band's block_m and
+    half_m (M = 20: the M 17-32 band, 16-row blocks with half_m since session 46), so only the
+    down config differs from the table's row. A malformed list is refused."""
+    out = tmp_path / "bd.json"
+    assert bench.main(TINY + ["--ms", "20", "--breakdown", "--breakdown-down",
+                              "64,128,4,1,128;32,128,2,2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    table = bench.mw.select_config(20)
+    assert table.half_m == 1 and len(rows) == 3
+    for r, down in zip(rows[1:], [(64, 128, 4, 1, 128), (32, 128, 2, 2)]):
+        assert r["config"] == dataclasses.asdict(
+            dataclasses.replace(table, down=bench.mw.GemmConfig(*down)))
+        assert all(math.isfinite(v) for v in r["us"].values()), r
+    for bad in ("", "64,128", "a,b,c,d"):
+        with pytest.raises(SystemExit):
+            bench.main(TINY + ["--breakdown", "--breakdown-down", bad, "--out", str(out)])
+
+
 def test_tune_writes_a_table_the_kernel_reads(bench, tmp_path):
     out = tmp_path / "table.json"
     times = tmp_path / "tune.json"
