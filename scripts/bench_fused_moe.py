@@ -1059,6 +1059,9 @@ def main(argv=None) -> int:
                 parse_routing(r)
             rows = [r for r in rows if r["routing"] in routings]
         picks = pick_gate_up(rows, args.max_random_loss, args.max_conc_loss)
+        loss, bounded, best = ((args.max_random_loss, "random", "concentrated")
+                               if args.max_conc_loss is None else
+                               (args.max_conc_loss, "concentrated", "random"))
         for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
             pick["run_m"] = run_m
             pick["pairs"] = pair
@@ -1068,15 +1071,9 @@ def main(argv=None) -> int:
         return write_picks(
             picks, "gate_up", grid_runs[0],
             f"gate-up picked from {', '.join(os.path.basename(g) for g in args.pick_from)}: "
-            + (f"at most {_percent(args.max_random_loss)} slower than the table on random "
-               "routing at every measured M of the band"
-               + (" in every run" if len(grid_runs) > 1 else "")
-               + ", the best worst case on concentrated routing"
-               if args.max_conc_loss is None else
-               f"at most {_percent(args.max_conc_loss)} slower than the table on concentrated "
-               "routing at every measured M of the band"
-               + (" in every run" if len(grid_runs) > 1 else "")
-               + ", the best worst case on random routing")
+            + (f"at most {_percent(loss)} slower than the table on {bounded} routing at every "
+               "measured M of the band" + (" in every run" if len(grid_runs) > 1 else "")
+               + f", the best worst case on {best} routing")
             + (f" (rows of {', '.join(routings)} only)" if routings else "")
             + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
             + "; down unchanged; 'us' is the pick's random-routing time at max_m"

@@ -514,10 +514,10 @@ def _rows_at(sorted_ids_ptr, row0, T, BM: tl.constexpr):
 @triton.jit
 def _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
     """How far block ``pid_m`` can narrow under HALF_M: 0 runs all BLOCK_M rows, 1 the first
-    half, 2 the first quarter (BLOCK_M >= 64 only; never below 16 rows, 8 with BLOCK_M 16). An expert's real rows
-    come before its padding (moe_align), so a half or quarter holds them all when the row just
-    past it is padding. Fewer rows, narrower MMAs; more rows in one tile, each weight tile
-    dequantized once for all of them."""
+    half, 2 the first quarter (BLOCK_M >= 64 only; never below 16 rows, 8 with BLOCK_M 16). An
+    expert's real rows come before its padding (moe_align), so a half or quarter holds them all
+    when the row just past it is padding. Fewer rows, narrower MMAs; more rows in one tile, each
+    weight tile dequantized once for all of them."""
     row0 = pid_m * BLOCK_M
     level = tl.where(tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < T, 0, 1)
     if BLOCK_M >= 64:
@@ -1271,6 +1271,16 @@ class MoeConfig:
     # blocks does that job).
     pairs: int = 0
 
+    @property
+    def narrow_gate_up(self) -> bool:
+        """Whether the gate-up runs HALF_M (half_m 1 or 2)."""
+        return self.half_m in (1, 2)
+
+    @property
+    def narrow_down(self) -> bool:
+        """Whether the down GEMM runs HALF_M (half_m 1 only)."""
+        return self.half_m == 1
+
 
 @functools.lru_cache(maxsize=None)
 def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
@@ -1519,7 +1529,7 @@ def fused_moe_w4a16(
             sorted_ids if counters is None else counters, t, part_rows, K=hidden,
             I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
             DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
-            SPLIT_K=gu.split_k, HALF_M=bool(cfg.half_m), SERIAL=counters is not None,
+            SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
             SPLIT_TARGET=gu.split_target,
             NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 or cfg.pairs else 0,
             RUN_M=run_m, PAIRS=pass_, num_warps=gu.num_warps, num_stages=gu.num_stages)
@@ -1537,14 +1547,14 @@ def fused_moe_w4a16(
         _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
-            PORTABLE=portable_path, HALF_M=cfg.half_m == 1, RUN_M=down_runs,
+            PORTABLE=portable_path, HALF_M=cfg.narrow_down, RUN_M=down_runs,
             NUM_EXPERTS=num_experts if down_runs > 1 else 0,
             num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
-            HALF_M=cfg.half_m == 1, num_warps=dn.num_warps, num_stages=dn.num_stages)
+            HALF_M=cfg.narrow_down, num_warps=dn.num_warps, num_stages=dn.num_stages)
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

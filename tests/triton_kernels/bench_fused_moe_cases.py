@@ -248,6 +248,11 @@ def test_pick_gate_up_rule(bench):
     assert bench.pick_gate_up(rows, max_conc_loss=0.01) == {}
 
 
+def _without_us(bands: list) -> list:
+    """A table's bands without their timings (``us``), to compare configs."""
+    return [{k: v for k, v in b.items() if k != "us"} for b in bands]
+
+
 def _same_gate_up(bench, table_entry: dict, pick: list) -> bool:
     """A table band's gate-up dict and a pick's integer list name the same GemmConfig (fields
     a grid or table leaves out take their defaults)."""
@@ -284,8 +289,7 @@ def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     copy.write_text(json.dumps(table))
     bench.apply_picks(str(copy), {32: dict(picks[32], half_m=1)}, {"command": "test"})
     again = json.loads(copy.read_text())
-    strip = lambda bs: [{k: v for k, v in b.items() if k != "us"} for b in bs]  # noqa: E731
-    assert strip(again["bands"]) == strip(table["bands"])
+    assert _without_us(again["bands"]) == _without_us(table["bands"])
     assert again["tuned"][-1] == {"command": "test", "max_m": [32]}
 
 
@@ -329,8 +333,7 @@ def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench
     assert bench.main(["--pick-from", str(grid), "--pick-bands", "16", "--pick-routings",
                        "random,concentrated:32", "--tune-out", str(path)]) == 0
     after = json.loads(path.read_text())
-    strip = lambda bs: [{k: v for k, v in b.items() if k != "us"} for b in bs]  # noqa: E731
-    assert strip(after["bands"]) == strip(table["bands"])
+    assert _without_us(after["bands"]) == _without_us(table["bands"])
     assert "rows of random, concentrated:32 only" in after["tuned"][-1]["rule"]
     assert "block_m 8 (the grid's)" in after["tuned"][-1]["rule"]
     assert [e["max_m"] for e in table["tuned"] if e["max_m"] in ([8], [16])][-2:] == [[8], [16]]
@@ -392,8 +395,7 @@ def test_m17_to_128_bands_are_the_half_m_picks_from_the_session_46_grids(bench, 
         rule = json.loads(path.read_text())["tuned"][-1]["rule"]
         assert "at most 2% slower than the table on concentrated routing" in rule
     after = json.loads(path.read_text())
-    strip = lambda bs: [{k: v for k, v in b.items() if k != "us"} for b in bs]  # noqa: E731
-    assert strip(after["bands"]) == strip(table["bands"])
+    assert _without_us(after["bands"]) == _without_us(table["bands"])
     picks = bench.pick_gate_up([dict(r, band=48 if r["m"] <= 48 < r["band"] else r["band"])
                                 for r in rows], max_conc_loss=0.02)
     picks.update(bench.pick_gate_up(rows2, max_conc_loss=0.02))
