@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check moedownwave
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check moedownwave moelivedown
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -383,6 +383,16 @@ for s in "$@"; do
                --no-sglang --breakdown --ms ${MOE_DOWN_WAVE_MS:-8 16 32} --breakdown-down \
                "${MOE_DOWN_WAVE:-64,256,4,3,256;64,256,4,4,256;64,256,4,3,448;32,256,2,3,256;32,256,2,3,448;64,256,4,4,512;64,256,4,3,896}" \
                --out "$OUT/fused_moe_down_wave_h200.json" ;;
+    moelivedown) # (session 47) live down column ranges (the down config's split_target): the
+             # band's looped down tile with ranges chosen per call from the used-block count,
+             # against the table's and a fixed 256-column range, per kernel (--breakdown), at
+             # M 1-128 on random routing and 8 / 32 shared experts (the dummy fill's 8)
+             for r in ${MOE_LIVE_DOWN_ROUTINGS:-random concentrated:8 concentrated:32}; do
+               step "moe-live-down-$r" ${MOE_LIVE_DOWN_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --breakdown --routing "$r" --ms ${MOE_LIVE_DOWN_MS:-1 2 4 6 8 12 16 24 32 48 64 96 128} \
+                 --breakdown-down "${MOE_LIVE_DOWN:-64,256,4,3,256;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,1792;64,256,4,3,256,0,1,896;64,256,4,3,256,0,1,1792;64,256,4,3,512,0,1,448;32,256,2,3,448,0,1,896}" \
+                 --out "$OUT/fused_moe_live_down_${r/:/_}_h200.json"
+             done ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server
              step mla-reduce ${MLA_REDUCE_LIMIT:-240} python3 scripts/bench_tree_verify.py \

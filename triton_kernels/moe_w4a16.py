@@ -25,7 +25,9 @@ weights once per step, dequantizes them in registers and fuses the rest around t
    then serves a call whose tokens share 8 experts (deep split) and one spread
    over hundreds (none) without a host sync or a per-routing config.
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
-   the same with one long column loop per program (intermediate sizes that fit one K tile).
+   the same with one long column loop per program (intermediate sizes that fit one K tile). Its
+   column range can be live too (the down config's ``split_target``): a call on few experts
+   splits each range into shorter ones, so its few blocks still fill the GPU.
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
@@ -953,43 +955,45 @@ def _down_kernel(
     if e < 0:
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
-                 pid_m * BLOCK_M, pid_n, N, I, BLOCK_M, BLOCK_N, BLOCK_K, 0, PORTABLE, HALF_M)
+                 pid_m * BLOCK_M, pid_n, 0, N, I, BLOCK_M, BLOCK_N, BLOCK_K, 0, PORTABLE, HALF_M)
 
 
 @triton.jit
 def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level, row0,
-                 pid_nc, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                 pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
                  PORTABLE: tl.constexpr, HALF_M: tl.constexpr):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
-    (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range) or the
-    per-tile one's (``pid_nc`` its column tile)."""
+    (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
+    ``tiles`` BLOCK_N steps) or the per-tile one's (``pid_nc`` its column tile)."""
     if HALF_M:
         if level == 0:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                        pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                            pid_nc, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                            pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,
+                            PORTABLE)
             else:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                            pid_nc, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                            pid_nc, tiles, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA,
+                            PORTABLE)
         else:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                        pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
     else:
         _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
-                    N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                    tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
 
 
 @triton.jit
 def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
-                N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, N, I, BM, BLOCK_N, N_PER_CTA, PORTABLE)
+                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE)
     else:
         _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                    N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
@@ -1041,7 +1045,8 @@ def _down_loop_kernel(
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
     RUN_M: tl.constexpr = 1,  # as _gate_up_kernel's: a run's programs split N_PER_CTA
-    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M) experts, for moe_align's block count
+    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M, LIVE_TARGET) experts, for moe_align's block count
+    LIVE_TARGET: tl.constexpr = 0,  # > 0 (RUN_M 1): column ranges per call, see below
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -1052,11 +1057,28 @@ def _down_loop_kernel(
     whose weight loads the compiler pipelines (``num_stages``), one long stream per program.
     With RUN_M > 1 the R programs of a run of R blocks (moe_align's run labels) for one column
     range each take all R * BLOCK_M rows and N_PER_CTA / R of its columns.
+    With LIVE_TARGET > 0 the column range is chosen per call on the GPU, as the gate-up's live
+    split chooses its K split (_live_split, from moe_align's used-block count): each
+    N_PER_CTA range splits into the smallest number ``f`` of parts (a divisor of its BLOCK_N
+    steps) that gives the used blocks at least LIVE_TARGET programs, so a call whose tokens
+    share few experts streams its weights from more programs of shorter ranges (the
+    launch's grid, ``live_grid``, holds the most any call can need; the surplus leaves).
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
+    TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
     pid = tl.program_id(0)
-    pid_m = pid // NUM_S
-    pid_s = pid % NUM_S
+    if LIVE_TARGET > 0:
+        parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
+                                  TILES, TILES, LIVE_TARGET)
+        if pid >= live * parts:
+            return
+        pid_m = pid // (NUM_S * parts)
+        pid_s = pid % (NUM_S * parts)
+        tiles = TILES // parts
+    else:
+        pid_m = pid // NUM_S
+        pid_s = pid % NUM_S
+        tiles = TILES
     e = tl.load(block_expert_ptr + pid_m)
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
@@ -1071,33 +1093,33 @@ def _down_loop_kernel(
         row_r = (pid_m - place) * BLOCK_M
         if run_label // 16 == 1:
             _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
-                            pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, N_PER_CTA, PORTABLE)
+                            pid_m * BLOCK_M, pid_s, TILES, N, I, BLOCK_M, BLOCK_N, PORTABLE)
         elif run_label // 16 == 2:
             _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row_r,
-                            pid_s * 2 + place, N, I, BLOCK_M * 2, BLOCK_N, N_PER_CTA // 2,
-                            PORTABLE)
+                            pid_s * 2 + place, TILES // 2, N, I, BLOCK_M * 2, BLOCK_N, PORTABLE)
         else:
             if RUN_M >= 4:
                 if run_label // 16 == 4:
                     _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
-                                    row_r, pid_s * 4 + place, N, I, BLOCK_M * 4, BLOCK_N,
-                                    N_PER_CTA // 4, PORTABLE)
+                                    row_r, pid_s * 4 + place, TILES // 4, N, I, BLOCK_M * 4,
+                                    BLOCK_N, PORTABLE)
                 else:
                     if RUN_M >= 8:
                         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr,
-                                        T, e, row_r, pid_s * 8 + place, N, I, BLOCK_M * 8,
-                                        BLOCK_N, N_PER_CTA // 8, PORTABLE)
+                                        T, e, row_r, pid_s * 8 + place, TILES // 8, N, I,
+                                        BLOCK_M * 8, BLOCK_N, PORTABLE)
     else:
         _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
-                     pid_m * BLOCK_M, pid_s, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE,
-                     HALF_M)
+                     pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
+                     PORTABLE, HALF_M)
 
 
 @triton.jit
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
-                    N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr):
-    """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``)."""
+                    tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr):
+    """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
+    column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live)."""
     KP: tl.constexpr = I // _PACK
     offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     offs_r = tl.arange(0, KP)
@@ -1113,25 +1135,45 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
     a7 = tl.load(h_ptrs + 7 * KP, mask=a_mask, other=0.0)
     wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     e64 = e.to(tl.int64)
-    offs_n = pid_s * N_PER_CTA + tl.arange(0, BLOCK_N)
+    offs_n = pid_s * (tiles * BLOCK_N) + tl.arange(0, BLOCK_N)
     w_ptrs = w_ptr + e64 * (KP * N) + offs_r[None, :] * N + offs_n[:, None]
     s_ptrs = s_ptr + e64 * (I // _GROUP * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
     y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]
-    for _ in range(N_PER_CTA // BLOCK_N):
-        p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs), tl.load(s_ptrs), PORTABLE)
-        acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-        acc = _dot(p0, a0, acc, PORTABLE)
-        acc = _dot(p1, a1, acc, PORTABLE)
-        acc = _dot(p2, a2, acc, PORTABLE)
-        acc = _dot(p3, a3, acc, PORTABLE)
-        acc = _dot(p4, a4, acc, PORTABLE)
-        acc = _dot(p5, a5, acc, PORTABLE)
-        acc = _dot(p6, a6, acc, PORTABLE)
-        acc = _dot(p7, a7, acc, PORTABLE)
-        tl.store(y_ptrs, (acc * wt[None, :]).to(y_ptr.dtype.element_ty), mask=a_mask)
-        w_ptrs += BLOCK_N
-        s_ptrs += BLOCK_N
-        y_ptrs += BLOCK_N
+    if PORTABLE:
+        # the interpreter cannot range() over a loaded bound (a live range): a while loop
+        i = 0
+        while i < tiles:
+            _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
+                       BLOCK_N, PORTABLE)
+            w_ptrs += BLOCK_N
+            s_ptrs += BLOCK_N
+            y_ptrs += BLOCK_N
+            i += 1
+    else:
+        for _ in range(tiles):
+            _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
+                       BLOCK_N, PORTABLE)
+            w_ptrs += BLOCK_N
+            s_ptrs += BLOCK_N
+            y_ptrs += BLOCK_N
+
+
+@triton.jit
+def _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask,
+               BM: tl.constexpr, BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr):
+    """One BLOCK_N step of _down_loop_rows: dequantize the [BLOCK_N, I] weight tile, its eight
+    nibble-plane dots with the block's activation planes, the routing weights, y's store."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs), tl.load(s_ptrs), PORTABLE)
+    acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    acc = _dot(p0, a0, acc, PORTABLE)
+    acc = _dot(p1, a1, acc, PORTABLE)
+    acc = _dot(p2, a2, acc, PORTABLE)
+    acc = _dot(p3, a3, acc, PORTABLE)
+    acc = _dot(p4, a4, acc, PORTABLE)
+    acc = _dot(p5, a5, acc, PORTABLE)
+    acc = _dot(p6, a6, acc, PORTABLE)
+    acc = _dot(p7, a7, acc, PORTABLE)
+    tl.store(y_ptrs, (acc * wt[None, :]).to(y_ptrs.dtype.element_ty), mask=a_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1218,10 +1260,13 @@ class GemmConfig:
     # gate-up GEMM only: > 1 splits K over that many programs per tile (more programs in flight
     # when few experts are touched); a small reduce kernel adds the fp32 partials in fixed order.
     split_k: int = 1
-    # gate-up GEMM only, with split_k > 1: > 0 makes split_k the most a call splits K; each call
+    # gate-up GEMM with split_k > 1: > 0 makes split_k the most a call splits K; each call
     # takes the smallest split (a divisor of the K steps) that gives its used row blocks at least
     # split_target programs, read on the GPU from moe_align's block count (so one band serves
     # calls on few experts, which want a deep split, and calls on many, which want none).
+    # Looped down GEMM (n_per_cta > 0, no runs): the same rule splits each n_per_cta column range
+    # into the fewest parts (a divisor of its block_n steps) that give the used blocks at least
+    # split_target programs (_down_loop_kernel's LIVE_TARGET).
     split_target: int = 0
 
 
@@ -1346,13 +1391,14 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     """Fit a table config to the problem: shrink tiles that exceed a small problem (tests use tiny
     hidden / FFN sizes), and drop the shape-bound options where the shape rules them out (the
     looped down kernel needs the whole K in one tile; split-K needs the K steps to divide), so
-    that one table serves any hidden / intermediate size."""
+    that one table serves any hidden / intermediate size. A live target stays with a K split
+    or a looped down kernel (GemmConfig.split_target)."""
     block_n = min(cfg.block_n, n)
     block_k = min(cfg.block_k, k)
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
     split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
-                      split_k, cfg.split_target if split_k > 1 else 0)
+                      split_k, cfg.split_target if split_k > 1 or n_per_cta else 0)
 
 
 def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
@@ -1367,7 +1413,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
                                    or gu.block_n // cfg.run_m < 16))
             or cfg.pairs not in (0, 1) or (cfg.pairs and (cfg.half_m or cfg.run_m > 1))
-            or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))):
+            or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
+            or (dn.split_target and (dn.split_target < 0 or cfg.run_m > 1))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
         # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
@@ -1544,12 +1591,15 @@ def fused_moe_w4a16(
     if dn.n_per_cta:
         # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
         down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
-        _down_loop_kernel[(n_blocks * (hidden // dn.n_per_cta),)](
+        ranges = n_blocks * (hidden // dn.n_per_cta)
+        steps = dn.n_per_cta // dn.block_n  # a live range splits into a divisor of its steps
+        _down_loop_kernel[(ranges if not dn.split_target else live_grid(
+                ranges, steps, steps, dn.split_target),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=cfg.narrow_down, RUN_M=down_runs,
-            NUM_EXPERTS=num_experts if down_runs > 1 else 0,
-            num_warps=dn.num_warps, num_stages=dn.num_stages)
+            NUM_EXPERTS=num_experts if down_runs > 1 or dn.split_target else 0,
+            LIVE_TARGET=dn.split_target, num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

@@ -362,6 +362,41 @@ def test_live_split_follows_the_routing_in_one_graph(K, w, m, serial, monkeypatc
         assert int(moe._counters[("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("target", [896, 1792])
+def test_live_down_follows_the_routing_in_one_graph(K, w, m, target):
+    """One captured graph whose looped down has a live column range (the band's down tile,
+    split_target ``target``) takes each replay's own range: on 8 shared experts short ranges,
+    on random routing the band's own. Every replay equals, bit for bit, an eager call with the
+    fixed range the host rule names for that routing's block count."""
+    moe = K.moe
+    table = moe.select_config(m)
+    base = table.down if table.down.n_per_cta else moe.GemmConfig(64, 256, 4, 3, 512)
+    steps = base.n_per_cta // base.block_n
+    live = dataclasses.replace(table, down=dataclasses.replace(base, split_target=target))
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+
+    def fixed(tw, ti):
+        blocks = int(moe.moe_align(ti, E, table.block_m)[1][-1])
+        parts = moe.live_split(blocks, H // base.n_per_cta, steps, steps, target)
+        cfg = dataclasses.replace(table, down=dataclasses.replace(
+            base, n_per_cta=base.n_per_cta // parts))
+        return ours(K, w, x, tw, ti, config=cfg).clone(), parts
+
+    tw, ti = few_or_random(m, 40, few=True)
+    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+    graph = captured(K, w, x, tw, ti, out, config=live)
+    seen = set()
+    for i, tw2, ti2 in replays(graph, x, tw, ti, 8, 500):
+        want, parts = fixed(tw2, ti2)
+        seen.add(parts)
+        assert torch.equal(out, want), f"replay {i}, {parts} parts"
+        rel, mx = errors(out, reference(K, w, x, tw2, ti2))
+        assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
+    if m >= 8:
+        assert len(seen) > 1, seen  # the graph took more than one range
+
+
 @pytest.mark.parametrize("m", [9, 17, 33, 64])
 @pytest.mark.parametrize("serial", ["1", "0"])
 def test_pairs_equal_8_row_blocks_in_one_graph(K, w, m, serial, monkeypatch):

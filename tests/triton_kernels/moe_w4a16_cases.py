@@ -355,6 +355,51 @@ def test_live_grid_holds_every_call(k_steps, split_k, target):
         assert max(need) == grid, (max_tiles, grid, max(need))
 
 
+# Live down column ranges (the down config's split_target): hidden 256 in one 256-column range
+# of 4 steps of 64, so a call's range splits into 1, 2 or 4 parts. Target 4 programs: 1 used
+# block -> 4 parts, 2-3 -> 2, 4 or more -> 1.
+def _live_down_cfg(n_per_cta, target, block_m=16, half_m=0):
+    return MOE.MoeConfig(block_m, MOE.GemmConfig(64, 128, 4, 1),
+                         MOE.GemmConfig(64, 128, 4, 1, n_per_cta, 0, 1, target), half_m=half_m)
+
+
+@pytest.mark.parametrize("block_m,half_m", [(16, 0), (16, 1), (8, 0), (32, 1)])
+@pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
+def test_live_down_equals_the_fixed_range_it_picks(experts, block_m, half_m, case):
+    """A down call with live column ranges equals, bit for bit, the fixed-range call with the
+    range the rule picks for its block count (host mirror ``live_split`` over the range's
+    column steps), and matches the reference; with 8- / 16-row blocks and narrowed ones."""
+    m = {"one_block": 5, "two_blocks": 6, "many_blocks": 40}[case]
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, 9, 2, seed=500 + m)
+    if case == "one_block":  # slot 1 dropped, slot 0 on expert 3: 5 rows, one block
+        ti[:, 0], ti[:, 1] = 3, -1
+    elif case == "two_blocks":  # experts 1 and 6: 6 rows each
+        ti[:, 0], ti[:, 1] = 1, 6
+    blocks = int(MOE.moe_align(ti, 9, block_m)[1][-1])
+    parts = MOE.live_split(blocks, 1, 4, 4, 4)
+    want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
+    assert parts == want, blocks
+    out_live, ref = run(experts[9], x, tw, ti, cfg=_live_down_cfg(256, 4, block_m, half_m))
+    check(out_live, ref)
+    out_fixed, _ = run(experts[9], x, tw, ti, cfg=_live_down_cfg(256 // parts, 0, block_m,
+                                                                  half_m))
+    assert torch.equal(out_live, out_fixed)
+
+
+def test_live_down_needs_no_runs_and_keeps_its_target():
+    """split_target on the looped down survives _fit (it is dropped elsewhere, as before) and
+    cannot go with run tiles."""
+    cfg = _live_down_cfg(256, 4)
+    assert MOE._fitted(cfg, H, I)[1].split_target == 4
+    plain = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 0, 0,
+                                                                             1, 4))
+    assert MOE._fitted(plain, H, I)[1].split_target == 0  # per-tile down: no live range
+    with pytest.raises(ValueError, match="does not tile"):
+        MOE._fitted(dataclasses.replace(cfg, gate_up=MOE.GemmConfig(64, 128, 4, 1), run_m=2),
+                    H, I)
+
+
 def test_tile_counters_grow_and_keep_the_old_buffer(monkeypatch):
     monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "1")
     MOE._counters.clear()

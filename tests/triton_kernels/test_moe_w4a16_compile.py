@@ -62,7 +62,9 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                     HALF_M=half_m, RUN_M=run_m, NUM_EXPERTS=384 if run_m > 1 else 0)
+                     HALF_M=half_m, RUN_M=run_m,
+                     NUM_EXPERTS=384 if run_m > 1 or split_target else 0,
+                     LIVE_TARGET=split_target)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
@@ -181,6 +183,17 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
 def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, kind, 16, tiles, tmp_path, run_m=run_m)
+
+
+# Live down column ranges (the down config's split_target): the looped down tiles of the
+# M 1-128 bands with a live range, on 8- / 16-row blocks, narrowed (half_m) or not
+@pytest.mark.parametrize("bm,tiles,half", [
+    (8, (64, 256, 4, 3, 256, 0, 1, 512), False), (8, (64, 256, 4, 3, 512, 0, 1, 896), False),
+    (8, (32, 256, 2, 3, 448, 0, 1, 896), False), (16, (64, 256, 4, 3, 512, 0, 1, 896), True),
+    (16, (64, 256, 4, 3, 512, 0, 1, 896), False)], ids=str)
+def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
+    """In-register dequant kept, no spills, within shared memory."""
+    _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
 
 
 # MoeConfig.pairs (not in the shipped table): each of the gate-up's two passes with 8-row
