@@ -387,7 +387,7 @@ def test_m17_to_128_bands_are_the_half_m_picks_from_the_session_46_grids(bench, 
         bench.mw.GemmConfig(64, 256, 4, 3, 0, 1, 4, 256))
     path = tmp_path / "table.json"
     path.write_text(json.dumps(before))
-    entries = table["tuned"][-2:]
+    entries = [e for e in table["tuned"] if e["max_m"] in ([32, 48], [64, 128])]
     assert [e["max_m"] for e in entries] == [[32, 48], [64, 128]]
     for entry in entries:
         argv = shlex.split(entry["command"])[2:]
@@ -498,8 +498,42 @@ def test_m5_to_7_band_is_the_pick_from_the_session_26_grid(bench):
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     bands = {b["max_m"]: b for b in table["bands"]}
     assert picks[7]["gate_up"] == [32, 128, 2, 4, 0, 1, 4]
-    assert bands[7]["block_m"] == bands[8]["block_m"] and bands[7]["down"] == bands[8]["down"]
+    assert bands[7]["block_m"] == bands[8]["block_m"]  # (band 8's down: session 47's, below)
     assert bench.pick_gate_up([r for r in grid["rows"] if r["m"] == 8]) == {}
+
+
+_S47_LIVE_DOWN = [f"fused_moe_live_down_{r}_h200_s47.json"
+                  for r in ("random", "concentrated_8", "concentrated_32")]
+
+
+def test_m8_and_m9_16_downs_are_the_picks_from_the_session_47_breakdowns(bench, tmp_path):
+    """Session 47's H200 per-kernel runs (--breakdown, M 1-128, random routing and 8 / 32
+    shared experts) of down tiles with fixed and live column ranges: the default down rule
+    (within 2 % on random routing, the best worst case on shared experts) picks a fixed
+    256-column range at M = 8 (0.95x random, 0.82x shared at worst) and a live range
+    (split_target 896) at M 9-16 (1.4 % slower on random, 0.93x shared at worst). The table's
+    'tuned' entry rebuilds both bands from the table as it was before (512-column ranges)."""
+    rows = bench.down_grid_rows([json.loads((REPO / "bench_results" / n).read_text())
+                                 for n in _S47_LIVE_DOWN])
+    picks = bench.pick_down(rows)
+    assert picks[8]["down"] == [64, 256, 4, 3, 256, 0, 1, 0]
+    assert picks[16]["down"] == [64, 256, 4, 3, 512, 0, 1, 896]
+    assert picks[8]["random"] < 1 and 1 < picks[16]["random"] <= 1.02
+    assert max(picks[8]["concentrated"], picks[16]["concentrated"]) < 0.95
+    table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
+    table = json.loads(table_path.read_text())
+    entry = next(e for e in table["tuned"] if e["max_m"] == [8, 16])
+    before = json.loads(table_path.read_text())
+    for b in before["bands"]:
+        if b["max_m"] in (8, 16):
+            b["down"] = bench.gemm_json(bench.mw.GemmConfig(64, 256, 4, 3, 512))
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(before))
+    argv = shlex.split(entry["command"])[2:]
+    argv[argv.index("--tune-out") + 1] = str(path)
+    argv = [str(REPO / a) if a.startswith("bench_results/") else a for a in argv]
+    assert bench.main(argv) == 0
+    assert _without_us(json.loads(path.read_text())["bands"]) == _without_us(table["bands"])
 
 
 def test_m8_band_was_the_pick_from_the_session_29_grids(bench, tmp_path):
