@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check moedownwave moelivedown
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check moedownwave moelivedown moem9
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -392,6 +392,16 @@ for s in "$@"; do
                  --no-sglang --breakdown --routing "$r" --ms ${MOE_LIVE_DOWN_MS:-1 2 4 6 8 12 16 24 32 48 64 96 128} \
                  --breakdown-down "${MOE_LIVE_DOWN:-64,256,4,3,256;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,1792;64,256,4,3,256,0,1,896;64,256,4,3,256,0,1,1792;64,256,4,3,512,0,1,448;32,256,2,3,448,0,1,896}" \
                  --out "$OUT/fused_moe_live_down_${r/:/_}_h200.json"
+             done ;;
+    moem9)   # (session 47) M = 9 (budget 8 at batch 1, AR at batch 9): 16-row blocks that narrow
+             # to 8 rows (half_m 1), so the dummy fill's 8 experts of 9 rows each take one
+             # block, not two 8-row ones, against the table's 8-row blocks; two runs
+             for run in a b; do
+               step moe-m9-$run ${MOE_M9_LIMIT:-150} python3 scripts/bench_fused_moe.py --no-sglang \
+                 --ms ${MOE_M9_MS:-9 10} --routings concentrated:8,concentrated:32,random \
+                 --grid-block-m 16 --grid-half-m 1 \
+                 --grid "${MOE_M9_GRID:-64,256,4,3,0,1,4,512;32,256,2,3,0,1,4,512;32,256,2,3,0,1,4;64,256,4,3,0,1,7,512;32,128,2,4,0,1,8,512;64,256,4,3,0,1,2,512}" \
+                 --out "$OUT/fused_moe_m9_half_m16_${run}_grid_h200.json"
              done ;;
     mlareduce) # the MLA split reduce's splits per step (8 served) against 16 / 32 / 64, as
              # session 25 found for 128-dim rows; planned for a long-context server
