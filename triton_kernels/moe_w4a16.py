@@ -1066,6 +1066,7 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
+    tl.static_assert(LIVE_TARGET == 0 or RUN_M == 1, "live column ranges take no runs")
     pid = tl.program_id(0)
     if LIVE_TARGET > 0:
         parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
