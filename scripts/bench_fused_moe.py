@@ -394,13 +394,13 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     programs without a split). So each candidate is timed at several M and routings, and
     ``summary`` gives, per table band, its worst ratio to the table on random routing and on
     the concentrated ones (below 1: faster). Block_m and the down config stay the table's;
-    half_m, run_m and pairs are the grid's flags' (0 without them, whatever the band has), which
-    a pick from the grid writes into the table.
+    half_m and run_m are the grid's flags' (0 without them, whatever the band has), which a pick
+    from the grid writes into the table.
     """
     routings = args.routings.split(",")
     out = run_header(dev, {
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
-        "grid_run_m": args.grid_run_m, "grid_pairs": int(args.grid_pairs),
+        "grid_run_m": args.grid_run_m,
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
                 f"replays over {len(layers)} weight sets; down from the table, block_m "
                 + (f"{args.grid_block_m} for the candidates (the table's for its own row)"
@@ -429,7 +429,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
             for c in grid:
                 cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
                                    table.down, half_m=int(args.grid_half_m),
-                                   run_m=args.grid_run_m, pairs=int(args.grid_pairs))
+                                   run_m=args.grid_run_m)
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
@@ -568,8 +568,8 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``run_m``, ``pairs`` and
-    ``half_m``, set from the pick or removed, ``block_m`` where the pick has one (a grid run with
+    ``down`` (whichever the pick names; for gate-up picks also ``run_m`` and ``half_m``, set
+    from the pick or removed, ``block_m`` where the pick has one (a grid run with
     --grid-block-m), and ``us``, the random-routing time at max_m of the whole call, where the
     grid has it) change; the other GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
@@ -595,11 +595,10 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
                 band.pop("run_m", None)
             if pick.get("block_m"):
                 band["block_m"] = pick["block_m"]
-            for key in ("pairs", "half_m"):
-                if pick.get(key):
-                    band[key] = pick[key]
-                else:
-                    band.pop(key, None)
+            if pick.get("half_m"):
+                band["half_m"] = pick["half_m"]
+            else:
+                band.pop("half_m", None)
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
         else:
@@ -622,8 +621,8 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
 
     Each M is timed with the config table's choice and with every down candidate of that band's
-    block_m (``--breakdown-down`` instead where given; gate-up, block_m, half_m, run_m and
-    pairs fixed to the table's); gate-up and down bandwidth use their own bytes.
+    block_m (``--breakdown-down`` instead where given; gate-up, block_m, half_m and run_m fixed
+    to the table's); gate-up and down bandwidth use their own bytes.
     """
     w13_bytes = args.hidden // 8 * 2 * args.inter * 4 + args.hidden // 32 * 2 * args.inter * 2
     w2_bytes = args.inter // 8 * args.hidden * 4 + args.inter // 32 * args.hidden * 2
@@ -932,10 +931,6 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with MoeConfig.run_m (an expert's "
                          "16-row blocks in runs of up to this many, each run's programs of a "
                          "column tile sharing its rows and splitting its columns)")
-    ap.add_argument("--grid-pairs", action="store_true",
-                    help="--grid only: run the candidates with MoeConfig.pairs (the gate-up in "
-                         "two launches: single blocks, then an expert's blocks in pairs as one "
-                         "tile of twice the rows; with --grid-block-m 8)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
@@ -1040,13 +1035,15 @@ def main(argv=None) -> int:
                 grid_runs.append(json.load(f))
         run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
-        pairs = {int(g.get("grid_pairs") or 0) for g in grid_runs}
         half_ms = {int(g.get("grid_half_m") or 0) for g in grid_runs}
-        if len(run_ms) > 1 or len(block_ms) > 1 or len(pairs) > 1 or len(half_ms) > 1:
+        if any(g.get("grid_pairs") for g in grid_runs):  # (session 46's pairs grid)
+            ap.error("--pick-from: a grid run with --grid-pairs (MoeConfig.pairs, removed in "
+                     "session 47)")
+        if len(run_ms) > 1 or len(block_ms) > 1 or len(half_ms) > 1:
             ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)}, "
-                     f"--grid-block-m {sorted(block_ms)}, --grid-pairs {sorted(pairs)} or "
-                     f"--grid-half-m {sorted(half_ms)}; pick from runs of one grid")
-        run_m, block_m, pair, half_m = run_ms.pop(), block_ms.pop(), pairs.pop(), half_ms.pop()
+                     f"--grid-block-m {sorted(block_ms)} or --grid-half-m {sorted(half_ms)}; "
+                     "pick from runs of one grid")
+        run_m, block_m, half_m = run_ms.pop(), block_ms.pop(), half_ms.pop()
         if half_m and not block_m:
             ap.error("--pick-from: a grid with --grid-half-m but no --grid-block-m; half_m "
                      "needs the block_m it was timed with")
@@ -1066,7 +1063,6 @@ def main(argv=None) -> int:
                                (args.max_conc_loss, "concentrated", "random"))
         for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
             pick["run_m"] = run_m
-            pick["pairs"] = pair
             pick["half_m"] = half_m
             if block_m:  # and one with --grid-block-m its block_m (the down config stays)
                 pick["block_m"] = block_m
@@ -1080,7 +1076,6 @@ def main(argv=None) -> int:
             + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
             + "; down unchanged; 'us' is the pick's random-routing time at max_m"
             + (f"; the grid ran with run_m {run_m}" if run_m else "")
-            + ("; the grid ran with pairs" if pair else "")
             + (f"; the grid ran with half_m {half_m}" if half_m else "")
             + (f"; new bands {sorted(args.pick_new_band)}" if args.pick_new_band else ""))
     grid = None

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moepairs moebm8check moedownwave moelivedown moem9
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -362,19 +362,10 @@ for s in "$@"; do
                  --ms ${MOE_BM8_DOWN_MS:-8 16 32 64 128} --out "$OUT/fused_moe_bm8_down_${r%%:*}_h200.json"
              done ;;
     moebm8check) # the GPU MoE tests that take the table's configs at M <= 64 (8-row blocks at
-             # M 2-16 since session 45) and the pairs test, not run in session 45
+             # M 2-16 since session 45), not run in session 45
              # (session 46: and the half_m blocks, 16-row ones at M 17-48 since then)
              step moe-bm8-check ${MOE_BM8_CHECK_LIMIT:-300} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
-               -k "serial_split_k_equals or live_split_follows or pairs_equal or kimi_shapes or half_m_blocks" ;;
-    moepairs) # MoeConfig.pairs with 8-row blocks (session 45; timed in session 46, not taken): the gate-up in two
-             # launches, single blocks then an expert's pairs of blocks as one 16-row tile, so that
-             # 8-row blocks keep their random-routing gain at M >= 9 without dequantizing a shared
-             # expert's weights once per 8 rows; against the table on three routings
-             step moe-pairs ${MOE_PAIRS_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOE_PAIRS_MS:-9 16 17 32 33 64 65 128 12 24 48 96} \
-               --routings random,concentrated:8,concentrated:32 --grid-block-m 8 --grid-pairs \
-               --grid "${MOE_PAIRS_GRID:-32,256,2,3,0,1,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,512;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,256;64,256,4,3,0,1,1;64,256,4,3,0,1,2}" \
-               --out "$OUT/fused_moe_pairs_grid_h200.json" ;;
+               -k "serial_split_k_equals or live_split_follows or kimi_shapes or half_m_blocks" ;;
     moedownwave) # (session 46, not yet run) issue 5's bandwidth at M = 8: the down kernel reads
              # its weights at 62 % of copy there (854 programs, about 1.3 waves, at the table's
              # 512-column ranges); narrower / other ranges and stages against the table's, per

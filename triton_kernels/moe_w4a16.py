@@ -687,7 +687,6 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
     RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
-    PAIRS: tl.constexpr = 0,  # MoeConfig.pairs' two passes: 1 single blocks, 2 pairs (2 BLOCK_M rows)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -712,27 +711,12 @@ def _gate_up_kernel(
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     run_label = 16  # a run of one block
-    if RUN_M > 1 or PAIRS > 0:  # beside e too: moe_align's run labels follow its block count
+    if RUN_M > 1:  # beside e too: moe_align's run labels follow its block count
         run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
     if e < 0:
         return
-    # MoeConfig.pairs: moe_align labelled the blocks in runs of 2; the first pass takes the
-    # blocks alone in their run (as plain blocks, below), the second each pair's first block
-    if PAIRS == 1:
-        if run_label // 16 != 1:
-            return
-    if PAIRS == 2:
-        if run_label != 32:
-            return
     row0 = pid_m * BLOCK_M
-    if PAIRS == 2:
-        # both blocks' rows (2 BLOCK_M padded positions, one expert) as one tile at the full
-        # BLOCK_N: each weight tile dequantized once for both
-        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                      e, row0, pid_n, pid_k, K, I, TOPK, 2 * BLOCK_M, BLOCK_N, BLOCK_K,
-                      DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                      n_split)
-    elif RUN_M > 1:
+    if RUN_M > 1:
         # A run of R blocks of one expert (R = run_label // 16, this block's place in it
         # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
         # rows and 1 / R of the tile's columns, so each weight column is dequantized once per
@@ -1304,18 +1288,6 @@ class MoeConfig:
     # bench_results/fused_moe_run{2,4}_grid_h200_s29.json): faster only where a call's tokens
     # share few experts and slower on random routing; no band of the shipped table uses it.
     run_m: int = 0
-    # 1 (not with half_m or run_m): the gate-up in two launches of one kernel per config. The
-    # first takes the blocks alone in their expert's run of 2 (moe_align labels them as for
-    # run_m 2), the second each pair of an expert's blocks as one 2 * block_m-row tile at the
-    # full block_n, so an expert with more than block_m rows dequantizes each weight tile once
-    # per pair; each launch holds one tile shape (the run tiles' kernels above hold all of theirs,
-    # which cost registers: sessions 29-41). Programs of the other pass's blocks leave at once.
-    # The down GEMM runs every block_m-row block as without pairs. Meant for block_m 8 at
-    # M >= 9, where 8-row blocks lose to 16-row ones when tokens share experts (session 45).
-    # Timed in session 46 (bench_results/fused_moe_pairs_grid_h200_s46.json): 1.30-1.50x the
-    # table at best where tokens share 8 / 32 experts; no band uses it (half_m on 16-row
-    # blocks does that job).
-    pairs: int = 0
 
     @property
     def narrow_gate_up(self) -> bool:
@@ -1339,10 +1311,13 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         raw = json.load(f)
     table = []
     for band in raw["bands"]:
+        if band.get("pairs"):  # (sessions 45-46, never in the shipped table)
+            raise ValueError(f"band max_m={band.get('max_m')}: 'pairs' was removed in session "
+                             "47 (slower than 16-row blocks with half_m); drop the field")
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
             down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
-            run_m=int(band.get("run_m", 0)), pairs=int(band.get("pairs", 0)))))
+            run_m=int(band.get("run_m", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -1413,7 +1388,6 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
             or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
                                    or gu.block_n // cfg.run_m < 16))
-            or cfg.pairs not in (0, 1) or (cfg.pairs and (cfg.half_m or cfg.run_m > 1))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
             or (dn.split_target and (dn.split_target < 0 or cfg.run_m > 1))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
@@ -1548,9 +1522,8 @@ def fused_moe_w4a16(
     portable_path = portable(hidden_states.device)
     t = m * topk
     run_m = cfg.run_m if cfg.run_m > 1 else 1
-    # pairs: blocks labelled in runs of 2 for the gate-up's two passes (the down ignores them)
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
-                                             run_m=2 if cfg.pairs else run_m)
+                                             run_m=run_m)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -1569,18 +1542,15 @@ def fused_moe_w4a16(
     counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
     programs = tiles * gu.split_k if not gu.split_target else live_grid(
         tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
-    for pass_ in ((1, 2) if cfg.pairs else (0,)):
-        # (under SERIAL the counters are back at zero after each launch, so both passes use
-        # them; the reduce kernel below sums both passes' partials)
-        _gate_up_kernel[(programs,)](
-            xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
-            sorted_ids if counters is None else counters, t, part_rows, K=hidden,
-            I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-            DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
-            SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
-            SPLIT_TARGET=gu.split_target,
-            NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 or cfg.pairs else 0,
-            RUN_M=run_m, PAIRS=pass_, num_warps=gu.num_warps, num_stages=gu.num_stages)
+    _gate_up_kernel[(programs,)](
+        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
+        sorted_ids if counters is None else counters, t, part_rows, K=hidden,
+        I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
+        SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
+        SPLIT_TARGET=gu.split_target,
+        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0,
+        RUN_M=run_m, num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](

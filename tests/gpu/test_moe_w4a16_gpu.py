@@ -397,28 +397,6 @@ def test_live_down_follows_the_routing_in_one_graph(K, w, m, target):
         assert len(seen) > 1, seen  # the graph took more than one range
 
 
-@pytest.mark.parametrize("m", [9, 17, 33, 64])
-@pytest.mark.parametrize("serial", ["1", "0"])
-def test_pairs_equal_8_row_blocks_in_one_graph(K, w, m, serial, monkeypatch):
-    """MoeConfig.pairs (session 45; not in the shipped table): one captured graph whose replays
-    alternate 8 shared experts (pairs of 8-row blocks) and random routing (single blocks) gives,
-    bit for bit, an eager call of the same 8-row config without pairs (each output element one
-    program's sum over the same K tiles), and the reference within tolerance."""
-    moe = K.moe
-    monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, serial)
-    table = moe.select_config(m)
-    plain = moe.MoeConfig(8, moe.GemmConfig(64, 256, 4, 3, 0, 1, 4, 512), table.down)
-    pairs = dataclasses.replace(plain, pairs=1)
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    tw, ti = few_or_random(m, 30, few=True)
-    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
-    graph = captured(K, w, x, tw, ti, out, config=pairs)
-    for i, tw2, ti2 in replays(graph, x, tw, ti, 6, 300):
-        assert torch.equal(out, ours(K, w, x, tw2, ti2, config=plain)), f"replay {i}"
-        rel, mx = errors(out, reference(K, w, x, tw2, ti2))
-        assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
-
-
 def _sglang_or_skip():
     try:
         # Through the scheme module: importing gptq_kernels first hits a circular import.

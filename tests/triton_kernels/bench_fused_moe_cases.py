@@ -678,24 +678,6 @@ def test_grid_with_half_m_blocks_and_pick_carries_them(bench, tmp_path):
                                 if b["max_m"] == band)
 
 
-def test_grid_with_pairs_and_pick_carries_block_m_and_pairs(bench, tmp_path):
-    """--grid-block-m 8 --grid-pairs: every candidate runs 8-row blocks with the gate-up's
-    pair pass, within tolerance of the table's output; the JSON says so; a pick from such a
-    grid writes block_m 8 and pairs 1 into the band, and a later pick without pairs removes
-    the key."""
-    _, result, table = _tiny_grid(bench, tmp_path, "--grid-block-m", "8", "--grid-pairs")
-    assert result["grid_block_m"] == 8 and result["grid_pairs"] == 1
-    pick = {"gate_up": [64, 128, 4, 1], "random": 0.9, "pairs": 1, "block_m": 8}
-    bench.apply_picks(str(table), {32: pick}, {"command": "test"})
-    band = next(b for b in json.loads(table.read_text())["bands"] if b["max_m"] == 32)
-    assert band["block_m"] == 8 and band["pairs"] == 1
-    assert bench.mw._config_table(str(table))[-1][1].pairs == 0  # other bands: none
-    assert dict(bench.mw._config_table(str(table)))[32].pairs == 1
-    bench.apply_picks(str(table), {32: dict(pick, pairs=0)}, {"command": "test"})
-    assert "pairs" not in next(b for b in json.loads(table.read_text())["bands"]
-                               if b["max_m"] == 32)
-
-
 def test_dual_stream_mode_times_the_moe_beside_the_shared_expert(bench, tmp_path):
     """Off a GPU the two streams are one: the smoke run checks the rows and that every kind
     runs (the GPU run times SGLang's second stream)."""

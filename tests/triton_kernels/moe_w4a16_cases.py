@@ -156,45 +156,6 @@ def test_8_row_blocks_match_the_reference_and_16_row_blocks(experts, cfg, m, mon
         assert_rounding_close(out, sixteen)
 
 
-@pytest.mark.parametrize("serial", ["1", "0"])
-@pytest.mark.parametrize("cfg", [CFG_BM8, CFG_BM8_LIVE,
-                                 MOE.MoeConfig(8, MOE.GemmConfig(32, 128, 2, 1, 0, 1),
-                                               MOE.GemmConfig(64, 128, 4, 1, 128))],
-                         ids=["split2", "live", "split1"])
-def test_pairs_equal_8_row_blocks(experts, cfg, serial, monkeypatch):
-    """MoeConfig.pairs: experts with 1-8 rows (one block), 9-16 (a pair), 17-24 (a pair and a
-    single) and 25+ (two pairs): the reference within tolerance, and the same config without
-    pairs to within bf16 rounding (each output element is one program's sum over the same K
-    tiles: bit for bit on the GPU, tests/gpu; see the test above for the interpreter); split-K
-    summed in the launch and by the reduce kernel."""
-    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
-    m = 40
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(70)).bfloat16()
-    tw, ti = random_routing(m, 9, 3, seed=71)
-    ti[:30, 0] = 0  # 30+ rows on expert 0, 12-20 on 1 and 2
-    ti[:12, 1] = 1
-    ti[20:40, 1] = 2
-    ti[:, 2] = torch.where(ti[:, 2] == ti[:, 0], 8, ti[:, 2])
-    ti[:, 2] = torch.where(ti[:, 2] == ti[:, 1], 7, ti[:, 2])
-    ti[5, 2] = -1
-    pairs = dataclasses.replace(cfg, pairs=1)
-    out, ref = run(experts[9], x, tw, ti, scale=0.9, cfg=pairs)
-    check(out, ref)
-    plain, _ = run(experts[9], x, tw, ti, scale=0.9, cfg=cfg)
-    assert_rounding_close(out, plain)
-    if serial == "1" and cfg.gate_up.split_k > 1:
-        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
-
-
-def test_pairs_refuse_half_m_and_run_m(experts):
-    x = torch.randn(2, H).bfloat16()
-    tw, ti = random_routing(2, 9, 3, seed=1)
-    for bad in (dataclasses.replace(CFG_BM8, pairs=1, run_m=2),
-                dataclasses.replace(CFG_HALF, pairs=1), dataclasses.replace(CFG_BM8, pairs=2)):
-        with pytest.raises(ValueError, match="does not tile"):
-            run(experts[9], x, tw, ti, cfg=bad)
-
-
 def test_block_m_below_8_is_refused(experts):
     x = torch.randn(2, H).bfloat16()
     tw, ti = random_routing(2, 9, 3, seed=1)
@@ -754,6 +715,12 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
     (tmp_path / "no_down.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="unreadable band"):
         MOE.check_config_table(7168, 256, str(tmp_path / "no_down.json"))
+    # a band with session 45's removed 'pairs' option
+    old = json.loads(json.dumps(table))
+    old["bands"][2]["pairs"] = 1
+    (tmp_path / "pairs.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="unreadable band.*'pairs' was removed"):
+        MOE.check_config_table(7168, 256, str(tmp_path / "pairs.json"))
 
 
 def test_half_m_needs_blocks_of_16_32_or_64():

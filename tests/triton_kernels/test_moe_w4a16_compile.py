@@ -40,8 +40,7 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1,
-          pairs: int = 0):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` and ``run_m`` (gate-up;
     1 = off) as MoeConfig's."""
@@ -55,8 +54,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target or run_m > 1 or pairs else 0, RUN_M=run_m,
-                     PAIRS=pairs)
+                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -93,8 +91,8 @@ def test_compiles_for_sm90(MOE, kind, bm, tiles, half, tmp_path):
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half)
 
 
-def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1, pairs=0):
-    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m, pairs)
+def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1):
+    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -194,17 +192,6 @@ def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
-
-
-# MoeConfig.pairs (not in the shipped table): each of the gate-up's two passes with 8-row
-# blocks, at tiles of the M 9-128 bands, fixed and live splits
-@pytest.mark.parametrize("tiles", [(32, 256, 2, 3, 0, 1, 1), (32, 256, 2, 3, 0, 1, 4),
-                                   (64, 256, 4, 3, 0, 1, 4, 512), (64, 256, 4, 3, 0, 1, 1),
-                                   (32, 256, 2, 3, 0, 1, 4, 512)], ids=str)
-@pytest.mark.parametrize("pairs", [1, 2])
-def test_pairs_passes_compile_without_spills(MOE, tiles, pairs, tmp_path):
-    """In-register dequant kept, no spills, within shared memory."""
-    _check_compiles(MOE, "gate_up", 8, tiles, tmp_path, pairs=pairs)
 
 
 def test_rerun_in_clean_process():
