@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Digests of the sm_90 PTX of every fused-MoE GEMM config (gate-up and down) the shipped
-table serves (and of the split-K reduce kernel), compiled ahead of time on a CPU, with debug
+table serves (and of the split-K reduce kernel and the grouping launches), compiled ahead of time on a CPU, with debug
 line info and labels stripped: two checkouts whose digests match launch the same code, so a
 refactor of the kernels can be checked for "no change to what is served" without a GPU.
 
@@ -46,7 +46,35 @@ def main() -> int:
                                 SPLIT_TARGET=0, NUM_N=4, KS=28),
                            4, 1).asm["ptx"]
         print("reduce", split, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
+    for name, sig, const, warps in _grouping_kernels():
+        kern = getattr(moe, name)
+        runs = {"RUN_M": 1} if "RUN_M" in kern.arg_names else {}  # (no runs, as served)
+        ptx = aot._compile(kern, sig, dict(const, **runs), warps, 1).asm["ptx"]
+        print(name, sorted(const.items()), hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     return 0
+
+
+def _grouping_kernels():
+    """(kernel name, signature, constexprs, warps) of the grouping launches at Kimi's 384
+    experts as the wrapper sizes them for M = 1, 8 and 300 (one launch) and 2,048 (two)."""
+    prologue = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+                "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32",
+                "stride_xm": "i32"}
+    base = dict(NUM_EXPERTS=384, E_PAD=512, K=aot.H, COPY_FIRST=False, COPY_PROGS=1)
+    for bm, block_t, n_t, block_b, block_k in ((16, 16, 1, 16, 128), (8, 64, 1, 16, 256),
+                                               (16, 1024, 3, 16, 256), (32, 1024, 3, 16, 128)):
+        yield "_prologue_kernel", prologue, dict(base, BLOCK_M=bm, BLOCK_T=block_t,
+                                                 NUM_T_BLOCKS=n_t, BLOCK_B=block_b,
+                                                 BLOCK_K=block_k), 4
+    count = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
+             "T": "i32", "stride_xm": "i32"}
+    yield "_align_count_kernel", count, dict(NUM_EXPERTS=384, E_PAD=512, CH=1024, NUM_CH=16,
+                                             K=aot.H, BLOCK_K=128, COPY_PROGS=7), 4
+    place = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
+             "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32",
+             "max_blocks": "i32"}
+    yield "_align_place_kernel", place, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64, CH=1024,
+                                             NUM_CH=16, BLOCK_B=64), 4
 
 
 if __name__ == "__main__":
