@@ -394,13 +394,12 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     programs without a split). So each candidate is timed at several M and routings, and
     ``summary`` gives, per table band, its worst ratio to the table on random routing and on
     the concentrated ones (below 1: faster). Block_m and the down config stay the table's;
-    half_m and run_m are the grid's flags' (0 without them, whatever the band has), which a pick
-    from the grid writes into the table.
+    half_m is the grid's flag's (0 without it, whatever the band has), which a pick from the
+    grid writes into the table.
     """
     routings = args.routings.split(",")
     out = run_header(dev, {
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
-        "grid_run_m": args.grid_run_m,
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
                 f"replays over {len(layers)} weight sets; down from the table, block_m "
                 + (f"{args.grid_block_m} for the candidates (the table's for its own row)"
@@ -428,8 +427,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
                    "candidates": {}}
             for c in grid:
                 cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
-                                   table.down, half_m=int(args.grid_half_m),
-                                   run_m=args.grid_run_m)
+                                   table.down, half_m=int(args.grid_half_m))
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
@@ -568,8 +566,8 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``run_m`` and ``half_m``, set
-    from the pick or removed, ``block_m`` where the pick has one (a grid run with
+    ``down`` (whichever the pick names; for gate-up picks also ``half_m``, set from the pick or
+    removed, ``block_m`` where the pick has one (a grid run with
     --grid-block-m), and ``us``, the random-routing time at max_m of the whole call, where the
     grid has it) change; the other GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
@@ -589,10 +587,6 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
             continue
         if "gate_up" in pick:
             band["gate_up"] = gemm_json(mw.GemmConfig(*pick["gate_up"]))
-            if pick.get("run_m"):
-                band["run_m"] = pick["run_m"]
-            else:
-                band.pop("run_m", None)
             if pick.get("block_m"):
                 band["block_m"] = pick["block_m"]
             if pick.get("half_m"):
@@ -621,8 +615,8 @@ def breakdown(args, layers, make_inputs, dev) -> dict:
     """Per-kernel times by differences: graphs that stop after kernel 1, 2, 3 and 4.
 
     Each M is timed with the config table's choice and with every down candidate of that band's
-    block_m (``--breakdown-down`` instead where given; gate-up, block_m, half_m and run_m fixed
-    to the table's); gate-up and down bandwidth use their own bytes.
+    block_m (``--breakdown-down`` instead where given; gate-up, block_m and half_m fixed to
+    the table's); gate-up and down bandwidth use their own bytes.
     """
     w13_bytes = args.hidden // 8 * 2 * args.inter * 4 + args.hidden // 32 * 2 * args.inter * 2
     w2_bytes = args.inter // 8 * args.hidden * 4 + args.inter // 32 * args.hidden * 2
@@ -927,10 +921,6 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with MoeConfig.half_m (blocks "
                          "narrowed to the fewest rows holding their real ones, down to 8 with "
                          "--grid-block-m 16 and 16 with 32 or 64; 2: the gate-up only)")
-    ap.add_argument("--grid-run-m", type=int, default=0, choices=(0, 2, 4, 8),
-                    help="--grid only: run the candidates with MoeConfig.run_m (an expert's "
-                         "16-row blocks in runs of up to this many, each run's programs of a "
-                         "column tile sharing its rows and splitting its columns)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
@@ -1033,17 +1023,16 @@ def main(argv=None) -> int:
         for path in args.pick_from:
             with open(path) as f:
                 grid_runs.append(json.load(f))
-        run_ms = {int(g.get("grid_run_m") or 0) for g in grid_runs}
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
         half_ms = {int(g.get("grid_half_m") or 0) for g in grid_runs}
-        if any(g.get("grid_pairs") for g in grid_runs):  # (session 46's pairs grid)
-            ap.error("--pick-from: a grid run with --grid-pairs (MoeConfig.pairs, removed in "
-                     "session 47)")
-        if len(run_ms) > 1 or len(block_ms) > 1 or len(half_ms) > 1:
-            ap.error(f"--pick-from: the grids ran with different --grid-run-m {sorted(run_ms)}, "
-                     f"--grid-block-m {sorted(block_ms)} or --grid-half-m {sorted(half_ms)}; "
-                     "pick from runs of one grid")
-        run_m, block_m, half_m = run_ms.pop(), block_ms.pop(), half_ms.pop()
+        for gone in ("pairs", "run_m"):  # (sessions 29 / 46's grids)
+            if any(g.get(f"grid_{gone}") for g in grid_runs):
+                ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in session 47")
+        if len(block_ms) > 1 or len(half_ms) > 1:
+            ap.error(f"--pick-from: the grids ran with different --grid-block-m "
+                     f"{sorted(block_ms)} or --grid-half-m {sorted(half_ms)}; pick from runs of "
+                     "one grid")
+        block_m, half_m = block_ms.pop(), half_ms.pop()
         if half_m and not block_m:
             ap.error("--pick-from: a grid with --grid-half-m but no --grid-block-m; half_m "
                      "needs the block_m it was timed with")
@@ -1061,8 +1050,7 @@ def main(argv=None) -> int:
         loss, bounded, best = ((args.max_random_loss, "random", "concentrated")
                                if args.max_conc_loss is None else
                                (args.max_conc_loss, "concentrated", "random"))
-        for pick in picks.values():  # a grid run with --grid-run-m: its picks take their runs
-            pick["run_m"] = run_m
+        for pick in picks.values():  # a grid run with --grid-half-m: its picks take its half_m
             pick["half_m"] = half_m
             if block_m:  # and one with --grid-block-m its block_m (the down config stays)
                 pick["block_m"] = block_m
@@ -1075,7 +1063,6 @@ def main(argv=None) -> int:
             + (f" (rows of {', '.join(routings)} only)" if routings else "")
             + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
             + "; down unchanged; 'us' is the pick's random-routing time at max_m"
-            + (f"; the grid ran with run_m {run_m}" if run_m else "")
             + (f"; the grid ran with half_m {half_m}" if half_m else "")
             + (f"; new bands {sorted(args.pick_new_band)}" if args.pick_new_band else ""))
     grid = None

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest moerun skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -202,17 +202,6 @@ for s in "$@"; do
                step moe-live-$g ${MOE_LIVE_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
                  --ms $ms --routings concentrated:8,concentrated:32,random --grid "$cands" \
                  --out "$OUT/fused_moe_live_grid_${g}_h200.json"
-             done ;;
-    moerun)  # MoeConfig.run_m (an expert's blocks in runs of up to 2 / 4 as one tile, gate-up + down):
-             # its GPU test, then the M 17-64 bands' gate-up tiles with runs against the table
-             # (no runs) on 8 / 32 shared experts and on random routing, one JSON per run_m
-             step moe-run-test ${MOE_RUN_TEST_LIMIT:-240} python3 -m pytest -q \
-               tests/gpu/test_moe_w4a16_gpu.py -k run_tiles
-             for r in ${MOE_RUN_MS:-4 2}; do
-               step moe-run-$r ${MOE_RUN_LIMIT:-200} python3 scripts/bench_fused_moe.py --no-sglang \
-                 --ms 17 24 32 33 48 64 --routings concentrated:8,concentrated:32,random \
-                 --grid "64,256,4,3,0,1,4,256;64,256,4,3,0,1,4,512;64,256,4,3,0,1,2;64,256,4,3,0,1,1" \
-                 --grid-run-m $r --out "$OUT/fused_moe_run${r}_grid_h200.json"
              done ;;
     skinny)  # the skinny bf16 GEMM (session 30; first GPU run session 32: skinny_gemm_h200_s32.json): its GPU tests and the
              # SGLANG_DDTREE_SKINNY_GEMM hook's, then against cuBLAS at the Kimi rank's shapes

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Digests of the sm_90 PTX of every fused-MoE GEMM config (gate-up and down) the shipped
-table serves (and of the split-K reduce kernel and the grouping launches), compiled ahead of time on a CPU, with debug
-line info and labels stripped: two checkouts whose digests match launch the same code, so a
-refactor of the kernels can be checked for "no change to what is served" without a GPU.
+table serves (and of the split-K reduce kernel and the grouping launches), compiled ahead of
+time on a CPU, with debug line info and labels stripped: two checkouts whose digests match
+launch the same code, so a refactor of the kernels can be checked for "no change to what is
+served" without a GPU.
 
     python scripts/moe_ptx_digest.py            # in each checkout, then compare the lines
 """
@@ -47,9 +48,7 @@ def main() -> int:
                            4, 1).asm["ptx"]
         print("reduce", split, hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     for name, sig, const, warps in _grouping_kernels():
-        kern = getattr(moe, name)
-        runs = {"RUN_M": 1} if "RUN_M" in kern.arg_names else {}  # (no runs, as served)
-        ptx = aot._compile(kern, sig, dict(const, **runs), warps, 1).asm["ptx"]
+        ptx = aot._compile(getattr(moe, name), sig, const, warps, 1).asm["ptx"]
         print(name, sorted(const.items()), hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     return 0
 

@@ -139,7 +139,6 @@ def _prologue_kernel(
     BLOCK_K: tl.constexpr,
     COPY_FIRST: tl.constexpr = False,  # x's copy in COPY_PROGS programs per row, before the experts
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x under COPY_FIRST (1,024-column chunks)
-    RUN_M: tl.constexpr = 1,  # > 1: also label each block's run (see run_chunk), after the count
 ):
     pid = tl.program_id(0)
     if COPY_FIRST:
@@ -189,13 +188,12 @@ def _prologue_kernel(
     tl.store(sorted_ids_ptr + start + pad, T, mask=pad < n_pad)
 
     _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks, NUM_EXPERTS,
-                  BLOCK_M, BLOCK_B, RUN_M)
+                  BLOCK_M, BLOCK_B)
 
 
 @triton.jit
 def _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks,
-                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
-                  RUN_M: tl.constexpr):
+                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
     """block_expert's labels from the padded per-expert row counts (``padded``, their inclusive
     cumsum ``ends`` and ``total``; one entry per bin of ``bins``), written by expert ``e``'s
     program: see moe_align."""
@@ -209,28 +207,6 @@ def _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks,
     tl.store(block_expert_ptr + j, owner, mask=j < max_blocks)
     if e == 0:  # the number of used blocks, past the labels (the gate-up's live split reads it)
         tl.store(block_expert_ptr + max_blocks, total // BLOCK_M)
-    if RUN_M > 1:
-        # Each block's run, past the count: 16 * (blocks in its run) + its place in the run.
-        # An expert's c blocks split into runs of RUN_M blocks, then the rest's binary digits
-        # in descending order (c = 3 with RUN_M 4: runs of 2 and 1); unused blocks: 16 (alone).
-        mine = bins[None, :] == owner[:, None]  # [BLOCK_B, E_PAD]
-        first = tl.sum(tl.where(mine, ends - padded, 0), axis=1) // BLOCK_M
-        count = tl.sum(tl.where(mine, padded, 0), axis=1) // BLOCK_M
-        i = j - first
-        full = count // RUN_M * RUN_M
-        run_len = tl.where(i < full, RUN_M, 1)
-        place = tl.where(i < full, i % RUN_M, 0)
-        rest = i - full  # place among the remainder's blocks (i >= full)
-        todo = tl.where(i < full, 0, count - full)  # remainder's digits not yet passed
-        for d in tl.static_range(1, 4):  # the remainder's digits RUN_M / 2 .. 1 (RUN_M <= 8)
-            if (RUN_M >> d) > 0:
-                here = (todo & (RUN_M >> d)) != 0
-                hit = here & (rest >= 0) & (rest < (RUN_M >> d))
-                run_len = tl.where(hit, RUN_M >> d, run_len)
-                place = tl.where(hit, rest, place)
-                rest = tl.where(here, rest - (RUN_M >> d), rest)
-        label = tl.where(owner >= 0, 16 * run_len + place, 16)
-        tl.store(block_expert_ptr + max_blocks + 1 + j, label, mask=j < max_blocks)
 
 
 @triton.jit
@@ -281,7 +257,6 @@ def _align_place_kernel(
     CH: tl.constexpr,
     NUM_CH: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    RUN_M: tl.constexpr = 1,
 ):
     """Second launch of the two-pass grouping: the same sorted_ids and block_expert as
     _prologue_kernel, with O(T + (NUM_CH + E) * NUM_CH * E) work instead of O(E * T).
@@ -325,25 +300,7 @@ def _align_place_kernel(
         pad = n_e + tl.arange(0, BLOCK_M)  # fewer than BLOCK_M padding slots per expert
         tl.store(sorted_ids_ptr + start + pad, T, mask=pad < n_pad)
         _label_blocks(block_expert_ptr, e, bins, ends, padded, total, max_blocks, NUM_EXPERTS,
-                      BLOCK_M, BLOCK_B, RUN_M)
-
-
-def run_chunk(index: int, count: int, run_m: int) -> tuple[int, int]:
-    """(blocks in its run, place in the run) of block ``index`` of an expert's ``count`` blocks
-    when the gate-up runs up to ``run_m`` of them as one tile (``MoeConfig.run_m``): runs of
-    ``run_m`` blocks, then the remainder's binary digits in descending order. Host mirror of
-    the labels ``_prologue_kernel`` writes (tests)."""
-    full = count // run_m * run_m
-    if index < full:
-        return run_m, index % run_m
-    rest, bit = index - full, run_m // 2
-    while bit:
-        if (count - full) & bit:
-            if rest < bit:
-                return bit, rest
-            rest -= bit
-        bit //= 2
-    return 1, 0
+                      BLOCK_M, BLOCK_B)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -366,7 +323,7 @@ _ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              run_m: int = 1, method: str | None = None, warps: int | None = None):
+              method: str | None = None, warps: int | None = None):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
     for large calls: ``method``).
 
@@ -403,9 +360,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         are unspecified.
     block_expert : torch.Tensor
         ``[max_padded // block_m + 1] int32``: expert of each block, ``-1`` for unused blocks;
-        the last entry holds the number of used blocks. With ``run_m`` > 1 (a power of two)
-        ``max_padded // block_m`` more entries follow: each block's run label
-        ``16 * length + place`` (``run_chunk``; 16 for unused blocks).
+        the last entry holds the number of used blocks.
     xp : torch.Tensor or None
         ``[M, K]`` plane-major copy of ``x`` (contiguous).
     """
@@ -414,10 +369,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     dev = topk_ids.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     max_blocks = max_padded // block_m
-    if run_m not in (1, 2, 4, 8):
-        raise ValueError(f"run_m: 1, 2, 4 or 8, got {run_m}")
-    block_expert = torch.empty(max_blocks + 1 + (max_blocks if run_m > 1 else 0),
-                               dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks + 1, dtype=torch.int32, device=dev)
     xp = None if x is None else torch.empty(x.shape, dtype=x.dtype, device=dev)
     rows = 0 if x is None else x.shape[0]
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
@@ -451,7 +403,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             max_blocks, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
             CH=_ALIGN_CHUNK, NUM_CH=num_ch,
             BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-            RUN_M=run_m, num_warps=warps)
+            num_warps=warps)
         return sorted_ids, block_expert, xp
     _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
@@ -460,7 +412,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
-        RUN_M=run_m, num_warps=warps,
+        num_warps=warps,
     )
     return sorted_ids, block_expert, xp
 
@@ -656,7 +608,7 @@ def _live_split(block_expert_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.conste
 @triton.jit
 def _max_blocks(T, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
     """moe_align's block count bound (``max_padded_rows // BLOCK_M``) on the device: where its
-    used-block count and run labels lie in ``block_expert``."""
+    used-block count lies in ``block_expert``."""
     return (T + tl.minimum(T, NUM_EXPERTS) * (BLOCK_M - 1) + BLOCK_M - 1) // BLOCK_M
 
 
@@ -685,8 +637,7 @@ def _gate_up_kernel(
     HALF_M: tl.constexpr = False,  # a block with no real row in its second half: BLOCK_M / 2 rows
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
-    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, RUN_M) experts, for moe_align's block count
-    RUN_M: tl.constexpr = 1,  # > 1: runs of up to RUN_M blocks of one expert as one tile
+    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -710,44 +661,10 @@ def _gate_up_kernel(
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
-    run_label = 16  # a run of one block
-    if RUN_M > 1:  # beside e too: moe_align's run labels follow its block count
-        run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
-    if RUN_M > 1:
-        # A run of R blocks of one expert (R = run_label // 16, this block's place in it
-        # run_label % 16): the run's R programs of this column tile each take all R * BLOCK_M
-        # rows and 1 / R of the tile's columns, so each weight column is dequantized once per
-        # run instead of once per block, in as many programs (and counters) as before.
-        place = run_label % 16
-        row_r = row0 - place * BLOCK_M
-        if run_label // 16 == 1:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
-        elif run_label // 16 == 2:
-            _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                          e, row_r, pid_n * 2 + place, pid_k, K, I, TOPK, BLOCK_M * 2,
-                          BLOCK_N // 2, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                          cnt_ptr, pid_mn, SERIAL, n_split)
-        else:
-            if RUN_M >= 4:
-                if run_label // 16 == 4:
-                    _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                                  part_rows, e, row_r, pid_n * 4 + place, pid_k, K, I, TOPK,
-                                  BLOCK_M * 4, BLOCK_N // 4, BLOCK_K, DOWN_BLOCK_K, PORTABLE,
-                                  SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
-                else:
-                    if RUN_M >= 8:
-                        _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
-                                      part_rows, e, row_r, pid_n * 8 + place, pid_k, K, I, TOPK,
-                                      BLOCK_M * 8, BLOCK_N // 8, BLOCK_K, DOWN_BLOCK_K,
-                                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                                      n_split)
-    elif HALF_M:
+    if HALF_M:
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -1028,9 +945,8 @@ def _down_loop_kernel(
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
-    RUN_M: tl.constexpr = 1,  # as _gate_up_kernel's: a run's programs split N_PER_CTA
-    NUM_EXPERTS: tl.constexpr = 0,  # (RUN_M, LIVE_TARGET) experts, for moe_align's block count
-    LIVE_TARGET: tl.constexpr = 0,  # > 0 (RUN_M 1): column ranges per call, see below
+    NUM_EXPERTS: tl.constexpr = 0,  # (LIVE_TARGET) experts, for moe_align's block count
+    LIVE_TARGET: tl.constexpr = 0,  # > 0: column ranges per call, see below
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -1039,8 +955,6 @@ def _down_loop_kernel(
     ids, then weights) and nothing overlaps inside it. Here a program loads the expert block's
     activation planes once and then walks ``N_PER_CTA`` output columns in BLOCK_N steps: a loop
     whose weight loads the compiler pipelines (``num_stages``), one long stream per program.
-    With RUN_M > 1 the R programs of a run of R blocks (moe_align's run labels) for one column
-    range each take all R * BLOCK_M rows and N_PER_CTA / R of its columns.
     With LIVE_TARGET > 0 the column range is chosen per call on the GPU, as the gate-up's live
     split chooses its K split (_live_split, from moe_align's used-block count): each
     N_PER_CTA range splits into the smallest number ``f`` of parts (a divisor of its BLOCK_N
@@ -1050,7 +964,6 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
-    tl.static_assert(LIVE_TARGET == 0 or RUN_M == 1, "live column ranges take no runs")
     pid = tl.program_id(0)
     if LIVE_TARGET > 0:
         parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
@@ -1068,35 +981,11 @@ def _down_loop_kernel(
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
         level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
-    run_label = 16  # a run of one block
-    if RUN_M > 1:
-        run_label = tl.load(block_expert_ptr + _max_blocks(T, NUM_EXPERTS, BLOCK_M) + 1 + pid_m)
     if e < 0:
         return
-    if RUN_M > 1:
-        place = run_label % 16
-        row_r = (pid_m - place) * BLOCK_M
-        if run_label // 16 == 1:
-            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
-                            pid_m * BLOCK_M, pid_s, TILES, N, I, BLOCK_M, BLOCK_N, PORTABLE)
-        elif run_label // 16 == 2:
-            _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row_r,
-                            pid_s * 2 + place, TILES // 2, N, I, BLOCK_M * 2, BLOCK_N, PORTABLE)
-        else:
-            if RUN_M >= 4:
-                if run_label // 16 == 4:
-                    _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e,
-                                    row_r, pid_s * 4 + place, TILES // 4, N, I, BLOCK_M * 4,
-                                    BLOCK_N, PORTABLE)
-                else:
-                    if RUN_M >= 8:
-                        _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr,
-                                        T, e, row_r, pid_s * 8 + place, TILES // 8, N, I,
-                                        BLOCK_M * 8, BLOCK_N, PORTABLE)
-    else:
-        _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
-                     pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
-                     PORTABLE, HALF_M)
+    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                 pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
+                 PORTABLE, HALF_M)
 
 
 @triton.jit
@@ -1249,7 +1138,7 @@ class GemmConfig:
     # takes the smallest split (a divisor of the K steps) that gives its used row blocks at least
     # split_target programs, read on the GPU from moe_align's block count (so one band serves
     # calls on few experts, which want a deep split, and calls on many, which want none).
-    # Looped down GEMM (n_per_cta > 0, no runs): the same rule splits each n_per_cta column range
+    # Looped down GEMM (n_per_cta > 0): the same rule splits each n_per_cta column range
     # into the fewest parts (a divisor of its block_n steps) that give the used blocks at least
     # split_target programs (_down_loop_kernel's LIVE_TARGET).
     split_target: int = 0
@@ -1277,17 +1166,6 @@ class MoeConfig:
     # bench_results/fused_moe_half_m16_*grid_h200_s46.json). 2: the gate-up only (the down runs
     # full blocks): the M 49-128 bands (session 46, fused_moe_half_m16_gu_m49_*_s46.json).
     half_m: int = 0
-    # 2, 4 or 8 (not with half_m): an expert's blocks go in runs of up to run_m (moe_align
-    # labels them, see run_chunk), and in the gate-up the run's programs of a column tile each
-    # take all its rows and 1 / run_length of the tile's columns: each weight column dequantized
-    # once per run, not once per 16-row block, when a call's tokens share experts, in as many
-    # programs as before. The looped down kernel (down.n_per_cta > 0) does the same with its
-    # column ranges where down.n_per_cta / run_m is a multiple of down.block_n, else runs one
-    # block a program as without runs. gate_up.block_n / run_m must be at least 16. Timed in
-    # session 29 (scripts/bench_fused_moe.py --grid-run-m,
-    # bench_results/fused_moe_run{2,4}_grid_h200_s29.json): faster only where a call's tokens
-    # share few experts and slower on random routing; no band of the shipped table uses it.
-    run_m: int = 0
 
     @property
     def narrow_gate_up(self) -> bool:
@@ -1311,13 +1189,13 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         raw = json.load(f)
     table = []
     for band in raw["bands"]:
-        if band.get("pairs"):  # (sessions 45-46, never in the shipped table)
-            raise ValueError(f"band max_m={band.get('max_m')}: 'pairs' was removed in session "
-                             "47 (slower than 16-row blocks with half_m); drop the field")
+        for gone in ("pairs", "run_m"):  # (sessions 29-46, never in the shipped table)
+            if band.get(gone):
+                raise ValueError(f"band max_m={band.get('max_m')}: {gone!r} was removed in "
+                                 "session 47 (slower than 16-row blocks with half_m); drop it")
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
-            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
-            run_m=int(band.get("run_m", 0)))))
+            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -1386,10 +1264,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
     if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
             or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
             or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
-            or (cfg.run_m > 1 and (cfg.run_m not in (2, 4, 8) or cfg.half_m
-                                   or gu.block_n // cfg.run_m < 16))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
-            or (dn.split_target and (dn.split_target < 0 or cfg.run_m > 1))):
+            or dn.split_target < 0):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
         # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
@@ -1521,9 +1397,7 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     portable_path = portable(hidden_states.device)
     t = m * topk
-    run_m = cfg.run_m if cfg.run_m > 1 else 1
-    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
-                                             run_m=run_m)
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -1549,8 +1423,8 @@ def fused_moe_w4a16(
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
-        NUM_EXPERTS=num_experts if gu.split_target or run_m > 1 else 0,
-        RUN_M=run_m, num_warps=gu.num_warps, num_stages=gu.num_stages)
+        NUM_EXPERTS=num_experts if gu.split_target else 0,
+        num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
@@ -1560,16 +1434,14 @@ def fused_moe_w4a16(
     if _upto < 3:
         return out
     if dn.n_per_cta:
-        # runs split the column range only into whole BLOCK_N steps (see MoeConfig.run_m)
-        down_runs = run_m if dn.n_per_cta % (run_m * dn.block_n) == 0 else 1
         ranges = n_blocks * (hidden // dn.n_per_cta)
         steps = dn.n_per_cta // dn.block_n  # a live range splits into a divisor of its steps
         _down_loop_kernel[(ranges if not dn.split_target else live_grid(
                 ranges, steps, steps, dn.split_target),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
-            PORTABLE=portable_path, HALF_M=cfg.narrow_down, RUN_M=down_runs,
-            NUM_EXPERTS=num_experts if down_runs > 1 or dn.split_target else 0,
+            PORTABLE=portable_path, HALF_M=cfg.narrow_down,
+            NUM_EXPERTS=num_experts if dn.split_target else 0,
             LIVE_TARGET=dn.split_target, num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](

@@ -164,32 +164,6 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
     assert set(result["summary"][band]["64,128,4,1"]) == {"random", "concentrated"}
 
 
-def test_grid_with_run_tiles(bench, tmp_path):
-    """--grid-run-m runs the candidates with MoeConfig.run_m and records it; --pick-from writes
-    a winner from such a grid with its run_m, and a later pick without runs removes it."""
-    out = tmp_path / "grid.json"
-    assert bench.main(TINY + ["--ms", "40", "--grid", "64,128,4,1", "--grid-run-m", "2",
-                              "--routings", "concentrated:4", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["grid_run_m"] == 2
-    cand = result["rows"][0]["candidates"]["64,128,4,1"]
-    assert math.isfinite(cand["us"]) and cand["rel_diff_vs_table"] < 2e-2
-    table = tmp_path / "table.json"
-    table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
-    grid = {"grid_run_m": 4, "rows": [
-        _grid_row(33, 64, "concentrated:8", 48.0, **{"64_256_4_3_0_1_4_256": 40.0}),
-        _grid_row(33, 64, "random", 200.0, **{"64_256_4_3_0_1_4_256": 201.0})]}
-    (tmp_path / "g.json").write_text(json.dumps(grid))
-    assert bench.main(["--pick-from", str(tmp_path / "g.json"), "--tune-out", str(table)]) == 0
-    band = {b["max_m"]: b for b in json.loads(table.read_text())["bands"]}[64]
-    assert band["run_m"] == 4 and band["gate_up"]["split_target"] == 256
-    assert bench.mw._config_table(str(table))[-1][1].run_m == 0  # other bands: none
-    grid["grid_run_m"] = 0
-    (tmp_path / "g.json").write_text(json.dumps(grid))
-    assert bench.main(["--pick-from", str(tmp_path / "g.json"), "--tune-out", str(table)]) == 0
-    assert "run_m" not in {b["max_m"]: b for b in json.loads(table.read_text())["bands"]}[64]
-
-
 def test_grid_option_is_checked(bench, tmp_path):
     for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "a,b,c,d"):
         with pytest.raises(SystemExit):
@@ -570,16 +544,21 @@ def test_m8_band_was_the_pick_from_the_session_29_grids(bench, tmp_path):
     assert bench.pick_gate_up(rows, 0.03) == {}
 
 
-def test_pick_from_several_runs_needs_one_run_m(bench, tmp_path):
+def test_pick_from_refuses_removed_options_and_mixed_grids(bench, tmp_path):
+    """--pick-from: grids run with MoeConfig.run_m or .pairs (removed in session 47) are
+    refused, and so are grids of one pick with different block_m."""
     grid = {"rows": [_grid_row(33, 64, "concentrated:8", 48.0, **{"64_256_4_3_0_1_4_256": 40.0}),
                      _grid_row(33, 64, "random", 200.0, **{"64_256_4_3_0_1_4_256": 201.0})]}
-    (tmp_path / "a.json").write_text(json.dumps(dict(grid, grid_run_m=2)))
-    (tmp_path / "b.json").write_text(json.dumps(grid))
     table = tmp_path / "table.json"
     table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
-    with pytest.raises(SystemExit):
-        bench.main(["--pick-from", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                    "--tune-out", str(table)])
+    (tmp_path / "b.json").write_text(json.dumps(grid))
+    for name, extra in (("run", {"grid_run_m": 2}), ("pairs", {"grid_pairs": 1}),
+                        ("bm8", {"grid_block_m": 8})):
+        (tmp_path / "a.json").write_text(json.dumps(dict(grid, **extra)))
+        with pytest.raises(SystemExit):
+            bench.main(["--pick-from", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                        "--tune-out", str(table)])
+    assert bench.main(["--pick-from", str(tmp_path / "b.json"), "--tune-out", str(table)]) == 0
 
 
 def test_percent(bench):

@@ -348,17 +348,16 @@ def test_live_down_equals_the_fixed_range_it_picks(experts, block_m, half_m, cas
     assert torch.equal(out_live, out_fixed)
 
 
-def test_live_down_needs_no_runs_and_keeps_its_target():
-    """split_target on the looped down survives _fit (it is dropped elsewhere, as before) and
-    cannot go with run tiles."""
+def test_live_down_keeps_its_target():
+    """split_target on the looped down survives _fit (it is dropped elsewhere, as before); a
+    negative one is refused."""
     cfg = _live_down_cfg(256, 4)
     assert MOE._fitted(cfg, H, I)[1].split_target == 4
     plain = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 0, 0,
                                                                              1, 4))
     assert MOE._fitted(plain, H, I)[1].split_target == 0  # per-tile down: no live range
     with pytest.raises(ValueError, match="does not tile"):
-        MOE._fitted(dataclasses.replace(cfg, gate_up=MOE.GemmConfig(64, 128, 4, 1), run_m=2),
-                    H, I)
+        MOE._fitted(_live_down_cfg(256, -1), H, I)
 
 
 def test_tile_counters_grow_and_keep_the_old_buffer(monkeypatch):
@@ -493,18 +492,17 @@ def test_prologue_copy_layouts_agree(block_k, monkeypatch):
         MOE.moe_align(ti, e, 16, x, block_k)
 
 
-@pytest.mark.parametrize("m,e,topk,bm,run_m", [(7, 9, 3, 16, 1), (300, 40, 8, 16, 1),
-                                               (257, 384, 8, 16, 2)])
-def test_two_pass_align_equals_one_launch(m, e, topk, bm, run_m):
+@pytest.mark.parametrize("m,e,topk,bm", [(7, 9, 3, 16), (300, 40, 8, 16), (257, 384, 8, 16)])
+def test_two_pass_align_equals_one_launch(m, e, topk, bm):
     """moe_align's two-launch grouping (chunk histograms, then each chunk's pairs placed by a
-    sort) gives _prologue_kernel's sorted_ids, block labels, run labels and x copy bit for bit:
-    one chunk, three chunks (2,400 pairs; chunks of 1,024) and Kimi's 384 experts with runs,
-    with a padding slot (-1) among the ids."""
+    sort) gives _prologue_kernel's sorted_ids, block labels and x copy bit for bit: one chunk,
+    three chunks (2,400 pairs; chunks of 1,024) and Kimi's 384 experts, with a padding slot
+    (-1) among the ids."""
     _, ti = random_routing(m, e, topk, seed=m + 5)
     ti[m // 2, topk - 1] = -1
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
-    one = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="one")
-    two = MOE.moe_align(ti, e, bm, x, 128, run_m=run_m, method="two", warps=1)
+    one = MOE.moe_align(ti, e, bm, x, 128, method="one")
+    two = MOE.moe_align(ti, e, bm, x, 128, method="two", warps=1)
     rows, owners = _align_reference(ti, e, bm)
     assert two[0][: len(rows)].tolist() == rows
     assert torch.equal(one[1], two[1]) and torch.equal(one[2], two[2])
@@ -715,12 +713,13 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
     (tmp_path / "no_down.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="unreadable band"):
         MOE.check_config_table(7168, 256, str(tmp_path / "no_down.json"))
-    # a band with session 45's removed 'pairs' option
-    old = json.loads(json.dumps(table))
-    old["bands"][2]["pairs"] = 1
-    (tmp_path / "pairs.json").write_text(json.dumps(old))
-    with pytest.raises(ValueError, match="unreadable band.*'pairs' was removed"):
-        MOE.check_config_table(7168, 256, str(tmp_path / "pairs.json"))
+    # a band with an option removed in session 47 (never in the shipped table)
+    for gone in ("pairs", "run_m"):
+        old = json.loads(json.dumps(table))
+        old["bands"][2][gone] = 2
+        (tmp_path / f"{gone}.json").write_text(json.dumps(old))
+        with pytest.raises(ValueError, match=f"unreadable band.*'{gone}' was removed"):
+            MOE.check_config_table(7168, 256, str(tmp_path / f"{gone}.json"))
 
 
 def test_half_m_needs_blocks_of_16_32_or_64():
@@ -733,117 +732,3 @@ def test_half_m_needs_blocks_of_16_32_or_64():
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 
-
-def _runs_routing(m=70):
-    """Top-3 routing over 9 experts whose 16-row block counts are 5 (runs of 4 + 1 at run_m 4),
-    2, 3 (2 + 1), 1 and 1-row blocks: expert 5 takes every token, experts 7 / 8 / 3 the first
-    20 / next 40 / last 10, experts 0, 1, 2, 4, 6 the third slots in turn."""
-    g = torch.Generator().manual_seed(m)
-    tw = torch.rand(m, 3, generator=g)
-    ar = torch.arange(m)
-    ti = torch.stack([torch.full((m,), 5), torch.where(ar < 20, 7, torch.where(ar < 60, 8, 3)),
-                      torch.tensor([0, 1, 2, 4, 6])[ar % 5]], 1).to(torch.int32)
-    return tw, ti.contiguous()
-
-
-@pytest.mark.parametrize("run_m", [2, 4, 8])
-def test_run_labels_match_the_host_rule(run_m):
-    """moe_align(run_m=...) labels every used block with 16 * run length + place as
-    ``run_chunk`` says for its expert's block count, unused blocks with 16, after the labels and
-    the used-block count (which, like the grouping, stay as without runs)."""
-    counts = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 17, 33]
-    ids = torch.tensor([ex for ex, c in enumerate(counts) for _ in range(16 * c)],
-                       dtype=torch.int32).view(-1, 1)
-    plain = MOE.moe_align(ids, len(counts), 16)
-    sorted_ids, block_expert, _ = MOE.moe_align(ids, len(counts), 16, run_m=run_m)
-    n = plain[1].numel() - 1
-    used = int(block_expert[n])
-    assert torch.equal(block_expert[:n + 1], plain[1])
-    assert torch.equal(sorted_ids[:16 * used], plain[0][:16 * used])  # the rest: unspecified
-    want = [16 * a + b for c in counts for a, b in (MOE.run_chunk(i, c, run_m)
-                                                    for i in range(c))]
-    assert block_expert[n + 1:n + 1 + used].tolist() == want
-    assert (block_expert[n + 1 + used:] == 16).all()
-
-
-def test_run_chunk_rule():
-    assert [MOE.run_chunk(i, 7, 4) for i in range(7)] == [(4, 0), (4, 1), (4, 2), (4, 3),
-                                                          (2, 0), (2, 1), (1, 0)]
-    assert [MOE.run_chunk(i, 3, 2) for i in range(3)] == [(2, 0), (2, 1), (1, 0)]
-    assert [MOE.run_chunk(i, 5, 8) for i in range(5)] == [(4, 0), (4, 1), (4, 2), (4, 3), (1, 0)]
-    assert MOE.run_chunk(0, 1, 4) == (1, 0)
-
-
-_GU_RUN = MOE.GemmConfig(64, 128, 4, 1)
-_GU_RUN_SPLIT = MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2)
-_GU_RUN_LIVE = MOE.GemmConfig(64, 128, 4, 1, 0, 0, 4, 64)
-
-
-_DN_LOOP = MOE.GemmConfig(64, 128, 4, 1, 128)  # runs of 2 split its 128 columns, of 4 do not
-_DN_LOOP32 = MOE.GemmConfig(32, 128, 4, 1, 128)  # runs of 4 split it too
-_DN_TILE = MOE.GemmConfig(64, 128, 4, 1)  # the per-tile down kernel: one block a program
-
-
-@pytest.mark.parametrize("gate_up,run_m,serial,down", [
-    (_GU_RUN, 2, "1", _DN_LOOP), (_GU_RUN, 4, "1", _DN_LOOP32), (_GU_RUN, 4, "1", _DN_TILE),
-    (_GU_RUN_SPLIT, 4, "1", _DN_LOOP), (_GU_RUN_SPLIT, 4, "0", _DN_LOOP32),
-    (_GU_RUN_LIVE, 4, "1", _DN_LOOP32), (_GU_RUN_LIVE, 2, "0", _DN_LOOP)],
-    ids=["run2", "run4_down32", "run4_down_tile", "run4_splitk_serial",
-         "run4_splitk_reduce_down32", "run4_live_down32", "run2_live_reduce"])
-def test_run_tiles_match_reference_and_plain_blocks(gate_up, run_m, serial, down, monkeypatch):
-    """Runs of 2 / 4 blocks of one expert as one tile (MoeConfig.run_m) in the gate-up, alone,
-    with split-K (one launch and the reduce kernel) and with a live split, and in the looped
-    down kernel where its column range splits that far: every row written once, within
-    tolerance of the reference, and equal (up to fp32 summation order) to the same config with
-    one tile per block; split-K counters end at 0."""
-    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
-    w = REF.make_random_moe(9, H_LIVE, I, seed=88)
-    tw, ti = _runs_routing()
-    m = ti.shape[0]
-    x = torch.randn(m, H_LIVE, generator=torch.Generator().manual_seed(3)).bfloat16()
-
-    def call(cfg):
-        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
-        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                   w["w2_scale"], tw, ti, routed_scaling_factor=1.7, out=out,
-                                   config=cfg)
-
-    runs = call(MOE.MoeConfig(16, gate_up, down, run_m=run_m))
-    plain = call(MOE.MoeConfig(16, gate_up, down))
-    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                  w["w2_scale"], tw, ti, 1.7)
-    check(runs, ref)
-    assert (runs.float() - plain.float()).abs().max() <= 1e-2 * plain.float().abs().max()
-    if serial == "1" and gate_up.split_k > 1:
-        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
-
-
-def test_run_m_must_fit_the_gate_up_tile():
-    w = REF.make_random_moe(4, H, I, seed=1)
-    x = torch.randn(3, H).bfloat16()
-    tw, ti = random_routing(3, 4, 2, seed=1)
-    for bad in (MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
-                              run_m=8),  # 8 columns a run member
-                MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
-                              run_m=3),
-                MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
-                              half_m=1, run_m=2)):
-        with pytest.raises(ValueError, match="does not tile"):
-            run(w, x, tw, ti, cfg=bad)
-
-
-def test_run_tiles_keep_whole_down_steps():
-    """A looped down range that runs would cut into pieces of no whole BLOCK_N step (384
-    columns, 64 a step, runs of 4: 96) runs one block a program instead: every column
-    written, within tolerance of the reference."""
-    hidden = 768
-    w = REF.make_random_moe(9, hidden, I, seed=5)
-    tw, ti = _runs_routing(70)  # expert 5: 5 blocks, a run of 4
-    x = torch.randn(70, hidden, generator=torch.Generator().manual_seed(6)).bfloat16()
-    cfg = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 384),
-                        run_m=4)
-    out = torch.full((70, hidden), float("nan"), dtype=torch.bfloat16)
-    MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"], tw,
-                        ti, out=out, config=cfg)
-    check(out, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                       w["w2_scale"], tw, ti, 1.0))

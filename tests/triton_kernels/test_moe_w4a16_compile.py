@@ -40,10 +40,10 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: int = 1):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target]) as in GemmConfig; ``half_m`` and ``run_m`` (gate-up;
-    1 = off) as MoeConfig's."""
+    split_dq, split_k, split_target]) as in GemmConfig; ``half_m``: whether that GEMM runs
+    HALF_M."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target = (
         tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:])
     if kind == "gate_up":
@@ -54,14 +54,13 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, run_m: in
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target or run_m > 1 else 0, RUN_M=run_m)
+                     NUM_EXPERTS=384 if split_target else 0)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                     HALF_M=half_m, RUN_M=run_m,
-                     NUM_EXPERTS=384 if run_m > 1 or split_target else 0,
+                     HALF_M=half_m, NUM_EXPERTS=384 if split_target else 0,
                      LIVE_TARGET=split_target)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
@@ -91,8 +90,8 @@ def test_compiles_for_sm90(MOE, kind, bm, tiles, half, tmp_path):
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half)
 
 
-def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, run_m=1):
-    kern = _gemm(MOE, kind, bm, tiles, half_m, run_m)
+def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False):
+    kern = _gemm(MOE, kind, bm, tiles, half_m)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -105,10 +104,9 @@ def test_prologue_and_combine_compile(MOE):
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
     const = dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1, BLOCK_B=16,
-                 K=H, BLOCK_K=256, COPY_FIRST=False, COPY_PROGS=1, RUN_M=1)
+                 K=H, BLOCK_K=256, COPY_FIRST=False, COPY_PROGS=1)
     _compile(MOE._prologue_kernel, sig, const, 4, 1)
     _compile(MOE._prologue_kernel, sig, dict(const, COPY_FIRST=True, COPY_PROGS=7), 4, 1)
-    _compile(MOE._prologue_kernel, sig, dict(const, RUN_M=4), 4, 1)
     sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
            "stride_om": "i32"}
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
@@ -124,10 +122,9 @@ def test_prologue_and_combine_compile(MOE):
                                                     COPY_PROGS=copy_progs), MOE.ALIGN_WARPS, 1)
     sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
            "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32", "max_blocks": "i32"}
-    for run_m in (1, 4):
-        _compile(MOE._align_place_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64,
-                                                    CH=1024, NUM_CH=16, BLOCK_B=64,
-                                                    RUN_M=run_m), MOE.ALIGN_WARPS, 1)
+    _compile(MOE._align_place_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64,
+                                                CH=1024, NUM_CH=16, BLOCK_B=64),
+             MOE.ALIGN_WARPS, 1)
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
     const = dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256, SPLIT_TARGET=0,
@@ -169,18 +166,6 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
     dequant kept, no spills, within shared memory, for gate-up and down tiles of the M 5-128
     bands."""
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=True)
-
-
-# Runs of blocks as one tile (MoeConfig.run_m; not in the shipped table): the Kimi bands'
-# gate-up tiles with runs of up to 2 / 4 blocks, alone, with a fixed and with a live split, and
-# the served looped down tile.
-@pytest.mark.parametrize("kind,tiles,run_m", [
-    ("gate_up", (64, 256, 4, 3, 0, 1, 1), 4), ("gate_up", (64, 256, 4, 3, 0, 1, 4, 512), 4),
-    ("gate_up", (64, 256, 4, 3, 0, 1, 4, 256), 2), ("gate_up", (32, 256, 2, 3, 0, 1, 4), 2),
-    ("down", (64, 256, 4, 3, 512), 4), ("down", (64, 256, 4, 3, 512), 2)], ids=str)
-def test_run_variants_compile_without_spills(MOE, kind, tiles, run_m, tmp_path):
-    """In-register dequant kept, no spills, within shared memory."""
-    _check_compiles(MOE, kind, 16, tiles, tmp_path, run_m=run_m)
 
 
 # Live down column ranges (the down config's split_target): the looped down tiles of the
