@@ -197,6 +197,19 @@ def test_serial_split_k_equals_the_reduce_kernel(experts, cfg, monkeypatch):
     assert torch.equal(again, serial)
 
 
+def _block_case(case, m, hidden, seed):
+    """x and top-2 routing over 9 experts for ``m`` tokens: ``one_block`` (slot 1 dropped,
+    slot 0 on expert 3: m rows, one 16-row block), ``two_blocks`` (experts 1 and 6: m rows
+    each) or ``many_blocks`` (random)."""
+    x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, 9, 2, seed=seed + m)
+    if case == "one_block":
+        ti[:, 0], ti[:, 1] = 3, -1
+    elif case == "two_blocks":
+        ti[:, 0], ti[:, 1] = 1, 6
+    return x, tw, ti
+
+
 # Live split (split_target): hidden 512 gives 4 K steps of 128, so the call's split can be 1, 2
 # or 4; intermediate 128 in 64-column tiles gives 2 tiles per block. Target 8 programs: 1 used
 # block -> split 4, 2-3 -> split 2, 4 or more -> split 1.
@@ -241,12 +254,7 @@ def test_live_split_equals_the_fixed_split_it_picks(band, case, serial, monkeypa
         hidden, num_n, cfg_of = H_LIVE, 2, _live_cfg
     w = REF.make_random_moe(9, hidden, I, seed=77 + band)
     m = {"one_block": 5, "two_blocks": 12, "many_blocks": 40}[case]
-    x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m)).bfloat16()
-    tw, ti = random_routing(m, 9, 2, seed=300 + m)
-    if case == "one_block":  # slot 1 dropped, slot 0 on expert 3: 5 rows, one block
-        ti[:, 0], ti[:, 1] = 3, -1
-    elif case == "two_blocks":  # experts 1 and 6: 12 rows each
-        ti[:, 0], ti[:, 1] = 1, 6
+    x, tw, ti = _block_case(case, m, hidden, 300)
     blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
     want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
     assert MOE.live_split(blocks, num_n, 4, 4, 4 * num_n) == want, blocks
@@ -331,12 +339,7 @@ def test_live_down_equals_the_fixed_range_it_picks(experts, block_m, half_m, cas
     range the rule picks for its block count (host mirror ``live_split`` over the range's
     column steps), and matches the reference; with 8- / 16-row blocks and narrowed ones."""
     m = {"one_block": 5, "two_blocks": 6, "many_blocks": 40}[case]
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
-    tw, ti = random_routing(m, 9, 2, seed=500 + m)
-    if case == "one_block":  # slot 1 dropped, slot 0 on expert 3: 5 rows, one block
-        ti[:, 0], ti[:, 1] = 3, -1
-    elif case == "two_blocks":  # experts 1 and 6: 6 rows each
-        ti[:, 0], ti[:, 1] = 1, 6
+    x, tw, ti = _block_case(case, m, H, 500)
     blocks = int(MOE.moe_align(ti, 9, block_m)[1][-1])
     parts = MOE.live_split(blocks, 1, 4, 4, 4)
     want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
