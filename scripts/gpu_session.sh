@@ -355,7 +355,7 @@ for s in "$@"; do
              # (session 46: and the half_m blocks, 16-row ones at M 17-48 since then)
              step moe-bm8-check ${MOE_BM8_CHECK_LIMIT:-300} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
                -k "serial_split_k_equals or live_split_follows or kimi_shapes or half_m_blocks" ;;
-    moedownwave) # (session 46, not yet run) issue 5's bandwidth at M = 8: the down kernel reads
+    moedownwave) # (session 46; run in session 47) issue 5's bandwidth at M = 8: the down kernel reads
              # its weights at 62 % of copy there (854 programs, about 1.3 waves, at the table's
              # 512-column ranges); narrower / other ranges and stages against the table's, per
              # kernel (--breakdown), at M = 8 / 16 / 32

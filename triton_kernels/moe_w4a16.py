@@ -945,8 +945,8 @@ def _down_loop_kernel(
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
-    NUM_EXPERTS: tl.constexpr = 0,  # (LIVE_TARGET) experts, for moe_align's block count
-    LIVE_TARGET: tl.constexpr = 0,  # > 0: column ranges per call, see below
+    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
+    SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -955,19 +955,19 @@ def _down_loop_kernel(
     ids, then weights) and nothing overlaps inside it. Here a program loads the expert block's
     activation planes once and then walks ``N_PER_CTA`` output columns in BLOCK_N steps: a loop
     whose weight loads the compiler pipelines (``num_stages``), one long stream per program.
-    With LIVE_TARGET > 0 the column range is chosen per call on the GPU, as the gate-up's live
+    With SPLIT_TARGET > 0 the column range is chosen per call on the GPU, as the gate-up's live
     split chooses its K split (_live_split, from moe_align's used-block count): each
     N_PER_CTA range splits into the smallest number ``f`` of parts (a divisor of its BLOCK_N
-    steps) that gives the used blocks at least LIVE_TARGET programs, so a call whose tokens
+    steps) that gives the used blocks at least SPLIT_TARGET programs, so a call whose tokens
     share few experts streams its weights from more programs of shorter ranges (the
     launch's grid, ``live_grid``, holds the most any call can need; the surplus leaves).
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
     pid = tl.program_id(0)
-    if LIVE_TARGET > 0:
+    if SPLIT_TARGET > 0:
         parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
-                                  TILES, TILES, LIVE_TARGET)
+                                  TILES, TILES, SPLIT_TARGET)
         if pid >= live * parts:
             return
         pid_m = pid // (NUM_S * parts)
@@ -1140,7 +1140,7 @@ class GemmConfig:
     # calls on few experts, which want a deep split, and calls on many, which want none).
     # Looped down GEMM (n_per_cta > 0): the same rule splits each n_per_cta column range
     # into the fewest parts (a divisor of its block_n steps) that give the used blocks at least
-    # split_target programs (_down_loop_kernel's LIVE_TARGET).
+    # split_target programs (_down_loop_kernel's SPLIT_TARGET).
     split_target: int = 0
 
 
@@ -1189,10 +1189,10 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         raw = json.load(f)
     table = []
     for band in raw["bands"]:
-        for gone in ("pairs", "run_m"):  # (sessions 29-46, never in the shipped table)
+        for gone in ("pairs", "run_m"):  # (sessions 28-46, never in the shipped table)
             if band.get(gone):
                 raise ValueError(f"band max_m={band.get('max_m')}: {gone!r} was removed in "
-                                 "session 47 (slower than 16-row blocks with half_m); drop it")
+                                 "session 47 (no band of the shipped table used it); drop it")
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
             down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)))))
@@ -1442,7 +1442,7 @@ def fused_moe_w4a16(
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=cfg.narrow_down,
             NUM_EXPERTS=num_experts if dn.split_target else 0,
-            LIVE_TARGET=dn.split_target, num_warps=dn.num_warps, num_stages=dn.num_stages)
+            SPLIT_TARGET=dn.split_target, num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

@@ -61,7 +61,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
     if n_per_cta:
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
                      HALF_M=half_m, NUM_EXPERTS=384 if split_target else 0,
-                     LIVE_TARGET=split_target)
+                     SPLIT_TARGET=split_target)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
