@@ -667,7 +667,9 @@ def interleaved_rounds(calls: dict, args, dev, per_call: int) -> dict:
 
 PROLOGUE_VARIANTS = (("rows", "one", 4), ("rows", "one", 2), ("rows", "one", 1),
                      ("chunks", "one", 4), ("rows", "two", 4), ("chunks", "two", 4),
-                     ("chunks", "two", 2), ("chunks", "two", 1))
+                     ("chunks", "two", 2), ("chunks", "two", 1),
+                     ("rows", "small", 4), ("rows", "small", 2), ("rows", "small", 8),
+                     ("chunks", "small", 4))
 
 
 def prologue_times(args, layers, make_inputs, dev) -> dict:

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -372,6 +372,22 @@ for s in "$@"; do
                  --no-sglang --breakdown --routing "$r" --ms ${MOE_LIVE_DOWN_MS:-1 2 4 6 8 12 16 24 32 48 64 96 128} \
                  --breakdown-down "${MOE_LIVE_DOWN:-64,256,4,3,256;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,1792;64,256,4,3,256,0,1,896;64,256,4,3,256,0,1,1792;64,256,4,3,512,0,1,448;32,256,2,3,448,0,1,896}" \
                  --out "$OUT/fused_moe_live_down_${r/:/_}_h200.json"
+             done ;;
+    moesmall) # (session 48) the one-program grouping of small calls (moe_align method small,
+             # pairwise comparisons, no per-expert programs) at M 1-16: the GPU test file (also
+             # re-runs session 47's commits), the prologue alone against the one-launch
+             # grouping, then whole calls with it against the shipped grouping, on random
+             # routing and on the dummy fill's 8 shared experts
+             step moe-small-tests ${MOE_SMALL_TEST_LIMIT:-240} python3 -m pytest -q \
+               tests/gpu/test_moe_w4a16_gpu.py -k "${MOE_SMALL_TESTS:-not sglang}"
+             step moe-small-prologue ${MOE_SMALL_PROLOGUE_LIMIT:-120} python3 scripts/bench_fused_moe.py \
+               --no-sglang --prologue --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
+               --routings concentrated:8,random --out "$OUT/fused_moe_small_prologue_h200.json"
+             for r in random concentrated:8; do
+               step "moe-small-$r" ${MOE_SMALL_LIMIT:-150} python3 scripts/bench_fused_moe.py --no-sglang \
+                 --rounds 3 --routing "$r" --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
+                 --ours-variants small:SGLANG_DDTREE_MOE_ALIGN=small \
+                 --out "$OUT/fused_moe_small_ab_${r/:/_}_h200.json"
              done ;;
     moem9)   # (session 47) M = 9 (budget 8 at batch 1, AR at batch 9): 16-row blocks that narrow
              # to 8 rows (half_m 1), so the dummy fill's 8 experts of 9 rows each take one

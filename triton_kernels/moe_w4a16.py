@@ -303,6 +303,86 @@ def _align_place_kernel(
                       BLOCK_M, BLOCK_B)
 
 
+@triton.jit
+def _small_experts(topk_ids_ptr, i, T, NUM_EXPERTS: tl.constexpr):
+    """Experts of pairs ``i``; pairs left out (ids outside [0, NUM_EXPERTS), past T) get
+    NUM_EXPERTS, one bin past every expert."""
+    ids = tl.load(topk_ids_ptr + i, mask=i < T, other=-1).to(tl.int32)
+    return tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, NUM_EXPERTS)
+
+
+@triton.jit
+def _align_small_kernel(
+    topk_ids_ptr,  # [T] int32/int64
+    sorted_ids_ptr,  # [max_padded] int32 out (as _prologue_kernel's)
+    block_expert_ptr,  # [max_blocks + 1] int32 out (as _prologue_kernel's)
+    x_ptr,  # [M, K] bf16 (read by the copy programs only)
+    xp_ptr,  # [M, K] bf16 out: plane-major copy (see _prologue_kernel)
+    T,
+    max_blocks,
+    stride_xm,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    T_PAD: tl.constexpr,  # next power of two >= T
+    B_PAD: tl.constexpr,  # next power of two >= max_blocks
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
+):
+    """The grouping of a small call (a few dozen pairs) in one program, by pair-against-pair
+    comparisons (O(T^2), no per-expert programs): the same sorted_ids and block labels as
+    _prologue_kernel. Programs 1.. copy x (plane-major), COPY_PROGS per row.
+
+    Pair i's row is the padded rows of the experts below its own plus the number of earlier
+    pairs on its expert; an expert's first pair writes its padding; block b's owner is the
+    expert whose padded range holds row b * BLOCK_M."""
+    pid = tl.program_id(0)
+    if pid > 0:
+        q = pid - 1
+        CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
+        m = (q // COPY_PROGS).to(tl.int64)
+        for c in range(CHUNKS):
+            _copy_chunk(x_ptr, xp_ptr, m, stride_xm, ((q % COPY_PROGS) * CHUNKS + c) * 1024, K,
+                        BLOCK_K)
+        return
+    i = tl.arange(0, T_PAD)
+    e = _small_experts(topk_ids_ptr, i, T, NUM_EXPERTS)
+    live = e < NUM_EXPERTS
+    # Pair i against pair j, JC pairs j at a time ([T_PAD, JC] tiles stay in registers): the
+    # earlier pairs on i's expert (within) and all of them (count), and, for each j that is
+    # its expert's first pair, that expert's padded rows, summed into start for the pairs i
+    # of higher experts.
+    JC: tl.constexpr = 32 if T_PAD > 32 else T_PAD
+    within = tl.zeros([T_PAD], dtype=tl.int32)
+    count = tl.zeros([T_PAD], dtype=tl.int32)
+    start = tl.zeros([T_PAD], dtype=tl.int32)
+    total = 0
+    for c in tl.static_range(0, T_PAD, JC):
+        j = c + tl.arange(0, JC)
+        ej = _small_experts(topk_ids_ptr, j, T, NUM_EXPERTS)
+        same = (e[:, None] == ej[None, :]).to(tl.int32)  # [T_PAD (i), JC (j)]
+        within += tl.sum(same * (j[None, :] < i[:, None]), axis=1)
+        count += tl.sum(same, axis=1)
+        lead_j = (ej < NUM_EXPERTS) & (tl.sum(same * (i[:, None] < j[None, :]), axis=0) == 0)
+        size_j = tl.where(lead_j, (tl.sum(same, axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+        start += tl.sum(tl.where(ej[None, :] < e[:, None], size_j[None, :], 0), axis=1)
+        total += tl.sum(size_j)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    lead = live & (within == 0)  # each expert's first pair writes its padding
+    tl.store(sorted_ids_ptr + start + within, i, mask=live)
+    r = count[:, None] + tl.arange(0, BLOCK_M)[None, :]  # fewer than BLOCK_M padding slots
+    tl.store(sorted_ids_ptr + start[:, None] + r, T, mask=lead[:, None] & (r < padded[:, None]))
+    end = tl.where(lead, start + padded, -1)  # (nothing starts at -1)
+    BC: tl.constexpr = 32 if B_PAD > 32 else B_PAD
+    for c in tl.static_range(0, B_PAD, BC):
+        b = c + tl.arange(0, BC)
+        row = b[:, None] * BLOCK_M
+        holds = (start[None, :] <= row) & (row < end[None, :])  # [BC, T_PAD]
+        owner = tl.max(tl.where(holds, e[None, :], -1), axis=1)
+        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+    tl.store(block_expert_ptr + max_blocks, total // BLOCK_M)
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static upper bound on padded rows: each non-empty expert adds < BLOCK_M padding rows."""
     bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
@@ -315,6 +395,11 @@ PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows | chunks (default: by groupi
 # pair read by one chunk program); auto takes two from ALIGN_TWO_PASS_MIN_PAIRS pairs.
 ALIGN_ENV = "SGLANG_DDTREE_MOE_ALIGN"
 ALIGN_TWO_PASS_MIN_PAIRS = 2048
+# small: one program groups the pairs by comparing them pairwise (_align_small_kernel), up to
+# ALIGN_SMALL_MAX_PAIRS pairs (its [T, T] tiles stay in registers); auto takes it up to
+# ALIGN_SMALL_AUTO_PAIRS (0: never)
+ALIGN_SMALL_MAX_PAIRS = 128
+ALIGN_SMALL_AUTO_PAIRS = 0
 # warps per program of the grouping launches (SGLANG_DDTREE_MOE_ALIGN_WARPS overrides, per call)
 ALIGN_WARPS_ENV = "SGLANG_DDTREE_MOE_ALIGN_WARPS"
 ALIGN_WARPS = 4
@@ -346,8 +431,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ``one``: one launch whose expert programs each histogram all T pairs (O(E T) work,
         which grows to tens of microseconds at thousands of tokens); ``two``: a histogram
         launch over chunks of 1,024 pairs (with x's copy), then a launch that places each
-        chunk's pairs by sorting them; ``auto`` (default: ``SGLANG_DDTREE_MOE_ALIGN``, else
-        auto) takes ``two`` from ``ALIGN_TWO_PASS_MIN_PAIRS`` pairs. Same outputs bit for bit.
+        chunk's pairs by sorting them; ``small``: one program compares the pairs pairwise
+        (O(T^2), no per-expert programs) for calls of up to ``ALIGN_SMALL_MAX_PAIRS`` pairs,
+        ``auto``'s choice for larger ones; ``auto`` (default: ``SGLANG_DDTREE_MOE_ALIGN``, else
+        auto) takes ``small`` up to ``ALIGN_SMALL_AUTO_PAIRS`` pairs and ``two`` from
+        ``ALIGN_TWO_PASS_MIN_PAIRS``. Same outputs bit for bit.
     warps : int, optional
         Warps per program of the launches (default ``SGLANG_DDTREE_MOE_ALIGN_WARPS``, else
         ``ALIGN_WARPS``); the same outputs at any count.
@@ -375,9 +463,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
     block_t = min(1024, max(16, triton.next_power_of_2(max(t, 1))))
     method = method or os.environ.get(ALIGN_ENV) or "auto"
-    if method not in ("one", "two", "auto"):
-        raise ValueError(f"{ALIGN_ENV} / method: one, two or auto, got {method!r}")
-    two_pass = method == "two" or (method == "auto" and t >= ALIGN_TWO_PASS_MIN_PAIRS)
+    if method not in ("one", "two", "small", "auto"):
+        raise ValueError(f"{ALIGN_ENV} / method: one, two, small or auto, got {method!r}")
+    small = t <= (ALIGN_SMALL_MAX_PAIRS if method == "small" else
+                  ALIGN_SMALL_AUTO_PAIRS if method == "auto" else -1)
+    two_pass = method == "two" or (method in ("auto", "small") and not small
+                                   and t >= ALIGN_TWO_PASS_MIN_PAIRS)
     # rows beside the one-launch grouping, chunks beside the two-pass one: the faster of the
     # two at every M timed on the H200 (bench_results/fused_moe_prologue_h200_s39.json)
     copy = copy or os.environ.get(PROLOGUE_ENV) or ("chunks" if two_pass else "rows")
@@ -389,6 +480,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         env = os.environ.get(ALIGN_WARPS_ENV)
         warps = _env_ints(ALIGN_WARPS_ENV, env, 1, "a warp count, e.g. 4")[0] if env else \
             ALIGN_WARPS
+    if small:
+        _align_small_kernel[(1 + rows * per_row,)](
+            topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
+            sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
+            NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+            T_PAD=max(16, triton.next_power_of_2(max(t, 1))),
+            B_PAD=max(16, triton.next_power_of_2(max_blocks)), K=k, BLOCK_K=block_k,
+            COPY_PROGS=max(per_row, 1), num_warps=warps)
+        return sorted_ids, block_expert, xp
     if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
         e_pad = triton.next_power_of_2(num_experts)

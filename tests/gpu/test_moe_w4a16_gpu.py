@@ -217,32 +217,35 @@ def test_graph_replay_and_determinism(K, w):
     assert torch.equal(out, ours(K, w, x, tw2, ti2))
 
 
-@pytest.mark.parametrize("m", [1, 64, 255, 256, 300, 1024, 2048])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 255, 256, 300, 1024, 2048])
 @pytest.mark.parametrize("few", [False, True])
 def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
-    """moe_align's two-launch grouping gives the one-launch kernel's sorted ids, labels and x
-    copy bit for bit on the GPU (tl.sort, the chunk histograms, the barrier before the
-    gather), and the whole call is equal either way, eager and replayed from a CUDA graph with
-    new routing (few experts on even replays)."""
+    """moe_align's two-launch grouping and its one-program grouping of small calls (M <= 16)
+    give the one-launch kernel's sorted ids, labels and x copy bit for bit on the GPU (tl.sort,
+    the chunk histograms, the barrier before the gather, the pairwise tiles), and the whole call
+    is equal each way, eager and replayed from a CUDA graph with new routing (few experts on
+    even replays)."""
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti = few_or_random(m, seed=m, few=few)
     bm = K.moe.select_config(m).block_m
     one = K.moe.moe_align(ti, E, bm, x, 256, method="one")
     used = int(one[1][-1]) * bm
-    for method, warps in (("two", 4), ("two", 1), ("one", 1), ("one", 2)):
+    for method, warps in (("two", 4), ("two", 1), ("one", 1), ("one", 2), ("small", 4),
+                          ("small", 8)):
         two = K.moe.moe_align(ti, E, bm, x, 256, method=method, warps=warps)
         assert torch.equal(one[0][:used], two[0][:used]), (method, warps)
         assert torch.equal(one[1], two[1]) and torch.equal(one[2], two[2]), (method, warps)
     monkeypatch.setenv(K.moe.ALIGN_ENV, "one")
     want = ours(K, w, x, tw, ti).clone()
-    monkeypatch.setenv(K.moe.ALIGN_ENV, "two")
-    assert torch.equal(ours(K, w, x, tw, ti), want)
-    out = torch.empty_like(want)
-    graph = captured(K, w, x, tw, ti, out)
-    for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=m + 100):
-        monkeypatch.setenv(K.moe.ALIGN_ENV, "one")
-        assert torch.equal(out, ours(K, w, x, tw2, ti2))
-        monkeypatch.setenv(K.moe.ALIGN_ENV, "two")
+    for method in ("two", "small"):
+        monkeypatch.setenv(K.moe.ALIGN_ENV, method)
+        assert torch.equal(ours(K, w, x, tw, ti), want), method
+        out = torch.empty_like(want)
+        graph = captured(K, w, x, tw, ti, out)
+        for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=m + 100):
+            monkeypatch.setenv(K.moe.ALIGN_ENV, "one")
+            assert torch.equal(out, ours(K, w, x, tw2, ti2)), method
+            monkeypatch.setenv(K.moe.ALIGN_ENV, method)
 
 
 @pytest.mark.parametrize("m", [1, 8, 64, 512])

@@ -512,12 +512,47 @@ def test_two_pass_align_equals_one_launch(m, e, topk, bm):
     assert int(two[1][len(two[0]) // bm]) == len(owners)
 
 
+@pytest.mark.parametrize("m,e,topk,bm,copy", [(1, 4, 2, 16, "rows"), (7, 9, 3, 16, "chunks"),
+                                              (8, 384, 8, 8, "rows"), (16, 384, 8, 8, "rows"),
+                                              (5, 9, 3, 8, "rows")])
+def test_small_align_equals_one_launch(m, e, topk, bm, copy):
+    """moe_align's one-program grouping for small calls (pairwise comparisons) gives
+    _prologue_kernel's sorted ids, labels and x copy bit for bit: Kimi's 384 experts at M = 8 /
+    16 (64 / 128 pairs, the most it takes), few experts with 9-21 pairs each (several blocks
+    per expert), with padding slots (-1) among the ids."""
+    _, ti = random_routing(m, e, topk, seed=m + 11)
+    ti[m // 2, topk - 1] = -1
+    if m > 1:
+        ti[0, 0] = -1
+    x = torch.randn(m, 1280, generator=torch.Generator().manual_seed(m)).bfloat16()
+    one = MOE.moe_align(ti, e, bm, x, 256, copy=copy, method="one")
+    small = MOE.moe_align(ti, e, bm, x, 256, copy=copy, method="small", warps=2)
+    rows, owners = _align_reference(ti, e, bm)
+    assert small[0][: len(rows)].tolist() == rows
+    assert torch.equal(one[1], small[1]) and torch.equal(one[2], small[2])
+    assert int(small[1][-1]) == len(owners)
+
+
+def test_small_align_all_pairs_on_one_expert():
+    """Every token on the same 8 experts (SGLang's dummy fill): M pairs per expert, one or two
+    blocks each; at M = 17 (136 pairs, past ALIGN_SMALL_MAX_PAIRS) ``small`` falls back to
+    auto's grouping."""
+    for m, bm in ((8, 8), (16, 8), (16, 16), (17, 16)):
+        ti = torch.arange(8, dtype=torch.int32).repeat(m, 1)
+        rows, owners = _align_reference(ti, 384, bm)
+        got = MOE.moe_align(ti, 384, bm, method="small")
+        assert got[0][: len(rows)].tolist() == rows, (m, bm)
+        assert got[1][: len(owners)].tolist() == owners and int(got[1][-1]) == len(owners)
+
+
 def test_align_method_switch(monkeypatch):
     _, ti = random_routing(3, 9, 2, seed=3)
     monkeypatch.setenv(MOE.ALIGN_ENV, "two")
     assert MOE.moe_align(ti, 9, 16)[0][:16].tolist() == _align_reference(ti, 9, 16)[0][:16]
+    monkeypatch.setenv(MOE.ALIGN_ENV, "small")
+    assert MOE.moe_align(ti, 9, 16)[0][:16].tolist() == _align_reference(ti, 9, 16)[0][:16]
     monkeypatch.setenv(MOE.ALIGN_ENV, "three")
-    with pytest.raises(ValueError, match="one, two or auto"):
+    with pytest.raises(ValueError, match="one, two, small or auto"):
         MOE.moe_align(ti, 9, 16)
     monkeypatch.setenv(MOE.ALIGN_ENV, "auto")
     for bad in ("four", "0", "2:2"):
