@@ -304,11 +304,8 @@ def _align_place_kernel(
 
 
 @triton.jit
-def _small_experts(topk_ids_ptr, i, T, NUM_EXPERTS: tl.constexpr):
-    """Experts of pairs ``i``; pairs left out (ids outside [0, NUM_EXPERTS), past T) get
-    NUM_EXPERTS, one bin past every expert."""
-    ids = tl.load(topk_ids_ptr + i, mask=i < T, other=-1).to(tl.int32)
-    return tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, NUM_EXPERTS)
+def _running_max(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -322,6 +319,7 @@ def _align_small_kernel(
     max_blocks,
     stride_xm,
     NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,  # next power of two >= NUM_EXPERTS
     BLOCK_M: tl.constexpr,
     T_PAD: tl.constexpr,  # next power of two >= T
     B_PAD: tl.constexpr,  # next power of two >= max_blocks
@@ -329,13 +327,15 @@ def _align_small_kernel(
     BLOCK_K: tl.constexpr,
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
 ):
-    """The grouping of a small call (a few dozen pairs) in one program, by pair-against-pair
-    comparisons (O(T^2), no per-expert programs): the same sorted_ids and block labels as
-    _prologue_kernel. Programs 1.. copy x (plane-major), COPY_PROGS per row.
+    """The grouping of a call of up to a thousand pairs in one program (no per-expert
+    programs): the same sorted_ids and block labels as _prologue_kernel. Programs 1.. copy x
+    (plane-major), COPY_PROGS per row.
 
-    Pair i's row is the padded rows of the experts below its own plus the number of earlier
-    pairs on its expert; an expert's first pair writes its padding; block b's owner is the
-    expert whose padded range holds row b * BLOCK_M."""
+    One histogram gives each expert's padded row range; sorting the keys ``expert * T_PAD +
+    pair`` lists the pairs by expert, in flat order inside one, so the pair at sorted position
+    p goes to row ``start[e] + p - (pairs on experts below e)``. Each expert's first pair
+    writes its padding and labels its first block; a running max along the blocks labels the
+    rest (experts ascend with their rows)."""
     pid = tl.program_id(0)
     if pid > 0:
         q = pid - 1
@@ -346,40 +346,34 @@ def _align_small_kernel(
                         BLOCK_K)
         return
     i = tl.arange(0, T_PAD)
-    e = _small_experts(topk_ids_ptr, i, T, NUM_EXPERTS)
-    live = e < NUM_EXPERTS
-    # Pair i against pair j, JC pairs j at a time ([T_PAD, JC] tiles stay in registers): the
-    # earlier pairs on i's expert (within) and all of them (count), and, for each j that is
-    # its expert's first pair, that expert's padded rows, summed into start for the pairs i
-    # of higher experts.
-    JC: tl.constexpr = 32 if T_PAD > 32 else T_PAD
-    within = tl.zeros([T_PAD], dtype=tl.int32)
-    count = tl.zeros([T_PAD], dtype=tl.int32)
-    start = tl.zeros([T_PAD], dtype=tl.int32)
-    total = 0
-    for c in tl.static_range(0, T_PAD, JC):
-        j = c + tl.arange(0, JC)
-        ej = _small_experts(topk_ids_ptr, j, T, NUM_EXPERTS)
-        same = (e[:, None] == ej[None, :]).to(tl.int32)  # [T_PAD (i), JC (j)]
-        within += tl.sum(same * (j[None, :] < i[:, None]), axis=1)
-        count += tl.sum(same, axis=1)
-        lead_j = (ej < NUM_EXPERTS) & (tl.sum(same * (i[:, None] < j[None, :]), axis=0) == 0)
-        size_j = tl.where(lead_j, (tl.sum(same, axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
-        start += tl.sum(tl.where(ej[None, :] < e[:, None], size_j[None, :], 0), axis=1)
-        total += tl.sum(size_j)
-    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    lead = live & (within == 0)  # each expert's first pair writes its padding
-    tl.store(sorted_ids_ptr + start + within, i, mask=live)
-    r = count[:, None] + tl.arange(0, BLOCK_M)[None, :]  # fewer than BLOCK_M padding slots
-    tl.store(sorted_ids_ptr + start[:, None] + r, T, mask=lead[:, None] & (r < padded[:, None]))
-    end = tl.where(lead, start + padded, -1)  # (nothing starts at -1)
-    BC: tl.constexpr = 32 if B_PAD > 32 else B_PAD
-    for c in tl.static_range(0, B_PAD, BC):
-        b = c + tl.arange(0, BC)
-        row = b[:, None] * BLOCK_M
-        holds = (start[None, :] <= row) & (row < end[None, :])  # [BC, T_PAD]
-        owner = tl.max(tl.where(holds, e[None, :], -1), axis=1)
-        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+    ids = tl.load(topk_ids_ptr + i, mask=i < T, other=-1).to(tl.int32)
+    live = (ids >= 0) & (ids < NUM_EXPERTS)
+    count = tl.histogram(ids, E_PAD, mask=live)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # 0 for the bins past the experts
+    starts = tl.cumsum(padded, 0) - padded
+    below = tl.cumsum(count, 0) - count  # pairs on lower experts
+    total = tl.sum(padded)
+    key = tl.sort(tl.where(live, ids * T_PAD + i, NUM_EXPERTS * T_PAD))  # left-out pairs last
+    e = key // T_PAD
+    ok = e < NUM_EXPERTS
+    e = tl.minimum(e, NUM_EXPERTS - 1)  # in range for the gathers (masked below)
+    within = tl.arange(0, T_PAD) - tl.gather(below, e, 0)
+    start = tl.gather(starts, e, 0)
+    tl.store(sorted_ids_ptr + start + within, key % T_PAD, mask=ok)
+    lead = ok & (within == 0)
+    end = start + tl.gather(count, e, 0)  # the expert's padding: rows end .. its padded end
+    pad_end = start + tl.gather(padded, e, 0)
+    for q in tl.static_range(BLOCK_M - 1):  # fewer than BLOCK_M slots
+        tl.store(sorted_ids_ptr + end + q, T, mask=lead & (end + q < pad_end))
+    b = tl.arange(0, B_PAD)
+    tl.store(block_expert_ptr + b, -1, mask=b < max_blocks)
+    tl.debug_barrier()  # the -1s before the first blocks' labels (other threads' stores)
+    tl.store(block_expert_ptr + start // BLOCK_M, e, mask=lead)
+    tl.debug_barrier()
+    owner = tl.load(block_expert_ptr + b, mask=b < max_blocks, other=-1)
+    tl.debug_barrier()  # every load before the stores below
+    owner = tl.associative_scan(owner, 0, _running_max)
+    tl.store(block_expert_ptr + b, tl.where(b * BLOCK_M < total, owner, -1), mask=b < max_blocks)
     tl.store(block_expert_ptr + max_blocks, total // BLOCK_M)
 
 
@@ -395,10 +389,9 @@ PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows | chunks (default: by groupi
 # pair read by one chunk program); auto takes two from ALIGN_TWO_PASS_MIN_PAIRS pairs.
 ALIGN_ENV = "SGLANG_DDTREE_MOE_ALIGN"
 ALIGN_TWO_PASS_MIN_PAIRS = 2048
-# small: one program groups the pairs by comparing them pairwise (_align_small_kernel), up to
-# ALIGN_SMALL_MAX_PAIRS pairs (its [T, T] tiles stay in registers); auto takes it up to
-# ALIGN_SMALL_AUTO_PAIRS (0: never)
-ALIGN_SMALL_MAX_PAIRS = 128
+# small: one program groups the pairs (_align_small_kernel: a histogram and a sort), up to
+# ALIGN_SMALL_MAX_PAIRS pairs; auto takes it up to ALIGN_SMALL_AUTO_PAIRS (0: never)
+ALIGN_SMALL_MAX_PAIRS = 1024
 ALIGN_SMALL_AUTO_PAIRS = 0
 # warps per program of the grouping launches (SGLANG_DDTREE_MOE_ALIGN_WARPS overrides, per call)
 ALIGN_WARPS_ENV = "SGLANG_DDTREE_MOE_ALIGN_WARPS"
@@ -431,9 +424,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ``one``: one launch whose expert programs each histogram all T pairs (O(E T) work,
         which grows to tens of microseconds at thousands of tokens); ``two``: a histogram
         launch over chunks of 1,024 pairs (with x's copy), then a launch that places each
-        chunk's pairs by sorting them; ``small``: one program compares the pairs pairwise
-        (O(T^2), no per-expert programs) for calls of up to ``ALIGN_SMALL_MAX_PAIRS`` pairs,
-        ``auto``'s choice for larger ones; ``auto`` (default: ``SGLANG_DDTREE_MOE_ALIGN``, else
+        chunk's pairs by sorting them; ``small``: one program groups all pairs (a histogram
+        and a sort, no per-expert programs) for calls of up to ``ALIGN_SMALL_MAX_PAIRS``
+        pairs, ``auto``'s choice for larger ones; ``auto`` (default: ``SGLANG_DDTREE_MOE_ALIGN``, else
         auto) takes ``small`` up to ``ALIGN_SMALL_AUTO_PAIRS`` pairs and ``two`` from
         ``ALIGN_TWO_PASS_MIN_PAIRS``. Same outputs bit for bit.
     warps : int, optional
@@ -484,7 +477,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         _align_small_kernel[(1 + rows * per_row,)](
             topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
             sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
-            NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+            NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
             T_PAD=max(16, triton.next_power_of_2(max(t, 1))),
             B_PAD=max(16, triton.next_power_of_2(max_blocks)), K=k, BLOCK_K=block_k,
             COPY_PROGS=max(per_row, 1), num_warps=warps)

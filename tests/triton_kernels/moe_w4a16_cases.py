@@ -514,11 +514,12 @@ def test_two_pass_align_equals_one_launch(m, e, topk, bm):
 
 @pytest.mark.parametrize("m,e,topk,bm,copy", [(1, 4, 2, 16, "rows"), (7, 9, 3, 16, "chunks"),
                                               (8, 384, 8, 8, "rows"), (16, 384, 8, 8, "rows"),
-                                              (5, 9, 3, 8, "rows")])
+                                              (5, 9, 3, 8, "rows"), (128, 384, 8, 16, "rows"),
+                                              (90, 9, 3, 16, "chunks")])
 def test_small_align_equals_one_launch(m, e, topk, bm, copy):
-    """moe_align's one-program grouping for small calls (pairwise comparisons) gives
-    _prologue_kernel's sorted ids, labels and x copy bit for bit: Kimi's 384 experts at M = 8 /
-    16 (64 / 128 pairs, the most it takes), few experts with 9-21 pairs each (several blocks
+    """moe_align's one-program grouping (a histogram and a sort) gives _prologue_kernel's
+    sorted ids, labels and x copy bit for bit: Kimi's 384 experts at M = 8 / 16 / 128 (128 x 8
+    pairs, the most it takes), few experts with 9-21 or about 30 pairs each (several blocks
     per expert), with padding slots (-1) among the ids."""
     _, ti = random_routing(m, e, topk, seed=m + 11)
     ti[m // 2, topk - 1] = -1
@@ -534,10 +535,10 @@ def test_small_align_equals_one_launch(m, e, topk, bm, copy):
 
 
 def test_small_align_all_pairs_on_one_expert():
-    """Every token on the same 8 experts (SGLang's dummy fill): M pairs per expert, one or two
-    blocks each; at M = 17 (136 pairs, past ALIGN_SMALL_MAX_PAIRS) ``small`` falls back to
+    """Every token on the same 8 experts (SGLang's dummy fill): M pairs per expert, one to 16
+    blocks each; at M = 129 (1,032 pairs, past ALIGN_SMALL_MAX_PAIRS) ``small`` falls back to
     auto's grouping."""
-    for m, bm in ((8, 8), (16, 8), (16, 16), (17, 16)):
+    for m, bm in ((8, 8), (16, 8), (16, 16), (128, 8), (129, 16)):
         ti = torch.arange(8, dtype=torch.int32).repeat(m, 1)
         rows, owners = _align_reference(ti, 384, bm)
         got = MOE.moe_align(ti, 384, bm, method="small")

@@ -125,14 +125,14 @@ def test_prologue_and_combine_compile(MOE, tmp_path):
     _compile(MOE._align_place_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64,
                                                 CH=1024, NUM_CH=16, BLOCK_B=64),
              MOE.ALIGN_WARPS, 1)
-    # the one-program grouping of small calls, at its largest tiles (128 pairs, 8-row blocks:
-    # 128 x 128 comparisons), with the copy per row and per chunk
+    # the one-program grouping (a histogram and a sort) at M = 8 and at its largest sort
+    # (1,024 pairs), with the copy per row and per chunk
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
-    for t_pad, b_pad, copy_progs in ((64, 64, 1), (128, 128, 1), (128, 128, 7)):
+    for t_pad, bm, b_pad, copy_progs in ((64, 8, 64, 1), (1024, 16, 512, 1), (1024, 16, 512, 7)):
         kern = _compile(MOE._align_small_kernel, sig,
-                        dict(NUM_EXPERTS=384, BLOCK_M=8, T_PAD=t_pad, B_PAD=b_pad, K=H,
-                             BLOCK_K=256, COPY_PROGS=copy_progs), MOE.ALIGN_WARPS, 1)
+                        dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=bm, T_PAD=t_pad, B_PAD=b_pad,
+                             K=H, BLOCK_K=256, COPY_PROGS=copy_progs), MOE.ALIGN_WARPS, 1)
         assert_no_spills(kern, tmp_path)
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
