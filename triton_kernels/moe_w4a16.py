@@ -67,16 +67,17 @@ outputs ``y`` and a bf16 result; the same rounding points as SGLang's Marlin and
 """
 from __future__ import annotations
 
-import functools
-import json
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ._device import arrival_counters, portable
+from .moe_config import (  # noqa: F401  (names re-exported for tests and scripts)
+    _CONFIG_PATH, GemmConfig, MoeConfig, _config_table, _fit, _fitted, _split_candidates,
+    check_config_table, live_grid, live_split, select_config,
+)
 from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and scripts)
     ALIGN_ENV, ALIGN_WARPS, ALIGN_WARPS_ENV, PACK_FACTOR, PROLOGUE_ENV, _PACK,
     _align_count_kernel, _align_place_kernel, _align_small_kernel, _env_ints, _plane_major_cols,
@@ -86,7 +87,6 @@ from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and
 GROUP_SIZE = 32  # input rows per scale
 # The same number as a Triton global (kernels may only read constexpr globals).
 _GROUP = tl.constexpr(GROUP_SIZE)
-_CONFIG_PATH = os.path.join(os.path.dirname(__file__), "moe_w4a16_configs.json")
 
 
 # --------------------------------------------------------------------------------------------
@@ -776,185 +776,8 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
 
 
 # --------------------------------------------------------------------------------------------
-# configs and the wrapper
+# the wrapper (configs: moe_config.py)
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tile sizes of one GEMM launch (BLOCK_K counts unpacked input rows)."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    # down GEMM only: > 0 selects _down_loop_kernel (each program walks n_per_cta output columns;
-    # needs block_k == intermediate size); 0 keeps one [block_n, block_k] tile per program.
-    n_per_cta: int = 0
-    # gate-up GEMM only: 1 dequantizes nibbles 0-3, then 4-7 (fewer live registers, so more
-    # programs per SM: 168 -> 128 registers at block_n 32 / 2 warps on sm_90).
-    split_dq: int = 0
-    # gate-up GEMM only: > 1 splits K over that many programs per tile (more programs in flight
-    # when few experts are touched); a small reduce kernel adds the fp32 partials in fixed order.
-    split_k: int = 1
-    # gate-up GEMM with split_k > 1: > 0 makes split_k the most a call splits K; each call
-    # takes the smallest split (a divisor of the K steps) that gives its used row blocks at least
-    # split_target programs, read on the GPU from moe_align's block count (so one band serves
-    # calls on few experts, which want a deep split, and calls on many, which want none).
-    # Looped down GEMM (n_per_cta > 0): the same rule splits each n_per_cta column range
-    # into the fewest parts (a divisor of its block_n steps) that give the used blocks at least
-    # split_target programs (_down_loop_kernel's SPLIT_TARGET).
-    split_target: int = 0
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Launch configuration for one M band; ``block_m`` is shared by both GEMMs (same alignment)."""
-
-    # rows of an expert block, >= 8: the MMAs' n side (the GEMMs compute W^T @ A, so a block's
-    # rows are the n of m16n8k16). 8 (session 45, the bands of M 2-16) halves a 16-row
-    # block's activation tile, MMAs and shared memory where experts hold 1-8 rows of a call;
-    # an expert with more rows takes several blocks, each dequantizing its weights again
-    # (bench_results/fused_moe_bm8_{wide,small}_grid_h200_s45.json)
-    block_m: int
-    gate_up: GemmConfig
-    down: GemmConfig
-    # 1 (block_m 16, 32 or 64): both GEMMs run a block whose second half holds no real row as
-    # a block_m / 2-row tile, and with block_m 64 one whose last three quarters hold none as a
-    # 16-row tile. An expert with up to block_m rows in a call then dequantizes each weight tile
-    # once for all of them, while blocks of few rows pay for narrow tiles only (timed in
-    # session 26 with block_m 32 / 64, slower on random routing,
-    # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; in session 46 with block_m 16,
-    # 8-row tiles for experts of 1-8 rows: the M 17-48 bands,
-    # bench_results/fused_moe_half_m16_*grid_h200_s46.json). 2: the gate-up only (the down runs
-    # full blocks): the M 49-128 bands (session 46, fused_moe_half_m16_gu_m49_*_s46.json).
-    half_m: int = 0
-
-    @property
-    def narrow_gate_up(self) -> bool:
-        """Whether the gate-up runs HALF_M (half_m 1 or 2)."""
-        return self.half_m in (1, 2)
-
-    @property
-    def narrow_down(self) -> bool:
-        """Whether the down GEMM runs HALF_M (half_m 1 only)."""
-        return self.half_m == 1
-
-
-@functools.lru_cache(maxsize=None)
-def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"fused MoE config table {path} is missing: the package must ship "
-            "sglang_ddtree/triton_kernels/*.json (setuptools package-data), or set "
-            "SGLANG_DDTREE_MOE_CONFIG to a table")
-    with open(path) as f:
-        raw = json.load(f)
-    table = []
-    for band in raw["bands"]:
-        for gone in ("pairs", "run_m"):  # (sessions 28-46, never in the shipped table)
-            if band.get(gone):
-                raise ValueError(f"band max_m={band.get('max_m')}: {gone!r} was removed in "
-                                 "session 47 (no band of the shipped table used it); drop it")
-        table.append((int(band["max_m"]), MoeConfig(
-            block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
-            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)))))
-    return tuple(sorted(table, key=lambda b: b[0]))
-
-
-def select_config(m: int, path: str | None = None) -> MoeConfig:
-    """Config of the smallest M band holding ``m`` (the largest band for bigger ``m``).
-
-    The table is ``path``, else the file named by the env variable
-    ``SGLANG_DDTREE_MOE_CONFIG`` (for tuning runs), else ``moe_w4a16_configs.json`` beside
-    this module.
-    """
-    table = _config_table(path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH))
-    for max_m, cfg in table:
-        if m <= max_m:
-            return cfg
-    return table[-1][1]
-
-
-def _split_candidates(k_steps: int, split_k: int) -> list[int]:
-    """The splits ``_live_split`` chooses among, ascending: divisors of the K steps below
-    ``split_k``, then ``split_k`` (its answer where none reaches the target)."""
-    return [c for c in range(1, split_k) if k_steps % c == 0] + [split_k]
-
-
-def live_split(used_blocks: int, num_n: int, k_steps: int, split_k: int,
-               split_target: int) -> int:
-    """The K split ``_live_split`` takes on the GPU for a call with ``used_blocks`` row blocks
-    (host mirror, for tests and benchmarks; the kernel never asks the host)."""
-    if split_target <= 0:
-        return split_k
-    cands = _split_candidates(k_steps, split_k)
-    return next((c for c in cands[:-1] if used_blocks * num_n * c >= split_target), split_k)
-
-
-def live_grid(max_tiles: int, k_steps: int, split_k: int, split_target: int) -> int:
-    """Programs a live-split gate-up launch needs for any call of at most ``max_tiles`` used
-    tiles: a call takes split ``c`` only while ``tiles x p < split_target`` for the candidate
-    ``p`` below ``c``, so its ``tiles x c`` programs stay below the target times ``c / p``; at
-    split 1, ``max_tiles``. (Far below ``max_tiles x split_k`` when few tiles can be used.)"""
-    cands = _split_candidates(k_steps, split_k)
-    need = max_tiles
-    for p, c in zip(cands, cands[1:]):
-        need = max(need, min(max_tiles, -(-split_target // p) - 1) * c)
-    return need
-
-
-def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
-    """Fit a table config to the problem: shrink tiles that exceed a small problem (tests use tiny
-    hidden / FFN sizes), and drop the shape-bound options where the shape rules them out (the
-    looped down kernel needs the whole K in one tile; split-K needs the K steps to divide), so
-    that one table serves any hidden / intermediate size. A live target stays with a K split
-    or a looped down kernel (GemmConfig.split_target)."""
-    block_n = min(cfg.block_n, n)
-    block_k = min(cfg.block_k, k)
-    n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
-    split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
-    return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
-                      split_k, cfg.split_target if split_k > 1 or n_per_cta else 0)
-
-
-def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
-    """``cfg``'s gate-up and down configs fitted to the shapes (_fit); ValueError where they do
-    not tile them or the config's options do not go together."""
-    gu = _fit(cfg.gate_up, inter, hidden)
-    dn = _fit(cfg.down, hidden, inter)
-    bm = cfg.block_m
-    if (inter % gu.block_n or hidden % gu.block_k or hidden % dn.block_n or inter % dn.block_k
-            or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
-            or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
-            or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
-            or dn.split_target < 0):
-        # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
-        # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
-        # already dropped split-K and the looped down kernel where the shape rules them out.
-        raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
-    return gu, dn
-
-
-def check_config_table(hidden: int, inter: int, path: str | None = None) -> str:
-    """Check every band of the config table that ``select_config`` reads (``path``, else
-    ``SGLANG_DDTREE_MOE_CONFIG``, else the shipped one) against these shapes, so that a table
-    that cannot serve some M fails when a server loads its weights rather than at the first
-    call of that size. Returns the table's path; ValueError naming the band and the fix."""
-    path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
-    try:
-        table = _config_table(path)
-    except (KeyError, TypeError, ValueError) as exc:  # a band without a field, or a bad one
-        raise ValueError(f"fused MoE config table {path}: unreadable band ({exc!r}); fix it or "
-                         "unset SGLANG_DDTREE_MOE_CONFIG for the shipped table") from exc
-    for max_m, cfg in table:
-        try:
-            _fitted(cfg, hidden, inter)
-        except ValueError as exc:
-            raise ValueError(f"fused MoE config table {path}, band max_m={max_m}: {exc}; fix "
-                             "that band or unset SGLANG_DDTREE_MOE_CONFIG for the shipped "
-                             "table") from None
-    return path
-
-
 # Split-K gate-up sums its partials inside the GEMM launch (the last program of each tile, see
 # _gate_up_rows) instead of in _gate_up_reduce_kernel: one launch less per MoE call. Its
 # per-tile arrival counters live in one int32 buffer per device, zero between launches (each
