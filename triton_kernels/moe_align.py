@@ -337,9 +337,12 @@ PROLOGUE_ENV = "SGLANG_DDTREE_MOE_PROLOGUE"  # rows | chunks (default: by groupi
 ALIGN_ENV = "SGLANG_DDTREE_MOE_ALIGN"
 ALIGN_TWO_PASS_MIN_PAIRS = 2048
 # small: one program groups the pairs (_align_small_kernel: a histogram and a sort), up to
-# ALIGN_SMALL_MAX_PAIRS pairs; auto takes it up to ALIGN_SMALL_AUTO_PAIRS (0: never)
+# ALIGN_SMALL_MAX_PAIRS pairs; auto takes it up to ALIGN_SMALL_AUTO_PAIRS, M = 16 at top-8:
+# whole MoE calls 1.0-1.6 us faster there than with the one-launch grouping, slower from
+# M = 32 on random routing and from 64 on 8 shared experts (H200, session 48,
+# bench_results/fused_moe_small_ab_*_h200_s48b.json)
 ALIGN_SMALL_MAX_PAIRS = 1024
-ALIGN_SMALL_AUTO_PAIRS = 0
+ALIGN_SMALL_AUTO_PAIRS = 128
 # warps per program of the grouping launches (SGLANG_DDTREE_MOE_ALIGN_WARPS overrides, per call)
 ALIGN_WARPS_ENV = "SGLANG_DDTREE_MOE_ALIGN_WARPS"
 ALIGN_WARPS = 4
