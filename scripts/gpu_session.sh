@@ -380,13 +380,15 @@ for s in "$@"; do
              # routing and on the dummy fill's 8 shared experts
              step moe-small-tests ${MOE_SMALL_TEST_LIMIT:-240} python3 -m pytest -q \
                tests/gpu/test_moe_w4a16_gpu.py -k "${MOE_SMALL_TESTS:-not sglang}"
-             step moe-small-prologue ${MOE_SMALL_PROLOGUE_LIMIT:-120} python3 scripts/bench_fused_moe.py \
-               --no-sglang --prologue --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
+             # (MOE_SMALL_PROLOGUE=0 skips the prologue; MOE_SMALL_VARIANT: the A/B's other side,
+             # e.g. one:SGLANG_DDTREE_MOE_ALIGN=one once auto takes the small grouping)
+             [ "${MOE_SMALL_PROLOGUE:-1}" = 0 ] || step moe-small-prologue ${MOE_SMALL_PROLOGUE_LIMIT:-120} \
+               python3 scripts/bench_fused_moe.py --no-sglang --prologue --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
                --routings concentrated:8,random --out "$OUT/fused_moe_small_prologue_h200.json"
              for r in random concentrated:8; do
                step "moe-small-$r" ${MOE_SMALL_LIMIT:-150} python3 scripts/bench_fused_moe.py --no-sglang \
                  --rounds 3 --routing "$r" --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
-                 --ours-variants small:SGLANG_DDTREE_MOE_ALIGN=small \
+                 --ours-variants ${MOE_SMALL_VARIANT:-small:SGLANG_DDTREE_MOE_ALIGN=small} \
                  --out "$OUT/fused_moe_small_ab_${r/:/_}_h200.json"
              done ;;
     moem9)   # (session 47) M = 9 (budget 8 at batch 1, AR at batch 9): 16-row blocks that narrow
