@@ -534,6 +534,23 @@ def test_small_align_equals_one_launch(m, e, topk, bm, copy):
     assert int(small[1][-1]) == len(owners)
 
 
+@pytest.mark.parametrize("m,topk", [(1, 2), (8, 4), (16, 8), (40, 4)])
+def test_whole_call_equal_with_each_grouping(experts, m, topk, monkeypatch):
+    """A whole MoE call gives the same bits with each grouping: M = 1 / 8 / 16, where ``auto``
+    takes the one-program grouping, and 160 pairs, past auto's 128 (the one-launch kernel) but
+    within ``small``'s 1,024; a padding slot (-1) among the ids."""
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tw, ti = random_routing(m, 9, topk, seed=m + 1)
+    ti[m // 2, 0] = -1
+    got = {}
+    for method in ("one", "two", "small", "auto"):
+        monkeypatch.setenv(MOE.ALIGN_ENV, method)
+        got[method], ref = run(experts[9], x, tw, ti)
+    check(got["one"], ref)
+    for method in ("two", "small", "auto"):
+        assert torch.equal(got[method], got["one"]), method
+
+
 def test_small_align_all_pairs_on_one_expert():
     """Every token on the same 8 experts (SGLang's dummy fill): M pairs per expert, one to 16
     blocks each; at M = 129 (1,032 pairs, past ALIGN_SMALL_MAX_PAIRS) ``small`` falls back to
