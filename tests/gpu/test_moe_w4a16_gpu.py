@@ -220,11 +220,11 @@ def test_graph_replay_and_determinism(K, w):
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 255, 256, 300, 1024, 2048])
 @pytest.mark.parametrize("few", [False, True])
 def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
-    """moe_align's two-launch grouping and its one-program grouping of small calls (M <= 16)
-    give the one-launch kernel's sorted ids, labels and x copy bit for bit on the GPU (tl.sort,
-    the chunk histograms, the barrier before the gather, the pairwise tiles), and the whole call
-    is equal each way, eager and replayed from a CUDA graph with new routing (few experts on
-    even replays)."""
+    """moe_align's two-launch grouping and its one-program grouping (a histogram and a sort;
+    up to 1,024 pairs, M = 128, when forced) give the one-launch kernel's sorted ids, labels
+    and x copy bit for bit on the GPU (tl.sort, the chunk histograms, the barriers, tl.gather),
+    and the whole call is equal each way, eager and replayed from a CUDA graph with new
+    routing (few experts on even replays)."""
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti = few_or_random(m, seed=m, few=few)
     bm = K.moe.select_config(m).block_m
