@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moefusedcombine
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -390,17 +390,6 @@ for s in "$@"; do
                  --rounds 3 --routing "$r" --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
                  --ours-variants ${MOE_SMALL_VARIANT:-small:SGLANG_DDTREE_MOE_ALIGN=small} \
                  --out "$OUT/fused_moe_small_ab_${r/:/_}_h200.json"
-             done ;;
-    moefusedcombine) # (session 48, not yet run) SGLANG_DDTREE_MOE_FUSED_COMBINE: the top-k sum in
-             # the looped down launch (one launch less a call): its GPU test, then whole calls
-             # against the combine launch at M 1-128 on random routing and 8 shared experts
-             step moe-fused-combine-test ${MOE_FC_TEST_LIMIT:-150} python3 -m pytest -q \
-               tests/gpu/test_moe_w4a16_gpu.py -k "fused_combine or grouping"
-             for r in random concentrated:8; do
-               step "moe-fused-combine-$r" ${MOE_FC_LIMIT:-90} python3 scripts/bench_fused_moe.py --no-sglang \
-                 --rounds 3 --routing "$r" --ms ${MOE_FC_MS:-2 8 9 16 32 64 128} \
-                 --ours-variants fused:SGLANG_DDTREE_MOE_FUSED_COMBINE=1 \
-                 --out "$OUT/fused_moe_fused_combine_${r/:/_}_h200.json"
              done ;;
     moem9)   # (session 47) M = 9 (budget 8 at batch 1, AR at batch 9): 16-row blocks that narrow
              # to 8 rows (half_m 1), so the dummy fill's 8 experts of 9 rows each take one

@@ -349,17 +349,8 @@ def _down_loop_kernel(
     N_PER_CTA: tl.constexpr,  # output columns per program, a multiple of BLOCK_N
     PORTABLE: tl.constexpr,
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
-    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET, FUSE_COMBINE) experts
+    NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
-    FUSE_COMBINE: tl.constexpr = False,  # the top-k sum here (see _combine_in_down)
-    topk_ids_ptr=None,  # (FUSE_COMBINE) [M * TOPK] int32/int64
-    out_ptr=None,  # (FUSE_COMBINE) [M, N] bf16, row stride stride_om
-    cnt_ptr=None,  # (FUSE_COMBINE) [>= M * N // BLOCK_N] int32, zero between launches
-    scale=None,  # (FUSE_COMBINE) routed scaling factor
-    stride_om=None,
-    M=None,  # (FUSE_COMBINE) tokens
-    TOPK: tl.constexpr = 1,
-    M_PAD: tl.constexpr = 1,  # (FUSE_COMBINE) next power of two >= M
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -374,16 +365,10 @@ def _down_loop_kernel(
     steps) that gives the used blocks at least SPLIT_TARGET programs, so a call whose tokens
     share few experts streams its weights from more programs of shorter ranges (the
     launch's grid, ``live_grid``, holds the most any call can need; the surplus leaves).
-    With FUSE_COMBINE the weighted top-k sum runs here too (_combine_in_down), not in a
-    fourth launch.
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
     pid = tl.program_id(0)
-    if FUSE_COMBINE:
-        if pid == 0:  # a token with no valid slot gets zeros (no program arrives for it)
-            _zero_unrouted(topk_ids_ptr, out_ptr, stride_om, M, N, BLOCK_N, TOPK, NUM_EXPERTS,
-                           M_PAD)
     if SPLIT_TARGET > 0:
         parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
                                   TILES, TILES, SPLIT_TARGET)
@@ -405,83 +390,6 @@ def _down_loop_kernel(
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                  pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
                  PORTABLE, HALF_M)
-    if FUSE_COMBINE:
-        _combine_in_down(y_ptr, topk_ids_ptr, out_ptr, cnt_ptr, scale, stride_om, sorted_ids_ptr,
-                         pid_m * BLOCK_M, T, pid_s, tiles, N, BLOCK_M, BLOCK_N, TOPK,
-                         NUM_EXPERTS, NUM_S * TILES, PORTABLE)
-
-
-@triton.jit
-def _combine_in_down(y_ptr, topk_ids_ptr, out_ptr, cnt_ptr, scale, stride_om, sorted_ids_ptr,
-                     row0, T, pid_s, tiles, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                     RANGES: tl.constexpr, PORTABLE: tl.constexpr):
-    """The weighted top-k sum inside the looped down launch: after storing its y rows for
-    column range ``pid_s``, a program counts itself in for each token of its block and range
-    (one counter per token and range); the program that brings a token's count to its number
-    of valid slots sums that token's y rows over the range in slot order (fp32, as
-    _combine_kernel does, so the same bits), writes ``out`` and re-arms the counter. The
-    barrier puts the block's y stores before the counters' release; the acquire and the
-    L2-only loads (.cg) let the last program see the other programs' rows (the serial split-K
-    fix-up's pattern, _gate_up_rows)."""
-    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BLOCK_M)
-    tok = tl.where(row_ok, rows // TOPK, 0)
-    need = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for k in tl.static_range(TOPK):
-        ek = tl.load(topk_ids_ptr + tok * TOPK + k, mask=row_ok, other=-1)
-        need += ((ek >= 0) & (ek < NUM_EXPERTS)).to(tl.int32)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + tok * RANGES + pid_s, 1, mask=row_ok, sem="acq_rel",
-                            scope="gpu")
-    last = row_ok & (arrived == need - 1)
-    idx = tl.arange(0, BLOCK_M)
-    for r in tl.static_range(BLOCK_M):
-        if tl.sum(((idx == r) & last).to(tl.int32)) > 0:
-            t = tl.sum(tl.where(idx == r, tok, 0)).to(tl.int64)
-            c0 = pid_s * (tiles * BLOCK_N)
-            if PORTABLE:  # (the interpreter cannot range() over a loaded bound)
-                c = 0
-                while c < tiles:
-                    _combine_cols(y_ptr, topk_ids_ptr, out_ptr, scale, stride_om, t,
-                                  c0 + c * BLOCK_N, N, BLOCK_N, TOPK, NUM_EXPERTS)
-                    c += 1
-            else:
-                for c in range(tiles):
-                    _combine_cols(y_ptr, topk_ids_ptr, out_ptr, scale, stride_om, t,
-                                  c0 + c * BLOCK_N, N, BLOCK_N, TOPK, NUM_EXPERTS)
-            tl.atomic_xchg(cnt_ptr + t * RANGES + pid_s, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _combine_cols(y_ptr, topk_ids_ptr, out_ptr, scale, stride_om, t, col0, N: tl.constexpr,
-                  BLOCK_N: tl.constexpr, TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr):
-    """out[t, col0 : col0 + BLOCK_N] = scale * sum of token t's valid y rows, in slot order."""
-    offs = col0 + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        e = tl.load(topk_ids_ptr + t * TOPK + k)
-        live = (e >= 0) & (e < NUM_EXPERTS)
-        acc += tl.load(y_ptr + (t * TOPK + k) * N + offs, mask=(offs < N) & live, other=0.0,
-                       cache_modifier=".cg").to(tl.float32)
-    tl.store(out_ptr + t * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty),
-             mask=offs < N)
-
-
-@triton.jit
-def _zero_unrouted(topk_ids_ptr, out_ptr, stride_om, M, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                   TOPK: tl.constexpr, NUM_EXPERTS: tl.constexpr, M_PAD: tl.constexpr):
-    """Zeros for the rows of ``out`` whose token has no valid slot (CUDA-graph padding)."""
-    m = tl.arange(0, M_PAD)
-    need = tl.zeros([M_PAD], dtype=tl.int32)
-    for k in tl.static_range(TOPK):
-        ek = tl.load(topk_ids_ptr + m * TOPK + k, mask=m < M, other=-1)
-        need += ((ek >= 0) & (ek < NUM_EXPERTS)).to(tl.int32)
-    if tl.sum(((m < M) & (need == 0)).to(tl.int32)) > 0:
-        offs = tl.arange(0, BLOCK_N)
-        for c in range(0, N, BLOCK_N):
-            tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + c + offs[None, :],
-                     tl.zeros([M_PAD, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                     mask=((m < M) & (need == 0))[:, None] & (c + offs[None, :] < N))
 
 
 @triton.jit

@@ -170,26 +170,6 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-# EXPERIMENTAL, off by default, not yet timed: SGLANG_DDTREE_MOE_FUSED_COMBINE=1 (read per call)
-# runs the weighted top-k sum inside the looped down launch (_combine_in_down: the last program
-# of each token and column range sums it, in slot order, so the same bits as the combine
-# launch) for calls of up to FUSED_COMBINE_MAX_M tokens on bands with blocks of at most 16
-# rows, one launch less. Its counters are the gate-up's (all zero again once that launch ends);
-# where none are at hand (first call inside a CUDA-graph capture) the combine launch runs.
-FUSED_COMBINE_ENV = "SGLANG_DDTREE_MOE_FUSED_COMBINE"
-FUSED_COMBINE_MAX_M = 128
-
-
-def _fused_combine_counters(device: torch.device, m: int, hidden: int, cfg: MoeConfig,
-                            dn) -> torch.Tensor | None:
-    """Counters for the down launch's top-k sum (one per token and column range), or None:
-    the combine launch."""
-    if (os.environ.get(FUSED_COMBINE_ENV, "0") != "1" or not dn.n_per_cta
-            or m > FUSED_COMBINE_MAX_M or cfg.block_m > 16):
-        return None
-    return arrival_counters(_counters, device, m * (hidden // dn.block_n), _MIN_COUNTERS)
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -309,24 +289,16 @@ def fused_moe_w4a16(
             SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k)
     if _upto < 3:
         return out
-    fused = _fused_combine_counters(hidden_states.device, m, hidden, cfg, dn)
     if dn.n_per_cta:
         ranges = n_blocks * (hidden // dn.n_per_cta)
         steps = dn.n_per_cta // dn.block_n  # a live range splits into a divisor of its steps
-        combine_args = {} if fused is None else dict(
-            FUSE_COMBINE=True, topk_ids_ptr=topk_ids, out_ptr=out, cnt_ptr=fused,
-            scale=float(routed_scaling_factor), stride_om=out.stride(0), M=m, TOPK=topk,
-            M_PAD=triton.next_power_of_2(m))
         _down_loop_kernel[(ranges if not dn.split_target else live_grid(
                 ranges, steps, steps, dn.split_target),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=cfg.narrow_down,
-            NUM_EXPERTS=num_experts if dn.split_target or fused is not None else 0,
-            SPLIT_TARGET=dn.split_target, num_warps=dn.num_warps, num_stages=dn.num_stages,
-            **combine_args)
-        if fused is not None:
-            return out
+            NUM_EXPERTS=num_experts if dn.split_target else 0,
+            SPLIT_TARGET=dn.split_target, num_warps=dn.num_warps, num_stages=dn.num_stages)
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

@@ -248,30 +248,6 @@ def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
             monkeypatch.setenv(K.moe.ALIGN_ENV, method)
 
 
-@pytest.mark.parametrize("m", [2, 8, 9, 16, 24, 64, 128])
-def test_fused_combine_equals_the_combine_launch(K, w, m, monkeypatch):
-    """SGLANG_DDTREE_MOE_FUSED_COMBINE=1 (the top-k sum in the looped down launch, by each
-    token and range's last program; acquire / release counters across programs on the GPU)
-    gives the combine launch's bits at the shipped bands (8-row blocks with fixed and live
-    down ranges, 16-row narrowed ones), eager and replayed from a CUDA graph with new routing
-    (few experts on even replays), with a padding token; its counters are zero after."""
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    tw, ti = few_or_random(m, seed=m, few=False)
-    ti[0, :] = -1
-    monkeypatch.setenv(K.moe.FUSED_COMBINE_ENV, "0")
-    want = ours(K, w, x, tw, ti).clone()
-    assert (want[0] == 0).all()
-    monkeypatch.setenv(K.moe.FUSED_COMBINE_ENV, "1")
-    assert torch.equal(ours(K, w, x, tw, ti), want)
-    out = torch.empty_like(want)
-    graph = captured(K, w, x, tw, ti, out)
-    for _, tw2, ti2 in replays(graph, x, tw, ti, 4, seed0=m + 300):
-        monkeypatch.setenv(K.moe.FUSED_COMBINE_ENV, "0")
-        assert torch.equal(out, ours(K, w, x, tw2, ti2))
-        monkeypatch.setenv(K.moe.FUSED_COMBINE_ENV, "1")
-    assert not K.moe._counters[("cuda", torch.cuda.current_device())].any()
-
-
 @pytest.mark.parametrize("m", [1, 8, 64, 512])
 def test_combine_shapes_equal_bit_for_bit(K, m):
     """Every combine launch shape the benchmark times gives the default shape's bits (slot

@@ -351,32 +351,6 @@ def test_live_down_equals_the_fixed_range_it_picks(experts, block_m, half_m, cas
     assert torch.equal(out_live, out_fixed)
 
 
-@pytest.mark.parametrize("cfg_name,m", [("loop", 7), ("loop", 40), ("bm8", 8),
-                                         ("half16", 12), ("live4", 5), ("live4", 40)])
-def test_fused_combine_equals_the_combine_launch(experts, cfg_name, m, monkeypatch):
-    """SGLANG_DDTREE_MOE_FUSED_COMBINE=1 (the top-k sum inside the looped down launch, by each
-    token and range's last program) gives the combine launch's bits: 16- and 8-row blocks,
-    narrowed ones, live column ranges split into 4 parts or none, a token whose slots are all
-    padding (zeros) and one with a padding slot; the counters are zero again after the call,
-    and a second call (re-armed counters) gives the same bits."""
-    cfg = {"loop": CFG_LOOP, "bm8": CFG_BM8, "half16": CFG_HALF16_LOOP,
-           "live4": _live_down_cfg(256, 4)}[cfg_name]
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
-    tw, ti = random_routing(m, 9, 4, seed=m + 3)
-    ti[0, :] = -1  # a CUDA-graph padding token
-    ti[m - 1, 1] = -1
-    monkeypatch.setenv(MOE.FUSED_COMBINE_ENV, "0")
-    want, ref = run(experts[9], x, tw, ti, scale=2.5, cfg=cfg)
-    check(want, ref)
-    assert (want[0] == 0).all()
-    monkeypatch.setenv(MOE.FUSED_COMBINE_ENV, "1")
-    assert MOE._fused_combine_counters(x.device, m, H, cfg, MOE._fitted(cfg, H, I)[1]) is not None
-    for _ in range(2):
-        got, _ = run(experts[9], x, tw, ti, scale=2.5, cfg=cfg)
-        assert torch.equal(got, want)
-        assert not MOE._counters[(x.device.type, x.device.index)].any()
-
-
 def test_live_down_keeps_its_target():
     """split_target on the looped down survives _fit (it is dropped elsewhere, as before); a
     negative one is refused."""

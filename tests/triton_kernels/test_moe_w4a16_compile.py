@@ -100,23 +100,6 @@ def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False):
     assert_no_spills(kern, tmp_path)
 
 
-@pytest.mark.parametrize("bm,tiles", [(8, (64, 256, 4, 3, 256)), (8, (64, 256, 4, 3, 512, 0, 1, 896))])
-def test_fused_combine_down_compiles(MOE, bm, tiles, tmp_path):
-    """The looped down kernel with the top-k sum fused in (SGLANG_DDTREE_MOE_FUSED_COMBINE) at
-    the M = 8 and M 9-16 bands' down tiles: sm_90, no spills."""
-    bn, _, warps, stages, n_per_cta = tiles[:5]
-    target = tiles[7] if len(tiles) > 7 else 0
-    sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-           "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32",
-           "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32",
-           "stride_om": "i32", "M": "i32"}
-    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                 HALF_M=False, NUM_EXPERTS=384, SPLIT_TARGET=target, FUSE_COMBINE=True,
-                 TOPK=TOPK, M_PAD=16)
-    kern = _compile(MOE._down_loop_kernel, sig, const, warps, stages)
-    assert_no_spills(kern, tmp_path)
-
-
 def test_prologue_and_combine_compile(MOE, tmp_path):
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
