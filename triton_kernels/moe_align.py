@@ -66,6 +66,18 @@ def _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
+def _copy_part(x_ptr, xp_ptr, q, stride_xm, K: tl.constexpr, BLOCK_K: tl.constexpr,
+               COPY_PROGS: tl.constexpr):
+    """Copy program ``q``'s part of xp: row ``q // COPY_PROGS``, its ``q % COPY_PROGS``-th run
+    of ceil(K / 1024 / COPY_PROGS) 1,024-column chunks."""
+    CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
+    m = (q // COPY_PROGS).to(tl.int64)
+    for c in range(CHUNKS):
+        _copy_chunk(x_ptr, xp_ptr, m, stride_xm, ((q % COPY_PROGS) * CHUNKS + c) * 1024, K,
+                    BLOCK_K)
+
+
+@triton.jit
 def _prologue_kernel(
     topk_ids_ptr,  # [T] int32/int64: expert of pair t = token * topk + slot
     sorted_ids_ptr,  # [max_padded] int32 out: pair ids grouped by expert, padded with T
@@ -93,11 +105,7 @@ def _prologue_kernel(
         # chunks: the grid's first programs start first, and no program walks a whole row.
         n_copy = tl.num_programs(0) - NUM_EXPERTS
         if pid < n_copy:
-            CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
-            m = (pid // COPY_PROGS).to(tl.int64)
-            for c in range(CHUNKS):
-                _copy_chunk(x_ptr, xp_ptr, m, stride_xm,
-                            ((pid % COPY_PROGS) * CHUNKS + c) * 1024, K, BLOCK_K)
+            _copy_part(x_ptr, xp_ptr, pid, stride_xm, K, BLOCK_K, COPY_PROGS)
             return
         e = pid - n_copy
     else:
@@ -181,12 +189,7 @@ def _align_count_kernel(
         hist = tl.histogram(ids, E_PAD, mask=(ids >= 0) & (ids < NUM_EXPERTS))
         tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
         return
-    q = pid - NUM_CH
-    CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
-    m = (q // COPY_PROGS).to(tl.int64)
-    for c in range(CHUNKS):
-        _copy_chunk(x_ptr, xp_ptr, m, stride_xm, ((q % COPY_PROGS) * CHUNKS + c) * 1024, K,
-                    BLOCK_K)
+    _copy_part(x_ptr, xp_ptr, pid - NUM_CH, stride_xm, K, BLOCK_K, COPY_PROGS)
 
 
 @triton.jit
@@ -285,12 +288,7 @@ def _align_small_kernel(
     rest (experts ascend with their rows)."""
     pid = tl.program_id(0)
     if pid > 0:
-        q = pid - 1
-        CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
-        m = (q // COPY_PROGS).to(tl.int64)
-        for c in range(CHUNKS):
-            _copy_chunk(x_ptr, xp_ptr, m, stride_xm, ((q % COPY_PROGS) * CHUNKS + c) * 1024, K,
-                        BLOCK_K)
+        _copy_part(x_ptr, xp_ptr, pid - 1, stride_xm, K, BLOCK_K, COPY_PROGS)
         return
     i = tl.arange(0, T_PAD)
     ids = tl.load(topk_ids_ptr + i, mask=i < T, other=-1).to(tl.int32)
