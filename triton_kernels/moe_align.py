@@ -406,8 +406,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     method = method or os.environ.get(ALIGN_ENV) or "auto"
     if method not in ("one", "two", "small", "auto"):
         raise ValueError(f"{ALIGN_ENV} / method: one, two, small or auto, got {method!r}")
-    small = t <= (ALIGN_SMALL_MAX_PAIRS if method == "small" else
-                  ALIGN_SMALL_AUTO_PAIRS if method == "auto" else -1)
+    small = t <= {"small": ALIGN_SMALL_MAX_PAIRS, "auto": ALIGN_SMALL_AUTO_PAIRS}.get(method, -1)
     two_pass = method == "two" or (method in ("auto", "small") and not small
                                    and t >= ALIGN_TWO_PASS_MIN_PAIRS)
     # rows beside the one-launch grouping, chunks beside the two-pass one: the faster of the
