@@ -373,8 +373,8 @@ for s in "$@"; do
                  --breakdown-down "${MOE_LIVE_DOWN:-64,256,4,3,256;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,1792;64,256,4,3,256,0,1,896;64,256,4,3,256,0,1,1792;64,256,4,3,512,0,1,448;32,256,2,3,448,0,1,896}" \
                  --out "$OUT/fused_moe_live_down_${r/:/_}_h200.json"
              done ;;
-    moesmall) # (session 48) the one-program grouping of small calls (moe_align method small,
-             # pairwise comparisons, no per-expert programs) at M 1-16: the GPU test file (also
+    moesmall) # (session 48) the one-program grouping of small calls (moe_align method small:
+             # a histogram and a sort, no per-expert programs) at M 1-16: the GPU test file (also
              # re-runs session 47's commits), the prologue alone against the one-launch
              # grouping, then whole calls with it against the shipped grouping, on random
              # routing and on the dummy fill's 8 shared experts
