@@ -15,12 +15,17 @@ def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=(),
     ``div16`` integer arguments a launch passes as multiples of 16 (Triton specializes them,
     which can change the binary). Constexprs the kernel does not have are dropped, so that the
     digests of an older checkout's kernels (scripts/moe_ptx_digest.py) compile with this
-    harness."""
+    harness. Constexprs not given take the kernel's defaults."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     const = {k: v for k, v in const.items() if k in fn.arg_names}
+    # a constexpr left out takes the kernel's default, as a launch would (triton.compile
+    # itself would leave it unset: session 49's probe compiled a default-True flag as False)
+    for p in fn.params:
+        if p.is_constexpr and p.has_default and p.name not in const:
+            const[p.name] = p.default
     sig = dict(sig, **{k: "constexpr" for k in const})
     # in the kernel's argument order (constexprs may precede runtime arguments)
     sig = {n: sig[n] for n in fn.arg_names if n in sig}
