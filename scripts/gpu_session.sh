@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -390,6 +390,21 @@ for s in "$@"; do
                  --rounds 3 --routing "$r" --ms ${MOE_SMALL_MS:-1 2 4 8 16} \
                  --ours-variants ${MOE_SMALL_VARIANT:-small:SGLANG_DDTREE_MOE_ALIGN=small} \
                  --out "$OUT/fused_moe_small_ab_${r/:/_}_h200.json"
+             done ;;
+    moewarps) # (session 49, written without a GPU) fewer warps a program at M <= 16, never
+             # timed before: gate-up programs of one warp and 16 columns (twice the programs of
+             # the table's 2-warp 32-column tiles, the same loop a warp: 689 SASS instructions a
+             # K step either way, 128 registers, 20 KB shared against 32 KB; sm_90 compile, no
+             # spills) against the table, then down ranges of 2 / 1 warps at M = 8 / 16
+             step moe-warps-grid ${MOE_WARPS_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOE_WARPS_MS:-2 4 8 9 12 16} --routings concentrated:8,concentrated:32,random \
+               --grid "${MOE_WARPS_GRID:-16,256,1,3,0,1,4,512;16,256,1,4,0,1,4,512;16,256,1,3,0,1,4,1024;16,128,1,4,0,1,8,512}" \
+               --out "$OUT/fused_moe_warps_grid_h200.json"
+             for r in random concentrated:8; do
+               step "moe-warps-down-$r" ${MOE_WARPS_LIMIT:-300} python3 scripts/bench_fused_moe.py --no-sglang \
+                 --breakdown --ms 8 16 --routing "$r" \
+                 --breakdown-down "${MOE_WARPS_DOWN:-64,256,4,3,256;32,256,2,3,128;32,256,2,3,256;16,256,1,3,128;32,256,2,4,128}" \
+                 --out "$OUT/fused_moe_warps_down_${r/:/_}_h200.json"
              done ;;
     moem9)   # (session 47) M = 9 (budget 8 at batch 1, AR at batch 9): 16-row blocks that narrow
              # to 8 rows (half_m 1), so the dummy fill's 8 experts of 9 rows each take one
