@@ -136,6 +136,16 @@ def _plane(acc, acc2, w, w2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.con
 
 
 @triton.jit
+def _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP: tl.constexpr,
+             TWO: tl.constexpr, PORTABLE: tl.constexpr):
+    """Four consecutive nibble planes (weights p / q, activations from ``a_ptrs``), in order."""
+    acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
+    return _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
+
+
+@triton.jit
 def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.constexpr,
           PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False):
     """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (acc2 with W2).
@@ -151,31 +161,22 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
         q0, q1, q2, q3 = p0, p1, p2, p3
         if TWO:
             q0, q1, q2, q3 = _dequant4(w2, s2, False, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP, TWO,
+                             PORTABLE)
         p4, p5, p6, p7 = _dequant4(w, s, True, PORTABLE)
         q4, q5, q6, q7 = p4, p5, p6, p7
         if TWO:
             q4, q5, q6, q7 = _dequant4(w2, s2, True, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p4, q4, a_ptrs + 4 * KP, a_mask, TWO, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p5, q5, a_ptrs + 5 * KP, a_mask, TWO, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p6, q6, a_ptrs + 6 * KP, a_mask, TWO, PORTABLE)
-        acc, acc2 = _plane(acc, acc2, p7, q7, a_ptrs + 7 * KP, a_mask, TWO, PORTABLE)
-        return acc, acc2
+        return _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask, KP,
+                        TWO, PORTABLE)
     p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
     q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
     if TWO:
         q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p4, q4, a_ptrs + 4 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p5, q5, a_ptrs + 5 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p6, q6, a_ptrs + 6 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p7, q7, a_ptrs + 7 * KP, a_mask, TWO, PORTABLE)
+    acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP, TWO,
+                         PORTABLE)
+    acc, acc2 = _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask, KP,
+                         TWO, PORTABLE)
     return acc, acc2
 
 
