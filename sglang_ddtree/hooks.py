@@ -8,7 +8,7 @@ can be tested without SGLang. :func:`register_all` installs them through SGLang'
    ``from_cli_args`` copies them into the environment (the one source of truth, inherited by
    scheduler processes) before ``ServerArgs`` resolves the algorithm.
 2. Requests: SGLang validates DFLASH-family requests at admission; DDTREE also refuses
-   grammar-constrained ones there (aborting that request with a message, never the server).
+   ``return_logprob`` there (aborting that request with a message, never the server).
 3. CUDA graphs: for an unknown (plugin) algorithm SGLang builds no dummy verify input, and for the
    DFLASH family it builds one *without* a custom mask on triton/flashinfer. Either way the target
    verify graph would be captured causal and silently ignore the tree at replay. For DDTREE's
@@ -191,9 +191,6 @@ def make_dummy_verify_input_hook(verify_input_cls, capture_full, capture_null,
     return dummy_verify_input_hook
 
 
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
-
-
 def make_validate_request_hook(ddtree_active):
     """Hook for ``validate_dflash_request(req, enable_overlap) -> Optional[str]`` (an error
     string aborts just that request). ``ddtree_active()`` says whether this server runs DDTREE."""
@@ -205,11 +202,6 @@ def make_validate_request_hook(ddtree_active):
         if getattr(req, "return_logprob", False):  # SGLang 0.5.23's DFLASH allows it; DDTREE not
             return ("DDTREE does not support return_logprob yet; send the request to a server "
                     "without DDTREE or drop return_logprob.")
-        used = [f for f in GRAMMAR_FIELDS if getattr(req.sampling_params, f, None)]
-        if used:
-            return (f"DDTREE does not support grammar-constrained decoding yet (request sets "
-                    f"{', '.join(used)}); send it to a server without DDTREE or drop the "
-                    "constraint.")
-        return None
+        return None  # grammar-constrained requests are served (worker: the tree's bitmask)
 
     return validate_request_hook

@@ -124,7 +124,9 @@ def make_spec_class(base, handle_dflash_server_args):
             return True
 
         def supports_grammar_overlap(self) -> bool:
-            return False
+            # as DFLASH: the worker calls the scheduler's grammar barrier inside its step, before
+            # it builds the tree's bitmask, so grammar batches keep the overlap scheduler
+            return True
 
         def supports_ragged_verify(self) -> bool:
             return False

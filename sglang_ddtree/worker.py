@@ -374,14 +374,12 @@ def _make_worker_class(sgl):
                     self._online.other_forward()  # not a decode step's interval
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier,
                                                         **kwargs)
-            if batch.has_grammar:
-                raise RuntimeError("DDTREE does not support grammar-constrained decoding yet.")
             if not self._sync_check.enabled:  # the default: no context manager per step
-                return self._decode_step(batch, on_publish)
+                return self._decode_step(batch, on_publish, grammar_barrier)
             with self._sync_check.step():  # SGLANG_DDTREE_CHECK_SYNCS=1
-                return self._decode_step(batch, on_publish)
+                return self._decode_step(batch, on_publish, grammar_barrier)
 
-        def _decode_step(self, batch, on_publish):
+        def _decode_step(self, batch, on_publish, grammar_barrier=None):
             t = self._timers
             t.start()
             if batch.seq_lens.is_cuda:
@@ -417,6 +415,12 @@ def _make_worker_class(sgl):
                 mask = self._mask_buffer(full_mask_numel_bound(n, seq_bound[1], bs))
             tree, positions = self._tree_builders[budget].build_with_layout(
                 draft_input.bonus_tokens.to(torch.int64), topk_logp, topk_ids, prefix, mask)
+            # grammar-constrained requests: the tree's links and tokens start their copy to the
+            # host before the verify launch, as DFLASH's chain does (SGLang's GrammarTree)
+            grammar_tree = None
+            if batch.has_grammar:
+                grammar_tree = sgl.GrammarTree.from_device(
+                    tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens)
             t.mark("tree")
 
             # 3) verify all N tokens in one target forward with the ancestor mask
@@ -448,8 +452,19 @@ def _make_worker_class(sgl):
             # 4) accept: the target's token at every node, then walk the tree
             logits = sgl.verify_logits(self, logits_output)  # [bs * N, V]
             sampling_info = batch.sampling_info
+            grammar_mask = None
+            if grammar_tree is not None:
+                # host work while the target verifies: advance each request's grammar over its
+                # last committed tokens (the scheduler's barrier), then walk the tree with it: a
+                # node the grammar admits gets the bitmask of the tokens allowed after its path
+                grammar_mask = sgl.build_grammar_vocab_mask(
+                    reqs=batch.reqs, tree=grammar_tree, sampling_info=sampling_info,
+                    device=logits.device, barrier=grammar_barrier)
             if sampling_info is not None:
                 sgl.apply_verify_logits_adjustments(logits, sampling_info, n)
+            if grammar_mask is not None:
+                # every node's target token, greedy or sampled, is one its path's grammar allows
+                grammar_mask.apply(logits)
             if sampling_info is None or sampling_info.is_all_greedy:
                 # straight into the accept/commit graph's input buffer when it has one
                 buf = self._accept_commit.predicted_buffer(

@@ -811,6 +811,234 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
     assert torch.equal(appended["commit_lens"].long(), accept + 1)
 
 
+class _BanGrammar:
+    """SGLang's grammar-object interface (what ``traverse_tree`` and ``GrammarMask`` call) over a
+    toy language: after token s, the tokens in ``bans[s]`` are not allowed. Bitmasks are packed
+    int32 words, 32 tokens a word, as xgrammar's."""
+
+    def __init__(self, bans, state, log):
+        self.bans, self.stack, self.log = bans, [int(state)], log
+
+    def allowed(self, state, token):
+        return int(token) not in self.bans.get(int(state), ())
+
+    def accept_token(self, token):
+        assert self.allowed(self.stack[-1], token), "the traversal fed a banned token"
+        self.stack.append(int(token))
+
+    def rollback(self, k):
+        del self.stack[-k:]
+
+    def is_terminated(self):
+        return False
+
+    def allocate_vocab_mask(self, vocab_size, batch_size, device):
+        return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def fill_vocab_mask(self, vocab_mask, idx):
+        self.log.append("fill")
+        bits = torch.ones(vocab_mask.shape[1] * 32, dtype=torch.int64)
+        for t in self.bans.get(self.stack[-1], ()):
+            bits[t] = 0
+        words = (bits.view(-1, 32) << torch.arange(32)).sum(1)
+        vocab_mask[idx] = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+    def apply_vocab_mask(self, logits, vocab_mask):
+        bits = (vocab_mask.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1
+        allowed = bits.reshape(vocab_mask.shape[0], -1)[:, :logits.shape[1]].bool()
+        logits.masked_fill_(~allowed, float("-inf"))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_grammar_constrained_decode_step_on_cpu(worker_class, tmp_path, monkeypatch, sampled):
+    """A batch with grammar-constrained requests: the target's token at every tree node is one
+    the grammar allows after that node's path (SGLang's GrammarTree walk over our tree's links),
+    so a draft token the unconstrained target prefers but the grammar bans is not accepted and
+    the bonus token obeys the grammar too. The tree's copy to the host starts before the verify
+    launch, the scheduler's grammar barrier runs before the first bitmask, and a request without
+    a grammar in the same batch is unconstrained. ``sampled``: the T > 0 path."""
+    from sglang_ddtree.tree import build_tree
+
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "verify_tree_greedy_func", _sglang_verify_tree_greedy)
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    bs, depth, n = 3, BLOCK - 1, BUDGET + 1
+    g = torch.Generator().manual_seed(11)
+    k = w.tree_cfg.topk
+    logp = torch.log_softmax(2 * torch.randn(bs, depth, 40, generator=g), -1).topk(k).values
+    ids = torch.stack([torch.randperm(VOCAB - 10, generator=g)[:k] + 10
+                       for _ in range(bs * depth)]).view(bs, depth, k)
+    prefix = torch.tensor([7, 12, 9], dtype=torch.int64)
+    bonus = torch.tensor([3, 4, 6], dtype=torch.int64)
+    monkeypatch.setattr(w, "_draft", lambda *a: (logp, ids))
+    tree = build_tree(bonus, logp[:, :, :k], ids[:, :, :k], BUDGET)
+
+    # per request: the path the grammar lets the target take (the first child at every node),
+    # a banned decoy at each path node (a sibling the target would prefer; past the deepest
+    # node, a token), and the bonus after the path
+    logits = torch.randn(bs * n, VOCAB, generator=g)
+    bans, paths, decoys = {}, [], 0
+    next_tok = torch.tensor([901, 902, 903])
+    for b in range(bs):
+        node, path = 0, [0]
+        while True:
+            kids = [i for i in range(1, n) if tree.valid[b, i] and tree.parents[b, i] == node]
+            if not kids:
+                break
+            path.append(kids[0])
+            if len(kids) > 1 and b < 2:  # request 2 has no grammar: its decoys must win
+                state, bad = int(tree.tokens[b, node]), int(tree.tokens[b, kids[1]])
+                if bad != int(tree.tokens[b, kids[0]]) and bans.setdefault(state, set()) \
+                        .isdisjoint({int(tree.tokens[b, kids[0]])}):
+                    bans[state].add(bad)
+                    logits[b * n + node, bad] = 200.0
+                    decoys += 1
+            logits[b * n + node, tree.tokens[b, kids[0]]] = 100.0
+            node = kids[0]
+        logits[b * n + node, next_tok[b]] = 100.0
+        if b < 2:
+            bans.setdefault(int(tree.tokens[b, node]), set()).add(950 + b)
+            logits[b * n + node, 950 + b] = 200.0
+        paths.append(path)
+    assert decoys >= 2 and all(len(p) >= 3 for p in paths)
+    # the decoys really are preferred: they are in the tree and outscore the path's token
+    for b in range(2):
+        assert any(int(logits[b * n + a].argmax()) != int(tree.tokens[b, c])
+                   for a, c in zip(paths[b], paths[b][1:]))
+    for b in range(bs):  # no ban may cut a grammar request's own path
+        if b < 2:
+            for a, c in zip(paths[b], paths[b][1:]):
+                assert int(tree.tokens[b, c]) not in bans.get(int(tree.tokens[b, a]), ())
+
+    events = []
+    grammars = [_BanGrammar(bans, bonus[b], events) for b in range(2)] + [None]
+    rows = torch.arange(8 * 64, dtype=torch.int64).view(8, 64) + 1
+    mr = target.model_runner
+    mr.req_to_token_pool = types.SimpleNamespace(size=64, req_to_token=rows)
+    mr.token_to_kv_pool = _KVPool(int(rows.max()) + 1)
+    mr.attn_backend, mr.decode_cuda_graph_runner = "main-backend", "main-runner"
+    real_from_device = sgl.GrammarTree.from_device
+
+    class GrammarTree(sgl.GrammarTree):
+        @classmethod
+        def from_device(cls, *tensors):
+            events.append("tree-copy")
+            assert torch.equal(tensors[0], tree.retrive_next_token)
+            assert torch.equal(tensors[1], tree.retrive_next_sibling)
+            assert torch.equal(tensors[2], tree.tokens)
+            return real_from_device(*tensors)
+
+    monkeypatch.setattr(sgl, "GrammarTree", GrammarTree)
+
+    class VerifyInput(sgl.DFlashVerifyInput):
+        def prepare_for_verify(self, batch, target_worker):
+            events.append("verify")
+            return "forward-batch", False
+
+    monkeypatch.setattr(sgl, "DFlashVerifyInput", VerifyInput)
+    target.forward_batch_generation = lambda **kw: types.SimpleNamespace(
+        logits_output=types.SimpleNamespace(next_token_logits=logits.clone(),
+                                            hidden_states=torch.zeros(bs * n, HIDDEN)),
+        can_run_cuda_graph=False)
+    monkeypatch.setattr(w, "_append_target_hidden_to_draft_kv_by_loc", lambda **kw: None)
+    sampling = _SamplingInfo(bs, 1e-3, 50, 0.9)
+    sampling.is_all_greedy = not sampled
+    sampling.vocab_size, sampling.grammar_mask = VOCAB, "left over from the prefill"
+    params = types.SimpleNamespace(top_k=50, sampling_seed=None)
+    batch = types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
+        is_extend_in_batch=False, spec_info=types.SimpleNamespace(bonus_tokens=bonus),
+        has_grammar=True, seq_lens=prefix, seq_lens_cpu=prefix.clone(),
+        seq_lens_sum=int(prefix.sum()), req_pool_indices=torch.tensor([1, 5, 2]),
+        reqs=[types.SimpleNamespace(sampling_params=params, grammar=gr) for gr in grammars],
+        sampling_info=sampling, out_cache_loc=None)
+
+    result = w.forward_batch_generation(batch, on_publish=lambda lens: None,
+                                        grammar_barrier=lambda: events.append("barrier"))
+
+    assert events.index("tree-copy") < events.index("verify") < events.index("barrier")
+    assert events.index("barrier") < events.index("fill")
+    assert sampling.grammar_mask is None  # the prefill's mask is not applied to the tree
+    assert all(gr.stack == [int(bonus[b])] for b, gr in enumerate(grammars[:2]))  # rolled back
+    out = result.next_token_ids.view(bs, BLOCK)
+    for b, path in enumerate(paths):
+        kk = len(path) - 1
+        if b < 2:  # the grammar's path and bonus, past the preferred decoys
+            assert int(result.accept_lens[b]) == kk + 1
+            assert out[b, :kk].tolist() == [int(tree.tokens[b, c]) for c in path[1:]]
+            assert int(out[b, kk]) == int(next_tok[b])
+        else:  # no grammar: the target's own argmax walk
+            assert int(result.accept_lens[b]) >= 1
+    # without the mask the same logits walk off the grammar's path (the test can fail)
+    pred = logits.view(bs, n, VOCAB).argmax(-1)
+    assert any(int(pred[b, a]) != int(tree.tokens[b, c])
+               for b in range(2) for a, c in zip(paths[b], paths[b][1:])) or \
+        any(int(pred[b, paths[b][-1]]) != int(next_tok[b]) for b in range(2))
+
+
+def test_sglang_grammar_walk_over_our_tree_with_xgrammar():
+    """SGLang's grammar walk (GrammarTree + build_grammar_vocab_mask, as the worker calls them)
+    over a DDTree's links with real xgrammar matchers: each node whose path the grammar accepts
+    gets the bitmask a fresh matcher gives after that path, every other node keeps the
+    all-allowed row, and the request's matcher is left where it started."""
+    xgr = pytest.importorskip("xgrammar")
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
+    from sglang_ddtree.tree import build_tree
+
+    sgl = compat.load()
+    vocab = ["a", "b", "c", "ab", "ba", "ca", "0", "1", "01", "10", "x", "y", "-", "_", "z",
+             "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[15])
+    compiled = xgr.GrammarCompiler(info).compile_regex(r"(ab|ba|c)+(0|1)*-?")
+
+    def matcher():
+        return xgr.GrammarMatcher(compiled)
+
+    class Grammar(XGrammarGrammar):  # SGLang's, but its bitmask unpinned (no CUDA driver here)
+        def allocate_vocab_mask(self, vocab_size, batch_size, device):
+            return xgr.allocate_token_bitmask(batch_size, vocab_size)
+
+    bs, depth, k, budget = 3, 6, 6, 40
+    g = torch.Generator().manual_seed(5)
+    logp = torch.log_softmax(torch.randn(bs, depth, 16, generator=g), -1).topk(k).values
+    ids = torch.stack([torch.randperm(15, generator=g)[:k] for _ in range(bs * depth)])
+    roots = torch.tensor([3, 2, 4])  # "ab", "c", "ba": each already accepted by its request
+    tree = build_tree(roots, logp, ids.view(bs, depth, k), budget)
+    grammars = []
+    for b in range(bs):
+        gr = Grammar(matcher(), info.vocab_size, compiled, None)
+        gr.accept_token(int(roots[b]))
+        grammars.append(gr)
+    reqs = [types.SimpleNamespace(grammar=gr) for gr in grammars]
+    info_ns = types.SimpleNamespace(vocab_size=info.vocab_size, grammar_mask=None)
+    gtree = sgl.GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling,
+                                        tree.tokens)
+    mask = sgl.build_grammar_vocab_mask(reqs=reqs, tree=gtree, sampling_info=info_ns,
+                                        device="cpu", barrier=None).vocab_mask
+    n = budget + 1
+    admitted = 0
+    for b in range(bs):
+        assert grammars[b].accepted_tokens == [int(roots[b])]  # every walk rolled back
+        for i in range(n):
+            if not bool(tree.valid[b, i]):
+                continue
+            path, node = [], i
+            while node > 0:
+                path.append(int(tree.tokens[b, node]))
+                node = int(tree.parents[b, node])
+            m = matcher()
+            ok = all(m.accept_token(t) for t in [int(roots[b])] + path[::-1])
+            want = torch.full((1, mask.shape[1]), -1, dtype=torch.int32)
+            if ok:
+                m.fill_next_token_bitmask(want, 0)
+                admitted += 1
+            assert torch.equal(mask[b * n + i], want[0]), (b, i, path[::-1])
+    assert bs < admitted < bs * n  # some nodes admitted beyond the roots, some not
+
+
 def test_auto_budget_state_failure_names_the_fix(worker_class, tmp_path, monkeypatch):
     w, target, server_args = _auto_worker(worker_class, tmp_path, monkeypatch,
                                           f"1:{BUDGET},inf:4")

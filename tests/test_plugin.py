@@ -48,6 +48,16 @@ def test_spec_class_passes_sglang_conformance(loaded):
     _assert_custom_spec_algo_conforms(type(SpeculativeAlgorithm.from_string("DDTREE")))
 
 
+def test_grammar_batches_keep_the_overlap_scheduler(loaded):
+    """As DFLASH: the worker runs the scheduler's grammar barrier inside its step, so SGLang
+    hands it one and does not force grammar batches onto the synchronous path."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    algo = SpeculativeAlgorithm.from_string("DDTREE")
+    assert algo.supports_grammar_overlap()
+    assert algo.supports_grammar_overlap() == SpeculativeAlgorithm.DFLASH.supports_grammar_overlap()
+
+
 def test_all_hooks_applied(loaded):
     assert loaded.check_hooks_applied() == []
 
@@ -217,7 +227,7 @@ def test_cli_info_reports_registration(loaded, capsys):
     assert "'draft_attention': 'auto'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
 
 
-def test_grammar_requests_are_refused_per_request(loaded):
+def test_request_validation_admits_grammar_and_refuses_logprob(loaded):
     from sglang_ddtree.hooks import make_validate_request_hook
 
     def original(req, enable_overlap):
@@ -226,7 +236,7 @@ def test_grammar_requests_are_refused_per_request(loaded):
     req = types.SimpleNamespace(return_logprob=False,
                                 sampling_params=types.SimpleNamespace(json_schema='{"a":1}'))
     hook = make_validate_request_hook(lambda: True)
-    assert "json_schema" in hook(original, req, True)
+    assert hook(original, req, True) is None  # grammar-constrained requests are served
     assert hook(original, types.SimpleNamespace(return_logprob=True, sampling_params=None),
                 True) == "logprob refused"
     assert make_validate_request_hook(lambda: False)(original, req, True) is None

@@ -31,6 +31,8 @@ LAZY_COMMON = {
     "seeded_filtered_sampler": (
         "sglang.srt.layers.sampler", "top_k_top_p_min_p_sampling_from_probs_torch"),
     "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
+    "GrammarTree": ("sglang.srt.speculative.spec_utils", "GrammarTree"),
+    "build_grammar_vocab_mask": ("sglang.srt.speculative.spec_utils", "build_grammar_vocab_mask"),
 }
 
 

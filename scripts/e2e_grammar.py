@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Grammar-constrained decoding end to end on a GPU: DDTREE greedy == the target's plain greedy.
+
+Real SGLang servers on the project's trained tiny pair (bench_assets/tiny-code, with its
+tokenizer, ``--grammar-backend xgrammar``): the target alone (AR), DFLASH and DDTREE at each
+``--budgets``, all with the same settings. The held-out code prompts go out at every
+``--batch-sizes`` concurrency, each prompt with one of the constraints below or none, so every
+batch mixes regex, JSON-schema, EBNF and unconstrained requests. For each server the script
+checks, token for token against AR, that the outputs are equal (a divergence is a *near tie*
+only when the target's own log-probs of the two tokens at the first differing position lie
+within ``--tie-tol``, queried from the AR server without the constraint: the grammar's mask only
+removes tokens, so the gap between two allowed tokens is the unconstrained one), and with
+xgrammar that every constrained output is a prefix the grammar accepts (and a complete match
+when the request stopped on its own). DFLASH runs the same checks: SGLang's own grammar path,
+the baseline DDTREE has to match.
+
+All servers share one GPU and start at once (fixed KV pools): their tokens/s is not a speed
+figure. Accept lengths come from SGLang's ``spec_verify_ct``.
+
+    python scripts/e2e_grammar.py --out bench_results/e2e_grammar_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import e2e_lossless as lossless  # noqa: E402  (Server, compare, the tiny pair's paths)
+
+from sglang_ddtree.provenance import checkout_digest  # noqa: E402
+
+ASSETS = lossless.ASSETS
+
+# name -> (SGLang sampling parameter, its value). Written for the tiny pair, a code model:
+# indented assignment lines, a small JSON object, a one-function Python grammar
+CONSTRAINTS = {
+    "regex": ("regex", r"(    [a-z_][a-z_0-9]*( = [a-z_0-9.()\[\]', ]+)?\n){2,5}"),
+    "json": ("json_schema", json.dumps({
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "line": {"type": "integer"},
+                       "args": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                "maxItems": 3}},
+        "required": ["name", "line", "args"], "additionalProperties": False})),
+    "ebnf": ("ebnf", "\n".join([
+        'root ::= "def " name "(" params "):\\n" body',
+        'body ::= ("    " stmt "\\n"){1,3}',
+        'stmt ::= "return " name | name " = " name',
+        "name ::= [a-z_] [a-z_0-9]*",
+        'params ::= (name (", " name)*)?'])),
+}
+
+
+def constraint_of(i: int, names):
+    """Prompt i's constraint name, or None (every len(names) + 1-th prompt is unconstrained)."""
+    k = i % (len(names) + 1)
+    return names[k] if k < len(names) else None
+
+
+def sampling_of(name):
+    params = {"ignore_eos": False}  # a grammar that completes ends its request
+    if name is not None:
+        key, value = CONSTRAINTS[name]
+        params[key] = value
+    return params
+
+
+def grammar_checker(target_dir, vocab_size):
+    """check(name, output_ids, finish) -> dict: whether xgrammar accepts the output as a prefix
+    of the constraint's language, and whether it is a whole sentence when the request stopped
+    on its own (its stop token, if SGLang returned it, is fed too)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    eos = [tok.eos_token_id]
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=eos)
+    compiler = xgr.GrammarCompiler(info)
+    compiled = {}
+    for name, (key, value) in CONSTRAINTS.items():
+        if key == "regex":
+            compiled[name] = compiler.compile_regex(value)
+        elif key == "json_schema":
+            compiled[name] = compiler.compile_json_schema(value)
+        else:
+            compiled[name] = compiler.compile_grammar(value)
+
+    def check(name, output_ids, finish):
+        m = xgr.GrammarMatcher(compiled[name])
+        accepted = 0
+        for t in output_ids:
+            if not m.accept_token(int(t)):
+                break
+            accepted += 1
+        stopped = (finish or {}).get("type") == "stop"
+        complete = m.is_terminated() or (stopped and m.accept_token(eos[0]))
+        return {"accepted_prefix": accepted == len(output_ids), "complete": bool(complete),
+                "stopped": stopped, "text": tok.decode(output_ids)[:120]}
+
+    return check
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_results/e2e_grammar_h200.json")
+    ap.add_argument("--budgets", default="8,32")
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--constraints", default=",".join(CONSTRAINTS))
+    ap.add_argument("--tie-tol", type=float, default=0.25,
+                    help="target log-prob gap (nats) below which a divergence is a near tie")
+    ap.add_argument("--no-dflash", action="store_true", help="skip SGLang's DFLASH baseline")
+    ap.add_argument("--port", type=int, default=30400)
+    ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ddtree_grammar"))
+    ap.add_argument("--kv-tokens", type=int, default=65536, help="--max-total-tokens per server")
+    args = ap.parse_args()
+
+    import sglang
+    import torch
+
+    os.makedirs(args.workdir, exist_ok=True)
+    names = [c for c in args.constraints.split(",") if c]
+    unknown = sorted(set(names) - set(CONSTRAINTS))
+    if unknown:
+        ap.error(f"unknown constraints {unknown}; known: {sorted(CONSTRAINTS)}")
+    concs = [int(x) for x in args.batch_sizes.split(",") if x]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    target = os.path.join(ASSETS, "target")
+    draft = os.path.join(ASSETS, "dflash-draft")
+    vocab = json.load(open(os.path.join(target, "config.json")))["vocab_size"]
+    rows = [json.loads(line)["input_ids"] for line in open(os.path.join(ASSETS,
+                                                                        "eval_prompts.jsonl"))]
+    prompts = rows[: args.prompts]
+    kinds = [constraint_of(i, names) for i in range(len(prompts))]
+    check = grammar_checker(target, vocab)
+
+    result = {
+        "sglang_version": sglang.__version__, "torch_version": torch.__version__,
+        "source_digest": checkout_digest(__file__),
+        "gpu": torch.cuda.get_device_name(0),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
+        "constraints": {n: CONSTRAINTS[n] for n in names}, "prompt_constraints": kinds,
+        "notes": "all servers share one GPU and start at once: wall times are not speed figures",
+        "servers": {}, "errors": [],
+    }
+
+    def dump():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        json.dump(result, open(args.out, "w"), indent=1)
+
+    lossless.stop_on_sigterm(lambda: (result.update(status="partial: SIGTERM"), dump()))
+    common = ["--model-path", target, "--grammar-backend", "xgrammar",
+              "--attention-backend", "triton", "--cuda-graph-max-bs", str(max(concs)),
+              "--mem-fraction-static", "0.85", "--max-total-tokens", str(args.kv_tokens),
+              "--disable-prefill-cuda-graph", "--max-running-requests", str(max(concs)),
+              "--sampling-backend", "pytorch", "--sleep-on-idle"]
+    spec = ["--speculative-draft-model-path", draft]
+    configs = {"ar": common}
+    if not args.no_dflash:
+        configs["dflash"] = common + spec + ["--speculative-algorithm", "DFLASH"]
+    for b in budgets:
+        configs[f"ddtree_b{b}"] = common + spec + ["--speculative-algorithm", "DDTREE",
+                                                   "--speculative-ddtree-budget", str(b)]
+    ports = iter(range(args.port, args.port + 100))
+    log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
+    servers = {}
+    try:
+        for tag, cmd in configs.items():
+            servers[tag] = lossless.Server(cmd, log(tag), next(ports), wait=False)
+        for tag, srv in list(servers.items()):
+            try:
+                srv.wait_ready()
+            except Exception as e:  # noqa: BLE001 -- recorded; that server's checks are skipped
+                result["errors"].append(f"{tag}: {e!r}"[:2000])
+                servers.pop(tag).stop()
+        if "ar" not in servers:
+            raise RuntimeError("the AR server did not start: " + "; ".join(result["errors"]))
+
+        def run(srv, conc):
+            t0 = time.time()
+            with cf.ThreadPoolExecutor(conc) as ex:
+                res = list(ex.map(lambda pk: srv.generate(pk[0], args.max_new_tokens,
+                                                          sampling_of(pk[1])),
+                                  zip(prompts, kinds)))
+            return res, time.time() - t0
+
+        ref, _ = run(servers["ar"], 1)
+        ref_ids = [r["output_ids"] for r in ref]
+        for tag, srv in servers.items():
+            entry = result["servers"][tag] = {"command": configs[tag], "runs": []}
+            for conc in ([1] if tag == "ar" else concs):
+                res, wall = (ref, None) if tag == "ar" else run(srv, conc)
+                outs = [r["output_ids"] for r in res]
+                metas = [r["meta_info"] for r in res]
+                grammar = {}
+                for i, (name, o, m) in enumerate(zip(kinds, outs, metas)):
+                    if name is not None:
+                        c = check(name, o, m.get("finish_reason"))
+                        g = grammar.setdefault(name, {"requests": 0, "accepted": 0,
+                                                      "complete": 0, "stopped": 0,
+                                                      "example": c["text"]})
+                        g["requests"] += 1
+                        g["accepted"] += c["accepted_prefix"]
+                        g["complete"] += c["complete"]
+                        g["stopped"] += c["stopped"]
+                run_entry = {"concurrency": conc, "wall_s": wall, "grammar": grammar,
+                             "output_tokens": sum(len(o) for o in outs),
+                             "accept_length": lossless.accept_length(metas)}
+                if tag != "ar":
+                    ident, near, bad = lossless.compare(servers["ar"], prompts, outs, ref_ids,
+                                                        args.tie_tol, f"{tag} c{conc}")
+                    by_kind = {}
+                    for name, o, r in zip(kinds, outs, ref_ids):
+                        k = by_kind.setdefault(name or "none", [0, 0])
+                        k[0] += o == r
+                        k[1] += 1
+                    run_entry.update(identical=ident, near_ties=near, mismatches=bad,
+                                     identical_by_constraint=by_kind)
+                entry["runs"].append(run_entry)
+                print(f"[{tag}] c={conc}: " + json.dumps(
+                    {k: v for k, v in run_entry.items() if k not in ("mismatches",)}))
+                dump()
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    dd = [r for t, e in result["servers"].items() if t.startswith("ddtree") for r in e["runs"]]
+    every = [r for e in result["servers"].values() for r in e["runs"]]
+    result["summary"] = {
+        "ddtree_runs": len(dd),
+        "ddtree_requests": sum(len(prompts) for _ in dd),
+        "ddtree_identical": sum(r["identical"] for r in dd),
+        "ddtree_near_ties": sum(r["near_ties"] for r in dd),
+        "ddtree_mismatches": sum(len(r["mismatches"]) for r in dd),
+        "constrained_outputs_rejected_by_grammar": sum(
+            g["requests"] - g["accepted"] for r in every for g in r["grammar"].values()),
+    }
+    result["status"] = "complete" if not result["errors"] else "complete with server errors"
+    dump()
+    print(json.dumps(result["summary"]))
+    s = result["summary"]
+    ok = (s["ddtree_mismatches"] == 0 and s["constrained_outputs_rejected_by_grammar"] == 0
+          and s["ddtree_runs"] > 0 and not result["errors"])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

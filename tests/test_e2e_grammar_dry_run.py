@@ -1,0 +1,164 @@
+"""scripts/e2e_grammar.py on fake servers whose constrained outputs come from real xgrammar
+matchers over the tiny pair's tokenizer: the constraints compile, the checker accepts what a
+grammar allows and rejects what it does not, and a DDTREE server that diverges from AR (or emits
+a token its grammar bans) fails the run. Catches script bugs before GPU time is spent on them."""
+
+import json
+import os
+import random
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+
+xgr = pytest.importorskip("xgrammar")
+pytest.importorskip("transformers")
+pytest.importorskip("sglang")
+import e2e_grammar  # noqa: E402
+
+TARGET = os.path.join(e2e_grammar.ASSETS, "target")
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def check():
+    return e2e_grammar.grammar_checker(TARGET, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB,
+                                              stop_token_ids=[tok.eos_token_id])
+    comp = xgr.GrammarCompiler(info)
+    return {"regex": comp.compile_regex(e2e_grammar.CONSTRAINTS["regex"][1]),
+            "json": comp.compile_json_schema(e2e_grammar.CONSTRAINTS["json"][1]),
+            "ebnf": comp.compile_grammar(e2e_grammar.CONSTRAINTS["ebnf"][1])}
+
+
+def constrained_walk(grammar, n, seed):
+    """Up to n tokens a grammar allows (a seeded pick among the allowed ones at each step);
+    (tokens, finish reason)."""
+    m = xgr.GrammarMatcher(grammar)
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        m.fill_next_token_bitmask(mask)
+        words = mask[0].tolist()
+        allowed = [t for t in range(VOCAB) if (words[t // 32] >> (t % 32)) & 1]
+        t = allowed[0] if rng.random() < 0.5 else rng.choice(allowed)
+        assert m.accept_token(t)
+        out.append(t)
+        if m.is_terminated():
+            return out, {"type": "stop"}
+    return out, {"type": "length"}
+
+
+def test_checker_accepts_allowed_outputs_and_rejects_a_banned_token(check, compiled):
+    for name, grammar in compiled.items():
+        out, finish = constrained_walk(grammar, 48, seed=len(name))
+        c = check(name, out, finish)
+        assert c["accepted_prefix"] and c["complete"] == (finish["type"] == "stop"), (name, c)
+        m = xgr.GrammarMatcher(grammar)  # a token the grammar bans right at the start
+        mask = xgr.allocate_token_bitmask(1, VOCAB)
+        m.fill_next_token_bitmask(mask)
+        words = mask[0].tolist()
+        banned = next(t for t in range(VOCAB) if not (words[t // 32] >> (t % 32)) & 1)
+        assert not check(name, [banned] + out[1:], finish)["accepted_prefix"]
+
+
+def test_constraint_mix_covers_every_kind_and_none():
+    names = list(e2e_grammar.CONSTRAINTS)
+    kinds = [e2e_grammar.constraint_of(i, names) for i in range(8)]
+    assert set(kinds) == set(names) | {None}
+    assert e2e_grammar.sampling_of(None) == {"ignore_eos": False}
+    assert e2e_grammar.sampling_of("json")["json_schema"].startswith("{")
+
+
+class FakeServer:
+    """AR and DFLASH: each constrained prompt's output is a seeded walk of its grammar (seeded by
+    the prompt, so every server agrees), unconstrained ones count up. ``diverge``: the DDTREE
+    budget whose server changes one unconstrained output (a mismatch); ``ban``: the budget
+    whose server emits a banned token first on the regex prompts."""
+
+    compiled = None
+    diverge = ban = None
+    started = []
+
+    def __init__(self, args, log, port, env=None, wait=True):
+        self.args = args
+        self.budget = (int(args[args.index("--speculative-ddtree-budget") + 1])
+                       if "--speculative-ddtree-budget" in args else None)
+        assert args[args.index("--grammar-backend") + 1] == "xgrammar"
+        assert "--skip-tokenizer-init" not in args  # the grammar needs the tokenizer
+        FakeServer.started.append(self)
+        self.stopped = False
+
+    def wait_ready(self):
+        return self
+
+    def generate(self, ids, n, sampling=None, logprob=False):
+        if logprob:  # the near-tie query: the AR token far ahead of every other
+            return {"meta_info": {"output_top_logprobs": [[(-0.1, 1, ""), (-5.0, 2, "")]]}}
+        kind = next((k for k, (key, _) in e2e_grammar.CONSTRAINTS.items()
+                     if key in (sampling or {})), None)
+        assert sampling["ignore_eos"] is False
+        if kind is None:
+            out, finish = [(ids[-1] + i) % VOCAB for i in range(n)], {"type": "length"}
+            if self.budget is not None and self.budget == FakeServer.diverge:
+                out[3] = (out[3] + 7) % VOCAB
+        else:
+            out, finish = constrained_walk(FakeServer.compiled[kind], n, seed=sum(ids))
+            if kind == "regex" and self.budget is not None and self.budget == FakeServer.ban:
+                out = [2] + out[1:]  # "#" is no indented line's first character
+        meta = {"completion_tokens": len(out), "spec_verify_ct": max(1, len(out) // 3),
+                "finish_reason": finish}
+        return {"output_ids": out, "meta_info": meta}
+
+    def stop(self):
+        self.stopped = True
+
+
+def _run(monkeypatch, tmp_path, compiled):
+    import torch
+
+    lossless = e2e_grammar.lossless
+    monkeypatch.setattr(lossless, "Server", FakeServer)
+    monkeypatch.setattr(lossless, "stop_on_sigterm", lambda on_exit=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    FakeServer.compiled, FakeServer.started = compiled, []
+    out = tmp_path / "g.json"
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_grammar.py", "--out", str(out), "--workdir", str(tmp_path / "w"), "--prompts", "8",
+        "--max-new-tokens", "24", "--batch-sizes", "1,2", "--budgets", "8,32"])
+    with pytest.raises(SystemExit) as exit_:
+        e2e_grammar.main()
+    return exit_.value.code, json.loads(out.read_text())
+
+
+def test_dry_run_passes_when_every_server_matches(monkeypatch, tmp_path, compiled):
+    FakeServer.diverge = FakeServer.ban = None
+    rc, res = _run(monkeypatch, tmp_path, compiled)
+    assert rc == 0, res["summary"]
+    assert set(res["servers"]) == {"ar", "dflash", "ddtree_b8", "ddtree_b32"}
+    s = res["summary"]
+    assert s["ddtree_runs"] == 4 and s["ddtree_identical"] == 4 * 8 and s["ddtree_mismatches"] == 0
+    assert s["constrained_outputs_rejected_by_grammar"] == 0
+    run = res["servers"]["ddtree_b8"]["runs"][0]
+    assert set(run["grammar"]) == {"regex", "json", "ebnf"}
+    assert run["identical_by_constraint"]["none"] == [2, 2]
+    assert all(s.stopped for s in FakeServer.started)
+
+
+def test_dry_run_fails_on_a_mismatch_or_a_banned_token(monkeypatch, tmp_path, compiled):
+    FakeServer.diverge, FakeServer.ban = 32, None
+    rc, res = _run(monkeypatch, tmp_path, compiled)
+    assert rc == 1 and res["summary"]["ddtree_mismatches"] == 2 * 2  # 2 prompts x 2 batch sizes
+    FakeServer.diverge, FakeServer.ban = None, 8
+    rc, res = _run(monkeypatch, tmp_path, compiled)
+    assert rc == 1 and res["summary"]["constrained_outputs_rejected_by_grammar"] == 2 * 2
