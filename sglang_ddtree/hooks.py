@@ -8,7 +8,8 @@ can be tested without SGLang. :func:`register_all` installs them through SGLang'
    ``from_cli_args`` copies them into the environment (the one source of truth, inherited by
    scheduler processes) before ``ServerArgs`` resolves the algorithm.
 2. Requests: SGLang validates DFLASH-family requests at admission; DDTREE also refuses
-   ``return_logprob`` there (aborting that request with a message, never the server).
+   ``return_logprob`` there on a release without speculative logprobs (aborting that request
+   with a message, never the server).
 3. CUDA graphs: for an unknown (plugin) algorithm SGLang builds no dummy verify input, and for the
    DFLASH family it builds one *without* a custom mask on triton/flashinfer. Either way the target
    verify graph would be captured causal and silently ignore the tree at replay. For DDTREE's
@@ -191,17 +192,19 @@ def make_dummy_verify_input_hook(verify_input_cls, capture_full, capture_null,
     return dummy_verify_input_hook
 
 
-def make_validate_request_hook(ddtree_active):
+def make_validate_request_hook(ddtree_active, spec_logprobs=False):
     """Hook for ``validate_dflash_request(req, enable_overlap) -> Optional[str]`` (an error
-    string aborts just that request). ``ddtree_active()`` says whether this server runs DDTREE."""
+    string aborts just that request). ``ddtree_active()`` says whether this server runs DDTREE;
+    ``spec_logprobs``: whether this SGLang release computes speculative logprobs (0.5.23 does;
+    0.5.17's own check refuses ``return_logprob`` first)."""
 
     def validate_request_hook(original, req, *args, **kwargs):
         err = original(req, *args, **kwargs)
         if err is not None or not ddtree_active():
             return err
-        if getattr(req, "return_logprob", False):  # SGLang 0.5.23's DFLASH allows it; DDTREE not
-            return ("DDTREE does not support return_logprob yet; send the request to a server "
-                    "without DDTREE or drop return_logprob.")
+        if getattr(req, "return_logprob", False) and not spec_logprobs:
+            return ("DDTREE does not support return_logprob with this SGLang release; send the "
+                    "request to a server without DDTREE or drop return_logprob.")
         return None  # grammar-constrained requests are served (worker: the tree's bitmask)
 
     return validate_request_hook

@@ -118,7 +118,7 @@ def _register() -> None:
         around,
     )
     reg(targets["validate_request"],
-        hooks.make_validate_request_hook(sgl.ddtree_is_active), around)
+        hooks.make_validate_request_hook(sgl.ddtree_is_active, sgl.SPEC_LOGPROBS), around)
     logger.info("sglang-ddtree: registered speculative algorithm %s", cfg.ALGORITHM_NAME)
     _maybe_install_fused_moe()
     _maybe_install_skinny_gemm()

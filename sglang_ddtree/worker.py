@@ -494,6 +494,10 @@ def _make_worker_class(sgl):
             done = self._accept_commit(tree, predicted, slots, prefix64,
                                        self.model_runner.token_to_kv_pool)
             step = done.step
+            if getattr(batch, "return_logprob", False):  # admitted only where SGLang has them
+                # emitted token j = the target's token at accepted node j, from that node's row
+                sgl.spec_logprobs(batch, logits_output, predicted.reshape(-1),
+                                  done.hidden_rows.view(bs, block))
             t.mark("commit")
             if on_publish is not None:  # SGLang's scheduler callback (DFLASH calls it too)
                 on_publish(step.new_seq_lens)

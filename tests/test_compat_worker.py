@@ -954,7 +954,9 @@ def test_grammar_constrained_decode_step_on_cpu(worker_class, tmp_path, monkeypa
         has_grammar=True, seq_lens=prefix, seq_lens_cpu=prefix.clone(),
         seq_lens_sum=int(prefix.sum()), req_pool_indices=torch.tensor([1, 5, 2]),
         reqs=[types.SimpleNamespace(sampling_params=params, grammar=gr) for gr in grammars],
-        sampling_info=sampling, out_cache_loc=None)
+        sampling_info=sampling, out_cache_loc=None,
+        # where SGLang computes speculative logprobs (0.5.23), from the masked logits too
+        return_logprob=sgl.SPEC_LOGPROBS, top_logprobs_nums=[2, 0, 3], token_ids_logprobs=None)
 
     result = w.forward_batch_generation(batch, on_publish=lambda lens: None,
                                         grammar_barrier=lambda: events.append("barrier"))
@@ -972,6 +974,22 @@ def test_grammar_constrained_decode_step_on_cpu(worker_class, tmp_path, monkeypa
             assert int(out[b, kk]) == int(next_tok[b])
         else:  # no grammar: the target's own argmax walk
             assert int(result.accept_lens[b]) >= 1
+    if sgl.SPEC_LOGPROBS:  # token j's logprob from the row of accepted node j, masked
+        lo = result.logits_output
+        scale = 1.0 if not sampled else 1e-3
+        assert tuple(lo.next_token_logprobs.shape) == (bs, BLOCK)
+        for b, path in enumerate(paths):
+            kk = len(path) - 1
+            rows_b = torch.log_softmax(lo.next_token_logits[b * n + torch.tensor(path)] / scale,
+                                       -1)
+            want = rows_b.gather(1, out[b, :kk + 1, None].long())[:, 0]
+            assert torch.allclose(lo.next_token_logprobs[b, :kk + 1], want, atol=1e-5)
+            if b < 2:  # the banned decoys (logit 200) do not count: the path's token is ~certain
+                assert float(lo.next_token_logprobs[b, :kk + 1].min()) > -1e-3
+            tops = lo.next_token_top_logprobs_idx[b * BLOCK: b * BLOCK + kk + 1]
+            assert all(len(t) == [2, 0, 3][b] for t in tops)
+            if b == 0:
+                assert [t[0] for t in tops] == out[0, :kk + 1].tolist()
     # without the mask the same logits walk off the grammar's path (the test can fail)
     pred = logits.view(bs, n, VOCAB).argmax(-1)
     assert any(int(pred[b, a]) != int(tree.tokens[b, c])

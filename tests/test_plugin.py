@@ -227,7 +227,7 @@ def test_cli_info_reports_registration(loaded, capsys):
     assert "'draft_attention': 'auto'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
 
 
-def test_request_validation_admits_grammar_and_refuses_logprob(loaded):
+def test_request_validation_admits_grammar_and_logprob_where_sglang_computes_it(loaded):
     from sglang_ddtree.hooks import make_validate_request_hook
 
     def original(req, enable_overlap):
@@ -240,12 +240,24 @@ def test_request_validation_admits_grammar_and_refuses_logprob(loaded):
     assert hook(original, types.SimpleNamespace(return_logprob=True, sampling_params=None),
                 True) == "logprob refused"
     assert make_validate_request_hook(lambda: False)(original, req, True) is None
-    # SGLang 0.5.23's DFLASH check admits logprob requests; DDTREE's step computes none
-    lenient = make_validate_request_hook(lambda: True)
+    # SGLang 0.5.23's DFLASH check admits logprob requests: DDTREE computes them there (its
+    # compat module says so); a release without speculative logprobs refuses them
+    logprob = types.SimpleNamespace(return_logprob=True)
     plain = types.SimpleNamespace(return_logprob=False, sampling_params=types.SimpleNamespace())
-    assert lenient(lambda r, o: None, plain, True) is None
-    assert "return_logprob" in lenient(lambda r, o: None,
-                                       types.SimpleNamespace(return_logprob=True), True)
+    without = make_validate_request_hook(lambda: True, spec_logprobs=False)
+    assert without(lambda r, o: None, plain, True) is None
+    assert "return_logprob" in without(lambda r, o: None, logprob, True)
+    assert make_validate_request_hook(lambda: True, spec_logprobs=True)(
+        lambda r, o: None, logprob, True) is None
+    from sglang_ddtree import compat
+
+    sgl = compat.load()
+    assert sgl.SPEC_LOGPROBS == (sgl.VERSION != "0.5.17")
+    import sglang.srt.speculative.dflash_utils as du
+    served = du.validate_dflash_request(types.SimpleNamespace(
+        return_logprob=True, return_hidden_states=False,
+        sampling_params=types.SimpleNamespace()), False)  # the installed chain, hooks included
+    assert (served is None) == sgl.SPEC_LOGPROBS
     # the scheduler imports the function by name: its binding must be the wrapped one too
     import sglang.srt.managers.scheduler as sched
     import sglang.srt.speculative.dflash_utils as dutils

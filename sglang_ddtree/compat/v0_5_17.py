@@ -52,6 +52,16 @@ def tree_greedy_walk(tree, predicted, path_width: int):
     return _tree_greedy_walk(tree, predicted, path_width, _lazy("verify_tree_greedy_func"))
 
 
+# whether this release computes speculative logprobs (``return_logprob``): 0.5.17 has no helper
+# for it and its DFLASH admission check refuses such requests before DDTREE sees them
+SPEC_LOGPROBS = False
+
+
+def spec_logprobs(batch, logits_output, predicted, accept_index) -> None:
+    raise RuntimeError("DDTREE on SGLang 0.5.17 computes no logprobs (its DFLASH admission "
+                       "check refuses return_logprob requests)")
+
+
 def handle_dflash_server_args(server_args) -> None:
     from sglang.srt.arg_groups.speculative_hook import _handle_dflash
 

@@ -72,6 +72,22 @@ def tree_greedy_walk(tree, predicted, path_width: int):
     return _tree_greedy_walk(tree, predicted, path_width, _lazy("verify_tree_greedy_func"))
 
 
+# whether this release computes speculative logprobs (``return_logprob``): DFLASH does here
+SPEC_LOGPROBS = True
+
+
+def spec_logprobs(batch, logits_output, predicted, accept_index) -> None:
+    """Logprobs of the emitted tokens (and the requested top / token-id logprobs) into
+    ``logits_output``, as DFLASH computes them, by SGLang's ``compute_spec_logprobs``.
+
+    predicted: [bs * N] the target's token at every node; accept_index: [bs, B] the flat verify
+    rows of the accepted path (root first, root-padded): emitted token j of request b is
+    ``predicted[accept_index[b, j]]``, drawn from that row's logits."""
+    from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+    compute_spec_logprobs(batch, logits_output, predicted, accept_index=accept_index)
+
+
 # --- server args ---------------------------------------------------------------------------
 
 def _record_behind(stand_in):
