@@ -200,7 +200,12 @@ def main():
         for tag, srv in servers.items():
             entry = result["servers"][tag] = {"command": configs[tag], "runs": []}
             for conc in ([1] if tag == "ar" else concs):
-                res, wall = (ref, None) if tag == "ar" else run(srv, conc)
+                try:
+                    res, wall = (ref, None) if tag == "ar" else run(srv, conc)
+                except Exception as e:  # noqa: BLE001 -- a failing server costs its own runs
+                    result["errors"].append(f"{tag} c{conc}: {e!r}"[:2000])
+                    dump()
+                    break
                 outs = [r["output_ids"] for r in res]
                 metas = [r["meta_info"] for r in res]
                 grammar = {}

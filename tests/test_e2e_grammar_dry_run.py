@@ -87,7 +87,7 @@ class FakeServer:
     whose server emits a banned token first on the regex prompts."""
 
     compiled = None
-    diverge = ban = None
+    diverge = ban = fail = None
     started = []
 
     def __init__(self, args, log, port, env=None, wait=True):
@@ -103,6 +103,8 @@ class FakeServer:
         return self
 
     def generate(self, ids, n, sampling=None, logprob=False):
+        if self.budget is not None and self.budget == FakeServer.fail:
+            raise RuntimeError("request failed")
         if logprob:  # the near-tie query: the AR token far ahead of every other
             return {"meta_info": {"output_top_logprobs": [[(-0.1, 1, ""), (-5.0, 2, "")]]}}
         kind = next((k for k, (key, _) in e2e_grammar.CONSTRAINTS.items()
@@ -142,7 +144,7 @@ def _run(monkeypatch, tmp_path, compiled):
 
 
 def test_dry_run_passes_when_every_server_matches(monkeypatch, tmp_path, compiled):
-    FakeServer.diverge = FakeServer.ban = None
+    FakeServer.diverge = FakeServer.ban = FakeServer.fail = None
     rc, res = _run(monkeypatch, tmp_path, compiled)
     assert rc == 0, res["summary"]
     assert set(res["servers"]) == {"ar", "dflash", "ddtree_b8", "ddtree_b32"}
@@ -156,9 +158,16 @@ def test_dry_run_passes_when_every_server_matches(monkeypatch, tmp_path, compile
 
 
 def test_dry_run_fails_on_a_mismatch_or_a_banned_token(monkeypatch, tmp_path, compiled):
-    FakeServer.diverge, FakeServer.ban = 32, None
+    FakeServer.diverge, FakeServer.ban, FakeServer.fail = 32, None, None
     rc, res = _run(monkeypatch, tmp_path, compiled)
     assert rc == 1 and res["summary"]["ddtree_mismatches"] == 2 * 2  # 2 prompts x 2 batch sizes
     FakeServer.diverge, FakeServer.ban = None, 8
     rc, res = _run(monkeypatch, tmp_path, compiled)
     assert rc == 1 and res["summary"]["constrained_outputs_rejected_by_grammar"] == 2 * 2
+    # a server whose requests fail: recorded, the other servers' runs still complete
+    FakeServer.ban, FakeServer.fail = None, 32
+    rc, res = _run(monkeypatch, tmp_path, compiled)
+    assert rc == 1 and res["errors"] and "ddtree_b32 c1" in res["errors"][0]
+    assert len(res["servers"]["ddtree_b8"]["runs"]) == 2 and res["summary"]["ddtree_runs"] == 2
+    assert all(s.stopped for s in FakeServer.started)
+    FakeServer.fail = None
