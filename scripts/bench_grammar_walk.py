@@ -101,7 +101,6 @@ def make_trees(compiled, vocab_size, bs, block, topk, budget, valid_share, seed)
     """DDTREE trees (budget nodes from per-depth candidates around the reference path), the
     DFLASH chains (root + reference tokens), and the requests' matchers at the root."""
     import torch
-    import xgrammar as xgr
 
     from sglang_ddtree.tree import build_tree
 

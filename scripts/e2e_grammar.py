@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import datetime
 import json
 import os
 import sys
@@ -33,9 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import e2e_lossless as lossless  # noqa: E402  (Server, compare, the tiny pair's paths)
-
-from sglang_ddtree.provenance import checkout_digest  # noqa: E402
+import e2e_lossless as lossless  # noqa: E402  (Server, compare, run_header, the tiny pair)
 
 ASSETS = lossless.ASSETS
 
@@ -124,9 +121,6 @@ def main():
     ap.add_argument("--kv-tokens", type=int, default=65536, help="--max-total-tokens per server")
     args = ap.parse_args()
 
-    import sglang
-    import torch
-
     os.makedirs(args.workdir, exist_ok=True)
     names = [c for c in args.constraints.split(",") if c]
     unknown = sorted(set(names) - set(CONSTRAINTS))
@@ -144,11 +138,7 @@ def main():
     check = grammar_checker(target, vocab)
 
     result = {
-        "sglang_version": sglang.__version__, "torch_version": torch.__version__,
-        "source_digest": checkout_digest(__file__),
-        "gpu": torch.cuda.get_device_name(0),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        **lossless.run_header(),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
         "constraints": {n: CONSTRAINTS[n] for n in names}, "prompt_constraints": kinds,
         "notes": "all servers share one GPU and start at once: wall times are not speed figures",

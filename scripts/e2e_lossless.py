@@ -352,6 +352,20 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
 ORACLE_RANK_PROBS = [0.75, 0.2, 0.05]
 
 
+def run_header() -> dict:
+    """Versions, the checkout's source digest, GPU, date and command of this run."""
+    import sglang
+    import torch
+
+    return {
+        "sglang_version": sglang.__version__, "torch_version": torch.__version__,
+        "source_digest": checkout_digest(__file__),
+        "gpu": torch.cuda.get_device_name(0),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+
+
 def first_diff(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -537,9 +551,6 @@ def main():
     # the speed servers leave out debug switches that synchronize the host every step
     speed_env = {k: v for k, v in ddtree_env.items() if k not in HOST_SYNC_DEBUG_ENV}
 
-    import sglang
-    import torch
-
     os.makedirs(args.workdir, exist_ok=True)
     concs = [int(x) for x in args.batch_sizes.split(",") if x]
     # "auto": the auto table; "online": auto with SGLANG_DDTREE_AUTO_MODE=online
@@ -550,11 +561,7 @@ def main():
     eager = parse(args.eager_check)
     speed = parse(args.speed)
     result = {
-        "sglang_version": sglang.__version__, "torch_version": torch.__version__,
-        "source_digest": checkout_digest(__file__),
-        "gpu": torch.cuda.get_device_name(0),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "command": " ".join(["python", "scripts/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        **run_header(),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
         "verify_backend": args.verify_backend, "ddtree_env": ddtree_env, "tp_size": args.tp,
         "notes": "lossless cases run with the test-only oracle draft (SGLANG_DDTREE_TEST_ORACLE) "

@@ -657,6 +657,18 @@ class _SamplingInfo:
         return self._bs
 
 
+def _step_worker(worker_class, tmp_path, monkeypatch):
+    """(compat module, target worker, DDTreeWorker) for a decode step on CPU, SGLang's verify
+    kernel replaced by its torch stand-in."""
+    sgl = compat.load()
+    monkeypatch.setattr(sgl, "verify_tree_greedy_func", _sglang_verify_tree_greedy)
+    server_args = _server_args(tmp_path)
+    target = _target_worker()
+    with _fake_sglang_process(server_args):
+        w = worker_class(**_constructor_kwargs(server_args, target))
+    return sgl, target, w
+
+
 @pytest.mark.parametrize("mode", ["fixed", "auto", "sampled"])
 def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, mode):
     """DDTreeWorker.forward_batch_generation on CPU against the installed SGLang's classes, with
@@ -670,12 +682,7 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
     if mode == "auto":
         monkeypatch.setenv(cfg.ENV_BUDGET, "auto")
         monkeypatch.setenv(cfg.ENV_AUTO_TABLE, f"1:{BUDGET},inf:4")
-    sgl = compat.load()
-    monkeypatch.setattr(sgl, "verify_tree_greedy_func", _sglang_verify_tree_greedy)
-    server_args = _server_args(tmp_path)
-    target = _target_worker()
-    with _fake_sglang_process(server_args):
-        w = worker_class(**_constructor_kwargs(server_args, target))
+    sgl, target, w = _step_worker(worker_class, tmp_path, monkeypatch)
     bs, depth = 2, BLOCK - 1
     budget = w.tree_cfg.budget_for(bs)
     assert budget == (4 if mode == "auto" else BUDGET)
@@ -859,12 +866,7 @@ def test_grammar_constrained_decode_step_on_cpu(worker_class, tmp_path, monkeypa
     a grammar in the same batch is unconstrained. ``sampled``: the T > 0 path."""
     from sglang_ddtree.tree import build_tree
 
-    sgl = compat.load()
-    monkeypatch.setattr(sgl, "verify_tree_greedy_func", _sglang_verify_tree_greedy)
-    server_args = _server_args(tmp_path)
-    target = _target_worker()
-    with _fake_sglang_process(server_args):
-        w = worker_class(**_constructor_kwargs(server_args, target))
+    sgl, target, w = _step_worker(worker_class, tmp_path, monkeypatch)
     bs, depth, n = 3, BLOCK - 1, BUDGET + 1
     g = torch.Generator().manual_seed(11)
     k = w.tree_cfg.topk
