@@ -657,6 +657,12 @@ class _SamplingInfo:
         return self._bs
 
 
+def _children(tree, b, node):
+    """Request b's children of ``node`` in the tree, by index."""
+    return [i for i in range(1, tree.tokens.shape[1])
+            if tree.valid[b, i] and tree.parents[b, i] == node]
+
+
 def _step_worker(worker_class, tmp_path, monkeypatch):
     """(compat module, target worker, DDTreeWorker) for a decode step on CPU, SGLang's verify
     kernel replaced by its torch stand-in."""
@@ -711,7 +717,7 @@ def test_one_decode_step_end_to_end_on_cpu(worker_class, tmp_path, monkeypatch, 
     for b in range(bs):
         node, path = 0, [0]
         while True:
-            kids = [i for i in range(1, n) if tree.valid[b, i] and tree.parents[b, i] == node]
+            kids = _children(tree, b, node)
             if not kids:
                 break
             node = kids[-1]  # the last child: not always the best-ranked branch
@@ -887,7 +893,7 @@ def test_grammar_constrained_decode_step_on_cpu(worker_class, tmp_path, monkeypa
     for b in range(bs):
         node, path = 0, [0]
         while True:
-            kids = [i for i in range(1, n) if tree.valid[b, i] and tree.parents[b, i] == node]
+            kids = _children(tree, b, node)
             if not kids:
                 break
             path.append(kids[0])
