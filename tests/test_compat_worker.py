@@ -892,10 +892,7 @@ def test_grammar_constrained_decode_step_on_cpu(worker_class, tmp_path, monkeypa
     next_tok = torch.tensor([901, 902, 903])
     for b in range(bs):
         node, path = 0, [0]
-        while True:
-            kids = _children(tree, b, node)
-            if not kids:
-                break
+        while kids := _children(tree, b, node):
             path.append(kids[0])
             if len(kids) > 1 and b < 2:  # request 2 has no grammar: its decoys must win
                 state, bad = int(tree.tokens[b, node]), int(tree.tokens[b, kids[1]])
