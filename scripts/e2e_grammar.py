@@ -14,8 +14,10 @@ xgrammar that every constrained output is a prefix the grammar accepts (and a co
 when the request stopped on its own). DFLASH runs the same checks: SGLang's own grammar path,
 the baseline DDTREE has to match.
 
-All servers share one GPU and start at once (fixed KV pools): their tokens/s is not a speed
-figure. Accept lengths come from SGLang's ``spec_verify_ct``.
+All servers share one GPU and start at once (fixed KV pools). First a speed phase times them
+one at a time (the others idle under ``--sleep-on-idle``) on the same constrained mix: output
+tokens/s, medians of ``--speed-repeats`` passes after a warm-up, DDTREE / DFLASH in the same
+run. Accept lengths come from SGLang's ``spec_verify_ct``.
 
     python scripts/e2e_grammar.py --out bench_results/e2e_grammar_h200.json
 """
@@ -116,6 +118,9 @@ def main():
     ap.add_argument("--tie-tol", type=float, default=0.25,
                     help="target log-prob gap (nats) below which a divergence is a near tie")
     ap.add_argument("--no-dflash", action="store_true", help="skip SGLang's DFLASH baseline")
+    ap.add_argument("--speed-batch-sizes", default="1,8",
+                    help="concurrencies of the speed phase ('' skips it)")
+    ap.add_argument("--speed-repeats", type=int, default=3)
     ap.add_argument("--port", type=int, default=30400)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ddtree_grammar"))
     ap.add_argument("--kv-tokens", type=int, default=65536, help="--max-total-tokens per server")
@@ -127,6 +132,8 @@ def main():
     if unknown:
         ap.error(f"unknown constraints {unknown}; known: {sorted(CONSTRAINTS)}")
     concs = [int(x) for x in args.batch_sizes.split(",") if x]
+    speed_concs = [int(x) for x in args.speed_batch_sizes.split(",") if x]
+    widest = max(concs + speed_concs)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     target = os.path.join(ASSETS, "target")
     draft = os.path.join(ASSETS, "dflash-draft")
@@ -141,8 +148,10 @@ def main():
         **lossless.run_header(),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
         "constraints": {n: CONSTRAINTS[n] for n in names}, "prompt_constraints": kinds,
-        "notes": "all servers share one GPU and start at once: wall times are not speed figures",
-        "servers": {}, "errors": [],
+        "notes": "all servers share one GPU and start at once: the lossless runs' wall times "
+                 "are not speed figures; 'speed' times one server at a time (the others idle "
+                 "under --sleep-on-idle), medians of --speed-repeats passes after a warm-up",
+        "speed": {}, "servers": {}, "errors": [],
     }
 
     def dump():
@@ -151,9 +160,9 @@ def main():
 
     lossless.stop_on_sigterm(lambda: (result.update(status="partial: SIGTERM"), dump()))
     common = ["--model-path", target, "--grammar-backend", "xgrammar",
-              "--attention-backend", "triton", "--cuda-graph-max-bs", str(max(concs)),
+              "--attention-backend", "triton", "--cuda-graph-max-bs", str(widest),
               "--mem-fraction-static", "0.85", "--max-total-tokens", str(args.kv_tokens),
-              "--disable-prefill-cuda-graph", "--max-running-requests", str(max(concs)),
+              "--disable-prefill-cuda-graph", "--max-running-requests", str(widest),
               "--sampling-backend", "pytorch", "--sleep-on-idle"]
     spec = ["--speculative-draft-model-path", draft]
     configs = {"ar": common}
@@ -185,6 +194,31 @@ def main():
                                   zip(prompts, kinds)))
             return res, time.time() - t0
 
+        # 1) speed: one server at a time (the others idle under --sleep-on-idle), the same
+        # constrained mix, a warm-up pass, then the median of --speed-repeats passes
+        for conc in speed_concs:
+            row = result["speed"].setdefault(str(conc), {})
+            for tag, srv in servers.items():
+                try:
+                    run(srv, conc)  # warm-up
+                    passes = [run(srv, conc) for _ in range(args.speed_repeats)]
+                except Exception as e:  # noqa: BLE001 -- recorded; the lossless checks still run
+                    result["errors"].append(f"{tag} speed c{conc}: {e!r}"[:2000])
+                    continue
+                tps = sorted(sum(len(r["output_ids"]) for r in res) / wall
+                             for res, wall in passes)
+                row[tag] = {"tokens_per_s": tps[len(tps) // 2], "tokens_per_s_passes": tps,
+                            "accept_length": lossless.accept_length(
+                                [r["meta_info"] for r in passes[-1][0]])}
+            if "dflash" in row:
+                for tag in row:
+                    if tag.startswith("ddtree"):
+                        row[tag]["over_dflash"] = (row[tag]["tokens_per_s"]
+                                                   / row["dflash"]["tokens_per_s"])
+            print(f"[speed] c={conc}: " + json.dumps(row))
+            dump()
+
+        # 2) lossless: every server against AR's reference, at every --batch-sizes concurrency
         ref, _ = run(servers["ar"], 1)
         ref_ids = [r["output_ids"] for r in ref]
         for tag, srv in servers.items():

@@ -103,9 +103,10 @@ for s in "$@"; do
              grep -h "sync check" /tmp/ddtree_e2e_syncs/*.log > "$OUT/sync_check_h200.log" ;;
     grammar) # (session 50, written without a GPU) grammar-constrained requests served: regex, JSON
              # schema, EBNF and unconstrained prompts mixed in every batch on the tiny pair (with
-             # its tokenizer, xgrammar), DDTREE budgets 8 / 32 and DFLASH against AR token for
-             # token, every constrained output checked with xgrammar (scripts/e2e_grammar.py)
-             step grammar ${GRAMMAR_LIMIT:-420} python3 scripts/e2e_grammar.py \
+             # its tokenizer, xgrammar); tokens/s of AR, DFLASH and DDTREE budgets 8 / 32 one
+             # server at a time, then DDTREE and DFLASH against AR token for token, every
+             # constrained output checked with xgrammar (scripts/e2e_grammar.py)
+             step grammar ${GRAMMAR_LIMIT:-540} python3 scripts/e2e_grammar.py \
                --out "$OUT/e2e_grammar_h200.json" ${GRAMMAR_ARGS:-} ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
     e2e2gpu) # the suite split over the two GPUs of nvidia-h200-x2, both halves at once:

@@ -155,6 +155,13 @@ def test_dry_run_passes_when_every_server_matches(monkeypatch, tmp_path, compile
     assert set(run["grammar"]) == {"regex", "json", "ebnf"}
     assert run["identical_by_constraint"]["none"] == [2, 2]
     assert all(s.stopped for s in FakeServer.started)
+    # the speed phase: every server at each speed concurrency, DDTREE over DFLASH in one run
+    assert set(res["speed"]) == {"1", "8"}
+    row = res["speed"]["1"]
+    assert set(row) == {"ar", "dflash", "ddtree_b8", "ddtree_b32"}
+    assert len(row["ddtree_b8"]["tokens_per_s_passes"]) == 3
+    assert row["ddtree_b8"]["over_dflash"] == pytest.approx(
+        row["ddtree_b8"]["tokens_per_s"] / row["dflash"]["tokens_per_s"])
 
 
 def test_dry_run_fails_on_a_mismatch_or_a_banned_token(monkeypatch, tmp_path, compiled):
@@ -167,7 +174,9 @@ def test_dry_run_fails_on_a_mismatch_or_a_banned_token(monkeypatch, tmp_path, co
     # a server whose requests fail: recorded, the other servers' runs still complete
     FakeServer.ban, FakeServer.fail = None, 32
     rc, res = _run(monkeypatch, tmp_path, compiled)
-    assert rc == 1 and res["errors"] and "ddtree_b32 c1" in res["errors"][0]
+    assert rc == 1 and res["errors"][-1].startswith("ddtree_b32 c1: ")
+    assert res["errors"][0].startswith("ddtree_b32 speed c1: ")
+    assert "ddtree_b32" not in res["speed"]["1"] and "ddtree_b8" in res["speed"]["1"]
     assert len(res["servers"]["ddtree_b8"]["runs"]) == 2 and res["summary"]["ddtree_runs"] == 2
     assert all(s.stopped for s in FakeServer.started)
     FakeServer.fail = None
