@@ -7,9 +7,9 @@ tokenizer, ``--grammar-backend xgrammar``): the target alone (AR), DFLASH and DD
 ``--batch-sizes`` concurrency, each prompt with one of the constraints below or none, so every
 batch mixes regex, JSON-schema, EBNF and unconstrained requests. For each server the script
 checks, token for token against AR, that the outputs are equal (a divergence is a *near tie*
-only when the target's own log-probs of the two tokens at the first differing position lie
-within ``--tie-tol``, queried from the AR server without the constraint: the grammar's mask only
-removes tokens, so the gap between two allowed tokens is the unconstrained one), and with
+only when the target's own log-probs of the two emitted tokens at the first differing position
+lie within ``--tie-tol``, queried from the AR server without the constraint: the grammar's mask
+only removes tokens, so the gap between two allowed tokens is the unconstrained one), and with
 xgrammar that every constrained output is a prefix the grammar accepts (and a complete match
 when the request stopped on its own). DFLASH runs the same checks: SGLang's own grammar path,
 the baseline DDTREE has to match.
@@ -70,6 +70,41 @@ def sampling_of(name):
         key, value = CONSTRAINTS[name]
         params[key] = value
     return params
+
+
+def judge(ar, prompts, outs, ref, kinds, tie_tol, tag):
+    """(identical, near_ties, mismatches) against AR. Unconstrained prompts: ``compare``'s rule
+    (DDTREE's token within ``tie_tol`` of the target's best). Constrained ones: the target's
+    best token may be one the grammar bans, so the rule compares the two tokens the servers
+    emitted, both allowed: AR's own log-prob of its token minus that of DDTREE's at the first
+    difference (unconstrained log-probs; the grammar's mask only removes tokens). A divergence
+    in length only (one output stopped) is a mismatch."""
+    identical = near = 0
+    mismatches = []
+    for p, o, r, kind in zip(prompts, outs, ref, kinds):
+        if kind is None:
+            i, n, bad = lossless.compare(ar, [p], [o], [r], tie_tol, tag)
+            identical, near, mismatches = identical + i, near + n, mismatches + bad
+            continue
+        i = lossless.first_diff(o, r)
+        if i is None:
+            identical += 1
+            continue
+        entry = {"constraint": kind, "prompt_len": len(p), "position": i,
+                 "ddtree_token": o[i] if i < len(o) else None,
+                 "ar_token": r[i] if i < len(r) else None}
+        if i < len(o) and i < len(r):
+            q = ar.generate(p + r[:i], 1, logprob=True, token_ids_logprob=[r[i], o[i]])
+            lps = {int(t): float(lp) for lp, t, *_ in
+                   q["meta_info"]["output_token_ids_logprobs"][0]}
+            entry["token_gap"] = lps[r[i]] - lps[o[i]]
+            print(f"[{tag}] {kind} divergence at {i}: AR's token {entry['token_gap']:.4f} "
+                  "above DDTREE's")
+            if entry["token_gap"] <= tie_tol:
+                near += 1
+                continue
+        mismatches.append(entry)
+    return identical, near, mismatches
 
 
 def grammar_checker(target_dir, vocab_size):
@@ -247,8 +282,8 @@ def main():
                              "output_tokens": sum(len(o) for o in outs),
                              "accept_length": lossless.accept_length(metas)}
                 if tag != "ar":
-                    ident, near, bad = lossless.compare(servers["ar"], prompts, outs, ref_ids,
-                                                        args.tie_tol, f"{tag} c{conc}")
+                    ident, near, bad = judge(servers["ar"], prompts, outs, ref_ids, kinds,
+                                             args.tie_tol, f"{tag} c{conc}")
                     by_kind = {}
                     for name, o, r in zip(kinds, outs, ref_ids):
                         k = by_kind.setdefault(name or "none", [0, 0])

@@ -232,15 +232,19 @@ class Server:
         self.startup_s = time.time() - self.t0
         return self
 
-    def generate(self, input_ids, max_new_tokens, sampling=None, logprob=False, timeout=180):
+    def generate(self, input_ids, max_new_tokens, sampling=None, logprob=False, timeout=180,
+                 token_ids_logprob=None):
         """One request. ``timeout``: a request of this suite takes seconds; a server that sits
         on one longer is hung (seen once on the two-GPU host), and the case should say so
-        instead of holding the whole run until its time limit."""
+        instead of holding the whole run until its time limit. ``logprob``: the top-8
+        log-probs of each output position, and those of ``token_ids_logprob`` if given."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         params.update(sampling or {})
         payload = {"input_ids": input_ids, "sampling_params": params}
         if logprob:
             payload.update(return_logprob=True, top_logprobs_num=8, logprob_start_len=-1)
+            if token_ids_logprob:
+                payload.update(token_ids_logprob=list(token_ids_logprob))
         try:
             return http(f"http://127.0.0.1:{self.port}/generate", payload, timeout=timeout)
         except OSError as e:  # timeouts and refused connections; the log says the rest

@@ -87,7 +87,8 @@ class FakeServer:
     whose server emits a banned token first on the regex prompts."""
 
     compiled = None
-    diverge = ban = fail = None
+    diverge = ban = fail = swap = None
+    pair_gap = 0.1
     started = []
 
     def __init__(self, args, log, port, env=None, wait=True):
@@ -102,11 +103,17 @@ class FakeServer:
     def wait_ready(self):
         return self
 
-    def generate(self, ids, n, sampling=None, logprob=False):
+    def generate(self, ids, n, sampling=None, logprob=False, token_ids_logprob=None):
         if self.budget is not None and self.budget == FakeServer.fail:
             raise RuntimeError("request failed")
-        if logprob:  # the near-tie query: the AR token far ahead of every other
-            return {"meta_info": {"output_top_logprobs": [[(-0.1, 1, ""), (-5.0, 2, "")]]}}
+        if logprob:  # the near-tie query: the AR token far ahead of every other; the pair's
+            # gap is FakeServer.pair_gap (AR's token above the other)
+            meta = {"output_top_logprobs": [[(-0.1, 1, ""), (-5.0, 2, "")]]}
+            if token_ids_logprob:
+                a, b = token_ids_logprob
+                meta["output_token_ids_logprobs"] = [[(-3.0, a, None),
+                                                      (-3.0 - FakeServer.pair_gap, b, None)]]
+            return {"meta_info": meta}
         kind = next((k for k, (key, _) in e2e_grammar.CONSTRAINTS.items()
                      if key in (sampling or {})), None)
         assert sampling["ignore_eos"] is False
@@ -118,6 +125,11 @@ class FakeServer:
             out, finish = constrained_walk(FakeServer.compiled[kind], n, seed=sum(ids))
             if kind == "regex" and self.budget is not None and self.budget == FakeServer.ban:
                 out = [2] + out[1:]  # "#" is no indented line's first character
+            if kind == "json" and self.budget is not None and self.budget == FakeServer.swap:
+                # another allowed token at the second position: where AR's best is banned,
+                # only the two emitted tokens' gap says whether this is a near tie
+                out, finish = constrained_walk(FakeServer.compiled[kind], n,
+                                               seed=sum(ids) + 1)
         meta = {"completion_tokens": len(out), "spec_verify_ct": max(1, len(out) // 3),
                 "finish_reason": finish}
         return {"output_ids": out, "meta_info": meta}
@@ -162,6 +174,21 @@ def test_dry_run_passes_when_every_server_matches(monkeypatch, tmp_path, compile
     assert len(row["ddtree_b8"]["tokens_per_s_passes"]) == 3
     assert row["ddtree_b8"]["over_dflash"] == pytest.approx(
         row["ddtree_b8"]["tokens_per_s"] / row["dflash"]["tokens_per_s"])
+
+
+def test_constrained_divergence_is_judged_by_the_two_emitted_tokens(monkeypatch, tmp_path,
+                                                                     compiled):
+    FakeServer.diverge = FakeServer.ban = FakeServer.fail = None
+    FakeServer.swap, FakeServer.pair_gap = 8, 0.1  # within --tie-tol: near ties
+    rc, res = _run(monkeypatch, tmp_path, compiled)
+    runs = res["servers"]["ddtree_b8"]["runs"]
+    assert rc == 0 and all(r["near_ties"] >= 1 and not r["mismatches"] for r in runs)
+    assert res["summary"]["ddtree_near_ties"] >= 2
+    FakeServer.pair_gap = 2.0  # far apart: mismatches, the run fails
+    rc, res = _run(monkeypatch, tmp_path, compiled)
+    bad = res["servers"]["ddtree_b8"]["runs"][0]["mismatches"]
+    assert rc == 1 and bad and bad[0]["constraint"] == "json" and bad[0]["token_gap"] == 2.0
+    FakeServer.swap, FakeServer.pair_gap = None, 0.1
 
 
 def test_dry_run_fails_on_a_mismatch_or_a_banned_token(monkeypatch, tmp_path, compiled):
