@@ -24,7 +24,9 @@ One step (``ddtree_generate``), per batch of requests with prefix lengths ``seq_
    the accepted nodes' target hidden states (``path_hidden``) appended to the drafter's context.
 
 ``ar_generate`` is plain autoregressive decoding of the same target with the same pool; greedy
-DDTree output must equal it token for token, and the KV left in the pool must match.
+DDTree output must equal it token for token, and the KV left in the pool must match. Both take
+``constrain``, a constrained decoder's mask (a grammar): AR masks each step's logits with the
+tokens generated so far, DDTree every tree node's with the tokens so far and the node's path.
 """
 from __future__ import annotations
 
@@ -355,7 +357,7 @@ class GenResult:
     off_chain: int = 0  # accepted nodes that are not rank 0 of their parent's children
 
 
-def _prefill(target, rt, prompts, mode, sampler, generator, drafter):
+def _prefill(target, rt, prompts, mode, sampler, generator, drafter, constrain=None):
     """Extend forward over all prompts (different lengths, padded); first token from the last
     position; prompt hidden states go to the drafter's context."""
     r = len(prompts)
@@ -374,8 +376,10 @@ def _prefill(target, rt, prompts, mode, sampler, generator, drafter):
     pos = torch.arange(n).expand(r, n)
     logits, hid = target.forward(rt.pool, ids, pos, q_valid, out_slots, ks, kv, mask)
     last = (lens - 1)[:, None, None]
-    first = _pick(logits.gather(1, last.expand(r, 1, logits.shape[-1])), mode, sampler,
-                  generator)[:, 0]
+    first_logits = logits.gather(1, last.expand(r, 1, logits.shape[-1]))
+    if constrain is not None:  # nothing generated yet
+        constrain([[] for _ in range(r)], first_logits.view(r, -1))
+    first = _pick(first_logits, mode, sampler, generator)[:, 0]
     if drafter is not None:
         drafter.append_context(hid, pos, out_slots, lens)
     rt.seq_lens[:], rt.bonus[:] = lens, first
@@ -394,10 +398,15 @@ def _setup(target, prompts, max_new_tokens, width, seed, move_order=None):
 
 def ar_generate(target: TinyTransformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 mode: str = "greedy", generator: Optional[torch.Generator] = None,
-                sampler: Optional[Callable] = None, slot_seed: int = 0) -> GenResult:
-    """Plain autoregressive decoding (one token per request per forward) with the same pool."""
+                sampler: Optional[Callable] = None, slot_seed: int = 0,
+                constrain: Optional[Callable] = None) -> GenResult:
+    """Plain autoregressive decoding (one token per request per forward) with the same pool.
+
+    constrain(histories, logits [rows, V]): a constrained decoder's mask (a grammar), applied in
+    place to each row's logits before the pick; histories[i] is the row's generated tokens so
+    far (the prompt excluded), the row's logits predict the token after them."""
     rt = _setup(target, prompts, max_new_tokens, 1, slot_seed)
-    outs = _prefill(target, rt, prompts, mode, sampler, generator, None)
+    outs = _prefill(target, rt, prompts, mode, sampler, generator, None, constrain)
     for _ in range(max_new_tokens - 1):
         reqs = torch.arange(len(prompts))
         rt.reserve(reqs, rt.seq_lens + 1)
@@ -406,6 +415,8 @@ def ar_generate(target: TinyTransformer, prompts: Sequence[Sequence[int]], max_n
         logits, _ = target.forward(rt.pool, rt.bonus[:, None], rt.seq_lens[:, None],
                                    torch.ones_like(out, dtype=torch.bool), out, ks, kv,
                                    causal_mask(rt.seq_lens, 1, ks.shape[1]))
+        if constrain is not None:
+            constrain(outs, logits.view(len(outs), -1))
         nxt = _pick(logits, mode, sampler, generator)[:, 0]
         rt.seq_lens += 1
         rt.bonus = nxt
@@ -419,14 +430,18 @@ def ddtree_generate(target: TinyTransformer, drafter: ChainDrafter,
                     block_size: int, mode: str = "greedy",
                     generator: Optional[torch.Generator] = None, sampler: Optional[Callable] = None,
                     topk: Optional[int] = None, checks: bool = True, slot_seed: int = 0,
-                    kv_move_order: Optional[str] = None) -> GenResult:
+                    kv_move_order: Optional[str] = None,
+                    constrain: Optional[Callable] = None) -> GenResult:
     """DDTree decoding with the package's step functions (see the module docstring).
 
     mode: "greedy" (target argmax per node) or "sampled" (temperature 1, ``sample_per_node``, or
     ``sampler(logits [bs, N, V], generator) -> [bs, N]`` if given). checks: also run the CPU
     oracles (tree, accept walk, both FULL_MASK writers, ancestor mask) and assert agreement.
     slot_seed shuffles the free slot list; kv_move_order: the target pool's ``move_order``.
-    Requests leave the batch once they have max_new_tokens tokens (extra ones are cut).
+    constrain: as for :func:`ar_generate`, applied to every tree node's logits with the node's
+    history (the request's tokens so far, then the node's path), as the worker masks each node
+    with a grammar's bitmask. Requests leave the batch once they have max_new_tokens tokens
+    (extra ones are cut).
     """
     if mode not in ("greedy", "sampled") or block_size < 2:
         raise ValueError(f"ddtree_generate: expected mode greedy|sampled and block_size >= 2, "
@@ -436,8 +451,8 @@ def ddtree_generate(target: TinyTransformer, drafter: ChainDrafter,
     k = min(budget, vocab) if topk is None else min(topk, budget, vocab)
     rt = _setup(target, prompts, max_new_tokens, width, slot_seed, kv_move_order)
     drafter.reset(rt.pool.k[0].shape[0])
-    res = GenResult(outputs=_prefill(target, rt, prompts, mode, sampler, generator, drafter),
-                    rt=rt)
+    res = GenResult(outputs=_prefill(target, rt, prompts, mode, sampler, generator, drafter,
+                                     constrain), rt=rt)
     while True:
         reqs = torch.tensor([b for b, o in enumerate(res.outputs) if len(o) < max_new_tokens],
                             dtype=torch.int64)
@@ -472,6 +487,9 @@ def ddtree_generate(target: TinyTransformer, drafter: ChainDrafter,
                                      torch.ones_like(out, dtype=torch.bool), out, ks, kv, mask)
 
         # 4) accept
+        if constrain is not None:
+            constrain(_node_histories(tree, [res.outputs[b] for b in reqs.tolist()]),
+                      logits.view(bs * n, -1))
         predicted = _pick(logits, mode, sampler, generator)
         accept_len, nodes, bonus = accept_walk(tree, predicted)
         if checks:
@@ -494,6 +512,20 @@ def ddtree_generate(target: TinyTransformer, drafter: ChainDrafter,
             res.outputs[b].extend(step.out_tokens[i, : int(step.commit_lens[i])].tolist())
     res.outputs = [o[:max_new_tokens] for o in res.outputs]
     return res
+
+
+def _node_histories(tree, outputs) -> List[List[int]]:
+    """Row b * N + i: request b's tokens so far (ending with the root) then node i's path."""
+    bs, n = tree.tokens.shape
+    rows = []
+    for b in range(bs):
+        for i in range(n):
+            path, node = [], i
+            while node > 0:
+                path.append(int(tree.tokens[b, node]))
+                node = int(tree.parents[b, node])
+            rows.append(list(outputs[b]) + path[::-1])
+    return rows
 
 
 def _count_off_chain(tree, nodes) -> int:

@@ -91,6 +91,41 @@ def test_greedy_ddtree_equals_ar(bs):
     assert off_chain > 0  # some accepted paths go through a non-first child
 
 
+def _toy_grammar(vocab):
+    """A constrained decoder's mask whose allowed set depends on the last three tokens, not the
+    last alone (a node's mask needs its whole path): token t may follow history h iff
+    (5 * sum(h[-3:]) + t) % 3 != 0; the first token must be below vocab // 2."""
+    tokens = torch.arange(vocab)
+
+    def constrain(histories, logits):
+        for row, h in enumerate(histories):
+            ok = tokens < vocab // 2 if not h else (5 * sum(h[-3:]) + tokens) % 3 != 0
+            logits[row].masked_fill_(~ok, float("-inf"))
+
+    return constrain, lambda h, t: (t < vocab // 2) if not h else (5 * sum(h[-3:]) + t) % 3 != 0
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_greedy_ddtree_equals_ar_under_a_grammar(bs):
+    """Every tree node's logits masked with its own path's history, as the worker masks each
+    node with a grammar's bitmask: DDTREE's output is the constrained AR output, token for
+    token, and obeys the constraint; the constraint changes the output (it bites)."""
+    constrain, allowed = _toy_grammar(CFG.vocab)
+    for seed in SEEDS:
+        target, prompts, drafters = _case(seed)
+        ar = rs.ar_generate(target, prompts[:bs], MAX_NEW, slot_seed=seed + 1,
+                            constrain=constrain)
+        assert ar.outputs != _ar(seed, bs).outputs
+        for out in ar.outputs:
+            assert all(allowed(out[:i], t) for i, t in enumerate(out))
+        for kind in ("good", "bad"):
+            for budget in (4, 16, 40):
+                res = rs.ddtree_generate(target, rs.ChainDrafter(drafters[kind]),
+                                         prompts[:bs], MAX_NEW, budget, 8,
+                                         slot_seed=seed + 2, constrain=constrain)
+                assert res.outputs == ar.outputs, (seed, kind, budget)
+
+
 @pytest.mark.parametrize("bs", [1, 3])
 def test_kv_pools_match_ar(bs):
     """Target KV at each request's first seq_len positions equals AR's pool and a cache-free
