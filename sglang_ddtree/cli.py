@@ -37,6 +37,7 @@ def collect_info() -> dict:
         "triton_verify_behind": {},
         "mla_prefix_flashmla": None,
         "mha_prefix_fa3": None,
+        "requests": {},
         "settings": {},
     }
     try:
@@ -59,6 +60,7 @@ def collect_info() -> dict:
         )
     except Exception as e:  # reported, not hidden: this is a diagnostic command
         info["registration_error"] = f"{type(e).__name__}: {e}"
+    info["requests"] = request_support()
     info["tree_verify_backends"] = installed_tree_backends()
     info["triton_verify_behind"] = triton_verify_backends()
     info["mla_prefix_flashmla"] = flashmla_prefix_status()
@@ -79,6 +81,21 @@ def collect_info() -> dict:
     except config.DDTreeConfigError as e:  # a bad env value is what the user needs to see
         info["settings"] = {"error": str(e)}
     return info
+
+
+def request_support() -> dict:
+    """Per-request features with this SGLang release: what DDTREE serves and what it refuses."""
+    from . import compat
+
+    try:
+        sgl = compat.load()
+    except Exception as e:  # an unsupported SGLang: registration says why
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {
+        "grammar": "served (regex, json_schema, ebnf, structural_tag: a bitmask per tree node)",
+        "return_logprob": ("served (SGLang's compute_spec_logprobs)" if sgl.SPEC_LOGPROBS else
+                           f"refused at admission (SGLang {sgl.VERSION}'s DFLASH check)"),
+    }
 
 
 def _prefix_setting(name: str, min_batch: int) -> str:

@@ -225,6 +225,14 @@ def test_cli_info_reports_registration(loaded, capsys):
     assert "mha_prefix_fa3         not usable: device cpu" in out
     assert "'mla_prefix': 'auto'" in out and "'mha_prefix': 'auto'" in out  # the defaults
     assert "'draft_attention': 'auto'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
+    # per-request features with this release: grammar served, logprobs where SGLang has them
+    from sglang_ddtree import compat
+
+    req = cli.request_support()
+    assert req["grammar"].startswith("served")
+    assert req["return_logprob"].startswith(
+        "served" if compat.load().SPEC_LOGPROBS else "refused")
+    assert "'grammar': 'served" in out
 
 
 def test_request_validation_admits_grammar_and_logprob_where_sglang_computes_it(loaded):
