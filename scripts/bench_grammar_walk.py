@@ -36,16 +36,7 @@ import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-
-
-def tokenizer_vocab(target_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    vocab = [None] * len(tok)
-    for s, i in tok.get_vocab().items():
-        vocab[i] = s
-    return tok, vocab
+from e2e_grammar import allowed_tokens  # noqa: E402
 
 
 def padded_info(tok, vocab_size, seed=0):
@@ -66,15 +57,6 @@ def padded_info(tok, vocab_size, seed=0):
             decoded.append(s)
     return xgr.TokenizerInfo(decoded, vocab_type=xgr.VocabType.RAW, vocab_size=vocab_size,
                              stop_token_ids=[tok.eos_token_id])
-
-
-def allowed_tokens(matcher, vocab_size):
-    import xgrammar as xgr
-
-    mask = xgr.allocate_token_bitmask(1, vocab_size)
-    matcher.fill_next_token_bitmask(mask)
-    words = mask[0].tolist()
-    return [t for t in range(vocab_size) if (words[t // 32] >> (t % 32)) & 1]
 
 
 def reference_walk(compiled, vocab_size, length, rng):
@@ -135,30 +117,26 @@ def make_trees(compiled, vocab_size, bs, block, topk, budget, valid_share, seed)
     return tree, torch.tensor(chains, dtype=torch.int64), roots
 
 
-class Grammar:
-    """SGLang's XGrammarGrammar interface over an xgrammar matcher, unpinned bitmask (CPU)."""
+def unpinned_grammar(compiled, vocab_size):
+    """SGLang's XGrammarGrammar over a fresh matcher, its bitmask allocated unpinned (the
+    backend pins it, which needs a CUDA driver)."""
+    import xgrammar as xgr
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
 
-    def __new__(cls, matcher, vocab_size, compiled):
-        import xgrammar as xgr
-        from sglang.srt.constrained.xgrammar_backend import XGrammarGrammar
-
-        class _G(XGrammarGrammar):
-            def allocate_vocab_mask(self, vocab_size, batch_size, device):
-                return xgr.allocate_token_bitmask(batch_size, vocab_size)
-
-        return _G(matcher, vocab_size, compiled, None)
+    gr = XGrammarGrammar(xgr.GrammarMatcher(compiled), vocab_size, compiled, None)
+    gr.allocate_vocab_mask = lambda vocab_size, batch_size, device: xgr.allocate_token_bitmask(
+        batch_size, vocab_size)
+    return gr
 
 
 def walk_ms(compiled, vocab_size, roots, next_token, next_sibling, tokens, repeats):
     """(median ms of one build_grammar_vocab_mask over the batch, admitted nodes)."""
-    import xgrammar as xgr
-
     from sglang_ddtree import compat
 
     sgl = compat.load()
     grammars = []
     for r in roots:
-        gr = Grammar(xgr.GrammarMatcher(compiled), vocab_size, compiled)
+        gr = unpinned_grammar(compiled, vocab_size)
         gr.accept_token(int(r))
         grammars.append(gr)
     reqs = [types.SimpleNamespace(grammar=gr) for gr in grammars]
@@ -206,10 +184,12 @@ def main():
     import torch
     import xgrammar as xgr
 
-    from e2e_grammar import ASSETS, CONSTRAINTS
+    from transformers import AutoTokenizer
+
+    from e2e_grammar import ASSETS, compile_constraint
     from sglang_ddtree.provenance import checkout_digest
 
-    tok, _ = tokenizer_vocab(os.path.join(ASSETS, "target"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(ASSETS, "target"))
     budgets = [int(b) for b in args.budgets.split(",") if b]
     result = {
         "what": "CPU ms of SGLang's grammar walk over one step's verify trees (a batch of "
@@ -227,22 +207,18 @@ def main():
         info = padded_info(tok, max(vocab_size, len(tok)))
         compiler = xgr.GrammarCompiler(info)
         for name in [c for c in args.constraints.split(",") if c]:
-            key, value = CONSTRAINTS[name]
-            compiled = (compiler.compile_regex(value) if key == "regex" else
-                        compiler.compile_json_schema(value) if key == "json_schema" else
-                        compiler.compile_grammar(value))
+            compiled = compile_constraint(compiler, name)
             row = {"vocab": info.vocab_size, "constraint": name}
-            tree, chains, roots = make_trees(compiled, info.vocab_size, args.batch, args.block,
-                                             args.topk, max(budgets), args.valid_share, seed=1)
-            nxt, sib = chain_links(chains)
-            row["dflash_chain"] = dict(zip(FIELDS, walk_ms(
-                compiled, info.vocab_size, roots, nxt, sib, chains, args.repeats)))
-            for b in budgets:
-                tree, _, roots = make_trees(compiled, info.vocab_size, args.batch, args.block,
-                                            args.topk, b, args.valid_share, seed=1)
+            for b in budgets:  # seeded alike: every budget's trees around the same references
+                tree, chains, roots = make_trees(compiled, info.vocab_size, args.batch,
+                                                 args.block, args.topk, b, args.valid_share,
+                                                 seed=1)
                 row[f"ddtree_b{b}"] = dict(zip(FIELDS, walk_ms(
                     compiled, info.vocab_size, roots, tree.retrive_next_token,
                     tree.retrive_next_sibling, tree.tokens, args.repeats)))
+            nxt, sib = chain_links(chains)
+            row["dflash_chain"] = dict(zip(FIELDS, walk_ms(
+                compiled, info.vocab_size, roots, nxt, sib, chains, args.repeats)))
             result["rows"].append(row)
             print(json.dumps(row))
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

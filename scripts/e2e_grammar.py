@@ -107,25 +107,47 @@ def judge(ar, prompts, outs, ref, kinds, tie_tol, tag):
     return identical, near, mismatches
 
 
+def constraint_compiler(target_dir, vocab_size):
+    """(tokenizer, xgrammar GrammarCompiler) over the target's tokenizer, its EOS the stop token
+    (as SGLang's xgrammar backend builds it)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size,
+                                              stop_token_ids=[tok.eos_token_id])
+    return tok, xgr.GrammarCompiler(info)
+
+
+def compile_constraint(compiler, name):
+    """CONSTRAINTS[name] compiled by xgrammar, as SGLang's backend compiles that parameter."""
+    key, value = CONSTRAINTS[name]
+    if key == "regex":
+        return compiler.compile_regex(value)
+    if key == "json_schema":
+        return compiler.compile_json_schema(value)
+    return compiler.compile_grammar(value)
+
+
+def allowed_tokens(matcher, vocab_size):
+    """The token ids ``matcher`` allows next (its bitmask unpacked)."""
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    words = mask[0].tolist()
+    return [t for t in range(vocab_size) if (words[t // 32] >> (t % 32)) & 1]
+
+
 def grammar_checker(target_dir, vocab_size):
     """check(name, output_ids, finish) -> dict: whether xgrammar accepts the output as a prefix
     of the constraint's language, and whether it is a whole sentence when the request stopped
     on its own (its stop token, if SGLang returned it, is fed too)."""
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok, compiler = constraint_compiler(target_dir, vocab_size)
     eos = [tok.eos_token_id]
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=eos)
-    compiler = xgr.GrammarCompiler(info)
-    compiled = {}
-    for name, (key, value) in CONSTRAINTS.items():
-        if key == "regex":
-            compiled[name] = compiler.compile_regex(value)
-        elif key == "json_schema":
-            compiled[name] = compiler.compile_json_schema(value)
-        else:
-            compiled[name] = compiler.compile_grammar(value)
+    compiled = {name: compile_constraint(compiler, name) for name in CONSTRAINTS}
 
     def check(name, output_ids, finish):
         m = xgr.GrammarMatcher(compiled[name])

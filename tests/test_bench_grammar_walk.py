@@ -18,13 +18,14 @@ import bench_grammar_walk as bgw  # noqa: E402
 
 def test_trees_hold_the_reference_path_and_the_walk_admits_it():
     import xgrammar as xgr
+    from transformers import AutoTokenizer
 
-    tok, _ = bgw.tokenizer_vocab(os.path.join(bgw.HERE, "..", "bench_assets", "tiny-code",
-                                              "target"))
+    from e2e_grammar import compile_constraint
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(bgw.HERE, "..", "bench_assets",
+                                                     "tiny-code", "target"))
     info = bgw.padded_info(tok, 4096)
-    from e2e_grammar import CONSTRAINTS
-
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(CONSTRAINTS["json"][1])
+    compiled = compile_constraint(xgr.GrammarCompiler(info), "json")
     tree, chains, roots = bgw.make_trees(compiled, info.vocab_size, bs=2, block=8, topk=4,
                                          budget=12, valid_share=0.5, seed=3)
     for b in range(2):  # rank 0 at every depth is the reference token: the best path

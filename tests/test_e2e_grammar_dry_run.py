@@ -29,28 +29,18 @@ def check():
 
 @pytest.fixture(scope="module")
 def compiled():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TARGET)
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB,
-                                              stop_token_ids=[tok.eos_token_id])
-    comp = xgr.GrammarCompiler(info)
-    return {"regex": comp.compile_regex(e2e_grammar.CONSTRAINTS["regex"][1]),
-            "json": comp.compile_json_schema(e2e_grammar.CONSTRAINTS["json"][1]),
-            "ebnf": comp.compile_grammar(e2e_grammar.CONSTRAINTS["ebnf"][1])}
+    _, comp = e2e_grammar.constraint_compiler(TARGET, VOCAB)
+    return {name: e2e_grammar.compile_constraint(comp, name) for name in ("regex", "json", "ebnf")}
 
 
 def constrained_walk(grammar, n, seed):
     """Up to n tokens a grammar allows (a seeded pick among the allowed ones at each step);
     (tokens, finish reason)."""
     m = xgr.GrammarMatcher(grammar)
-    mask = xgr.allocate_token_bitmask(1, VOCAB)
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        m.fill_next_token_bitmask(mask)
-        words = mask[0].tolist()
-        allowed = [t for t in range(VOCAB) if (words[t // 32] >> (t % 32)) & 1]
+        allowed = e2e_grammar.allowed_tokens(m, VOCAB)
         t = allowed[0] if rng.random() < 0.5 else rng.choice(allowed)
         assert m.accept_token(t)
         out.append(t)
@@ -64,11 +54,9 @@ def test_checker_accepts_allowed_outputs_and_rejects_a_banned_token(check, compi
         out, finish = constrained_walk(grammar, 48, seed=len(name))
         c = check(name, out, finish)
         assert c["accepted_prefix"] and c["complete"] == (finish["type"] == "stop"), (name, c)
-        m = xgr.GrammarMatcher(grammar)  # a token the grammar bans right at the start
-        mask = xgr.allocate_token_bitmask(1, VOCAB)
-        m.fill_next_token_bitmask(mask)
-        words = mask[0].tolist()
-        banned = next(t for t in range(VOCAB) if not (words[t // 32] >> (t % 32)) & 1)
+        # a token the grammar bans right at the start
+        allowed = set(e2e_grammar.allowed_tokens(xgr.GrammarMatcher(grammar), VOCAB))
+        banned = next(t for t in range(VOCAB) if t not in allowed)
         assert not check(name, [banned] + out[1:], finish)["accepted_prefix"]
 
 
