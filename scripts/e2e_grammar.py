@@ -20,6 +20,11 @@ tokens/s, medians of ``--speed-repeats`` passes after a warm-up, DDTREE / DFLASH
 run. Accept lengths come from SGLang's ``spec_verify_ct``.
 
     python scripts/e2e_grammar.py --out bench_results/e2e_grammar_h200.json
+
+``--model mla`` runs the same checks on e2e_lossless's MLA + MoE target (DeepSeek-V2 layout,
+SGLang's dummy weights, config only) and its DFlash drafter, given the tiny pair's tokenizer:
+the tree verify on MLA attention and MoE layers under a grammar (no speed figure: dummy weights).
+``--budgets`` takes ``auto`` beside integers.
 """
 
 from __future__ import annotations
@@ -56,6 +61,38 @@ CONSTRAINTS = {
         "name ::= [a-z_] [a-z_0-9]*",
         'params ::= (name (", " name)*)?'])),
 }
+
+
+# The MLA + MoE target of e2e_lossless's ``mla`` case (DeepSeek-V2 layout, SGLang's dummy weights,
+# config only) and its DFlash drafter, given the tiny pair's tokenizer so that grammars compile:
+# the vocabulary shrinks to the tokenizer's, the drafter's mask token becomes the tokenizer's
+MLA_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def mla_with_tokenizer(workdir):
+    """(target_dir, draft_dir) under ``workdir``: the ``mla`` case's configs with the tiny
+    pair's tokenizer (vocabulary, BOS / EOS and the drafter's mask token made to match)."""
+    import shutil
+
+    tiny_target = os.path.join(ASSETS, "target")
+    tiny_cfg = json.load(open(os.path.join(tiny_target, "config.json")))
+    tiny_draft = json.load(open(os.path.join(ASSETS, "dflash-draft", "config.json")))
+    vocab = tiny_cfg["vocab_size"]
+    dirs = []
+    for name in ("mla-moe-target", "mla-moe-dflash-draft"):
+        cfg = json.load(open(os.path.join(lossless.MODELS, name, "config.json")))
+        cfg["vocab_size"] = vocab
+        cfg["bos_token_id"], cfg["eos_token_id"] = tiny_cfg["bos_token_id"], tiny_cfg["eos_token_id"]
+        if "dflash_config" in cfg:
+            cfg["dflash_config"] = dict(cfg["dflash_config"],
+                                        mask_token_id=tiny_draft["dflash_config"]["mask_token_id"])
+        out = os.path.join(workdir, name + "-tok")
+        os.makedirs(out, exist_ok=True)
+        json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=1)
+        for f in MLA_TOKENIZER_FILES:
+            shutil.copy(os.path.join(tiny_target, f), out)
+        dirs.append(out)
+    return tuple(dirs)
 
 
 def constraint_of(i: int, names):
@@ -167,7 +204,10 @@ def grammar_checker(target_dir, vocab_size):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_results/e2e_grammar_h200.json")
-    ap.add_argument("--budgets", default="8,32")
+    ap.add_argument("--model", choices=("tiny", "mla"), default="tiny",
+                    help="tiny: the trained tiny pair; mla: the MLA + MoE target of "
+                         "e2e_lossless's mla case (dummy weights) with the tiny pair's tokenizer")
+    ap.add_argument("--budgets", default="8,32", help="DDTREE budgets (integers or auto)")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -191,9 +231,12 @@ def main():
     concs = [int(x) for x in args.batch_sizes.split(",") if x]
     speed_concs = [int(x) for x in args.speed_batch_sizes.split(",") if x]
     widest = max(concs + speed_concs)
-    budgets = [int(b) for b in args.budgets.split(",") if b]
-    target = os.path.join(ASSETS, "target")
-    draft = os.path.join(ASSETS, "dflash-draft")
+    budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",") if b]
+    if args.model == "mla":
+        target, draft = mla_with_tokenizer(args.workdir)
+    else:
+        target = os.path.join(ASSETS, "target")
+        draft = os.path.join(ASSETS, "dflash-draft")
     vocab = json.load(open(os.path.join(target, "config.json")))["vocab_size"]
     rows = [json.loads(line)["input_ids"] for line in open(os.path.join(ASSETS,
                                                                         "eval_prompts.jsonl"))]
@@ -202,7 +245,7 @@ def main():
     check = grammar_checker(target, vocab)
 
     result = {
-        **lossless.run_header(),
+        **lossless.run_header(), "model": args.model, "target": target, "draft": draft,
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
         "constraints": {n: CONSTRAINTS[n] for n in names}, "prompt_constraints": kinds,
         "notes": "all servers share one GPU and start at once: the lossless runs' wall times "
@@ -222,6 +265,9 @@ def main():
               "--disable-prefill-cuda-graph", "--max-running-requests", str(widest),
               "--sampling-backend", "pytorch", "--sleep-on-idle"]
     spec = ["--speculative-draft-model-path", draft]
+    if args.model == "mla":  # config only: SGLang's dummy weights, the same in every server
+        common += ["--load-format", "dummy"]
+        spec += ["--speculative-draft-load-format", "dummy"]
     configs = {"ar": common}
     if not args.no_dflash:
         configs["dflash"] = common + spec + ["--speculative-algorithm", "DFLASH"]

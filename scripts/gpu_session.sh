@@ -105,7 +105,9 @@ for s in "$@"; do
              # schema, EBNF and unconstrained prompts mixed in every batch on the tiny pair (with
              # its tokenizer, xgrammar); tokens/s of AR, DFLASH and DDTREE budgets 8 / 32 one
              # server at a time, then DDTREE and DFLASH against AR token for token, every
-             # constrained output checked with xgrammar (scripts/e2e_grammar.py)
+             # constrained output checked with xgrammar (scripts/e2e_grammar.py). Session 51:
+             # GRAMMAR_ARGS="--model mla --budgets 8,auto --no-dflash --speed-batch-sizes=" runs
+             # the MLA + MoE target (dummy weights, the tiny pair's tokenizer) instead
              step grammar ${GRAMMAR_LIMIT:-540} python3 scripts/e2e_grammar.py \
                --out "$OUT/e2e_grammar_h200.json" ${GRAMMAR_ARGS:-} ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;

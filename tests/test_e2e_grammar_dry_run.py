@@ -81,8 +81,9 @@ class FakeServer:
 
     def __init__(self, args, log, port, env=None, wait=True):
         self.args = args
-        self.budget = (int(args[args.index("--speculative-ddtree-budget") + 1])
+        self.budget = (args[args.index("--speculative-ddtree-budget") + 1]
                        if "--speculative-ddtree-budget" in args else None)
+        self.budget = self.budget if self.budget in (None, "auto") else int(self.budget)
         assert args[args.index("--grammar-backend") + 1] == "xgrammar"
         assert "--skip-tokenizer-init" not in args  # the grammar needs the tokenizer
         FakeServer.started.append(self)
@@ -126,7 +127,7 @@ class FakeServer:
         self.stopped = True
 
 
-def _run(monkeypatch, tmp_path, compiled):
+def _run(monkeypatch, tmp_path, compiled, extra=()):
     import torch
 
     lossless = e2e_grammar.lossless
@@ -137,7 +138,7 @@ def _run(monkeypatch, tmp_path, compiled):
     out = tmp_path / "g.json"
     monkeypatch.setattr(sys, "argv", [
         "e2e_grammar.py", "--out", str(out), "--workdir", str(tmp_path / "w"), "--prompts", "8",
-        "--max-new-tokens", "24", "--batch-sizes", "1,2", "--budgets", "8,32"])
+        "--max-new-tokens", "24", "--batch-sizes", "1,2", "--budgets", "8,32", *extra])
     with pytest.raises(SystemExit) as exit_:
         e2e_grammar.main()
     return exit_.value.code, json.loads(out.read_text())
@@ -195,3 +196,32 @@ def test_dry_run_fails_on_a_mismatch_or_a_banned_token(monkeypatch, tmp_path, co
     assert len(res["servers"]["ddtree_b8"]["runs"]) == 2 and res["summary"]["ddtree_runs"] == 2
     assert all(s.stopped for s in FakeServer.started)
     FakeServer.fail = None
+
+
+def test_mla_target_gets_the_tiny_tokenizer_and_dummy_weights(monkeypatch, tmp_path, compiled):
+    """--model mla: the MLA + MoE configs with the tiny pair's tokenizer (vocabulary, EOS and
+    the drafter's mask token matched), dummy weights on every server, budget auto passed on."""
+    FakeServer.diverge = FakeServer.ban = FakeServer.fail = FakeServer.swap = None
+    rc, res = _run(monkeypatch, tmp_path, compiled,
+                   ["--model", "mla", "--budgets", "8,auto", "--no-dflash",
+                    "--speed-batch-sizes", ""])
+    assert rc == 0, res["summary"]
+    assert set(res["servers"]) == {"ar", "ddtree_b8", "ddtree_bauto"} and res["model"] == "mla"
+    for srv in FakeServer.started:
+        a = srv.args
+        assert a[a.index("--model-path") + 1] == res["target"]
+        assert a[a.index("--load-format") + 1] == "dummy"
+        if "--speculative-algorithm" in a:
+            assert a[a.index("--speculative-draft-model-path") + 1] == res["draft"]
+            assert a[a.index("--speculative-draft-load-format") + 1] == "dummy"
+    assert FakeServer.started[-1].budget == "auto"
+    tcfg = json.load(open(os.path.join(res["target"], "config.json")))
+    dcfg = json.load(open(os.path.join(res["draft"], "config.json")))
+    assert tcfg["model_type"] == "deepseek_v2" and tcfg["kv_lora_rank"] == 512
+    assert tcfg["vocab_size"] == dcfg["vocab_size"] == VOCAB
+    assert tcfg["eos_token_id"] == 0 and dcfg["dflash_config"]["mask_token_id"] == 1
+    # the copied tokenizer compiles the constraints over that vocabulary
+    tok, comp = e2e_grammar.constraint_compiler(res["target"], tcfg["vocab_size"])
+    assert tok.convert_ids_to_tokens(1) == "<|MASK|>"
+    assert e2e_grammar.compile_constraint(comp, "ebnf") is not None
+    assert res["summary"]["ddtree_runs"] == 4 and res["summary"]["ddtree_mismatches"] == 0
