@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -105,11 +105,18 @@ for s in "$@"; do
              # schema, EBNF and unconstrained prompts mixed in every batch on the tiny pair (with
              # its tokenizer, xgrammar); tokens/s of AR, DFLASH and DDTREE budgets 8 / 32 one
              # server at a time, then DDTREE and DFLASH against AR token for token, every
-             # constrained output checked with xgrammar (scripts/e2e_grammar.py). Session 51:
-             # GRAMMAR_ARGS="--model mla --budgets 8,auto --no-dflash --speed-batch-sizes=" runs
-             # the MLA + MoE target (dummy weights, the tiny pair's tokenizer) instead
+             # constrained output checked with xgrammar (scripts/e2e_grammar.py)
              step grammar ${GRAMMAR_LIMIT:-540} python3 scripts/e2e_grammar.py \
                --out "$OUT/e2e_grammar_h200.json" ${GRAMMAR_ARGS:-} ;;
+    grammarmla) # (session 51) the same lossless and grammar checks (no speed phase, no DFLASH)
+             # on the MLA + MoE target (dummy weights, config only, the tiny pair's tokenizer)
+             # at budgets 8 / auto, then on the tiny pair at budget auto
+             step grammar-mla ${GRAMMAR_MLA_LIMIT:-280} python3 scripts/e2e_grammar.py --model mla \
+               --budgets 8,auto --no-dflash --speed-batch-sizes= --workdir /tmp/ddtree_grammar_mla \
+               --out "$OUT/e2e_grammar_mla_h200.json"
+             step grammar-auto ${GRAMMAR_AUTO_LIMIT:-240} python3 scripts/e2e_grammar.py \
+               --budgets auto --no-dflash --speed-batch-sizes= --workdir /tmp/ddtree_grammar_auto \
+               --port 30500 --out "$OUT/e2e_grammar_auto_h200.json" ;;
     e2e)     step e2e ${E2E_LIMIT:-480} python3 scripts/e2e_lossless.py --out "$OUT/e2e_lossless_h200.json" ${E2E_ARGS:-} ;;
     e2e2gpu) # the suite split over the two GPUs of nvidia-h200-x2, both halves at once:
              # GPU 0 the core cases (+ speed, deterministic pair), GPU 1 the other backends and paging
