@@ -135,14 +135,17 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
         x_ptrs = xp_ptr + tok[None, :] * XS + k0 + offs_r[:, None]
         b_ptrs = (xp_ptr + tok[None, :] * XS + K + (k0 // _GROUP) * 16
                   + tl.arange(0, 16)[:, None])
-        g_ptrs = s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP) * N2 + offs_n
+        grp = (tl.arange(0, 2)[None, :, None, None] * 4 + tl.arange(0, 2)[None, None, :, None] * 2
+               + tl.arange(0, 2)[None, None, None, :])
+        g_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + grp) * N2
+                  + offs_n[:, None, None, None])  # [BLOCK_N, 2, 2, 2]: the tile's 8 groups
         cst = _offset_tile(BLOCK_N, PORTABLE)
         if PORTABLE:
             i = 0
             while i < K_STEPS:
                 acc_g, acc_u = _mma8_grouped(acc_g, acc_u, tl.load(w_ptrs), tl.load(w_ptrs + I),
-                                             g_ptrs, g_ptrs + I, x_ptrs, b_ptrs, x_mask, cst,
-                                             N2, True, PORTABLE)
+                                             tl.load(g_ptrs), tl.load(g_ptrs + I), x_ptrs,
+                                             b_ptrs, x_mask, cst, True, PORTABLE)
                 x_ptrs += BLOCK_K
                 b_ptrs += (BLOCK_K // _GROUP) * 16
                 w_ptrs += KP * N2
@@ -151,8 +154,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
         else:
             for _ in range(0, K_STEPS):
                 acc_g, acc_u = _mma8_grouped(acc_g, acc_u, tl.load(w_ptrs), tl.load(w_ptrs + I),
-                                             g_ptrs, g_ptrs + I, x_ptrs, b_ptrs, x_mask, cst,
-                                             N2, True, PORTABLE)
+                                             tl.load(g_ptrs), tl.load(g_ptrs + I), x_ptrs,
+                                             b_ptrs, x_mask, cst, True, PORTABLE)
                 x_ptrs += BLOCK_K
                 b_ptrs += (BLOCK_K // _GROUP) * 16
                 w_ptrs += KP * N2

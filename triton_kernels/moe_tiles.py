@@ -210,7 +210,20 @@ def _raw8(w, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _gplane(acc, acc2, p, p2, a_ptrs, b_ptrs, s_ptrs, s2_ptrs, a_mask, cst, TWO: tl.constexpr,
+def _split8(t):
+    """[..., 2, 2, 2] -> its 8 slices, slice 4 a + 2 b + c first to last."""
+    t0, t1 = tl.split(t)
+    t00, t01 = tl.split(t0)
+    t10, t11 = tl.split(t1)
+    a0, a4 = tl.split(t00)
+    a2, a6 = tl.split(t01)
+    a1, a5 = tl.split(t10)
+    a3, a7 = tl.split(t11)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _gplane(acc, acc2, p, p2, a_ptrs, b_ptrs, s, s2, a_mask, cst, TWO: tl.constexpr,
             PORTABLE: tl.constexpr):
     """One plane of the grouped layout (one scale group of 32 input rows): raw-weight dots with
     its activations, plus the -136 offset as a second dot (``cst`` -136 in columns 0 / 1 against
@@ -225,7 +238,7 @@ def _gplane(acc, acc2, p, p2, a_ptrs, b_ptrs, s_ptrs, s2_ptrs, a_mask, cst, TWO:
     else:
         d = tl.dot(p, a)
         d = tl.dot(cst, b, d)
-    acc += d * tl.load(s_ptrs).to(tl.float32)[:, None]
+    acc += d * s.to(tl.float32)[:, None]
     if TWO:
         if PORTABLE:
             d2 = tl.dot(p2, a, input_precision="ieee")
@@ -233,39 +246,42 @@ def _gplane(acc, acc2, p, p2, a_ptrs, b_ptrs, s_ptrs, s2_ptrs, a_mask, cst, TWO:
         else:
             d2 = tl.dot(p2, a)
             d2 = tl.dot(cst, b, d2)
-        acc2 += d2 * tl.load(s2_ptrs).to(tl.float32)[:, None]
+        acc2 += d2 * s2.to(tl.float32)[:, None]
     return acc, acc2
 
 
 @triton.jit
-def _mma8_grouped(acc, acc2, w, w2, s_ptrs, s2_ptrs, a_ptrs, b_ptrs, a_mask, cst,
-                  N2: tl.constexpr, TWO: tl.constexpr, PORTABLE: tl.constexpr):
+def _mma8_grouped(acc, acc2, w, w2, s8, s28, a_ptrs, b_ptrs, a_mask, cst, TWO: tl.constexpr,
+                  PORTABLE: tl.constexpr):
     """acc[BN, BM] += W_tile^T @ A_tile over one 256-row K tile in the grouped layout (word r,
     nibble j = input row 32 j + r of the tile; ``moe_layout``): plane j is scale group j.
-    ``a_ptrs``: [32, BM] pointers to the tile's natural activations (plane j at + 32 j);
-    ``b_ptrs``: [16, BM] pointers to group sums (hi, lo, 0 ...; group j at + 16 j); ``s_ptrs``:
-    [BN] pointers to group 0's scales (group j at + j N2). With ``TWO`` (gate and up) a second
-    weight tile shares the activation loads."""
+    ``s8``: the tile's scales as [BN, 2, 2, 2] (group 4 a + 2 b + c at [:, a, b, c]; one load,
+    pipelined with the weights); ``a_ptrs``: [32, BM] pointers to the tile's natural
+    activations (plane j at + 32 j); ``b_ptrs``: [16, BM] pointers to group sums (hi, lo, 0 ...;
+    group j at + 16 j). With ``TWO`` (gate and up: ``w2``, ``s28``) a second weight tile shares
+    the activation loads."""
     p0, p1, p2, p3, p4, p5, p6, p7 = _raw8(w, PORTABLE)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _split8(s8)
     q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
+    v0, v1, v2, v3, v4, v5, v6, v7 = s0, s1, s2, s3, s4, s5, s6, s7
     if TWO:
         q0, q1, q2, q3, q4, q5, q6, q7 = _raw8(w2, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p0, q0, a_ptrs, b_ptrs, s_ptrs, s2_ptrs, a_mask, cst,
-                        TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p1, q1, a_ptrs + 32, b_ptrs + 16, s_ptrs + N2,
-                        s2_ptrs + N2, a_mask, cst, TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p2, q2, a_ptrs + 64, b_ptrs + 32, s_ptrs + 2 * N2,
-                        s2_ptrs + 2 * N2, a_mask, cst, TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p3, q3, a_ptrs + 96, b_ptrs + 48, s_ptrs + 3 * N2,
-                        s2_ptrs + 3 * N2, a_mask, cst, TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p4, q4, a_ptrs + 128, b_ptrs + 64, s_ptrs + 4 * N2,
-                        s2_ptrs + 4 * N2, a_mask, cst, TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p5, q5, a_ptrs + 160, b_ptrs + 80, s_ptrs + 5 * N2,
-                        s2_ptrs + 5 * N2, a_mask, cst, TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p6, q6, a_ptrs + 192, b_ptrs + 96, s_ptrs + 6 * N2,
-                        s2_ptrs + 6 * N2, a_mask, cst, TWO, PORTABLE)
-    return _gplane(acc, acc2, p7, q7, a_ptrs + 224, b_ptrs + 112, s_ptrs + 7 * N2,
-                   s2_ptrs + 7 * N2, a_mask, cst, TWO, PORTABLE)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _split8(s28)
+    acc, acc2 = _gplane(acc, acc2, p0, q0, a_ptrs, b_ptrs, s0, v0, a_mask, cst, TWO, PORTABLE)
+    acc, acc2 = _gplane(acc, acc2, p1, q1, a_ptrs + 32, b_ptrs + 16, s1, v1, a_mask, cst, TWO,
+                        PORTABLE)
+    acc, acc2 = _gplane(acc, acc2, p2, q2, a_ptrs + 64, b_ptrs + 32, s2, v2, a_mask, cst, TWO,
+                        PORTABLE)
+    acc, acc2 = _gplane(acc, acc2, p3, q3, a_ptrs + 96, b_ptrs + 48, s3, v3, a_mask, cst, TWO,
+                        PORTABLE)
+    acc, acc2 = _gplane(acc, acc2, p4, q4, a_ptrs + 128, b_ptrs + 64, s4, v4, a_mask, cst, TWO,
+                        PORTABLE)
+    acc, acc2 = _gplane(acc, acc2, p5, q5, a_ptrs + 160, b_ptrs + 80, s5, v5, a_mask, cst, TWO,
+                        PORTABLE)
+    acc, acc2 = _gplane(acc, acc2, p6, q6, a_ptrs + 192, b_ptrs + 96, s6, v6, a_mask, cst, TWO,
+                        PORTABLE)
+    return _gplane(acc, acc2, p7, q7, a_ptrs + 224, b_ptrs + 112, s7, v7, a_mask, cst, TWO,
+                   PORTABLE)
 
 
 @triton.jit
