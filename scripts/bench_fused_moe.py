@@ -134,11 +134,9 @@ def profiler_time_us(fn, iters: int) -> float:
 
 def run_ours(layers, xs, tws, tis, n=None, **kw):
     """Our kernel on the first ``n`` weight sets (default all), each with its own inputs;
-    ``kw`` goes to ``fused_moe_w4a16`` (``w13_layout="grouped"`` takes each set's
-    ``w13_grouped``, see ``--w13-grouped``). Returns the last output."""
-    w13 = "w13_grouped" if kw.get("w13_layout") == "grouped" else "w13_packed"
+    ``kw`` goes to ``fused_moe_w4a16``. Returns the last output."""
     for i, lw in enumerate(layers[:n]):
-        out = mw.fused_moe_w4a16(xs[i], lw[w13], lw["w13_scale"], lw["w2_packed"],
+        out = mw.fused_moe_w4a16(xs[i], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
                                  lw["w2_scale"], tws[i], tis[i], **kw)
     return out
 
@@ -178,9 +176,6 @@ def compare_with_sglang(row: dict) -> None:
     if base and row["us"].get("ours"):
         row["best_sglang"] = min(base, key=base.get)
         row["speedup_vs_best_sglang"] = base[row["best_sglang"]] / row["us"]["ours"]
-        if row["us"].get("ours_grouped"):
-            row["speedup_grouped_vs_best_sglang"] = (base[row["best_sglang"]]
-                                                     / row["us"]["ours_grouped"])
 
 
 def expert_bytes(hidden: int, inter: int) -> int:
@@ -901,9 +896,6 @@ def main(argv=None) -> int:
                          "with both set up made no progress on its first row within 120 s)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     ap.add_argument("--check", action="store_true", help="also compare outputs with the reference")
-    ap.add_argument("--w13-grouped", action="store_true",
-                    help="also time ours with the gate-up weights in the grouped layout "
-                         "(moe_layout.repack_grouped, once per weight set): ours_grouped")
     ap.add_argument("--config", default=None, help="alternative config JSON for our kernel")
     ap.add_argument("--tune", action="store_true",
                     help="search launch configs per M instead of benchmarking (see --tune-out)")
@@ -1095,12 +1087,6 @@ def main(argv=None) -> int:
     layers = [make_random_moe(args.experts, args.hidden, args.inter, device=dev, seed=i)
               for i in range(args.layers)]
     print(f"[{time.perf_counter() - t0:6.1f} s] {args.layers} random weight sets", flush=True)
-    if args.w13_grouped:
-        layout = importlib.import_module(mw.__name__.rsplit(".", 1)[0] + ".moe_layout")
-        for lw in layers:
-            lw["w13_grouped"] = layout.repack_grouped(lw["w13_packed"])
-        print(f"[{time.perf_counter() - t0:6.1f} s] gate-up weights re-packed (grouped)",
-              flush=True)
 
     def make_inputs(m, routing=args.routing):
         concentrated = parse_routing(routing)
@@ -1195,9 +1181,6 @@ def main(argv=None) -> int:
         """{name: one call over every weight set}: ours first, then the SGLang baselines."""
         impls = {"ours": lambda: run_ours(layers, xs, tws, tis,
                                           routed_scaling_factor=args.routed_scaling)}
-        if args.w13_grouped:
-            impls["ours_grouped"] = lambda: run_ours(layers, xs, tws, tis, w13_layout="grouped",
-                                                     routed_scaling_factor=args.routed_scaling)
         for name, env in variants.items():  # same kernel, other env switches (A/B in one run)
             impls[name] = with_env(env, impls["ours"])
         for name, (prep, fn) in baselines.items():
@@ -1254,10 +1237,6 @@ def main(argv=None) -> int:
             ref = moe_w4a16_reference(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
                                       lw["w2_scale"], tws[0], tis[0], args.routed_scaling)
             row["rel_err_vs_ref"] = float((got - ref).norm() / ref.norm())
-            if args.w13_grouped:
-                got = run_ours(layers, xs, tws, tis, n=1, w13_layout="grouped",
-                               routed_scaling_factor=args.routed_scaling).float()
-                row["rel_err_grouped_vs_ref"] = float((got - ref).norm() / ref.norm())
             for name, (prep, fn) in baselines.items():
                 if row["us"].get(name) is None:
                     continue  # failed to run: the error is in row["errors"]
@@ -1272,8 +1251,7 @@ def main(argv=None) -> int:
               flush=True)
 
     dump()
-    names = ["ours"] + (["ours_grouped"] if args.w13_grouped else []) + list(variants) \
-        + list(baselines)
+    names = ["ours"] + list(variants) + list(baselines)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; baselines missing: {baseline_errors or 'none'}")
     print(f"{'M':>5} {'experts':>7} " + " ".join(f"{n + ' us':>18}" for n in names)
           + f" {'ours GB/s':>9} {'%copy':>6} {'speedup':>7}")

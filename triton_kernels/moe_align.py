@@ -57,40 +57,24 @@ def _plane_major_src(o, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUPED: tl.constexpr = False):
+def _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 .. k0 + 1023 of row m of xp (plane-major) from x: strided reads (served by
-    L1), coalesced writes. ``GROUPED``: xp rows hold K + K / 2 columns, x in natural order, then
-    for each group of 32 columns its fp32 sum as two bf16 (hi, then lo = sum - hi) and 14
-    zeros (the grouped GEMM's offset dot reads them)."""
+    L1), coalesced writes."""
     o = k0 + tl.arange(0, 1024)
-    if GROUPED:
-        XS: tl.constexpr = K + K // 2
-        v = tl.load(x_ptr + m * stride_xm + o, mask=o < K, other=0.0)
-        tl.store(xp_ptr + m * XS + o, v, mask=o < K)
-        tot = tl.sum(tl.reshape(v.to(tl.float32), [32, 32]), axis=1)
-        hi = tot.to(tl.bfloat16)
-        lo = (tot - hi.to(tl.float32)).to(tl.bfloat16)
-        g = k0 // 32 + tl.arange(0, 32)
-        c = tl.arange(0, 16)[None, :]
-        val = tl.where(c == 0, hi[:, None], tl.where(c == 1, lo[:, None], 0.0))
-        tl.store(xp_ptr + m * XS + K + g[:, None] * 16 + c, val.to(tl.bfloat16),
-                 mask=(g[:, None] < K // 32) & (c < 16))
-    else:
-        v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
-        tl.store(xp_ptr + m * K + o, v, mask=o < K)
+    v = tl.load(x_ptr + m * stride_xm + _plane_major_src(o, BLOCK_K), mask=o < K)
+    tl.store(xp_ptr + m * K + o, v, mask=o < K)
 
 
 @triton.jit
 def _copy_part(x_ptr, xp_ptr, q, stride_xm, K: tl.constexpr, BLOCK_K: tl.constexpr,
-               COPY_PROGS: tl.constexpr, GROUPED: tl.constexpr = False):
+               COPY_PROGS: tl.constexpr):
     """Copy program ``q``'s part of xp: row ``q // COPY_PROGS``, its ``q % COPY_PROGS``-th run
     of ceil(K / 1024 / COPY_PROGS) 1,024-column chunks."""
     CHUNKS: tl.constexpr = (K + 1024 * COPY_PROGS - 1) // (1024 * COPY_PROGS)
     m = (q // COPY_PROGS).to(tl.int64)
     for c in range(CHUNKS):
         _copy_chunk(x_ptr, xp_ptr, m, stride_xm, ((q % COPY_PROGS) * CHUNKS + c) * 1024, K,
-                    BLOCK_K, GROUPED)
+                    BLOCK_K)
 
 
 @triton.jit
@@ -114,7 +98,6 @@ def _prologue_kernel(
     BLOCK_K: tl.constexpr,
     COPY_FIRST: tl.constexpr = False,  # x's copy in COPY_PROGS programs per row, before the experts
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x under COPY_FIRST (1,024-column chunks)
-    GROUPED: tl.constexpr = False,  # xp as the grouped GEMM reads it (see _copy_chunk)
 ):
     pid = tl.program_id(0)
     if COPY_FIRST:
@@ -122,7 +105,7 @@ def _prologue_kernel(
         # chunks: the grid's first programs start first, and no program walks a whole row.
         n_copy = tl.num_programs(0) - NUM_EXPERTS
         if pid < n_copy:
-            _copy_part(x_ptr, xp_ptr, pid, stride_xm, K, BLOCK_K, COPY_PROGS, GROUPED)
+            _copy_part(x_ptr, xp_ptr, pid, stride_xm, K, BLOCK_K, COPY_PROGS)
             return
         e = pid - n_copy
     else:
@@ -130,7 +113,7 @@ def _prologue_kernel(
             # Programs past the experts copy one row of x each (one launch instead of two).
             m = (pid - NUM_EXPERTS).to(tl.int64)
             for k0 in range(0, K, 1024):
-                _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K, BLOCK_K, GROUPED)
+                _copy_chunk(x_ptr, xp_ptr, m, stride_xm, k0, K, BLOCK_K)
             return
         e = pid
     # One program per expert. Each recomputes the (cheap) histogram of all T ids so that the
@@ -196,7 +179,6 @@ def _align_count_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
-    GROUPED: tl.constexpr = False,  # xp as the grouped GEMM reads it (see _copy_chunk)
 ):
     """First launch of the two-pass grouping (large calls): one program per chunk of CH pairs
     writes that chunk's expert histogram; the programs after them copy x (plane-major)."""
@@ -207,7 +189,7 @@ def _align_count_kernel(
         hist = tl.histogram(ids, E_PAD, mask=(ids >= 0) & (ids < NUM_EXPERTS))
         tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
         return
-    _copy_part(x_ptr, xp_ptr, pid - NUM_CH, stride_xm, K, BLOCK_K, COPY_PROGS, GROUPED)
+    _copy_part(x_ptr, xp_ptr, pid - NUM_CH, stride_xm, K, BLOCK_K, COPY_PROGS)
 
 
 @triton.jit
@@ -294,7 +276,6 @@ def _align_small_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
-    GROUPED: tl.constexpr = False,  # xp as the grouped GEMM reads it (see _copy_chunk)
 ):
     """The grouping of a call of up to a thousand pairs in one program (no per-expert
     programs): the same sorted_ids and block labels as _prologue_kernel. Programs 1.. copy x
@@ -307,7 +288,7 @@ def _align_small_kernel(
     rest (experts ascend with their rows)."""
     pid = tl.program_id(0)
     if pid > 0:
-        _copy_part(x_ptr, xp_ptr, pid - 1, stride_xm, K, BLOCK_K, COPY_PROGS, GROUPED)
+        _copy_part(x_ptr, xp_ptr, pid - 1, stride_xm, K, BLOCK_K, COPY_PROGS)
         return
     i = tl.arange(0, T_PAD)
     ids = tl.load(topk_ids_ptr + i, mask=i < T, other=-1).to(tl.int32)
@@ -368,7 +349,7 @@ _ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              method: str | None = None, warps: int | None = None, grouped: bool = False):
+              method: str | None = None, warps: int | None = None):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
     for large calls: ``method``).
 
@@ -410,9 +391,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ``[max_padded // block_m + 1] int32``: expert of each block, ``-1`` for unused blocks;
         the last entry holds the number of used blocks.
     xp : torch.Tensor or None
-        ``[M, K]`` plane-major copy of ``x`` (contiguous). With ``grouped`` (the grouped-layout
-        gate-up, ``moe_layout``): ``[M, K + K / 2]``, x in natural order then 16 columns per
-        group of 32 (the group's sum as bf16 hi and lo, then zeros); K a multiple of 32.
+        ``[M, K]`` plane-major copy of ``x`` (contiguous).
     """
     t = topk_ids.numel()
     max_padded = max_padded_rows(t, num_experts, block_m)
@@ -420,11 +399,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     max_blocks = max_padded // block_m
     block_expert = torch.empty(max_blocks + 1, dtype=torch.int32, device=dev)
-    if grouped and (x is None or x.shape[1] % 32):
-        raise ValueError("moe_align(grouped=True) needs x with a multiple of 32 columns")
-    xp = None if x is None else torch.empty(
-        (x.shape[0], x.shape[1] + x.shape[1] // 2) if grouped else x.shape, dtype=x.dtype,
-        device=dev)
+    xp = None if x is None else torch.empty(x.shape, dtype=x.dtype, device=dev)
     rows = 0 if x is None else x.shape[0]
     # One T block for small calls (a 1024-wide histogram of 64 ids costs ~3 us), 1024 at most.
     block_t = min(1024, max(16, triton.next_power_of_2(max(t, 1))))
@@ -452,7 +427,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
             T_PAD=max(16, triton.next_power_of_2(max(t, 1))),
             B_PAD=max(16, triton.next_power_of_2(max_blocks)), K=k, BLOCK_K=block_k,
-            COPY_PROGS=max(per_row, 1), GROUPED=grouped, num_warps=warps)
+            COPY_PROGS=max(per_row, 1), num_warps=warps)
         return sorted_ids, block_expert, xp
     if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
@@ -462,7 +437,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             topk_ids.reshape(-1), scratch[0], sorted_ids if x is None else x,
             sorted_ids if x is None else xp, t, 0 if x is None else x.stride(0),
             NUM_EXPERTS=num_experts, E_PAD=e_pad, CH=_ALIGN_CHUNK, NUM_CH=num_ch, K=k,
-            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), GROUPED=grouped, num_warps=warps)
+            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), num_warps=warps)
         _align_place_kernel[(num_ch + num_experts,)](
             topk_ids.reshape(-1), scratch[0], scratch[1], sorted_ids, block_expert, t,
             max_blocks, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
@@ -477,6 +452,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
-        GROUPED=grouped, num_warps=warps,
+        num_warps=warps,
     )
     return sorted_ids, block_expert, xp

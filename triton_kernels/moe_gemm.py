@@ -8,8 +8,8 @@ import triton.language as tl
 
 from .moe_align import _PACK, _plane_major_cols
 from .moe_tiles import (
-    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _mma8_grouped,
-    _narrow_level, _offset_tile, _rows_at,
+    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _narrow_level,
+    _rows_at,
 )
 
 
@@ -42,8 +42,6 @@ def _gate_up_kernel(
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
-    GROUPED: tl.constexpr = False,  # w in the grouped layout (moe_layout), BLOCK_K 256; xp rows
-    # [x natural | group sums] (moe_align's grouped copy)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -75,27 +73,27 @@ def _gate_up_kernel(
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, GROUPED)
+                          n_split)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, GROUPED)
+                              n_split)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, GROUPED)
+                              n_split)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, GROUPED)
+                          n_split)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, GROUPED)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
 
 
 @triton.jit
@@ -103,8 +101,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  GROUPED: tl.constexpr = False):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -127,40 +124,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    if GROUPED:
-        # xp rows: x (K columns, natural order), then 16 columns per scale group (its sum as
-        # bf16 hi and lo, zeros); one scale per group and column: [BLOCK_N] rows of s
-        tl.static_assert(BLOCK_K == 256, "the grouped layout's K tiles hold 256 rows")
-        XS: tl.constexpr = K + K // 2
-        x_ptrs = xp_ptr + tok[None, :] * XS + k0 + offs_r[:, None]
-        b_ptrs = (xp_ptr + tok[None, :] * XS + K + (k0 // _GROUP) * 16
-                  + tl.arange(0, 16)[:, None])
-        grp = (tl.arange(0, 2)[None, :, None, None] * 4 + tl.arange(0, 2)[None, None, :, None] * 2
-               + tl.arange(0, 2)[None, None, None, :])
-        g_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + grp) * N2
-                  + offs_n[:, None, None, None])  # [BLOCK_N, 2, 2, 2]: the tile's 8 groups
-        cst = _offset_tile(BLOCK_N, PORTABLE)
-        if PORTABLE:
-            i = 0
-            while i < K_STEPS:
-                acc_g, acc_u = _mma8_grouped(acc_g, acc_u, tl.load(w_ptrs), tl.load(w_ptrs + I),
-                                             tl.load(g_ptrs), tl.load(g_ptrs + I), x_ptrs,
-                                             b_ptrs, x_mask, cst, True, PORTABLE)
-                x_ptrs += BLOCK_K
-                b_ptrs += (BLOCK_K // _GROUP) * 16
-                w_ptrs += KP * N2
-                g_ptrs += (BLOCK_K // _GROUP) * N2
-                i += 1
-        else:
-            for _ in range(0, K_STEPS):
-                acc_g, acc_u = _mma8_grouped(acc_g, acc_u, tl.load(w_ptrs), tl.load(w_ptrs + I),
-                                             tl.load(g_ptrs), tl.load(g_ptrs + I), x_ptrs,
-                                             b_ptrs, x_mask, cst, True, PORTABLE)
-                x_ptrs += BLOCK_K
-                b_ptrs += (BLOCK_K // _GROUP) * 16
-                w_ptrs += KP * N2
-                g_ptrs += (BLOCK_K // _GROUP) * N2
-    elif PORTABLE:
+    if PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live split): a while loop
         i = 0
         while i < K_STEPS:

@@ -38,20 +38,6 @@ def _dequant_ptx(first_byte: int = 0, n_bytes: int = 4) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _raw_ptx() -> str:
-    """PTX for two packed words -> 8 bf16x2 planes of raw ``128 + n`` (no offset, no scale):
-    output ``$i`` = (nibble i of word 0, nibble i of word 1). For the grouped layout, whose
-    planes are whole scale groups: the -136 offset and the scale are applied to each plane's
-    fp32 dot instead (``_mma8_grouped``)."""
-    lines = [".reg .b32 d, t, m, k;", "mov.b32 m, 0x000F000F;", "mov.b32 k, 0x43004300;"]
-    for t in range(4):
-        lines += [f"prmt.b32 d, $8, $9, 0x{0x0400 + 0x0101 * t:04X};",
-                  f"lop3.b32 ${2 * t}, d, m, k, 0xEA;", "shr.u32 t, d, 4;",
-                  f"lop3.b32 ${2 * t + 1}, t, m, k, 0xEA;"]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-_RAW_PTX = tl.constexpr(_raw_ptx())
 _DEQUANT_PTX = tl.constexpr(_dequant_ptx())
 # The same conversion in two halves (nibbles 0-3, then 4-7): half the planes live at a time.
 _DEQUANT_PTX_LO = tl.constexpr(_dequant_ptx(0, 2))
@@ -192,106 +178,6 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
     acc, acc2 = _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask, KP,
                          TWO, PORTABLE)
     return acc, acc2
-
-
-@triton.jit
-def _raw8(w, PORTABLE: tl.constexpr):
-    """Packed int32 tile -> its 8 nibble planes as raw ``128 + n`` (exact in bf16; fp32 in the
-    portable path)."""
-    if not PORTABLE:
-        return tl.inline_asm_elementwise(
-            _RAW_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 8,
-            is_pure=True, pack=2)
-    else:
-        return ((((w >> 0) & 15) + 128).to(tl.float32), (((w >> 4) & 15) + 128).to(tl.float32),
-                (((w >> 8) & 15) + 128).to(tl.float32), (((w >> 12) & 15) + 128).to(tl.float32),
-                (((w >> 16) & 15) + 128).to(tl.float32), (((w >> 20) & 15) + 128).to(tl.float32),
-                (((w >> 24) & 15) + 128).to(tl.float32), (((w >> 28) & 15) + 128).to(tl.float32))
-
-
-@triton.jit
-def _split8(t):
-    """[..., 2, 2, 2] -> its 8 slices, slice 4 a + 2 b + c first to last."""
-    t0, t1 = tl.split(t)
-    t00, t01 = tl.split(t0)
-    t10, t11 = tl.split(t1)
-    a0, a4 = tl.split(t00)
-    a2, a6 = tl.split(t01)
-    a1, a5 = tl.split(t10)
-    a3, a7 = tl.split(t11)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def _gplane(acc, acc2, p, p2, a_ptrs, b_ptrs, s, s2, a_mask, cst, TWO: tl.constexpr,
-            PORTABLE: tl.constexpr):
-    """One plane of the grouped layout (one scale group of 32 input rows): raw-weight dots with
-    its activations, plus the -136 offset as a second dot (``cst`` -136 in columns 0 / 1 against
-    the group's activation sum split in two bf16 halves), then the group's scale per column."""
-    a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-    b = tl.load(b_ptrs, mask=a_mask, other=0.0)
-    if PORTABLE:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        d = tl.dot(p, a, input_precision="ieee")
-        d = tl.dot(cst, b, d, input_precision="ieee")
-    else:
-        d = tl.dot(p, a)
-        d = tl.dot(cst, b, d)
-    acc += d * s.to(tl.float32)[:, None]
-    if TWO:
-        if PORTABLE:
-            d2 = tl.dot(p2, a, input_precision="ieee")
-            d2 = tl.dot(cst, b, d2, input_precision="ieee")
-        else:
-            d2 = tl.dot(p2, a)
-            d2 = tl.dot(cst, b, d2)
-        acc2 += d2 * s2.to(tl.float32)[:, None]
-    return acc, acc2
-
-
-@triton.jit
-def _mma8_grouped(acc, acc2, w, w2, s8, s28, a_ptrs, b_ptrs, a_mask, cst, TWO: tl.constexpr,
-                  PORTABLE: tl.constexpr):
-    """acc[BN, BM] += W_tile^T @ A_tile over one 256-row K tile in the grouped layout (word r,
-    nibble j = input row 32 j + r of the tile; ``moe_layout``): plane j is scale group j.
-    ``s8``: the tile's scales as [BN, 2, 2, 2] (group 4 a + 2 b + c at [:, a, b, c]; one load,
-    pipelined with the weights); ``a_ptrs``: [32, BM] pointers to the tile's natural
-    activations (plane j at + 32 j); ``b_ptrs``: [16, BM] pointers to group sums (hi, lo, 0 ...;
-    group j at + 16 j). With ``TWO`` (gate and up: ``w2``, ``s28``) a second weight tile shares
-    the activation loads."""
-    p0, p1, p2, p3, p4, p5, p6, p7 = _raw8(w, PORTABLE)
-    s0, s1, s2, s3, s4, s5, s6, s7 = _split8(s8)
-    q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
-    v0, v1, v2, v3, v4, v5, v6, v7 = s0, s1, s2, s3, s4, s5, s6, s7
-    if TWO:
-        q0, q1, q2, q3, q4, q5, q6, q7 = _raw8(w2, PORTABLE)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _split8(s28)
-    acc, acc2 = _gplane(acc, acc2, p0, q0, a_ptrs, b_ptrs, s0, v0, a_mask, cst, TWO, PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p1, q1, a_ptrs + 32, b_ptrs + 16, s1, v1, a_mask, cst, TWO,
-                        PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p2, q2, a_ptrs + 64, b_ptrs + 32, s2, v2, a_mask, cst, TWO,
-                        PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p3, q3, a_ptrs + 96, b_ptrs + 48, s3, v3, a_mask, cst, TWO,
-                        PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p4, q4, a_ptrs + 128, b_ptrs + 64, s4, v4, a_mask, cst, TWO,
-                        PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p5, q5, a_ptrs + 160, b_ptrs + 80, s5, v5, a_mask, cst, TWO,
-                        PORTABLE)
-    acc, acc2 = _gplane(acc, acc2, p6, q6, a_ptrs + 192, b_ptrs + 96, s6, v6, a_mask, cst, TWO,
-                        PORTABLE)
-    return _gplane(acc, acc2, p7, q7, a_ptrs + 224, b_ptrs + 112, s7, v7, a_mask, cst, TWO,
-                   PORTABLE)
-
-
-@triton.jit
-def _offset_tile(BN: tl.constexpr, PORTABLE: tl.constexpr):
-    """[BN, 16]: -136 in columns 0 and 1 (against a group's activation sum, hi and lo)."""
-    c = tl.arange(0, 16)[None, :] + tl.zeros([BN, 16], dtype=tl.int32)
-    t = tl.where(c < 2, -136.0, 0.0)
-    if PORTABLE:
-        return t
-    return t.to(tl.bfloat16)
 
 
 @triton.jit

@@ -70,7 +70,6 @@ outputs ``y`` and a bf16 result; the same rounding points as SGLang's Marlin and
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -191,7 +190,6 @@ def fused_moe_w4a16(
     routed_scaling_factor: float = 1.0,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
-    w13_layout: str = "sglang",
     _upto: int = 4,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
@@ -219,10 +217,6 @@ def fused_moe_w4a16(
         ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
-    w13_layout : str
-        ``sglang`` (default): ``w13_packed`` as SGLang loads it. ``grouped`` (experimental):
-        re-packed by ``moe_layout.repack_grouped`` (hidden a multiple of 256); the gate-up then
-        runs 256-row K tiles whatever the table says.
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
@@ -254,20 +248,12 @@ def fused_moe_w4a16(
     if m == 0:
         return out
 
-    if w13_layout not in ("sglang", "grouped"):
-        raise ValueError(f"w13_layout: sglang or grouped, got {w13_layout!r}")
-    grouped = w13_layout == "grouped"
     cfg = config or select_config(m)
-    if grouped:
-        if hidden % 256:
-            raise ValueError(f"w13_layout grouped needs hidden % 256 == 0, got {hidden}")
-        cfg = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, block_k=256))
     gu, dn = _fitted(cfg, hidden, inter)
     bm = cfg.block_m
     portable_path = portable(hidden_states.device)
     t = m * topk
-    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states,
-                                             gu.block_k, grouped=grouped)
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()
@@ -293,7 +279,7 @@ def fused_moe_w4a16(
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
-        NUM_EXPERTS=num_experts if gu.split_target else 0, GROUPED=grouped,
+        NUM_EXPERTS=num_experts if gu.split_target else 0,
         num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)

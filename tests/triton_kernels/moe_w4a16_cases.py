@@ -12,7 +12,6 @@ expert or token gives errors of order 1. Outputs are poisoned with NaN to catch 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -789,91 +788,3 @@ def test_half_m_needs_blocks_of_16_32_or_64():
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 
-
-
-# --- the grouped gate-up layout (moe_layout, experimental) ----------------------------------
-# K tiles of 256 rows: hidden 512 gives two, so a K split of 2 and the group offsets are live.
-H_G = 512
-LAYOUT = importlib.import_module(MOE.__name__.rsplit(".", 1)[0] + ".moe_layout")
-
-
-@pytest.fixture(scope="module")
-def grouped_experts():
-    w = REF.make_random_moe(9, H_G, I, seed=11)
-    return w, dict(w, w13_packed=LAYOUT.repack_grouped(w["w13_packed"], chunk=4))
-
-
-def test_grouped_repack_moves_each_row_to_its_group_plane():
-    g = torch.Generator().manual_seed(5)
-    packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 512 // 8, 24), generator=g,
-                           dtype=torch.int64).to(torch.int32)
-    q = LAYOUT.unpack_sglang(packed)
-    r = LAYOUT.repack_grouped(packed, chunk=2)
-    assert torch.equal(LAYOUT.unpack_grouped(r), q)
-    # word 32 t + r, nibble j of the grouped layout holds input row 256 t + 32 j + r
-    for t, j, row in ((0, 0, 0), (0, 3, 5), (1, 7, 31), (1, 2, 17)):
-        word = r[:, 32 * t + row, :]
-        assert torch.equal((word >> (4 * j)) & 15, q[:, 256 * t + 32 * j + row, :])
-    with pytest.raises(ValueError, match="multiple of 256"):
-        LAYOUT.repack_grouped(packed[:, :16])
-
-
-def test_grouped_align_copy_holds_x_and_group_sums():
-    x = torch.randn(3, H_G, generator=torch.Generator().manual_seed(9)).bfloat16()
-    ti = torch.tensor([[0, 1], [1, 2], [3, 0]], dtype=torch.int32)
-    for method in ("small", "one", "two"):
-        _, _, xp = MOE.moe_align(ti, 4, 16, x, 256, method=method, grouped=True)
-        assert xp.shape == (3, H_G + H_G // 2)
-        assert torch.equal(xp[:, :H_G], x)
-        b = xp[:, H_G:].view(3, H_G // 32, 16).float()
-        sums = x.float().view(3, H_G // 32, 32).sum(-1)
-        assert torch.allclose(b[..., 0] + b[..., 1], sums, rtol=0, atol=1e-4 * sums.abs().max())
-        assert not b[..., 2:].any()
-    with pytest.raises(ValueError, match="multiple of 32"):
-        MOE.moe_align(ti, 4, 16, x[:, :40], 256, grouped=True)
-
-
-CFG_G = MOE.MoeConfig(16, MOE.GemmConfig(64, 256, 4, 1), MOE.GemmConfig(64, 128, 4, 1, 128))
-CFG_G8_SPLIT = MOE.MoeConfig(8, MOE.GemmConfig(32, 256, 2, 1, 0, 1, 2),
-                             MOE.GemmConfig(64, 128, 4, 1, 128))
-CFG_G_LIVE_HALF = MOE.MoeConfig(16, MOE.GemmConfig(64, 256, 4, 1, 0, 1, 2, 8),
-                                MOE.GemmConfig(64, 128, 4, 1, 128), half_m=2)
-
-
-@pytest.mark.parametrize("cfg", [CFG_G, CFG_G8_SPLIT, CFG_G_LIVE_HALF])
-@pytest.mark.parametrize("m", [1, 6, 20])
-def test_grouped_gate_up_matches_reference(grouped_experts, cfg, m, monkeypatch):
-    """The grouped-layout gate-up (raw nibble planes, offset dot, scale after the dot) against
-    the fp32 reference on SGLang's packing, fixed and live K splits, 8- and 16-row blocks."""
-    w, wg = grouped_experts
-    x = torch.randn(m, H_G, generator=torch.Generator().manual_seed(30 + m)).bfloat16()
-    tw, ti = random_routing(m, 9, 3, seed=40 + m)
-    if m > 1:
-        ti[0, 1] = -1  # a dropped slot
-    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                  w["w2_scale"], tw, ti, 1.5)
-    out = torch.full((m, H_G), float("nan"), dtype=torch.bfloat16)
-    MOE.fused_moe_w4a16(x, wg["w13_packed"], wg["w13_scale"], wg["w2_packed"], wg["w2_scale"],
-                        tw, ti, routed_scaling_factor=1.5, out=out, config=cfg,
-                        w13_layout="grouped")
-    check(out, ref)
-    plain = MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                w["w2_scale"], tw, ti, routed_scaling_factor=1.5, config=cfg)
-    # the offset dot and the scale after it change where fp32 sums round, not the bf16
-    # rounding points: within two output roundings of the plain path
-    d = (out.float() - plain.float()).abs().max()
-    assert float(d) <= 2.0 ** -7 * float(plain.float().abs().max()), float(d)
-    # the grouped kernel on SGLang's packing is wrong: the layout matters
-    bad = MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                              w["w2_scale"], tw, ti, routed_scaling_factor=1.5, config=cfg,
-                              w13_layout="grouped")
-    assert (bad.float() - ref).norm() > 0.1 * ref.norm()
-
-
-def test_grouped_layout_is_checked(grouped_experts):
-    w, wg = grouped_experts
-    x = torch.randn(2, H_G).bfloat16()
-    tw, ti = random_routing(2, 9, 3, seed=1)
-    with pytest.raises(ValueError, match="sglang or grouped"):
-        MOE.fused_moe_w4a16(x, wg["w13_packed"], wg["w13_scale"], wg["w2_packed"],
-                            wg["w2_scale"], tw, ti, w13_layout="planes")

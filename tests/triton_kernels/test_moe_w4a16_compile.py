@@ -40,7 +40,7 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, grouped: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target]) as in GemmConfig; ``half_m``: whether that GEMM runs
     HALF_M."""
@@ -54,7 +54,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, grouped: 
         const = dict(K=H, I=I, TOPK=TOPK, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOWN_BLOCK_K=256,
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
-                     NUM_EXPERTS=384 if split_target else 0, GROUPED=grouped)
+                     NUM_EXPERTS=384 if split_target else 0)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -186,27 +186,6 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
-
-
-@pytest.mark.parametrize("bm,tiles,half", [
-    (8, (32, 256, 2, 3, 0, 1, 4, 256), False), (8, (64, 256, 4, 3, 0, 1, 4, 512), False),
-    (16, (64, 256, 4, 3, 0, 1, 4, 512), True), (16, (64, 256, 4, 3, 0, 1, 1), False)], ids=str)
-def test_grouped_gate_up_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
-    """The grouped-layout gate-up (moe_layout) on the M 2-128 bands' tiles: raw planes from the
-    packed tile in the MMA operand layout, no spills, within shared memory."""
-    kern = _gemm(MOE, "gate_up", bm, tiles, half, grouped=True)
-    assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
-    ttgir = kern.asm["ttgir"]
-    assert "tt.elementwise_inline_asm" in ttgir
-    assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", ttgir), \
-        "packed weights no longer reach the MMA operand layout (dequant left registers)"
-    assert_no_spills(kern, tmp_path)
-    sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32",
-           "stride_xm": "i32"}
-    _compile(MOE._align_small_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=bm,
-                                                 T_PAD=128, B_PAD=128, K=H, BLOCK_K=256,
-                                                 GROUPED=True), 4, 1)
 
 
 def test_rerun_in_clean_process():
