@@ -24,7 +24,9 @@ run. Accept lengths come from SGLang's ``spec_verify_ct``.
 ``--model mla`` runs the same checks on e2e_lossless's MLA + MoE target (DeepSeek-V2 layout,
 SGLang's dummy weights, config only) and its DFlash drafter, given the tiny pair's tokenizer:
 the tree verify on MLA attention and MoE layers under a grammar (no speed figure: dummy weights).
-``--budgets`` takes ``auto`` beside integers.
+``--budgets`` takes ``auto`` beside integers. ``--oracle`` (no speed phase) has the DDTREE
+servers plant AR's constrained outputs in their drafts, as e2e_lossless's oracle mode does, so a
+dummy drafter still gives long accepted paths through the grammar mask.
 """
 
 from __future__ import annotations
@@ -221,6 +223,11 @@ def main():
     ap.add_argument("--port", type=int, default=30400)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ddtree_grammar"))
     ap.add_argument("--kv-tokens", type=int, default=65536, help="--max-total-tokens per server")
+    ap.add_argument("--oracle", action="store_true",
+                    help="DDTREE servers plant AR's constrained outputs in their drafts "
+                         "(test-only SGLANG_DDTREE_TEST_ORACLE, as e2e_lossless does): long "
+                         "accepted paths under the grammar mask even with a dummy drafter; "
+                         "no speed phase (oracle drafts are no speed figure)")
     args = ap.parse_args()
 
     os.makedirs(args.workdir, exist_ok=True)
@@ -230,6 +237,8 @@ def main():
         ap.error(f"unknown constraints {unknown}; known: {sorted(CONSTRAINTS)}")
     concs = [int(x) for x in args.batch_sizes.split(",") if x]
     speed_concs = [int(x) for x in args.speed_batch_sizes.split(",") if x]
+    if args.oracle and speed_concs:
+        ap.error("--oracle times nothing: pass --speed-batch-sizes= with it")
     widest = max(concs + speed_concs)
     budgets = [b if b == "auto" else int(b) for b in args.budgets.split(",") if b]
     if args.model == "mla":
@@ -276,10 +285,17 @@ def main():
                                                    "--speculative-ddtree-budget", str(b)]
     ports = iter(range(args.port, args.port + 100))
     log = lambda tag: os.path.join(args.workdir, f"{tag}.log")  # noqa: E731
+    oracle_path = os.path.join(args.workdir, "oracle.json")
+    if os.path.exists(oracle_path):
+        os.remove(oracle_path)
+    result["oracle"] = args.oracle
     servers = {}
     try:
         for tag, cmd in configs.items():
-            servers[tag] = lossless.Server(cmd, log(tag), next(ports), wait=False)
+            # the oracle servers read the file at their first step, after AR's reference
+            env = ({"SGLANG_DDTREE_TEST_ORACLE": oracle_path}
+                   if args.oracle and tag.startswith("ddtree") else None)
+            servers[tag] = lossless.Server(cmd, log(tag), next(ports), wait=False, env=env)
         for tag, srv in list(servers.items()):
             try:
                 srv.wait_ready()
@@ -324,6 +340,12 @@ def main():
         # 2) lossless: every server against AR's reference, at every --batch-sizes concurrency
         ref, _ = run(servers["ar"], 1)
         ref_ids = [r["output_ids"] for r in ref]
+        if args.oracle:
+            tmp = oracle_path + ".tmp"
+            json.dump({"seed": 0, "rank_probs": lossless.ORACLE_RANK_PROBS,
+                       "items": [{"prompt": p, "output": o} for p, o in zip(prompts, ref_ids)]},
+                      open(tmp, "w"))
+            os.replace(tmp, oracle_path)  # atomic: a server never reads half a file
         for tag, srv in servers.items():
             entry = result["servers"][tag] = {"command": configs[tag], "runs": []}
             for conc in ([1] if tag == "ar" else concs):

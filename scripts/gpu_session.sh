@@ -110,10 +110,12 @@ for s in "$@"; do
                --out "$OUT/e2e_grammar_h200.json" ${GRAMMAR_ARGS:-} ;;
     grammarmla) # (session 51) the same lossless and grammar checks (no speed phase, no DFLASH)
              # on the MLA + MoE target (dummy weights, config only, the tiny pair's tokenizer)
-             # at budgets 8 / auto, then on the tiny pair at budget auto
+             # at budgets 8 / auto, then on the tiny pair at budget auto. Session 51 ran the MLA
+             # part without oracle drafts (accept length 1.02); --oracle (added after) plants
+             # AR's constrained outputs for long accepted paths (GRAMMAR_MLA_ORACLE= drops it)
              step grammar-mla ${GRAMMAR_MLA_LIMIT:-280} python3 scripts/e2e_grammar.py --model mla \
                --budgets 8,auto --no-dflash --speed-batch-sizes= --workdir /tmp/ddtree_grammar_mla \
-               --out "$OUT/e2e_grammar_mla_h200.json"
+               ${GRAMMAR_MLA_ORACLE---oracle} --out "$OUT/e2e_grammar_mla_h200.json"
              step grammar-auto ${GRAMMAR_AUTO_LIMIT:-240} python3 scripts/e2e_grammar.py \
                --budgets auto --no-dflash --speed-batch-sizes= --workdir /tmp/ddtree_grammar_auto \
                --port 30500 --out "$OUT/e2e_grammar_auto_h200.json" ;;

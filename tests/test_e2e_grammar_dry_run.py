@@ -80,7 +80,7 @@ class FakeServer:
     started = []
 
     def __init__(self, args, log, port, env=None, wait=True):
-        self.args = args
+        self.args, self.env = args, env
         self.budget = (args[args.index("--speculative-ddtree-budget") + 1]
                        if "--speculative-ddtree-budget" in args else None)
         self.budget = self.budget if self.budget in (None, "auto") else int(self.budget)
@@ -225,3 +225,23 @@ def test_mla_target_gets_the_tiny_tokenizer_and_dummy_weights(monkeypatch, tmp_p
     assert tok.convert_ids_to_tokens(1) == "<|MASK|>"
     assert e2e_grammar.compile_constraint(comp, "ebnf") is not None
     assert res["summary"]["ddtree_runs"] == 4 and res["summary"]["ddtree_mismatches"] == 0
+
+
+def test_oracle_plants_ar_outputs_in_the_ddtree_servers(monkeypatch, tmp_path, compiled):
+    """--oracle: only the DDTREE servers read the test-only oracle file, written with AR's
+    constrained outputs before any DDTREE run; refused beside a speed phase."""
+    FakeServer.diverge = FakeServer.ban = FakeServer.fail = FakeServer.swap = None
+    rc, res = _run(monkeypatch, tmp_path, compiled,
+                   ["--model", "mla", "--budgets", "8", "--no-dflash", "--speed-batch-sizes",
+                    "", "--oracle"])
+    assert rc == 0 and res["oracle"] is True
+    by_budget = {s.budget: s for s in FakeServer.started}
+    path = by_budget[8].env["SGLANG_DDTREE_TEST_ORACLE"]
+    assert by_budget[None].env is None  # AR: no oracle
+    items = json.load(open(path))["items"]
+    ar_out = res["servers"]["ar"]["runs"][0]
+    assert len(items) == 8 and ar_out["output_tokens"] == sum(len(i["output"]) for i in items)
+    monkeypatch.setattr(sys, "argv", ["e2e_grammar.py", "--oracle"])  # the default speed phase
+    with pytest.raises(SystemExit) as exit_:
+        e2e_grammar.main()
+    assert exit_.value.code == 2
