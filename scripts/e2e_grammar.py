@@ -35,6 +35,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -74,8 +75,6 @@ MLA_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_token
 def mla_with_tokenizer(workdir):
     """(target_dir, draft_dir) under ``workdir``: the ``mla`` case's configs with the tiny
     pair's tokenizer (vocabulary, BOS / EOS and the drafter's mask token made to match)."""
-    import shutil
-
     tiny_target = os.path.join(ASSETS, "target")
     tiny_cfg = json.load(open(os.path.join(tiny_target, "config.json")))
     tiny_draft = json.load(open(os.path.join(ASSETS, "dflash-draft", "config.json")))
@@ -341,11 +340,7 @@ def main():
         ref, _ = run(servers["ar"], 1)
         ref_ids = [r["output_ids"] for r in ref]
         if args.oracle:
-            tmp = oracle_path + ".tmp"
-            json.dump({"seed": 0, "rank_probs": lossless.ORACLE_RANK_PROBS,
-                       "items": [{"prompt": p, "output": o} for p, o in zip(prompts, ref_ids)]},
-                      open(tmp, "w"))
-            os.replace(tmp, oracle_path)  # atomic: a server never reads half a file
+            lossless.write_oracle(oracle_path, prompts, ref_ids)
         for tag, srv in servers.items():
             entry = result["servers"][tag] = {"command": configs[tag], "runs": []}
             for conc in ([1] if tag == "ar" else concs):

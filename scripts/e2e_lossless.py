@@ -356,6 +356,16 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
 ORACLE_RANK_PROBS = [0.75, 0.2, 0.05]
 
 
+def write_oracle(path, prompts, outputs):
+    """The test-only oracle file (SGLANG_DDTREE_TEST_ORACLE) of these prompts' reference
+    outputs, replaced atomically: a server never reads half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"seed": 0, "rank_probs": ORACLE_RANK_PROBS,
+                   "items": [{"prompt": p, "output": o} for p, o in zip(prompts, outputs)]}, f)
+    os.replace(tmp, path)
+
+
 def run_header() -> dict:
     """Versions, the checkout's source digest, GPU, date and command of this run."""
     import sglang
@@ -655,11 +665,7 @@ def main():
                 errors.append(f"{m}: AR reference failed: {e!r}"[:2000])
             ar[m].stop()
             return
-        tmp = oracle_path[m] + ".tmp"
-        json.dump({"seed": 0, "rank_probs": ORACLE_RANK_PROBS,
-                   "items": [{"prompt": p, "output": o} for p, o in zip(prompts, ref[m])]},
-                  open(tmp, "w"))
-        os.replace(tmp, oracle_path[m])  # atomic: a server never reads half a file
+        write_oracle(oracle_path[m], prompts, ref[m])
 
     def ddtree_args(m, b):
         common, spec, _ = setup[m]
