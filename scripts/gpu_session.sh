@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -325,6 +325,22 @@ for s in "$@"; do
                --layers 1 --out "$OUT/moencu.json"
              step moencu-summary 60 python3 scripts/ncu_details_summary.py \
                "$OUT/ncu_fused_moe_h200.csv" --out "$OUT/ncu_fused_moe_summary_h200.json" ;;
+    moestall) # (session 52) Nsight Compute's warp-state samples per SASS instruction of the fused
+             # MoE's gate-up and down (random routing, the third eager call of each M): why the
+             # M = 8 gate-up issues on about half of its cycles (session 36's details page: 0.5
+             # instructions a cycle a scheduler) when a 4-stage pipeline was no faster (session 45)
+             for m in ${MOESTALL_MS:-8}; do
+               for k in gate_up down_loop; do
+                 step moestall-$k-m$m ${MOESTALL_LIMIT:-150} sh -c "ncu --clock-control none \
+                   -k regex:_${k}_kernel --launch-skip 2 --launch-count 1 \
+                   --section WarpStateStats --section SourceCounters --page source --csv \
+                   --print-source sass python3 scripts/bench_fused_moe.py --no-sglang \
+                   --profile-ms $m --layers 1 > $OUT/ncu_moe_${k}_m${m}_sass.csv"
+               done
+             done
+             step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
+               --out "$OUT/ncu_moe_stalls_h200.json"
+             gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6
