@@ -557,10 +557,12 @@ def _percent(x: float) -> str:
 
 
 def gemm_json(cfg) -> dict:
-    """A GemmConfig as the table writes it (split_target only where a band has one)."""
+    """A GemmConfig as the table writes it (split_target and par_acc only where a band has
+    one)."""
     d = dataclasses.asdict(cfg)
-    if not d.get("split_target"):
-        d.pop("split_target", None)
+    for opt in ("split_target", "par_acc"):
+        if not d.get(opt):
+            d.pop(opt, None)
     return d
 
 
@@ -913,8 +915,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
-                         "num_warps,num_stages[,n_per_cta,split_dq,split_k,split_target]; "
-                         "block_m and the "
+                         "num_warps,num_stages[,n_per_cta,split_dq,split_k,split_target"
+                         "[,par_acc]]; block_m and the "
                          "down config stay the table's for that M), outputs checked against "
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--grid-block-m", type=int, default=0,
@@ -1073,9 +1075,10 @@ def main(argv=None) -> int:
             grid = [tuple(int(v) for v in c.split(",")) for c in args.grid.split(";") if c]
         except ValueError:
             ap.error(f"--grid: ';'-separated block_n,block_k,num_warps,num_stages"
-                     f"[,n_per_cta,split_dq,split_k,split_target] lists, got {args.grid!r}")
-        if not grid or any(not 4 <= len(c) <= 8 for c in grid):
-            ap.error(f"--grid: 4 to 8 integers per gate-up config, got {args.grid!r}")
+                     f"[,n_per_cta,split_dq,split_k,split_target[,par_acc]] lists, got "
+                     f"{args.grid!r}")
+        if not grid or any(not 4 <= len(c) <= 9 for c in grid):
+            ap.error(f"--grid: 4 to 9 integers per gate-up config, got {args.grid!r}")
         for r in args.routings.split(","):
             parse_routing(r)
     dev = torch.device(args.device)

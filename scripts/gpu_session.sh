@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -341,6 +341,22 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
+    moepar)  # (session 52) GemmConfig.par_acc: the gate-up's nibble planes 0-3 and 4-7 summed in
+             # two accumulators (half-length MMA chains; 168 against 127 registers on the M = 8
+             # tile). First its GPU test, then whole calls against the table's own tiles with
+             # and without it: 8-row blocks at M 2-16 and 16-row half_m blocks at M 17-48, three
+             # routings (the candidates repeat the table's tiles so that the table column and
+             # the plain candidate are two timings of the same launch: the run's noise)
+             step moepar-test ${MOEPAR_TEST_LIMIT:-200} python3 -m pytest -q \
+               tests/gpu/test_moe_w4a16_gpu.py -k two_accumulator
+             step moepar-bm8 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOEPAR_MS:-8 2 4 7 9 12 16} --routings random,concentrated:8,concentrated:32 \
+               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1}" \
+               --out "$OUT/fused_moe_par_acc_bm8_grid_h200.json"
+             step moepar-half16 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOEPAR_HALF_MS:-17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
+               --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,1}" \
+               --out "$OUT/fused_moe_par_acc_half16_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

@@ -8,8 +8,8 @@ import triton.language as tl
 
 from .moe_align import _PACK, _plane_major_cols
 from .moe_tiles import (
-    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _narrow_level,
-    _rows_at,
+    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _mma8_par,
+    _narrow_level, _rows_at,
 )
 
 
@@ -42,6 +42,7 @@ def _gate_up_kernel(
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
+    PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8_par
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -73,27 +74,27 @@ def _gate_up_kernel(
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
+                          n_split, PAR_ACC)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split)
+                              n_split, PAR_ACC)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split)
+                              n_split, PAR_ACC)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split)
+                          n_split, PAR_ACC)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC)
 
 
 @triton.jit
@@ -101,7 +102,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
-                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split):
+                  SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
+                  PAR_ACC: tl.constexpr = False):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -124,7 +126,33 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    if PORTABLE:
+    if PAR_ACC:
+        # planes 4-7's sums apart from 0-3's (half-length MMA chains), added after the loop
+        acc_gb = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+        acc_ub = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+        if PORTABLE:
+            i = 0
+            while i < K_STEPS:
+                acc_g, acc_gb, acc_u, acc_ub = _mma8_par(
+                    acc_g, acc_gb, acc_u, acc_ub, tl.load(w_ptrs), tl.load(s_ptrs),
+                    tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP, PORTABLE,
+                    SPLIT_DQ)
+                x_ptrs += BLOCK_K
+                w_ptrs += KP * N2
+                s_ptrs += (BLOCK_K // _GROUP) * N2
+                i += 1
+        else:
+            for _ in range(0, K_STEPS):
+                acc_g, acc_gb, acc_u, acc_ub = _mma8_par(
+                    acc_g, acc_gb, acc_u, acc_ub, tl.load(w_ptrs), tl.load(s_ptrs),
+                    tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP, PORTABLE,
+                    SPLIT_DQ)
+                x_ptrs += BLOCK_K
+                w_ptrs += KP * N2
+                s_ptrs += (BLOCK_K // _GROUP) * N2
+        acc_g += acc_gb
+        acc_u += acc_ub
+    elif PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live split): a while loop
         i = 0
         while i < K_STEPS:

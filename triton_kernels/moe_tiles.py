@@ -181,6 +181,30 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
 
 
 @triton.jit
+def _mma8_par(acc, acc_b, acc2, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr,
+              PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False):
+    """_mma8 with two accumulators per weight tile (TWO: gate and up): planes 0-3 add into
+    ``acc`` / ``acc2``, planes 4-7 into ``acc_b`` / ``acc2_b``, so each K step's chain of
+    dependent MMAs on one accumulator is half as long (the caller sums the pairs once, after
+    its K loop; a different fp32 summation order, not the same bits as _mma8)."""
+    if SPLIT_DQ:
+        p0, p1, p2, p3 = _dequant4(w, s, False, PORTABLE)
+        q0, q1, q2, q3 = _dequant4(w2, s2, False, PORTABLE)
+        acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP,
+                             True, PORTABLE)
+        p4, p5, p6, p7 = _dequant4(w, s, True, PORTABLE)
+        q4, q5, q6, q7 = _dequant4(w2, s2, True, PORTABLE)
+    else:
+        p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
+        acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP,
+                             True, PORTABLE)
+    acc_b, acc2_b = _planes4(acc_b, acc2_b, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP,
+                             a_mask, KP, True, PORTABLE)
+    return acc, acc_b, acc2, acc2_b
+
+
+@triton.jit
 def _live_split(block_expert_ptr, max_blocks, NUM_N: tl.constexpr, KS: tl.constexpr,
                 SPLIT_K: tl.constexpr, SPLIT_TARGET: tl.constexpr):
     """The K split of this call under a live split: the smallest divisor ``c`` of the ``KS``

@@ -114,6 +114,26 @@ def test_every_tuning_candidate_vs_reference(K, w):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("m", [2, 8, 16, 40])
+def test_two_accumulator_gate_up_vs_reference(K, w, m):
+    """GemmConfig.par_acc (session 52) on the table's band for m, random routing and every
+    token on the same 8 experts: the reference within tolerance, and the band as shipped to
+    within a bf16 rounding of h carried into the output (only the fp32 summation order of
+    the gate-up differs)."""
+    table = K.moe.select_config(m)
+    par = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, par_acc=1))
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    tw, ti, _ = routing(m, seed=500 + m)
+    shared = torch.tensor([[5, 0, 383, 17, 200, 9, 64, 1]], device="cuda", dtype=torch.int32)
+    for ids in (ti, shared.repeat(m, 1).contiguous()):
+        out = ours(K, w, x, tw, ids, scale=1.7, config=par)
+        rel, mx = errors(out, reference(K, w, x, tw, ids, 1.7))
+        assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
+        one = ours(K, w, x, tw, ids, scale=1.7, config=table)
+        d = (out.float() - one.float()).abs().max()
+        assert float(d) <= 2.0 ** -7 * float(one.float().abs().max()), float(d)
+
+
 def test_all_tokens_one_expert_set(K, w):
     # 300 tokens all routed to the same 8 experts: 376 experts idle, 8 with 300 rows each.
     m = 300

@@ -156,6 +156,42 @@ def test_8_row_blocks_match_the_reference_and_16_row_blocks(experts, cfg, m, mon
         assert_rounding_close(out, sixteen)
 
 
+# par_acc (session 52): planes 0-3 and 4-7 of each K step summed into separate accumulators
+@pytest.mark.parametrize("cfg", [
+    MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 1, 0, 1), MOE.GemmConfig(64, 128, 4, 1)),
+    dataclasses.replace(CFG_BM8, gate_up=dataclasses.replace(CFG_BM8.gate_up, par_acc=1)),
+    dataclasses.replace(CFG_BM8_LIVE, gate_up=dataclasses.replace(CFG_BM8_LIVE.gate_up,
+                                                                  par_acc=1)),
+], ids=["one_half", "bm8_split2", "bm8_live"])
+@pytest.mark.parametrize("m", [1, 40])
+def test_two_accumulators_match_the_reference_and_one(experts, cfg, m):
+    """The reference within tolerance, and the one-accumulator gate-up (same tiles, same
+    splits) to within bf16 rounding: only the fp32 summation order differs."""
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(70 + m)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=71 + m)
+    if m == 40:
+        ti[:20] = torch.tensor([0, 1, 2])
+    ti[0, 1] = -1
+    out, ref = run(experts[9], x, tw, ti, scale=1.1, cfg=cfg)
+    check(out, ref)
+    one, _ = run(experts[9], x, tw, ti, scale=1.1,
+                 cfg=dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up,
+                                                                          par_acc=0)))
+    assert_rounding_close(out, one)
+
+
+def test_par_acc_is_a_gate_up_flag():
+    x = torch.randn(2, H).bfloat16()
+    tw, ti = random_routing(2, 4, 2, seed=1)
+    w = REF.make_random_moe(4, H, I, seed=1)
+    for bad in (MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, par_acc=2),
+                              MOE.GemmConfig(64, 128, 4, 1)),
+                MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
+                              MOE.GemmConfig(64, 128, 4, 1, par_acc=1))):
+        with pytest.raises(ValueError, match="does not tile"):
+            run(w, x, tw, ti, cfg=bad)
+
+
 def test_block_m_below_8_is_refused(experts):
     x = torch.randn(2, H).bfloat16()
     tw, ti = random_routing(2, 9, 3, seed=1)
