@@ -341,9 +341,9 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
-    moepar)  # (session 52) GemmConfig.par_acc: the gate-up's nibble planes 0-3 and 4-7 summed in
-             # two accumulators (half-length MMA chains; 168 against 127 registers on the M = 8
-             # tile). First its GPU test, then whole calls against the table's own tiles with
+    moepar)  # (session 52) GemmConfig.par_acc: nibble planes 0-3 and 4-7 summed in two
+             # accumulators (half-length MMA chains; the M = 8 gate-up tile 168 against 127
+             # registers). First its GPU test, then whole calls against the table's own tiles with
              # and without it: 8-row blocks at M 2-16 and 16-row half_m blocks at M 17-48, three
              # routings (the candidates repeat the table's tiles so that the table column and
              # the plain candidate are two timings of the same launch: the run's noise)
@@ -356,7 +356,12 @@ for s in "$@"; do
              step moepar-half16 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_HALF_MS:-17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
                --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,1}" \
-               --out "$OUT/fused_moe_par_acc_half16_grid_h200.json" ;;
+               --out "$OUT/fused_moe_par_acc_half16_grid_h200.json"
+             # the looped down with it, per kernel (random routing): the M = 8, 9-16 and 17-48
+             # bands' down tiles with and without
+             step moepar-down ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1}" \
+               --out "$OUT/fused_moe_par_acc_down_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

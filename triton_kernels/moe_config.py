@@ -38,10 +38,11 @@ class GemmConfig:
     # into the fewest parts (a divisor of its block_n steps) that give the used blocks at least
     # split_target programs (_down_loop_kernel's SPLIT_TARGET).
     split_target: int = 0
-    # gate-up GEMM only: 1 sums nibble planes 0-3 and 4-7 into separate accumulators, added
-    # once after the K loop (_mma8_par): each K step's chain of dependent MMAs on one
-    # accumulator is 8 long instead of 16 (sm_90, the M = 8 band's tile: 168 registers
-    # against 127, the same 689 instructions a K step). Session 52, not yet timed.
+    # 1 sums nibble planes 0-3 and 4-7 into separate accumulators: the gate-up adds the two
+    # once after its K loop (_mma8_par), the looped down (n_per_cta > 0; not the per-tile
+    # down) per column step. Each dependent MMA chain on one accumulator is then 8 long
+    # instead of 16 (sm_90, the M = 8 band's gate-up tile: 168 registers against 127, the
+    # same 689 instructions a K step). Session 52, not yet timed.
     par_acc: int = 0
 
 
@@ -167,7 +168,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or gu.block_k % 128 or dn.block_k % 128 or bm < 8 or gu.split_k < 1
             or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
-            or dn.split_target < 0 or gu.par_acc not in (0, 1) or dn.par_acc):
+            or dn.split_target < 0 or gu.par_acc not in (0, 1) or dn.par_acc not in (0, 1)
+            or (dn.par_acc and not dn.n_per_cta)):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
         # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.

@@ -295,38 +295,41 @@ def _down_kernel(
 def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level, row0,
                  pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
-                 PORTABLE: tl.constexpr, HALF_M: tl.constexpr):
+                 PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
     (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
     ``tiles`` BLOCK_N steps) or the per-tile one's (``pid_nc`` its column tile)."""
     if HALF_M:
         if level == 0:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                        pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
+                        PAR_ACC)
         elif BLOCK_M >= 64:
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE)
+                            PORTABLE, PAR_ACC)
             else:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE)
+                            PORTABLE, PAR_ACC)
         else:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                        pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
+                        PAR_ACC)
     else:
         _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
-                    tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE)
+                    tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE, PAR_ACC)
 
 
 @triton.jit
 def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                 tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr):
+                BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr,
+                PAR_ACC: tl.constexpr = False):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE)
+                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC)
     else:
         _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                    N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
@@ -379,6 +382,7 @@ def _down_loop_kernel(
     HALF_M: tl.constexpr = False,  # as _gate_up_kernel's
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
+    PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -417,13 +421,13 @@ def _down_loop_kernel(
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                  pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
-                 PORTABLE, HALF_M)
+                 PORTABLE, HALF_M, PAR_ACC)
 
 
 @triton.jit
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
                     tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False):
     """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
     column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live)."""
     KP: tl.constexpr = I // _PACK
@@ -450,7 +454,7 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
         i = 0
         while i < tiles:
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
-                       BLOCK_N, PORTABLE)
+                       BLOCK_N, PORTABLE, PAR_ACC)
             w_ptrs += BLOCK_N
             s_ptrs += BLOCK_N
             y_ptrs += BLOCK_N
@@ -458,7 +462,7 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
     else:
         for _ in range(tiles):
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
-                       BLOCK_N, PORTABLE)
+                       BLOCK_N, PORTABLE, PAR_ACC)
             w_ptrs += BLOCK_N
             s_ptrs += BLOCK_N
             y_ptrs += BLOCK_N
@@ -466,17 +470,27 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
 
 @triton.jit
 def _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask,
-               BM: tl.constexpr, BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr):
+               BM: tl.constexpr, BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr,
+               PAR_ACC: tl.constexpr = False):
     """One BLOCK_N step of _down_loop_rows: dequantize the [BLOCK_N, I] weight tile, its eight
-    nibble-plane dots with the block's activation planes, the routing weights, y's store."""
+    nibble-plane dots with the block's activation planes, the routing weights, y's store
+    (PAR_ACC: planes 4-7 in a second accumulator, half the dependent MMA chain)."""
     p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs), tl.load(s_ptrs), PORTABLE)
     acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc = _dot(p0, a0, acc, PORTABLE)
     acc = _dot(p1, a1, acc, PORTABLE)
     acc = _dot(p2, a2, acc, PORTABLE)
     acc = _dot(p3, a3, acc, PORTABLE)
-    acc = _dot(p4, a4, acc, PORTABLE)
-    acc = _dot(p5, a5, acc, PORTABLE)
-    acc = _dot(p6, a6, acc, PORTABLE)
-    acc = _dot(p7, a7, acc, PORTABLE)
+    if PAR_ACC:
+        acc_b = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+        acc_b = _dot(p4, a4, acc_b, PORTABLE)
+        acc_b = _dot(p5, a5, acc_b, PORTABLE)
+        acc_b = _dot(p6, a6, acc_b, PORTABLE)
+        acc_b = _dot(p7, a7, acc_b, PORTABLE)
+        acc += acc_b
+    else:
+        acc = _dot(p4, a4, acc, PORTABLE)
+        acc = _dot(p5, a5, acc, PORTABLE)
+        acc = _dot(p6, a6, acc, PORTABLE)
+        acc = _dot(p7, a7, acc, PORTABLE)
     tl.store(y_ptrs, (acc * wt[None, :]).to(y_ptrs.dtype.element_ty), mask=a_mask)

@@ -115,13 +115,14 @@ def test_every_tuning_candidate_vs_reference(K, w):
 
 
 @pytest.mark.parametrize("m", [2, 8, 16, 40])
-def test_two_accumulator_gate_up_vs_reference(K, w, m):
-    """GemmConfig.par_acc (session 52) on the table's band for m, random routing and every
-    token on the same 8 experts: the reference within tolerance, and the band as shipped to
-    within a bf16 rounding of h carried into the output (only the fp32 summation order of
-    the gate-up differs)."""
+def test_two_accumulator_gemms_vs_reference(K, w, m):
+    """GemmConfig.par_acc (session 52) in both GEMMs of the table's band for m (every band's
+    down is looped), random routing and every token on the same 8 experts: the reference
+    within tolerance, and the band as shipped to within a bf16 rounding (only the fp32
+    summation orders differ)."""
     table = K.moe.select_config(m)
-    par = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, par_acc=1))
+    par = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, par_acc=1),
+                              down=dataclasses.replace(table.down, par_acc=1))
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti, _ = routing(m, seed=500 + m)
     shared = torch.tensor([[5, 0, 383, 17, 200, 9, 64, 1]], device="cuda", dtype=torch.int32)

@@ -180,14 +180,34 @@ def test_two_accumulators_match_the_reference_and_one(experts, cfg, m):
     assert_rounding_close(out, one)
 
 
-def test_par_acc_is_a_gate_up_flag():
+@pytest.mark.parametrize("block_m,half_m", [(8, 0), (16, 1)])
+@pytest.mark.parametrize("m", [1, 40])
+def test_two_accumulator_looped_down_matches_the_reference_and_one(experts, block_m, half_m, m):
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(80 + m)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=81 + m)
+    if m == 40:
+        ti[:20] = torch.tensor([0, 1, 2])
+    ti[0, 1] = -1
+    down = MOE.GemmConfig(64, 128, 4, 1, 128)
+    one_cfg = MOE.MoeConfig(block_m, MOE.GemmConfig(64, 128, 4, 1), down, half_m=half_m)
+    par_cfg = dataclasses.replace(one_cfg, down=dataclasses.replace(down, par_acc=1))
+    out, ref = run(experts[9], x, tw, ti, scale=0.9, cfg=par_cfg)
+    check(out, ref)
+    one, _ = run(experts[9], x, tw, ti, scale=0.9, cfg=one_cfg)
+    assert_rounding_close(out, one)
+
+
+def test_par_acc_values_and_kernels():
+    """par_acc is 0 or 1, and on the down only for the looped kernel (n_per_cta > 0)."""
     x = torch.randn(2, H).bfloat16()
     tw, ti = random_routing(2, 4, 2, seed=1)
     w = REF.make_random_moe(4, H, I, seed=1)
     for bad in (MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, par_acc=2),
                               MOE.GemmConfig(64, 128, 4, 1)),
                 MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
-                              MOE.GemmConfig(64, 128, 4, 1, par_acc=1))):
+                              MOE.GemmConfig(64, 128, 4, 1, par_acc=1)),
+                MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
+                              MOE.GemmConfig(64, 128, 4, 1, 128, par_acc=2))):
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 

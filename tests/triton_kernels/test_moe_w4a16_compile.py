@@ -64,6 +64,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
         const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
                      HALF_M=half_m, NUM_EXPERTS=384 if split_target else 0,
                      SPLIT_TARGET=split_target)
+        if par_acc:
+            const["PAR_ACC"] = True
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
@@ -164,6 +166,14 @@ def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
     ids=str)
 def test_two_accumulator_gate_up_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     _check_compiles(MOE, "gate_up", bm, tiles, tmp_path, half_m=half)
+
+
+# ... and the looped down tiles of the M 1-48 bands with it
+@pytest.mark.parametrize("bm,tiles,half", [
+    (8, (64, 256, 4, 3, 256, 0, 1, 0, 1), False), (8, (64, 256, 4, 3, 512, 0, 1, 896, 1), False),
+    (16, (64, 256, 4, 3, 512, 0, 1, 0, 1), True)], ids=str)
+def test_two_accumulator_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
+    _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
 
 
 _HALF_M_TILES = [(16, "gate_up", (32, 256, 2, 3, 0, 1, 4)),
