@@ -557,10 +557,10 @@ def _percent(x: float) -> str:
 
 
 def gemm_json(cfg) -> dict:
-    """A GemmConfig as the table writes it (split_target and par_acc only where a band has
-    one)."""
+    """A GemmConfig as the table writes it (split_target, par_acc and scale_once only where
+    a band has them)."""
     d = dataclasses.asdict(cfg)
-    for opt in ("split_target", "par_acc"):
+    for opt in ("split_target", "par_acc", "scale_once"):
         if not d.get(opt):
             d.pop(opt, None)
     return d
@@ -917,7 +917,7 @@ def main(argv=None) -> int:
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta,split_dq,split_k,split_target"
-                         "[,par_acc]]; block_m and the "
+                         "[,par_acc[,scale_once]]]; block_m and the "
                          "down config stay the table's for that M), outputs checked against "
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--grid-block-m", type=int, default=0,
@@ -1077,10 +1077,10 @@ def main(argv=None) -> int:
             grid = [tuple(int(v) for v in c.split(",")) for c in args.grid.split(";") if c]
         except ValueError:
             ap.error(f"--grid: ';'-separated block_n,block_k,num_warps,num_stages"
-                     f"[,n_per_cta,split_dq,split_k,split_target[,par_acc]] lists, got "
-                     f"{args.grid!r}")
-        if not grid or any(not 4 <= len(c) <= 9 for c in grid):
-            ap.error(f"--grid: 4 to 9 integers per gate-up config, got {args.grid!r}")
+                     f"[,n_per_cta,split_dq,split_k,split_target[,par_acc[,scale_once]]] "
+                     f"lists, got {args.grid!r}")
+        if not grid or any(not 4 <= len(c) <= 10 for c in grid):
+            ap.error(f"--grid: 4 to 10 integers per gate-up config, got {args.grid!r}")
         for r in args.routings.split(","):
             parse_routing(r)
     dev = torch.device(args.device)

@@ -341,21 +341,24 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
-    moepar)  # (session 52) GemmConfig.par_acc: nibble planes 0-3 and 4-7 summed in two
-             # accumulators (half-length MMA chains; the M = 8 gate-up tile 168 against 127
-             # registers). First its GPU test, then whole calls against the table's own tiles with
-             # and without it: 8-row blocks at M 2-16 and 16-row half_m blocks at M 17-48, three
-             # routings (the candidates repeat the table's tiles so that the table column and
-             # the plain candidate are two timings of the same launch: the run's noise)
+    moepar)  # (session 52) GemmConfig.par_acc (nibble planes 0-3 and 4-7 summed in two
+             # accumulators: half-length MMA chains) and scale_once (a group's scale loaded once:
+             # 26 against 32 KB of shared memory on the M = 8 tile, so 8 programs an SM and a
+             # one-wave split 2 at M = 8); bench_results/moe_variant_sass_s52.json has their
+             # static SASS. First their GPU tests, then whole calls against the table's own
+             # tiles with and without them: 8-row blocks at M 2-16 and 16-row half_m blocks at
+             # M 17-48, three routings (the candidates repeat the table's tiles so that the
+             # table column and the plain candidate are two timings of the same launch: the
+             # run's noise)
              step moepar-test ${MOEPAR_TEST_LIMIT:-200} python3 -m pytest -q \
-               tests/gpu/test_moe_w4a16_gpu.py -k two_accumulator
+               tests/gpu/test_moe_w4a16_gpu.py -k "two_accumulator or scales_once"
              step moepar-bm8 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_MS:-8 2 4 7 9 12 16} --routings random,concentrated:8,concentrated:32 \
-               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1}" \
+               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
                --out "$OUT/fused_moe_par_acc_bm8_grid_h200.json"
              step moepar-half16 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_HALF_MS:-17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
-               --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,1}" \
+               --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,0,1}" \
                --out "$OUT/fused_moe_par_acc_half16_grid_h200.json"
              # the looped down with it, per kernel (random routing): the M = 8, 9-16 and 17-48
              # bands' down tiles with and without

@@ -43,6 +43,7 @@ def _gate_up_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
     PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8_par
+    SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     pid = tl.program_id(0)
@@ -74,27 +75,28 @@ def _gate_up_kernel(
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, PAR_ACC)
+                          n_split, PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC)
+                              n_split, PAR_ACC, SCALE_ONCE)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC)
+                              n_split, PAR_ACC, SCALE_ONCE)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, PAR_ACC)
+                          n_split, PAR_ACC, SCALE_ONCE)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
-                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC)
+                      PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
+                      SCALE_ONCE)
 
 
 @triton.jit
@@ -103,7 +105,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  PAR_ACC: tl.constexpr = False):
+                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -116,61 +118,51 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
     e64 = e.to(tl.int64)
-    # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale).
+    # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale;
+    # SCALE_ONCE: a [BLOCK_N, KP / 4] view, one per group, broadcast in registers).
     k0 = pid_k * (K_STEPS * BLOCK_K)  # first input row of this program's K range
     w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
               + offs_n[:, None])
-    s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
-              + offs_n[:, None])
+    if SCALE_ONCE:
+        offs_g = tl.arange(0, KP // 4)
+        s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_g[None, :]) * N2
+                  + offs_n[:, None])
+    else:
+        s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
+                  + offs_n[:, None])
     x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
     x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
+    # PAR_ACC: planes 4-7's sums apart from 0-3's (half-length MMA chains), added after the
+    # loop; otherwise these two are carried through unchanged
+    acc_gb = acc_g
+    acc_ub = acc_u
     if PAR_ACC:
-        # planes 4-7's sums apart from 0-3's (half-length MMA chains), added after the loop
         acc_gb = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
         acc_ub = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-        if PORTABLE:
-            i = 0
-            while i < K_STEPS:
-                acc_g, acc_gb, acc_u, acc_ub = _mma8_par(
-                    acc_g, acc_gb, acc_u, acc_ub, tl.load(w_ptrs), tl.load(s_ptrs),
-                    tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP, PORTABLE,
-                    SPLIT_DQ)
-                x_ptrs += BLOCK_K
-                w_ptrs += KP * N2
-                s_ptrs += (BLOCK_K // _GROUP) * N2
-                i += 1
-        else:
-            for _ in range(0, K_STEPS):
-                acc_g, acc_gb, acc_u, acc_ub = _mma8_par(
-                    acc_g, acc_gb, acc_u, acc_ub, tl.load(w_ptrs), tl.load(s_ptrs),
-                    tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP, PORTABLE,
-                    SPLIT_DQ)
-                x_ptrs += BLOCK_K
-                w_ptrs += KP * N2
-                s_ptrs += (BLOCK_K // _GROUP) * N2
-        acc_g += acc_gb
-        acc_u += acc_ub
-    elif PORTABLE:
+    if PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live split): a while loop
         i = 0
         while i < K_STEPS:
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
+            acc_g, acc_gb, acc_u, acc_ub = _gate_up_step(
+                acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
+                PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
             x_ptrs += BLOCK_K
             w_ptrs += KP * N2
             s_ptrs += (BLOCK_K // _GROUP) * N2
             i += 1
     else:
         for _ in range(0, K_STEPS):
-            acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                                 tl.load(w_ptrs + I), tl.load(s_ptrs + I), x_ptrs, x_mask, KP,
-                                 True, PORTABLE, SPLIT_DQ)
+            acc_g, acc_gb, acc_u, acc_ub = _gate_up_step(
+                acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
+                PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
             x_ptrs += BLOCK_K
             w_ptrs += KP * N2
             s_ptrs += (BLOCK_K // _GROUP) * N2
+    if PAR_ACC:
+        acc_g += acc_gb
+        acc_u += acc_ub
     if SPLIT_K > 1 and n_split > 1:
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
         p_ptrs = (part_ptr + (pid_k.to(tl.int64) * part_rows + offs_m[None, :]) * N2
@@ -199,6 +191,35 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         _gate_up_store(acc_g, acc_u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
+
+
+@triton.jit
+def _scale_tile(s_ptrs, BN: tl.constexpr, KP: tl.constexpr, SCALE_ONCE: tl.constexpr):
+    """A K step's [BN, KP] scales (one per packed word): loaded as such, or (SCALE_ONCE) as
+    [BN, KP / 4], one per group of 32 input rows, each repeated over its 4 words in registers."""
+    s = tl.load(s_ptrs)
+    if SCALE_ONCE:
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, KP // 4, 4]), [BN, KP])
+    return s
+
+
+@triton.jit
+def _gate_up_step(acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I: tl.constexpr,
+                  BN: tl.constexpr, KP: tl.constexpr, PORTABLE: tl.constexpr,
+                  SPLIT_DQ: tl.constexpr, PAR_ACC: tl.constexpr, SCALE_ONCE: tl.constexpr):
+    """One K step of _gate_up_rows: the gate and up tiles and their scales (in that order),
+    their planes' dots into two accumulators (``acc_gb`` / ``acc_ub`` only under PAR_ACC)."""
+    w = tl.load(w_ptrs)
+    s = _scale_tile(s_ptrs, BN, KP, SCALE_ONCE)
+    w2 = tl.load(w_ptrs + I)
+    s2 = _scale_tile(s_ptrs + I, BN, KP, SCALE_ONCE)
+    if PAR_ACC:
+        acc_g, acc_gb, acc_u, acc_ub = _mma8_par(acc_g, acc_gb, acc_u, acc_ub, w, s, w2, s2,
+                                                 x_ptrs, x_mask, KP, PORTABLE, SPLIT_DQ)
+    else:
+        acc_g, acc_u = _mma8(acc_g, acc_u, w, s, w2, s2, x_ptrs, x_mask, KP, True, PORTABLE,
+                             SPLIT_DQ)
+    return acc_g, acc_gb, acc_u, acc_ub
 
 
 @triton.jit

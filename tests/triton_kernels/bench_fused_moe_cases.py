@@ -148,7 +148,7 @@ def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):
 
 def test_grid_times_candidates_against_the_table(bench, tmp_path):
     out = tmp_path / "grid.json"
-    grid = "64,128,4,1;64,128,4,1,0,1,2;64,128,4,1,0,1,2,0,1"  # the last with par_acc
+    grid = "64,128,4,1;64,128,4,1,0,1,2;64,128,4,1,0,1,2,0,1,1"  # the last: par_acc, scale_once
     assert bench.main(TINY + ["--grid", grid, "--routings", "concentrated:2,random",
                               "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -159,7 +159,7 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
         assert r["table"] == dataclasses.asdict(bench.mw.select_config(3))
         assert math.isfinite(r["table_us"])
         assert list(r["candidates"]) == ["64,128,4,1", "64,128,4,1,0,1,2",
-                                         "64,128,4,1,0,1,2,0,1"]
+                                         "64,128,4,1,0,1,2,0,1,1"]
         for c in r["candidates"].values():
             assert math.isfinite(c["us"])
             assert c["rel_diff_vs_table"] < 2e-2, c  # the same sums in another order
@@ -168,7 +168,7 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
 
 
 def test_grid_option_is_checked(bench, tmp_path):
-    for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "64,128,4,1,0,1,2,0,1,1", "a,b,c,d"):
+    for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "64,128,4,1,0,1,2,0,1,1,1", "a,b,c,d"):
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--grid", bad, "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit):

@@ -197,8 +197,27 @@ def test_two_accumulator_looped_down_matches_the_reference_and_one(experts, bloc
     assert_rounding_close(out, one)
 
 
+@pytest.mark.parametrize("cfg", [CFG_BM8, CFG_BM8_LIVE, CFG_HALF16_GU_LIVE, CFG_SPLIT],
+                         ids=["bm8_split2", "bm8_live", "half16_live", "split_dq"])
+@pytest.mark.parametrize("par_acc", [0, 1])
+def test_scales_once_per_group_change_no_bit(experts, cfg, par_acc):
+    """GemmConfig.scale_once loads a group's scale once and repeats it in registers: the same
+    scale values, so the same outputs bit for bit (with or without par_acc)."""
+    m = 40
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(90)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=91)
+    ti[:20] = torch.tensor([0, 1, 2])
+    base = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, par_acc=par_acc))
+    once = dataclasses.replace(base, gate_up=dataclasses.replace(base.gate_up, scale_once=1))
+    out, ref = run(experts[9], x, tw, ti, scale=1.2, cfg=once)
+    check(out, ref)
+    plain, _ = run(experts[9], x, tw, ti, scale=1.2, cfg=base)
+    assert torch.equal(out, plain)
+
+
 def test_par_acc_values_and_kernels():
-    """par_acc is 0 or 1, and on the down only for the looped kernel (n_per_cta > 0)."""
+    """par_acc is 0 or 1, and on the down only for the looped kernel (n_per_cta > 0);
+    scale_once is 0 or 1, the gate-up's only."""
     x = torch.randn(2, H).bfloat16()
     tw, ti = random_routing(2, 4, 2, seed=1)
     w = REF.make_random_moe(4, H, I, seed=1)
@@ -207,7 +226,11 @@ def test_par_acc_values_and_kernels():
                 MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
                               MOE.GemmConfig(64, 128, 4, 1, par_acc=1)),
                 MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
-                              MOE.GemmConfig(64, 128, 4, 1, 128, par_acc=2))):
+                              MOE.GemmConfig(64, 128, 4, 1, 128, par_acc=2)),
+                MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, scale_once=2),
+                              MOE.GemmConfig(64, 128, 4, 1)),
+                MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
+                              MOE.GemmConfig(64, 128, 4, 1, 128, scale_once=1))):
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 

@@ -42,10 +42,10 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target[, par_acc]]) as in GemmConfig; ``half_m``: whether that
-    GEMM runs HALF_M."""
-    bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc = (
-        tuple(tiles) + (0, 0, 1, 0, 0)[len(tiles) - 4:])
+    split_dq, split_k, split_target[, par_acc[, scale_once]]]) as in GemmConfig; ``half_m``:
+    whether that GEMM runs HALF_M."""
+    bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once = (
+        tuple(tiles) + (0, 0, 1, 0, 0, 0)[len(tiles) - 4:])
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
@@ -55,8 +55,11 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
                      PORTABLE=False, SPLIT_DQ=bool(split_dq), SPLIT_K=split_k, HALF_M=half_m,
                      SERIAL=split_k > 1, SPLIT_TARGET=split_target,
                      NUM_EXPERTS=384 if split_target else 0)
-        if par_acc:  # (not passed otherwise: older checkouts' kernels lack it, moe_ptx_digest)
+        # (passed only when set: older checkouts' kernels lack them, moe_ptx_digest)
+        if par_acc:
             const["PAR_ACC"] = True
+        if scale_once:
+            const["SCALE_ONCE"] = True
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -162,7 +165,13 @@ def test_split_variants_compile_without_spills(MOE, tiles, tmp_path):
 # accumulators per tile, on 8-row blocks (live and fixed splits) and 16-row half_m blocks
 @pytest.mark.parametrize("bm,tiles,half", [
     (8, (32, 256, 2, 3, 0, 1, 4, 256, 1), False), (8, (64, 256, 4, 3, 0, 1, 4, 512, 1), False),
-    (8, (32, 256, 2, 3, 0, 1, 4, 0, 1), False), (16, (64, 256, 4, 3, 0, 1, 4, 512, 1), True)],
+    (8, (32, 256, 2, 3, 0, 1, 4, 0, 1), False), (16, (64, 256, 4, 3, 0, 1, 4, 512, 1), True),
+    # with scale_once too, and scale_once alone
+    (8, (32, 256, 2, 3, 0, 1, 4, 256, 1, 1), False),
+    (8, (32, 256, 2, 3, 0, 1, 4, 256, 0, 1), False),
+    (8, (64, 256, 4, 3, 0, 1, 4, 512, 0, 1), False),
+    (16, (64, 256, 4, 3, 0, 1, 4, 512, 0, 1), True),
+    (16, (64, 256, 4, 3, 0, 1, 2, 512, 1, 1), True)],
     ids=str)
 def test_two_accumulator_gate_up_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     _check_compiles(MOE, "gate_up", bm, tiles, tmp_path, half_m=half)

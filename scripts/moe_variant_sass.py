@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Static sm_90 SASS of the fused MoE's gate-up and looped down with the opt-in kernel
+variants (``GemmConfig.par_acc``, ``scale_once``), compiled ahead of time on a CPU: no GPU,
+nothing timed.
+
+Per tile and variant: the main loop's instructions per iteration and opcode mix
+(``sass_loop_mix``), the longest chain of dependent ``HMMA`` in one iteration (an MMA whose
+accumulator input is an earlier MMA's output), registers, spills and shared memory. What it
+says about speed is only what those numbers imply; ``gpu_session.sh moepar`` times them.
+
+    python scripts/moe_variant_sass.py --out bench_results/moe_variant_sass_s52.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from sass_loop_mix import function_instructions, loops  # noqa: E402
+
+_HMMA = re.compile(r"(?:@!?P\w+\s+)?HMMA\.\S+\s+R(\d+),\s*R\d+,\s*R\d+,\s*R(\d+)")
+_DEST = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+R(\d+)\b")
+# opcodes whose first register operand is not written (stores, branches, barriers, copies to
+# shared memory, waits)
+_NO_DEST = ("ST", "RED", "ATOM", "BRA", "BAR", "LDGSTS", "DEPBAR", "LDGDEPBAR", "EXIT", "NOP",
+            "WARPSYNC", "ISETP", "FSETP", "PLOP3", "UISETP")
+
+
+def hmma_chain(body: list[tuple[int, str]]) -> int:
+    """The longest run of HMMAs in ``body`` (address, text), in program order, each taking the
+    previous one's output register as its accumulator input (C operand) with no other write to
+    it in between. (Register pairs and quads are tracked by their first register, as SASS
+    names them.)"""
+    depth: dict[int, int] = {}
+    longest = 0
+    for _, text in body:
+        m = _HMMA.match(text.strip())
+        if m:
+            d, c = int(m.group(1)), int(m.group(2))
+            depth[d] = depth.get(c, 0) + 1
+            longest = max(longest, depth[d])
+            continue
+        m = _DEST.match(text.strip())
+        if m and not m.group(1).split(".")[0].startswith(_NO_DEST):
+            depth.pop(int(m.group(2)), None)
+    return longest
+
+
+def _tool(name: str) -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: int,
+                    half_m: bool = False) -> dict:
+    from tests.triton_kernels._moe_kernels import load_moe
+    import tests.triton_kernels.test_moe_w4a16_compile as aot
+
+    moe = load_moe(interpret=False).moe
+    tiles = tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:] if len(tiles) < 8 else tuple(tiles)
+    kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once), half_m)
+    name = "_gate_up_kernel" if kind == "gate_up" else "_down_loop_kernel"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kern.asm["cubin"])
+        sass = subprocess.run([str(_tool("cuobjdump")), "-sass", str(cubin)], check=True,
+                              capture_output=True, text=True).stdout
+        usage = subprocess.run([str(_tool("cuobjdump")), "--dump-resource-usage", str(cubin)],
+                               check=True, capture_output=True, text=True).stdout
+    insns = function_instructions(sass, name)
+    loop = max(loops(insns), key=lambda lp: lp["instructions"])
+    lo, hi = int(loop["from"], 16), int(loop["to"], 16)
+    regs = re.search(r"REG:(\d+)", usage)
+    return {"kind": kind, "block_m": bm, "tile": list(tiles[:8]), "half_m": half_m,
+            "par_acc": par_acc, "scale_once": scale_once,
+            "loop_instructions": loop["instructions"], "opcodes": loop["opcodes"],
+            "hmma_chain": hmma_chain([(a, t) for a, t in insns if lo <= a <= hi]),
+            "registers": int(regs.group(1)) if regs else None,
+            "spills": "STACK:0" not in usage, "shared_bytes": kern.metadata.shared}
+
+
+# the shipped table's small-M tiles (M = 8, 9-16 on 8-row blocks; 17-48 on 16-row half_m
+# blocks; their looped down tiles)
+DEFAULT_CASES = [
+    ("gate_up", 8, (32, 256, 2, 3, 0, 1, 4, 256), False),
+    ("gate_up", 8, (64, 256, 4, 3, 0, 1, 4, 512), False),
+    ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True),
+    ("down", 8, (64, 256, 4, 3, 256, 0, 1, 0), False),
+    ("down", 8, (64, 256, 4, 3, 512, 0, 1, 896), False),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for kind, bm, tiles, half in DEFAULT_CASES:
+        variants = ([(0, 0), (1, 0), (0, 1), (1, 1)] if kind == "gate_up" else [(0, 0), (1, 0)])
+        for par, once in variants:
+            r = compile_variant(kind, bm, tiles, par, once, half)
+            rows.append(r)
+            print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} par_acc {par} "
+                  f"scale_once {once}: {r['loop_instructions']} instructions a loop, HMMA "
+                  f"chain {r['hmma_chain']}, {r['registers']} registers, "
+                  f"{r['shared_bytes']} B shared{', SPILLS' if r['spills'] else ''}")
+    import triton
+
+    result = {"command": " ".join([sys.executable] + sys.argv),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "versions": {"triton": triton.__version__}, "target": "sm_90 (AOT, no GPU)",
+              "shapes": {"hidden": 7168, "inter": 256, "topk": 8}, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
