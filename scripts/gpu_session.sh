@@ -363,7 +363,7 @@ for s in "$@"; do
              # the looped down with it, per kernel (random routing): the M = 8, 9-16 and 17-48
              # bands' down tiles with and without
              step moepar-down ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1}" \
+               --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,1;64,256,4,3,256,0,1,0,0,1;64,256,4,3,256,0,1,0,1,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512,0,1,896,0,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1;64,256,4,3,512,0,1,0,0,1}" \
                --out "$OUT/fused_moe_par_acc_down_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):

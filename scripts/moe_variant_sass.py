@@ -106,8 +106,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     for kind, bm, tiles, half in DEFAULT_CASES:
-        variants = ([(0, 0), (1, 0), (0, 1), (1, 1)] if kind == "gate_up" else [(0, 0), (1, 0)])
-        for par, once in variants:
+        for par, once in [(0, 0), (1, 0), (0, 1), (1, 1)]:
             r = compile_variant(kind, bm, tiles, par, once, half)
             rows.append(r)
             print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} par_acc {par} "

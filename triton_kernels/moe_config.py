@@ -44,10 +44,11 @@ class GemmConfig:
     # instead of 16 (sm_90, the M = 8 band's gate-up tile: 168 registers against 127, the
     # same 689 instructions a K step). Session 52, not yet timed.
     par_acc: int = 0
-    # gate-up GEMM only: 1 loads a K step's scales once per group of 32 input rows ([N, K / 32])
-    # and repeats each over its 4 packed words in registers, instead of loading a [N, K / 8]
-    # tile that holds every scale 4 times (sm_90, the M = 8 tile: 26 against 32 KB of shared
-    # memory, 676 against 689 instructions a K step; the same values). Session 52, not timed.
+    # 1 loads a K step's scales once per group of 32 input rows ([N, K / 32]) and repeats each
+    # over its 4 packed words in registers, instead of loading a [N, K / 8] tile that holds
+    # every scale 4 times: the same values, less shared memory (sm_90, the M = 8 gate-up tile:
+    # 26 against 32 KB, 673 against 689 instructions a K step). The gate-up and the looped
+    # down (not the per-tile down). Session 52, not yet timed.
     scale_once: int = 0
 
 
@@ -174,8 +175,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or cfg.half_m not in (0, 1, 2) or (cfg.half_m and bm not in (16, 32, 64))
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
             or dn.split_target < 0 or gu.par_acc not in (0, 1) or dn.par_acc not in (0, 1)
-            or (dn.par_acc and not dn.n_per_cta) or gu.scale_once not in (0, 1)
-            or dn.scale_once):
+            or gu.scale_once not in (0, 1) or dn.scale_once not in (0, 1)
+            or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
         # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.

@@ -316,7 +316,8 @@ def _down_kernel(
 def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level, row0,
                  pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
-                 PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False):
+                 PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False,
+                 SCALE_ONCE: tl.constexpr = False):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
     (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
     ``tiles`` BLOCK_N steps) or the per-tile one's (``pid_nc`` its column tile)."""
@@ -324,33 +325,34 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
         if level == 0:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC)
+                        PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC)
+                            PORTABLE, PAR_ACC, SCALE_ONCE)
             else:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC)
+                            PORTABLE, PAR_ACC, SCALE_ONCE)
         else:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC)
+                        PAR_ACC, SCALE_ONCE)
     else:
         _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
-                    tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE, PAR_ACC)
+                    tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE, PAR_ACC,
+                    SCALE_ONCE)
 
 
 @triton.jit
 def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                 tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr,
-                PAR_ACC: tl.constexpr = False):
+                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC)
+                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
     else:
         _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                    N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
@@ -404,6 +406,7 @@ def _down_loop_kernel(
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
     PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
+    SCALE_ONCE: tl.constexpr = False,  # one scale load per group (GemmConfig.scale_once)
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -442,13 +445,14 @@ def _down_loop_kernel(
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                  pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
-                 PORTABLE, HALF_M, PAR_ACC)
+                 PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE)
 
 
 @triton.jit
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
                     tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False,
+                    SCALE_ONCE: tl.constexpr = False):
     """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
     column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live)."""
     KP: tl.constexpr = I // _PACK
@@ -468,14 +472,18 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
     e64 = e.to(tl.int64)
     offs_n = pid_s * (tiles * BLOCK_N) + tl.arange(0, BLOCK_N)
     w_ptrs = w_ptr + e64 * (KP * N) + offs_r[None, :] * N + offs_n[:, None]
-    s_ptrs = s_ptr + e64 * (I // _GROUP * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
+    if SCALE_ONCE:  # [BLOCK_N, KP / 4]: one scale per group (_scale_tile)
+        s_ptrs = (s_ptr + e64 * (I // _GROUP * N) + tl.arange(0, KP // 4)[None, :] * N
+                  + offs_n[:, None])
+    else:
+        s_ptrs = s_ptr + e64 * (I // _GROUP * N) + (offs_r[None, :] // 4) * N + offs_n[:, None]
     y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None]
     if PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live range): a while loop
         i = 0
         while i < tiles:
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
-                       BLOCK_N, PORTABLE, PAR_ACC)
+                       BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
             w_ptrs += BLOCK_N
             s_ptrs += BLOCK_N
             y_ptrs += BLOCK_N
@@ -483,7 +491,7 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
     else:
         for _ in range(tiles):
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
-                       BLOCK_N, PORTABLE, PAR_ACC)
+                       BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
             w_ptrs += BLOCK_N
             s_ptrs += BLOCK_N
             y_ptrs += BLOCK_N
@@ -492,11 +500,15 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
 @triton.jit
 def _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask,
                BM: tl.constexpr, BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr,
-               PAR_ACC: tl.constexpr = False):
+               PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
     """One BLOCK_N step of _down_loop_rows: dequantize the [BLOCK_N, I] weight tile, its eight
     nibble-plane dots with the block's activation planes, the routing weights, y's store
-    (PAR_ACC: planes 4-7 in a second accumulator, half the dependent MMA chain)."""
-    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs), tl.load(s_ptrs), PORTABLE)
+    (PAR_ACC: planes 4-7 in a second accumulator, half the dependent MMA chain; SCALE_ONCE:
+    ``s_ptrs`` is the [BLOCK_N, KP / 4] group view)."""
+    KP: tl.constexpr = a0.shape[0]
+    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs),
+                                               _scale_tile(s_ptrs, BLOCK_N, KP, SCALE_ONCE),
+                                               PORTABLE)
     acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc = _dot(p0, a0, acc, PORTABLE)
     acc = _dot(p1, a1, acc, PORTABLE)

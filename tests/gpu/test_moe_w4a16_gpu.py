@@ -137,16 +137,18 @@ def test_two_accumulator_gemms_vs_reference(K, w, m):
 
 @pytest.mark.parametrize("m", [2, 8, 16, 40])
 def test_scales_once_per_group_equal_bit_for_bit(K, w, m):
-    """GemmConfig.scale_once (session 52) on the table's band for m, alone and with par_acc:
-    the same scale values reach the same dequantization, so the same bits."""
+    """GemmConfig.scale_once (session 52) in both GEMMs of the table's band for m, alone and
+    with par_acc: the same scale values reach the same dequantization, so the same bits."""
     table = K.moe.select_config(m)
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti, _ = routing(m, seed=600 + m)
     for par in (0, 1):
-        base = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up,
-                                                                      par_acc=par))
-        once = dataclasses.replace(base, gate_up=dataclasses.replace(base.gate_up,
-                                                                     scale_once=1))
+        base = dataclasses.replace(table,
+                                   gate_up=dataclasses.replace(table.gate_up, par_acc=par),
+                                   down=dataclasses.replace(table.down, par_acc=par))
+        once = dataclasses.replace(base,
+                                   gate_up=dataclasses.replace(base.gate_up, scale_once=1),
+                                   down=dataclasses.replace(base.down, scale_once=1))
         assert torch.equal(ours(K, w, x, tw, ti, config=once), ours(K, w, x, tw, ti,
                                                                      config=base))
 

@@ -58,18 +58,18 @@ def test_breakdown_down_candidates_keep_the_bands_options(bench, tmp_path):
     out = tmp_path / "bd.json"
     assert bench.main(TINY + ["--ms", "20", "--breakdown", "--breakdown-down",
                               "64,128,4,1,128;32,128,2,2;64,128,4,1,128,0,1,4;"
-                              "64,128,4,1,128,0,1,0,1",
+                              "64,128,4,1,128,0,1,0,1,1",
                               "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     table = bench.mw.select_config(20)
     assert table.half_m == 1 and len(rows) == 5
     for r, down in zip(rows[1:], [(64, 128, 4, 1, 128), (32, 128, 2, 2),
                                   (64, 128, 4, 1, 128, 0, 1, 4),  # a live range
-                                  (64, 128, 4, 1, 128, 0, 1, 0, 1)]):  # two accumulators
+                                  (64, 128, 4, 1, 128, 0, 1, 0, 1, 1)]):  # par_acc, scale_once
         assert r["config"] == dataclasses.asdict(
             dataclasses.replace(table, down=bench.mw.GemmConfig(*down)))
         assert all(math.isfinite(v) for v in r["us"].values()), r
-    for bad in ("", "64,128", "a,b,c,d", "64,128,4,1,128,0", "64,128,4,1,128,0,1,0,1,1"):
+    for bad in ("", "64,128", "a,b,c,d", "64,128,4,1,128,0", "64,128,4,1,128,0,1,0,1,1,1"):
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--breakdown", "--breakdown-down", bad, "--out", str(out)])
 

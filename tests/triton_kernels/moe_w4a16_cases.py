@@ -195,6 +195,10 @@ def test_two_accumulator_looped_down_matches_the_reference_and_one(experts, bloc
     check(out, ref)
     one, _ = run(experts[9], x, tw, ti, scale=0.9, cfg=one_cfg)
     assert_rounding_close(out, one)
+    # scale_once on the looped down: the same bits, with and without par_acc
+    for cfg, same in ((one_cfg, one), (par_cfg, out)):
+        once = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, scale_once=1))
+        assert torch.equal(run(experts[9], x, tw, ti, scale=0.9, cfg=once)[0], same)
 
 
 @pytest.mark.parametrize("cfg", [CFG_BM8, CFG_BM8_LIVE, CFG_HALF16_GU_LIVE, CFG_SPLIT],
@@ -216,8 +220,8 @@ def test_scales_once_per_group_change_no_bit(experts, cfg, par_acc):
 
 
 def test_par_acc_values_and_kernels():
-    """par_acc is 0 or 1, and on the down only for the looped kernel (n_per_cta > 0);
-    scale_once is 0 or 1, the gate-up's only."""
+    """par_acc and scale_once are 0 or 1, and on the down only for the looped kernel
+    (n_per_cta > 0)."""
     x = torch.randn(2, H).bfloat16()
     tw, ti = random_routing(2, 4, 2, seed=1)
     w = REF.make_random_moe(4, H, I, seed=1)
@@ -230,7 +234,7 @@ def test_par_acc_values_and_kernels():
                 MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, scale_once=2),
                               MOE.GemmConfig(64, 128, 4, 1)),
                 MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
-                              MOE.GemmConfig(64, 128, 4, 1, 128, scale_once=1))):
+                              MOE.GemmConfig(64, 128, 4, 1, scale_once=1))):
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 

@@ -69,6 +69,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
                      SPLIT_TARGET=split_target)
         if par_acc:
             const["PAR_ACC"] = True
+        if scale_once:
+            const["SCALE_ONCE"] = True
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages)
@@ -177,10 +179,14 @@ def test_two_accumulator_gate_up_compiles_without_spills(MOE, bm, tiles, half, t
     _check_compiles(MOE, "gate_up", bm, tiles, tmp_path, half_m=half)
 
 
-# ... and the looped down tiles of the M 1-48 bands with it
+# ... and the looped down tiles of the M 1-48 bands with them
 @pytest.mark.parametrize("bm,tiles,half", [
     (8, (64, 256, 4, 3, 256, 0, 1, 0, 1), False), (8, (64, 256, 4, 3, 512, 0, 1, 896, 1), False),
-    (16, (64, 256, 4, 3, 512, 0, 1, 0, 1), True)], ids=str)
+    (16, (64, 256, 4, 3, 512, 0, 1, 0, 1), True),
+    # scale_once, alone and with par_acc
+    (8, (64, 256, 4, 3, 256, 0, 1, 0, 0, 1), False),
+    (8, (64, 256, 4, 3, 256, 0, 1, 0, 1, 1), False),
+    (16, (64, 256, 4, 3, 512, 0, 1, 0, 0, 1), True)], ids=str)
 def test_two_accumulator_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
 
