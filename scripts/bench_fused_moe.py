@@ -545,10 +545,18 @@ def down_grid_rows(runs: list) -> list:
             if r["table_config"]:
                 row["table_us"] = r["us"]["down"]
             elif r["config"]["down"] != table_down.get(r["m"]):
-                name = ",".join(str(int(v)) for v in dataclasses.astuple(
-                    mw.GemmConfig(**r["config"]["down"])))
+                name = config_name(mw.GemmConfig(**r["config"]["down"]))
                 row["candidates"][name] = {"us": r["us"]["down"]}
     return list(out.values())
+
+
+def config_name(cfg) -> str:
+    """A GemmConfig as a --grid / --breakdown-down list: the first eight fields, then
+    par_acc and scale_once only where set (so names from before session 52 still match)."""
+    vals = [int(v) for v in dataclasses.astuple(cfg)]
+    while len(vals) > 8 and vals[-1] == 0:
+        vals.pop()
+    return ",".join(map(str, vals))
 
 
 def _percent(x: float) -> str:

@@ -167,6 +167,16 @@ def test_grid_times_candidates_against_the_table(bench, tmp_path):
     assert set(result["summary"][band]["64,128,4,1"]) == {"random", "concentrated"}
 
 
+def test_config_names_keep_their_pre_session_52_form(bench):
+    g = bench.mw.GemmConfig
+    assert bench.config_name(g(64, 256, 4, 3, 512)) == "64,256,4,3,512,0,1,0"
+    assert bench.config_name(g(64, 256, 4, 3, 512, par_acc=1)) == "64,256,4,3,512,0,1,0,1"
+    assert bench.config_name(g(64, 256, 4, 3, 512, scale_once=1)) == "64,256,4,3,512,0,1,0,0,1"
+    # a name parses back to the config (the --grid / --breakdown-down form)
+    cfg = g(32, 256, 2, 3, 0, 1, 4, 256, 1, 1)
+    assert g(*map(int, bench.config_name(cfg).split(","))) == cfg
+
+
 def test_grid_option_is_checked(bench, tmp_path):
     for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "64,128,4,1,0,1,2,0,1,1,1", "a,b,c,d"):
         with pytest.raises(SystemExit):
