@@ -16,16 +16,14 @@ import argparse
 import datetime
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from sass_loop_mix import function_instructions, loops  # noqa: E402
+from sass_loop_mix import cubin_sass, function_instructions, loops  # noqa: E402
 
 _HMMA = re.compile(r"(?:@!?P\w+\s+)?HMMA\.\S+\s+R(\d+),\s*R\d+,\s*R\d+,\s*R(\d+)")
 _DEST = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+R(\d+)\b")
@@ -55,12 +53,6 @@ def hmma_chain(body: list[tuple[int, str]]) -> int:
     return longest
 
 
-def _tool(name: str) -> Path:
-    import triton
-
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-
-
 def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: int,
                     half_m: bool = False) -> dict:
     from tests.triton_kernels._moe_kernels import load_moe
@@ -70,13 +62,7 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
     tiles = tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:] if len(tiles) < 8 else tuple(tiles)
     kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once), half_m)
     name = "_gate_up_kernel" if kind == "gate_up" else "_down_loop_kernel"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kern.asm["cubin"])
-        sass = subprocess.run([str(_tool("cuobjdump")), "-sass", str(cubin)], check=True,
-                              capture_output=True, text=True).stdout
-        usage = subprocess.run([str(_tool("cuobjdump")), "--dump-resource-usage", str(cubin)],
-                               check=True, capture_output=True, text=True).stdout
+    sass, usage = cubin_sass(kern.asm["cubin"])
     insns = function_instructions(sass, name)
     loop = max(loops(insns), key=lambda lp: lp["instructions"])
     lo, hi = int(loop["from"], 16), int(loop["to"], 16)

@@ -33,9 +33,7 @@ import argparse
 import datetime
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from scripts.sass_loop_mix import function_instructions, loops  # noqa: E402
+from scripts.sass_loop_mix import cubin_sass, function_instructions, loops  # noqa: E402
 from sglang_ddtree.triton_kernels.moe_tiles import _mma8  # noqa: E402
 from tests.triton_kernels._sm90 import compile_sm90  # noqa: E402
 
@@ -225,23 +223,13 @@ VARIANTS = {
 }
 
 
-def _tool(name: str) -> Path:
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-
-
 def probe(name: str, bn: int, bm: int, bk: int, warps: int, stages: int) -> dict:
     fn, extra, s_type = VARIANTS[name]
     sig = {"w_ptr": "*i32", "s_ptr": s_type, "x_ptr": "*bf16", "xs_ptr": "*fp32",
            "out_ptr": "*fp32"}
     kern = compile_sm90(fn, sig, dict(K=7168, N2=512, BN=bn, BM=bm, BLOCK_K=bk, **extra),
                         warps, stages)
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kern.asm["cubin"])
-        sass = subprocess.run([str(_tool("cuobjdump")), "-sass", str(cubin)], check=True,
-                              capture_output=True, text=True).stdout
-        usage = subprocess.run([str(_tool("cuobjdump")), "--dump-resource-usage", str(cubin)],
-                               check=True, capture_output=True, text=True).stdout
+    sass, usage = cubin_sass(kern.asm["cubin"])
     (loop,) = loops(function_instructions(sass, fn.__name__))
     regs = re.search(r"REG:(\d+)", usage)
     return {"variant": name, "loop_instructions": loop["instructions"],

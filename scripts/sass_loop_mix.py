@@ -42,6 +42,28 @@ def function_instructions(sass: str, name_part: str) -> list[tuple[int, str]]:
     return out
 
 
+def cubin_sass(cubin: bytes) -> tuple[str, str]:
+    """(``cuobjdump -sass`` text, ``--dump-resource-usage`` text) of a cubin, with the
+    cuobjdump that Triton's wheel ships (no CUDA toolkit needed)."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], check=True, capture_output=True,
+                              text=True).stdout
+        usage = subprocess.run([tool, "--dump-resource-usage", path], check=True,
+                               capture_output=True, text=True).stdout
+    return sass, usage
+
+
 def opcode(text: str) -> str:
     text = re.sub(r"^@!?U?P\w+\s+", "", text)
     return text.split()[0].split(".")[0]
