@@ -347,9 +347,11 @@ for s in "$@"; do
              # one-wave split 2 at M = 8); bench_results/moe_variant_sass_s52.json has their
              # static SASS. First their GPU tests, then whole calls against the table's own
              # tiles with and without them: 8-row blocks at M 2-16 and 16-row half_m blocks at
-             # M 17-48, three routings (the candidates repeat the table's tiles so that the
-             # table column and the plain candidate are two timings of the same launch: the
-             # run's noise)
+             # M 9-48 (at M 9-16 against the table's 8-row blocks: the 16-row ones dequantize
+             # an expert's weights once where its tokens share it, as the Kimi emulation's
+             # dummy routing does), three routings (the candidates repeat the table's tiles so
+             # that the table column and the plain candidate are two timings of the same
+             # launch: the run's noise)
              step moepar-test ${MOEPAR_TEST_LIMIT:-200} python3 -m pytest -q \
                tests/gpu/test_moe_w4a16_gpu.py -k "two_accumulator or scales_once"
              step moepar-bm8 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
@@ -357,7 +359,7 @@ for s in "$@"; do
                --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
                --out "$OUT/fused_moe_par_acc_bm8_grid_h200.json"
              step moepar-half16 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOEPAR_HALF_MS:-17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
+               --ms ${MOEPAR_HALF_MS:-9 12 16 17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
                --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,0,1}" \
                --out "$OUT/fused_moe_par_acc_half16_grid_h200.json"
              # the looped down with it, per kernel (random routing): the M = 8, 9-16 and 17-48
