@@ -345,7 +345,8 @@ for s in "$@"; do
              # accumulators: half-length MMA chains) and scale_once (a group's scale loaded once:
              # 26 against 32 KB of shared memory on the M = 8 tile, so 8 programs an SM and a
              # one-wave split 2 at M = 8); bench_results/moe_variant_sass_s52.json has their
-             # static SASS. First their GPU tests, then whole calls against the table's own
+             # static SASS (with both, the dequant in one piece, split_dq 0, keeps 127
+             # registers at the 8-long chain; 128-row K steps: a 4-long chain, 80 registers). First their GPU tests, then whole calls against the table's own
              # tiles with and without them: 8-row blocks at M 2-16 and 16-row half_m blocks at
              # M 9-48 (at M 9-16 against the table's 8-row blocks: the 16-row ones dequantize
              # an expert's weights once where its tokens share it, as the Kimi emulation's
@@ -356,7 +357,7 @@ for s in "$@"; do
                tests/gpu/test_moe_w4a16_gpu.py -k "two_accumulator or scales_once"
              step moepar-bm8 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_MS:-8 2 4 7 9 12 16} --routings random,concentrated:8,concentrated:32 \
-               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
+               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,0,4,256,1,1;32,128,2,4,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
                --out "$OUT/fused_moe_par_acc_bm8_grid_h200.json"
              step moepar-half16 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_HALF_MS:-9 12 16 17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \

@@ -76,9 +76,12 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
 
 
 # the shipped table's small-M tiles (M = 8, 9-16 on 8-row blocks; 17-48 on 16-row half_m
-# blocks; their looped down tiles)
+# blocks; their looped down tiles), and two M = 8 gate-up candidates
 DEFAULT_CASES = [
     ("gate_up", 8, (32, 256, 2, 3, 0, 1, 4, 256), False),
+    # the same tile with the dequant in one piece (split_dq 0), and with 128-row K steps
+    ("gate_up", 8, (32, 256, 2, 3, 0, 0, 4, 256), False),
+    ("gate_up", 8, (32, 128, 2, 4, 0, 1, 4, 256), False),
     ("gate_up", 8, (64, 256, 4, 3, 0, 1, 4, 512), False),
     ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True),
     ("down", 8, (64, 256, 4, 3, 256, 0, 1, 0), False),
