@@ -159,9 +159,12 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     block_k = min(cfg.block_k, k)
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
     split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
+    # par_acc / scale_once on a down config exist only in the looped kernel: where the shape
+    # rules that kernel out they go with it (a gate-up's n_per_cta is 0 and they stay)
+    looped_only = n_per_cta or not cfg.n_per_cta
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
                       split_k, cfg.split_target if split_k > 1 or n_per_cta else 0,
-                      cfg.par_acc, cfg.scale_once)
+                      cfg.par_acc if looped_only else 0, cfg.scale_once if looped_only else 0)
 
 
 def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:

@@ -477,6 +477,13 @@ def test_shape_bound_options_fall_back():
     assert MOE._fit(cfg, 128, 256).split_k == 1 and MOE._fit(cfg, 128, 512).split_k == 4
     down = MOE.GemmConfig(64, 256, 4, 1, 512)
     assert MOE._fit(down, 7168, 768).n_per_cta == 0 and MOE._fit(down, 7168, 256).n_per_cta == 512
+    # the looped kernel's options go with it; a gate-up keeps its own
+    both = dataclasses.replace(down, par_acc=1, scale_once=1)
+    assert MOE._fit(both, 7168, 768) == MOE._fit(down, 7168, 768)
+    assert MOE._fit(both, 7168, 256) == dataclasses.replace(MOE._fit(down, 7168, 256), par_acc=1,
+                                                            scale_once=1)
+    gu = MOE.GemmConfig(64, 256, 4, 1, 0, 1, 4, 0, 1, 1)
+    assert (MOE._fit(gu, 256, 7168).par_acc, MOE._fit(gu, 256, 7168).scale_once) == (1, 1)
     assert MOE._fit(down, 256, 128) == MOE.GemmConfig(64, 128, 4, 1, 256)
     w = REF.make_random_moe(4, H, I, seed=2)
     x = torch.randn(5, H).bfloat16()
