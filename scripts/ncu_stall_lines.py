@@ -88,8 +88,10 @@ def read_profile(text: str) -> list:
 
 
 def samples(row: dict, key: str) -> int:
-    v = row.get(key, "")
-    return int(v) if v not in ("", "-", None) else 0
+    """A count cell of the table: 0 where empty or "-"; thousands separators (which some ncu
+    versions print) dropped."""
+    v = (row.get(key) or "").replace(",", "").strip()
+    return int(float(v)) if v not in ("", "-") else 0
 
 
 def per_line(rows: list, sass: dict) -> dict:

@@ -58,6 +58,11 @@ def test_several_launches_in_one_file_and_the_cli(tmp_path):
     assert all(x["samples"] == 30 for x in launches)
 
 
+def test_count_cells_with_separators_or_none():
+    row = {"a": "1,234", "b": "-", "c": "", "d": None, "e": "7"}
+    assert [nss.samples(row, k) for k in "abcdef"] == [1234, 0, 0, 0, 7, 0]
+
+
 def test_a_file_without_a_kernel_line_is_one_launch():
     (name, part), = nss.split_launches(HEADER + '\n"0x10","      EXIT","1","0","1","0","0"\n')
     assert name == "?" and nss.summarize(nss.read_profile(part))["samples"] == 1
