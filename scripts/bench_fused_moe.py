@@ -919,9 +919,7 @@ def main(argv=None) -> int:
                     help="--breakdown: these down configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta[,split_dq,split_k,split_target"
                          "[,par_acc[,scale_once]]]]; split_target > 0 with n_per_cta: live "
-                         "column ranges) "
-                         "instead of the "
-                         "block_m's candidates")
+                         "column ranges) instead of the block_m's candidates")
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"

@@ -128,9 +128,9 @@ def probe_planes(w_ptr, s_ptr, x_ptr, xs_ptr, out_ptr, K: tl.constexpr, N2: tl.c
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for _ in range(0, K // BLOCK_K):
-        acc_g, acc_u = _mma8(acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
-                             tl.load(w_ptrs + N2 // 2), tl.load(s_ptrs + N2 // 2), x_ptrs, x_mask,
-                             KP, True, False, True)
+        acc_g, acc_u, _, _ = _mma8(acc_g, acc_u, acc_g, acc_u, tl.load(w_ptrs), tl.load(s_ptrs),
+                                   tl.load(w_ptrs + N2 // 2), tl.load(s_ptrs + N2 // 2), x_ptrs,
+                                   x_mask, KP, True, False, True)
         x_ptrs += BLOCK_K
         w_ptrs += KP * N2
         s_ptrs += (BLOCK_K // 32) * N2

@@ -39,7 +39,7 @@ class GemmConfig:
     # split_target programs (_down_loop_kernel's SPLIT_TARGET).
     split_target: int = 0
     # 1 sums nibble planes 0-3 and 4-7 into separate accumulators: the gate-up adds the two
-    # once after its K loop (_mma8_par), the looped down (n_per_cta > 0; not the per-tile
+    # once after its K loop (_mma8 PAR_ACC), the looped down (n_per_cta > 0; not the per-tile
     # down) per column step. Each dependent MMA chain on one accumulator is then 8 long
     # instead of 16 (sm_90, the M = 8 band's gate-up tile: 168 registers against 127, the
     # same 689 instructions a K step). Session 52, not yet timed.

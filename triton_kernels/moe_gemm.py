@@ -8,8 +8,8 @@ import triton.language as tl
 
 from .moe_align import _PACK, _plane_major_cols
 from .moe_tiles import (
-    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _mma8_par,
-    _narrow_level, _rows_at,
+    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _narrow_level,
+    _rows_at,
 )
 
 
@@ -42,7 +42,7 @@ def _gate_up_kernel(
     SERIAL: tl.constexpr = False,  # SPLIT_K > 1: a tile's last program sums its partials (no reduce kernel)
     SPLIT_TARGET: tl.constexpr = 0,  # > 0 (SPLIT_K > 1): the split per call, see _live_split
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
-    PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8_par
+    PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
@@ -145,8 +145,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
         # the interpreter cannot range() over a loaded bound (a live split): a while loop
         i = 0
         while i < K_STEPS:
-            acc_g, acc_gb, acc_u, acc_ub = _gate_up_step(
-                acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
+            acc_g, acc_u, acc_gb, acc_ub = _gate_up_step(
+                acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
                 PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
             x_ptrs += BLOCK_K
             w_ptrs += KP * N2
@@ -154,8 +154,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
             i += 1
     else:
         for _ in range(0, K_STEPS):
-            acc_g, acc_gb, acc_u, acc_ub = _gate_up_step(
-                acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
+            acc_g, acc_u, acc_gb, acc_ub = _gate_up_step(
+                acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
                 PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
             x_ptrs += BLOCK_K
             w_ptrs += KP * N2
@@ -204,7 +204,7 @@ def _scale_tile(s_ptrs, BN: tl.constexpr, KP: tl.constexpr, SCALE_ONCE: tl.const
 
 
 @triton.jit
-def _gate_up_step(acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I: tl.constexpr,
+def _gate_up_step(acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I: tl.constexpr,
                   BN: tl.constexpr, KP: tl.constexpr, PORTABLE: tl.constexpr,
                   SPLIT_DQ: tl.constexpr, PAR_ACC: tl.constexpr, SCALE_ONCE: tl.constexpr):
     """One K step of _gate_up_rows: the gate and up tiles and their scales (in that order),
@@ -213,13 +213,8 @@ def _gate_up_step(acc_g, acc_gb, acc_u, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, 
     s = _scale_tile(s_ptrs, BN, KP, SCALE_ONCE)
     w2 = tl.load(w_ptrs + I)
     s2 = _scale_tile(s_ptrs + I, BN, KP, SCALE_ONCE)
-    if PAR_ACC:
-        acc_g, acc_gb, acc_u, acc_ub = _mma8_par(acc_g, acc_gb, acc_u, acc_ub, w, s, w2, s2,
-                                                 x_ptrs, x_mask, KP, PORTABLE, SPLIT_DQ)
-    else:
-        acc_g, acc_u = _mma8(acc_g, acc_u, w, s, w2, s2, x_ptrs, x_mask, KP, True, PORTABLE,
-                             SPLIT_DQ)
-    return acc_g, acc_gb, acc_u, acc_ub
+    return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs, x_mask, KP, True, PORTABLE,
+                 SPLIT_DQ, PAR_ACC)
 
 
 @triton.jit
@@ -375,8 +370,8 @@ def _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row
     acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     for _ in range(0, I // BLOCK_K):
         w = tl.load(w_ptrs)
-        acc, unused = _mma8(acc, acc, w, tl.load(s_ptrs), w, w, h_ptrs, row_ok[None, :], KP,
-                            False, PORTABLE)
+        acc, _, _, _ = _mma8(acc, acc, acc, acc, w, tl.load(s_ptrs), w, w, h_ptrs,
+                             row_ok[None, :], KP, False, PORTABLE)
         h_ptrs += BLOCK_K
         w_ptrs += KP * N
         s_ptrs += (BLOCK_K // _GROUP) * N

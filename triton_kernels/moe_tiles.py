@@ -146,14 +146,18 @@ def _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP: tl.c
 
 
 @triton.jit
-def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.constexpr,
-          PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False):
+def _mma8(acc, acc2, acc_b, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr,
+          TWO: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False,
+          PAR_ACC: tl.constexpr = False):
     """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (acc2 with W2).
 
     ``w``/``s``: [BN, KP] packed words and their scales; ``a_ptrs``: [KP, BM] pointers to the
     plane-major activation tile, plane j at ``a_ptrs + j * KP`` (input column ``8 r + j``, the
     rows nibble j of word r holds). With ``TWO`` (gate and up) a second weight tile shares the
-    activation loads.
+    activation loads. With ``PAR_ACC`` planes 4-7 add into ``acc_b`` / ``acc2_b`` instead, so
+    each chain of dependent MMAs on one accumulator is half as long (the caller sums the pairs
+    after its K loop: another fp32 summation order); otherwise those two pass through.
+    Returns ``acc, acc2, acc_b, acc2_b``.
     """
     if SPLIT_DQ:
         # Halves: planes 0-3 of both tiles, their dots, then 4-7 (fewer planes live at once).
@@ -167,41 +171,20 @@ def _mma8(acc, acc2, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr, TWO: tl.con
         q4, q5, q6, q7 = p4, p5, p6, p7
         if TWO:
             q4, q5, q6, q7 = _dequant4(w2, s2, True, PORTABLE)
-        return _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask, KP,
-                        TWO, PORTABLE)
-    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
-    q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
-    if TWO:
-        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
-    acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP, TWO,
-                         PORTABLE)
-    acc, acc2 = _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask, KP,
-                         TWO, PORTABLE)
-    return acc, acc2
-
-
-@triton.jit
-def _mma8_par(acc, acc_b, acc2, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr,
-              PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False):
-    """_mma8 with two accumulators per weight tile (TWO: gate and up): planes 0-3 add into
-    ``acc`` / ``acc2``, planes 4-7 into ``acc_b`` / ``acc2_b``, so each K step's chain of
-    dependent MMAs on one accumulator is half as long (the caller sums the pairs once, after
-    its K loop; a different fp32 summation order, not the same bits as _mma8)."""
-    if SPLIT_DQ:
-        p0, p1, p2, p3 = _dequant4(w, s, False, PORTABLE)
-        q0, q1, q2, q3 = _dequant4(w2, s2, False, PORTABLE)
-        acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP,
-                             True, PORTABLE)
-        p4, p5, p6, p7 = _dequant4(w, s, True, PORTABLE)
-        q4, q5, q6, q7 = _dequant4(w2, s2, True, PORTABLE)
     else:
         p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
-        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
-        acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP,
-                             True, PORTABLE)
-    acc_b, acc2_b = _planes4(acc_b, acc2_b, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP,
-                             a_mask, KP, True, PORTABLE)
-    return acc, acc_b, acc2, acc2_b
+        q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
+        if TWO:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
+        acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP, TWO,
+                             PORTABLE)
+    if PAR_ACC:
+        acc_b, acc2_b = _planes4(acc_b, acc2_b, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP,
+                                 a_mask, KP, TWO, PORTABLE)
+    else:
+        acc, acc2 = _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask,
+                             KP, TWO, PORTABLE)
+    return acc, acc2, acc_b, acc2_b
 
 
 @triton.jit
