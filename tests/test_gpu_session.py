@@ -1,0 +1,202 @@
+"""``scripts/gpu_session.sh`` checked on the CPU before device time is spent on it.
+
+Device calls are few and short; a step that dies on a mistyped flag, a ``pytest -k`` that selects
+nothing or a grid candidate that cannot tile the Kimi shapes costs a whole call. These tests read
+the script's text: its steps match the list in its header, every ``python3 scripts/X.py`` call
+passes only options that script accepts, every ``pytest -k`` selects at least one test, and every
+fused-MoE ``--grid`` / ``--breakdown-down`` candidate (defaults of ``${VAR:-...}`` included)
+builds a config that tiles the benchmark's shapes.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import shlex
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_session.sh"
+
+
+def _joined() -> str:
+    """The script with backslash-continued lines joined."""
+    return re.sub(r"\\\n\s*", " ", SCRIPT.read_text())
+
+
+def _defaults(text: str) -> str:
+    """``${VAR:-default}`` / ``${VAR-default}`` -> ``default`` (one level, the script's only
+    forms); ``${VAR:+...}`` and plain ``${VAR}`` / ``$VAR`` -> empty."""
+    text = re.sub(r"\$\{\w+:?-([^{}]*)\}", r"\1", text)
+    text = re.sub(r"\$\{\w+:\+[^{}]*\}", "", text)
+    return re.sub(r"\$\{?\w+\}?", "", text)
+
+
+def steps() -> dict[str, str]:
+    """case label -> its body (up to ``;;``), continuation lines joined, comments dropped."""
+    body = _joined().split("case $s in", 1)[1]
+    out = {}
+    for m in re.finditer(r"^ {4}([a-z0-9]+)\)(.*?);;", body, re.S | re.M):
+        text = "\n".join(line.split("#", 1)[0] if line.lstrip().startswith("#") else line
+                         for line in m.group(2).splitlines())
+        out[m.group(1)] = text
+    return out
+
+
+def header_steps() -> list[str]:
+    line = next(ln for ln in SCRIPT.read_text().splitlines() if "# steps:" in ln)
+    return line.split("# steps:", 1)[1].split()
+
+
+def _unrolled(text: str) -> list[str]:
+    """``text`` once per combination of its ``for VAR in VALUES; do`` loops' values (defaults
+    of ``${...:-...}`` lists), ``$VAR`` / ``${VAR}`` substituted."""
+    loops = [(v, _defaults(vals).split())
+             for v, vals in re.findall(r"\bfor (\w+) in ([^;]*?); do", text)]
+    out = []
+    for combo in itertools.product(*(vals for _, vals in loops)):
+        t = text
+        for (var, _), val in zip(loops, combo):
+            t = re.sub(r"\$\{?" + var + r"\}?(?!\w)", val, t)
+        out.append(t)
+    return out
+
+
+def script_calls() -> list[tuple[str, str, list[str]]]:
+    """(step, script path, argv after it) for every ``python3 scripts/X.py`` call, argv with
+    the ``${VAR:-default}`` defaults and the shell loops' values in place."""
+    calls = []
+    for name, text in ((n, u) for n, t in steps().items() for u in _unrolled(t)):
+        for m in re.finditer(r"python3?\s+(?:-u\s+)?(scripts/[\w./-]+\.py)(.*?)(?=\bstep\s|\n|$)",
+                             text):
+            rest = m.group(2).split(">", 1)[0]  # a redirection ends the call (sh -c "... > f")
+            rest = rest.rsplit('"', 1)[0] if rest.count('"') % 2 else rest
+            try:
+                argv = shlex.split(_defaults(rest))
+            except ValueError:  # unbalanced quotes inside sh -c: fall back to whitespace
+                argv = _defaults(rest).split()
+            if (name, m.group(1), argv) not in calls:
+                calls.append((name, m.group(1), argv))
+    return calls
+
+
+@lru_cache(maxsize=None)
+def _options(script: str) -> frozenset[str]:
+    r = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, f"{script} --help failed:\n{r.stdout[-1500:]}{r.stderr[-1500:]}"
+    return frozenset(re.findall(r"(?<![\w-])(--[a-zA-Z][\w-]*)", r.stdout))
+
+
+def test_every_step_is_listed_in_the_header_and_every_listed_step_exists():
+    cases, listed = set(steps()), header_steps()
+    assert len(listed) == len(set(listed)), "a step is listed twice in the header"
+    assert set(listed) == cases, (f"listed, no case: {sorted(set(listed) - cases)}; "
+                                  f"case, not listed: {sorted(cases - set(listed))}")
+
+
+def test_the_parser_sees_the_calls():
+    """Guards the text parsing itself: known calls are found with their flags and defaults."""
+    assert len({p for _, p, _ in script_calls()}) >= 10
+    moepar = [argv for s, p, argv in script_calls() if s == "moepar"]
+    assert len(moepar) == 3  # bm8 grid, half16 grid, down breakdown
+    assert ["--grid-block-m", "16"] == moepar[1][moepar[1].index("--grid-block-m"):][:2]
+    assert moepar[0][moepar[0].index("--ms") + 1:][:7] == "8 2 4 7 9 12 16".split()
+    moestall = [argv for s, p, argv in script_calls() if s == "moestall"
+                and p == "scripts/bench_fused_moe.py"]
+    assert moestall and all("--profile-ms" in a and "--out" not in a for a in moestall)
+
+
+@pytest.mark.parametrize("script", sorted({p for _, p, _ in script_calls()}))
+def test_every_option_a_step_passes_is_one_the_script_accepts(script):
+    assert (ROOT / script).is_file(), f"{script} does not exist"
+    known = _options(script)
+    bad = sorted({(step, a.split("=", 1)[0]) for step, p, argv in script_calls() if p == script
+                  for a in argv if a.startswith("--") and a.split("=", 1)[0] not in known})
+    assert not bad, f"{script} --help lists no such option: {bad}"
+
+
+def pytest_selections() -> list[tuple[str, list[str], str]]:
+    """(step, test paths, -k expression) for every ``pytest ... -k EXPR`` call."""
+    out = []
+    for name, text in steps().items():
+        for m in re.finditer(r"pytest(.*?)(?=\bstep\s|\n|$)", text):
+            argv = shlex.split(_defaults(m.group(1)))
+            if "-k" not in argv:
+                continue
+            expr = argv[argv.index("-k") + 1]
+            paths = [a for a in argv if a.startswith("tests/")]
+            out.append((name, paths, expr))
+    return out
+
+
+def test_every_pytest_selection_picks_tests():
+    sel = pytest_selections()
+    assert sel, "the parser found no pytest -k call"
+    for step, paths, expr in sel:
+        assert paths, f"{step}: pytest -k {expr!r} names no test file"
+        for p in paths:
+            assert (ROOT / p).exists(), f"{step}: {p} does not exist"
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                            "no:cacheprovider", *paths, "-k", expr], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        got = re.search(r"(\d+)(?:/\d+)? tests? collected", r.stdout)
+        assert got and int(got.group(1)) > 0, (
+            f"{step}: pytest {' '.join(paths)} -k {expr!r} selects nothing:\n{r.stdout[-800:]}")
+
+
+def _grids():
+    """(step, option, block_m, half_m, candidates, ms) for every fused-MoE bench call with
+    --grid or --breakdown-down."""
+    out = []
+    for step, script, argv in script_calls():
+        if script != "scripts/bench_fused_moe.py":
+            continue
+
+        def opt(flag, default=None, argv=argv):
+            return argv[argv.index(flag) + 1] if flag in argv else default
+
+        ms = []
+        if "--ms" in argv:
+            for a in argv[argv.index("--ms") + 1:]:
+                if not a.isdigit():
+                    break
+                ms.append(int(a))
+        for flag in ("--grid", "--breakdown-down"):
+            spec = opt(flag)
+            if spec is None:
+                continue
+            cands = [tuple(int(v) for v in c.split(",")) for c in spec.split(";") if c]
+            half = opt("--grid-half-m", "0")  # the flag alone means 1 (nargs="?")
+            out.append((step, flag, int(opt("--grid-block-m", "0")),
+                        int(half) if half.isdigit() else 1, cands, ms or [8, 16, 32, 64, 128]))
+    return out
+
+
+def test_every_moe_grid_candidate_tiles_the_kimi_shapes():
+    from sglang_ddtree.triton_kernels import moe_config as mc
+
+    grids = _grids()
+    assert any(flag == "--grid" for _, flag, *_ in grids)
+    assert any(flag == "--breakdown-down" for _, flag, *_ in grids)
+    hidden, inter = 7168, 256  # bench_fused_moe.py's defaults; no step overrides them
+    assert not any("--hidden" in a or "--inter" in a for _, _, a in script_calls())
+    bad = []
+    for step, flag, block_m, half_m, cands, ms in grids:
+        for m in ms:
+            base = mc.select_config(m)
+            for c in cands:
+                try:
+                    g = mc.GemmConfig(*c)
+                    if flag == "--grid":
+                        cfg = mc.MoeConfig(block_m or base.block_m, g, base.down, half_m=half_m)
+                    else:
+                        cfg = mc.MoeConfig(base.block_m, base.gate_up, g, half_m=base.half_m)
+                    mc._fitted(cfg, hidden, inter)
+                except (TypeError, ValueError) as exc:
+                    bad.append(f"{step} {flag} M={m} {c}: {exc}")
+    assert not bad, "\n".join(bad[:20])
