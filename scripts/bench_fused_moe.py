@@ -400,6 +400,7 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     routings = args.routings.split(",")
     out = run_header(dev, {
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
+        "grid_wide_halves": int(args.grid_wide_halves),
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
                 f"replays over {len(layers)} weight sets; down from the table, block_m "
                 + (f"{args.grid_block_m} for the candidates (the table's for its own row)"
@@ -427,7 +428,8 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
                    "candidates": {}}
             for c in grid:
                 cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
-                                   table.down, half_m=int(args.grid_half_m))
+                                   table.down, half_m=int(args.grid_half_m),
+                                   wide_halves=int(args.grid_wide_halves))
                 row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
@@ -576,8 +578,8 @@ def gemm_json(cfg) -> dict:
 
 def apply_picks(path: str, picks: dict, meta: dict) -> None:
     """Write picked configs into the table at ``path``: only those bands' ``gate_up`` or
-    ``down`` (whichever the pick names; for gate-up picks also ``half_m``, set from the pick or
-    removed, ``block_m`` where the pick has one (a grid run with
+    ``down`` (whichever the pick names; for gate-up picks also ``half_m`` and ``wide_halves``,
+    set from the pick or removed, ``block_m`` where the pick has one (a grid run with
     --grid-block-m), and ``us``, the random-routing time at max_m of the whole call, where the
     grid has it) change; the other GEMM stays; ``meta`` is recorded under "tuned" with the
     bands it changed."""
@@ -603,6 +605,10 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
                 band["half_m"] = pick["half_m"]
             else:
                 band.pop("half_m", None)
+            if pick.get("wide_halves"):
+                band["wide_halves"] = pick["wide_halves"]
+            else:
+                band.pop("wide_halves", None)
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
         else:
@@ -933,6 +939,10 @@ def main(argv=None) -> int:
                     help="--grid only: run the candidates with MoeConfig.half_m (blocks "
                          "narrowed to the fewest rows holding their real ones, down to 8 with "
                          "--grid-block-m 16 and 16 with 32 or 64; 2: the gate-up only)")
+    ap.add_argument("--grid-wide-halves", type=int, nargs="?", const=1, default=0, choices=(0, 1),
+                    help="--grid only, with --grid-half-m and --grid-block-m 16 or 32: run the "
+                         "candidates with MoeConfig.wide_halves (a full block's gate-up as two "
+                         "tiles of block_n / 2 columns)")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
                     help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
@@ -1039,14 +1049,15 @@ def main(argv=None) -> int:
                 grid_runs.append(json.load(f))
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
         half_ms = {int(g.get("grid_half_m") or 0) for g in grid_runs}
+        wides = {int(g.get("grid_wide_halves") or 0) for g in grid_runs}
         for gone in ("pairs", "run_m"):  # (sessions 29 / 46's grids)
             if any(g.get(f"grid_{gone}") for g in grid_runs):
                 ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in session 47")
-        if len(block_ms) > 1 or len(half_ms) > 1:
+        if len(block_ms) > 1 or len(half_ms) > 1 or len(wides) > 1:
             ap.error(f"--pick-from: the grids ran with different --grid-block-m "
-                     f"{sorted(block_ms)} or --grid-half-m {sorted(half_ms)}; pick from runs of "
-                     "one grid")
-        block_m, half_m = block_ms.pop(), half_ms.pop()
+                     f"{sorted(block_ms)}, --grid-half-m {sorted(half_ms)} or "
+                     f"--grid-wide-halves {sorted(wides)}; pick from runs of one grid")
+        block_m, half_m, wide = block_ms.pop(), half_ms.pop(), wides.pop()
         if half_m and not block_m:
             ap.error("--pick-from: a grid with --grid-half-m but no --grid-block-m; half_m "
                      "needs the block_m it was timed with")
@@ -1065,7 +1076,8 @@ def main(argv=None) -> int:
                                if args.max_conc_loss is None else
                                (args.max_conc_loss, "concentrated", "random"))
         for pick in picks.values():  # a grid run with --grid-half-m: its picks take its half_m
-            pick["half_m"] = half_m
+            pick["half_m"] = half_m  # (and wide_halves)
+            pick["wide_halves"] = wide
             if block_m:  # and one with --grid-block-m its block_m (the down config stays)
                 pick["block_m"] = block_m
         return write_picks(
@@ -1078,6 +1090,7 @@ def main(argv=None) -> int:
             + ("; block_m " + (f"{block_m} (the grid's)" if block_m else "unchanged"))
             + "; down unchanged; 'us' is the pick's random-routing time at max_m"
             + (f"; the grid ran with half_m {half_m}" if half_m else "")
+            + ("; with wide_halves" if wide else "")
             + (f"; new bands {sorted(args.pick_new_band)}" if args.pick_new_band else ""))
     grid = None
     if args.grid is not None:
@@ -1089,6 +1102,8 @@ def main(argv=None) -> int:
                      f"lists, got {args.grid!r}")
         if not grid or any(not 4 <= len(c) <= 10 for c in grid):
             ap.error(f"--grid: 4 to 10 integers per gate-up config, got {args.grid!r}")
+        if args.grid_wide_halves and not (args.grid_half_m and args.grid_block_m in (16, 32)):
+            ap.error("--grid-wide-halves needs --grid-half-m and --grid-block-m 16 or 32")
         for r in args.routings.split(","):
             parse_routing(r)
     dev = torch.device(args.device)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -368,6 +368,29 @@ for s in "$@"; do
              step moepar-down ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,1;64,256,4,3,256,0,1,0,0,1;64,256,4,3,256,0,1,0,1,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512,0,1,896,0,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1;64,256,4,3,512,0,1,0,0,1}" \
                --out "$OUT/fused_moe_par_acc_down_h200.json" ;;
+    moewide) # (session 53) MoeConfig.wide_halves: 16-row half_m blocks whose full blocks run
+             # the gate-up as two half-width tiles, so the kernel keeps the 8-row tile's
+             # registers and shared memory (sm_90: 130 / 56 KB against plain half_m's 167 /
+             # 72 KB, which cost it 2 % on random routing and 7 % on 32 shared experts at
+             # M = 9 in session 47) while an expert of 9-16 rows (the Kimi emulation's dummy
+             # fill at budgets 8-15) is dequantized once. Its GPU tests, then whole calls at the
+             # M 9-48 bands against the table on three routings: half_m 2 (the down on full
+             # blocks) and 1 with wide_halves, and half_m 1 without it (the M 17-48 bands' own)
+             step moewide-test ${MOEWIDE_TEST_LIMIT:-200} python3 -m pytest -q \
+               tests/gpu/test_moe_w4a16_gpu.py -k "wide_halves"
+             for half in ${MOEWIDE_HALF:-2 1}; do
+               step moewide-h$half ${MOEWIDE_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --ms ${MOEWIDE_MS:-9 12 16 17 24 32 40 48} \
+                 --routings random,concentrated:8,concentrated:32 --grid-block-m 16 \
+                 --grid-half-m $half --grid-wide-halves \
+                 --grid "${MOEWIDE_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
+                 --out "$OUT/fused_moe_wide_halves_h${half}_grid_h200.json"
+             done
+             step moewide-h1-plain ${MOEWIDE_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+               --no-sglang --ms ${MOEWIDE_MS:-9 12 16 17 24 32 40 48} \
+               --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
+               --grid "${MOEWIDE_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
+               --out "$OUT/fused_moe_half_m16_plain_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

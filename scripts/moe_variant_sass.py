@@ -54,13 +54,13 @@ def hmma_chain(body: list[tuple[int, str]]) -> int:
 
 
 def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: int,
-                    half_m: bool = False) -> dict:
+                    half_m: bool = False, wide: bool = False) -> dict:
     from tests.triton_kernels._moe_kernels import load_moe
     import tests.triton_kernels.test_moe_w4a16_compile as aot
 
     moe = load_moe(interpret=False).moe
     tiles = tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:] if len(tiles) < 8 else tuple(tiles)
-    kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once), half_m)
+    kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once), half_m, wide)
     name = "_gate_up_kernel" if kind == "gate_up" else "_down_loop_kernel"
     sass, usage = cubin_sass(kern.asm["cubin"])
     insns = function_instructions(sass, name)
@@ -68,6 +68,7 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
     lo, hi = int(loop["from"], 16), int(loop["to"], 16)
     regs = re.search(r"REG:(\d+)", usage)
     return {"kind": kind, "block_m": bm, "tile": list(tiles[:8]), "half_m": half_m,
+            "wide_halves": wide,
             "par_acc": par_acc, "scale_once": scale_once,
             "loop_instructions": loop["instructions"], "opcodes": loop["opcodes"],
             "hmma_chain": hmma_chain([(a, t) for a, t in insns if lo <= a <= hi]),
@@ -89,16 +90,33 @@ DEFAULT_CASES = [
 ]
 
 
+# MoeConfig.wide_halves (session 53): the M 9-48 bands' gate-up tile on 8-row blocks (the M 9-16
+# band as shipped), on 16-row half_m blocks (the M 17-48 bands as shipped), and on 16- / 32-row
+# half_m blocks with wide_halves
+WIDE_CASES = [
+    ("gate_up", 8, (64, 256, 4, 3, 0, 1, 4, 512), False, False),
+    ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True, False),
+    ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True, True),
+    ("gate_up", 16, (64, 256, 4, 3, 0, 1, 2, 512), True, True),
+    ("gate_up", 32, (64, 256, 4, 3, 0, 1, 4, 512), True, False),
+    ("gate_up", 32, (64, 256, 4, 3, 0, 1, 4, 512), True, True),
+]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--wide", action="store_true",
+                    help="the wide_halves cases (WIDE_CASES) instead of par_acc / scale_once's")
     args = ap.parse_args(argv)
     rows = []
-    for kind, bm, tiles, half in DEFAULT_CASES:
-        for par, once in [(0, 0), (1, 0), (0, 1), (1, 1)]:
-            r = compile_variant(kind, bm, tiles, par, once, half)
+    cases = ([c + (False,) for c in DEFAULT_CASES] if not args.wide else WIDE_CASES)
+    for kind, bm, tiles, half, wide in cases:
+        for par, once in [(0, 0), (1, 0), (0, 1), (1, 1)] if not args.wide else [(0, 0)]:
+            r = compile_variant(kind, bm, tiles, par, once, half, wide)
             rows.append(r)
-            print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} par_acc {par} "
+            print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} "
+                  f"{'half_m ' if half else ''}{'wide_halves ' if wide else ''}par_acc {par} "
                   f"scale_once {once}: {r['loop_instructions']} instructions a loop, HMMA "
                   f"chain {r['hmma_chain']}, {r['registers']} registers, "
                   f"{r['shared_bytes']} B shared{', SPILLS' if r['spills'] else ''}")

@@ -150,8 +150,8 @@ def test_every_pytest_selection_picks_tests():
 
 
 def _grids():
-    """(step, option, block_m, half_m, candidates, ms) for every fused-MoE bench call with
-    --grid or --breakdown-down."""
+    """(step, option, block_m, half_m, wide_halves, candidates, ms) for every fused-MoE bench
+    call with --grid or --breakdown-down."""
     out = []
     for step, script, argv in script_calls():
         if script != "scripts/bench_fused_moe.py":
@@ -172,8 +172,10 @@ def _grids():
                 continue
             cands = [tuple(int(v) for v in c.split(",")) for c in spec.split(";") if c]
             half = opt("--grid-half-m", "0")  # the flag alone means 1 (nargs="?")
+            wide = opt("--grid-wide-halves", "0")  # (likewise)
             out.append((step, flag, int(opt("--grid-block-m", "0")),
-                        int(half) if half.isdigit() else 1, cands, ms or [8, 16, 32, 64, 128]))
+                        int(half) if half.isdigit() else 1, int(wide) if wide.isdigit() else 1,
+                        cands, ms or [8, 16, 32, 64, 128]))
     return out
 
 
@@ -186,14 +188,16 @@ def test_every_moe_grid_candidate_tiles_the_kimi_shapes():
     hidden, inter = 7168, 256  # bench_fused_moe.py's defaults; no step overrides them
     assert not any("--hidden" in a or "--inter" in a for _, _, a in script_calls())
     bad = []
-    for step, flag, block_m, half_m, cands, ms in grids:
+    assert any(wide for _, flag, _, _, wide, *_ in grids if flag == "--grid")
+    for step, flag, block_m, half_m, wide, cands, ms in grids:
         for m in ms:
             base = mc.select_config(m)
             for c in cands:
                 try:
                     g = mc.GemmConfig(*c)
                     if flag == "--grid":
-                        cfg = mc.MoeConfig(block_m or base.block_m, g, base.down, half_m=half_m)
+                        cfg = mc.MoeConfig(block_m or base.block_m, g, base.down, half_m=half_m,
+                                           wide_halves=wide)
                     else:
                         cfg = mc.MoeConfig(base.block_m, base.gate_up, g, half_m=base.half_m)
                     mc._fitted(cfg, hidden, inter)

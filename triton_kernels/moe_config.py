@@ -74,6 +74,15 @@ class MoeConfig:
     # bench_results/fused_moe_half_m16_*grid_h200_s46.json). 2: the gate-up only (the down runs
     # full blocks): the M 49-128 bands (session 46, fused_moe_half_m16_gu_m49_*_s46.json).
     half_m: int = 0
+    # 1 (half_m 1 or 2, block_m 16 or 32): the gate-up gives each block twice the programs, and
+    # a block with rows in its second half runs as two tiles of block_n / 2 columns over all
+    # block_m rows instead of one full-width tile; a block that narrows runs as with half_m
+    # alone. Both tiles then hold the same accumulators, so the kernel needs the narrow tile's
+    # registers and shared memory (sm_90, the M 9-16 band's 64 x 256 / 4-warp tile on 16-row
+    # blocks: 130 registers and 56 KB against 167 and 72 KB; 8-row blocks: 128 and 56 KB),
+    # while an expert with more than block_m / 2 rows of a call still has each weight tile
+    # dequantized once for all of them (session 53, not yet timed)
+    wide_halves: int = 0
 
     @property
     def narrow_gate_up(self) -> bool:
@@ -103,7 +112,8 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
                                  "session 47 (no band of the shipped table used it); drop it")
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
-            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)))))
+            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
+            wide_halves=int(band.get("wide_halves", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -179,9 +189,13 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
             or dn.split_target < 0 or gu.par_acc not in (0, 1) or dn.par_acc not in (0, 1)
             or gu.scale_once not in (0, 1) or dn.scale_once not in (0, 1)
-            or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)):
+            or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)
+            or cfg.wide_halves not in (0, 1)
+            or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
+                                     or gu.block_n % 32))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
-        # block_m >= 8 its n side, see MoeConfig.block_m); _fit has
+        # block_m >= 8 its n side, see MoeConfig.block_m; wide_halves' half-width tiles keep
+        # block_n / 2 >= 16, its m side); _fit has
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     return gu, dn

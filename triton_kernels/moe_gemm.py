@@ -44,16 +44,26 @@ def _gate_up_kernel(
     NUM_EXPERTS: tl.constexpr = 0,  # (SPLIT_TARGET) experts, for moe_align's block count
     PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
+    WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
+    # WIDE_HALVES (MoeConfig.wide_halves, HALF_M with BLOCK_M 16 / 32): each block has 2 NUM_N
+    # programs (per K split). A full block's tile is two programs of BLOCK_N / 2 columns (its
+    # half-width tiles); a block that narrows runs its NUM_N [BLOCK_N, BLOCK_M / 2] tiles on the
+    # first NUM_N, the rest leave at once. Both tiles hold the same number of accumulators, so
+    # the kernel keeps the narrow tile's registers and shared memory (a full-width full block,
+    # as plain HALF_M runs it, needs about 1.3x both on sm_90), while an expert with more than
+    # BLOCK_M / 2 rows of a call still dequantizes each weight tile once for all of them.
+    NQ: tl.constexpr = 2 * NUM_N if WIDE_HALVES else NUM_N  # programs per block (and split)
     pid = tl.program_id(0)
     if SPLIT_TARGET > 0:
         # The used tiles' programs first, n_split per tile (the used blocks lead block_expert),
         # whatever the split: the grid (live_grid) holds the most any call can need, and
         # programs past this call's leave at once. max_blocks as moe_align sized it.
+        # (the split from the used blocks' NUM_N tiles, as without WIDE_HALVES)
         n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_N,
                                     K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
-        if pid >= live * n_split:
+        if pid >= live * (NQ // NUM_N) * n_split:
             return
         pid_k = pid % n_split
         pid_mn = pid // n_split
@@ -61,8 +71,8 @@ def _gate_up_kernel(
         pid_k = pid % SPLIT_K
         pid_mn = pid // SPLIT_K
         n_split = SPLIT_K
-    pid_m = pid_mn // NUM_N
-    pid_n = pid_mn % NUM_N
+    pid_m = pid_mn // NQ
+    pid_n = pid_mn % NQ  # WIDE_HALVES: a half-width tile's index (full blocks) or past NUM_N
     e = tl.load(block_expert_ptr + pid_m)
     level = 0  # all BLOCK_M rows
     if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
@@ -73,9 +83,16 @@ def _gate_up_kernel(
     if HALF_M:
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
-                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, PAR_ACC, SCALE_ONCE)
+                          e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M,
+                          BLOCK_N // 2 if WIDE_HALVES else BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
+                          PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split,
+                          PAR_ACC, SCALE_ONCE)
+        elif WIDE_HALVES:
+            if pid_n < NUM_N:
+                _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
+                              part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2,
+                              BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
+                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,

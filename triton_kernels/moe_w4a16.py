@@ -40,7 +40,9 @@ but 9-13 % slower on random routing (48-58 % with 64) on the H200 in session 26;
 blocks (session 46) it runs 8-row tiles for the one or two rows most experts hold at M 17-48 on
 random routing, 5-7 % faster there, and 16-row ones for experts of 9-16 rows: the M 17-32 and
 33-48 bands use it, and the M 49-64 and 65-128 bands ``half_m`` 2 (the gate-up only; the down's
-two-width kernel cost 5-6 % where 32 experts hold 16 rows each).
+two-width kernel cost 5-6 % where 32 experts hold 16 rows each). ``MoeConfig.wide_halves``
+(session 53, no band yet) runs a full block's gate-up as two tiles of half the columns, so the
+two-width gate-up kernel needs no more registers or shared memory than its narrow tile.
 
 Weight layout consumed as loaded by SGLang 0.5.17 (no repack; see ``sglang_ddtree/moe_hook.py``):
 ``w13_packed [E, H // 8, 2 I] int32`` (nibble ``j`` of row ``r`` holds ``q[8 r + j] + 8``),
@@ -269,9 +271,10 @@ def fused_moe_w4a16(
     part = h if gu.split_k == 1 else torch.empty(
         gu.split_k, part_rows, 2 * inter, dtype=torch.float32, device=hidden_states.device)
     tiles = n_blocks * num_n
-    counters = _tile_counters(hidden_states.device, tiles) if gu.split_k > 1 else None
-    programs = tiles * gu.split_k if not gu.split_target else live_grid(
-        tiles, hidden // gu.block_k, gu.split_k, gu.split_target)
+    wide = 2 if cfg.wide_halves else 1  # MoeConfig.wide_halves: 2 programs a column tile
+    counters = _tile_counters(hidden_states.device, wide * tiles) if gu.split_k > 1 else None
+    programs = wide * (tiles * gu.split_k if not gu.split_target else live_grid(
+        tiles, hidden // gu.block_k, gu.split_k, gu.split_target))
     _gate_up_kernel[(programs,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
         sorted_ids if counters is None else counters, t, part_rows, K=hidden,
@@ -280,7 +283,7 @@ def fused_moe_w4a16(
         SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
-        SCALE_ONCE=bool(gu.scale_once),
+        SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
         num_warps=gu.num_warps, num_stages=gu.num_stages)
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)

@@ -330,6 +330,52 @@ def test_serial_split_k_equals_two_launches(K, w, m, monkeypatch):
     assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("m", [9, 12, 16, 17, 24, 40])
+@pytest.mark.parametrize("half", [1, 2])
+def test_wide_halves_vs_reference_and_serial(K, w, m, half, monkeypatch):
+    """MoeConfig.wide_halves (session 53) on 16-row half_m blocks with the M 9-48 bands' gate-up
+    tile (64 x 256, 4 warps, live split 4 / 512; half 2: the down on full blocks): every token
+    on the same 8 experts (9-40 rows each: full blocks as two half-width tiles, then a narrowed
+    one) and random routing, against the reference and the same config without wide_halves;
+    split-K summed by each tile's last program equal to the reduce kernel bit for bit, eager and
+    over 20 CUDA-graph replays on few and many experts (the two half-width tiles of a block
+    count in on their own counters, which end at 0)."""
+    moe = K.moe
+    down = moe.select_config(32).down
+    cfg = moe.MoeConfig(16, moe.GemmConfig(64, 256, 4, 3, 0, 1, 4, 512), down, half_m=half,
+                        wide_halves=1)
+    plain = dataclasses.replace(cfg, wide_halves=0)
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    same = torch.tensor([[5, 0, 383, 17, 200, 9, 64, 1]], device="cuda", dtype=torch.int32)
+    tw_r, ti_r, _ = routing(m, seed=90 + m)
+    for tw, ti in ((torch.rand(m, TOPK, device="cuda"), same.repeat(m, 1).contiguous()),
+                   (tw_r, ti_r)):
+        out = ours(K, w, x, tw, ti, scale=1.3, config=cfg)
+        rel, mx = errors(out, reference(K, w, x, tw, ti, 1.3))
+        assert rel <= REL_FRO and mx <= REL_MAX, (rel, mx)
+        ref2 = ours(K, w, x, tw, ti, scale=1.3, config=plain)
+        assert float((out.float() - ref2.float()).abs().max()) <= (
+            2.0 ** -7 * float(ref2.float().abs().max()))
+
+    def two_launch(tw, ti):
+        monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "0")
+        try:
+            return ours(K, w, x, tw, ti, config=cfg).clone()
+        finally:
+            monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "1")
+
+    monkeypatch.setenv(moe.SERIAL_REDUCE_ENV, "1")
+    tw, ti = few_or_random(m, 10, few=True)
+    eager = ours(K, w, x, tw, ti, config=cfg)
+    assert torch.equal(eager, two_launch(tw, ti))
+    out = torch.empty_like(eager)
+    graph = captured(K, w, x, tw, ti, out, config=cfg)
+    for i, tw2, ti2 in replays(graph, x, tw, ti, 20, 200):
+        assert torch.equal(out, two_launch(tw2, ti2)), f"replay {i}"
+    counters = moe._counters[("cuda", torch.cuda.current_device())]
+    assert int(counters.abs().sum()) == 0
+
+
 def _graph_equals_fixed(K, w, x, live, fixed, seed, seed0):
     """One call with the ``live`` config captured on 8 shared experts, replayed 8 times on
     alternating routings (``replays``, from ``seed0``): every replay equals, bit for bit,

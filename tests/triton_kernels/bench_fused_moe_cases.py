@@ -670,6 +670,39 @@ def test_grid_with_half_m_blocks_and_pick_carries_them(bench, tmp_path):
                                 if b["max_m"] == band)
 
 
+def test_grid_with_wide_halves_and_pick_carries_it(bench, tmp_path):
+    """--grid-wide-halves (with --grid-block-m 16 --grid-half-m): the candidates run with
+    MoeConfig.wide_halves, within tolerance of the table; a pick writes wide_halves beside
+    half_m and block_m (a later pick without it removes it); --pick-from refuses runs of
+    different wide_halves, and the flag without half_m is refused."""
+    out, result, table = _tiny_grid(bench, tmp_path, "--grid-block-m", "16", "--grid-half-m",
+                                    "--grid-wide-halves")
+    assert result["grid_wide_halves"] == 1 and result["grid_half_m"] == 1
+    grid = json.loads(out.read_text())
+    grid["rows"] = [dict(r, candidates={k: dict(v, us=r["table_us"] * 0.9)
+                                        for k, v in r["candidates"].items()})
+                    for r in grid["rows"]]
+    out.write_text(json.dumps(grid))
+    assert bench.main(["--pick-from", str(out), "--max-conc-loss", "0.02",
+                       "--tune-out", str(table)]) == 0
+    band = next(b for b in json.loads(table.read_text())["bands"] if b["max_m"] == 32)
+    assert (band["block_m"], band["half_m"], band["wide_halves"]) == (16, 1, 1)
+    assert "with wide_halves" in json.loads(table.read_text())["tuned"][-1]["rule"]
+    bench.mw._config_table.cache_clear()
+    assert bench.mw.select_config(20, str(table)).wide_halves == 1
+    other = tmp_path / "plain.json"
+    other.write_text(json.dumps(dict(grid, grid_wide_halves=0)))
+    with pytest.raises(SystemExit):
+        bench.main(["--pick-from", str(out), str(other), "--tune-out", str(table)])
+    bench.apply_picks(str(table), {32: {"gate_up": [64, 128, 4, 1], "random": 0.9}},
+                      {"command": "test"})
+    assert "wide_halves" not in next(b for b in json.loads(table.read_text())["bands"]
+                                     if b["max_m"] == 32)
+    with pytest.raises(SystemExit):
+        bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", "--grid-wide-halves",
+                           "--out", str(tmp_path / "x.json")])
+
+
 def test_dual_stream_mode_times_the_moe_beside_the_shared_expert(bench, tmp_path):
     """Off a GPU the two streams are one: the smoke run checks the rows and that every kind
     runs (the GPU run times SGLang's second stream)."""

@@ -49,6 +49,15 @@ CFG_HALF16_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
                                 MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1)
 CFG_HALF16_GU_LIVE = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2, 8),
                                    MOE.GemmConfig(64, 128, 4, 1, 128), half_m=2)
+# wide_halves (session 53): a full 16- or 32-row block's gate-up as two half-width tiles
+# (block_n 64 -> 32 columns), with a looped down, with half_m 2 and a live split, with a fixed
+# split on 32-row blocks
+CFG_WIDE16_LOOP = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
+                                MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1, wide_halves=1)
+CFG_WIDE16_GU_LIVE = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2, 8),
+                                   MOE.GemmConfig(64, 128, 4, 1, 128), half_m=2, wide_halves=1)
+CFG_WIDE32_SPLITK = MOE.MoeConfig(32, MOE.GemmConfig(64, 128, 4, 1, 0, 0, 2),
+                                  MOE.GemmConfig(64, 128, 4, 1), half_m=1, wide_halves=1)
 # 64-row blocks narrowed to 32 or 16 rows
 CFG_HALF64 = MOE.MoeConfig(64, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
                            half_m=1)
@@ -257,8 +266,9 @@ def test_split_k_gate_up_matches_reference(experts, m):
     assert torch.equal(out, again), "split-K must be deterministic (fixed-order reduce)"
 
 
-@pytest.mark.parametrize("cfg", [CFG_SPLITK, CFG_HALF_SPLITK, CFG_HALF64_LOOP_SPLITK],
-                         ids=["16", "half32", "half64"])
+@pytest.mark.parametrize("cfg", [CFG_SPLITK, CFG_HALF_SPLITK, CFG_HALF64_LOOP_SPLITK,
+                                 CFG_WIDE32_SPLITK],
+                         ids=["16", "half32", "half64", "wide32"])
 def test_serial_split_k_equals_the_reduce_kernel(experts, cfg, monkeypatch):
     """The split-K partials summed by each tile's last program (one launch) equal the reduce
     kernel's sum bit for bit, and every arrival counter is re-armed to 0 afterwards."""
@@ -833,6 +843,71 @@ def test_half_m_blocks_match_reference(experts, cfg):
     full = MOE.MoeConfig(min(cfg.block_m, 32), cfg.gate_up, cfg.down)
     wide, _ = run(experts[9], x, tw, ti, scale=1.3, cfg=full)
     assert (out.float() - wide.float()).abs().max() <= 2e-2 * wide.float().abs().max()
+
+
+@pytest.mark.parametrize("cfg", [CFG_WIDE16_LOOP, CFG_WIDE16_GU_LIVE, CFG_WIDE32_SPLITK],
+                         ids=["bm16_loop", "bm16_gate_up_only_live_split", "bm32_split_k"])
+def test_wide_halves_match_the_reference_and_half_m(experts, cfg):
+    """wide_halves: full blocks (an expert of 40 rows: full, full, half with 16-row blocks;
+    experts of 20 rows: full then half) run as two half-width gate-up tiles, blocks that narrow
+    (experts of 6-7 rows) as half_m runs them: every row written once, within tolerance of the
+    reference and of the same config without wide_halves."""
+    m = 40
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(43)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=44)
+    ti[:, 0] = 5
+    ti[:, 1] = torch.where(torch.arange(m) < 20, 7, 8)
+    ti[:, 2] = torch.tensor([0, 1, 2, 3, 4, 6])[torch.arange(m) % 6]
+    ti[-1, 2] = -1
+    out, ref = run(experts[9], x, tw, ti, scale=0.9, cfg=cfg)
+    check(out, ref)
+    plain, _ = run(experts[9], x, tw, ti, scale=0.9, cfg=dataclasses.replace(cfg, wide_halves=0))
+    assert (out.float() - plain.float()).abs().max() <= 2e-2 * plain.float().abs().max()
+
+
+@pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
+@pytest.mark.parametrize("serial", ["1", "0"])
+def test_wide_halves_live_split_equals_the_fixed_split_it_picks(case, serial, monkeypatch):
+    """wide_halves with a live split takes the split of the used blocks' block_n tiles (the
+    same rule as without it) and equals that fixed split bit for bit; the counters (two a
+    column tile) end at 0. one_block: 5 rows on one expert (a narrowed block); two_blocks: 12
+    rows on each of two experts (full blocks, half-width tiles); many_blocks: both kinds."""
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
+    w = REF.make_random_moe(9, H_LIVE, I, seed=91)
+    m = {"one_block": 5, "two_blocks": 12, "many_blocks": 40}[case]
+    x, tw, ti = _block_case(case, m, H_LIVE, 310)
+    blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
+    want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
+    assert MOE.live_split(blocks, 2, 4, 4, 8) == want, blocks
+
+    def cfg_of(split_k, target):
+        return MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, split_k, target),
+                             MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1, wide_halves=1)
+
+    def call(cfg):
+        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
+        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                   w["w2_scale"], tw, ti, out=out, config=cfg)
+
+    live = call(cfg_of(4, 8))
+    fixed = call(cfg_of(want, 0))
+    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                  w["w2_scale"], tw, ti, 1.0)
+    check(live, ref)
+    assert torch.equal(live, fixed)
+    if serial == "1":
+        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
+
+
+def test_wide_halves_needs_half_m_on_16_or_32_row_blocks():
+    w = REF.make_random_moe(4, H, I, seed=1)
+    x = torch.randn(3, H).bfloat16()
+    tw, ti = random_routing(3, 4, 2, seed=1)
+    for bm, half, bn in ((16, 0, 64), (8, 0, 64), (64, 1, 64), (16, 1, 16)):
+        bad = MOE.MoeConfig(bm, MOE.GemmConfig(bn, 128, 4, 1), MOE.GemmConfig(64, 128, 4, 1),
+                            half_m=half, wide_halves=1)
+        with pytest.raises(ValueError, match="does not tile"):
+            run(w, x, tw, ti, cfg=bad)
 
 
 def test_config_table_is_checked_against_the_shapes(tmp_path):

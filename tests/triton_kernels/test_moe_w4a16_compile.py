@@ -40,10 +40,10 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once]]]) as in GemmConfig; ``half_m``:
-    whether that GEMM runs HALF_M."""
+    whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES (MoeConfig.wide_halves)."""
     bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once = (
         tuple(tiles) + (0, 0, 1, 0, 0, 0)[len(tiles) - 4:])
     if kind == "gate_up":
@@ -60,6 +60,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False):
             const["PAR_ACC"] = True
         if scale_once:
             const["SCALE_ONCE"] = True
+        if wide:
+            const["WIDE_HALVES"] = True
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -99,8 +101,8 @@ def test_compiles_for_sm90(MOE, kind, bm, tiles, half, tmp_path):
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half)
 
 
-def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False):
-    kern = _gemm(MOE, kind, bm, tiles, half_m)
+def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, wide=False):
+    kern = _gemm(MOE, kind, bm, tiles, half_m, wide)
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -212,6 +214,23 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
     dequant kept, no spills, within shared memory, for gate-up and down tiles of the M 5-128
     bands."""
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=True)
+
+
+# wide_halves (session 53, not in the table): the M 9-48 bands' 4-warp gate-up tiles on 16-row
+# half_m blocks, full blocks as two half-width tiles; with a fixed split and on 32-row blocks.
+# Registers and shared memory as the narrow tile's (8-row blocks: 128 / 56 KB), not as plain
+# HALF_M's (167 / 72 KB). The 2-warp 32-column tile spills with it (16-column halves): left out.
+@pytest.mark.parametrize("bm,tiles", [
+    (16, (64, 256, 4, 3, 0, 1, 4, 512)), (16, (64, 256, 4, 3, 0, 1, 2, 512)),
+    (16, (64, 256, 4, 3, 0, 1, 4)), (16, (64, 256, 4, 3, 0, 1, 4, 512, 1, 1)),
+    (32, (64, 256, 4, 3, 0, 1, 4, 512))], ids=str)
+def test_wide_halves_gate_up_compiles_without_spills(MOE, bm, tiles, tmp_path):
+    _check_compiles(MOE, "gate_up", bm, tiles, tmp_path, half_m=True, wide=True)
+    if bm == 16 and len(tiles) == 8:
+        kern = _gemm(MOE, "gate_up", bm, tiles, True, True)
+        plain = _gemm(MOE, "gate_up", bm, tiles, True, False)
+        assert kern.metadata.shared < plain.metadata.shared, (kern.metadata.shared,
+                                                               plain.metadata.shared)
 
 
 # Live down column ranges (the down config's split_target): the looped down tiles of the
