@@ -35,9 +35,10 @@ def normalized(ptx: str) -> str:
 
 def main() -> int:
     moe = load_moe(interpret=False).moe
-    for kind, bm, tiles, half_m in aot._shipped():
-        ptx = aot._gemm(moe, kind, bm, tiles, half_m).asm["ptx"]
-        print(kind, bm, tiles, "half_m" if half_m else "",
+    for kind, bm, tiles, half_m, *wide in aot._shipped():
+        wide = bool(wide and wide[0])  # (older checkouts' _shipped() has no wide field)
+        ptx = aot._gemm(moe, kind, bm, tiles, half_m, *([wide] if wide else [])).asm["ptx"]
+        print(kind, bm, tiles, "half_m" if half_m else "", *(["wide_halves"] if wide else []),
               hashlib.sha1(normalized(ptx).encode()).hexdigest()[:12])
     sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}

@@ -62,8 +62,9 @@ def moe_rows(arch: int) -> list:
     moe = load_moe(interpret=False).moe
     aot._compile = _compiler(arch)
     return [{"kind": kind, "block_m": bm, "tiles": list(tiles), "half_m": bool(half_m),
-             "shared_bytes": aot._gemm(moe, kind, bm, tiles, half_m).metadata.shared}
-            for kind, bm, tiles, half_m in aot._shipped()]
+             **({"wide_halves": True} if wide else {}),
+             "shared_bytes": aot._gemm(moe, kind, bm, tiles, half_m, wide).metadata.shared}
+            for kind, bm, tiles, half_m, wide in aot._shipped()]
 
 
 def main(argv=None) -> int:

@@ -79,26 +79,30 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
 
 
 def _shipped():
-    """(kind, block_m, tiles, half_m) of every config in the shipped table (half_m: whether
-    that GEMM runs with HALF_M, as fused_moe_w4a16 launches it for the band's half_m)."""
+    """(kind, block_m, tiles, half_m, wide) of every config in the shipped table (half_m:
+    whether that GEMM runs with HALF_M, as fused_moe_w4a16 launches it for the band's half_m;
+    wide: the gate-up's WIDE_HALVES; tiles end with par_acc / scale_once where a band sets
+    them)."""
     seen = []
     for band in json.loads(_CONFIGS.read_text())["bands"]:
         for kind in ("gate_up", "down"):
             g = band[kind]
             half = band.get("half_m", 0)
+            opts = (g.get("par_acc", 0), g.get("scale_once", 0))
             key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
                                            g["num_stages"], g.get("n_per_cta", 0),
                                            g.get("split_dq", 0), g.get("split_k", 1),
-                                           g.get("split_target", 0)),
-                   half == 1 or (kind == "gate_up" and half == 2))
+                                           g.get("split_target", 0)) + (opts if any(opts) else ()),
+                   half == 1 or (kind == "gate_up" and half == 2),
+                   kind == "gate_up" and bool(band.get("wide_halves", 0)))
             if key not in seen:
                 seen.append(key)
     return seen
 
 
-@pytest.mark.parametrize("kind,bm,tiles,half", _shipped(), ids=str)
-def test_compiles_for_sm90(MOE, kind, bm, tiles, half, tmp_path):
-    _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half)
+@pytest.mark.parametrize("kind,bm,tiles,half,wide", _shipped(), ids=str)
+def test_compiles_for_sm90(MOE, kind, bm, tiles, half, wide, tmp_path):
+    _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half, wide=wide)
 
 
 def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, wide=False):
