@@ -100,6 +100,27 @@ def _shipped():
     return seen
 
 
+def test_shipped_configs_carry_the_bands_options(tmp_path):
+    """A band with wide_halves and par_acc / scale_once is compiled with them (no GPU)."""
+    table = json.loads(_CONFIGS.read_text())
+    band = next(b for b in table["bands"] if b["max_m"] == 16)
+    band.update(block_m=16, half_m=2, wide_halves=1)
+    band["gate_up"] = dict(band["gate_up"], par_acc=1)
+    band["down"] = dict(band["down"], scale_once=1)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    globals()["_CONFIGS"], old = path, _CONFIGS  # (_shipped reads the module's table path)
+    try:
+        got = [k for k in _shipped() if k[1] == 16 and k[2][:4] == (
+            band["gate_up"]["block_n"], band["gate_up"]["block_k"],
+            band["gate_up"]["num_warps"], band["gate_up"]["num_stages"]) and k[0] == "gate_up"]
+        down = [k for k in _shipped() if k[0] == "down" and k[2][-2:] == (0, 1)]
+    finally:
+        globals()["_CONFIGS"] = old
+    assert any(k[3] and k[4] and k[2][-2:] == (1, 0) for k in got), got
+    assert down and not any(k[4] for k in down), down
+
+
 @pytest.mark.parametrize("kind,bm,tiles,half,wide", _shipped(), ids=str)
 def test_compiles_for_sm90(MOE, kind, bm, tiles, half, wide, tmp_path):
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half, wide=wide)
