@@ -352,17 +352,22 @@ def test_live_split_equals_the_fixed_split_it_picks(band, case, serial, monkeypa
     want = {"one_block": 4, "two_blocks": 2, "many_blocks": 1}[case]
     assert MOE.live_split(blocks, num_n, 4, 4, 4 * num_n) == want, blocks
 
+    _live_equals_fixed(w, x, tw, ti, cfg_of(4, 4 * num_n), cfg_of(want, 0), serial)
+
+
+def _live_equals_fixed(w, x, tw, ti, live_cfg, fixed_cfg, serial):
+    """The call with ``live_cfg`` (a live split) is within tolerance of the reference and
+    equal bit for bit to the one with ``fixed_cfg``; with serial sums the counters end at 0."""
     def call(cfg):
-        out = torch.full((m, hidden), float("nan"), dtype=torch.bfloat16)
+        out = torch.full(x.shape, float("nan"), dtype=torch.bfloat16)
         return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                    w["w2_scale"], tw, ti, out=out, config=cfg)
 
-    live = call(cfg_of(4, 4 * num_n))
-    fixed = call(cfg_of(want, 0))
+    live = call(live_cfg)
     ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                   w["w2_scale"], tw, ti, 1.0)
     check(live, ref)
-    assert torch.equal(live, fixed)
+    assert torch.equal(live, call(fixed_cfg))
     if serial == "1":
         assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
 
@@ -884,19 +889,7 @@ def test_wide_halves_live_split_equals_the_fixed_split_it_picks(case, serial, mo
         return MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, split_k, target),
                              MOE.GemmConfig(64, 128, 4, 1, 128), half_m=1, wide_halves=1)
 
-    def call(cfg):
-        out = torch.full((m, H_LIVE), float("nan"), dtype=torch.bfloat16)
-        return MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                   w["w2_scale"], tw, ti, out=out, config=cfg)
-
-    live = call(cfg_of(4, 8))
-    fixed = call(cfg_of(want, 0))
-    ref = REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                  w["w2_scale"], tw, ti, 1.0)
-    check(live, ref)
-    assert torch.equal(live, fixed)
-    if serial == "1":
-        assert int(MOE._counters[("cpu", None)].abs().sum()) == 0
+    _live_equals_fixed(w, x, tw, ti, cfg_of(4, 8), cfg_of(want, 0), serial)
 
 
 def test_wide_halves_needs_half_m_on_16_or_32_row_blocks():
