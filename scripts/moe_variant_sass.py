@@ -90,9 +90,10 @@ DEFAULT_CASES = [
 ]
 
 
-# MoeConfig.wide_halves (session 53): the M 9-48 bands' gate-up tile on 8-row blocks (the M 9-16
-# band as shipped), on 16-row half_m blocks (the M 17-48 bands as shipped), and on 16- / 32-row
-# half_m blocks with wide_halves
+# Two-width (half_m) kernels' resources (session 53): the M 9-48 bands' gate-up tile on 8-row
+# blocks (the M 9-16 band as shipped), on 16-row half_m blocks (the M 17-48 bands as shipped),
+# and on 16- / 32-row half_m blocks with MoeConfig.wide_halves; the M 17-48 bands' looped down
+# on 8-row blocks, on 16-row half_m blocks, and there with scale_once (tiles' 10th field)
 WIDE_CASES = [
     ("gate_up", 8, (64, 256, 4, 3, 0, 1, 4, 512), False, False),
     ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True, False),
@@ -100,6 +101,10 @@ WIDE_CASES = [
     ("gate_up", 16, (64, 256, 4, 3, 0, 1, 2, 512), True, True),
     ("gate_up", 32, (64, 256, 4, 3, 0, 1, 4, 512), True, False),
     ("gate_up", 32, (64, 256, 4, 3, 0, 1, 4, 512), True, True),
+    ("down", 8, (64, 256, 4, 3, 512, 0, 1, 0), False, False),
+    ("down", 16, (64, 256, 4, 3, 512, 0, 1, 0), True, False),
+    ("down", 16, (64, 256, 4, 3, 512, 0, 1, 0, 0, 1), True, False),
+    ("down", 16, (64, 256, 4, 3, 512, 0, 1, 0), False, False),
 ]
 
 
@@ -107,12 +112,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--wide", action="store_true",
-                    help="the wide_halves cases (WIDE_CASES) instead of par_acc / scale_once's")
+                    help="the two-width kernels' cases (WIDE_CASES: wide_halves, and the half_m "
+                         "down with scale_once) instead of par_acc / scale_once's")
     args = ap.parse_args(argv)
     rows = []
     cases = ([c + (False,) for c in DEFAULT_CASES] if not args.wide else WIDE_CASES)
     for kind, bm, tiles, half, wide in cases:
-        for par, once in [(0, 0), (1, 0), (0, 1), (1, 1)] if not args.wide else [(0, 0)]:
+        for par, once in ([(0, 0), (1, 0), (0, 1), (1, 1)] if not args.wide
+                          else [tuple(tiles[8:10]) or (0, 0)]):
             r = compile_variant(kind, bm, tiles, par, once, half, wide)
             rows.append(r)
             print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} "
