@@ -373,7 +373,9 @@ for s in "$@"; do
              # registers and shared memory (sm_90: 130 / 56 KB against plain half_m's 167 /
              # 72 KB, which cost it 2 % on random routing and 7 % on 32 shared experts at
              # M = 9 in session 47) while an expert of 9-16 rows (the Kimi emulation's dummy
-             # fill at budgets 8-15) is dequantized once. Its GPU tests, then whole calls at the
+             # fill at budgets 8-15) is dequantized once; with GemmConfig.max_regs 128 (the
+             # 11th field) it compiles to 128 registers, 4 programs an SM as the 8-row tile,
+             # where 130 allow 3. Its GPU tests, then whole calls at the
              # M 9-48 bands against the table on three routings: half_m 2 (the down on full
              # blocks) and 1 with wide_halves, and half_m 1 without it (the M 17-48 bands' own)
              step moewide-test ${MOEWIDE_TEST_LIMIT:-200} python3 -m pytest -q \
@@ -383,13 +385,13 @@ for s in "$@"; do
                  --no-sglang --ms ${MOEWIDE_MS:-9 12 16 17 24 32 40 48} \
                  --routings random,concentrated:8,concentrated:32 --grid-block-m 16 \
                  --grid-half-m $half --grid-wide-halves \
-                 --grid "${MOEWIDE_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
+                 --grid "${MOEWIDE_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,0,0,128;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256,0,0,128}" \
                  --out "$OUT/fused_moe_wide_halves_h${half}_grid_h200.json"
              done
              step moewide-h1-plain ${MOEWIDE_LIMIT:-200} python3 scripts/bench_fused_moe.py \
                --no-sglang --ms ${MOEWIDE_MS:-9 12 16 17 24 32 40 48} \
                --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
-               --grid "${MOEWIDE_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
+               --grid "${MOEWIDE_PLAIN_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
                --out "$OUT/fused_moe_half_m16_plain_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):

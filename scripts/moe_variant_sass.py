@@ -60,7 +60,8 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
 
     moe = load_moe(interpret=False).moe
     tiles = tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:] if len(tiles) < 8 else tuple(tiles)
-    kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once), half_m, wide)
+    kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once) + tuple(tiles[10:11]),
+                     half_m, wide)
     name = "_gate_up_kernel" if kind == "gate_up" else "_down_loop_kernel"
     sass, usage = cubin_sass(kern.asm["cubin"])
     insns = function_instructions(sass, name)
@@ -68,7 +69,7 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
     lo, hi = int(loop["from"], 16), int(loop["to"], 16)
     regs = re.search(r"REG:(\d+)", usage)
     return {"kind": kind, "block_m": bm, "tile": list(tiles[:8]), "half_m": half_m,
-            "wide_halves": wide,
+            "wide_halves": wide, **({"max_regs": tiles[10]} if tiles[10:11] else {}),
             "par_acc": par_acc, "scale_once": scale_once,
             "loop_instructions": loop["instructions"], "opcodes": loop["opcodes"],
             "hmma_chain": hmma_chain([(a, t) for a, t in insns if lo <= a <= hi]),
@@ -93,11 +94,13 @@ DEFAULT_CASES = [
 # Two-width (half_m) kernels' resources (session 53): the M 9-48 bands' gate-up tile on 8-row
 # blocks (the M 9-16 band as shipped), on 16-row half_m blocks (the M 17-48 bands as shipped),
 # and on 16- / 32-row half_m blocks with MoeConfig.wide_halves; the M 17-48 bands' looped down
-# on 8-row blocks, on 16-row half_m blocks, and there with scale_once (tiles' 10th field)
+# on 8-row blocks, on 16-row half_m blocks, and there with scale_once (tiles' 10th field; the
+# 11th: GemmConfig.max_regs)
 WIDE_CASES = [
     ("gate_up", 8, (64, 256, 4, 3, 0, 1, 4, 512), False, False),
     ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True, False),
     ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512), True, True),
+    ("gate_up", 16, (64, 256, 4, 3, 0, 1, 4, 512, 0, 0, 128), True, True),
     ("gate_up", 16, (64, 256, 4, 3, 0, 1, 2, 512), True, True),
     ("gate_up", 32, (64, 256, 4, 3, 0, 1, 4, 512), True, False),
     ("gate_up", 32, (64, 256, 4, 3, 0, 1, 4, 512), True, True),

@@ -50,6 +50,13 @@ class GemmConfig:
     # 26 against 32 KB, 673 against 689 instructions a K step). The gate-up and the looped
     # down (not the per-tile down). Session 52, not yet timed.
     scale_once: int = 0
+    # > 0: ptxas's register limit per thread for this launch (Triton's ``maxnreg``), a multiple
+    # of 8 from 64 to 248; 0 leaves it to the compiler. For a tile whose programs an SM are
+    # bound by registers just past a step: sm_90 has 65,536 a SM, a thread's count rounded up
+    # to 8, so a 4-warp tile fits 4 programs at 128 and 3 at 130 (MoeConfig.wide_halves'
+    # gate-up on 16-row blocks: 130, and 128 with no spill under this limit). Session 53, not
+    # yet timed.
+    max_regs: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,8 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     looped_only = n_per_cta or not cfg.n_per_cta
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
                       split_k, cfg.split_target if split_k > 1 or n_per_cta else 0,
-                      cfg.par_acc if looped_only else 0, cfg.scale_once if looped_only else 0)
+                      cfg.par_acc if looped_only else 0, cfg.scale_once if looped_only else 0,
+                      cfg.max_regs)
 
 
 def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
@@ -190,6 +198,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or dn.split_target < 0 or gu.par_acc not in (0, 1) or dn.par_acc not in (0, 1)
             or gu.scale_once not in (0, 1) or dn.scale_once not in (0, 1)
             or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)
+            or any(g.max_regs and (g.max_regs % 8 or not 64 <= g.max_regs <= 248)
+                   for g in (gu, dn))
             or cfg.wide_halves not in (0, 1)
             or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
                                      or gu.block_n % 32))):

@@ -165,6 +165,12 @@ _MIN_COUNTERS = 1 << 16  # 256 KB: every split band of the shipped table at Kimi
 _counters: dict = {}
 
 
+def _reg_limit(cfg) -> dict:
+    """The launch option for GemmConfig.max_regs (ptxas's per-thread register limit; none
+    where 0). Triton's interpreter drops it with the other compile options."""
+    return {"maxnreg": cfg.max_regs} if cfg.max_regs else {}
+
+
 def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """The device's arrival counters (at least ``n``), or None: use the reduce kernel."""
     if os.environ.get(SERIAL_REDUCE_ENV, "1") == "0":
@@ -284,7 +290,7 @@ def fused_moe_w4a16(
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
-        num_warps=gu.num_warps, num_stages=gu.num_stages)
+        num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
@@ -303,12 +309,14 @@ def fused_moe_w4a16(
             PORTABLE=portable_path, HALF_M=cfg.narrow_down,
             NUM_EXPERTS=num_experts if dn.split_target else 0,
             SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
-            SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages)
+            SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages,
+            **_reg_limit(dn))
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
-            HALF_M=cfg.narrow_down, num_warps=dn.num_warps, num_stages=dn.num_stages)
+            HALF_M=cfg.narrow_down, num_warps=dn.num_warps, num_stages=dn.num_stages,
+            **_reg_limit(dn))
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts)

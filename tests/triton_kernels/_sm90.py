@@ -9,13 +9,14 @@ SMEM_LIMIT = 227 * 1024
 
 
 def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=(),
-                 arch: int = 90):
+                 arch: int = 90, maxnreg: int | None = None):
     """``triton.compile`` of ``fn`` for sm_90 (or ``arch``: scripts/shared_memory_by_arch.py):
     ``sig`` the runtime arguments' types (pointers 16-byte aligned), ``const`` the constexprs,
     ``div16`` integer arguments a launch passes as multiples of 16 (Triton specializes them,
     which can change the binary). Constexprs the kernel does not have are dropped, so that the
     digests of an older checkout's kernels (scripts/moe_ptx_digest.py) compile with this
-    harness. Constexprs not given take the kernel's defaults."""
+    harness. Constexprs not given take the kernel's defaults. ``maxnreg``: ptxas's register
+    limit, as a launch's ``maxnreg`` option sets it (GemmConfig.max_regs)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,7 +36,8 @@ def compile_sm90(fn, sig: dict, const: dict, warps: int, stages: int, div16=(),
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def assert_no_spills(kern, tmp_path: Path) -> None:

@@ -892,6 +892,23 @@ def test_wide_halves_live_split_equals_the_fixed_split_it_picks(case, serial, mo
     _live_equals_fixed(w, x, tw, ti, cfg_of(4, 8), cfg_of(want, 0), serial)
 
 
+def test_register_limit_is_a_launch_option_only(experts):
+    """GemmConfig.max_regs only limits ptxas (the interpreter drops it): the same bits; values
+    that are not a multiple of 8 in 64-248 are refused."""
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(8)).bfloat16()
+    tw, ti = random_routing(12, 9, 3, seed=81)
+    limited = dataclasses.replace(
+        CFG_WIDE16_LOOP, gate_up=dataclasses.replace(CFG_WIDE16_LOOP.gate_up, max_regs=128),
+        down=dataclasses.replace(CFG_WIDE16_LOOP.down, max_regs=96))
+    out, ref = run(experts[9], x, tw, ti, cfg=limited)
+    check(out, ref)
+    assert torch.equal(out, run(experts[9], x, tw, ti, cfg=CFG_WIDE16_LOOP)[0])
+    for bad in (100, 56, 256):
+        cfg = dataclasses.replace(CFG, gate_up=dataclasses.replace(CFG.gate_up, max_regs=bad))
+        with pytest.raises(ValueError, match="does not tile"):
+            run(experts[9], x, tw, ti, cfg=cfg)
+
+
 def test_wide_halves_needs_half_m_on_16_or_32_row_blocks():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()

@@ -42,10 +42,13 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target[, par_acc[, scale_once]]]) as in GemmConfig; ``half_m``:
-    whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES (MoeConfig.wide_halves)."""
-    bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once = (
-        tuple(tiles) + (0, 0, 1, 0, 0, 0)[len(tiles) - 4:])
+    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
+    ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
+    (MoeConfig.wide_halves)."""
+    (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
+     max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
+    # (passed only when set, as the launch does)
+    limit = {"maxnreg": max_regs} if max_regs else {}
     if kind == "gate_up":
         sig = {"xp_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
                "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": "*fp32",
@@ -62,7 +65,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["SCALE_ONCE"] = True
         if wide:
             const["WIDE_HALVES"] = True
-        return _compile(MOE._gate_up_kernel, sig, const, warps, stages)
+        return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
@@ -73,22 +76,24 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["PAR_ACC"] = True
         if scale_once:
             const["SCALE_ONCE"] = True
-        return _compile(MOE._down_loop_kernel, sig, const, warps, stages)
+        return _compile(MOE._down_loop_kernel, sig, const, warps, stages, **limit)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
-    return _compile(MOE._down_kernel, sig, const, warps, stages)
+    return _compile(MOE._down_kernel, sig, const, warps, stages, **limit)
 
 
 def _shipped():
     """(kind, block_m, tiles, half_m, wide) of every config in the shipped table (half_m:
     whether that GEMM runs with HALF_M, as fused_moe_w4a16 launches it for the band's half_m;
-    wide: the gate-up's WIDE_HALVES; tiles end with par_acc / scale_once where a band sets
-    them)."""
+    wide: the gate-up's WIDE_HALVES; tiles end with par_acc / scale_once (/ max_regs) where a
+    band sets them)."""
     seen = []
     for band in json.loads(_CONFIGS.read_text())["bands"]:
         for kind in ("gate_up", "down"):
             g = band[kind]
             half = band.get("half_m", 0)
-            opts = (g.get("par_acc", 0), g.get("scale_once", 0))
+            opts = (g.get("par_acc", 0), g.get("scale_once", 0), g.get("max_regs", 0))
+            if not opts[2]:
+                opts = opts[:2]
             key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
                                            g["num_stages"], g.get("n_per_cta", 0),
                                            g.get("split_dq", 0), g.get("split_k", 1),
@@ -239,6 +244,30 @@ def test_half_m_variants_compile_without_spills(MOE, bm, kind, tiles, tmp_path):
     dequant kept, no spills, within shared memory, for gate-up and down tiles of the M 5-128
     bands."""
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=True)
+
+
+@pytest.mark.parametrize("bm,tiles,half,wide,regs", [
+    (16, (64, 256, 4, 3, 0, 1, 4, 512, 0, 0, 128), True, True, 128),
+    (16, (64, 256, 4, 3, 0, 1, 2, 512, 0, 1, 128), True, True, 128),
+    (8, (64, 256, 4, 3, 512, 0, 1, 896, 0, 0, 72), False, False, 72)], ids=str)
+def test_register_limit_holds_without_spills(MOE, bm, tiles, half, wide, regs, tmp_path):
+    """GemmConfig.max_regs (session 53): the launch's limit reaches ptxas (the kernel uses at
+    most that many registers) with no spill, for wide_halves' gate-up at 128 (4 programs an
+    SM; 130 without) and a looped down at 72."""
+    import subprocess
+
+    import triton
+
+    kind = "down" if tiles[4] else "gate_up"
+    _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half, wide=wide)
+    kern = _gemm(MOE, kind, bm, tiles, half, wide)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump in the triton wheel")
+    (tmp_path / "r.cubin").write_bytes(kern.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(tmp_path / "r.cubin")],
+                           capture_output=True, text=True).stdout
+    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= regs, usage
 
 
 # wide_halves (session 53, not in the table): the M 9-48 bands' 4-warp gate-up tiles on 16-row
