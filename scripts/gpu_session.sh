@@ -352,20 +352,21 @@ for s in "$@"; do
              # an expert's weights once where its tokens share it, as the Kimi emulation's
              # dummy routing does), three routings (the candidates repeat the table's tiles so
              # that the table column and the plain candidate are two timings of the same
-             # launch: the run's noise)
-             step moepar-test ${MOEPAR_TEST_LIMIT:-200} python3 -m pytest -q \
+             # launch: the run's noise). Default limits sum to 540 s, inside one 600 s call
+             # (a grid saves after every row, so a step cut short keeps its rows)
+             step moepar-test ${MOEPAR_TEST_LIMIT:-120} python3 -m pytest -q \
                tests/gpu/test_moe_w4a16_gpu.py -k "two_accumulator or scales_once"
-             step moepar-bm8 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
+             step moepar-bm8 ${MOEPAR_BM8_LIMIT:-180} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_MS:-8 2 4 7 9 12 16} --routings random,concentrated:8,concentrated:32 \
                --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,0,4,256,1,1;32,128,2,4,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
                --out "$OUT/fused_moe_par_acc_bm8_grid_h200.json"
-             step moepar-half16 ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
+             step moepar-half16 ${MOEPAR_LIMIT:-120} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_HALF_MS:-9 12 16 17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
                --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,0,1}" \
                --out "$OUT/fused_moe_par_acc_half16_grid_h200.json"
              # the looped down with it, per kernel (random routing): the M = 8, 9-16 and 17-48
              # bands' down tiles with and without
-             step moepar-down ${MOEPAR_LIMIT:-280} python3 scripts/bench_fused_moe.py --no-sglang \
+             step moepar-down ${MOEPAR_LIMIT:-120} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,1;64,256,4,3,256,0,1,0,0,1;64,256,4,3,256,0,1,0,1,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512,0,1,896,0,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1;64,256,4,3,512,0,1,0,0,1}" \
                --out "$OUT/fused_moe_par_acc_down_h200.json" ;;
     moewide) # (session 53) MoeConfig.wide_halves: 16-row half_m blocks whose full blocks run
@@ -377,18 +378,19 @@ for s in "$@"; do
              # 11th field) it compiles to 128 registers, 4 programs an SM as the 8-row tile,
              # where 130 allow 3. Its GPU tests, then whole calls at the
              # M 9-48 bands against the table on three routings: half_m 2 (the down on full
-             # blocks) and 1 with wide_halves, and half_m 1 without it (the M 17-48 bands' own)
-             step moewide-test ${MOEWIDE_TEST_LIMIT:-200} python3 -m pytest -q \
+             # blocks) and 1 with wide_halves, and half_m 1 without it (the M 17-48 bands' own).
+             # Default limits sum to 540 s, inside one 600 s call
+             step moewide-test ${MOEWIDE_TEST_LIMIT:-120} python3 -m pytest -q \
                tests/gpu/test_moe_w4a16_gpu.py -k "wide_halves"
              for half in ${MOEWIDE_HALF:-2 1}; do
-               step moewide-h$half ${MOEWIDE_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+               step moewide-h$half ${MOEWIDE_LIMIT:-140} python3 scripts/bench_fused_moe.py \
                  --no-sglang --ms ${MOEWIDE_MS:-9 12 16 17 24 32 40 48} \
                  --routings random,concentrated:8,concentrated:32 --grid-block-m 16 \
                  --grid-half-m $half --grid-wide-halves \
                  --grid "${MOEWIDE_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,0,0,128;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256,0,0,128}" \
                  --out "$OUT/fused_moe_wide_halves_h${half}_grid_h200.json"
              done
-             step moewide-h1-plain ${MOEWIDE_LIMIT:-200} python3 scripts/bench_fused_moe.py \
+             step moewide-h1-plain ${MOEWIDE_LIMIT:-140} python3 scripts/bench_fused_moe.py \
                --no-sglang --ms ${MOEWIDE_MS:-9 12 16 17 24 32 40 48} \
                --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
                --grid "${MOEWIDE_PLAIN_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
