@@ -358,16 +358,19 @@ for s in "$@"; do
                tests/gpu/test_moe_w4a16_gpu.py -k "two_accumulator or scales_once"
              step moepar-bm8 ${MOEPAR_BM8_LIMIT:-180} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_MS:-8 2 4 7 9 12 16} --routings random,concentrated:8,concentrated:32 \
-               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,0,4,256,1,1;32,128,2,4,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
+               --grid-block-m 8 --grid "${MOEPAR_GRID:-32,256,2,3,0,1,4,256;64,256,4,3,0,1,4,512,0,1,96;32,256,2,3,0,1,4,256,1;32,256,2,3,0,1,4,256,0,1;32,256,2,3,0,1,4,256,1,1;32,256,2,3,0,0,4,256,1,1;32,128,2,4,0,1,4,256,1,1;32,256,2,3,0,1,2,0,0,1;32,256,2,3,0,1,4;32,256,2,3,0,1,4,0,1;64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1}" \
                --out "$OUT/fused_moe_par_acc_bm8_grid_h200.json"
              step moepar-half16 ${MOEPAR_LIMIT:-120} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPAR_HALF_MS:-9 12 16 17 24 32 33 48} --routings random,concentrated:8,concentrated:32 \
                --grid-block-m 16 --grid-half-m 1 --grid "${MOEPAR_HALF_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,4,512,1;64,256,4,3,0,1,4,512,0,1;64,256,4,3,0,1,4,512,1,1;64,256,4,3,0,1,2,512;64,256,4,3,0,1,2,512,0,1}" \
                --out "$OUT/fused_moe_par_acc_half16_grid_h200.json"
              # the looped down with it, per kernel (random routing): the M = 8, 9-16 and 17-48
-             # bands' down tiles with and without
+             # bands' down tiles with and without; first (session 53) register limits that fit
+             # 7-8 programs an SM (64-72 registers, no spill; 6 at 80): the M = 8 call's ~854
+             # 512-column programs in one wave (1.08 waves at 6). The bm8 grid's second
+             # candidate: the M 9-16 tile at 96 registers (5 programs, a small spill)
              step moepar-down ${MOEPAR_LIMIT:-120} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,1;64,256,4,3,256,0,1,0,0,1;64,256,4,3,256,0,1,0,1,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512,0,1,896,0,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1;64,256,4,3,512,0,1,0,0,1}" \
+               --ms ${MOEPAR_DOWN_MS:-8 16 32} --breakdown --breakdown-down "${MOEPAR_DOWN:-64,256,4,3,256;64,256,4,3,512,0,1,0,0,1,64;64,256,4,3,512,0,1,0,0,0,72;64,256,4,3,256,0,1,0,0,1,64;64,256,4,3,256,0,1,0,1;64,256,4,3,256,0,1,0,0,1;64,256,4,3,256,0,1,0,1,1;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,1;64,256,4,3,512,0,1,896,0,1;64,256,4,3,512;64,256,4,3,512,0,1,0,1;64,256,4,3,512,0,1,0,0,1}" \
                --out "$OUT/fused_moe_par_acc_down_h200.json" ;;
     moewide) # (session 53) MoeConfig.wide_halves: 16-row half_m blocks whose full blocks run
              # the gate-up as two half-width tiles, so the kernel keeps the 8-row tile's

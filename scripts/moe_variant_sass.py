@@ -68,13 +68,25 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
     loop = max(loops(insns), key=lambda lp: lp["instructions"])
     lo, hi = int(loop["from"], 16), int(loop["to"], 16)
     regs = re.search(r"REG:(\d+)", usage)
+    warps = tiles[2]
     return {"kind": kind, "block_m": bm, "tile": list(tiles[:8]), "half_m": half_m,
             "wide_halves": wide, **({"max_regs": tiles[10]} if tiles[10:11] else {}),
             "par_acc": par_acc, "scale_once": scale_once,
             "loop_instructions": loop["instructions"], "opcodes": loop["opcodes"],
             "hmma_chain": hmma_chain([(a, t) for a, t in insns if lo <= a <= hi]),
             "registers": int(regs.group(1)) if regs else None,
-            "spills": "STACK:0" not in usage, "shared_bytes": kern.metadata.shared}
+            "spills": "STACK:0" not in usage, "shared_bytes": kern.metadata.shared,
+            "programs_per_sm": programs_per_sm(int(regs.group(1)) if regs else 255,
+                                               kern.metadata.shared, warps)}
+
+
+def programs_per_sm(regs: int, shared: int, warps: int) -> dict:
+    """Programs of one kernel an H100 / H200 SM holds (sm_90): 65,536 registers with a thread's
+    count rounded up to 8, 228 KB of shared memory with 1 KB reserved a program, 64 warps, 32
+    programs; each bound and the least."""
+    by = {"registers": 65536 // (-(-regs // 8) * 8 * 32 * warps),
+          "shared_memory": 228 * 1024 // (shared + 1024), "warps": 64 // warps}
+    return {**by, "programs": min(min(by.values()), 32)}
 
 
 # the shipped table's small-M tiles (M = 8, 9-16 on 8-row blocks; 17-48 on 16-row half_m
@@ -108,6 +120,12 @@ WIDE_CASES = [
     ("down", 16, (64, 256, 4, 3, 512, 0, 1, 0), True, False),
     ("down", 16, (64, 256, 4, 3, 512, 0, 1, 0, 0, 1), True, False),
     ("down", 16, (64, 256, 4, 3, 512, 0, 1, 0), False, False),
+    # register limits (GemmConfig.max_regs): the M = 8 band's looped down with 512-column
+    # ranges (~854 programs at M = 8 on random routing: one wave at 7-8 programs an SM, 1.08 at
+    # 6) and the M 9-16 band's gate-up
+    ("down", 8, (64, 256, 4, 3, 512, 0, 1, 0, 0, 0, 72), False, False),
+    ("down", 8, (64, 256, 4, 3, 512, 0, 1, 0, 0, 1, 64), False, False),
+    ("gate_up", 8, (64, 256, 4, 3, 0, 1, 4, 512, 0, 1, 96), False, False),
 ]
 
 
@@ -129,7 +147,8 @@ def main(argv=None) -> int:
                   f"{'half_m ' if half else ''}{'wide_halves ' if wide else ''}par_acc {par} "
                   f"scale_once {once}: {r['loop_instructions']} instructions a loop, HMMA "
                   f"chain {r['hmma_chain']}, {r['registers']} registers, "
-                  f"{r['shared_bytes']} B shared{', SPILLS' if r['spills'] else ''}")
+                  f"{r['shared_bytes']} B shared{', SPILLS' if r['spills'] else ''}, "
+                  f"{r['programs_per_sm']['programs']} programs an SM")
     import triton
 
     result = {"command": " ".join([sys.executable] + sys.argv),
