@@ -62,7 +62,8 @@ def compile_variant(kind: str, bm: int, tiles: tuple, par_acc: int, scale_once: 
     tiles = tuple(tiles) + (0, 0, 1, 0)[len(tiles) - 4:] if len(tiles) < 8 else tuple(tiles)
     kern = aot._gemm(moe, kind, bm, tiles[:8] + (par_acc, scale_once) + tuple(tiles[10:11]),
                      half_m, wide)
-    name = "_gate_up_kernel" if kind == "gate_up" else "_down_loop_kernel"
+    name = ("_gate_up_kernel" if kind == "gate_up" else
+            "_down_loop_kernel" if tiles[4] else "_down_kernel")
     sass, usage = cubin_sass(kern.asm["cubin"])
     insns = function_instructions(sass, name)
     loop = max(loops(insns), key=lambda lp: lp["instructions"])
@@ -132,15 +133,30 @@ WIDE_CASES = [
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", action="store_true",
+                    help="every config the shipped table serves (each band's gate-up and down), "
+                         "as served and with scale_once, instead of the variant cases")
     ap.add_argument("--wide", action="store_true",
                     help="the two-width kernels' cases (WIDE_CASES: wide_halves, and the half_m "
                          "down with scale_once) instead of par_acc / scale_once's")
     args = ap.parse_args(argv)
     rows = []
-    cases = ([c + (False,) for c in DEFAULT_CASES] if not args.wide else WIDE_CASES)
+    if args.table:
+        import tests.triton_kernels.test_moe_w4a16_compile as aot
+
+        # as served, then with scale_once (the per-tile down has no such option)
+        cases = [(kind, bm, tuple(tiles[:8]), half, wide)
+                 for kind, bm, tiles, half, wide in aot._shipped()]
+        variants = lambda kind, tiles: [(0, 0)] + ([(0, 1)] if kind == "gate_up" or tiles[4]  # noqa: E731
+                                                 else [])
+    elif args.wide:
+        cases = WIDE_CASES
+        variants = lambda kind, tiles: [tuple(tiles[8:10]) or (0, 0)]  # noqa: E731
+    else:
+        cases = [c + (False,) for c in DEFAULT_CASES]
+        variants = lambda kind, tiles: [(0, 0), (1, 0), (0, 1), (1, 1)]  # noqa: E731
     for kind, bm, tiles, half, wide in cases:
-        for par, once in ([(0, 0), (1, 0), (0, 1), (1, 1)] if not args.wide
-                          else [tuple(tiles[8:10]) or (0, 0)]):
+        for par, once in variants(kind, tiles):
             r = compile_variant(kind, bm, tiles, par, once, half, wide)
             rows.append(r)
             print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} "
