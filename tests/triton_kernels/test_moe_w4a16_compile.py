@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.triton_kernels._moe_kernels import lang_mode_matches, load_moe, run_isolated
-from tests.triton_kernels._sm90 import SMEM_LIMIT, assert_no_spills, compile_sm90
+from tests.triton_kernels._sm90 import SMEM_LIMIT, assert_no_spills, compile_sm90, resource_usage
 
 H, I, TOPK = 7168, 256, 8
 _CONFIGS = Path(__file__).resolve().parents[2] / "triton_kernels" / "moe_w4a16_configs.json"
@@ -105,7 +105,7 @@ def _shipped():
     return seen
 
 
-def test_shipped_configs_carry_the_bands_options(tmp_path):
+def test_shipped_configs_carry_the_bands_options(tmp_path, monkeypatch):
     """A band with wide_halves and par_acc / scale_once is compiled with them (no GPU)."""
     table = json.loads(_CONFIGS.read_text())
     band = next(b for b in table["bands"] if b["max_m"] == 16)
@@ -114,14 +114,11 @@ def test_shipped_configs_carry_the_bands_options(tmp_path):
     band["down"] = dict(band["down"], scale_once=1)
     path = tmp_path / "t.json"
     path.write_text(json.dumps(table))
-    globals()["_CONFIGS"], old = path, _CONFIGS  # (_shipped reads the module's table path)
-    try:
-        got = [k for k in _shipped() if k[1] == 16 and k[2][:4] == (
-            band["gate_up"]["block_n"], band["gate_up"]["block_k"],
-            band["gate_up"]["num_warps"], band["gate_up"]["num_stages"]) and k[0] == "gate_up"]
-        down = [k for k in _shipped() if k[0] == "down" and k[2][-2:] == (0, 1)]
-    finally:
-        globals()["_CONFIGS"] = old
+    monkeypatch.setitem(globals(), "_CONFIGS", path)  # (_shipped reads the module's table path)
+    got = [k for k in _shipped() if k[1] == 16 and k[2][:4] == (
+        band["gate_up"]["block_n"], band["gate_up"]["block_k"],
+        band["gate_up"]["num_warps"], band["gate_up"]["num_stages"]) and k[0] == "gate_up"]
+    down = [k for k in _shipped() if k[0] == "down" and k[2][-2:] == (0, 1)]
     assert any(k[3] and k[4] and k[2][-2:] == (1, 0) for k in got), got
     assert down and not any(k[4] for k in down), down
 
@@ -254,19 +251,11 @@ def test_register_limit_holds_without_spills(MOE, bm, tiles, half, wide, regs, t
     """GemmConfig.max_regs (session 53): the launch's limit reaches ptxas (the kernel uses at
     most that many registers) with no spill, for wide_halves' gate-up at 128 (4 programs an
     SM; 130 without) and a looped down at 72."""
-    import subprocess
-
-    import triton
-
     kind = "down" if tiles[4] else "gate_up"
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half, wide=wide)
-    kern = _gemm(MOE, kind, bm, tiles, half, wide)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
+    usage = resource_usage(_gemm(MOE, kind, bm, tiles, half, wide), tmp_path)
+    if usage is None:
         pytest.skip("no cuobjdump in the triton wheel")
-    (tmp_path / "r.cubin").write_bytes(kern.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(tmp_path / "r.cubin")],
-                           capture_output=True, text=True).stdout
     assert int(re.search(r"REG:(\d+)", usage).group(1)) <= regs, usage
 
 
