@@ -130,6 +130,17 @@ WIDE_CASES = [
 ]
 
 
+def _par_once(mode: str, kind: str, tiles: tuple) -> list:
+    """(par_acc, scale_once) pairs to compile a case with: every pair (the variant cases); the
+    case's own 9th / 10th fields (the two-width cases); as served, then with scale_once where
+    the kernel has it (the table; the per-tile down has not)."""
+    if mode == "variants":
+        return [(0, 0), (1, 0), (0, 1), (1, 1)]
+    if mode == "wide":
+        return [tuple(tiles[8:10]) or (0, 0)]
+    return [(0, 0)] + ([(0, 1)] if kind == "gate_up" or tiles[4] else [])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -141,22 +152,16 @@ def main(argv=None) -> int:
                          "down with scale_once) instead of par_acc / scale_once's")
     args = ap.parse_args(argv)
     rows = []
+    mode = "table" if args.table else "wide" if args.wide else "variants"
     if args.table:
         import tests.triton_kernels.test_moe_w4a16_compile as aot
 
-        # as served, then with scale_once (the per-tile down has no such option)
         cases = [(kind, bm, tuple(tiles[:8]), half, wide)
                  for kind, bm, tiles, half, wide in aot._shipped()]
-        variants = lambda kind, tiles: [(0, 0)] + ([(0, 1)] if kind == "gate_up" or tiles[4]  # noqa: E731
-                                                 else [])
-    elif args.wide:
-        cases = WIDE_CASES
-        variants = lambda kind, tiles: [tuple(tiles[8:10]) or (0, 0)]  # noqa: E731
     else:
-        cases = [c + (False,) for c in DEFAULT_CASES]
-        variants = lambda kind, tiles: [(0, 0), (1, 0), (0, 1), (1, 1)]  # noqa: E731
+        cases = WIDE_CASES if args.wide else [c + (False,) for c in DEFAULT_CASES]
     for kind, bm, tiles, half, wide in cases:
-        for par, once in variants(kind, tiles):
+        for par, once in _par_once(mode, kind, tiles):
             r = compile_variant(kind, bm, tiles, par, once, half, wide)
             rows.append(r)
             print(f"{kind:<8} bm {bm:>2} {','.join(map(str, tiles)):<24} "
