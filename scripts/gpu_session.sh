@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moepf
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -398,6 +398,20 @@ for s in "$@"; do
                --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
                --grid "${MOEWIDE_PLAIN_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
                --out "$OUT/fused_moe_half_m16_plain_grid_h200.json" ;;
+    moepf)   # (session 54) MoeConfig.prefetch_down: each gate-up program, once its tile is
+             # written, asks the L2 for the first N columns of every down column range of its
+             # expert's down weights and scales (prefetch.global.L2), so the down launch's
+             # weight reads overlap the gate-up's last programs and the launch gap (M = 8:
+             # gate-up 40.9 us, down 22.8 us at 63 % of copy bandwidth, session 51). Its GPU
+             # test (the same bits, CUDA graphs), then whole calls of every band against the
+             # table on three routings. Default limits sum to 420 s
+             step moepf-test ${MOEPF_TEST_LIMIT:-150} python3 -m pytest -q \
+               tests/gpu/test_moe_w4a16_gpu.py -k "prefetch_down"
+             step moepf-grid ${MOEPF_LIMIT:-270} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOEPF_MS:-8 1 2 4 9 16 17 32 64 128} \
+               --routings random,concentrated:8,concentrated:32 \
+               --prefetch-grid ${MOEPF_VALUES:-64 128 256 512} \
+               --out "$OUT/fused_moe_prefetch_down_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

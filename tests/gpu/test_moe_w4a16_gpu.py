@@ -379,6 +379,27 @@ def test_wide_halves_vs_reference_and_serial(K, w, m, half, monkeypatch):
     assert torch.equal(ours(K, w, x, tw, ti, config=limited), ours(K, w, x, tw, ti, config=cfg))
 
 
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40, 64])
+def test_prefetch_down_same_bits(K, w, m):
+    """MoeConfig.prefetch_down (session 54): the gate-up's L2 prefetch of the down weights is a
+    hint, so every band's config with it (the whole range, half of it, 64 columns) gives the
+    table's bits, on 8 shared experts and on random routing, eager and over 8 CUDA-graph
+    replays on changing routings (the prefetch addresses follow the replay's experts)."""
+    moe = K.moe
+    cfg = moe.select_config(m)
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    _, rng = moe.prefetch_columns(cfg, moe._fitted(cfg, H, I)[1])
+    for pf in sorted({64, rng // 2 // 64 * 64 or 64, rng}):
+        pre = dataclasses.replace(cfg, prefetch_down=pf)
+        for few in (True, False):
+            tw, ti = few_or_random(m, 30 + pf, few=few)
+            assert torch.equal(ours(K, w, x, tw, ti, config=pre), ours(K, w, x, tw, ti, config=cfg))
+        out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+        graph = captured(K, w, x, tw, ti, out, config=pre)
+        for i, tw2, ti2 in replays(graph, x, tw, ti, 8, 300 + pf):
+            assert torch.equal(out, ours(K, w, x, tw2, ti2, config=cfg)), f"pf {pf} replay {i}"
+
+
 def _graph_equals_fixed(K, w, x, live, fixed, seed, seed0):
     """One call with the ``live`` config captured on 8 shared experts, replayed 8 times on
     alternating routings (``replays``, from ``seed0``): every replay equals, bit for bit,

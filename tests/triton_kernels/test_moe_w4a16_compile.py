@@ -40,11 +40,13 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
+          prefetch: tuple = (0, 0)):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
-    (MoeConfig.wide_halves)."""
+    (MoeConfig.wide_halves); ``prefetch``: the gate-up's (PREFETCH_DOWN, DOWN_RANGE)
+    (MoeConfig.prefetch_down, as prefetch_columns gives them)."""
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
      max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
@@ -65,6 +67,11 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["SCALE_ONCE"] = True
         if wide:
             const["WIDE_HALVES"] = True
+        if prefetch[0]:
+            sig.update(w2_ptr="*i32", s2_ptr="*bf16")
+            const.update(PREFETCH_DOWN=prefetch[0], DOWN_RANGE=prefetch[1])
+        else:  # as the launch passes them: None, no kernel argument (dropped where absent)
+            const.update(w2_ptr=None, s2_ptr=None)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -285,6 +292,44 @@ def test_wide_halves_gate_up_compiles_without_spills(MOE, bm, tiles, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
+
+
+def _prefetch_bands():
+    """(max_m, block_m, gate-up tiles, half, wide, down range) of each band of the shipped
+    table whose gate-up differs from an earlier band's (MoeConfig.prefetch_down's range: the
+    looped down's n_per_cta, else its block_n)."""
+    out, seen = [], set()
+    for band in json.loads(_CONFIGS.read_text())["bands"]:
+        g, d = band["gate_up"], band["down"]
+        tiles = (g["block_n"], g["block_k"], g["num_warps"], g["num_stages"], 0,
+                 g.get("split_dq", 0), g.get("split_k", 1), g.get("split_target", 0))
+        key = (band["block_m"], tiles, band.get("half_m", 0) in (1, 2),
+               bool(band.get("wide_halves", 0)))
+        if key not in seen:
+            seen.add(key)
+            out.append((band["max_m"],) + key + (d.get("n_per_cta") or d["block_n"],))
+    return out
+
+
+@pytest.mark.parametrize("max_m,bm,tiles,half,wide,rng", _prefetch_bands(), ids=str)
+def test_prefetch_down_compiles_beside_each_gate_up(MOE, max_m, bm, tiles, half, wide, rng,
+                                                     tmp_path):
+    """MoeConfig.prefetch_down (session 54) on every shipped gate-up tile, at half its band's
+    down range and the whole range: prefetch.global.L2 in the PTX, no spills, in-register
+    dequant kept, and no fewer programs an SM by registers than the tile without it."""
+    plain = resource_usage(_gemm(MOE, "gate_up", bm, tiles, half, wide), tmp_path)
+    for pf in sorted({max(64, rng // 2 // 64 * 64), rng}):
+        kern = _gemm(MOE, "gate_up", bm, tiles, half, wide, (pf, rng))
+        assert kern.asm["ptx"].count("prefetch.global.L2") >= 2  # weights and scales
+        assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
+        assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", kern.asm["ttgir"])
+        assert_no_spills(kern, tmp_path)
+        usage = resource_usage(kern, tmp_path)
+        if usage is not None and plain is not None:
+            regs = [-(-int(re.search(r"REG:(\d+)", u).group(1)) // 8) * 8 for u in (usage, plain)]
+            threads = 32 * tiles[2]
+            assert 65536 // (regs[0] * threads) >= 65536 // (regs[1] * threads), (pf, regs)
+    assert "prefetch" not in _gemm(MOE, "gate_up", bm, tiles, half, wide).asm["ptx"]
 
 
 def test_rerun_in_clean_process():
