@@ -560,8 +560,8 @@ def down_grid_rows(runs: list) -> list:
 
 def config_name(cfg) -> str:
     """A GemmConfig as a --grid / --breakdown-down list: the first eight fields, then
-    par_acc, scale_once and max_regs only up to the last one set (so names from before
-    session 52 still match)."""
+    par_acc, scale_once, max_regs and prefetch_ahead only up to the last one set (so names
+    from before session 52 still match)."""
     vals = [int(v) for v in dataclasses.astuple(cfg)]
     while len(vals) > 8 and vals[-1] == 0:
         vals.pop()
@@ -574,10 +574,10 @@ def _percent(x: float) -> str:
 
 
 def gemm_json(cfg) -> dict:
-    """A GemmConfig as the table writes it (split_target, par_acc, scale_once and max_regs
-    only where a band has them)."""
+    """A GemmConfig as the table writes it (split_target, par_acc, scale_once, max_regs and
+    prefetch_ahead only where a band has them)."""
     d = dataclasses.asdict(cfg)
-    for opt in ("split_target", "par_acc", "scale_once", "max_regs"):
+    for opt in ("split_target", "par_acc", "scale_once", "max_regs", "prefetch_ahead"):
         if not d.get(opt):
             d.pop(opt, None)
     return d
@@ -939,7 +939,7 @@ def main(argv=None) -> int:
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta,split_dq,split_k,split_target"
-                         "[,par_acc[,scale_once[,max_regs]]]]; block_m and the "
+                         "[,par_acc[,scale_once[,max_regs[,prefetch_ahead]]]]]; block_m and the "
                          "down config stay the table's for that M), outputs checked against "
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--grid-block-m", type=int, default=0,
@@ -1143,10 +1143,10 @@ def main(argv=None) -> int:
         except ValueError:
             ap.error(f"--grid: ';'-separated block_n,block_k,num_warps,num_stages"
                      f"[,n_per_cta,split_dq,split_k,split_target[,par_acc[,scale_once"
-                     f"[,max_regs]]]] "
+                     f"[,max_regs[,prefetch_ahead]]]]] "
                      f"lists, got {args.grid!r}")
-        if not grid or any(not 4 <= len(c) <= 11 for c in grid):
-            ap.error(f"--grid: 4 to 11 integers per gate-up config, got {args.grid!r}")
+        if not grid or any(not 4 <= len(c) <= 12 for c in grid):
+            ap.error(f"--grid: 4 to 12 integers per gate-up config, got {args.grid!r}")
         if args.grid_wide_halves and not (args.grid_half_m and args.grid_block_m in (16, 32)):
             ap.error("--grid-wide-halves needs --grid-half-m and --grid-block-m 16 or 32")
         for r in args.routings.split(","):

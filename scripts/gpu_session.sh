@@ -398,20 +398,35 @@ for s in "$@"; do
                --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
                --grid "${MOEWIDE_PLAIN_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
                --out "$OUT/fused_moe_half_m16_plain_grid_h200.json" ;;
-    moepf)   # (session 54) MoeConfig.prefetch_down: each gate-up program, once its tile is
-             # written, asks the L2 for the first N columns of every down column range of its
-             # expert's down weights and scales (prefetch.global.L2), so the down launch's
-             # weight reads overlap the gate-up's last programs and the launch gap (M = 8:
-             # gate-up 40.9 us, down 22.8 us at 63 % of copy bandwidth, session 51). Its GPU
-             # test (the same bits, CUDA graphs), then whole calls of every band against the
-             # table on three routings. Default limits sum to 420 s
-             step moepf-test ${MOEPF_TEST_LIMIT:-150} python3 -m pytest -q \
+    moepf)   # (session 54) two L2 prefetch hints, the same bits. MoeConfig.prefetch_down: each
+             # gate-up program, once its tile is written, asks the L2 for the first N columns
+             # of every down column range of its expert's down weights and scales, so the down
+             # launch's reads overlap the gate-up's last programs and the launch gap (M = 8:
+             # gate-up 40.9 us, down 22.8 us at 63 % of copy bandwidth, session 51).
+             # GemmConfig.prefetch_ahead (12th --grid field): the gate-up asks for its own
+             # K step D steps ahead, more of a latency-bound program's stream in flight than its
+             # cp.async stages hold (session 36's ncu at M = 8: 1.7 warps a scheduler, DRAM
+             # 52 % busy). Their GPU test, then whole calls against the table on three
+             # routings: prefetch_down on every band's own config; prefetch_ahead on the M = 8
+             # and M 9-16 tiles (8-row blocks) and the M 17-48 tile (16-row half_m blocks).
+             # Default limits sum to 540 s
+             step moepf-test ${MOEPF_TEST_LIMIT:-120} python3 -m pytest -q \
                tests/gpu/test_moe_w4a16_gpu.py -k "prefetch_down"
-             step moepf-grid ${MOEPF_LIMIT:-270} python3 scripts/bench_fused_moe.py --no-sglang \
-               --ms ${MOEPF_MS:-8 1 2 4 9 16 17 32 64 128} \
+             step moepf-grid ${MOEPF_LIMIT:-180} python3 scripts/bench_fused_moe.py --no-sglang \
+               --ms ${MOEPF_MS:-8 1 16 32 64} \
                --routings random,concentrated:8,concentrated:32 \
-               --prefetch-grid ${MOEPF_VALUES:-64 128 256 512} \
-               --out "$OUT/fused_moe_prefetch_down_grid_h200.json" ;;
+               --prefetch-grid ${MOEPF_VALUES:-128 256 512} \
+               --out "$OUT/fused_moe_prefetch_down_grid_h200.json"
+             step moepf-ahead-bm8 ${MOEPF_AHEAD_LIMIT:-150} python3 scripts/bench_fused_moe.py \
+               --no-sglang --ms ${MOEPF_AHEAD_MS:-8 4 16} \
+               --routings random,concentrated:8,concentrated:32 --grid-block-m 8 \
+               --grid "${MOEPF_AHEAD_GRID:-32,256,2,3,0,1,4,256,0,0,0,2;32,256,2,3,0,1,4,256,0,0,0,4;32,256,2,3,0,1,4,256,0,0,0,8;64,256,4,3,0,1,4,512,0,0,0,4;64,256,4,3,0,1,4,512,0,0,128,4}" \
+               --out "$OUT/fused_moe_prefetch_ahead_bm8_grid_h200.json"
+             step moepf-ahead-h16 ${MOEPF_AHEAD16_LIMIT:-90} python3 scripts/bench_fused_moe.py \
+               --no-sglang --ms ${MOEPF_AHEAD16_MS:-32 48} \
+               --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
+               --grid "${MOEPF_AHEAD16_GRID:-64,256,4,3,0,1,4,512,0,0,0,2;64,256,4,3,0,1,4,512,0,0,0,4}" \
+               --out "$OUT/fused_moe_prefetch_ahead_h16_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

@@ -49,6 +49,7 @@ def _gate_up_kernel(
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
     PREFETCH_DOWN: tl.constexpr = 0,  # > 0: L2 prefetch of the down weights, _prefetch_down
     DOWN_RANGE: tl.constexpr = 0,  # (PREFETCH_DOWN) the down's column range width
+    AHEAD: tl.constexpr = 0,  # > 0: L2 prefetch of the K step this far ahead (_gate_up_rows)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     # WIDE_HALVES (MoeConfig.wide_halves, HALF_M with BLOCK_M 16 / 32): each block has 2 NUM_N
@@ -90,34 +91,34 @@ def _gate_up_kernel(
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M,
                           BLOCK_N // 2 if WIDE_HALVES else BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                           PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split,
-                          PAR_ACC, SCALE_ONCE)
+                          PAR_ACC, SCALE_ONCE, AHEAD)
         elif WIDE_HALVES:
             if pid_n < NUM_N:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                               part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2,
                               BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE)
+                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE, AHEAD)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC, SCALE_ONCE)
+                              n_split, PAR_ACC, SCALE_ONCE, AHEAD)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC, SCALE_ONCE)
+                              n_split, PAR_ACC, SCALE_ONCE, AHEAD)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, PAR_ACC, SCALE_ONCE)
+                          n_split, PAR_ACC, SCALE_ONCE, AHEAD)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
-                      SCALE_ONCE)
+                      SCALE_ONCE, AHEAD)
     if PREFETCH_DOWN > 0:
         if pid_k == 0:  # the first K range's NQ programs share the expert's lines
             _prefetch_down(w2_ptr, s2_ptr, block_expert_ptr, e, pid_m, pid_n, NQ, K, I,
@@ -186,7 +187,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
+                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
+                  AHEAD: tl.constexpr = 0):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -234,7 +236,24 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
             s_ptrs += (BLOCK_K // _GROUP) * N2
             i += 1
     else:
-        for _ in range(0, K_STEPS):
+        if AHEAD > 0:
+            # one pointer a 128-byte line of the [BLOCK_N, KP] weight tile (gate and up) and of
+            # its [BLOCK_N, KP / 4] scales, at this program's first K step
+            LW: tl.constexpr = (BLOCK_N + 31) // 32
+            LS: tl.constexpr = (BLOCK_N + 63) // 64
+            col_w = pid_n * BLOCK_N + tl.minimum(tl.arange(0, LW) * 32, BLOCK_N - 1)
+            col_s = pid_n * BLOCK_N + tl.minimum(tl.arange(0, LS) * 64, BLOCK_N - 1)
+            pw = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[:, None]) * N2
+                  + col_w[None, :])
+            ps = (s_ptr + e64 * (K // _GROUP * N2)
+                  + (k0 // _GROUP + tl.arange(0, KP // 4)[:, None]) * N2 + col_s[None, :])
+        for i in range(0, K_STEPS):
+            if AHEAD > 0:  # step i + AHEAD's lines (the last step's past the end): a hint
+                j = tl.minimum(i + AHEAD, K_STEPS - 1)
+                _prefetch_l2(pw + j * (KP * N2))
+                _prefetch_l2(pw + j * (KP * N2) + I)
+                _prefetch_l2(ps + j * ((BLOCK_K // _GROUP) * N2))
+                _prefetch_l2(ps + j * ((BLOCK_K // _GROUP) * N2) + I)
             acc_g, acc_u, acc_gb, acc_ub = _gate_up_step(
                 acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
                 PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)

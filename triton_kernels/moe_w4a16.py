@@ -295,7 +295,7 @@ def fused_moe_w4a16(
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
-        PREFETCH_DOWN=pf, DOWN_RANGE=pf_range if pf else 0,
+        PREFETCH_DOWN=pf, DOWN_RANGE=pf_range if pf else 0, AHEAD=gu.prefetch_ahead,
         num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)

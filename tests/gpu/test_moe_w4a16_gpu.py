@@ -382,15 +382,17 @@ def test_wide_halves_vs_reference_and_serial(K, w, m, half, monkeypatch):
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40, 64])
 def test_prefetch_down_same_bits(K, w, m):
     """MoeConfig.prefetch_down (session 54): the gate-up's L2 prefetch of the down weights is a
-    hint, so every band's config with it (the whole range, half of it, 64 columns) gives the
-    table's bits, on 8 shared experts and on random routing, eager and over 8 CUDA-graph
+    hint, so every band's config with it (the whole range, half of it, 64 columns), and with
+    GemmConfig.prefetch_ahead 4 (its own weights 4 K steps ahead), gives the table's bits, on 8 shared experts and on random routing, eager and over 8 CUDA-graph
     replays on changing routings (the prefetch addresses follow the replay's experts)."""
     moe = K.moe
     cfg = moe.select_config(m)
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     _, rng = moe.prefetch_columns(cfg, moe._fitted(cfg, H, I)[1])
-    for pf in sorted({64, rng // 2 // 64 * 64 or 64, rng}):
-        pre = dataclasses.replace(cfg, prefetch_down=pf)
+    ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, prefetch_ahead=4))
+    for pf in sorted({64, rng // 2 // 64 * 64 or 64, rng}) + [0]:
+        # (pf 0: GemmConfig.prefetch_ahead instead, the gate-up's own K steps 4 ahead)
+        pre = dataclasses.replace(cfg, prefetch_down=pf) if pf else ahead
         for few in (True, False):
             tw, ti = few_or_random(m, 30 + pf, few=few)
             assert torch.equal(ours(K, w, x, tw, ti, config=pre), ours(K, w, x, tw, ti, config=cfg))

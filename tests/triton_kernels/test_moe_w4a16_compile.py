@@ -43,12 +43,13 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
           prefetch: tuple = (0, 0)):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
+    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs[, prefetch_ahead]]]]])
+    as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
     (MoeConfig.wide_halves); ``prefetch``: the gate-up's (PREFETCH_DOWN, DOWN_RANGE)
     (MoeConfig.prefetch_down, as prefetch_columns gives them)."""
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
-     max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
+     max_regs, ahead) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
     limit = {"maxnreg": max_regs} if max_regs else {}
     if kind == "gate_up":
@@ -67,6 +68,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["SCALE_ONCE"] = True
         if wide:
             const["WIDE_HALVES"] = True
+        if ahead:
+            const["AHEAD"] = ahead
         if prefetch[0]:
             sig.update(w2_ptr="*i32", s2_ptr="*bf16")
             const.update(PREFETCH_DOWN=prefetch[0], DOWN_RANGE=prefetch[1])
@@ -330,6 +333,22 @@ def test_prefetch_down_compiles_beside_each_gate_up(MOE, max_m, bm, tiles, half,
             threads = 32 * tiles[2]
             assert 65536 // (regs[0] * threads) >= 65536 // (regs[1] * threads), (pf, regs)
     assert "prefetch" not in _gemm(MOE, "gate_up", bm, tiles, half, wide).asm["ptx"]
+
+
+@pytest.mark.parametrize("max_m,bm,tiles,half,wide,rng", _prefetch_bands(), ids=str)
+def test_prefetch_ahead_keeps_the_pipeline(MOE, max_m, bm, tiles, half, wide, rng, tmp_path):
+    """GemmConfig.prefetch_ahead (session 54) on every shipped gate-up tile, 2 and 4 steps
+    ahead: prefetch.global.L2 in the PTX, the same cp.async loads (the K loop still
+    software-pipelined), in-register dequant kept, no spills."""
+    plain = _gemm(MOE, "gate_up", bm, tiles, half, wide).asm["ptx"]
+    for ahead in (2, 4):
+        kern = _gemm(MOE, "gate_up", bm, tiles + (0, 0, 0, ahead), half, wide)
+        ptx = kern.asm["ptx"]
+        assert ptx.count("prefetch.global.L2") >= 4  # gate and up, weights and scales
+        assert ptx.count("cp.async") == plain.count("cp.async"), ahead
+        assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", kern.asm["ttgir"])
+        assert kern.metadata.shared <= SMEM_LIMIT
+        assert_no_spills(kern, tmp_path)
 
 
 def test_rerun_in_clean_process():
