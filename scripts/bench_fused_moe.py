@@ -933,7 +933,8 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-down", default=None, metavar="CONFIGS",
                     help="--breakdown: these down configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta[,split_dq,split_k,split_target"
-                         "[,par_acc[,scale_once[,max_regs]]]]]; split_target > 0 with "
+                         "[,par_acc[,scale_once[,max_regs[,prefetch_ahead]]]]]]; "
+                         "split_target > 0 with "
                          "n_per_cta: live column ranges) instead of the block_m's candidates")
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
@@ -1014,7 +1015,7 @@ def main(argv=None) -> int:
                                    for c in args.breakdown_down.split(";") if c]
         except ValueError:
             args.breakdown_down = []
-        if not args.breakdown_down or any(len(c) not in (4, 5, 8, 9, 10, 11)
+        if not args.breakdown_down or any(len(c) not in (4, 5, 8, 9, 10, 11, 12)
                                           for c in args.breakdown_down):
             ap.error("--breakdown-down: ';'-separated block_n,block_k,num_warps,num_stages"
                      "[,n_per_cta[,split_dq,split_k,split_target[,par_acc[,scale_once"

@@ -408,21 +408,26 @@ for s in "$@"; do
              # cp.async stages hold (session 36's ncu at M = 8: 1.7 warps a scheduler, DRAM
              # 52 % busy). Their GPU test, then whole calls against the table on three
              # routings: prefetch_down on every band's own config; prefetch_ahead on the M = 8
-             # and M 9-16 tiles (8-row blocks) and the M 17-48 tile (16-row half_m blocks).
+             # and M 9-16 tiles (8-row blocks) and the M 17-48 tile (16-row half_m blocks),
+             # and on the looped down per kernel (random routing; 2-4 column steps ahead).
              # Default limits sum to 540 s
-             step moepf-test ${MOEPF_TEST_LIMIT:-120} python3 -m pytest -q \
+             step moepf-test ${MOEPF_TEST_LIMIT:-100} python3 -m pytest -q \
                tests/gpu/test_moe_w4a16_gpu.py -k "prefetch_down"
-             step moepf-grid ${MOEPF_LIMIT:-180} python3 scripts/bench_fused_moe.py --no-sglang \
+             step moepf-grid ${MOEPF_LIMIT:-150} python3 scripts/bench_fused_moe.py --no-sglang \
                --ms ${MOEPF_MS:-8 1 16 32 64} \
                --routings random,concentrated:8,concentrated:32 \
                --prefetch-grid ${MOEPF_VALUES:-128 256 512} \
                --out "$OUT/fused_moe_prefetch_down_grid_h200.json"
-             step moepf-ahead-bm8 ${MOEPF_AHEAD_LIMIT:-150} python3 scripts/bench_fused_moe.py \
+             step moepf-ahead-bm8 ${MOEPF_AHEAD_LIMIT:-130} python3 scripts/bench_fused_moe.py \
                --no-sglang --ms ${MOEPF_AHEAD_MS:-8 4 16} \
                --routings random,concentrated:8,concentrated:32 --grid-block-m 8 \
                --grid "${MOEPF_AHEAD_GRID:-32,256,2,3,0,1,4,256,0,0,0,2;32,256,2,3,0,1,4,256,0,0,0,4;32,256,2,3,0,1,4,256,0,0,0,8;64,256,4,3,0,1,4,512,0,0,0,4;64,256,4,3,0,1,4,512,0,0,128,4}" \
                --out "$OUT/fused_moe_prefetch_ahead_bm8_grid_h200.json"
-             step moepf-ahead-h16 ${MOEPF_AHEAD16_LIMIT:-90} python3 scripts/bench_fused_moe.py \
+             step moepf-down ${MOEPF_DOWN_LIMIT:-90} python3 scripts/bench_fused_moe.py \
+               --no-sglang --ms ${MOEPF_DOWN_MS:-8 16 32} --breakdown --breakdown-down \
+               "${MOEPF_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,0,0,0,2;64,256,4,3,256,0,1,0,0,0,0,4;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,0,0,0,2;64,256,4,3,512;64,256,4,3,512,0,1,0,0,0,0,2}" \
+               --out "$OUT/fused_moe_prefetch_ahead_down_h200.json"
+             step moepf-ahead-h16 ${MOEPF_AHEAD16_LIMIT:-70} python3 scripts/bench_fused_moe.py \
                --no-sglang --ms ${MOEPF_AHEAD16_MS:-32 48} \
                --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
                --grid "${MOEPF_AHEAD16_GRID:-64,256,4,3,0,1,4,512,0,0,0,2;64,256,4,3,0,1,4,512,0,0,0,4}" \

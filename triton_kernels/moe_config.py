@@ -57,12 +57,12 @@ class GemmConfig:
     # gate-up on 16-row blocks: 130, and 128 with no spill under this limit). Session 53, not
     # yet timed.
     max_regs: int = 0
-    # gate-up GEMM only, > 0: at each K step a program also asks the L2 (prefetch.global.L2)
-    # for the weight and scale lines of its K step this many steps ahead (the last step's once
-    # it is past it), so more of a latency-bound program's weight stream is in flight than
-    # its num_stages shared-memory buffers hold, at no cost in registers or shared memory
-    # (session 36's ncu at M = 8: 1.7 warps a scheduler, DRAM 52 % busy). 1-16. Session 54,
-    # not yet timed.
+    # > 0 (gate-up, or the looped down: n_per_cta > 0): at each K step (the down: column step)
+    # a program also asks the L2 (prefetch.global.L2) for the weight and scale lines of its
+    # step this many steps ahead (the last step's once it is past it), so more of a
+    # latency-bound program's weight stream is in flight than its num_stages shared-memory
+    # buffers hold, at no cost in shared memory (session 36's ncu at M = 8: 1.7 warps a
+    # scheduler, DRAM 52 % busy). 1-16. Session 54, not yet timed.
     prefetch_ahead: int = 0
 
 
@@ -198,7 +198,7 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
                       split_k, cfg.split_target if split_k > 1 or n_per_cta else 0,
                       cfg.par_acc if looped_only else 0, cfg.scale_once if looped_only else 0,
-                      cfg.max_regs, cfg.prefetch_ahead)
+                      cfg.max_regs, cfg.prefetch_ahead if looped_only else 0)
 
 
 def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
@@ -220,7 +220,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
                                      or gu.block_n % 32))
             or cfg.prefetch_down < 0 or cfg.prefetch_down % 64
-            or not 0 <= gu.prefetch_ahead <= 16 or dn.prefetch_ahead):
+            or any(not 0 <= g.prefetch_ahead <= 16 for g in (gu, dn))
+            or (dn.prefetch_ahead and not dn.n_per_cta)):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
         # block_m >= 8 its n side, see MoeConfig.block_m; wide_halves' half-width tiles keep
         # block_n / 2 >= 16, its m side); _fit has

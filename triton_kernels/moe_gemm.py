@@ -412,7 +412,7 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
                  pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
                  PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                 SCALE_ONCE: tl.constexpr = False):
+                 SCALE_ONCE: tl.constexpr = False, AHEAD: tl.constexpr = 0):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
     (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
     ``tiles`` BLOCK_N steps) or the per-tile one's (``pid_nc`` its column tile)."""
@@ -420,34 +420,35 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
         if level == 0:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC, SCALE_ONCE)
+                        PAR_ACC, SCALE_ONCE, AHEAD)
         elif BLOCK_M >= 64:
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC, SCALE_ONCE)
+                            PORTABLE, PAR_ACC, SCALE_ONCE, AHEAD)
             else:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC, SCALE_ONCE)
+                            PORTABLE, PAR_ACC, SCALE_ONCE, AHEAD)
         else:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC, SCALE_ONCE)
+                        PAR_ACC, SCALE_ONCE, AHEAD)
     else:
         _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                     tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE, PAR_ACC,
-                    SCALE_ONCE)
+                    SCALE_ONCE, AHEAD)
 
 
 @triton.jit
 def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                 tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr,
-                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
+                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
+                AHEAD: tl.constexpr = 0):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
+                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE, AHEAD)
     else:
         _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                    N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
@@ -502,6 +503,7 @@ def _down_loop_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
     PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group (GemmConfig.scale_once)
+    AHEAD: tl.constexpr = 0,  # > 0: L2 prefetch of the column step this far ahead
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -540,14 +542,14 @@ def _down_loop_kernel(
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                  pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
-                 PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE)
+                 PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE, AHEAD)
 
 
 @triton.jit
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
                     tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                    SCALE_ONCE: tl.constexpr = False):
+                    SCALE_ONCE: tl.constexpr = False, AHEAD: tl.constexpr = 0):
     """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
     column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live)."""
     KP: tl.constexpr = I // _PACK
@@ -584,7 +586,21 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
             y_ptrs += BLOCK_N
             i += 1
     else:
-        for _ in range(tiles):
+        if AHEAD > 0:
+            # one pointer a 128-byte line of the [BLOCK_N, KP] weight tile (32 int32) and of its
+            # [BLOCK_N, I / 32] scales (64 bf16), at the range's first column step
+            cw = pid_s * (tiles * BLOCK_N) + tl.minimum(tl.arange(0, (BLOCK_N + 31) // 32) * 32,
+                                                        BLOCK_N - 1)
+            cs = pid_s * (tiles * BLOCK_N) + tl.minimum(tl.arange(0, (BLOCK_N + 63) // 64) * 64,
+                                                        BLOCK_N - 1)
+            pw = w_ptr + e64 * (KP * N) + offs_r[:, None] * N + cw[None, :]
+            ps = (s_ptr + e64 * (I // _GROUP * N) + tl.arange(0, I // _GROUP)[:, None] * N
+                  + cs[None, :])
+        for i in range(tiles):
+            if AHEAD > 0:  # step i + AHEAD's lines (the range's last step's past its end)
+                j = tl.minimum(i + AHEAD, tiles - 1) * BLOCK_N
+                _prefetch_l2(pw + j)
+                _prefetch_l2(ps + j)
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
                        BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
             w_ptrs += BLOCK_N

@@ -315,8 +315,8 @@ def fused_moe_w4a16(
             PORTABLE=portable_path, HALF_M=cfg.narrow_down,
             NUM_EXPERTS=num_experts if dn.split_target else 0,
             SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
-            SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages,
-            **_reg_limit(dn))
+            SCALE_ONCE=bool(dn.scale_once), AHEAD=dn.prefetch_ahead, num_warps=dn.num_warps,
+            num_stages=dn.num_stages, **_reg_limit(dn))
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

@@ -383,13 +383,16 @@ def test_wide_halves_vs_reference_and_serial(K, w, m, half, monkeypatch):
 def test_prefetch_down_same_bits(K, w, m):
     """MoeConfig.prefetch_down (session 54): the gate-up's L2 prefetch of the down weights is a
     hint, so every band's config with it (the whole range, half of it, 64 columns), and with
-    GemmConfig.prefetch_ahead 4 (its own weights 4 K steps ahead), gives the table's bits, on 8 shared experts and on random routing, eager and over 8 CUDA-graph
+    GemmConfig.prefetch_ahead (the gate-up's own weights 4 K steps ahead, a looped down's 2
+    column steps ahead), gives the table's bits, on 8 shared experts and on random routing, eager and over 8 CUDA-graph
     replays on changing routings (the prefetch addresses follow the replay's experts)."""
     moe = K.moe
     cfg = moe.select_config(m)
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     _, rng = moe.prefetch_columns(cfg, moe._fitted(cfg, H, I)[1])
-    ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, prefetch_ahead=4))
+    ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, prefetch_ahead=4),
+                                down=dataclasses.replace(cfg.down, prefetch_ahead=(
+                                    2 if cfg.down.n_per_cta else 0)))
     for pf in sorted({64, rng // 2 // 64 * 64 or 64, rng}) + [0]:
         # (pf 0: GemmConfig.prefetch_ahead instead, the gate-up's own K steps 4 ahead)
         pre = dataclasses.replace(cfg, prefetch_down=pf) if pf else ahead

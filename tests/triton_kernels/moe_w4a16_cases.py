@@ -437,8 +437,8 @@ def test_prefetch_down_asks_for_its_lines_once_per_expert(n, inter, rng, pf, par
 
 def test_prefetch_down_config():
     """MoeConfig.prefetch_down: a multiple of 64, never past the down's column range (the
-    looped down's n_per_cta, else its block_n); GemmConfig.prefetch_ahead: the gate-up's only,
-    at most 16 steps."""
+    looped down's n_per_cta, else its block_n); GemmConfig.prefetch_ahead: at most 16 steps,
+    not on the per-tile down."""
     loop = dataclasses.replace(CFG_LOOP, prefetch_down=64)
     assert MOE.prefetch_columns(loop, MOE._fitted(loop, H, I)[1]) == (64, 128)
     tile = dataclasses.replace(CFG, prefetch_down=512)
@@ -447,14 +447,15 @@ def test_prefetch_down_config():
     for bad in (-64, 32, 100):
         with pytest.raises(ValueError, match="does not tile"):
             MOE._fitted(dataclasses.replace(CFG_LOOP, prefetch_down=bad), H, I)
-    # GemmConfig.prefetch_ahead: the gate-up's, 1-16 steps; kept by _fit, refused on the down
+    # GemmConfig.prefetch_ahead: 1-16 steps, the gate-up's and the looped down's (refused on
+    # the per-tile down); kept by _fit
     ahead = dataclasses.replace(CFG_LOOP, gate_up=dataclasses.replace(CFG_LOOP.gate_up,
-                                                                      prefetch_ahead=4))
-    assert MOE._fitted(ahead, H, I)[0].prefetch_ahead == 4
+                                                                      prefetch_ahead=4),
+                                down=dataclasses.replace(CFG_LOOP.down, prefetch_ahead=2))
+    assert [g.prefetch_ahead for g in MOE._fitted(ahead, H, I)] == [4, 2]
     for bad in (dataclasses.replace(ahead, gate_up=dataclasses.replace(ahead.gate_up,
                                                                       prefetch_ahead=17)),
-                dataclasses.replace(CFG_LOOP, down=dataclasses.replace(CFG_LOOP.down,
-                                                                      prefetch_ahead=2))):
+                dataclasses.replace(CFG, down=dataclasses.replace(CFG.down, prefetch_ahead=2))):
         with pytest.raises(ValueError, match="does not tile"):
             MOE._fitted(bad, H, I)
 

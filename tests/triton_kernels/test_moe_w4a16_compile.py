@@ -86,6 +86,8 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["PAR_ACC"] = True
         if scale_once:
             const["SCALE_ONCE"] = True
+        if ahead:
+            const["AHEAD"] = ahead
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages, **limit)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages, **limit)
@@ -340,11 +342,25 @@ def test_prefetch_ahead_keeps_the_pipeline(MOE, max_m, bm, tiles, half, wide, rn
     """GemmConfig.prefetch_ahead (session 54) on every shipped gate-up tile, 2 and 4 steps
     ahead: prefetch.global.L2 in the PTX, the same cp.async loads (the K loop still
     software-pipelined), in-register dequant kept, no spills."""
-    plain = _gemm(MOE, "gate_up", bm, tiles, half, wide).asm["ptx"]
+    _check_ahead(MOE, "gate_up", bm, tiles, half, wide, tmp_path)
+
+
+@pytest.mark.parametrize("bm,tiles,half", [
+    (8, (64, 256, 4, 3, 256, 0, 1, 0), False), (8, (64, 256, 4, 3, 512, 0, 1, 896), False),
+    (16, (64, 256, 4, 3, 512, 0, 1, 0), True)], ids=str)
+def test_prefetch_ahead_keeps_the_looped_downs_pipeline(MOE, bm, tiles, half, tmp_path):
+    """GemmConfig.prefetch_ahead on the looped down tiles of the M = 8, 9-16 and 17-48 bands
+    (column steps 2 and 4 ahead): as the gate-up's."""
+    _check_ahead(MOE, "down", bm, tiles, half, False, tmp_path)
+
+
+def _check_ahead(MOE, kind, bm, tiles, half, wide, tmp_path):
+    plain = _gemm(MOE, kind, bm, tiles, half, wide).asm["ptx"]
     for ahead in (2, 4):
-        kern = _gemm(MOE, "gate_up", bm, tiles + (0, 0, 0, ahead), half, wide)
+        kern = _gemm(MOE, kind, bm, tiles + (0, 0, 0, ahead), half, wide)
         ptx = kern.asm["ptx"]
-        assert ptx.count("prefetch.global.L2") >= 4  # gate and up, weights and scales
+        # weights and scales (the gate-up: of gate and of up)
+        assert ptx.count("prefetch.global.L2") >= (4 if kind == "gate_up" else 2)
         assert ptx.count("cp.async") == plain.count("cp.async"), ahead
         assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", kern.asm["ttgir"])
         assert kern.metadata.shared <= SMEM_LIMIT
