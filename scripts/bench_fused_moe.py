@@ -1019,7 +1019,7 @@ def main(argv=None) -> int:
                                           for c in args.breakdown_down):
             ap.error("--breakdown-down: ';'-separated block_n,block_k,num_warps,num_stages"
                      "[,n_per_cta[,split_dq,split_k,split_target[,par_acc[,scale_once"
-                     "[,max_regs]]]]] "
+                     "[,max_regs[,prefetch_ahead]]]]]] "
                      "lists")
     variants = parse_variants(args.ours_variants)
 

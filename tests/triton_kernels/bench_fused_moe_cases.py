@@ -69,7 +69,8 @@ def test_breakdown_down_candidates_keep_the_bands_options(bench, tmp_path):
         assert r["config"] == dataclasses.asdict(
             dataclasses.replace(table, down=bench.mw.GemmConfig(*down)))
         assert all(math.isfinite(v) for v in r["us"].values()), r
-    for bad in ("", "64,128", "a,b,c,d", "64,128,4,1,128,0", "64,128,4,1,128,0,1,0,1,1,96,1"):
+    for bad in ("", "64,128", "a,b,c,d", "64,128,4,1,128,0",
+                "64,128,4,1,128,0,1,0,1,1,96,1,1"):  # (13 fields: one past prefetch_ahead)
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--breakdown", "--breakdown-down", bad, "--out", str(out)])
 
