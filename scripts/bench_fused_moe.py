@@ -964,7 +964,7 @@ def main(argv=None) -> int:
                          "concentrated routing at every M of the band, the best worst case on "
                          "random routing if it beats the table there; written into --tune-out")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
-                    help="--grid only: the routings to time, comma-separated")
+                    help="--grid / --prefetch-grid: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
                     help="no GPU: choose each band's gate-up config from --grid runs' JSON "
                          "(pick_gate_up's rule, --max-random-loss; several runs of the same "
