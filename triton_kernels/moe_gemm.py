@@ -134,6 +134,15 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _line_ptrs(row_ptrs, col0, BN: tl.constexpr, WIDTH: tl.constexpr):
+    """One pointer a 128-byte line (``WIDTH`` elements) of columns ``col0 .. col0 + BN - 1``
+    of the rows at ``row_ptrs`` ([rows] pointers to column 0): [rows, ceil(BN / WIDTH)]; a
+    slice narrower than a line gets one, at ``col0`` (prefetch_ahead's tiles)."""
+    cols = col0 + tl.minimum(tl.arange(0, (BN + WIDTH - 1) // WIDTH) * WIDTH, BN - 1)
+    return row_ptrs[:, None] + cols[None, :]
+
+
+@triton.jit
 def _prefetch_down(w2_ptr, s2_ptr, block_expert_ptr, e, pid_m, part, PARTS: tl.constexpr,
                    N: tl.constexpr, I: tl.constexpr, RANGE: tl.constexpr, PF: tl.constexpr,
                    RECORD: tl.constexpr = False):
@@ -237,16 +246,13 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
             i += 1
     else:
         if AHEAD > 0:
-            # one pointer a 128-byte line of the [BLOCK_N, KP] weight tile (gate and up) and of
-            # its [BLOCK_N, KP / 4] scales, at this program's first K step
-            LW: tl.constexpr = (BLOCK_N + 31) // 32
-            LS: tl.constexpr = (BLOCK_N + 63) // 64
-            col_w = pid_n * BLOCK_N + tl.minimum(tl.arange(0, LW) * 32, BLOCK_N - 1)
-            col_s = pid_n * BLOCK_N + tl.minimum(tl.arange(0, LS) * 64, BLOCK_N - 1)
-            pw = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[:, None]) * N2
-                  + col_w[None, :])
-            ps = (s_ptr + e64 * (K // _GROUP * N2)
-                  + (k0 // _GROUP + tl.arange(0, KP // 4)[:, None]) * N2 + col_s[None, :])
+            # the [BLOCK_N, KP] weight tile's lines (gate; up at + I) and its [BLOCK_N, KP / 4]
+            # scales', at this program's first K step
+            pw = _line_ptrs(w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r) * N2,
+                            pid_n * BLOCK_N, BLOCK_N, 32)
+            ps = _line_ptrs(s_ptr + e64 * (K // _GROUP * N2)
+                            + (k0 // _GROUP + tl.arange(0, KP // 4)) * N2,
+                            pid_n * BLOCK_N, BLOCK_N, 64)
         for i in range(0, K_STEPS):
             if AHEAD > 0:  # step i + AHEAD's lines (the last step's past the end): a hint
                 j = tl.minimum(i + AHEAD, K_STEPS - 1)
@@ -587,15 +593,12 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
             i += 1
     else:
         if AHEAD > 0:
-            # one pointer a 128-byte line of the [BLOCK_N, KP] weight tile (32 int32) and of its
-            # [BLOCK_N, I / 32] scales (64 bf16), at the range's first column step
-            cw = pid_s * (tiles * BLOCK_N) + tl.minimum(tl.arange(0, (BLOCK_N + 31) // 32) * 32,
-                                                        BLOCK_N - 1)
-            cs = pid_s * (tiles * BLOCK_N) + tl.minimum(tl.arange(0, (BLOCK_N + 63) // 64) * 64,
-                                                        BLOCK_N - 1)
-            pw = w_ptr + e64 * (KP * N) + offs_r[:, None] * N + cw[None, :]
-            ps = (s_ptr + e64 * (I // _GROUP * N) + tl.arange(0, I // _GROUP)[:, None] * N
-                  + cs[None, :])
+            # the [BLOCK_N, KP] weight tile's lines and its [BLOCK_N, I / 32] scales', at the
+            # range's first column step
+            pw = _line_ptrs(w_ptr + e64 * (KP * N) + offs_r * N, pid_s * (tiles * BLOCK_N),
+                            BLOCK_N, 32)
+            ps = _line_ptrs(s_ptr + e64 * (I // _GROUP * N) + tl.arange(0, I // _GROUP) * N,
+                            pid_s * (tiles * BLOCK_N), BLOCK_N, 64)
         for i in range(tiles):
             if AHEAD > 0:  # step i + AHEAD's lines (the range's last step's past its end)
                 j = tl.minimum(i + AHEAD, tiles - 1) * BLOCK_N
