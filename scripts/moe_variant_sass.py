@@ -85,7 +85,9 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> dict:
     """Programs of one kernel an H100 / H200 SM holds (sm_90): 65,536 registers with a thread's
     count rounded up to 8, 228 KB of shared memory with 1 KB reserved a program, 64 warps, 32
     programs; each bound and the least."""
-    by = {"registers": 65536 // (-(-regs // 8) * 8 * 32 * warps),
+    from tests.triton_kernels._sm90 import programs_by_registers
+
+    by = {"registers": programs_by_registers(regs, warps),
           "shared_memory": 228 * 1024 // (shared + 1024), "warps": 64 // warps}
     return {**by, "programs": min(min(by.values()), 32)}
 

@@ -54,6 +54,20 @@ def resource_usage(kern, tmp_path: Path) -> str | None:
                           capture_output=True, text=True).stdout
 
 
+def registers(kern, tmp_path: Path) -> int | None:
+    """Registers a thread of the compiled kernel uses (cuobjdump), or None without cuobjdump."""
+    import re
+
+    usage = resource_usage(kern, tmp_path)
+    return None if usage is None else int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def programs_by_registers(regs: int, warps: int) -> int:
+    """Programs of ``warps`` warps an sm_90 SM's 65,536 registers hold, a thread's count
+    rounded up to 8."""
+    return 65536 // (-(-regs // 8) * 8 * 32 * warps)
+
+
 def assert_no_spills(kern, tmp_path: Path) -> None:
     """No local-memory stack in the compiled kernel (cuobjdump's resource usage), where the
     wheel ships cuobjdump."""

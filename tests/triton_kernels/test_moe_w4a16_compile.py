@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.triton_kernels._moe_kernels import lang_mode_matches, load_moe, run_isolated
-from tests.triton_kernels._sm90 import SMEM_LIMIT, assert_no_spills, compile_sm90, resource_usage
+from tests.triton_kernels._sm90 import (
+    SMEM_LIMIT, assert_no_spills, compile_sm90, programs_by_registers, registers,
+)
 
 H, I, TOPK = 7168, 256, 8
 _CONFIGS = Path(__file__).resolve().parents[2] / "triton_kernels" / "moe_w4a16_configs.json"
@@ -141,7 +143,11 @@ def test_compiles_for_sm90(MOE, kind, bm, tiles, half, wide, tmp_path):
 
 
 def _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=False, wide=False):
-    kern = _gemm(MOE, kind, bm, tiles, half_m, wide)
+    _check_kernel(_gemm(MOE, kind, bm, tiles, half_m, wide), tmp_path)
+
+
+def _check_kernel(kern, tmp_path):
+    """Within shared memory, the in-register dequant kept, no spills."""
     assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
     ttgir = kern.asm["ttgir"]
     assert "tt.elementwise_inline_asm" in ttgir
@@ -265,10 +271,10 @@ def test_register_limit_holds_without_spills(MOE, bm, tiles, half, wide, regs, t
     SM; 130 without) and a looped down at 72."""
     kind = "down" if tiles[4] else "gate_up"
     _check_compiles(MOE, kind, bm, tiles, tmp_path, half_m=half, wide=wide)
-    usage = resource_usage(_gemm(MOE, kind, bm, tiles, half, wide), tmp_path)
-    if usage is None:
+    used = registers(_gemm(MOE, kind, bm, tiles, half, wide), tmp_path)
+    if used is None:
         pytest.skip("no cuobjdump in the triton wheel")
-    assert int(re.search(r"REG:(\d+)", usage).group(1)) <= regs, usage
+    assert used <= regs, used
 
 
 # wide_halves (session 53, not in the table): the M 9-48 bands' 4-warp gate-up tiles on 16-row
@@ -322,18 +328,15 @@ def test_prefetch_down_compiles_beside_each_gate_up(MOE, max_m, bm, tiles, half,
     """MoeConfig.prefetch_down (session 54) on every shipped gate-up tile, at half its band's
     down range and the whole range: prefetch.global.L2 in the PTX, no spills, in-register
     dequant kept, and no fewer programs an SM by registers than the tile without it."""
-    plain = resource_usage(_gemm(MOE, "gate_up", bm, tiles, half, wide), tmp_path)
+    plain = registers(_gemm(MOE, "gate_up", bm, tiles, half, wide), tmp_path)
     for pf in sorted({max(64, rng // 2 // 64 * 64), rng}):
         kern = _gemm(MOE, "gate_up", bm, tiles, half, wide, (pf, rng))
         assert kern.asm["ptx"].count("prefetch.global.L2") >= 2  # weights and scales
-        assert kern.metadata.shared <= SMEM_LIMIT, kern.metadata.shared
-        assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", kern.asm["ttgir"])
-        assert_no_spills(kern, tmp_path)
-        usage = resource_usage(kern, tmp_path)
-        if usage is not None and plain is not None:
-            regs = [-(-int(re.search(r"REG:(\d+)", u).group(1)) // 8) * 8 for u in (usage, plain)]
-            threads = 32 * tiles[2]
-            assert 65536 // (regs[0] * threads) >= 65536 // (regs[1] * threads), (pf, regs)
+        _check_kernel(kern, tmp_path)
+        regs = registers(kern, tmp_path)
+        if regs is not None and plain is not None:
+            assert (programs_by_registers(regs, tiles[2])
+                    >= programs_by_registers(plain, tiles[2])), (pf, regs, plain)
     assert "prefetch" not in _gemm(MOE, "gate_up", bm, tiles, half, wide).asm["ptx"]
 
 
@@ -362,9 +365,7 @@ def _check_ahead(MOE, kind, bm, tiles, half, wide, tmp_path):
         # weights and scales (the gate-up: of gate and of up)
         assert ptx.count("prefetch.global.L2") >= (4 if kind == "gate_up" else 2)
         assert ptx.count("cp.async") == plain.count("cp.async"), ahead
-        assert re.search(r"-> tensor<\d+x\d+xi32, #ttg\.dot_op<\{opIdx = 0", kern.asm["ttgir"])
-        assert kern.metadata.shared <= SMEM_LIMIT
-        assert_no_spills(kern, tmp_path)
+        _check_kernel(kern, tmp_path)
 
 
 def test_rerun_in_clean_process():
