@@ -386,7 +386,7 @@ def _band_of(m: int) -> int:
     return next((max_m for max_m, _ in table if m <= max_m), table[-1][0])
 
 
-def gate_up_grid(args, layers, make_inputs, dev, grid, save=None, prefetch=None) -> dict:
+def gate_up_grid(args, layers, make_inputs, dev, grid, save=None) -> dict:
     """Whole-call times of gate-up candidates against the table, per M and routing.
 
     A band's table entry serves every M up to its max_m under any routing, while the best K
@@ -395,15 +395,12 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None, prefetch=None)
     ``summary`` gives, per table band, its worst ratio to the table on random routing and on
     the concentrated ones (below 1: faster). Block_m and the down config stay the table's;
     half_m is the grid's flag's (0 without it, whatever the band has), which a pick from the
-    grid writes into the table. With ``prefetch`` (MoeConfig.prefetch_down values,
-    --prefetch-grid) the candidates are instead the table's own config with each value, named
-    by it.
+    grid writes into the table.
     """
     routings = args.routings.split(",")
     out = run_header(dev, {
         "grid_block_m": args.grid_block_m, "grid_half_m": int(args.grid_half_m),
         "grid_wide_halves": int(args.grid_wide_halves),
-        **({"grid_prefetch_down": list(prefetch)} if prefetch else {}),
         "note": "us per whole call (align + gate-up + down + combine), mean of CUDA-graph "
                 f"replays over {len(layers)} weight sets; down from the table, block_m "
                 + (f"{args.grid_block_m} for the candidates (the table's for its own row)"
@@ -429,14 +426,11 @@ def gate_up_grid(args, layers, make_inputs, dev, grid, save=None, prefetch=None)
             row = {"m": m, "band": _band_of(m), "routing": routing, "touched_experts": touched,
                    "table": dataclasses.asdict(table), "table_us": timed(table)["us"],
                    "candidates": {}}
-            for c in (prefetch or grid):
-                if prefetch:  # the table's config, prefetch_down = c
-                    cfg = dataclasses.replace(table, prefetch_down=c)
-                else:
-                    cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
-                                       table.down, half_m=int(args.grid_half_m),
-                                       wide_halves=int(args.grid_wide_halves))
-                row["candidates"][str(c) if prefetch else ",".join(map(str, c))] = timed(cfg)
+            for c in grid:
+                cfg = mw.MoeConfig(args.grid_block_m or table.block_m, mw.GemmConfig(*c),
+                                   table.down, half_m=int(args.grid_half_m),
+                                   wide_halves=int(args.grid_wide_halves))
+                row["candidates"][",".join(map(str, c))] = timed(cfg)
             out["rows"].append(row)
             if save is not None:  # after every row: a run cut by its time limit keeps its rows
                 out["summary"] = grid_summary(out["rows"])
@@ -618,8 +612,6 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
                 band.pop("wide_halves", None)
             if pick.get("random_us_at_max_m"):
                 band["us"] = pick["random_us_at_max_m"]
-        elif "prefetch_down" in pick:
-            band["prefetch_down"] = pick["prefetch_down"][0]
         else:
             band["down"] = gemm_json(mw.GemmConfig(*pick["down"]))
         changed.append(band["max_m"])
@@ -953,18 +945,8 @@ def main(argv=None) -> int:
                     help="--grid only, with --grid-half-m and --grid-block-m 16 or 32: run the "
                          "candidates with MoeConfig.wide_halves (a full block's gate-up as two "
                          "tiles of block_n / 2 columns)")
-    ap.add_argument("--prefetch-grid", type=int, nargs="+", default=None, metavar="COLUMNS",
-                    help="time the whole call per M and routing (--routings) for the table's "
-                         "config and for it with each of these MoeConfig.prefetch_down values "
-                         "(multiples of 64: down columns of each column range the gate-up "
-                         "prefetches into the L2), with a per-band summary; JSON to --out")
-    ap.add_argument("--pick-prefetch-from", nargs="+", default=None, metavar="GRID_JSON",
-                    help="no GPU: choose each band's prefetch_down from --prefetch-grid runs: "
-                         "at most --max-conc-loss (default 2 %%) slower than the table on "
-                         "concentrated routing at every M of the band, the best worst case on "
-                         "random routing if it beats the table there; written into --tune-out")
     ap.add_argument("--routings", default="concentrated:8,concentrated:32,random",
-                    help="--grid / --prefetch-grid: the routings to time, comma-separated")
+                    help="--grid only: the routings to time, comma-separated")
     ap.add_argument("--pick-from", nargs="+", default=None, metavar="GRID_JSON",
                     help="no GPU: choose each band's gate-up config from --grid runs' JSON "
                          "(pick_gate_up's rule, --max-random-loss; several runs of the same "
@@ -1063,23 +1045,6 @@ def main(argv=None) -> int:
             "routing at every measured M and the best worst case on concentrated routing; "
             "where only on random routing, the best worst case there; block_m and gate-up "
             "unchanged")
-    if args.pick_prefetch_from:
-        runs = []
-        for path in args.pick_prefetch_from:
-            with open(path) as f:
-                runs.append(json.load(f))
-        if not all(r.get("grid_prefetch_down") for r in runs):
-            ap.error("--pick-prefetch-from: every run must come from --prefetch-grid")
-        loss = 0.02 if args.max_conc_loss is None else args.max_conc_loss
-        rows = [r for run in runs for r in run["rows"]]
-        return write_picks(
-            _pick(rows, args.max_random_loss, "prefetch_down", random_only=False,
-                  max_conc_loss=loss), "prefetch_down", runs[0],
-            f"prefetch_down picked from "
-            f"{', '.join(os.path.basename(g) for g in args.pick_prefetch_from)}: at most "
-            f"{_percent(loss)} slower than the table on concentrated routing at every measured "
-            "M of the band" + (" in every run" if len(runs) > 1 else "")
-            + ", the best worst case on random routing (below the table's); tiles unchanged")
     if args.pick_from:
         grid_runs = []
         for path in args.pick_from:
@@ -1088,9 +1053,10 @@ def main(argv=None) -> int:
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
         half_ms = {int(g.get("grid_half_m") or 0) for g in grid_runs}
         wides = {int(g.get("grid_wide_halves") or 0) for g in grid_runs}
-        for gone in ("pairs", "run_m"):  # (sessions 29 / 46's grids)
-            if any(g.get(f"grid_{gone}") for g in grid_runs):
-                ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in session 47")
+        for gone, when in (("pairs", 47), ("run_m", 47), ("prefetch_down", 55)):
+            if any(g.get(f"grid_{gone}") for g in grid_runs):  # (sessions 29 / 46 / 55's)
+                ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in "
+                         f"session {when}")
         if len(block_ms) > 1 or len(half_ms) > 1 or len(wides) > 1:
             ap.error(f"--pick-from: the grids ran with different --grid-block-m "
                      f"{sorted(block_ms)}, --grid-half-m {sorted(half_ms)} or "
@@ -1131,13 +1097,6 @@ def main(argv=None) -> int:
             + ("; with wide_halves" if wide else "")
             + (f"; new bands {sorted(args.pick_new_band)}" if args.pick_new_band else ""))
     grid = None
-    if args.prefetch_grid is not None:
-        if args.grid is not None:
-            ap.error("--prefetch-grid times the table's own configs: leave out --grid")
-        if any(v <= 0 or v % 64 for v in args.prefetch_grid):
-            ap.error(f"--prefetch-grid: positive multiples of 64, got {args.prefetch_grid}")
-        for r in args.routings.split(","):
-            parse_routing(r)
     if args.grid is not None:
         try:
             grid = [tuple(int(v) for v in c.split(",")) for c in args.grid.split(";") if c]
@@ -1190,11 +1149,9 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    if (grid is not None or args.prefetch_grid or args.prologue or args.breakdown
-            or args.dual_stream or args.combine):
-        if grid is not None or args.prefetch_grid:
-            save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save,
-                              prefetch=args.prefetch_grid))
+    if grid is not None or args.prologue or args.breakdown or args.dual_stream or args.combine:
+        if grid is not None:
+            save(gate_up_grid(args, layers, make_inputs, dev, grid, save=save))
         elif args.dual_stream:
             save(dual_stream_times(args, layers, make_inputs, dev))
         elif args.combine:

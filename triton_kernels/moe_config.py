@@ -97,14 +97,6 @@ class MoeConfig:
     # while an expert with more than block_m / 2 rows of a call still has each weight tile
     # dequantized once for all of them (session 53, not yet timed)
     wide_halves: int = 0
-    # > 0 (a multiple of 64): when a gate-up program has written its tile, it asks the L2 to
-    # fetch the first prefetch_down columns of every down column range (the looped down's
-    # n_per_cta, else its block_n) of its expert's down weights and scales (PTX
-    # prefetch.global.L2; the expert's first block only, its programs sharing the lines), so
-    # that the down launch finds them in the L2 or on their way: the fetch of down weights
-    # overlaps the gate-up's last programs and the launch gap instead of following them. A
-    # hint only: results are the same bits with any value (session 54, not yet timed)
-    prefetch_down: int = 0
 
     @property
     def narrow_gate_up(self) -> bool:
@@ -115,6 +107,16 @@ class MoeConfig:
     def narrow_down(self) -> bool:
         """Whether the down GEMM runs HALF_M (half_m 1 only)."""
         return self.half_m == 1
+
+
+# Band options that were removed, and why: a table band that still sets one is refused rather
+# than served without it.
+_REMOVED = {
+    "pairs": "session 47 (no band of the shipped table used it)",  # (session 45)
+    "run_m": "session 47 (no band of the shipped table used it)",  # (session 28)
+    "prefetch_down": ("session 55 (slower on the H200 on random routing at every M timed: "
+                      "71.6-73.9 us against 69.6 at M = 8)"),  # (session 54)
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,15 +130,14 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         raw = json.load(f)
     table = []
     for band in raw["bands"]:
-        for gone in ("pairs", "run_m"):  # (sessions 28-46, never in the shipped table)
+        for gone, why in _REMOVED.items():
             if band.get(gone):
                 raise ValueError(f"band max_m={band.get('max_m')}: {gone!r} was removed in "
-                                 "session 47 (no band of the shipped table used it); drop it")
+                                 f"{why}; drop it")
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
             down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
-            wide_halves=int(band.get("wide_halves", 0)),
-            prefetch_down=int(band.get("prefetch_down", 0)))))
+            wide_halves=int(band.get("wide_halves", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -219,7 +220,6 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or cfg.wide_halves not in (0, 1)
             or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
                                      or gu.block_n % 32))
-            or cfg.prefetch_down < 0 or cfg.prefetch_down % 64
             or any(not 0 <= g.prefetch_ahead <= 16 for g in (gu, dn))
             or (dn.prefetch_ahead and not dn.n_per_cta)):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
@@ -228,14 +228,6 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
         # already dropped split-K and the looped down kernel where the shape rules them out.
         raise ValueError(f"config {cfg} does not tile hidden {hidden} / intermediate {inter}")
     return gu, dn
-
-
-def prefetch_columns(cfg: MoeConfig, dn: GemmConfig) -> tuple[int, int]:
-    """(columns of each down column range that the gate-up prefetches, that range's width) for
-    MoeConfig.prefetch_down with the fitted down config ``dn``: the range is the looped down's
-    n_per_cta, else its block_n; the prefetch never exceeds it. (0, range) where off."""
-    rng = dn.n_per_cta or dn.block_n
-    return min(cfg.prefetch_down, rng), rng
 
 
 def check_config_table(hidden: int, inter: int, path: str | None = None) -> str:

@@ -28,8 +28,6 @@ def _gate_up_kernel(
     cnt_ptr,  # SERIAL: [>= max_blocks * I // BLOCK_N] int32, zero between launches (self-rearming)
     T,
     part_rows,  # rows of a split's partial-sum slice (padded positions; see fused_moe_w4a16)
-    w2_ptr,  # PREFETCH_DOWN: the down weights [E, I // 8, K] int32 (else None)
-    s2_ptr,  # PREFETCH_DOWN: their scales [E, I // 32, K] bf16 (else None)
     K: tl.constexpr,
     I: tl.constexpr,
     TOPK: tl.constexpr,
@@ -47,8 +45,6 @@ def _gate_up_kernel(
     PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
-    PREFETCH_DOWN: tl.constexpr = 0,  # > 0: L2 prefetch of the down weights, _prefetch_down
-    DOWN_RANGE: tl.constexpr = 0,  # (PREFETCH_DOWN) the down's column range width
     AHEAD: tl.constexpr = 0,  # > 0: L2 prefetch of the K step this far ahead (_gate_up_rows)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
@@ -119,10 +115,6 @@ def _gate_up_kernel(
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
                       SCALE_ONCE, AHEAD)
-    if PREFETCH_DOWN > 0:
-        if pid_k == 0:  # the first K range's NQ programs share the expert's lines
-            _prefetch_down(w2_ptr, s2_ptr, block_expert_ptr, e, pid_m, pid_n, NQ, K, I,
-                           DOWN_RANGE, PREFETCH_DOWN)
 
 
 @triton.jit
@@ -140,54 +132,6 @@ def _line_ptrs(row_ptrs, col0, BN: tl.constexpr, WIDTH: tl.constexpr):
     slice narrower than a line gets one, at ``col0`` (prefetch_ahead's tiles)."""
     cols = col0 + tl.minimum(tl.arange(0, (BN + WIDTH - 1) // WIDTH) * WIDTH, BN - 1)
     return row_ptrs[:, None] + cols[None, :]
-
-
-@triton.jit
-def _prefetch_down(w2_ptr, s2_ptr, block_expert_ptr, e, pid_m, part, PARTS: tl.constexpr,
-                   N: tl.constexpr, I: tl.constexpr, RANGE: tl.constexpr, PF: tl.constexpr,
-                   RECORD: tl.constexpr = False):
-    """MoeConfig.prefetch_down, from a gate-up program that has written its tile: the first
-    ``PF`` columns of each ``RANGE``-column range of expert ``e``'s down weights (``I // 8``
-    packed rows of ``N`` int32) and scales (``I // 32`` rows of ``N`` bf16) into the L2, as
-    128-byte lines. Only the expert's first block asks (the blocks of an expert are adjacent
-    in block_expert), and its ``PARTS`` programs take a share of the lines each (``part``).
-    The down launch then reads those lines from the L2, or finds them on their way. The
-    gate-up issues nothing else after this, so the fetches overlap its last programs and the
-    launch gap. A hint: no result depends on it. GPU only (inline PTX); ``RECORD`` (tests,
-    the interpreter) stores ``pid_m + 1`` at each line's first element instead."""
-    prev = tl.load(block_expert_ptr + pid_m - 1, mask=pid_m > 0, other=-1)
-    if prev != e:
-        e64 = e.to(tl.int64)
-        # weights: 32 int32 a line; scales: 64 bf16 a line
-        _prefetch_lines(w2_ptr + e64 * ((I // 8) * N), part, PARTS, I // 8, N, RANGE, PF // 32,
-                        32, RECORD, pid_m + 1)
-        _prefetch_lines(s2_ptr + e64 * ((I // 32) * N), part, PARTS, I // 32, N, RANGE,
-                        (PF + 63) // 64, 64, RECORD, pid_m + 1)
-
-
-@triton.jit
-def _prefetch_lines(base, part, PARTS: tl.constexpr, ROWS: tl.constexpr, N: tl.constexpr,
-                    RANGE: tl.constexpr, L: tl.constexpr, WIDTH: tl.constexpr,
-                    RECORD: tl.constexpr, mark):
-    """_prefetch_down's lines of one [ROWS, N] matrix at ``base``: the first ``L`` lines of
-    ``WIDTH`` elements of every ``RANGE``-column range of every row, numbered row by row and
-    range by range, ``part``'s share of ``PARTS`` equal ones (RECORD: ``mark`` stored there)."""
-    NR: tl.constexpr = N // RANGE
-    TOTAL: tl.constexpr = ROWS * NR * L
-    PER: tl.constexpr = (TOTAL + PARTS - 1) // PARTS
-    CH: tl.constexpr = 128  # lines a step (one a thread of a 4-warp program)
-    lo = part * PER
-    hi = tl.minimum(lo + PER, TOTAL)
-    c0 = lo
-    while c0 < hi:
-        i = tl.minimum(c0 + tl.arange(0, CH), hi - 1)  # repeats of the last line: harmless
-        t = i // L
-        ptrs = base + (t // NR) * N + (t % NR) * RANGE + (i % L) * WIDTH
-        if RECORD:
-            tl.store(ptrs, tl.full([CH], 0, tl.int32).to(ptrs.dtype.element_ty) + mark)
-        else:
-            _prefetch_l2(ptrs)
-        c0 += CH
 
 
 @triton.jit

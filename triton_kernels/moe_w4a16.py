@@ -81,16 +81,15 @@ import triton.language as tl
 from ._device import arrival_counters, portable
 from .moe_config import (  # noqa: F401  (names re-exported for tests and scripts)
     _CONFIG_PATH, GemmConfig, MoeConfig, _config_table, _fit, _fitted, _split_candidates,
-    check_config_table, live_grid, live_split, prefetch_columns, select_config,
+    check_config_table, live_grid, live_split, select_config,
 )
 from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and scripts)
     ALIGN_ENV, ALIGN_WARPS, ALIGN_WARPS_ENV, PACK_FACTOR, PROLOGUE_ENV, _align_count_kernel,
     _align_place_kernel, _align_small_kernel, _env_ints, _prologue_kernel, max_padded_rows,
     moe_align,
 )
-from .moe_gemm import (  # steps 2 and 3 (_prefetch_down re-exported for tests)
+from .moe_gemm import (  # steps 2 and 3
     _down_kernel, _down_loop_kernel, _gate_up_kernel, _gate_up_reduce_kernel,
-    _prefetch_down,  # noqa: F401
 )
 from .moe_tiles import (  # noqa: F401  (names re-exported for tests)
     _DEQUANT_PTX, _DEQUANT_PTX_HI, _DEQUANT_PTX_LO, GROUP_SIZE, _live_split,
@@ -282,20 +281,16 @@ def fused_moe_w4a16(
     counters = _tile_counters(hidden_states.device, wide * tiles) if gu.split_k > 1 else None
     programs = wide * (tiles * gu.split_k if not gu.split_target else live_grid(
         tiles, hidden // gu.block_k, gu.split_k, gu.split_target))
-    # MoeConfig.prefetch_down: inline PTX, so the interpreter (PORTABLE) runs without it (a
-    # hint only: the same results either way)
-    pf, pf_range = prefetch_columns(cfg, dn) if not portable_path else (0, 0)
     _gate_up_kernel[(programs,)](
         xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
-        sorted_ids if counters is None else counters, t, part_rows,
-        w2_packed if pf else None, w2_scale if pf else None, K=hidden,
+        sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
-        PREFETCH_DOWN=pf, DOWN_RANGE=pf_range if pf else 0, AHEAD=gu.prefetch_ahead,
+        AHEAD=gu.prefetch_ahead,
         num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)

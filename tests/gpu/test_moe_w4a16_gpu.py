@@ -380,29 +380,24 @@ def test_wide_halves_vs_reference_and_serial(K, w, m, half, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40, 64])
-def test_prefetch_down_same_bits(K, w, m):
-    """MoeConfig.prefetch_down (session 54): the gate-up's L2 prefetch of the down weights is a
-    hint, so every band's config with it (the whole range, half of it, 64 columns), and with
-    GemmConfig.prefetch_ahead (the gate-up's own weights 4 K steps ahead, a looped down's 2
-    column steps ahead), gives the table's bits, on 8 shared experts and on random routing, eager and over 8 CUDA-graph
-    replays on changing routings (the prefetch addresses follow the replay's experts)."""
+def test_prefetch_ahead_same_bits(K, w, m):
+    """GemmConfig.prefetch_ahead (session 54): the L2 prefetch of a program's own weights some
+    steps ahead (the gate-up's 4 K steps, a looped down's 2 column steps) is a hint, so every
+    band's config with it gives the table's bits, on 8 shared experts and on random routing,
+    eager and over 8 CUDA-graph replays on changing routings."""
     moe = K.moe
     cfg = moe.select_config(m)
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    _, rng = moe.prefetch_columns(cfg, moe._fitted(cfg, H, I)[1])
     ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, prefetch_ahead=4),
                                 down=dataclasses.replace(cfg.down, prefetch_ahead=(
                                     2 if cfg.down.n_per_cta else 0)))
-    for pf in sorted({64, rng // 2 // 64 * 64 or 64, rng}) + [0]:
-        # (pf 0: GemmConfig.prefetch_ahead instead, the gate-up's own K steps 4 ahead)
-        pre = dataclasses.replace(cfg, prefetch_down=pf) if pf else ahead
-        for few in (True, False):
-            tw, ti = few_or_random(m, 30 + pf, few=few)
-            assert torch.equal(ours(K, w, x, tw, ti, config=pre), ours(K, w, x, tw, ti, config=cfg))
-        out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
-        graph = captured(K, w, x, tw, ti, out, config=pre)
-        for i, tw2, ti2 in replays(graph, x, tw, ti, 8, 300 + pf):
-            assert torch.equal(out, ours(K, w, x, tw2, ti2, config=cfg)), f"pf {pf} replay {i}"
+    for few in (True, False):
+        tw, ti = few_or_random(m, 30, few=few)
+        assert torch.equal(ours(K, w, x, tw, ti, config=ahead), ours(K, w, x, tw, ti, config=cfg))
+    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
+    graph = captured(K, w, x, tw, ti, out, config=ahead)
+    for i, tw2, ti2 in replays(graph, x, tw, ti, 8, 300):
+        assert torch.equal(out, ours(K, w, x, tw2, ti2, config=cfg)), f"replay {i}"
 
 
 def _graph_equals_fixed(K, w, x, live, fixed, seed, seed0):

@@ -559,14 +559,16 @@ def test_m8_band_was_the_pick_from_the_session_29_grids(bench, tmp_path):
 
 
 def test_pick_from_refuses_removed_options_and_mixed_grids(bench, tmp_path):
-    """--pick-from: grids run with MoeConfig.run_m or .pairs (removed in session 47) are
-    refused, and so are grids of one pick with different block_m."""
+    """--pick-from: grids run with MoeConfig.run_m or .pairs (removed in session 47) or
+    .prefetch_down (session 55, --prefetch-grid) are refused, and so are grids of one pick
+    with different block_m."""
     grid = {"rows": [_grid_row(33, 64, "concentrated:8", 48.0, **{"64_256_4_3_0_1_4_256": 40.0}),
                      _grid_row(33, 64, "random", 200.0, **{"64_256_4_3_0_1_4_256": 201.0})]}
     table = tmp_path / "table.json"
     table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
     (tmp_path / "b.json").write_text(json.dumps(grid))
     for name, extra in (("run", {"grid_run_m": 2}), ("pairs", {"grid_pairs": 1}),
+                        ("prefetch", {"grid_prefetch_down": [128, 256]}),
                         ("bm8", {"grid_block_m": 8})):
         (tmp_path / "a.json").write_text(json.dumps(dict(grid, **extra)))
         with pytest.raises(SystemExit):
@@ -702,49 +704,6 @@ def test_grid_with_wide_halves_and_pick_carries_it(bench, tmp_path):
     with pytest.raises(SystemExit):
         bench.main(TINY + ["--ms", "20", "--grid", "64,128,4,1", "--grid-wide-halves",
                            "--out", str(tmp_path / "x.json")])
-
-
-def test_prefetch_grid_and_pick_write_prefetch_down(bench, tmp_path):
-    """--prefetch-grid: the table's own config with each prefetch_down value (the interpreter
-    runs without the prefetch: the table's bits); --pick-prefetch-from takes, per band, the
-    value with the best worst case on random routing among those at most 2 % slower on
-    concentrated routing, if it beats the table, and writes only prefetch_down into the band;
-    a grid of gate-up tiles is refused there, and bad values or --grid beside it too."""
-    out = tmp_path / "pf.json"
-    assert bench.main(TINY + ["--ms", "3", "20", "--prefetch-grid", "64", "128", "--routings",
-                              "concentrated:2,random", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["grid_prefetch_down"] == [64, 128]
-    for r in result["rows"]:
-        assert set(r["candidates"]) == {"64", "128"}
-        assert all(c["rel_diff_vs_table"] == 0 for c in r["candidates"].values()), r
-    # synthetic times: 64 wins on random everywhere but loses 5 % on concentrated routing at
-    # M = 3; 128 wins on random by less and holds concentrated routing
-    for r in result["rows"]:
-        rnd = r["routing"] == "random"
-        r["candidates"]["64"]["us"] = r["table_us"] * (0.90 if rnd else 1.05)
-        r["candidates"]["128"]["us"] = r["table_us"] * (0.95 if rnd else 1.01)
-    out.write_text(json.dumps(result))
-    table = tmp_path / "table.json"
-    table.write_text((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
-    before = json.loads(table.read_text())["bands"]
-    assert bench.main(["--pick-prefetch-from", str(out), "--tune-out", str(table)]) == 0
-    after = json.loads(table.read_text())
-    bands = {result["rows"][0]["band"], result["rows"][-1]["band"]}
-    for old, new in zip(before, after["bands"]):
-        if new["max_m"] in bands:
-            assert new == dict(old, prefetch_down=128), new
-        else:
-            assert new == old
-    assert "prefetch_down picked from pf.json" in after["tuned"][-1]["rule"]
-    bench.mw._config_table.cache_clear()
-    assert bench.mw.select_config(3, str(table)).prefetch_down == 128
-    grid_out, _, _ = _tiny_grid(bench, tmp_path)
-    with pytest.raises(SystemExit):
-        bench.main(["--pick-prefetch-from", str(grid_out), "--tune-out", str(table)])
-    for bad in (["--prefetch-grid", "96"], ["--prefetch-grid", "64", "--grid", "64,128,4,1"]):
-        with pytest.raises(SystemExit):
-            bench.main(TINY + bad + ["--out", str(tmp_path / "x.json")])
 
 
 def test_dual_stream_mode_times_the_moe_beside_the_shared_expert(bench, tmp_path):

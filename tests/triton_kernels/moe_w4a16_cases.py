@@ -399,56 +399,9 @@ def test_live_split_on_device_matches_the_host_rule(m, experts_used, target, spl
     assert out.tolist() == [MOE.live_split(used, 8, k_steps, split_k, target), used * 8]
 
 
-@pytest.mark.parametrize("n,inter,rng,pf,parts", [
-    (256, 128, 128, 64, 2), (512, 128, 256, 128, 4), (7168, 256, 512, 256, 8),
-    (7168, 256, 256, 256, 4), (1024, 128, 128, 32, 2), (7168, 256, 512, 512, 16)])
-def test_prefetch_down_asks_for_its_lines_once_per_expert(n, inter, rng, pf, parts):
-    """MoeConfig.prefetch_down's line walk (_prefetch_down with RECORD: a store where the GPU
-    prefetches): the first ``pf`` columns of every ``rng``-column range of an expert's down
-    weights (a line = 32 int32) and scales (64 bf16), all rows, asked for by the expert's first
-    block only, split over its ``parts`` programs; nothing outside those lines (the Kimi
-    rank's shapes among them: 7,168 columns, 256 intermediate)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(w_ptr, s_ptr, be_ptr, PARTS: tl.constexpr, N: tl.constexpr, I: tl.constexpr,
-              RANGE: tl.constexpr, PF: tl.constexpr):
-        pid_m = tl.program_id(0)
-        e = tl.load(be_ptr + pid_m)
-        MOE._prefetch_down(w_ptr, s_ptr, be_ptr, e, pid_m, tl.program_id(1), PARTS, N, I,
-                           RANGE, PF, True)
-
-    experts = 4
-    block_expert = torch.tensor([0, 0, 2, 3, 3, 3], dtype=torch.int32)  # expert 1: no block
-    w = torch.zeros(experts, inter // 8, n, dtype=torch.int32)
-    s = torch.zeros(experts, inter // 32, n, dtype=torch.bfloat16)
-    probe[(block_expert.numel(), parts)](w, s, block_expert, PARTS=parts, N=n, I=inter,
-                                         RANGE=rng, PF=pf)
-    cols = torch.arange(n)
-    want_w = ((cols % rng) < pf) & (cols % 32 == 0)
-    want_s = ((cols % rng) < pf) & ((cols % rng) % 64 == 0)
-    # RECORD stores the asking block + 1: each expert's first block only (0, 2, 3; the
-    # interpreter runs blocks in order, so a later block of the expert would overwrite it)
-    for e, first in ((0, 1), (1, 0), (2, 3), (3, 4)):
-        assert torch.equal(w[e], (want_w * first).int().expand(inter // 8, n)), e
-        assert torch.equal(s[e].float(), (want_s * first).float().expand(inter // 32, n)), e
-
-
-def test_prefetch_down_config():
-    """MoeConfig.prefetch_down: a multiple of 64, never past the down's column range (the
-    looped down's n_per_cta, else its block_n); GemmConfig.prefetch_ahead: at most 16 steps,
-    not on the per-tile down."""
-    loop = dataclasses.replace(CFG_LOOP, prefetch_down=64)
-    assert MOE.prefetch_columns(loop, MOE._fitted(loop, H, I)[1]) == (64, 128)
-    tile = dataclasses.replace(CFG, prefetch_down=512)
-    assert MOE.prefetch_columns(tile, MOE._fitted(tile, H, I)[1]) == (64, 64)
-    assert MOE.prefetch_columns(CFG_LOOP, CFG_LOOP.down) == (0, 128)
-    for bad in (-64, 32, 100):
-        with pytest.raises(ValueError, match="does not tile"):
-            MOE._fitted(dataclasses.replace(CFG_LOOP, prefetch_down=bad), H, I)
-    # GemmConfig.prefetch_ahead: 1-16 steps, the gate-up's and the looped down's (refused on
-    # the per-tile down); kept by _fit
+def test_prefetch_ahead_config():
+    """GemmConfig.prefetch_ahead: 1-16 steps, the gate-up's and the looped down's (refused on
+    the per-tile down); kept by _fit."""
     ahead = dataclasses.replace(CFG_LOOP, gate_up=dataclasses.replace(CFG_LOOP.gate_up,
                                                                       prefetch_ahead=4),
                                 down=dataclasses.replace(CFG_LOOP.down, prefetch_ahead=2))
@@ -1005,12 +958,14 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
     (tmp_path / "no_down.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="unreadable band"):
         MOE.check_config_table(7168, 256, str(tmp_path / "no_down.json"))
-    # a band with an option removed in session 47 (never in the shipped table)
-    for gone in ("pairs", "run_m"):
+    # a band with an option removed in session 47 (never in the shipped table), or in session
+    # 55 (MoeConfig.prefetch_down, slower on the H200)
+    for gone, when in (("pairs", "session 47"), ("run_m", "session 47"),
+                       ("prefetch_down", r"session 55 \(slower on the H200")):
         old = json.loads(json.dumps(table))
-        old["bands"][2][gone] = 2
+        old["bands"][2][gone] = 128 if gone == "prefetch_down" else 2
         (tmp_path / f"{gone}.json").write_text(json.dumps(old))
-        with pytest.raises(ValueError, match=f"unreadable band.*'{gone}' was removed"):
+        with pytest.raises(ValueError, match=f"unreadable band.*'{gone}' was removed in {when}"):
             MOE.check_config_table(7168, 256, str(tmp_path / f"{gone}.json"))
 
 

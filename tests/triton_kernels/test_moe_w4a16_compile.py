@@ -20,7 +20,7 @@ import pytest
 
 from tests.triton_kernels._moe_kernels import lang_mode_matches, load_moe, run_isolated
 from tests.triton_kernels._sm90 import (
-    SMEM_LIMIT, assert_no_spills, compile_sm90, programs_by_registers, registers,
+    SMEM_LIMIT, assert_no_spills, compile_sm90, registers,
 )
 
 H, I, TOPK = 7168, 256, 8
@@ -42,14 +42,12 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
-          prefetch: tuple = (0, 0)):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs[, prefetch_ahead]]]]])
     as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
-    (MoeConfig.wide_halves); ``prefetch``: the gate-up's (PREFETCH_DOWN, DOWN_RANGE)
-    (MoeConfig.prefetch_down, as prefetch_columns gives them)."""
+    (MoeConfig.wide_halves)."""
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
      max_regs, ahead) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
@@ -72,11 +70,6 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["WIDE_HALVES"] = True
         if ahead:
             const["AHEAD"] = ahead
-        if prefetch[0]:
-            sig.update(w2_ptr="*i32", s2_ptr="*bf16")
-            const.update(PREFETCH_DOWN=prefetch[0], DOWN_RANGE=prefetch[1])
-        else:  # as the launch passes them: None, no kernel argument (dropped where absent)
-            const.update(w2_ptr=None, s2_ptr=None)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -124,8 +117,8 @@ def test_shipped_configs_carry_the_bands_options(tmp_path, monkeypatch):
     table = json.loads(_CONFIGS.read_text())
     band = next(b for b in table["bands"] if b["max_m"] == 16)
     band.update(block_m=16, half_m=2, wide_halves=1)
-    band["gate_up"] = dict(band["gate_up"], par_acc=1)
-    band["down"] = dict(band["down"], scale_once=1)
+    band["gate_up"] = dict(band["gate_up"], par_acc=1, scale_once=0)
+    band["down"] = dict(band["down"], par_acc=0, scale_once=1)
     path = tmp_path / "t.json"
     path.write_text(json.dumps(table))
     monkeypatch.setitem(globals(), "_CONFIGS", path)  # (_shipped reads the module's table path)
@@ -305,43 +298,24 @@ def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
 
 
-def _prefetch_bands():
-    """(max_m, block_m, gate-up tiles, half, wide, down range) of each band of the shipped
-    table whose gate-up differs from an earlier band's (MoeConfig.prefetch_down's range: the
-    looped down's n_per_cta, else its block_n)."""
+def _gate_up_bands():
+    """(max_m, block_m, gate-up tiles, half, wide) of each band of the shipped table whose
+    gate-up differs from an earlier band's."""
     out, seen = [], set()
     for band in json.loads(_CONFIGS.read_text())["bands"]:
-        g, d = band["gate_up"], band["down"]
+        g = band["gate_up"]
         tiles = (g["block_n"], g["block_k"], g["num_warps"], g["num_stages"], 0,
                  g.get("split_dq", 0), g.get("split_k", 1), g.get("split_target", 0))
         key = (band["block_m"], tiles, band.get("half_m", 0) in (1, 2),
                bool(band.get("wide_halves", 0)))
         if key not in seen:
             seen.add(key)
-            out.append((band["max_m"],) + key + (d.get("n_per_cta") or d["block_n"],))
+            out.append((band["max_m"],) + key)
     return out
 
 
-@pytest.mark.parametrize("max_m,bm,tiles,half,wide,rng", _prefetch_bands(), ids=str)
-def test_prefetch_down_compiles_beside_each_gate_up(MOE, max_m, bm, tiles, half, wide, rng,
-                                                     tmp_path):
-    """MoeConfig.prefetch_down (session 54) on every shipped gate-up tile, at half its band's
-    down range and the whole range: prefetch.global.L2 in the PTX, no spills, in-register
-    dequant kept, and no fewer programs an SM by registers than the tile without it."""
-    plain = registers(_gemm(MOE, "gate_up", bm, tiles, half, wide), tmp_path)
-    for pf in sorted({max(64, rng // 2 // 64 * 64), rng}):
-        kern = _gemm(MOE, "gate_up", bm, tiles, half, wide, (pf, rng))
-        assert kern.asm["ptx"].count("prefetch.global.L2") >= 2  # weights and scales
-        _check_kernel(kern, tmp_path)
-        regs = registers(kern, tmp_path)
-        if regs is not None and plain is not None:
-            assert (programs_by_registers(regs, tiles[2])
-                    >= programs_by_registers(plain, tiles[2])), (pf, regs, plain)
-    assert "prefetch" not in _gemm(MOE, "gate_up", bm, tiles, half, wide).asm["ptx"]
-
-
-@pytest.mark.parametrize("max_m,bm,tiles,half,wide,rng", _prefetch_bands(), ids=str)
-def test_prefetch_ahead_keeps_the_pipeline(MOE, max_m, bm, tiles, half, wide, rng, tmp_path):
+@pytest.mark.parametrize("max_m,bm,tiles,half,wide", _gate_up_bands(), ids=str)
+def test_prefetch_ahead_keeps_the_pipeline(MOE, max_m, bm, tiles, half, wide, tmp_path):
     """GemmConfig.prefetch_ahead (session 54) on every shipped gate-up tile, 2 and 4 steps
     ahead: prefetch.global.L2 in the PTX, the same cp.async loads (the K loop still
     software-pipelined), in-register dequant kept, no spills."""
@@ -359,6 +333,7 @@ def test_prefetch_ahead_keeps_the_looped_downs_pipeline(MOE, bm, tiles, half, tm
 
 def _check_ahead(MOE, kind, bm, tiles, half, wide, tmp_path):
     plain = _gemm(MOE, kind, bm, tiles, half, wide).asm["ptx"]
+    assert "prefetch" not in plain
     for ahead in (2, 4):
         kern = _gemm(MOE, kind, bm, tiles + (0, 0, 0, ahead), half, wide)
         ptx = kern.asm["ptx"]
