@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moeahead
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moeahead moetableab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -341,6 +341,25 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
+    moetableab) # (session 55) whole calls of the committed table against another one in the
+             # same run, interleaved, 3 rounds, on three routings (default: the table before
+             # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);
+             # then the M 17-32 band's looped down with scale_once per kernel on the three
+             # routings (session 55 timed it at M = 32 on random routing only: 59.8 -> 52.6 us).
+             # Default limits sum to 390 s, no kit
+             for routing in random concentrated:8 concentrated:32; do
+               step moetableab-${routing/:/} ${MOETABLEAB_LIMIT:-100} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds 3 --routing $routing \
+                 --ms ${MOETABLEAB_MS:-1 2 3 4 6 8 9 12 16 17 24 32 40 48 64} \
+                 --ours-variants "old:SGLANG_DDTREE_MOE_CONFIG=$PWD/${MOE_OLD_TABLE:-bench_results/moe_w4a16_configs_before_s55.json}" \
+                 --out "$OUT/fused_moe_table_ab_${routing/:/}_h200.json"
+             done
+             for routing in random concentrated:8 concentrated:32; do
+               step moedownso-${routing/:/} ${MOEDOWNSO_LIMIT:-30} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --ms ${MOEDOWNSO_MS:-17 24 32} --routing $routing --breakdown \
+                 --breakdown-down "64,256,4,3,512;64,256,4,3,512,0,1,0,0,1" \
+                 --out "$OUT/fused_moe_down_so_${routing/:/}_h200.json"
+             done ;;
     moepar)  # (session 52) GemmConfig.par_acc (nibble planes 0-3 and 4-7 summed in two
              # accumulators: half-length MMA chains) and scale_once (a group's scale loaded once:
              # 26 against 32 KB of shared memory on the M = 8 tile, so 8 programs an SM and a
@@ -411,7 +430,7 @@ for s in "$@"; do
              step moeahead-bm8 ${MOEAHEAD_LIMIT:-130} python3 scripts/bench_fused_moe.py \
                --no-sglang --ms ${MOEAHEAD_MS:-8 4 16} \
                --routings random,concentrated:8,concentrated:32 --grid-block-m 8 \
-               --grid "${MOEAHEAD_GRID:-32,256,2,3,0,1,4,256,0,0,0,2;32,256,2,3,0,1,4,256,0,0,0,4;32,256,2,3,0,1,4,256,0,0,0,8;64,256,4,3,0,1,4,512,0,0,0,4;64,256,4,3,0,1,4,512,0,0,128,4}" \
+               --grid "${MOEAHEAD_GRID:-32,256,2,3,0,0,4,256,1,1,0,2;32,256,2,3,0,0,4,256,1,1,0,4;32,256,2,3,0,0,4,256,1,1,0,8;64,256,4,3,0,1,4,512,0,1,0,2;64,256,4,3,0,1,4,512,0,1,0,4}" \
                --out "$OUT/fused_moe_prefetch_ahead_bm8_grid_h200.json"
              step moeahead-down ${MOEAHEAD_DOWN_LIMIT:-90} python3 scripts/bench_fused_moe.py \
                --no-sglang --ms ${MOEAHEAD_DOWN_MS:-8 16 32} --breakdown --breakdown-down \

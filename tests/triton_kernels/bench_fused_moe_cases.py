@@ -250,6 +250,31 @@ def _same_gate_up(bench, table_entry: dict, pick: list) -> bool:
     return gemm(**table_entry) == gemm(*pick)
 
 
+# Session 55's picks, the table's last three 'tuned' entries: scale_once (with par_acc at M = 2,
+# 8 and 17-32) on the gate-ups of the M = 2, 8, 9-16, 17-32 and 33-48 bands, scale_once on the
+# M = 8 band's down. The tests of earlier sessions' picks read the table as it was before them.
+_S55_ENTRIES = 3
+_BEFORE_S55 = {2: ((64, 256, 4, 3, 0, 1, 4), None),
+               8: ((32, 256, 2, 3, 0, 1, 4, 256), (64, 256, 4, 3, 256, 0, 1)),
+               16: ((64, 256, 4, 3, 0, 1, 4, 512), None),
+               32: ((64, 256, 4, 3, 0, 1, 4, 512), None),
+               48: ((64, 256, 4, 3, 0, 1, 4, 512), None)}
+
+
+def _table_before_s55(bench) -> dict:
+    """The committed table with session 55's picks and 'tuned' entries taken back."""
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    assert all("_s55.json" in e["command"] for e in table["tuned"][-_S55_ENTRIES:])
+    table["tuned"] = table["tuned"][:-_S55_ENTRIES]
+    for band in table["bands"]:
+        gate_up, down = _BEFORE_S55.get(band["max_m"], (None, None))
+        if gate_up:
+            band["gate_up"] = bench.gemm_json(bench.mw.GemmConfig(*gate_up))
+        if down:
+            band["down"] = bench.gemm_json(bench.mw.GemmConfig(*down))
+    return table
+
+
 def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     """The M 17-32 band's gate-up config (a live split since session 27) is what --pick-from
     chooses from session 27's H200 grid, as was the M 33-64 band's until session 46 (the M 9-16
@@ -265,7 +290,7 @@ def test_committed_table_is_the_pick_from_the_committed_grid(bench, tmp_path):
     s27 = picks_of("fused_moe_live_grid_h200_s27.json")
     assert sorted(s21) == [16, 32, 64] and sorted(s27) == [32, 64]
     picks = {32: s27[32]}
-    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     assert _same_gate_up(bench, bands[32]["gate_up"], s27[32]["gate_up"])
     assert bands[32]["gate_up"]["split_target"] == 512
@@ -297,7 +322,7 @@ def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench
     no_dummy = bench.pick_gate_up([r for r in rows if r["routing"] != "concentrated:8"])
     assert sorted(every) == [8] and sorted(no_dummy) == [8, 16]
     table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
-    table = json.loads(table_path.read_text())
+    table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     for band, pick in ((8, every[8]), (16, no_dummy[16])):
         assert bands[band]["block_m"] == 8, band
@@ -310,7 +335,7 @@ def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench
     assert [b["max_m"] for b in table["bands"] if b["block_m"] == 8] == [2, 4, 7, 8, 16]
     # the two --pick-from calls of the table's 'tuned' entries rebuild both bands from a table
     # whose bands 8 / 16 are the pre-session-45 ones
-    before = json.loads(table_path.read_text())
+    before = _table_before_s55(bench)
     old = {8: (16, (32, 128, 2, 4, 0, 1, 4, 256)), 16: (16, (32, 256, 2, 3, 0, 1, 4))}
     for band in before["bands"]:
         if band["max_m"] in old:
@@ -357,7 +382,7 @@ def test_m17_to_128_bands_are_the_half_m_picks_from_the_session_46_grids(bench, 
     # concentrated routing, 1.7 % slower on random; the band's own tile is faster on both)
     assert 64 not in bench.pick_gate_up(rows, max_conc_loss=0.02)
     table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
-    table = json.loads(table_path.read_text())
+    table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     assert {m: b.get("half_m") for m, b in bands.items() if b.get("half_m")} == {
         32: 1, 48: 1, 64: 2, 128: 2}
@@ -368,7 +393,7 @@ def test_m17_to_128_bands_are_the_half_m_picks_from_the_session_46_grids(bench, 
         assert _same_gate_up(bench, bands[m]["gate_up"], list(tile)), m
         assert bands[m]["down"] == bands[256]["down"]
     # the table before session 46: no half_m, no band 48, band 64's gate-up session 27's
-    before = json.loads(table_path.read_text())
+    before = _table_before_s55(bench)
     before["bands"] = [{k: v for k, v in b.items() if k != "half_m"} for b in before["bands"]
                        if b["max_m"] != 48]
     next(b for b in before["bands"] if b["max_m"] == 64)["gate_up"] = bench.gemm_json(
@@ -399,7 +424,7 @@ def test_m2_to_7_bands_are_the_block_m_8_picks_from_the_session_45_small_grid(be
     grid = REPO / "bench_results" / "fused_moe_bm8_small_grid_h200_s45.json"
     picks = bench.pick_gate_up(json.loads(grid.read_text())["rows"])
     assert sorted(picks) == [2, 4, 7]
-    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     for band, pick in picks.items():
         assert bands[band]["block_m"] == 8
@@ -458,7 +483,7 @@ def test_committed_down_configs_are_the_pick_from_the_session_28_breakdown(bench
     picks = bench.pick_down(bench.down_grid_rows(json.loads(path.read_text())["runs"]))
     assert sorted(picks) == [32, 48, 64, 128, 512, 1024]
     assert picks[48]["down"] == picks[64]["down"]
-    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     gemm = bench.mw.GemmConfig
     for band, pick in picks.items():
@@ -509,9 +534,9 @@ def test_m8_and_m9_16_downs_are_the_picks_from_the_session_47_breakdowns(bench, 
     assert picks[8]["random"] < 1 and 1 < picks[16]["random"] <= 1.02
     assert max(picks[8]["concentrated"], picks[16]["concentrated"]) < 0.95
     table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
-    table = json.loads(table_path.read_text())
+    table = _table_before_s55(bench)
     entry = next(e for e in table["tuned"] if e["max_m"] == [8, 16])
-    before = json.loads(table_path.read_text())
+    before = _table_before_s55(bench)
     for b in before["bands"]:
         if b["max_m"] in (8, 16):
             b["down"] = bench.gemm_json(bench.mw.GemmConfig(64, 256, 4, 3, 512))
@@ -522,6 +547,38 @@ def test_m8_and_m9_16_downs_are_the_picks_from_the_session_47_breakdowns(bench, 
     argv = [str(REPO / a) if a.startswith("bench_results/") else a for a in argv]
     assert bench.main(argv) == 0
     assert _without_us(json.loads(path.read_text())["bands"]) == _without_us(table["bands"])
+
+
+_S55_BM8 = [f"fused_moe_scale_once_bm8_grid_{r}_h200_s55.json" for r in ("a", "b")]
+
+
+def test_session_55_scale_once_picks_rebuild_the_table(bench, tmp_path):
+    """Session 55's H200 grids of the served tiles with scale_once (a group's scale loaded once:
+    the same bits) and par_acc (two accumulators): the default rule picks them in the M = 2, 8
+    and 9-16 bands from two runs with 8-row blocks (M = 8: 0.96x on random routing, 0.97x on
+    shared experts) and in the M 17-32 / 33-48 bands from one run with half_m blocks; the
+    M 3-4 / 5-7 bands keep theirs. The table's last three 'tuned' entries (with the M = 8
+    band's down from the breakdown) rebuild the committed table from the one before."""
+    rows = [r for n in _S55_BM8 for r in json.loads((REPO / "bench_results" / n).read_text())["rows"]]
+    picks = bench.pick_gate_up(rows)
+    assert sorted(picks) == [2, 8, 16]
+    assert picks[8]["gate_up"] == [32, 256, 2, 3, 0, 0, 4, 256, 1, 1]
+    assert picks[8]["random"] < 0.97 and picks[8]["concentrated"] < 0.98
+    half = REPO / "bench_results" / "fused_moe_scale_once_half16_grid_h200_s55.json"
+    picks.update(bench.pick_gate_up(json.loads(half.read_text())["rows"]))
+    assert sorted(picks) == [2, 8, 16, 32, 48]
+    assert all(p["random"] < 1 and p["concentrated"] < 1 for p in picks.values()), picks
+    assert all(p["gate_up"][9] == 1 for p in picks.values())  # scale_once in every pick
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(_table_before_s55(bench)))
+    for entry in table["tuned"][-_S55_ENTRIES:]:
+        argv = shlex.split(entry["command"])[2:]
+        argv[argv.index("--tune-out") + 1] = str(path)
+        argv = [str(REPO / a) if a.startswith("bench_results/") else a for a in argv]
+        assert bench.main(argv) == 0
+    assert _without_us(json.loads(path.read_text())["bands"]) == _without_us(table["bands"])
+    assert json.loads(path.read_text())["tuned"][-1]["max_m"] == [8]
 
 
 def test_m8_band_was_the_pick_from_the_session_29_grids(bench, tmp_path):
