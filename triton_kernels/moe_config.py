@@ -42,13 +42,15 @@ class GemmConfig:
     # once after its K loop (_mma8 PAR_ACC), the looped down (n_per_cta > 0; not the per-tile
     # down) per column step. Each dependent MMA chain on one accumulator is then 8 long
     # instead of 16 (sm_90, the M = 8 band's gate-up tile: 168 registers against 127, the
-    # same 689 instructions a K step). Session 52, not yet timed.
+    # same 689 instructions a K step). Session 52; served since session 55 (timed on the
+    # H200 then).
     par_acc: int = 0
     # 1 loads a K step's scales once per group of 32 input rows ([N, K / 32]) and repeats each
     # over its 4 packed words in registers, instead of loading a [N, K / 8] tile that holds
     # every scale 4 times: the same values, less shared memory (sm_90, the M = 8 gate-up tile:
     # 26 against 32 KB, 673 against 689 instructions a K step). The gate-up and the looped
-    # down (not the per-tile down). Session 52, not yet timed.
+    # down (not the per-tile down). Session 52; served since session 55 (timed on the H200
+    # then).
     scale_once: int = 0
     # > 0: ptxas's register limit per thread for this launch (Triton's ``maxnreg``), a multiple
     # of 8 from 64 to 248; 0 leaves it to the compiler. For a tile whose programs an SM are
@@ -62,7 +64,8 @@ class GemmConfig:
     # step this many steps ahead (the last step's once it is past it), so more of a
     # latency-bound program's weight stream is in flight than its num_stages shared-memory
     # buffers hold, at no cost in shared memory (session 36's ncu at M = 8: 1.7 warps a
-    # scheduler, DRAM 52 % busy). 1-16. Session 54, not yet timed.
+    # scheduler, DRAM 52 % busy). 1-16. Session 54; slower on an H100 (session 55), not
+    # timed on the H200.
     prefetch_ahead: int = 0
 
 
@@ -95,7 +98,8 @@ class MoeConfig:
     # registers and shared memory (sm_90, the M 9-16 band's 64 x 256 / 4-warp tile on 16-row
     # blocks: 130 registers and 56 KB against 167 and 72 KB; 8-row blocks: 128 and 56 KB),
     # while an expert with more than block_m / 2 rows of a call still has each weight tile
-    # dequantized once for all of them (session 53, not yet timed)
+    # dequantized once for all of them (session 53; no faster than plain half_m on an H100,
+    # session 55)
     wide_halves: int = 0
 
     @property

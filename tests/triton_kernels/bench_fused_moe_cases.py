@@ -559,7 +559,8 @@ def test_session_55_scale_once_picks_rebuild_the_table(bench, tmp_path):
     shared experts) and in the M 17-32 / 33-48 bands from one run with half_m blocks; the
     M 3-4 / 5-7 bands keep theirs. The table's last three 'tuned' entries (with the M = 8
     band's down from the breakdown) rebuild the committed table from the one before."""
-    rows = [r for n in _S55_BM8 for r in json.loads((REPO / "bench_results" / n).read_text())["rows"]]
+    rows = [r for n in _S55_BM8
+            for r in json.loads((REPO / "bench_results" / n).read_text())["rows"]]
     picks = bench.pick_gate_up(rows)
     assert sorted(picks) == [2, 8, 16]
     assert picks[8]["gate_up"] == [32, 256, 2, 3, 0, 0, 4, 256, 1, 1]
