@@ -321,7 +321,6 @@ def test_m8_and_m16_bands_are_the_block_m_8_picks_from_the_session_45_grid(bench
     every = bench.pick_gate_up(rows)
     no_dummy = bench.pick_gate_up([r for r in rows if r["routing"] != "concentrated:8"])
     assert sorted(every) == [8] and sorted(no_dummy) == [8, 16]
-    table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
     table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     for band, pick in ((8, every[8]), (16, no_dummy[16])):
@@ -381,7 +380,6 @@ def test_m17_to_128_bands_are_the_half_m_picks_from_the_session_46_grids(bench, 
     assert bench.pick_gate_up(rows2)[128]["random"] > 1  # (the default rule's: best on
     # concentrated routing, 1.7 % slower on random; the band's own tile is faster on both)
     assert 64 not in bench.pick_gate_up(rows, max_conc_loss=0.02)
-    table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
     table = _table_before_s55(bench)
     bands = {b["max_m"]: b for b in table["bands"]}
     assert {m: b.get("half_m") for m, b in bands.items() if b.get("half_m")} == {
@@ -533,7 +531,6 @@ def test_m8_and_m9_16_downs_are_the_picks_from_the_session_47_breakdowns(bench, 
     assert picks[16]["down"] == [64, 256, 4, 3, 512, 0, 1, 896]
     assert picks[8]["random"] < 1 and 1 < picks[16]["random"] <= 1.02
     assert max(picks[8]["concentrated"], picks[16]["concentrated"]) < 0.95
-    table_path = REPO / "triton_kernels" / "moe_w4a16_configs.json"
     table = _table_before_s55(bench)
     entry = next(e for e in table["tuned"] if e["max_m"] == [8, 16])
     before = _table_before_s55(bench)
