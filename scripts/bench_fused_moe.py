@@ -1053,10 +1053,9 @@ def main(argv=None) -> int:
         block_ms = {int(g.get("grid_block_m") or 0) for g in grid_runs}
         half_ms = {int(g.get("grid_half_m") or 0) for g in grid_runs}
         wides = {int(g.get("grid_wide_halves") or 0) for g in grid_runs}
-        for gone, when in (("pairs", 47), ("run_m", 47), ("prefetch_down", 55)):
-            if any(g.get(f"grid_{gone}") for g in grid_runs):  # (sessions 29 / 46 / 55's)
-                ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in "
-                         f"session {when}")
+        for gone, why in mw._REMOVED.items():  # (grids of sessions 29 / 46 / 55)
+            if any(g.get(f"grid_{gone}") for g in grid_runs):
+                ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in {why}")
         if len(block_ms) > 1 or len(half_ms) > 1 or len(wides) > 1:
             ap.error(f"--pick-from: the grids ran with different --grid-block-m "
                      f"{sorted(block_ms)}, --grid-half-m {sorted(half_ms)} or "

@@ -80,8 +80,8 @@ import triton.language as tl
 
 from ._device import arrival_counters, portable
 from .moe_config import (  # noqa: F401  (names re-exported for tests and scripts)
-    _CONFIG_PATH, GemmConfig, MoeConfig, _config_table, _fit, _fitted, _split_candidates,
-    check_config_table, live_grid, live_split, select_config,
+    _CONFIG_PATH, _REMOVED, GemmConfig, MoeConfig, _config_table, _fit, _fitted,
+    _split_candidates, check_config_table, live_grid, live_split, select_config,
 )
 from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and scripts)
     ALIGN_ENV, ALIGN_WARPS, ALIGN_WARPS_ENV, PACK_FACTOR, PROLOGUE_ENV, _align_count_kernel,
