@@ -533,7 +533,9 @@ def down_grid_rows(runs: list) -> list:
     under its comma-joined GemmConfig fields (the table's own config, timed a second time among
     the candidates, is no choice and is left out), the band from the table's max_m. Runs
     written before session 28 name their routing only in the command line (``--routing``;
-    random where absent)."""
+    random where absent). A candidate that sets a removed tile option (mw._REMOVED_GEMM:
+    prefetch_ahead, in runs of sessions 54-56, among them the one of session 55's down pick)
+    is no choice either; the option's 0 in every other config of those runs is dropped."""
     out = {}
     for run in runs:
         cmd = run.get("command", "").split()
@@ -547,15 +549,22 @@ def down_grid_rows(runs: list) -> list:
             if r["table_config"]:
                 row["table_us"] = r["us"]["down"]
             elif r["config"]["down"] != table_down.get(r["m"]):
-                name = config_name(mw.GemmConfig(**r["config"]["down"]))
-                row["candidates"][name] = {"us": r["us"]["down"]}
+                down = r["config"]["down"]
+                if any(down.get(gone) for gone in mw._REMOVED_GEMM):
+                    continue
+                row["candidates"][config_name(mw.gemm_config(down))] = {"us": r["us"]["down"]}
     return list(out.values())
+
+
+# --grid / --breakdown-down lists of 12 fields set GemmConfig.prefetch_ahead (sessions 54-56)
+_GONE_12TH = ("a 12th field (GemmConfig.prefetch_ahead), removed in "
+              + mw._REMOVED_GEMM["prefetch_ahead"])
 
 
 def config_name(cfg) -> str:
     """A GemmConfig as a --grid / --breakdown-down list: the first eight fields, then
-    par_acc, scale_once, max_regs and prefetch_ahead only up to the last one set (so names
-    from before session 52 still match)."""
+    par_acc, scale_once and max_regs only up to the last one set (so names from before
+    session 52 still match)."""
     vals = [int(v) for v in dataclasses.astuple(cfg)]
     while len(vals) > 8 and vals[-1] == 0:
         vals.pop()
@@ -568,10 +577,10 @@ def _percent(x: float) -> str:
 
 
 def gemm_json(cfg) -> dict:
-    """A GemmConfig as the table writes it (split_target, par_acc, scale_once, max_regs and
-    prefetch_ahead only where a band has them)."""
+    """A GemmConfig as the table writes it (split_target, par_acc, scale_once and max_regs
+    only where a band has them)."""
     d = dataclasses.asdict(cfg)
-    for opt in ("split_target", "par_acc", "scale_once", "max_regs", "prefetch_ahead"):
+    for opt in ("split_target", "par_acc", "scale_once", "max_regs"):
         if not d.get(opt):
             d.pop(opt, None)
     return d
@@ -925,14 +934,13 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-down", default=None, metavar="CONFIGS",
                     help="--breakdown: these down configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta[,split_dq,split_k,split_target"
-                         "[,par_acc[,scale_once[,max_regs[,prefetch_ahead]]]]]]; "
-                         "split_target > 0 with "
+                         "[,par_acc[,scale_once[,max_regs]]]]]; split_target > 0 with "
                          "n_per_cta: live column ranges) instead of the block_m's candidates")
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta,split_dq,split_k,split_target"
-                         "[,par_acc[,scale_once[,max_regs[,prefetch_ahead]]]]]; block_m and the "
+                         "[,par_acc[,scale_once[,max_regs]]]]; block_m and the "
                          "down config stay the table's for that M), outputs checked against "
                          "the table's; with a per-band summary against the table; JSON to --out")
     ap.add_argument("--grid-block-m", type=int, default=0,
@@ -997,11 +1005,13 @@ def main(argv=None) -> int:
                                    for c in args.breakdown_down.split(";") if c]
         except ValueError:
             args.breakdown_down = []
-        if not args.breakdown_down or any(len(c) not in (4, 5, 8, 9, 10, 11, 12)
+        if any(len(c) == 12 for c in args.breakdown_down):
+            ap.error(f"--breakdown-down: {_GONE_12TH}")
+        if not args.breakdown_down or any(len(c) not in (4, 5, 8, 9, 10, 11)
                                           for c in args.breakdown_down):
             ap.error("--breakdown-down: ';'-separated block_n,block_k,num_warps,num_stages"
                      "[,n_per_cta[,split_dq,split_k,split_target[,par_acc[,scale_once"
-                     "[,max_regs[,prefetch_ahead]]]]]] "
+                     "[,max_regs]]]]] "
                      "lists")
     variants = parse_variants(args.ours_variants)
 
@@ -1056,6 +1066,9 @@ def main(argv=None) -> int:
         for gone, why in mw._REMOVED.items():  # (grids of sessions 29 / 46 / 55)
             if any(g.get(f"grid_{gone}") for g in grid_runs):
                 ap.error(f"--pick-from: a grid run with MoeConfig.{gone}, removed in {why}")
+        if any(len(c.split(",")) == 12 for g in grid_runs for r in g["rows"]
+               for c in r["candidates"]):  # (sessions 54-56's prefetch_ahead grids)
+            ap.error(f"--pick-from: a grid run whose candidates have {_GONE_12TH}")
         if len(block_ms) > 1 or len(half_ms) > 1 or len(wides) > 1:
             ap.error(f"--pick-from: the grids ran with different --grid-block-m "
                      f"{sorted(block_ms)}, --grid-half-m {sorted(half_ms)} or "
@@ -1102,10 +1115,12 @@ def main(argv=None) -> int:
         except ValueError:
             ap.error(f"--grid: ';'-separated block_n,block_k,num_warps,num_stages"
                      f"[,n_per_cta,split_dq,split_k,split_target[,par_acc[,scale_once"
-                     f"[,max_regs[,prefetch_ahead]]]]] "
+                     f"[,max_regs]]]] "
                      f"lists, got {args.grid!r}")
-        if not grid or any(not 4 <= len(c) <= 12 for c in grid):
-            ap.error(f"--grid: 4 to 12 integers per gate-up config, got {args.grid!r}")
+        if any(len(c) == 12 for c in grid):
+            ap.error(f"--grid: {_GONE_12TH}, got {args.grid!r}")
+        if not grid or any(not 4 <= len(c) <= 11 for c in grid):
+            ap.error(f"--grid: 4 to 11 integers per gate-up config, got {args.grid!r}")
         if args.grid_wide_halves and not (args.grid_half_m and args.grid_block_m in (16, 32)):
             ap.error("--grid-wide-halves needs --grid-half-m and --grid-block-m 16 or 32")
         for r in args.routings.split(","):

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moeahead moetableab
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -417,30 +417,6 @@ for s in "$@"; do
                --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
                --grid "${MOEWIDE_PLAIN_GRID:-64,256,4,3,0,1,4,512;64,256,4,3,0,1,2,512;64,256,4,3,0,1,4,256}" \
                --out "$OUT/fused_moe_half_m16_plain_grid_h200.json" ;;
-    moeahead) # (session 54) GemmConfig.prefetch_ahead (12th --grid field), an L2 prefetch
-             # hint, the same bits: the gate-up asks for its own K step D steps ahead, more of
-             # a latency-bound program's stream in flight than its cp.async stages hold
-             # (session 36's ncu at M = 8: 1.7 warps a scheduler, DRAM 52 % busy). Its GPU
-             # test, then whole calls against the table on three routings on the M = 8 and
-             # M 9-16 tiles (8-row blocks) and the M 17-48 tile (16-row half_m blocks), and on
-             # the looped down per kernel (random routing; 2-4 column steps ahead). (Its twin,
-             # MoeConfig.prefetch_down, was removed in session 55.) Default limits sum to 370 s
-             step moeahead-test ${MOEAHEAD_TEST_LIMIT:-80} python3 -m pytest -q \
-               tests/gpu/test_moe_w4a16_gpu.py -k "prefetch_ahead"
-             step moeahead-bm8 ${MOEAHEAD_LIMIT:-130} python3 scripts/bench_fused_moe.py \
-               --no-sglang --ms ${MOEAHEAD_MS:-8 4 16} \
-               --routings random,concentrated:8,concentrated:32 --grid-block-m 8 \
-               --grid "${MOEAHEAD_GRID:-32,256,2,3,0,0,4,256,1,1,0,2;32,256,2,3,0,0,4,256,1,1,0,4;32,256,2,3,0,0,4,256,1,1,0,8;64,256,4,3,0,1,4,512,0,1,0,2;64,256,4,3,0,1,4,512,0,1,0,4}" \
-               --out "$OUT/fused_moe_prefetch_ahead_bm8_grid_h200.json"
-             step moeahead-down ${MOEAHEAD_DOWN_LIMIT:-90} python3 scripts/bench_fused_moe.py \
-               --no-sglang --ms ${MOEAHEAD_DOWN_MS:-8 16 32} --breakdown --breakdown-down \
-               "${MOEAHEAD_DOWN:-64,256,4,3,256;64,256,4,3,256,0,1,0,0,0,0,2;64,256,4,3,256,0,1,0,0,0,0,4;64,256,4,3,512,0,1,896;64,256,4,3,512,0,1,896,0,0,0,2;64,256,4,3,512;64,256,4,3,512,0,1,0,0,0,0,2}" \
-               --out "$OUT/fused_moe_prefetch_ahead_down_h200.json"
-             step moeahead-h16 ${MOEAHEAD16_LIMIT:-70} python3 scripts/bench_fused_moe.py \
-               --no-sglang --ms ${MOEAHEAD16_MS:-32 48} \
-               --routings random,concentrated:8,concentrated:32 --grid-block-m 16 --grid-half-m 1 \
-               --grid "${MOEAHEAD16_GRID:-64,256,4,3,0,1,4,512,0,0,0,2;64,256,4,3,0,1,4,512,0,0,0,4}" \
-               --out "$OUT/fused_moe_prefetch_ahead_h16_grid_h200.json" ;;
     moeserve) # the int4 Kimi rank on our fused MoE, DDTREE against AR token for token, at
              # budgets and batch sizes whose MoE calls take the M 5-7 band (session 26):
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6

@@ -59,14 +59,6 @@ class GemmConfig:
     # gate-up on 16-row blocks: 130, and 128 with no spill under this limit). Session 53, not
     # yet timed.
     max_regs: int = 0
-    # > 0 (gate-up, or the looped down: n_per_cta > 0): at each K step (the down: column step)
-    # a program also asks the L2 (prefetch.global.L2) for the weight and scale lines of its
-    # step this many steps ahead (the last step's once it is past it), so more of a
-    # latency-bound program's weight stream is in flight than its num_stages shared-memory
-    # buffers hold, at no cost in shared memory (session 36's ncu at M = 8: 1.7 warps a
-    # scheduler, DRAM 52 % busy). 1-16. Session 54; slower on an H100 (session 55), not
-    # timed on the H200.
-    prefetch_ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +113,23 @@ _REMOVED = {
     "prefetch_down": ("session 55 (slower on the H200 on random routing at every M timed: "
                       "71.6-73.9 us against 69.6 at M = 8)"),  # (session 54)
 }
+# Tile options (GemmConfig fields) that were removed, and why: a band whose gate_up or down
+# still sets one is refused as above; 0 (off, as the configs of the runs before the removal
+# carry it) is dropped.
+_REMOVED_GEMM = {
+    "prefetch_ahead": ("session 56 (slower on the H200 at every M and routing timed: "
+                       "74.4-84.2 us against 66.6 at M = 8 on random routing)"),  # (session 54)
+}
+
+
+def gemm_config(fields: dict, where: str = "GemmConfig") -> GemmConfig:
+    """A GemmConfig from its fields as a table band (``gate_up`` / ``down``) or a run's JSON
+    holds them: a removed option (_REMOVED_GEMM) that is 0 is dropped; ValueError, naming
+    ``where``, for one that is set."""
+    for gone, why in _REMOVED_GEMM.items():
+        if fields.get(gone):
+            raise ValueError(f"{where}: {gone!r} was removed in {why}; drop it")
+    return GemmConfig(**{k: v for k, v in fields.items() if k not in _REMOVED_GEMM})
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,13 +143,14 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
         raw = json.load(f)
     table = []
     for band in raw["bands"]:
+        where = f"band max_m={band.get('max_m')}"
         for gone, why in _REMOVED.items():
             if band.get(gone):
-                raise ValueError(f"band max_m={band.get('max_m')}: {gone!r} was removed in "
-                                 f"{why}; drop it")
+                raise ValueError(f"{where}: {gone!r} was removed in {why}; drop it")
         table.append((int(band["max_m"]), MoeConfig(
-            block_m=int(band["block_m"]), gate_up=GemmConfig(**band["gate_up"]),
-            down=GemmConfig(**band["down"]), half_m=int(band.get("half_m", 0)),
+            block_m=int(band["block_m"]),
+            gate_up=gemm_config(band["gate_up"], f"{where} gate_up"),
+            down=gemm_config(band["down"], f"{where} down"), half_m=int(band.get("half_m", 0)),
             wide_halves=int(band.get("wide_halves", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
@@ -203,7 +213,7 @@ def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
                       split_k, cfg.split_target if split_k > 1 or n_per_cta else 0,
                       cfg.par_acc if looped_only else 0, cfg.scale_once if looped_only else 0,
-                      cfg.max_regs, cfg.prefetch_ahead if looped_only else 0)
+                      cfg.max_regs)
 
 
 def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
@@ -223,9 +233,7 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
                    for g in (gu, dn))
             or cfg.wide_halves not in (0, 1)
             or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
-                                     or gu.block_n % 32))
-            or any(not 0 <= g.prefetch_ahead <= 16 for g in (gu, dn))
-            or (dn.prefetch_ahead and not dn.n_per_cta)):
+                                     or gu.block_n % 32))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and
         # block_m >= 8 its n side, see MoeConfig.block_m; wide_halves' half-width tiles keep
         # block_n / 2 >= 16, its m side); _fit has

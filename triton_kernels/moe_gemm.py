@@ -45,7 +45,6 @@ def _gate_up_kernel(
     PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
-    AHEAD: tl.constexpr = 0,  # > 0: L2 prefetch of the K step this far ahead (_gate_up_rows)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     # WIDE_HALVES (MoeConfig.wide_halves, HALF_M with BLOCK_M 16 / 32): each block has 2 NUM_N
@@ -87,51 +86,34 @@ def _gate_up_kernel(
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M,
                           BLOCK_N // 2 if WIDE_HALVES else BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                           PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split,
-                          PAR_ACC, SCALE_ONCE, AHEAD)
+                          PAR_ACC, SCALE_ONCE)
         elif WIDE_HALVES:
             if pid_n < NUM_N:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                               part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2,
                               BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE, AHEAD)
+                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC, SCALE_ONCE, AHEAD)
+                              n_split, PAR_ACC, SCALE_ONCE)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC, SCALE_ONCE, AHEAD)
+                              n_split, PAR_ACC, SCALE_ONCE)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, PAR_ACC, SCALE_ONCE, AHEAD)
+                          n_split, PAR_ACC, SCALE_ONCE)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
-                      SCALE_ONCE, AHEAD)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask the L2 for the 128-byte lines at ``ptrs`` (PTX ``prefetch.global.L2``; no
-    register result, nothing waits for it)."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _line_ptrs(row_ptrs, col0, BN: tl.constexpr, WIDTH: tl.constexpr):
-    """One pointer a 128-byte line (``WIDTH`` elements) of columns ``col0 .. col0 + BN - 1``
-    of the rows at ``row_ptrs`` ([rows] pointers to column 0): [rows, ceil(BN / WIDTH)]; a
-    slice narrower than a line gets one, at ``col0`` (prefetch_ahead's tiles)."""
-    cols = col0 + tl.minimum(tl.arange(0, (BN + WIDTH - 1) // WIDTH) * WIDTH, BN - 1)
-    return row_ptrs[:, None] + cols[None, :]
+                      SCALE_ONCE)
 
 
 @triton.jit
@@ -140,8 +122,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                  AHEAD: tl.constexpr = 0):
+                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
@@ -189,21 +170,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
             s_ptrs += (BLOCK_K // _GROUP) * N2
             i += 1
     else:
-        if AHEAD > 0:
-            # the [BLOCK_N, KP] weight tile's lines (gate; up at + I) and its [BLOCK_N, KP / 4]
-            # scales', at this program's first K step
-            pw = _line_ptrs(w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r) * N2,
-                            pid_n * BLOCK_N, BLOCK_N, 32)
-            ps = _line_ptrs(s_ptr + e64 * (K // _GROUP * N2)
-                            + (k0 // _GROUP + tl.arange(0, KP // 4)) * N2,
-                            pid_n * BLOCK_N, BLOCK_N, 64)
-        for i in range(0, K_STEPS):
-            if AHEAD > 0:  # step i + AHEAD's lines (the last step's past the end): a hint
-                j = tl.minimum(i + AHEAD, K_STEPS - 1)
-                _prefetch_l2(pw + j * (KP * N2))
-                _prefetch_l2(pw + j * (KP * N2) + I)
-                _prefetch_l2(ps + j * ((BLOCK_K // _GROUP) * N2))
-                _prefetch_l2(ps + j * ((BLOCK_K // _GROUP) * N2) + I)
+        for _ in range(0, K_STEPS):
             acc_g, acc_u, acc_gb, acc_ub = _gate_up_step(
                 acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
                 PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
@@ -362,7 +329,7 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
                  pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
                  PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                 SCALE_ONCE: tl.constexpr = False, AHEAD: tl.constexpr = 0):
+                 SCALE_ONCE: tl.constexpr = False):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
     (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
     ``tiles`` BLOCK_N steps) or the per-tile one's (``pid_nc`` its column tile)."""
@@ -370,35 +337,34 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
         if level == 0:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC, SCALE_ONCE, AHEAD)
+                        PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC, SCALE_ONCE, AHEAD)
+                            PORTABLE, PAR_ACC, SCALE_ONCE)
             else:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC, SCALE_ONCE, AHEAD)
+                            PORTABLE, PAR_ACC, SCALE_ONCE)
         else:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC, SCALE_ONCE, AHEAD)
+                        PAR_ACC, SCALE_ONCE)
     else:
         _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                     tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE, PAR_ACC,
-                    SCALE_ONCE, AHEAD)
+                    SCALE_ONCE)
 
 
 @triton.jit
 def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                 tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr,
-                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                AHEAD: tl.constexpr = 0):
+                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE, AHEAD)
+                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
     else:
         _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                    N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
@@ -453,7 +419,6 @@ def _down_loop_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
     PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group (GemmConfig.scale_once)
-    AHEAD: tl.constexpr = 0,  # > 0: L2 prefetch of the column step this far ahead
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -492,14 +457,14 @@ def _down_loop_kernel(
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                  pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
-                 PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE, AHEAD)
+                 PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE)
 
 
 @triton.jit
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
                     tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                    SCALE_ONCE: tl.constexpr = False, AHEAD: tl.constexpr = 0):
+                    SCALE_ONCE: tl.constexpr = False):
     """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
     column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live)."""
     KP: tl.constexpr = I // _PACK
@@ -536,18 +501,7 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
             y_ptrs += BLOCK_N
             i += 1
     else:
-        if AHEAD > 0:
-            # the [BLOCK_N, KP] weight tile's lines and its [BLOCK_N, I / 32] scales', at the
-            # range's first column step
-            pw = _line_ptrs(w_ptr + e64 * (KP * N) + offs_r * N, pid_s * (tiles * BLOCK_N),
-                            BLOCK_N, 32)
-            ps = _line_ptrs(s_ptr + e64 * (I // _GROUP * N) + tl.arange(0, I // _GROUP) * N,
-                            pid_s * (tiles * BLOCK_N), BLOCK_N, 64)
-        for i in range(tiles):
-            if AHEAD > 0:  # step i + AHEAD's lines (the range's last step's past its end)
-                j = tl.minimum(i + AHEAD, tiles - 1) * BLOCK_N
-                _prefetch_l2(pw + j)
-                _prefetch_l2(ps + j)
+        for _ in range(tiles):
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
                        BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
             w_ptrs += BLOCK_N

@@ -80,8 +80,9 @@ import triton.language as tl
 
 from ._device import arrival_counters, portable
 from .moe_config import (  # noqa: F401  (names re-exported for tests and scripts)
-    _CONFIG_PATH, _REMOVED, GemmConfig, MoeConfig, _config_table, _fit, _fitted,
-    _split_candidates, check_config_table, live_grid, live_split, select_config,
+    _CONFIG_PATH, _REMOVED, _REMOVED_GEMM, GemmConfig, MoeConfig, _config_table, _fit,
+    _fitted, _split_candidates, check_config_table, gemm_config, live_grid, live_split,
+    select_config,
 )
 from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and scripts)
     ALIGN_ENV, ALIGN_WARPS, ALIGN_WARPS_ENV, PACK_FACTOR, PROLOGUE_ENV, _align_count_kernel,
@@ -290,7 +291,6 @@ def fused_moe_w4a16(
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
-        AHEAD=gu.prefetch_ahead,
         num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
@@ -310,8 +310,8 @@ def fused_moe_w4a16(
             PORTABLE=portable_path, HALF_M=cfg.narrow_down,
             NUM_EXPERTS=num_experts if dn.split_target else 0,
             SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
-            SCALE_ONCE=bool(dn.scale_once), AHEAD=dn.prefetch_ahead, num_warps=dn.num_warps,
-            num_stages=dn.num_stages, **_reg_limit(dn))
+            SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages,
+            **_reg_limit(dn))
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

@@ -379,27 +379,6 @@ def test_wide_halves_vs_reference_and_serial(K, w, m, half, monkeypatch):
     assert torch.equal(ours(K, w, x, tw, ti, config=limited), ours(K, w, x, tw, ti, config=cfg))
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 40, 64])
-def test_prefetch_ahead_same_bits(K, w, m):
-    """GemmConfig.prefetch_ahead (session 54): the L2 prefetch of a program's own weights some
-    steps ahead (the gate-up's 4 K steps, a looped down's 2 column steps) is a hint, so every
-    band's config with it gives the table's bits, on 8 shared experts and on random routing,
-    eager and over 8 CUDA-graph replays on changing routings."""
-    moe = K.moe
-    cfg = moe.select_config(m)
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, prefetch_ahead=4),
-                                down=dataclasses.replace(cfg.down, prefetch_ahead=(
-                                    2 if cfg.down.n_per_cta else 0)))
-    for few in (True, False):
-        tw, ti = few_or_random(m, 30, few=few)
-        assert torch.equal(ours(K, w, x, tw, ti, config=ahead), ours(K, w, x, tw, ti, config=cfg))
-    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
-    graph = captured(K, w, x, tw, ti, out, config=ahead)
-    for i, tw2, ti2 in replays(graph, x, tw, ti, 8, 300):
-        assert torch.equal(out, ours(K, w, x, tw2, ti2, config=cfg)), f"replay {i}"
-
-
 def _graph_equals_fixed(K, w, x, live, fixed, seed, seed0):
     """One call with the ``live`` config captured on 8 shared experts, replayed 8 times on
     alternating routings (``replays``, from ``seed0``): every replay equals, bit for bit,

@@ -70,7 +70,7 @@ def test_breakdown_down_candidates_keep_the_bands_options(bench, tmp_path):
             dataclasses.replace(table, down=bench.mw.GemmConfig(*down)))
         assert all(math.isfinite(v) for v in r["us"].values()), r
     for bad in ("", "64,128", "a,b,c,d", "64,128,4,1,128,0",
-                "64,128,4,1,128,0,1,0,1,1,96,1,1"):  # (13 fields: one past prefetch_ahead)
+                "64,128,4,1,128,0,1,0,1,1,96,1"):  # (12: prefetch_ahead, removed in session 56)
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--breakdown", "--breakdown-down", bad, "--out", str(out)])
 
@@ -178,10 +178,16 @@ def test_config_names_keep_their_pre_session_52_form(bench):
     assert g(*map(int, bench.config_name(cfg).split(","))) == cfg
 
 
-def test_grid_option_is_checked(bench, tmp_path):
+def test_grid_option_is_checked(bench, tmp_path, capsys):
     for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "64,128,4,1,0,1,2,0,1,1,1", "a,b,c,d"):
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--grid", bad, "--out", str(tmp_path / "x.json")])
+    # a 12th field was GemmConfig.prefetch_ahead (removed in session 56), in either list
+    for flag in ("--grid", "--breakdown-down"):
+        with pytest.raises(SystemExit):
+            bench.main(TINY + [flag, "64,128,4,1;32,256,2,3,0,0,4,256,1,1,0,2",
+                               "--out", str(tmp_path / "x.json")])
+        assert "GemmConfig.prefetch_ahead), removed in session 56" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(TINY + ["--grid", "64,128,4,1", "--routings", "random,skewed:3",
                            "--out", str(tmp_path / "x.json")])
@@ -470,6 +476,12 @@ def test_down_grid_rows_from_breakdown_runs(bench):
     assert [(r["m"], r["band"], r["routing"], r["table_us"]) for r in rows] == [
         (17, 32, "concentrated:8", 16.0), (17, 32, "random", 36.8)]
     assert rows[0]["candidates"] == {"64,256,4,3,512,0,1,0": {"us": 11.5}}
+    # session 56's run: every config carries prefetch_ahead (removed then), its 0 dropped; the
+    # candidates that set it are no choice (M = 8: 3 of 7 left; M 16 / 32: 2, the table's twice)
+    run = REPO / "bench_results" / "fused_moe_prefetch_ahead_down_h200_s56.json"
+    rows = bench.down_grid_rows([json.loads(run.read_text())])
+    assert [(r["m"], len(r["candidates"])) for r in rows] == [(8, 3), (16, 2), (32, 2)]
+    assert all(len(c.split(",")) <= 10 for r in rows for c in r["candidates"]), rows
 
 
 def test_committed_down_configs_are_the_pick_from_the_session_28_breakdown(bench, tmp_path):
@@ -613,10 +625,11 @@ def test_m8_band_was_the_pick_from_the_session_29_grids(bench, tmp_path):
     assert bench.pick_gate_up(rows, 0.03) == {}
 
 
-def test_pick_from_refuses_removed_options_and_mixed_grids(bench, tmp_path):
-    """--pick-from: grids run with MoeConfig.run_m or .pairs (removed in session 47) or
-    .prefetch_down (session 55, --prefetch-grid) are refused, and so are grids of one pick
-    with different block_m."""
+def test_pick_from_refuses_removed_options_and_mixed_grids(bench, tmp_path, capsys):
+    """--pick-from: grids run with MoeConfig.run_m or .pairs (removed in session 47),
+    .prefetch_down (session 55, --prefetch-grid) or GemmConfig.prefetch_ahead (session 56, a
+    12th field of the candidates) are refused, and so are grids of one pick with different
+    block_m."""
     grid = {"rows": [_grid_row(33, 64, "concentrated:8", 48.0, **{"64_256_4_3_0_1_4_256": 40.0}),
                      _grid_row(33, 64, "random", 200.0, **{"64_256_4_3_0_1_4_256": 201.0})]}
     table = tmp_path / "table.json"
@@ -629,6 +642,12 @@ def test_pick_from_refuses_removed_options_and_mixed_grids(bench, tmp_path):
         with pytest.raises(SystemExit):
             bench.main(["--pick-from", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                         "--tune-out", str(table)])
+    for run in ("bm8", "h16"):  # (session 56's prefetch_ahead grids)
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            bench.main(["--pick-from", str(REPO / "bench_results" / (
+                f"fused_moe_prefetch_ahead_{run}_grid_h200_s56.json")), "--tune-out", str(table)])
+        assert "GemmConfig.prefetch_ahead), removed in session 56" in capsys.readouterr().err
     assert bench.main(["--pick-from", str(tmp_path / "b.json"), "--tune-out", str(table)]) == 0
 
 

@@ -399,20 +399,6 @@ def test_live_split_on_device_matches_the_host_rule(m, experts_used, target, spl
     assert out.tolist() == [MOE.live_split(used, 8, k_steps, split_k, target), used * 8]
 
 
-def test_prefetch_ahead_config():
-    """GemmConfig.prefetch_ahead: 1-16 steps, the gate-up's and the looped down's (refused on
-    the per-tile down); kept by _fit."""
-    ahead = dataclasses.replace(CFG_LOOP, gate_up=dataclasses.replace(CFG_LOOP.gate_up,
-                                                                      prefetch_ahead=4),
-                                down=dataclasses.replace(CFG_LOOP.down, prefetch_ahead=2))
-    assert [g.prefetch_ahead for g in MOE._fitted(ahead, H, I)] == [4, 2]
-    for bad in (dataclasses.replace(ahead, gate_up=dataclasses.replace(ahead.gate_up,
-                                                                      prefetch_ahead=17)),
-                dataclasses.replace(CFG, down=dataclasses.replace(CFG.down, prefetch_ahead=2))):
-        with pytest.raises(ValueError, match="does not tile"):
-            MOE._fitted(bad, H, I)
-
-
 def test_live_split_rule():
     """The host mirror: the smallest divisor of the K steps up to split_k that reaches the
     target, split_k when none does, and split_k itself without a target."""
@@ -967,6 +953,21 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
         (tmp_path / f"{gone}.json").write_text(json.dumps(old))
         with pytest.raises(ValueError, match=f"unreadable band.*'{gone}' was removed in {when}"):
             MOE.check_config_table(7168, 256, str(tmp_path / f"{gone}.json"))
+    # a tile config with GemmConfig.prefetch_ahead (removed in session 56, slower on the
+    # H200), in either GEMM; 0, as the runs of sessions 54-56 wrote every config, is dropped
+    for kind in ("gate_up", "down"):
+        old = json.loads(json.dumps(table))
+        old["bands"][2][kind]["prefetch_ahead"] = 2
+        (tmp_path / f"ahead_{kind}.json").write_text(json.dumps(old))
+        with pytest.raises(ValueError, match=(
+                f"unreadable band.*max_m={old['bands'][2]['max_m']} {kind}: 'prefetch_ahead' "
+                r"was removed in session 56 \(slower on the H200")):
+            MOE.check_config_table(7168, 256, str(tmp_path / f"ahead_{kind}.json"))
+        old["bands"][2][kind]["prefetch_ahead"] = 0
+        (tmp_path / f"ahead_{kind}.json").write_text(json.dumps(old))
+        MOE.check_config_table(7168, 256, str(tmp_path / f"ahead_{kind}.json"))
+        assert (MOE.select_config(old["bands"][2]["max_m"], str(tmp_path / f"ahead_{kind}.json"))
+                == MOE.select_config(old["bands"][2]["max_m"]))
 
 
 def test_half_m_needs_blocks_of_16_32_or_64():

@@ -44,12 +44,11 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs[, prefetch_ahead]]]]])
-    as in GemmConfig;
+    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
     (MoeConfig.wide_halves)."""
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
-     max_regs, ahead) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0, 0)[len(tiles) - 4:]
+     max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
     limit = {"maxnreg": max_regs} if max_regs else {}
     if kind == "gate_up":
@@ -68,8 +67,6 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["SCALE_ONCE"] = True
         if wide:
             const["WIDE_HALVES"] = True
-        if ahead:
-            const["AHEAD"] = ahead
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -81,8 +78,6 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["PAR_ACC"] = True
         if scale_once:
             const["SCALE_ONCE"] = True
-        if ahead:
-            const["AHEAD"] = ahead
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages, **limit)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages, **limit)
@@ -296,51 +291,6 @@ def test_wide_halves_gate_up_compiles_without_spills(MOE, bm, tiles, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
-
-
-def _gate_up_bands():
-    """(max_m, block_m, gate-up tiles, half, wide) of each band of the shipped table whose
-    gate-up differs from an earlier band's."""
-    out, seen = [], set()
-    for band in json.loads(_CONFIGS.read_text())["bands"]:
-        g = band["gate_up"]
-        tiles = (g["block_n"], g["block_k"], g["num_warps"], g["num_stages"], 0,
-                 g.get("split_dq", 0), g.get("split_k", 1), g.get("split_target", 0))
-        key = (band["block_m"], tiles, band.get("half_m", 0) in (1, 2),
-               bool(band.get("wide_halves", 0)))
-        if key not in seen:
-            seen.add(key)
-            out.append((band["max_m"],) + key)
-    return out
-
-
-@pytest.mark.parametrize("max_m,bm,tiles,half,wide", _gate_up_bands(), ids=str)
-def test_prefetch_ahead_keeps_the_pipeline(MOE, max_m, bm, tiles, half, wide, tmp_path):
-    """GemmConfig.prefetch_ahead (session 54) on every shipped gate-up tile, 2 and 4 steps
-    ahead: prefetch.global.L2 in the PTX, the same cp.async loads (the K loop still
-    software-pipelined), in-register dequant kept, no spills."""
-    _check_ahead(MOE, "gate_up", bm, tiles, half, wide, tmp_path)
-
-
-@pytest.mark.parametrize("bm,tiles,half", [
-    (8, (64, 256, 4, 3, 256, 0, 1, 0), False), (8, (64, 256, 4, 3, 512, 0, 1, 896), False),
-    (16, (64, 256, 4, 3, 512, 0, 1, 0), True)], ids=str)
-def test_prefetch_ahead_keeps_the_looped_downs_pipeline(MOE, bm, tiles, half, tmp_path):
-    """GemmConfig.prefetch_ahead on the looped down tiles of the M = 8, 9-16 and 17-48 bands
-    (column steps 2 and 4 ahead): as the gate-up's."""
-    _check_ahead(MOE, "down", bm, tiles, half, False, tmp_path)
-
-
-def _check_ahead(MOE, kind, bm, tiles, half, wide, tmp_path):
-    plain = _gemm(MOE, kind, bm, tiles, half, wide).asm["ptx"]
-    assert "prefetch" not in plain
-    for ahead in (2, 4):
-        kern = _gemm(MOE, kind, bm, tiles + (0, 0, 0, ahead), half, wide)
-        ptx = kern.asm["ptx"]
-        # weights and scales (the gate-up: of gate and of up)
-        assert ptx.count("prefetch.global.L2") >= (4 if kind == "gate_up" else 2)
-        assert ptx.count("cp.async") == plain.count("cp.async"), ahead
-        _check_kernel(kern, tmp_path)
 
 
 def test_rerun_in_clean_process():
