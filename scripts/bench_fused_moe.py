@@ -535,44 +535,38 @@ def down_grid_rows(runs: list) -> list:
     written before session 28 name their routing only in the command line (``--routing``;
     random where absent). A candidate that sets a removed tile option (mw._REMOVED_GEMM:
     prefetch_ahead, in runs of sessions 54-56, among them the one of session 55's down pick)
-    is no choice either; the option's 0 in every other config of those runs is dropped. In a
-    run with a column down (GemmConfig.col_parts, session 56: the top-k sum in the down
-    launch) every config's time is its down and combine together, so that a candidate without
-    a combine launch is not charged for it nor another credited with skipping it."""
+    is no choice either; the option's 0 in every other config of those runs is dropped."""
     out = {}
     for run in runs:
         cmd = run.get("command", "").split()
         fallback = cmd[cmd.index("--routing") + 1] if "--routing" in cmd else "random"
         table_down = {r["m"]: r["config"]["down"] for r in run["rows"] if r["table_config"]}
-        with_sum = any(r["config"]["down"].get("col_parts") for r in run["rows"])
-
-        def us(r):
-            return r["us"]["down"] + (r["us"]["combine"] if with_sum else 0.0)
         for r in run["rows"]:
             routing = r.get("routing", fallback)
             row = out.setdefault((r["m"], routing), {
                 "m": r["m"], "band": _band_of(r["m"]),
                 "routing": routing, "table_us": None, "candidates": {}})
             if r["table_config"]:
-                row["table_us"] = us(r)
+                row["table_us"] = r["us"]["down"]
             elif r["config"]["down"] != table_down.get(r["m"]):
                 down = r["config"]["down"]
                 if any(down.get(gone) for gone in mw._REMOVED_GEMM):
                     continue
-                row["candidates"][config_name(mw.gemm_config(down))] = {"us": us(r)}
+                row["candidates"][config_name(mw.gemm_config(down))] = {"us": r["us"]["down"]}
     return list(out.values())
 
 
-# --grid lists of 12 fields set GemmConfig.prefetch_ahead (sessions 54-56); since session 56
-# a 12th field is col_parts, a down option (--breakdown-down)
+# --grid / --breakdown-down lists of 12 fields set GemmConfig.prefetch_ahead (sessions 54-56)
+# or, in session 56's down lists, col_parts
 _GONE_12TH = ("a 12th field (GemmConfig.prefetch_ahead, removed in "
-              + mw._REMOVED_GEMM["prefetch_ahead"] + "; now col_parts, a down option)")
+              + mw._REMOVED_GEMM["prefetch_ahead"] + "; in a down list of session 56, "
+              "col_parts, removed in " + mw._REMOVED_GEMM["col_parts"] + ")")
 
 
 def config_name(cfg) -> str:
     """A GemmConfig as a --grid / --breakdown-down list: the first eight fields, then
-    par_acc, scale_once, max_regs and col_parts only up to the last one set (so names from
-    before session 52 still match)."""
+    par_acc, scale_once and max_regs only up to the last one set (so names from before
+    session 52 still match)."""
     vals = [int(v) for v in dataclasses.astuple(cfg)]
     while len(vals) > 8 and vals[-1] == 0:
         vals.pop()
@@ -585,10 +579,10 @@ def _percent(x: float) -> str:
 
 
 def gemm_json(cfg) -> dict:
-    """A GemmConfig as the table writes it (split_target, par_acc, scale_once, max_regs and
-    col_parts only where a band has them)."""
+    """A GemmConfig as the table writes it (split_target, par_acc, scale_once and max_regs
+    only where a band has them)."""
     d = dataclasses.asdict(cfg)
-    for opt in ("split_target", "par_acc", "scale_once", "max_regs", "col_parts"):
+    for opt in ("split_target", "par_acc", "scale_once", "max_regs"):
         if not d.get(opt):
             d.pop(opt, None)
     return d
@@ -942,10 +936,8 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-down", default=None, metavar="CONFIGS",
                     help="--breakdown: these down configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta[,split_dq,split_k,split_target"
-                         "[,par_acc[,scale_once[,max_regs[,col_parts]]]]]]; split_target > 0 "
-                         "with n_per_cta: live column ranges; col_parts > 0: the column down "
-                         "with the top-k sum, its time under 'down', the combine's about 0) "
-                         "instead of the block_m's candidates")
+                         "[,par_acc[,scale_once[,max_regs]]]]]; split_target > 0 with "
+                         "n_per_cta: live column ranges) instead of the block_m's candidates")
     ap.add_argument("--grid", default=None,
                     help="time the whole call per M and routing for the table's config and "
                          "for each of these gate-up configs (';'-separated block_n,block_k,"
@@ -1015,11 +1007,13 @@ def main(argv=None) -> int:
                                    for c in args.breakdown_down.split(";") if c]
         except ValueError:
             args.breakdown_down = []
-        if not args.breakdown_down or any(len(c) not in (4, 5, 8, 9, 10, 11, 12)
+        if any(len(c) == 12 for c in args.breakdown_down):
+            ap.error(f"--breakdown-down: {_GONE_12TH}")
+        if not args.breakdown_down or any(len(c) not in (4, 5, 8, 9, 10, 11)
                                           for c in args.breakdown_down):
             ap.error("--breakdown-down: ';'-separated block_n,block_k,num_warps,num_stages"
                      "[,n_per_cta[,split_dq,split_k,split_target[,par_acc[,scale_once"
-                     "[,max_regs[,col_parts]]]]]] "
+                     "[,max_regs]]]]] "
                      "lists")
     variants = parse_variants(args.ours_variants)
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moecols
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -341,20 +341,6 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
-    moecols) # (session 56) GemmConfig.col_parts: the down as column tiles that walk the used
-             # blocks, the top-k sum by each tile's last program (no combine launch). Its GPU
-             # tests (the looped down's and the combine's bits, eager and in a CUDA graph),
-             # then per-kernel breakdowns at M 1-16 on three routings against the table's down
-             # (its "down" column holds the sum; "total" is the whole call). Default limits
-             # sum to 450 s, no kit
-             step moecols-test ${MOECOLS_TEST_LIMIT:-150} python3 -m pytest -q \
-               tests/gpu/test_moe_w4a16_gpu.py -k "column_down"
-             for routing in random concentrated:8 concentrated:32; do
-               step moecols-${routing/:/} ${MOECOLS_LIMIT:-100} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --ms ${MOECOLS_MS:-8 1 2 4 12 16} --routing $routing --breakdown \
-                 --breakdown-down "${MOECOLS_DOWN:-64,256,4,3,0,0,1,0,0,1,0,4;64,256,4,3,0,0,1,0,1,1,0,4;64,256,4,3,0,0,1,0,0,1,0,2;64,256,4,3,0,0,1,0,0,1,0,8;64,256,4,4,0,0,1,0,0,1,0,4;128,256,4,3,0,0,1,0,0,1,0,4;32,256,2,3,0,0,1,0,0,1,0,8}" \
-                 --out "$OUT/fused_moe_cols_${routing/:/}_h200.json"
-             done ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

@@ -59,14 +59,6 @@ class GemmConfig:
     # gate-up on 16-row blocks: 130, and 128 with no spill under this limit). Session 53, not
     # yet timed.
     max_regs: int = 0
-    # down GEMM only, > 0 (needs block_k == intermediate size, n_per_cta 0 and no narrowed
-    # down; a split_target is dropped): _down_cols_kernel, the down as column tiles of
-    # block_n that each walk the call's used expert blocks, col_parts programs per tile (part
-    # p takes blocks p, p + col_parts, ...), and the top-k sum in the same launch by each
-    # tile's last program (no combine launch; the same bits as the looped down of the same
-    # tile options and the combine). Session 56: the M = 8 call's looped down is ~1,700
-    # short programs, and its combine a launch of about 2 us.
-    col_parts: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +119,9 @@ _REMOVED = {
 _REMOVED_GEMM = {
     "prefetch_ahead": ("session 56 (slower on the H200 at every M and routing timed: "
                        "74.4-84.2 us against 66.6 at M = 8 on random routing)"),  # (session 54)
+    "col_parts": ("session 56 (slower on an H100 at M = 8 on random routing in every tile "
+                  "timed: down and combine 30.2-42.7 us against the looped down's "
+                  "29.2-29.3)"),  # (session 56, 6e734b4)
 }
 
 
@@ -208,21 +203,20 @@ def live_grid(max_tiles: int, k_steps: int, split_k: int, split_target: int) -> 
 def _fit(cfg: GemmConfig, n: int, k: int) -> GemmConfig:
     """Fit a table config to the problem: shrink tiles that exceed a small problem (tests use tiny
     hidden / FFN sizes), and drop the shape-bound options where the shape rules them out (the
-    looped and column down kernels need the whole K in one tile; split-K needs the K steps to
-    divide), so that one table serves any hidden / intermediate size. A live target stays with
-    a K split or a looped down kernel (GemmConfig.split_target)."""
+    looped down kernel needs the whole K in one tile; split-K needs the K steps to divide), so
+    that one table serves any hidden / intermediate size. A live target stays with a K split
+    or a looped down kernel (GemmConfig.split_target)."""
     block_n = min(cfg.block_n, n)
     block_k = min(cfg.block_k, k)
     n_per_cta = min(cfg.n_per_cta, n) if block_k == k else 0
-    col_parts = cfg.col_parts if block_k == k else 0
     split_k = cfg.split_k if k % block_k == 0 and (k // block_k) % cfg.split_k == 0 else 1
-    # par_acc / scale_once on a down config exist only in the looped and column kernels: where
-    # the shape rules those out they go with them (a gate-up has neither and keeps them)
-    looped_only = n_per_cta or col_parts or not (cfg.n_per_cta or cfg.col_parts)
+    # par_acc / scale_once on a down config exist only in the looped kernel: where the shape
+    # rules that kernel out they go with it (a gate-up's n_per_cta is 0 and they stay)
+    looped_only = n_per_cta or not cfg.n_per_cta
     return GemmConfig(block_n, block_k, cfg.num_warps, cfg.num_stages, n_per_cta, cfg.split_dq,
                       split_k, cfg.split_target if split_k > 1 or n_per_cta else 0,
                       cfg.par_acc if looped_only else 0, cfg.scale_once if looped_only else 0,
-                      cfg.max_regs, col_parts)
+                      cfg.max_regs)
 
 
 def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmConfig]:
@@ -237,9 +231,7 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or (dn.n_per_cta and (dn.n_per_cta % dn.block_n or hidden % dn.n_per_cta))
             or dn.split_target < 0 or gu.par_acc not in (0, 1) or dn.par_acc not in (0, 1)
             or gu.scale_once not in (0, 1) or dn.scale_once not in (0, 1)
-            or ((dn.par_acc or dn.scale_once) and not (dn.n_per_cta or dn.col_parts))
-            or cfg.gate_up.col_parts or dn.col_parts < 0
-            or (dn.col_parts and (dn.n_per_cta or cfg.narrow_down))
+            or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)
             or any(g.max_regs and (g.max_regs % 8 or not 64 <= g.max_regs <= 248)
                    for g in (gu, dn))
             or cfg.wide_halves not in (0, 1)

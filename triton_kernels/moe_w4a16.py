@@ -26,10 +26,7 @@ two GEMMs. This module holds the wrapper and the combine; the launches live besi
 3. ``_down_kernel``: ``y = (h @ D_e) * topk_weight`` per (token, slot); ``_down_loop_kernel`` does
    the same with one long column loop per program (intermediate sizes that fit one K tile). Its
    column range can be live too (the down config's ``split_target``): a call on few experts
-   splits each range into shorter ones, so its few blocks still fill the GPU. With the down
-   config's ``col_parts`` (``moe_down_cols.py``) a program instead holds one column tile and
-   walks the used blocks, and each tile's last program sums its top-k rows into ``out``: steps
-   3 and 4 in one launch, the same bits.
+   splits each range into shorter ones, so its few blocks still fill the GPU.
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
@@ -95,7 +92,6 @@ from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and
 from .moe_gemm import (  # steps 2 and 3
     _down_kernel, _down_loop_kernel, _gate_up_kernel, _gate_up_reduce_kernel,
 )
-from .moe_down_cols import _down_cols_kernel  # steps 3 and 4 in one (GemmConfig.col_parts)
 from .moe_tiles import (  # noqa: F401  (names re-exported for tests)
     _DEQUANT_PTX, _DEQUANT_PTX_HI, _DEQUANT_PTX_LO, GROUP_SIZE, _live_split,
 )
@@ -232,8 +228,7 @@ def fused_moe_w4a16(
         Overrides the tuned table (``moe_w4a16_configs.json``).
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
-        combine) and return ``out`` unwritten below 4, for per-kernel times by differences
-        (a down config with ``col_parts`` sums in the down launch: 3 writes ``out``).
+        combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
 
     Returns
     -------
@@ -305,24 +300,7 @@ def fused_moe_w4a16(
             SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k)
     if _upto < 3:
         return out
-    if dn.col_parts:
-        # the top-k sum in the down launch wherever its arrival counters are at hand (one
-        # column tile's programs alone need none); else the combine launch below, same bits
-        n_cols = hidden // dn.block_n
-        counters = _tile_counters(hidden_states.device, n_cols) if dn.col_parts > 1 else None
-        fused_sum = dn.col_parts == 1 or counters is not None
-        _down_cols_kernel[(n_cols * dn.col_parts,)](
-            h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, topk_ids, y, out,
-            sorted_ids if counters is None else counters, float(routed_scaling_factor), t, m,
-            n_blocks, out.stride(0), N=hidden, I=inter, TOPK=topk, NUM_EXPERTS=num_experts,
-            BLOCK_M=bm, BLOCK_N=dn.block_n, COL_PARTS=dn.col_parts,
-            STEPS=triton.next_power_of_2(triton.cdiv(n_blocks, dn.col_parts)),
-            TOK_TILE=min(16, triton.next_power_of_2(m)), PORTABLE=portable_path, SUM=fused_sum,
-            PAR_ACC=bool(dn.par_acc), SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps,
-            num_stages=dn.num_stages, **_reg_limit(dn))
-        if fused_sum:
-            return out
-    elif dn.n_per_cta:
+    if dn.n_per_cta:
         ranges = n_blocks * (hidden // dn.n_per_cta)
         steps = dn.n_per_cta // dn.block_n  # a live range splits into a divisor of its steps
         _down_loop_kernel[(ranges if not dn.split_target else live_grid(

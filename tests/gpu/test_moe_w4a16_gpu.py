@@ -456,43 +456,6 @@ def test_live_down_follows_the_routing_in_one_graph(K, w, m, target):
         assert len(seen) > 1, seen  # the graph took more than one range
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 12, 16])
-@pytest.mark.parametrize("parts", [1, 3, 8])
-def test_column_down_with_the_topk_sum_equals_the_looped_down(K, w, m, parts, monkeypatch):
-    """GemmConfig.col_parts (session 56): the down as column tiles that walk the used blocks,
-    the top-k sum by each tile's last program, gives the bits of the band's looped down and the
-    combine launch: eager on random routing, on 8 shared experts and with padding ids (-1,
-    a token with none left), and in one CUDA graph whose replays alternate those routings
-    (the counters re-armed each time); with SGLANG_DDTREE_MOE_SERIAL_REDUCE=0 (no counters)
-    the combine launch sums instead, the same bits."""
-    moe = K.moe
-    table = moe.select_config(m)
-    # the band's looped down (the M = 1 band's per-tile one as a looped one: the same K
-    # order as the column kernel's)
-    base = table.down if table.down.n_per_cta else dataclasses.replace(
-        table.down, block_k=I, n_per_cta=512)
-    loop = dataclasses.replace(table, down=base)
-    cols = dataclasses.replace(table, down=dataclasses.replace(
-        base, n_per_cta=0, split_target=0, col_parts=parts))
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    for few in (False, True):
-        tw, ti = few_or_random(m, 900 + m, few)
-        assert torch.equal(ours(K, w, x, tw, ti, config=cols), ours(K, w, x, tw, ti, config=loop))
-    tw, ti = few_or_random(m, 950 + m, False)
-    ti[m // 2:, 3:] = -1
-    ti[m - 1] = -1
-    got = ours(K, w, x, tw, ti, config=cols)
-    assert torch.equal(got, ours(K, w, x, tw, ti, config=loop))
-    assert (got[m - 1] == 0).all()
-    out = torch.empty(m, H, device="cuda", dtype=torch.bfloat16)
-    xg, twg, tig = x.clone(), tw.clone(), ti.clone()
-    graph = captured(K, w, xg, twg, tig, out, config=cols)
-    for _, tw2, ti2 in replays(graph, xg, twg, tig, 6, 960 + m):
-        assert torch.equal(out, ours(K, w, xg, tw2, ti2, config=loop))
-    monkeypatch.setenv("SGLANG_DDTREE_MOE_SERIAL_REDUCE", "0")
-    assert torch.equal(ours(K, w, x, tw, ti, config=cols), ours(K, w, x, tw, ti, config=loop))
-
-
 def _sglang_or_skip():
     try:
         # Through the scheme module: importing gptq_kernels first hits a circular import.

@@ -70,7 +70,7 @@ def test_breakdown_down_candidates_keep_the_bands_options(bench, tmp_path):
             dataclasses.replace(table, down=bench.mw.GemmConfig(*down)))
         assert all(math.isfinite(v) for v in r["us"].values()), r
     for bad in ("", "64,128", "a,b,c,d", "64,128,4,1,128,0",
-                "64,128,4,1,0,0,1,0,1,1,0,2,1"):  # (12 at most: col_parts, session 56)
+                "64,128,4,1,128,0,1,0,1,1,96,1"):  # (12: prefetch_ahead, removed in session 56)
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--breakdown", "--breakdown-down", bad, "--out", str(out)])
 
@@ -178,41 +178,16 @@ def test_config_names_keep_their_pre_session_52_form(bench):
     assert g(*map(int, bench.config_name(cfg).split(","))) == cfg
 
 
-def test_column_down_runs_compare_down_and_combine(bench):
-    """A --breakdown run with a column down (GemmConfig.col_parts, session 56: its combine
-    is in the down launch) compares every config by down + combine; a run without one by the
-    down alone, as before. col_parts is the 12th field of a name."""
-    g = bench.mw.GemmConfig
-    loop = dataclasses.asdict(g(64, 256, 4, 3, 256, 0, 1, 0, 0, 1))
-    cols = dataclasses.asdict(g(64, 256, 4, 3, 0, 0, 1, 0, 0, 1, 0, 4))
-    assert bench.config_name(g(**cols)) == "64,256,4,3,0,0,1,0,0,1,0,4"
-
-    def run(*downs):
-        return {"command": "bench --routing random", "rows": [
-            {"m": 8, "table_config": i == 0, "config": {"down": d},
-             "us": {"down": us, "combine": comb}} for i, (d, us, comb) in enumerate(downs)]}
-    rows = bench.down_grid_rows([run((loop, 22.0, 2.0), (cols, 23.0, 0.1))])
-    assert rows[0]["table_us"] == 24.0
-    assert rows[0]["candidates"] == {"64,256,4,3,0,0,1,0,0,1,0,4": {"us": 23.1}}
-    other = dataclasses.asdict(g(64, 256, 4, 3, 512, 0, 1, 0, 0, 1))
-    rows = bench.down_grid_rows([run((loop, 22.0, 2.0), (other, 21.0, 2.5))])
-    assert rows[0]["table_us"] == 22.0
-    assert rows[0]["candidates"] == {"64,256,4,3,512,0,1,0,0,1": {"us": 21.0}}
-
-
 def test_grid_option_is_checked(bench, tmp_path, capsys):
     for bad in ("", "64,128", "64,128,4,1,0,1,2,9", "64,128,4,1,0,1,2,0,1,1,1", "a,b,c,d"):
         with pytest.raises(SystemExit):
             bench.main(TINY + ["--grid", bad, "--out", str(tmp_path / "x.json")])
-    # a 12th field was GemmConfig.prefetch_ahead (removed in session 56); now it is col_parts,
-    # a down option (--breakdown-down)
-    with pytest.raises(SystemExit):
-        bench.main(TINY + ["--grid", "64,128,4,1;32,256,2,3,0,0,4,256,1,1,0,2",
-                           "--out", str(tmp_path / "x.json")])
-    assert "GemmConfig.prefetch_ahead, removed in session 56" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(TINY + ["--breakdown", "--breakdown-down", "64,128,4,1,0,0,1,0,0,0,0,2,1",
-                           "--out", str(tmp_path / "x.json")])
+    # a 12th field was GemmConfig.prefetch_ahead (removed in session 56), in either list
+    for flag in ("--grid", "--breakdown-down"):
+        with pytest.raises(SystemExit):
+            bench.main(TINY + [flag, "64,128,4,1;32,256,2,3,0,0,4,256,1,1,0,2",
+                               "--out", str(tmp_path / "x.json")])
+        assert "GemmConfig.prefetch_ahead, removed in session 56" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(TINY + ["--grid", "64,128,4,1", "--routings", "random,skewed:3",
                            "--out", str(tmp_path / "x.json")])
@@ -507,6 +482,12 @@ def test_down_grid_rows_from_breakdown_runs(bench):
     rows = bench.down_grid_rows([json.loads(run.read_text())])
     assert [(r["m"], len(r["candidates"])) for r in rows] == [(8, 3), (16, 2), (32, 2)]
     assert all(len(c.split(",")) <= 10 for r in rows for c in r["candidates"]), rows
+    # session 56's column-down runs (GemmConfig.col_parts, removed then): every candidate set
+    # it, so none is a choice; the table's rows stay
+    for run in ("a", "b", "c"):
+        path = REPO / "bench_results" / f"fused_moe_cols_random_{run}_h100_s56.json"
+        rows = bench.down_grid_rows([json.loads(path.read_text())])
+        assert rows and all(r["table_us"] and not r["candidates"] for r in rows), rows
 
 
 def test_committed_down_configs_are_the_pick_from_the_session_28_breakdown(bench, tmp_path):

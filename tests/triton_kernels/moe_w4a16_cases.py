@@ -507,64 +507,6 @@ def test_shape_bound_options_fall_back():
     check(*run(w, x, tw, ti, cfg=odd))
 
 
-# GemmConfig.col_parts (session 56): the down as column tiles that walk the used blocks, the
-# top-k sum by each tile's last program (moe_down_cols.py)
-def _cols_cfg(parts, block_m=8, opts=0):
-    return MOE.MoeConfig(block_m, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(
-        64, 128, 4, 1, 0, 0, 1, 0, opts, opts, 0, parts))
-
-
-def _loop_cfg(block_m=8, opts=0):
-    return MOE.MoeConfig(block_m, MOE.GemmConfig(64, 128, 4, 1), MOE.GemmConfig(
-        64, 128, 4, 1, 128, 0, 1, 0, opts, opts))
-
-
-# (M = 20: two 16-token tiles of the sum; opts: par_acc and scale_once)
-@pytest.mark.parametrize("m,parts,block_m,opts", [(1, 1, 16, 0), (5, 2, 8, 1), (8, 3, 8, 0),
-                                                  (20, 4, 8, 1)])
-def test_column_down_equals_the_looped_down_and_combine(experts, m, parts, block_m, opts,
-                                                        monkeypatch):
-    """The column down with the sum in its launch gives the looped down's and the combine's
-    bits (and the reference's values), with padding ids (a dropped slot, a token with none
-    left: zeros); its counters are re-armed; without counters (SERIAL_REDUCE=0) the combine
-    launch sums instead, the same bits."""
-    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "1")
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
-    tw, ti = random_routing(m, 9, 3, seed=700 + m)
-    if m > 1:
-        ti[m // 2:, 2] = -1
-        ti[m - 1] = -1
-    out, ref = run(experts[9], x, tw, ti, scale=1.5, cfg=_cols_cfg(parts, block_m, opts))
-    check(out, ref)
-    assert m == 1 or (out[m - 1] == 0).all()
-    assert torch.equal(out, run(experts[9], x, tw, ti, scale=1.5, cfg=_loop_cfg(block_m, opts))[0])
-    assert all(int(c.abs().sum()) == 0 for c in MOE._counters.values() if torch.is_tensor(c))
-    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, "0")
-    assert torch.equal(out, run(experts[9], x, tw, ti, scale=1.5,
-                                cfg=_cols_cfg(parts, block_m, opts))[0])
-
-
-def test_column_down_config_rules():
-    """col_parts is a down option of the whole-K tile, without a column range or a narrowed
-    down (a live target is dropped, as for the per-tile down); the shape fallback drops it
-    (and par_acc / scale_once with it)."""
-    MOE._fitted(_cols_cfg(2), H, I)
-    cols = _cols_cfg(2).down
-    gu = MOE.GemmConfig(64, 128, 4, 1)
-    for bad in (MOE.MoeConfig(8, gu, dataclasses.replace(cols, n_per_cta=128)),
-                MOE.MoeConfig(8, dataclasses.replace(gu, col_parts=2), cols),
-                MOE.MoeConfig(16, gu, cols, half_m=1),
-                MOE.MoeConfig(8, gu, dataclasses.replace(cols, col_parts=-1))):
-        with pytest.raises(ValueError, match="does not tile"):
-            MOE._fitted(bad, H, I)
-    MOE._fitted(MOE.MoeConfig(16, gu, cols, half_m=2), H, I)  # (the gate-up alone narrows)
-    live = MOE.MoeConfig(8, gu, dataclasses.replace(cols, split_target=8))
-    assert MOE._fitted(live, H, I)[1] == cols
-    down = MOE.GemmConfig(64, 256, 4, 1, 0, 0, 1, 0, 1, 1, 0, 4)
-    assert MOE._fit(down, 7168, 256) == down
-    assert MOE._fit(down, 7168, 768) == MOE.GemmConfig(64, 256, 4, 1)
-
-
 def test_all_tokens_one_expert_and_idle_experts(experts):
     # Every token routes to experts (3, 0): two experts get all 40 tokens (3 blocks each), seven
     # experts get none.
@@ -1012,20 +954,23 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
         with pytest.raises(ValueError, match=f"unreadable band.*'{gone}' was removed in {when}"):
             MOE.check_config_table(7168, 256, str(tmp_path / f"{gone}.json"))
     # a tile config with GemmConfig.prefetch_ahead (removed in session 56, slower on the
-    # H200), in either GEMM; 0, as the runs of sessions 54-56 wrote every config, is dropped
-    for kind in ("gate_up", "down"):
-        old = json.loads(json.dumps(table))
-        old["bands"][2][kind]["prefetch_ahead"] = 2
-        (tmp_path / f"ahead_{kind}.json").write_text(json.dumps(old))
-        with pytest.raises(ValueError, match=(
-                f"unreadable band.*max_m={old['bands'][2]['max_m']} {kind}: 'prefetch_ahead' "
-                r"was removed in session 56 \(slower on the H200")):
-            MOE.check_config_table(7168, 256, str(tmp_path / f"ahead_{kind}.json"))
-        old["bands"][2][kind]["prefetch_ahead"] = 0
-        (tmp_path / f"ahead_{kind}.json").write_text(json.dumps(old))
-        MOE.check_config_table(7168, 256, str(tmp_path / f"ahead_{kind}.json"))
-        assert (MOE.select_config(old["bands"][2]["max_m"], str(tmp_path / f"ahead_{kind}.json"))
-                == MOE.select_config(old["bands"][2]["max_m"]))
+    # H200) or col_parts (session 56, slower on an H100), in either GEMM; 0, as the runs of
+    # sessions 54-56 wrote every config, is dropped
+    for field, why in (("prefetch_ahead", "on the H200"), ("col_parts", "on an H100")):
+        for kind in ("gate_up", "down"):
+            old = json.loads(json.dumps(table))
+            old["bands"][2][kind][field] = 2
+            path = tmp_path / f"{field}_{kind}.json"
+            path.write_text(json.dumps(old))
+            with pytest.raises(ValueError, match=(
+                    f"unreadable band.*max_m={old['bands'][2]['max_m']} {kind}: '{field}' "
+                    rf"was removed in session 56 \(slower {why}")):
+                MOE.check_config_table(7168, 256, str(path))
+            old["bands"][2][kind][field] = 0
+            path.write_text(json.dumps(old))
+            MOE.check_config_table(7168, 256, str(path))
+            assert (MOE.select_config(old["bands"][2]["max_m"], str(path))
+                    == MOE.select_config(old["bands"][2]["max_m"]))
 
 
 def test_half_m_needs_blocks_of_16_32_or_64():

@@ -44,11 +44,11 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
-    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs[, col_parts]]]]]) as in
-    GemmConfig; ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
+    split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
+    ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
     (MoeConfig.wide_halves)."""
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
-     max_regs, col_parts) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0, 0)[len(tiles) - 4:]
+     max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
     limit = {"maxnreg": max_regs} if max_regs else {}
     if kind == "gate_up":
@@ -68,17 +68,6 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
         if wide:
             const["WIDE_HALVES"] = True
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
-    if col_parts:  # the column down with the top-k sum (M = 8's token tile), as served
-        sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
-               "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "topk_ids_ptr": "*i32",
-               "y_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32", "scale": "fp32",
-               "T": "i32", "M": "i32", "max_blocks": "i32", "stride_om": "i32"}
-        const = dict(N=H, I=I, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_M=bm, BLOCK_N=bn,
-                     COL_PARTS=col_parts, STEPS=max(1, 64 // col_parts), TOK_TILE=8,
-                     PORTABLE=False, SUM=True,
-                     PAR_ACC=bool(par_acc), SCALE_ONCE=bool(scale_once))
-        return _compile(MOE._down_cols_kernel, sig, const, warps, stages, div16=("stride_om",),
-                        **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
@@ -104,15 +93,13 @@ def _shipped():
         for kind in ("gate_up", "down"):
             g = band[kind]
             half = band.get("half_m", 0)
-            opts = [g.get("par_acc", 0), g.get("scale_once", 0), g.get("max_regs", 0),
-                    g.get("col_parts", 0)]
-            while len(opts) > 2 and not opts[-1]:
-                opts.pop()
+            opts = (g.get("par_acc", 0), g.get("scale_once", 0), g.get("max_regs", 0))
+            if not opts[2]:
+                opts = opts[:2]
             key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
                                            g["num_stages"], g.get("n_per_cta", 0),
                                            g.get("split_dq", 0), g.get("split_k", 1),
-                                           g.get("split_target", 0))
-                   + (tuple(opts) if any(opts) else ()),
+                                           g.get("split_target", 0)) + (opts if any(opts) else ()),
                    half == 1 or (kind == "gate_up" and half == 2),
                    kind == "gate_up" and bool(band.get("wide_halves", 0)))
             if key not in seen:
@@ -304,23 +291,6 @@ def test_wide_halves_gate_up_compiles_without_spills(MOE, bm, tiles, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
-
-
-# The column down with the top-k sum (GemmConfig.col_parts, session 56): the tiles
-# gpu_session.sh moecols times, on 8- and 16-row blocks
-@pytest.mark.parametrize("bm,tiles", [
-    (8, (64, 256, 4, 3, 0, 0, 1, 0, 0, 1, 0, 4)), (8, (64, 256, 4, 3, 0, 0, 1, 0, 1, 1, 0, 4)),
-    (8, (64, 256, 4, 4, 0, 0, 1, 0, 0, 1, 0, 8)), (8, (128, 256, 4, 3, 0, 0, 1, 0, 0, 1, 0, 4)),
-    (8, (32, 256, 2, 3, 0, 0, 1, 0, 0, 1, 0, 8)), (16, (128, 256, 4, 2, 0, 0, 1, 0, 0, 0, 0, 2))],
-    ids=str)
-def test_column_down_compiles_without_spills(MOE, bm, tiles, tmp_path):
-    """In-register dequant kept, no spills, within shared memory, and its weight tiles
-    pipelined (more than one buffer a tile: the blocks' ids are held in registers, else the
-    pipeliner makes the weight loads indirect and keeps one)."""
-    kern = _gemm(MOE, "down", bm, tiles)
-    _check_kernel(kern, tmp_path)
-    bufs = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x32xi32", kern.asm["ttgir"])
-    assert bufs and int(bufs[0]) == tiles[3] - 1, bufs
 
 
 def test_rerun_in_clean_process():
