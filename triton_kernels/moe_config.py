@@ -125,13 +125,19 @@ _REMOVED_GEMM = {
 }
 
 
+def _refuse_removed(fields: dict, removed: dict, where: str) -> None:
+    """ValueError, naming ``where``, if ``fields`` sets an option of ``removed`` (_REMOVED or
+    _REMOVED_GEMM), with the reason it was removed."""
+    for gone, why in removed.items():
+        if fields.get(gone):
+            raise ValueError(f"{where}: {gone!r} was removed in {why}; drop it")
+
+
 def gemm_config(fields: dict, where: str = "GemmConfig") -> GemmConfig:
     """A GemmConfig from its fields as a table band (``gate_up`` / ``down``) or a run's JSON
     holds them: a removed option (_REMOVED_GEMM) that is 0 is dropped; ValueError, naming
     ``where``, for one that is set."""
-    for gone, why in _REMOVED_GEMM.items():
-        if fields.get(gone):
-            raise ValueError(f"{where}: {gone!r} was removed in {why}; drop it")
+    _refuse_removed(fields, _REMOVED_GEMM, where)
     return GemmConfig(**{k: v for k, v in fields.items() if k not in _REMOVED_GEMM})
 
 
@@ -147,9 +153,7 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
     table = []
     for band in raw["bands"]:
         where = f"band max_m={band.get('max_m')}"
-        for gone, why in _REMOVED.items():
-            if band.get(gone):
-                raise ValueError(f"{where}: {gone!r} was removed in {why}; drop it")
+        _refuse_removed(band, _REMOVED, where)
         table.append((int(band["max_m"]), MoeConfig(
             block_m=int(band["block_m"]),
             gate_up=gemm_config(band["gate_up"], f"{where} gate_up"),
