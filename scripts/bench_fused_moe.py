@@ -1286,6 +1286,10 @@ def main(argv=None) -> int:
             ref = moe_w4a16_reference(xs[0], lw["w13_packed"], lw["w13_scale"], lw["w2_packed"],
                                       lw["w2_scale"], tws[0], tis[0], args.routed_scaling)
             row["rel_err_vs_ref"] = float((got - ref).norm() / ref.norm())
+            for name, env in variants.items():  # the same call under the variant's switches
+                other = with_env(env, lambda: run_ours(
+                    layers, xs, tws, tis, n=1, routed_scaling_factor=args.routed_scaling))()
+                row[f"bits_equal_{name}"] = bool(torch.equal(other.float(), got))
             for name, (prep, fn) in baselines.items():
                 if row["us"].get(name) is None:
                     continue  # failed to run: the error is in row["errors"]

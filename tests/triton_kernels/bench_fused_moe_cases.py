@@ -130,6 +130,21 @@ def test_ours_variants_time_env_switches_beside_ours(bench, tmp_path, monkeypatc
         bench.main(TINY + ["--ours-variants", "broken", "--out", str(out)])
 
 
+def test_ours_variants_bits_are_compared_under_check(bench, tmp_path):
+    """With --check a variant's output is compared with ours bit for bit: session 57's
+    self_route tables (gpu_session.sh moeself) give the shipped table's bits."""
+    out = tmp_path / "self.json"
+    tables = [REPO / "bench_results" / f"moe_w4a16_configs_self_route{n}_s57.json"
+              for n in ("", "2")]
+    assert bench.main(TINY + ["--check", "--ours-variants",
+                              f"self:SGLANG_DDTREE_MOE_CONFIG={tables[0]}",
+                              f"self2:SGLANG_DDTREE_MOE_CONFIG={tables[1]}",
+                              "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    for name in ("ours_self", "ours_self2"):
+        assert row[f"bits_equal_{name}"] is True and row["us"][name] > 0
+
+
 def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):
     """A tuning run of some M bands replaces those bands only; the table lists every run that
     still owns a band with the bands it owns (a dict-valued "tuned" is an older table's)."""
