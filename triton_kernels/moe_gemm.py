@@ -9,8 +9,7 @@ import triton.language as tl
 from .moe_align import _PACK, _plane_major_cols
 from .moe_tiles import (
     _GROUP, _block_rows, _dequant8, _dot, _level_of, _live_split, _max_blocks, _mma8,
-    _mma8_planes, _narrow_level, _rows_at, _rows_for, _self_leaders, _self_pick, _self_rows,
-    _split_for,
+    _narrow_level, _rows_at, _rows_for, _self_leaders, _self_pick, _self_rows, _split_for,
 )
 
 
@@ -93,10 +92,7 @@ def _gate_up_kernel(
         if e < 0:
             return
     else:
-        e = tl.load(block_expert_ptr + pid_m)
-        level = 0  # all BLOCK_M rows
-        if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-            level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
         if e < 0:
             return
         row0 = pid_m * BLOCK_M
@@ -138,6 +134,18 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr,
+                   HALF_M: tl.constexpr):
+    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows),
+    the level's ids loaded beside the expert, not after it (in bounds for unused blocks too)."""
+    e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
+    if HALF_M:
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    return e, level
+
+
+@triton.jit
 def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e, row0,
                   pid_n, pid_k, K: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -171,7 +179,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   + offs_n[:, None])
     if SELF_ROUTE > 0:
         # x in natural order: a scalar pointer (the K step's first column) and int32 offsets
-        # [KP, BM, 4] of planes 0-3 (_mma8_planes), 16 registers a thread at the M = 8 band's
+        # [KP, BM, 4] of planes 0-3 (_mma8's NATURAL), 16 registers a thread at the M = 8 band's
         # 32 x 256 / 2-warp tile where a pointer tensor took 32. No mask: a padding row reads
         # token 0 (tok), and its sums are never stored.
         x_ptrs = xp_ptr + k0
@@ -264,14 +272,14 @@ def _gate_up_step(acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, 
                   SELF_ROUTE: tl.constexpr = 0):
     """One K step of _gate_up_rows: the gate and up tiles and their scales (in that order),
     their planes' dots into two accumulators (``acc_gb`` / ``acc_ub`` only under PAR_ACC);
-    under SELF_ROUTE the activations in natural order at ``x_ptrs + x_off`` (_mma8_planes)."""
+    under SELF_ROUTE the activations in natural order at ``x_ptrs + x_off`` (_mma8's NATURAL)."""
     w = tl.load(w_ptrs)
     s = _scale_tile(s_ptrs, BN, KP, SCALE_ONCE)
     w2 = tl.load(w_ptrs + I)
     s2 = _scale_tile(s_ptrs + I, BN, KP, SCALE_ONCE)
     if SELF_ROUTE > 0:
-        return _mma8_planes(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs + x_off, True,
-                            PORTABLE, SPLIT_DQ, PAR_ACC)
+        return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs + x_off, x_mask, KP,
+                     True, PORTABLE, SPLIT_DQ, PAR_ACC, True)
     else:
         return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs, x_mask, KP, True,
                      PORTABLE, SPLIT_DQ, PAR_ACC)
@@ -357,10 +365,7 @@ def _down_kernel(
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
-    e = tl.load(block_expert_ptr + pid_m)
-    level = 0  # all BLOCK_M rows
-    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
     if e < 0:
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
@@ -502,10 +507,7 @@ def _down_loop_kernel(
             pid_m = pid // NUM_S
             pid_s = pid % NUM_S
             tiles = TILES
-        e = tl.load(block_expert_ptr + pid_m)
-        level = 0  # all BLOCK_M rows
-        if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-            level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
         if e < 0:
             return
         row0 = pid_m * BLOCK_M

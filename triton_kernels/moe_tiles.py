@@ -133,18 +133,25 @@ def _plane(acc, acc2, w, w2, a_ptrs, a_mask, TWO: tl.constexpr, PORTABLE: tl.con
 
 @triton.jit
 def _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP: tl.constexpr,
-             TWO: tl.constexpr, PORTABLE: tl.constexpr):
-    """Four consecutive nibble planes (weights p / q, activations from ``a_ptrs``), in order."""
-    acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
-    acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
-    return _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
+             TWO: tl.constexpr, PORTABLE: tl.constexpr, NATURAL: tl.constexpr = False):
+    """Four consecutive nibble planes (weights p / q, activations from ``a_ptrs``), in order;
+    with NATURAL the activations in natural order (_x_planes4; ``a_mask`` unused)."""
+    if NATURAL:
+        a0, a1, a2, a3 = _x_planes4(a_ptrs)
+        acc, acc2 = _dots4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a0, a1, a2, a3, TWO,
+                           PORTABLE)
+    else:
+        acc, acc2 = _plane(acc, acc2, p0, q0, a_ptrs + 0 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p1, q1, a_ptrs + 1 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p2, q2, a_ptrs + 2 * KP, a_mask, TWO, PORTABLE)
+        acc, acc2 = _plane(acc, acc2, p3, q3, a_ptrs + 3 * KP, a_mask, TWO, PORTABLE)
+    return acc, acc2
 
 
 @triton.jit
 def _mma8(acc, acc2, acc_b, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constexpr,
           TWO: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False,
-          PAR_ACC: tl.constexpr = False):
+          PAR_ACC: tl.constexpr = False, NATURAL: tl.constexpr = False):
     """acc[BN, BM] += W_tile^T @ A_tile over one K tile of 8 * KP input rows (acc2 with W2).
 
     ``w``/``s``: [BN, KP] packed words and their scales; ``a_ptrs``: [KP, BM] pointers to the
@@ -153,8 +160,12 @@ def _mma8(acc, acc2, acc_b, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constex
     activation loads. With ``PAR_ACC`` planes 4-7 add into ``acc_b`` / ``acc2_b`` instead, so
     each chain of dependent MMAs on one accumulator is half as long (the caller sums the pairs
     after its K loop: another fp32 summation order); otherwise those two pass through.
+    With ``NATURAL`` the activations are in natural order (self-routed gate-up): ``a_ptrs``
+    is [KP, BM, 4], planes 0-3 (_x_planes4), and ``a_ptrs + 4`` planes 4-7; the same planes,
+    products and accumulators, so the same sums.
     Returns ``acc, acc2, acc_b, acc2_b``.
     """
+    HALF2: tl.constexpr = 4 if NATURAL else 4 * KP  # where planes 4-7 start
     if SPLIT_DQ:
         # Halves: planes 0-3 of both tiles, their dots, then 4-7 (fewer planes live at once).
         p0, p1, p2, p3 = _dequant4(w, s, False, PORTABLE)
@@ -162,7 +173,7 @@ def _mma8(acc, acc2, acc_b, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constex
         if TWO:
             q0, q1, q2, q3 = _dequant4(w2, s2, False, PORTABLE)
         acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP, TWO,
-                             PORTABLE)
+                             PORTABLE, NATURAL)
         p4, p5, p6, p7 = _dequant4(w, s, True, PORTABLE)
         q4, q5, q6, q7 = p4, p5, p6, p7
         if TWO:
@@ -173,13 +184,13 @@ def _mma8(acc, acc2, acc_b, acc2_b, w, s, w2, s2, a_ptrs, a_mask, KP: tl.constex
         if TWO:
             q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
         acc, acc2 = _planes4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a_ptrs, a_mask, KP, TWO,
-                             PORTABLE)
+                             PORTABLE, NATURAL)
     if PAR_ACC:
-        acc_b, acc2_b = _planes4(acc_b, acc2_b, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP,
-                                 a_mask, KP, TWO, PORTABLE)
+        acc_b, acc2_b = _planes4(acc_b, acc2_b, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + HALF2,
+                                 a_mask, KP, TWO, PORTABLE, NATURAL)
     else:
-        acc, acc2 = _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + 4 * KP, a_mask,
-                             KP, TWO, PORTABLE)
+        acc, acc2 = _planes4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a_ptrs + HALF2, a_mask,
+                             KP, TWO, PORTABLE, NATURAL)
     return acc, acc2, acc_b, acc2_b
 
 
@@ -333,40 +344,3 @@ def _dot2(acc, acc2, w, w2, a, TWO: tl.constexpr, PORTABLE: tl.constexpr):
     if TWO:
         acc2 = _dot(w2, a, acc2, PORTABLE)
     return acc, acc2
-
-
-@triton.jit
-def _mma8_planes(acc, acc2, acc_b, acc2_b, w, s, w2, s2, x_ptrs, TWO: tl.constexpr,
-                 PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr = False,
-                 PAR_ACC: tl.constexpr = False):
-    """_mma8 on activations in natural order (``x_ptrs`` planes 0-3 as _x_planes4 takes
-    them, ``x_ptrs + 4`` planes 4-7): the same planes, products and accumulators, so the same
-    sums."""
-    if SPLIT_DQ:
-        p0, p1, p2, p3 = _dequant4(w, s, False, PORTABLE)
-        q0, q1, q2, q3 = p0, p1, p2, p3
-        if TWO:
-            q0, q1, q2, q3 = _dequant4(w2, s2, False, PORTABLE)
-        a0, a1, a2, a3 = _x_planes4(x_ptrs)
-        acc, acc2 = _dots4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a0, a1, a2, a3, TWO,
-                           PORTABLE)
-        p4, p5, p6, p7 = _dequant4(w, s, True, PORTABLE)
-        q4, q5, q6, q7 = p4, p5, p6, p7
-        if TWO:
-            q4, q5, q6, q7 = _dequant4(w2, s2, True, PORTABLE)
-    else:
-        p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
-        q0, q1, q2, q3, q4, q5, q6, q7 = p0, p1, p2, p3, p4, p5, p6, p7
-        if TWO:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w2, s2, PORTABLE)
-        a0, a1, a2, a3 = _x_planes4(x_ptrs)
-        acc, acc2 = _dots4(acc, acc2, p0, p1, p2, p3, q0, q1, q2, q3, a0, a1, a2, a3, TWO,
-                           PORTABLE)
-    a4, a5, a6, a7 = _x_planes4(x_ptrs + 4)
-    if PAR_ACC:
-        acc_b, acc2_b = _dots4(acc_b, acc2_b, p4, p5, p6, p7, q4, q5, q6, q7, a4, a5, a6, a7,
-                               TWO, PORTABLE)
-    else:
-        acc, acc2 = _dots4(acc, acc2, p4, p5, p6, p7, q4, q5, q6, q7, a4, a5, a6, a7, TWO,
-                           PORTABLE)
-    return acc, acc2, acc_b, acc2_b

@@ -34,7 +34,7 @@ With ``MoeConfig.self_route`` a call of up to ``SELF_ROUTE_MAX_PAIRS`` pairs ski
 GEMMs' programs read the expert ids and find moe_align's blocks themselves (``_self_leaders``
 in ``moe_tiles.py``: blocks led by an expert's 0th, BLOCK_M-th, ... pair, in flat order of
 their leaders), and the gate-up reads ``x`` in natural order, splitting each K tile into its
-nibble planes in registers (``_mma8_planes``); ``h`` then has a row per pair. With
+nibble planes in registers (``_mma8``'s NATURAL); ``h`` then has a row per pair. With
 ``self_route`` 2 the looped down also does step 4 (``_down_loop_sum_kernel``: the last of a
 token's slots to arrive at a column range sums them), two launches in all. The same bits.
 
@@ -194,9 +194,9 @@ SELF_ROUTE_MAX_PAIRS = 128
 
 
 # ptxas's register limit for the down with the top-k sum (self_route 2) where the band's down
-# sets none: unlimited, ptxas gives the M = 8 and M 9-16 bands' tiles 96 registers (the looped
-# down alone 72 / 80), 5 programs an SM of 4 warps instead of 6-7; at 80 neither spills
-# (sm_90, session 57; at 72 the M 9-16 tile spills 8 bytes).
+# sets none: unlimited, ptxas gives the M = 8 and M 9-16 bands' tiles 96 registers (their
+# self-routed looped down without the sum 72 / 80), 5 programs an SM of 4 warps instead of 6-7;
+# at 80 neither spills (sm_90, session 57; at 72 the M 9-16 tile spills 8 bytes).
 SUM_DOWN_MAX_REGS = 80
 
 
