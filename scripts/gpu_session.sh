@@ -702,12 +702,15 @@ for s in "$@"; do
              step widemla-doctor ${WIDEMLA_DOCTOR_LIMIT:-200} python3 -m sglang_ddtree.cli doctor --graphs \
                --kernels mla,mla_fp8 --budgets 30,31,32 --batch-sizes 1,2,8 \
                --out "$OUT/doctor_mla_b30_b32_h200.json" ;;
-    widemlacosts) # (session 45 ran it with WIDEMLA_COSTS_BUDGETS=7,15 WIDEMLA_COSTS_NAME=b7_b15_bm8)
+    widemlacosts) # (session 45 ran it with WIDEMLA_COSTS_BUDGETS=7,15 WIDEMLA_COSTS_NAME=b7_b15_bm8;
+             # WIDEMLA_COSTS_ARGS adds arguments, e.g. "--server-env
+             # SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_self_route2_s57.json")
              step widemla-costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
                --out "$OUT/cost_curves_kimi_l61_${WIDEMLA_COSTS_NAME:-b31_b32}_h200.json" \
                --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
                --timer-budgets ${WIDEMLA_COSTS_BUDGETS:-31,32} --concurrency 1 \
-               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
+               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
+               ${WIDEMLA_COSTS_ARGS:-} ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,
