@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moeself
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -360,24 +360,6 @@ for s in "$@"; do
                  --breakdown-down "64,256,4,3,512;64,256,4,3,512,0,1,0,0,1" \
                  --out "$OUT/fused_moe_down_so_${routing/:/}_h200.json"
              done ;;
-    moeself) # (session 57) MoeConfig.self_route: no grouping launch at M <= 16 (the GEMMs
-             # find their blocks and read x in natural order), and at level 2 no combine
-             # launch either (the looped down sums each token's slots). Whole calls of the
-             # shipped table against the same table with self_route 1 / 2 on its M <= 16
-             # bands (bench_results/moe_w4a16_configs_self_route{,2}_s57.json), interleaved,
-             # 3 rounds, three routings, with each row's bits compared (bits_equal_ours_self,
-             # bits_equal_ours_self2); then the GPU tests (bit for bit against the grouped
-             # call, eager and in a graph). Default limits sum to 420 s, no kit
-             for routing in random concentrated:8 concentrated:32; do
-               step moeself-${routing/:/} ${MOESELF_LIMIT:-80} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds 3 --routing $routing \
-                 --ms ${MOESELF_MS:-1 2 3 4 6 7 8 9 12 16} \
-                 --ours-variants "self:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_self_route_s57.json" \
-                   "self2:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_self_route2_s57.json" \
-                 --out "$OUT/fused_moe_self_route_${routing/:/}_h200.json"
-             done
-             step moeselftest ${MOESELFTEST_LIMIT:-180} python3 -m pytest -q -p no:cacheprovider \
-               tests/gpu/test_moe_w4a16_gpu.py -k "self_route or graph_replay or padding or live_split" ;;
     moepar)  # (session 52) GemmConfig.par_acc (nibble planes 0-3 and 4-7 summed in two
              # accumulators: half-length MMA chains) and scale_once (a group's scale loaded once:
              # 26 against 32 KB of shared memory on the M = 8 tile, so 8 programs an SM and a
@@ -704,7 +686,7 @@ for s in "$@"; do
                --out "$OUT/doctor_mla_b30_b32_h200.json" ;;
     widemlacosts) # (session 45 ran it with WIDEMLA_COSTS_BUDGETS=7,15 WIDEMLA_COSTS_NAME=b7_b15_bm8;
              # WIDEMLA_COSTS_ARGS adds arguments, e.g. "--server-env
-             # SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_self_route2_s57.json")
+             # SGLANG_DDTREE_MOE_CONFIG=$PWD/<another band table>.json")
              step widemla-costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
                --out "$OUT/cost_curves_kimi_l61_${WIDEMLA_COSTS_NAME:-b31_b32}_h200.json" \
                --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \

@@ -93,18 +93,6 @@ class MoeConfig:
     # dequantized once for all of them (session 53; no faster than plain half_m on an H100,
     # session 55)
     wide_halves: int = 0
-    # 1: no grouping launch (moe_align) for calls of up to SELF_ROUTE_MAX_PAIRS (token, slot)
-    # pairs: every program of both GEMMs reads the call's expert ids and finds its block in
-    # registers (moe_align's blocks, in another order: the same sums bit for bit), and the
-    # gate-up reads x in natural order, splitting each K tile into its nibble planes in
-    # registers instead of reading moe_align's plane-major copy. Needs the looped down
-    # (down.n_per_cta > 0) and, with a K split, the arrival counters; a call that does not
-    # qualify is grouped by moe_align (moe_w4a16.self_route_pad). 2: also the top-k sum in the
-    # looped down's launch (no combine launch; needs the arrival counters, else the combine
-    # runs): a token's out columns are summed by the last of its slots' programs to finish
-    # them, in slot order (the combine's bits). Session 57: built and tested on the CPU
-    # (interpreter, sm_90 compile); not yet timed, no band sets it.
-    self_route: int = 0
 
     @property
     def narrow_gate_up(self) -> bool:
@@ -124,6 +112,9 @@ _REMOVED = {
     "run_m": "session 47 (no band of the shipped table used it)",  # (session 28)
     "prefetch_down": ("session 55 (slower on the H200 on random routing at every M timed: "
                       "71.6-73.9 us against 69.6 at M = 8)"),  # (session 54)
+    "self_route": ("session 58 (slower on the H200 at every M of 2-16 and routing timed: "
+                   "92.0 / 99.4 us for levels 1 / 2 against 66.5 at M = 8 on random "
+                   "routing)"),  # (session 57, last in 544abff)
 }
 # Tile options (GemmConfig fields) that were removed, and why: a band whose gate_up or down
 # still sets one is refused as above; 0 (off, as the configs of the runs before the removal
@@ -170,8 +161,7 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
             block_m=int(band["block_m"]),
             gate_up=gemm_config(band["gate_up"], f"{where} gate_up"),
             down=gemm_config(band["down"], f"{where} down"), half_m=int(band.get("half_m", 0)),
-            wide_halves=int(band.get("wide_halves", 0)),
-            self_route=int(band.get("self_route", 0)))))
+            wide_halves=int(band.get("wide_halves", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -251,7 +241,7 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)
             or any(g.max_regs and (g.max_regs % 8 or not 64 <= g.max_regs <= 248)
                    for g in (gu, dn))
-            or cfg.wide_halves not in (0, 1) or cfg.self_route not in (0, 1, 2)
+            or cfg.wide_halves not in (0, 1)
             or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
                                      or gu.block_n % 32))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and

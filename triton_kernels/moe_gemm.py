@@ -8,8 +8,8 @@ import triton.language as tl
 
 from .moe_align import _PACK, _plane_major_cols
 from .moe_tiles import (
-    _GROUP, _block_rows, _dequant8, _dot, _level_of, _live_split, _max_blocks, _mma8,
-    _narrow_level, _rows_at, _rows_for, _self_leaders, _self_pick, _self_rows, _split_for,
+    _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _narrow_level,
+    _rows_at,
 )
 
 
@@ -45,13 +45,7 @@ def _gate_up_kernel(
     PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
-    SELF_ROUTE: tl.constexpr = 0,  # > 0 (T_PAD): self-routed blocks, see below
-    X_STRIDE: tl.constexpr = 0,  # (SELF_ROUTE) row stride of x
 ):
-    # SELF_ROUTE (MoeConfig.self_route; T <= SELF_ROUTE = T_PAD): no grouping launch ran.
-    # sorted_ids_ptr is the call's flat expert ids, block_expert_ptr unused, xp_ptr x itself
-    # in natural order (row stride X_STRIDE), and the blocks are moe_align's found in
-    # registers (_self_leaders); h and the partial sums have a row per pair and a scratch row T.
     NUM_N: tl.constexpr = I // BLOCK_N
     # WIDE_HALVES (MoeConfig.wide_halves, HALF_M with BLOCK_M 16 / 32): each block has 2 NUM_N
     # programs (per K split). A full block's tile is two programs of BLOCK_N / 2 columns (its
@@ -62,19 +56,13 @@ def _gate_up_kernel(
     # BLOCK_M / 2 rows of a call still dequantizes each weight tile once for all of them.
     NQ: tl.constexpr = 2 * NUM_N if WIDE_HALVES else NUM_N  # programs per block (and split)
     pid = tl.program_id(0)
-    if SELF_ROUTE > 0:
-        s_i, s_ids, s_rank, s_lead, s_order, s_used = _self_leaders(
-            sorted_ids_ptr, T, SELF_ROUTE, BLOCK_M, NUM_EXPERTS)
     if SPLIT_TARGET > 0:
         # The used tiles' programs first, n_split per tile (the used blocks lead block_expert),
         # whatever the split: the grid (live_grid) holds the most any call can need, and
         # programs past this call's leave at once. max_blocks as moe_align sized it.
         # (the split from the used blocks' NUM_N tiles, as without WIDE_HALVES)
-        if SELF_ROUTE > 0:
-            n_split, live = _split_for(s_used, NUM_N, K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
-        else:
-            n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M),
-                                        NUM_N, K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
+        n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_N,
+                                    K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
         if pid >= live * (NQ // NUM_N) * n_split:
             return
         pid_k = pid % n_split
@@ -85,64 +73,47 @@ def _gate_up_kernel(
         n_split = SPLIT_K
     pid_m = pid_mn // NQ
     pid_n = pid_mn % NQ  # WIDE_HALVES: a half-width tile's index (full blocks) or past NUM_N
-    if SELF_ROUTE > 0:
-        row0, e, n_rows = _self_pick(s_i, s_ids, s_rank, s_lead, s_order, s_used, pid_m,
-                                     BLOCK_M)
-        level = _level_of(n_rows, BLOCK_M)
-        if e < 0:
-            return
-    else:
-        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
-        if e < 0:
-            return
-        row0 = pid_m * BLOCK_M
+    e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
+    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    if e < 0:
+        return
+    row0 = pid_m * BLOCK_M
     if HALF_M:
         if level == 0:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M,
                           BLOCK_N // 2 if WIDE_HALVES else BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                           PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split,
-                          PAR_ACC, SCALE_ONCE, SELF_ROUTE, X_STRIDE)
+                          PAR_ACC, SCALE_ONCE)
         elif WIDE_HALVES:
             if pid_n < NUM_N:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T,
                               part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2,
                               BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
-                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE,
-                              SELF_ROUTE, X_STRIDE)
+                              cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC, SCALE_ONCE, SELF_ROUTE, X_STRIDE)
+                              n_split, PAR_ACC, SCALE_ONCE)
             else:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 4, BLOCK_N, BLOCK_K,
                               DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                              n_split, PAR_ACC, SCALE_ONCE, SELF_ROUTE, X_STRIDE)
+                              n_split, PAR_ACC, SCALE_ONCE)
         else:
             _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                           e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                           DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL,
-                          n_split, PAR_ACC, SCALE_ONCE, SELF_ROUTE, X_STRIDE)
+                          n_split, PAR_ACC, SCALE_ONCE)
     else:
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
-                      SCALE_ONCE, SELF_ROUTE, X_STRIDE)
-
-
-@triton.jit
-def _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr,
-                   HALF_M: tl.constexpr):
-    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows),
-    the level's ids loaded beside the expert, not after it (in bounds for unused blocks too)."""
-    e = tl.load(block_expert_ptr + pid_m)
-    level = 0  # all BLOCK_M rows
-    if HALF_M:
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
-    return e, level
+                      SCALE_ONCE)
 
 
 @triton.jit
@@ -151,16 +122,15 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
-                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                  SELF_ROUTE: tl.constexpr = 0, X_STRIDE: tl.constexpr = 0):
-    """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``; under
-    SELF_ROUTE the block led by pair ``row0``), output columns ``pid_n``'s (``BLOCK_N`` wide,
-    of gate and of up), K range ``pid_k``'s of ``n_split`` (``SPLIT_K`` itself, or this call's
-    live split, at most ``SPLIT_K``); ``tile`` indexes its counter under ``SERIAL``."""
+                  PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
+    """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
+    ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
+    (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
+    counter under ``SERIAL``."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     K_STEPS = K // BLOCK_K // n_split
-    offs_m, rows, row_ok = _rows_for(sorted_ids_ptr, row0, T, BM, SELF_ROUTE)
+    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)
@@ -177,19 +147,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     else:
         s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
                   + offs_n[:, None])
-    if SELF_ROUTE > 0:
-        # x in natural order: a scalar pointer (the K step's first column) and int32 offsets
-        # [KP, BM, 4] of planes 0-3 (_mma8's NATURAL), 16 registers a thread at the M = 8 band's
-        # 32 x 256 / 2-warp tile where a pointer tensor took 32. No mask: a padding row reads
-        # token 0 (tok), and its sums are never stored.
-        x_ptrs = xp_ptr + k0
-        x_off = (tok.to(tl.int32)[None, :, None] * X_STRIDE + offs_r[:, None, None] * _PACK
-                 + tl.arange(0, 4)[None, None, :])
-        x_mask = row_ok[None, :]
-    else:
-        x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
-        x_mask = row_ok[None, :]
-        x_off = None
+    x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
+    x_mask = row_ok[None, :]
     acc_g = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     # PAR_ACC: planes 4-7's sums apart from 0-3's (half-length MMA chains), added after the
@@ -204,9 +163,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
         i = 0
         while i < K_STEPS:
             acc_g, acc_u, acc_gb, acc_ub = _gate_up_step(
-                acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, x_off, I, BLOCK_N,
-                KP,
-                PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE, SELF_ROUTE)
+                acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
+                PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
             x_ptrs += BLOCK_K
             w_ptrs += KP * N2
             s_ptrs += (BLOCK_K // _GROUP) * N2
@@ -214,9 +172,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     else:
         for _ in range(0, K_STEPS):
             acc_g, acc_u, acc_gb, acc_ub = _gate_up_step(
-                acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, x_off, I, BLOCK_N,
-                KP,
-                PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE, SELF_ROUTE)
+                acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I, BLOCK_N, KP,
+                PORTABLE, SPLIT_DQ, PAR_ACC, SCALE_ONCE)
             x_ptrs += BLOCK_K
             w_ptrs += KP * N2
             s_ptrs += (BLOCK_K // _GROUP) * N2
@@ -227,8 +184,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
         # Partial sums of the real rows; _gate_up_reduce_kernel adds them in fixed order.
         p_ptrs = (part_ptr + (pid_k.to(tl.int64) * part_rows + offs_m[None, :]) * N2
                   + offs_n[:, None])
-        tl.store(p_ptrs, acc_g, mask=row_ok[None, :])
-        tl.store(p_ptrs + I, acc_u, mask=row_ok[None, :])
+        tl.store(p_ptrs, acc_g, mask=x_mask)
+        tl.store(p_ptrs + I, acc_u, mask=x_mask)
         if SERIAL:
             # Serial split-K fix-up: the tile's programs count themselves in; the last to arrive
             # adds every partial (its own re-read too) in split order, so the sum does not depend
@@ -245,10 +202,8 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                     if k < n_split:  # the live split's partials only, in split order
                         q_ptrs = (part_ptr + (k * part_rows + offs_m[None, :]).to(tl.int64) * N2
                                   + offs_n[:, None])
-                        g += tl.load(q_ptrs, mask=row_ok[None, :], other=0.0,
-                                     cache_modifier=".cg")
-                        u += tl.load(q_ptrs + I, mask=row_ok[None, :], other=0.0,
-                                     cache_modifier=".cg")
+                        g += tl.load(q_ptrs, mask=x_mask, other=0.0, cache_modifier=".cg")
+                        u += tl.load(q_ptrs + I, mask=x_mask, other=0.0, cache_modifier=".cg")
                 _gate_up_store(g, u, h_ptr, offs_m, offs_n, I, DOWN_BLOCK_K)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
@@ -266,23 +221,17 @@ def _scale_tile(s_ptrs, BN: tl.constexpr, KP: tl.constexpr, SCALE_ONCE: tl.const
 
 
 @triton.jit
-def _gate_up_step(acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, x_off,
-                  I: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr, PORTABLE: tl.constexpr,
-                  SPLIT_DQ: tl.constexpr, PAR_ACC: tl.constexpr, SCALE_ONCE: tl.constexpr,
-                  SELF_ROUTE: tl.constexpr = 0):
+def _gate_up_step(acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, I: tl.constexpr,
+                  BN: tl.constexpr, KP: tl.constexpr, PORTABLE: tl.constexpr,
+                  SPLIT_DQ: tl.constexpr, PAR_ACC: tl.constexpr, SCALE_ONCE: tl.constexpr):
     """One K step of _gate_up_rows: the gate and up tiles and their scales (in that order),
-    their planes' dots into two accumulators (``acc_gb`` / ``acc_ub`` only under PAR_ACC);
-    under SELF_ROUTE the activations in natural order at ``x_ptrs + x_off`` (_mma8's NATURAL)."""
+    their planes' dots into two accumulators (``acc_gb`` / ``acc_ub`` only under PAR_ACC)."""
     w = tl.load(w_ptrs)
     s = _scale_tile(s_ptrs, BN, KP, SCALE_ONCE)
     w2 = tl.load(w_ptrs + I)
     s2 = _scale_tile(s_ptrs + I, BN, KP, SCALE_ONCE)
-    if SELF_ROUTE > 0:
-        return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs + x_off, x_mask, KP,
-                     True, PORTABLE, SPLIT_DQ, PAR_ACC, True)
-    else:
-        return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs, x_mask, KP, True,
-                     PORTABLE, SPLIT_DQ, PAR_ACC)
+    return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs, x_mask, KP, True, PORTABLE,
+                 SPLIT_DQ, PAR_ACC)
 
 
 @triton.jit
@@ -365,7 +314,10 @@ def _down_kernel(
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
-    e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
+    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
@@ -377,45 +329,42 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
                  pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
                  PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                 SCALE_ONCE: tl.constexpr = False, SELF_ROUTE: tl.constexpr = 0):
+                 SCALE_ONCE: tl.constexpr = False):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
     (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
-    ``tiles`` BLOCK_N steps; self-routed blocks too) or the per-tile one's (``pid_nc`` its
-    column tile)."""
+    ``tiles`` BLOCK_N steps) or the per-tile one's (``pid_nc`` its column tile)."""
     if HALF_M:
         if level == 0:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC, SCALE_ONCE, SELF_ROUTE)
+                        PAR_ACC, SCALE_ONCE)
         elif BLOCK_M >= 64:
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC, SCALE_ONCE, SELF_ROUTE)
+                            PORTABLE, PAR_ACC, SCALE_ONCE)
             else:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 4, BLOCK_N, BLOCK_K, N_PER_CTA,
-                            PORTABLE, PAR_ACC, SCALE_ONCE, SELF_ROUTE)
+                            PORTABLE, PAR_ACC, SCALE_ONCE)
         else:
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
-                        PAR_ACC, SCALE_ONCE, SELF_ROUTE)
+                        PAR_ACC, SCALE_ONCE)
     else:
         _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                     tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE, PAR_ACC,
-                    SCALE_ONCE, SELF_ROUTE)
+                    SCALE_ONCE)
 
 
 @triton.jit
 def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                 tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr,
-                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                SELF_ROUTE: tl.constexpr = 0):
+                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
-                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE,
-                        SELF_ROUTE)
+                        pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
     else:
         _down_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_nc,
                    N, I, BM, BLOCK_N, BLOCK_K, PORTABLE)
@@ -470,7 +419,6 @@ def _down_loop_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
     PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group (GemmConfig.scale_once)
-    SELF_ROUTE: tl.constexpr = 0,  # > 0 (T_PAD): self-routed blocks, as _gate_up_kernel's
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -489,177 +437,38 @@ def _down_loop_kernel(
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
     pid = tl.program_id(0)
-    if SELF_ROUTE > 0:
-        row0, e, level, pid_s, tiles, _ = _self_down_block(
-            sorted_ids_ptr, pid, T, SELF_ROUTE, BLOCK_M, NUM_EXPERTS, NUM_S, TILES, SPLIT_TARGET)
-        if e < 0:
-            return
-    else:
-        if SPLIT_TARGET > 0:
-            parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M),
-                                      NUM_S, TILES, TILES, SPLIT_TARGET)
-            if pid >= live * parts:
-                return
-            pid_m = pid // (NUM_S * parts)
-            pid_s = pid % (NUM_S * parts)
-            tiles = TILES // parts
-        else:
-            pid_m = pid // NUM_S
-            pid_s = pid % NUM_S
-            tiles = TILES
-        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
-        if e < 0:
-            return
-        row0 = pid_m * BLOCK_M
-    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level, row0,
-                 pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE, HALF_M, PAR_ACC,
-                 SCALE_ONCE, SELF_ROUTE)
-
-
-@triton.jit
-def _self_down_block(ids_ptr, pid, T, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     NUM_EXPERTS: tl.constexpr, NUM_S: tl.constexpr, TILES: tl.constexpr,
-                     SPLIT_TARGET: tl.constexpr):
-    """A self-routed looped down program's work (MoeConfig.self_route): its block's leader
-    pair, expert (-1: none, the program leaves), HALF_M level, column range and that range's
-    BLOCK_N steps, and the call's number of column ranges (NUM_S, or NUM_S x the live parts
-    under SPLIT_TARGET, as _down_loop_kernel's grouped path takes them)."""
-    s_i, s_ids, s_rank, s_lead, s_order, s_used = _self_leaders(ids_ptr, T, T_PAD, BLOCK_M,
-                                                                NUM_EXPERTS)
-    parts = 1
     if SPLIT_TARGET > 0:
-        parts, _ = _split_for(s_used, NUM_S, TILES, TILES, SPLIT_TARGET)
-    row0, e, n_rows = _self_pick(s_i, s_ids, s_rank, s_lead, s_order, s_used,
-                                 pid // (NUM_S * parts), BLOCK_M)
-    return (row0, e, _level_of(n_rows, BLOCK_M), pid % (NUM_S * parts), TILES // parts,
-            NUM_S * parts)
-
-
-@triton.jit
-def _down_loop_sum_kernel(
-    h_ptr,  # [T + 1, I] bf16, plane-major for one BLOCK_K = I tile (row per pair)
-    w_ptr,  # [E, I // 8, N] int32
-    s_ptr,  # [E, I // 32, N] bf16
-    ids_ptr,  # [T] int32/int64 expert ids (self-routed blocks)
-    topk_w_ptr,  # [T] fp32/bf16 routing weight of pair t
-    y_ptr,  # [T, N] bf16 scratch, row = pair id
-    out_ptr,  # [T // TOPK, N] bf16 out, row stride stride_om
-    cnt_ptr,  # [>= (T // TOPK) * NUM_S * TILES] int32, zero between launches (self-rearming)
-    T,
-    scale,  # routed_scaling_factor
-    stride_om,
-    N: tl.constexpr,
-    I: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    N_PER_CTA: tl.constexpr,
-    PORTABLE: tl.constexpr,
-    TOPK: tl.constexpr,
-    SELF_ROUTE: tl.constexpr,  # T_PAD (> 0)
-    NUM_EXPERTS: tl.constexpr,
-    HALF_M: tl.constexpr = False,
-    SPLIT_TARGET: tl.constexpr = 0,
-    PAR_ACC: tl.constexpr = False,
-    SCALE_ONCE: tl.constexpr = False,
-):
-    """_down_loop_kernel on self-routed blocks, with the top-k sum in the same launch
-    (MoeConfig.self_route 2: no combine launch). After its column range's y rows are
-    stored, a program counts each of its rows into its token's counter for that range; the
-    arrival that completes a token's valid slots sums the token's y rows over the range in
-    slot order and stores ``out``, exactly as _combine_kernel does (so the same bits, whichever
-    program arrives last), then re-arms the counter. The first programs also zero the rows of
-    tokens with no valid slot, as the combine does."""
-    NUM_S: tl.constexpr = N // N_PER_CTA
-    TILES: tl.constexpr = N_PER_CTA // BLOCK_N
-    pid = tl.program_id(0)
-    _zero_unrouted(ids_ptr, out_ptr, pid, T, stride_om, NUM_S, N_PER_CTA, BLOCK_N, TOPK,
-                   NUM_EXPERTS)
-    row0, e, level, pid_s, tiles, ranges = _self_down_block(
-        ids_ptr, pid, T, SELF_ROUTE, BLOCK_M, NUM_EXPERTS, NUM_S, TILES, SPLIT_TARGET)
+        parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
+                                  TILES, TILES, SPLIT_TARGET)
+        if pid >= live * parts:
+            return
+        pid_m = pid // (NUM_S * parts)
+        pid_s = pid % (NUM_S * parts)
+        tiles = TILES // parts
+    else:
+        pid_m = pid // NUM_S
+        pid_s = pid % NUM_S
+        tiles = TILES
+    e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
+    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     if e < 0:
         return
-    _down_blocks(h_ptr, w_ptr, s_ptr, ids_ptr, topk_w_ptr, y_ptr, T, e, level, row0, pid_s,
-                 tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA, PORTABLE, HALF_M, PAR_ACC,
-                 SCALE_ONCE, SELF_ROUTE)
-    _sum_slots(ids_ptr, y_ptr, out_ptr, cnt_ptr, row0, pid_s, tiles, ranges, T, scale,
-               stride_om, N, BLOCK_M, BLOCK_N, TOPK, SELF_ROUTE, NUM_EXPERTS)
-
-
-@triton.jit
-def _valid_slot(ids_ptr, pair, mask, NUM_EXPERTS: tl.constexpr):
-    """Whether each ``pair`` has an expert id in ``[0, NUM_EXPERTS)`` (False where masked)."""
-    e = tl.load(ids_ptr + pair, mask=mask, other=-1)
-    return mask & (e >= 0) & (e < NUM_EXPERTS)
-
-
-@triton.jit
-def _zero_unrouted(ids_ptr, out_ptr, pid, T, stride_om, NUM_S: tl.constexpr,
-                   N_PER_CTA: tl.constexpr, BLOCK_N: tl.constexpr, TOPK: tl.constexpr,
-                   NUM_EXPERTS: tl.constexpr):
-    """Zeros in the ``out`` rows of tokens with no valid slot (no block holds them, so no sum
-    arrives): token-range ``q`` (token ``q // NUM_S``, column range ``q % NUM_S``) by program
-    ``q`` modulo the grid."""
-    q = pid
-    while q < (T // TOPK) * NUM_S:
-        m = q // NUM_S
-        n_valid = tl.full([], 0, tl.int32)
-        for k in tl.static_range(TOPK):
-            n_valid += _valid_slot(ids_ptr, m * TOPK + k, True, NUM_EXPERTS).to(tl.int32)
-        if n_valid == 0:
-            for c in tl.static_range(N_PER_CTA // BLOCK_N):
-                cols = (q % NUM_S) * N_PER_CTA + c * BLOCK_N + tl.arange(0, BLOCK_N)
-                tl.store(out_ptr + m.to(tl.int64) * stride_om + cols,
-                         tl.zeros([BLOCK_N], dtype=out_ptr.dtype.element_ty))
-        q += tl.num_programs(0)
-
-
-@triton.jit
-def _sum_slots(ids_ptr, y_ptr, out_ptr, cnt_ptr, row0, pid_s, tiles, ranges, T, scale,
-               stride_om, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TOPK: tl.constexpr, T_PAD: tl.constexpr, NUM_EXPERTS: tl.constexpr):
-    """_down_loop_sum_kernel's top-k sum for the block led by pair ``row0``, column range
-    ``pid_s`` of ``ranges`` (``tiles`` BLOCK_N steps): see there. The barrier puts every
-    thread's y stores before the counters' release; the acquire and the L2-only loads (.cg)
-    let the last arrival see the other programs' rows (as the gate-up's serial split-K)."""
-    rows, _, row_ok = _self_rows(ids_ptr, row0, T, BLOCK_M, T_PAD)
-    tok = tl.where(row_ok, rows // TOPK, 0)
-    n_valid = tl.zeros([BLOCK_M], dtype=tl.int32)
-    for k in tl.static_range(TOPK):
-        n_valid += _valid_slot(ids_ptr, tok * TOPK + k, row_ok, NUM_EXPERTS).to(tl.int32)
-    tl.debug_barrier()
-    c_ptrs = cnt_ptr + tok * ranges + pid_s
-    arrived = tl.atomic_add(c_ptrs, tl.full([BLOCK_M], 1, tl.int32), mask=row_ok, sem="acq_rel",
-                            scope="gpu")
-    last = row_ok & (arrived == n_valid - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        tok64 = tok.to(tl.int64)
-        col0 = pid_s * (tiles * BLOCK_N)
-        i = 0
-        while i < tiles:  # (a loaded bound: the interpreter cannot range() over it)
-            cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for slot in range(TOPK):  # slot order, as _combine_kernel (a loop: fewer registers)
-                live = _valid_slot(ids_ptr, tok * TOPK + slot, last, NUM_EXPERTS)
-                acc += tl.load(y_ptr + (tok64 * TOPK + slot)[:, None] * N + cols[None, :],
-                               mask=live[:, None], other=0.0, cache_modifier=".cg"
-                               ).to(tl.float32)
-            tl.store(out_ptr + tok64[:, None] * stride_om + cols[None, :],
-                     (acc * scale).to(out_ptr.dtype.element_ty), mask=last[:, None])
-            i += 1
-        tl.atomic_xchg(c_ptrs, tl.zeros([BLOCK_M], dtype=tl.int32), mask=last, sem="relaxed",
-                       scope="gpu")
+    _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
+                 pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
+                 PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE)
 
 
 @triton.jit
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
                     tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                    SCALE_ONCE: tl.constexpr = False, SELF_ROUTE: tl.constexpr = 0):
-    """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``; under
-    SELF_ROUTE the block led by pair ``row0``): column range ``pid_s`` of ``tiles`` BLOCK_N
-    steps (a constant unless the range is live)."""
+                    SCALE_ONCE: tl.constexpr = False):
+    """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
+    column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live)."""
     KP: tl.constexpr = I // _PACK
-    offs_m, rows, row_ok = _rows_for(sorted_ids_ptr, row0, T, BM, SELF_ROUTE)
+    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     offs_r = tl.arange(0, KP)
     h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]  # [KP, BM], plane 0
     a_mask = row_ok[None, :]

@@ -30,14 +30,6 @@ two GEMMs. This module holds the wrapper and the combine; the launches live besi
 4. ``_combine_kernel``: ``out[m] = routed_scaling_factor * sum_k y[m, k]`` in fp32, fixed order
    (deterministic, unlike an atomic-add combine).
 
-With ``MoeConfig.self_route`` a call of up to ``SELF_ROUTE_MAX_PAIRS`` pairs skips step 1: the
-GEMMs' programs read the expert ids and find moe_align's blocks themselves (``_self_leaders``
-in ``moe_tiles.py``: blocks led by an expert's 0th, BLOCK_M-th, ... pair, in flat order of
-their leaders), and the gate-up reads ``x`` in natural order, splitting each K tile into its
-nibble planes in registers (``_mma8``'s NATURAL); ``h`` then has a row per pair. With
-``self_route`` 2 the looped down also does step 4 (``_down_loop_sum_kernel``: the last of a
-token's slots to arrive at a column range sums them), two launches in all. The same bits.
-
 With ``MoeConfig.half_m`` both GEMMs narrow a ``BLOCK_M``-row block (16, 32 or 64) to the
 fewest rows that hold its real rows, down to 8 with 16-row blocks and to 16 with larger ones
 (one kernel holds every width; a block's real rows precede its padding, so one or two ids tell
@@ -98,8 +90,7 @@ from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and
     moe_align,
 )
 from .moe_gemm import (  # steps 2 and 3
-    _down_kernel, _down_loop_kernel, _down_loop_sum_kernel, _gate_up_kernel,
-    _gate_up_reduce_kernel,
+    _down_kernel, _down_loop_kernel, _gate_up_kernel, _gate_up_reduce_kernel,
 )
 from .moe_tiles import (  # noqa: F401  (names re-exported for tests)
     _DEQUANT_PTX, _DEQUANT_PTX_HI, _DEQUANT_PTX_LO, GROUP_SIZE, _live_split,
@@ -188,29 +179,6 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-# MoeConfig.self_route serves calls of up to this many (token, slot) pairs (M = 16 at top-8):
-# every program of both GEMMs ranks the call's pairs with a [T, T] comparison.
-SELF_ROUTE_MAX_PAIRS = 128
-
-
-# ptxas's register limit for the down with the top-k sum (self_route 2) where the band's down
-# sets none: unlimited, ptxas gives the M = 8 and M 9-16 bands' tiles 96 registers (their
-# self-routed looped down without the sum 72 / 80), 5 programs an SM of 4 warps instead of 6-7;
-# at 80 neither spills (sm_90, session 57; at 72 the M 9-16 tile spills 8 bytes).
-SUM_DOWN_MAX_REGS = 80
-
-
-def self_route_pad(cfg: MoeConfig, down: GemmConfig, pairs: int, serial: bool) -> int:
-    """The SELF_ROUTE the GEMMs launch with for a call of ``pairs`` pairs: the power of two
-    (at least 16) that holds them where ``cfg.self_route`` is set and the call can take it, 0
-    where moe_align groups the call (more than SELF_ROUTE_MAX_PAIRS pairs; the per-tile down,
-    ``down.n_per_cta`` 0 as fitted to the shapes; or a K split without arrival counters,
-    whose reduce launch reads moe_align's blocks). Shapes and options only: no host sync."""
-    if not cfg.self_route or pairs > SELF_ROUTE_MAX_PAIRS or not down.n_per_cta or not serial:
-        return 0
-    return max(16, triton.next_power_of_2(pairs))
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -294,32 +262,24 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     portable_path = portable(hidden_states.device)
     t = m * topk
-    max_padded = max_padded_rows(t, num_experts, bm)  # (moe_align's; blocks at most)
+    sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k)
+    if _upto < 2:
+        return out
+    max_padded = sorted_ids.numel()
+    h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=hidden_states.device)
+    y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
     n_blocks = max_padded // bm
+
     num_n = inter // gu.block_n
+    # Rows of a split's partial slice: every padded row, or under a live split only the rows of
+    # calls that split at all (fewer than split_target / num_n used blocks; see _live_split).
+    part_rows = max_padded if not gu.split_target else min(
+        max_padded, triton.cdiv(gu.split_target, num_n) * bm)
+    part = h if gu.split_k == 1 else torch.empty(
+        gu.split_k, part_rows, 2 * inter, dtype=torch.float32, device=hidden_states.device)
     tiles = n_blocks * num_n
     wide = 2 if cfg.wide_halves else 1  # MoeConfig.wide_halves: 2 programs a column tile
     counters = _tile_counters(hidden_states.device, wide * tiles) if gu.split_k > 1 else None
-    t_pad = self_route_pad(cfg, dn, t, gu.split_k == 1 or counters is not None)
-    if t_pad:  # MoeConfig.self_route: the GEMMs find their blocks; x read in place
-        sorted_ids = block_expert = topk_ids.reshape(-1)
-        xp = hidden_states
-        # a row per pair, and the scratch row T that self-routed tiles store their padding in
-        max_padded = part_rows = t + 1
-    else:
-        sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states,
-                                                 gu.block_k)
-        # Rows of a split's partial slice: every padded row, or under a live split only the
-        # rows of calls that split at all (fewer than split_target / num_n used blocks; see
-        # _live_split).
-        part_rows = max_padded if not gu.split_target else min(
-            max_padded, triton.cdiv(gu.split_target, num_n) * bm)
-    if _upto < 2:
-        return out
-    h = torch.empty(max_padded, inter, dtype=torch.bfloat16, device=hidden_states.device)
-    y = torch.empty(t, hidden, dtype=torch.bfloat16, device=hidden_states.device)
-    part = h if gu.split_k == 1 else torch.empty(
-        gu.split_k, part_rows, 2 * inter, dtype=torch.float32, device=hidden_states.device)
     programs = wide * (tiles * gu.split_k if not gu.split_target else live_grid(
         tiles, hidden // gu.block_k, gu.split_k, gu.split_target))
     _gate_up_kernel[(programs,)](
@@ -329,9 +289,8 @@ def fused_moe_w4a16(
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
         SPLIT_K=gu.split_k, HALF_M=cfg.narrow_gate_up, SERIAL=counters is not None,
         SPLIT_TARGET=gu.split_target,
-        NUM_EXPERTS=num_experts if gu.split_target or t_pad else 0, PAR_ACC=bool(gu.par_acc),
+        NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
-        **({"SELF_ROUTE": t_pad, "X_STRIDE": hidden_states.stride(0)} if t_pad else {}),
         num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
@@ -344,30 +303,15 @@ def fused_moe_w4a16(
     if dn.n_per_cta:
         ranges = n_blocks * (hidden // dn.n_per_cta)
         steps = dn.n_per_cta // dn.block_n  # a live range splits into a divisor of its steps
-        grid = (ranges if not dn.split_target else live_grid(
-            ranges, steps, steps, dn.split_target),)
-        # self_route 2: the top-k sum in the down launch, from a counter per token and column
-        # range (at most steps parts of each n_per_cta range)
-        sums = (_tile_counters(hidden_states.device, m * (hidden // dn.n_per_cta) * steps)
-                if t_pad and cfg.self_route == 2 and _upto >= 4 else None)
-        if sums is not None:
-            _down_loop_sum_kernel[grid](
-                h, w2_packed, w2_scale, sorted_ids, topk_weights, y, out, sums, t,
-                float(routed_scaling_factor), out.stride(0), N=hidden, I=inter, BLOCK_M=bm,
-                BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta, PORTABLE=portable_path, TOPK=topk,
-                SELF_ROUTE=t_pad, NUM_EXPERTS=num_experts, HALF_M=cfg.narrow_down,
-                SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
-                SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps,
-                num_stages=dn.num_stages, maxnreg=dn.max_regs or SUM_DOWN_MAX_REGS)
-            return out
-        _down_loop_kernel[grid](
+        _down_loop_kernel[(ranges if not dn.split_target else live_grid(
+                ranges, steps, steps, dn.split_target),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, N_PER_CTA=dn.n_per_cta,
             PORTABLE=portable_path, HALF_M=cfg.narrow_down,
-            NUM_EXPERTS=num_experts if dn.split_target or t_pad else 0,
+            NUM_EXPERTS=num_experts if dn.split_target else 0,
             SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
-            SCALE_ONCE=bool(dn.scale_once), **({"SELF_ROUTE": t_pad} if t_pad else {}),
-            num_warps=dn.num_warps, num_stages=dn.num_stages, **_reg_limit(dn))
+            SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages,
+            **_reg_limit(dn))
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

@@ -456,45 +456,6 @@ def test_live_down_follows_the_routing_in_one_graph(K, w, m, target):
         assert len(seen) > 1, seen  # the graph took more than one range
 
 
-@pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16])
-def test_self_route_equals_the_grouped_call(K, w, m, level, monkeypatch):
-    """MoeConfig.self_route (session 57) on the table's band for m: with no grouping launch
-    (and at level 2 no combine launch), eager calls on random routing, on 8 shared experts,
-    with padding ids and with x read in place at a row stride give the grouped call's bits;
-    one captured graph replayed on alternating routings gives each replay's grouped bits (and
-    the reference's values); the arrival counters are left at zero."""
-    moe = K.moe
-    table = moe.select_config(m)
-    routed = dataclasses.replace(table, self_route=level)
-    aligned = []
-    real, real_combine = moe.moe_align, moe.combine
-    monkeypatch.setattr(moe, "moe_align", lambda *a, **k: aligned.append(1) or real(*a, **k))
-    monkeypatch.setattr(moe, "combine",
-                        lambda *a, **k: aligned.append(2) or real_combine(*a, **k))
-    wide = torch.randn(m, H + 128, device="cuda", dtype=torch.bfloat16)
-    x = wide[:, 64:64 + H]
-    for case in ("random", "few", "padding"):
-        tw, ti = few_or_random(m, 900 + m, few=case == "few")
-        if case == "padding":
-            ti[0, :3] = -1
-            ti[-1] = -1
-        want = ours(K, w, x.contiguous(), tw, ti, config=table)
-        aligned.clear()
-        got = ours(K, w, x, tw, ti, config=routed)
-        # (M = 1: the band's per-tile down leaves it to moe_align; at level 2 the combine
-        # runs only where the call is grouped)
-        assert aligned == ([] if table.down.n_per_cta and level == 2 else
-                           [2] if table.down.n_per_cta else [1, 2]), aligned
-        assert torch.equal(got, want), case
-    x = x.contiguous()
-    _graph_equals_fixed(K, w, x, routed,
-                        lambda tw, ti: (ours(K, w, x, tw, ti, config=table).clone(), 0),
-                        930 + m, 940)
-    torch.cuda.synchronize()
-    assert int(moe._counters[("cuda", torch.cuda.current_device())].abs().sum()) == 0
-
-
 def _sglang_or_skip():
     try:
         # Through the scheme module: importing gptq_kernels first hits a circular import.

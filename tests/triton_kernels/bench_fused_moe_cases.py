@@ -130,19 +130,26 @@ def test_ours_variants_time_env_switches_beside_ours(bench, tmp_path, monkeypatc
         bench.main(TINY + ["--ours-variants", "broken", "--out", str(out)])
 
 
-def test_ours_variants_bits_are_compared_under_check(bench, tmp_path):
-    """With --check a variant's output is compared with ours bit for bit: session 57's
-    self_route tables (gpu_session.sh moeself) give the shipped table's bits."""
-    out = tmp_path / "self.json"
-    tables = [REPO / "bench_results" / f"moe_w4a16_configs_self_route{n}_s57.json"
-              for n in ("", "2")]
-    assert bench.main(TINY + ["--check", "--ours-variants",
-                              f"self:SGLANG_DDTREE_MOE_CONFIG={tables[0]}",
-                              f"self2:SGLANG_DDTREE_MOE_CONFIG={tables[1]}",
+def test_ours_variants_bits_are_compared_under_check(bench, tmp_path, monkeypatch):
+    """With --check a variant's output is compared with ours bit for bit: another combine
+    launch shape sums the same slots in the same order (equal bits); a variant whose kernel
+    is made to return other values is reported unequal."""
+    out = tmp_path / "variants.json"
+    monkeypatch.delenv("SGLANG_DDTREE_MOE_COMBINE", raising=False)
+    assert bench.main(TINY + ["--check", "--ours-variants", "c256:SGLANG_DDTREE_MOE_COMBINE=256:2",
                               "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
-    for name in ("ours_self", "ours_self2"):
-        assert row[f"bits_equal_{name}"] is True and row["us"][name] > 0
+    assert row["bits_equal_ours_c256"] is True and row["us"]["ours_c256"] > 0
+    real = bench.run_ours
+
+    def skewed(*args, **kwargs):  # ours, scaled by 1.5 under the variant's switch
+        got = real(*args, **kwargs)
+        return got * 1.5 if os.environ.get("SGLANG_DDTREE_MOE_COMBINE") == "256:2" else got
+
+    monkeypatch.setattr(bench, "run_ours", skewed)
+    assert bench.main(TINY + ["--check", "--ours-variants", "c256:SGLANG_DDTREE_MOE_COMBINE=256:2",
+                              "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["bits_equal_ours_c256"] is False
 
 
 def test_write_table_merges_runs_and_keeps_their_provenance(bench, tmp_path):

@@ -944,15 +944,22 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
     (tmp_path / "no_down.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="unreadable band"):
         MOE.check_config_table(7168, 256, str(tmp_path / "no_down.json"))
-    # a band with an option removed in session 47 (never in the shipped table), or in session
-    # 55 (MoeConfig.prefetch_down, slower on the H200)
+    # a band with an option removed in session 47 (never in the shipped table), in session
+    # 55 (MoeConfig.prefetch_down, slower on the H200) or in session 58 (self_route, as
+    # session 57's timed tables set it: bench_results/moe_w4a16_configs_self_route*_s57.json)
     for gone, when in (("pairs", "session 47"), ("run_m", "session 47"),
-                       ("prefetch_down", r"session 55 \(slower on the H200")):
+                       ("prefetch_down", r"session 55 \(slower on the H200"),
+                       ("self_route", r"session 58 \(slower on the H200")):
         old = json.loads(json.dumps(table))
         old["bands"][2][gone] = 128 if gone == "prefetch_down" else 2
         (tmp_path / f"{gone}.json").write_text(json.dumps(old))
         with pytest.raises(ValueError, match=f"unreadable band.*'{gone}' was removed in {when}"):
             MOE.check_config_table(7168, 256, str(tmp_path / f"{gone}.json"))
+    for n in ("", "2"):  # session 57's timed tables are refused, not served grouped
+        timed = (Path(__file__).resolve().parents[2] / "bench_results"
+                 / f"moe_w4a16_configs_self_route{n}_s57.json")
+        with pytest.raises(ValueError, match="'self_route' was removed in session 58"):
+            MOE.check_config_table(7168, 256, str(timed))
     # a tile config with GemmConfig.prefetch_ahead (removed in session 56, slower on the
     # H200) or col_parts (session 56, slower on an H100), in either GEMM; 0, as the runs of
     # sessions 54-56 wrote every config, is dropped
@@ -983,109 +990,3 @@ def test_half_m_needs_blocks_of_16_32_or_64():
         with pytest.raises(ValueError, match="does not tile"):
             run(w, x, tw, ti, cfg=bad)
 
-
-
-# MoeConfig.self_route (session 57): no grouping launch; the GEMMs find moe_align's blocks
-# themselves and the gate-up reads x in natural order. Same bits as the grouped call.
-CFG_SELF_BM8_LIVE = MOE.MoeConfig(8, MOE.GemmConfig(32, 128, 4, 1, 0, 0, 2, 8, 1, 1),
-                                  MOE.GemmConfig(64, 128, 4, 1, 128, 0, 1, 0, 1, 1))
-CFG_SELF_HALF16 = MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 1, 2, 8),
-                                MOE.GemmConfig(64, 128, 4, 1, 128, 0, 1, 512), half_m=1)
-
-
-def _self_routed(cfg, level=1):
-    return dataclasses.replace(cfg, self_route=level)
-
-
-@pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("cfg", [CFG_LOOP, CFG_SELF_BM8_LIVE, CFG_SELF_HALF16],
-                         ids=["loop", "bm8_live_split", "half16_live_down"])
-@pytest.mark.parametrize("case", ["random", "one_expert", "padding", "duplicates", "int64"])
-def test_self_route_equals_the_grouped_call(experts, cfg, case, level, monkeypatch):
-    """Every case gives the grouped call's bits and the reference's values, with no grouping
-    launch (and at level 2 no combine launch, the counters left at zero): random routing
-    (M = 13 at top-8 over 9 experts: several blocks per expert), every token on the same
-    experts, CUDA-graph padding ids (-1, and a token with none), a token that lists one
-    expert twice (two rows of that expert, as moe_align groups them), int64 ids."""
-    m, topk = (13, 8) if case != "padding" else (6, 3)
-    x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
-    tw, ti = random_routing(m, 9, topk, seed=700 + m,
-                            id_dtype=torch.int64 if case == "int64" else torch.int32)
-    if case == "one_expert":
-        ti = torch.arange(topk, dtype=torch.int32).repeat(m, 1).contiguous()
-    elif case == "padding":
-        ti[1, 0] = -1
-        ti[4] = -1  # a token with no slot: zeros
-    elif case == "duplicates":
-        ti[2, 1] = ti[2, 0]
-    grouped, ref = run(experts[9], x, tw, ti, scale=1.5, cfg=cfg)
-    monkeypatch.setattr(MOE, "moe_align", None)  # (a grouping launch would raise)
-    if level == 2:
-        monkeypatch.setattr(MOE, "combine", None)  # (so would a combine launch)
-    got, _ = run(experts[9], x, tw, ti, scale=1.5, cfg=_self_routed(cfg, level))
-    assert torch.equal(got, grouped)
-    assert not any(int(c.abs().sum()) for c in MOE._counters.values()
-                   if isinstance(c, torch.Tensor))
-    check(got, ref)
-    if case == "padding":
-        assert not got[4].any()
-
-
-def test_self_route_reads_x_with_a_row_stride(experts):
-    """x a column slice of a wider buffer (row stride > H): read in place, as the grouping's
-    copy reads it."""
-    m = 5
-    wide = torch.randn(m, H + 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    x = wide[:, 32:32 + H]
-    tw, ti = random_routing(m, 9, 3, seed=31)
-    grouped, _ = run(experts[9], x.contiguous(), tw, ti, cfg=CFG_SELF_BM8_LIVE)
-    got, ref = run(experts[9], x, tw, ti, cfg=_self_routed(CFG_SELF_BM8_LIVE))
-    assert torch.equal(got, grouped)
-    check(got, ref)
-
-
-def test_self_route_takes_only_the_calls_it_can(monkeypatch):
-    """self_route_pad: the power of two (at least 16) that holds the pairs, or 0 (moe_align
-    groups the call) past SELF_ROUTE_MAX_PAIRS, with the per-tile down, or with a K split
-    but no arrival counters; and whole calls of each kind give the grouped call's bits."""
-    cfg = _self_routed(CFG_SELF_BM8_LIVE)
-    pad = MOE.self_route_pad
-    assert [pad(cfg, cfg.down, t, True) for t in (1, 16, 17, 64, 65, 128)] == \
-        [16, 16, 32, 64, 128, 128]
-    assert pad(cfg, cfg.down, MOE.SELF_ROUTE_MAX_PAIRS + 1, True) == 0
-    assert pad(cfg, MOE.GemmConfig(64, 128, 4, 1), 8, True) == 0  # the per-tile down
-    assert pad(cfg, cfg.down, 8, False) == 0  # split-K without counters
-    assert pad(CFG_SELF_BM8_LIVE, CFG_SELF_BM8_LIVE.down, 8, True) == 0  # not set
-
-    calls = []
-    real = MOE.moe_align
-    monkeypatch.setattr(MOE, "moe_align", lambda *a, **k: calls.append(1) or real(*a, **k))
-    w = REF.make_random_moe(9, H, I, seed=9)
-    for m, serial, grouped in ((4, "1", False), (17, "1", True), (4, "0", True)):
-        monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
-        calls.clear()
-        tw, ti = random_routing(m, 9, 8, seed=m)
-        x = torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16()
-        got, ref = run(w, x, tw, ti, cfg=cfg)
-        assert bool(calls) == grouped, (m, serial)
-        check(got, ref)
-
-
-def test_self_route_is_a_table_option(tmp_path):
-    """A band's "self_route" reaches MoeConfig; values other than 0 / 1 are refused."""
-    import json
-
-    table = {"bands": [{"max_m": 8, "block_m": 8, "self_route": 1,
-                        "gate_up": {"block_n": 64, "block_k": 128, "num_warps": 4,
-                                    "num_stages": 1},
-                        "down": {"block_n": 64, "block_k": 128, "num_warps": 4,
-                                 "num_stages": 1, "n_per_cta": 128}}]}
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps(table))
-    assert MOE.select_config(4, str(path)).self_route == 1
-    MOE.check_config_table(H, I, str(path))
-    table["bands"][0]["self_route"] = 3
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(table))
-    with pytest.raises(ValueError, match="band max_m=8"):
-        MOE.check_config_table(H, I, str(bad))

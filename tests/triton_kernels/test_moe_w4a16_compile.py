@@ -20,7 +20,7 @@ import pytest
 
 from tests.triton_kernels._moe_kernels import lang_mode_matches, load_moe, run_isolated
 from tests.triton_kernels._sm90 import (
-    SMEM_LIMIT, assert_no_spills, compile_sm90, programs_by_registers, registers,
+    SMEM_LIMIT, assert_no_spills, compile_sm90, registers,
 )
 
 H, I, TOPK = 7168, 256, 8
@@ -42,13 +42,11 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
-          self_pad: int = 0):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
-    (MoeConfig.wide_halves); ``self_pad``: SELF_ROUTE (MoeConfig.self_route's T_PAD; the
-    looped down only)."""
+    (MoeConfig.wide_halves)."""
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
      max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
@@ -69,8 +67,6 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["SCALE_ONCE"] = True
         if wide:
             const["WIDE_HALVES"] = True
-        if self_pad:
-            const.update(SELF_ROUTE=self_pad, X_STRIDE=H, NUM_EXPERTS=384)
         return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
@@ -82,8 +78,6 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["PAR_ACC"] = True
         if scale_once:
             const["SCALE_ONCE"] = True
-        if self_pad:
-            const.update(SELF_ROUTE=self_pad, NUM_EXPERTS=384)
         return _compile(MOE._down_loop_kernel, sig, const, warps, stages, **limit)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
     return _compile(MOE._down_kernel, sig, const, warps, stages, **limit)
@@ -96,41 +90,21 @@ def _shipped():
     band sets them)."""
     seen = []
     for band in json.loads(_CONFIGS.read_text())["bands"]:
-        for key in _band_keys(band):
+        for kind in ("gate_up", "down"):
+            g = band[kind]
+            half = band.get("half_m", 0)
+            opts = (g.get("par_acc", 0), g.get("scale_once", 0), g.get("max_regs", 0))
+            if not opts[2]:
+                opts = opts[:2]
+            key = (kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
+                                           g["num_stages"], g.get("n_per_cta", 0),
+                                           g.get("split_dq", 0), g.get("split_k", 1),
+                                           g.get("split_target", 0)) + (opts if any(opts) else ()),
+                   half == 1 or (kind == "gate_up" and half == 2),
+                   kind == "gate_up" and bool(band.get("wide_halves", 0)))
             if key not in seen:
                 seen.append(key)
     return seen
-
-
-def _band_keys(band: dict) -> list:
-    """_shipped()'s (kind, block_m, tiles, half_m, wide) of one band's gate-up and down."""
-    keys = []
-    for kind in ("gate_up", "down"):
-        g = band[kind]
-        half = band.get("half_m", 0)
-        opts = (g.get("par_acc", 0), g.get("scale_once", 0), g.get("max_regs", 0))
-        if not opts[2]:
-            opts = opts[:2]
-        keys.append((kind, band["block_m"], (g["block_n"], g["block_k"], g["num_warps"],
-                                             g["num_stages"], g.get("n_per_cta", 0),
-                                             g.get("split_dq", 0), g.get("split_k", 1),
-                                             g.get("split_target", 0))
-                     + (opts if any(opts) else ()),
-                     half == 1 or (kind == "gate_up" and half == 2),
-                     kind == "gate_up" and bool(band.get("wide_halves", 0))))
-    return keys
-
-
-def _self_routable() -> list:
-    """(kind, block_m, tiles, half_m, wide, T_PAD) of the shipped bands' GEMMs that
-    MoeConfig.self_route could serve at Kimi's top-8: a looped down and at most
-    SELF_ROUTE_MAX_PAIRS = 128 pairs (M <= 16), T_PAD for the band's largest call."""
-    out = []
-    for band in json.loads(_CONFIGS.read_text())["bands"]:
-        pairs = band["max_m"] * TOPK
-        if pairs <= 128 and band["down"].get("n_per_cta"):
-            out += [k + (max(16, 1 << (pairs - 1).bit_length()),) for k in _band_keys(band)]
-    return out
 
 
 def test_shipped_configs_carry_the_bands_options(tmp_path, monkeypatch):
@@ -317,45 +291,6 @@ def test_wide_halves_gate_up_compiles_without_spills(MOE, bm, tiles, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
-
-
-@pytest.mark.parametrize("kind,bm,tiles,half,wide,pad", _self_routable(), ids=str)
-def test_self_routed_bands_compile(MOE, kind, bm, tiles, half, wide, pad, tmp_path):
-    """MoeConfig.self_route's kernels for the bands it could serve: within shared memory, the
-    in-register dequant kept, no spills, and the gate-up's natural-order x tile still copied
-    to shared memory ahead of its K step (cp.async, in the pipeline) rather than loaded when
-    used. Registers are not held to the grouped kernel's: the M = 8 tile takes 168 against
-    127 (session 57; the GPU decides whether that costs)."""
-    kern = _gemm(MOE, kind, bm, tiles, half, wide, self_pad=pad)
-    _check_kernel(kern, tmp_path)
-    if kind == "gate_up":
-        assert re.search(r"async_copy_global_to_local [^\n]*: tensor<\d+x\d+x4x!tt\.ptr<bf16>",
-                         kern.asm["ttgir"]), \
-            "x's natural-order tile is not copied asynchronously"
-
-
-@pytest.mark.parametrize("kind,bm,tiles,half,wide,pad",
-                         [k for k in _self_routable() if k[0] == "down"], ids=str)
-def test_down_with_the_top_k_sum_compiles(MOE, kind, bm, tiles, half, wide, pad, tmp_path):
-    """MoeConfig.self_route 2's down (_down_loop_sum_kernel: the top-k sum in the launch) for
-    the bands self_route could serve, under the register limit it launches with
-    (SUM_DOWN_MAX_REGS): within shared memory, the in-register dequant kept, no spills, and
-    no more programs of 4 warps lost an SM than one against self_route 1's down."""
-    bn, _, warps, stages, n_per_cta, _, _, split_target, par_acc, scale_once = (
-        tuple(tiles) + (0, 0, 0, 0, 0, 0))[:10]
-    sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "ids_ptr": "*i32",
-           "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "out_ptr": "*bf16", "cnt_ptr": "*i32",
-           "T": "i32", "scale": "fp32", "stride_om": "i32"}
-    const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, N_PER_CTA=n_per_cta, PORTABLE=False,
-                 TOPK=TOPK, SELF_ROUTE=pad, NUM_EXPERTS=384, HALF_M=half,
-                 SPLIT_TARGET=split_target, PAR_ACC=bool(par_acc), SCALE_ONCE=bool(scale_once))
-    kern = _compile(MOE._down_loop_sum_kernel, sig, const, warps, stages,
-                    maxnreg=MOE.SUM_DOWN_MAX_REGS)
-    _check_kernel(kern, tmp_path)
-    plain = registers(_gemm(MOE, kind, bm, tiles, half, wide, self_pad=pad), tmp_path)
-    if plain is not None:
-        fits = programs_by_registers(registers(kern, tmp_path), warps)
-        assert fits >= programs_by_registers(plain, warps) - 1, (registers(kern, tmp_path), plain)
 
 
 def test_rerun_in_clean_process():
