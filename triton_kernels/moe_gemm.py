@@ -73,10 +73,7 @@ def _gate_up_kernel(
         n_split = SPLIT_K
     pid_m = pid_mn // NQ
     pid_n = pid_mn % NQ  # WIDE_HALVES: a half-width tile's index (full blocks) or past NUM_N
-    e = tl.load(block_expert_ptr + pid_m)
-    level = 0  # all BLOCK_M rows
-    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
@@ -114,6 +111,18 @@ def _gate_up_kernel(
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
                       SCALE_ONCE)
+
+
+@triton.jit
+def _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr,
+                   HALF_M: tl.constexpr):
+    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows),
+    the level's ids loaded beside the expert, not after it (in bounds for unused blocks too)."""
+    e = tl.load(block_expert_ptr + pid_m)
+    level = 0  # all BLOCK_M rows
+    if HALF_M:
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    return e, level
 
 
 @triton.jit
@@ -314,10 +323,7 @@ def _down_kernel(
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
-    e = tl.load(block_expert_ptr + pid_m)
-    level = 0  # all BLOCK_M rows
-    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
     if e < 0:
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
@@ -449,10 +455,7 @@ def _down_loop_kernel(
         pid_m = pid // NUM_S
         pid_s = pid % NUM_S
         tiles = TILES
-    e = tl.load(block_expert_ptr + pid_m)
-    level = 0  # all BLOCK_M rows
-    if HALF_M:  # loaded beside e, not after it (in bounds for unused blocks too)
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+    e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
     if e < 0:
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
