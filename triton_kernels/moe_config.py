@@ -112,8 +112,8 @@ _REMOVED = {
     "run_m": "session 47 (no band of the shipped table used it)",  # (session 28)
     "prefetch_down": ("session 55 (slower on the H200 on random routing at every M timed: "
                       "71.6-73.9 us against 69.6 at M = 8)"),  # (session 54)
-    "self_route": ("session 58 (slower on the H200 at every M of 2-16 and routing timed: "
-                   "92.0 / 99.4 us for levels 1 / 2 against 66.5 at M = 8 on random "
+    "self_route": ("session 58 (slower on the H200 at every M of 3-16 on every routing "
+                   "timed: 92.0 / 99.4 us for levels 1 / 2 against 66.5 at M = 8 on random "
                    "routing)"),  # (session 57, last in 544abff)
 }
 # Tile options (GemmConfig fields) that were removed, and why: a band whose gate_up or down
