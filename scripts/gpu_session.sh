@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -341,6 +341,22 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
+    moepdl)  # (session 59) programmatic dependent launch (triton_kernels/moe_pdl.py), opt-in:
+             # its GPU test (each mode's bits equal plain launches, eager and CUDA-graph
+             # replay), then whole calls of the table against modes 1-3 and the grouping's
+             # launch shapes (x's copy per chunk, 2 / 8 warps), and mode 3 with the chunk copy,
+             # interleaved, 3 rounds; random routing, then 8 shared experts. No kit
+             step moepdl-test ${MOEPDL_TEST_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes"
+             for routing in random concentrated:8; do
+               step moepdl-${routing/:/} ${MOEPDL_LIMIT:-170} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds 3 --routing $routing \
+                 --ms ${MOEPDL_MS:-8 1 2 4 16 32 64} \
+                 --ours-variants pdl1:SGLANG_DDTREE_MOE_PDL=1 pdl2:SGLANG_DDTREE_MOE_PDL=2 \
+                   pdl3:SGLANG_DDTREE_MOE_PDL=3 chunks:SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   aw2:SGLANG_DDTREE_MOE_ALIGN_WARPS=2 aw8:SGLANG_DDTREE_MOE_ALIGN_WARPS=8 \
+                   pdl3chunks:SGLANG_DDTREE_MOE_PDL=3,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                 --out "$OUT/fused_moe_pdl_${routing/:/}_h200.json"
+             done ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

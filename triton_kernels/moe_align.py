@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe_pdl import _pdl_release, _pdl_wait, pdl_launch
+
 PACK_FACTOR = 8  # int4 values per int32 word
 _PACK = tl.constexpr(PACK_FACTOR)  # (kernels may only read constexpr globals)
 
@@ -98,7 +100,10 @@ def _prologue_kernel(
     BLOCK_K: tl.constexpr,
     COPY_FIRST: tl.constexpr = False,  # x's copy in COPY_PROGS programs per row, before the experts
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x under COPY_FIRST (1,024-column chunks)
+    PDL: tl.constexpr = 0,  # moe_pdl's mode
 ):
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
     pid = tl.program_id(0)
     if COPY_FIRST:
         # The copy first, each row split over COPY_PROGS programs of ceil(K / 1024 / COPY_PROGS)
@@ -179,9 +184,12 @@ def _align_count_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
+    PDL: tl.constexpr = 0,  # moe_pdl's mode
 ):
     """First launch of the two-pass grouping (large calls): one program per chunk of CH pairs
     writes that chunk's expert histogram; the programs after them copy x (plane-major)."""
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
     pid = tl.program_id(0)
     if pid < NUM_CH:
         offs = pid * CH + tl.arange(0, CH)
@@ -207,6 +215,7 @@ def _align_place_kernel(
     CH: tl.constexpr,
     NUM_CH: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr = 0,  # moe_pdl's mode
 ):
     """Second launch of the two-pass grouping: the same sorted_ids and block_expert as
     _prologue_kernel, with O(T + (NUM_CH + E) * NUM_CH * E) work instead of O(E * T).
@@ -217,6 +226,8 @@ def _align_place_kernel(
     ``start[e] + (pairs of e in earlier chunks) + p - (pairs of the chunk with experts < e)``,
     the row _prologue_kernel gives it. Expert programs (after the chunks) write their padding
     and the block labels."""
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
     pid = tl.program_id(0)
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -276,6 +287,7 @@ def _align_small_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
+    PDL: tl.constexpr = 0,  # moe_pdl's mode
 ):
     """The grouping of a call of up to a thousand pairs in one program (no per-expert
     programs): the same sorted_ids and block labels as _prologue_kernel. Programs 1.. copy x
@@ -286,6 +298,8 @@ def _align_small_kernel(
     p goes to row ``start[e] + p - (pairs on experts below e)``. Each expert's first pair
     writes its padding and labels its first block; a running max along the blocks labels the
     rest (experts ascend with their rows)."""
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
     pid = tl.program_id(0)
     if pid > 0:
         _copy_part(x_ptr, xp_ptr, pid - 1, stride_xm, K, BLOCK_K, COPY_PROGS)
@@ -349,7 +363,7 @@ _ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              method: str | None = None, warps: int | None = None):
+              method: str | None = None, warps: int | None = None, pdl: int = 0):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
     for large calls: ``method``).
 
@@ -380,6 +394,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     warps : int, optional
         Warps per program of the launches (default ``SGLANG_DDTREE_MOE_ALIGN_WARPS``, else
         ``ALIGN_WARPS``); the same outputs at any count.
+    pdl : int
+        ``moe_pdl``'s mode of the launches (0: plain; the caller checks the device).
 
     Returns
     -------
@@ -427,7 +443,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
             T_PAD=max(16, triton.next_power_of_2(max(t, 1))),
             B_PAD=max(16, triton.next_power_of_2(max_blocks)), K=k, BLOCK_K=block_k,
-            COPY_PROGS=max(per_row, 1), num_warps=warps)
+            COPY_PROGS=max(per_row, 1), num_warps=warps, **pdl_launch(pdl))
         return sorted_ids, block_expert, xp
     if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
@@ -437,13 +453,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             topk_ids.reshape(-1), scratch[0], sorted_ids if x is None else x,
             sorted_ids if x is None else xp, t, 0 if x is None else x.stride(0),
             NUM_EXPERTS=num_experts, E_PAD=e_pad, CH=_ALIGN_CHUNK, NUM_CH=num_ch, K=k,
-            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), num_warps=warps)
+            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), num_warps=warps, **pdl_launch(pdl))
         _align_place_kernel[(num_ch + num_experts,)](
             topk_ids.reshape(-1), scratch[0], scratch[1], sorted_ids, block_expert, t,
             max_blocks, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
             CH=_ALIGN_CHUNK, NUM_CH=num_ch,
             BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-            num_warps=warps)
+            num_warps=warps, **pdl_launch(pdl))
         return sorted_ids, block_expert, xp
     _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
@@ -452,6 +468,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
-        num_warps=warps,
+        num_warps=warps, **pdl_launch(pdl),
     )
     return sorted_ids, block_expert, xp

@@ -696,6 +696,27 @@ def test_combine_env_is_checked(monkeypatch):
     assert torch.equal(MOE.combine(y, ti, out, 1.0, 9), torch.zeros(2, 64, dtype=torch.bfloat16))
 
 
+def test_pdl_mode_is_checked(experts, monkeypatch):
+    """SGLANG_DDTREE_MOE_PDL: an unknown value, or a mode above 0 where it cannot run (here:
+    the interpreter), stops the call before any launch with an error naming the variable;
+    0 runs as unset."""
+    w = experts[4]
+    x = torch.randn(3, H, dtype=torch.bfloat16)
+    tw, ti = random_routing(3, 4, 2, seed=5)
+    for bad in ("4", "on", "-1"):
+        monkeypatch.setenv(MOE.PDL_ENV, bad)
+        with pytest.raises(ValueError, match=MOE.PDL_ENV):
+            run(w, x, tw, ti)
+    for mode in ("1", "3"):
+        monkeypatch.setenv(MOE.PDL_ENV, mode)
+        with pytest.raises(ValueError, match="sm_90"):
+            run(w, x, tw, ti)
+    with pytest.raises(ValueError, match="one of"):
+        MOE.pdl_mode(x.device, True, 5)
+    monkeypatch.setenv(MOE.PDL_ENV, "0")
+    check(*run(w, x, tw, ti))
+
+
 @pytest.mark.parametrize("shape", [(1024, 4), (64, 2), (64, 1)])
 def test_combine_shapes_agree(shape):
     """Every combine launch shape sums the valid slots in slot order: equal bit for bit to the

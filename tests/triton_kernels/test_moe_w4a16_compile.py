@@ -42,11 +42,13 @@ def MOE():
 _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
-def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False):
+def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
+          pdl: int = 0):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
-    (MoeConfig.wide_halves)."""
+    (MoeConfig.wide_halves); ``pdl``: moe_pdl's mode (passed only when set)."""
+    extra = {"PDL": pdl} if pdl else {}
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
      max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
@@ -67,7 +69,7 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["SCALE_ONCE"] = True
         if wide:
             const["WIDE_HALVES"] = True
-        return _compile(MOE._gate_up_kernel, sig, const, warps, stages, **limit)
+        return _compile(MOE._gate_up_kernel, sig, dict(const, **extra), warps, stages, **limit)
     sig = {"h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "sorted_ids_ptr": "*i32",
            "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "y_ptr": "*bf16", "T": "i32"}
     if n_per_cta:
@@ -78,18 +80,21 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
             const["PAR_ACC"] = True
         if scale_once:
             const["SCALE_ONCE"] = True
-        return _compile(MOE._down_loop_kernel, sig, const, warps, stages, **limit)
+        return _compile(MOE._down_loop_kernel, sig, dict(const, **extra), warps, stages, **limit)
     const = dict(N=H, I=I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PORTABLE=False, HALF_M=half_m)
-    return _compile(MOE._down_kernel, sig, const, warps, stages, **limit)
+    return _compile(MOE._down_kernel, sig, dict(const, **extra), warps, stages, **limit)
 
 
-def _shipped():
-    """(kind, block_m, tiles, half_m, wide) of every config in the shipped table (half_m:
+def _shipped(max_ms=None):
+    """(kind, block_m, tiles, half_m, wide) of every config in the shipped table (or of its
+    bands of these ``max_m``s) (half_m:
     whether that GEMM runs with HALF_M, as fused_moe_w4a16 launches it for the band's half_m;
     wide: the gate-up's WIDE_HALVES; tiles end with par_acc / scale_once (/ max_regs) where a
     band sets them)."""
     seen = []
     for band in json.loads(_CONFIGS.read_text())["bands"]:
+        if max_ms is not None and band["max_m"] not in max_ms:
+            continue
         for kind in ("gate_up", "down"):
             g = band[kind]
             half = band.get("half_m", 0)
@@ -291,6 +296,83 @@ def test_wide_halves_gate_up_compiles_without_spills(MOE, bm, tiles, tmp_path):
 def test_live_down_compiles_without_spills(MOE, bm, tiles, half, tmp_path):
     """In-register dequant kept, no spills, within shared memory."""
     _check_compiles(MOE, "down", bm, tiles, tmp_path, half_m=half)
+
+
+def _ptx_order(ptx: str, *needles: str) -> list[int]:
+    """Where each needle first occurs in ``ptx`` (-1: nowhere)."""
+    return [ptx.find(n) for n in needles]
+
+
+# the M = 1 band (per-tile down), M = 8 (looped down, fixed ranges), 9-16 (live ranges),
+# 17-32 (half_m 1), 65-128 (half_m 2); mode 2 differs from 3 only by the down's prefetch
+@pytest.mark.parametrize("pdl", [1, 2, 3])
+def test_pdl_modes_compile_without_spills(MOE, pdl, tmp_path):
+    """moe_pdl's modes in shipped GEMM configs (and the grouping, reduce and combine
+    launches): no spills, the dequant still in registers, and the PTX as each mode says:
+    ``griddepcontrol.wait`` before any other global load (the looped down under 3: after its
+    L2 prefetch, with only the block label and count read before it), ``launch_dependents``
+    from mode 2 (the gate-up's after its first MMA), ``prefetch.global.L2`` under 3 in the
+    looped down only. (Mode 0 compiles as before: the digests of moe_ptx_digest.py.)"""
+    wait, release, prefetch = ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                               "prefetch.global.L2")
+    cases = _shipped((8,) if pdl == 2 else (1, 8, 16, 32, 128))
+    assert len(cases) >= (2 if pdl == 2 else 8), cases
+    for kind, bm, tiles, half, wide in cases:
+        if pdl == 2 and kind == "gate_up":
+            continue
+        kern = _gemm(MOE, kind, bm, tiles, half, wide, pdl=pdl)
+        _check_kernel(kern, tmp_path)
+        ptx = kern.asm["ptx"]
+        at_wait, at_release, at_prefetch, at_load = _ptx_order(ptx, wait, release, prefetch,
+                                                               "ld.global")
+        assert at_wait >= 0 and (at_release >= 0) == (pdl >= 2), (kind, tiles)
+        looped = kind == "down" and len(tiles) > 4 and tiles[4] > 0
+        assert (at_prefetch >= 0) == (pdl == 3 and looped), (kind, tiles)
+        if pdl == 3 and looped:
+            assert at_prefetch < at_wait, tiles
+            assert ptx[:at_wait].count("ld.global") <= 2, tiles  # the label (and block count)
+        else:
+            assert at_wait < at_load, (kind, tiles)
+        if kind == "gate_up" and pdl >= 2:
+            mma = min(i for i in _ptx_order(ptx, "mma.sync", "wgmma.mma_async") if i >= 0)
+            assert mma < at_release, tiles
+    if not pdl:
+        return
+    sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+           "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
+    kerns = [_compile(MOE._align_small_kernel, sig,
+                      dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=8, T_PAD=64, B_PAD=64, K=H,
+                           BLOCK_K=256, COPY_PROGS=1, PDL=pdl), MOE.ALIGN_WARPS, 1),
+             _compile(MOE._prologue_kernel, sig,
+                      dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1,
+                           BLOCK_B=16, K=H, BLOCK_K=256, PDL=pdl), 4, 1)]
+    sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
+           "T": "i32", "stride_xm": "i32"}
+    kerns.append(_compile(MOE._align_count_kernel, sig,
+                          dict(NUM_EXPERTS=384, E_PAD=512, CH=1024, NUM_CH=16, K=H, BLOCK_K=256,
+                               COPY_PROGS=7, PDL=pdl), MOE.ALIGN_WARPS, 1))
+    sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
+           "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32", "max_blocks": "i32"}
+    kerns.append(_compile(MOE._align_place_kernel, sig,
+                          dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64, CH=1024, NUM_CH=16,
+                               BLOCK_B=64, PDL=pdl), MOE.ALIGN_WARPS, 1))
+    sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+           "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
+    kerns.append(_compile(MOE._gate_up_reduce_kernel, sig,
+                          dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256,
+                               SPLIT_TARGET=256, NUM_N=4, KS=28, PDL=pdl), 4, 1))
+    sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
+           "stride_om": "i32"}
+    block_n, warps = MOE.COMBINE_DEFAULT
+    kerns.append(_compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384,
+                                                         BLOCK_N=block_n, PDL=pdl), warps, 1))
+    for kern in kerns:
+        ptx = kern.asm["ptx"]
+        at_wait, at_release, at_load = _ptx_order(ptx, wait, release, "ld.global")
+        assert 0 <= at_wait < at_load, kern.name
+        # (the combine leaves the release to its exit: its successor is the caller's)
+        assert (at_release >= 0) == (pdl >= 2 and kern.name != "_combine_kernel"), kern.name
+        assert_no_spills(kern, tmp_path)
 
 
 def test_rerun_in_clean_process():
