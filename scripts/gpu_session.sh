@@ -342,21 +342,27 @@ for s in "$@"; do
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
     moepdl)  # (session 59) programmatic dependent launch (triton_kernels/moe_pdl.py), opt-in:
-             # its GPU test (each mode's bits equal plain launches, eager and CUDA-graph
-             # replay), then whole calls of the table against modes 1-3 and the grouping's
-             # launch shapes (x's copy per chunk, 2 / 8 warps), and mode 3 with the chunk copy,
-             # interleaved, 3 rounds; random routing, then 8 shared experts. No kit
-             step moepdl-test ${MOEPDL_TEST_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes"
+             # whole calls of the table against waits only (1), each early release alone
+             # (1:a grouping, 1:g gate-up, 1:d down) and all (2), each with and without x's
+             # copy per chunk in the grouping, interleaved, 3 rounds, random routing then 8
+             # shared experts; then the GPU test (each choice's bits equal plain launches,
+             # eager and CUDA-graph replay). No kit
              for routing in random concentrated:8; do
                step moepdl-${routing/:/} ${MOEPDL_LIMIT:-170} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds 3 --routing $routing \
                  --ms ${MOEPDL_MS:-8 1 2 4 16 32 64} \
                  --ours-variants pdl1:SGLANG_DDTREE_MOE_PDL=1 pdl2:SGLANG_DDTREE_MOE_PDL=2 \
-                   pdl3:SGLANG_DDTREE_MOE_PDL=3 chunks:SGLANG_DDTREE_MOE_PROLOGUE=chunks \
-                   aw2:SGLANG_DDTREE_MOE_ALIGN_WARPS=2 aw8:SGLANG_DDTREE_MOE_ALIGN_WARPS=8 \
-                   pdl3chunks:SGLANG_DDTREE_MOE_PDL=3,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   p1a:SGLANG_DDTREE_MOE_PDL=1:a p1g:SGLANG_DDTREE_MOE_PDL=1:g \
+                   p1d:SGLANG_DDTREE_MOE_PDL=1:d chunks:SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   c_pdl1:SGLANG_DDTREE_MOE_PDL=1,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   c_pdl2:SGLANG_DDTREE_MOE_PDL=2,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   c_p1a:SGLANG_DDTREE_MOE_PDL=1:a,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   c_p1g:SGLANG_DDTREE_MOE_PDL=1:g,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   c_p1d:SGLANG_DDTREE_MOE_PDL=1:d,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   c_p1gd:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
                  --out "$OUT/fused_moe_pdl_${routing/:/}_h200.json"
-             done ;;
+             done
+             step moepdl-test ${MOEPDL_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

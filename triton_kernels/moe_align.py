@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_pdl import _pdl_release, _pdl_wait, pdl_launch
+from .moe_pdl import Pdl, _pdl_release, _pdl_wait
 
 PACK_FACTOR = 8  # int4 values per int32 word
 _PACK = tl.constexpr(PACK_FACTOR)  # (kernels may only read constexpr globals)
@@ -363,7 +363,7 @@ _ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              method: str | None = None, warps: int | None = None, pdl: int = 0):
+              method: str | None = None, warps: int | None = None, pdl: Pdl | None = None):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
     for large calls: ``method``).
 
@@ -394,8 +394,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     warps : int, optional
         Warps per program of the launches (default ``SGLANG_DDTREE_MOE_ALIGN_WARPS``, else
         ``ALIGN_WARPS``); the same outputs at any count.
-    pdl : int
-        ``moe_pdl``'s mode of the launches (0: plain; the caller checks the device).
+    pdl : Pdl, optional
+        ``moe_pdl``'s choice for the launches (default: plain; the caller checks the device).
 
     Returns
     -------
@@ -436,6 +436,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         env = os.environ.get(ALIGN_WARPS_ENV)
         warps = _env_ints(ALIGN_WARPS_ENV, env, 1, "a warp count, e.g. 4")[0] if env else \
             ALIGN_WARPS
+    launch = (pdl or Pdl()).launch("a")
     if small:
         _align_small_kernel[(1 + rows * per_row,)](
             topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
@@ -443,7 +444,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
             T_PAD=max(16, triton.next_power_of_2(max(t, 1))),
             B_PAD=max(16, triton.next_power_of_2(max_blocks)), K=k, BLOCK_K=block_k,
-            COPY_PROGS=max(per_row, 1), num_warps=warps, **pdl_launch(pdl))
+            COPY_PROGS=max(per_row, 1), num_warps=warps, **launch)
         return sorted_ids, block_expert, xp
     if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)
@@ -453,13 +454,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             topk_ids.reshape(-1), scratch[0], sorted_ids if x is None else x,
             sorted_ids if x is None else xp, t, 0 if x is None else x.stride(0),
             NUM_EXPERTS=num_experts, E_PAD=e_pad, CH=_ALIGN_CHUNK, NUM_CH=num_ch, K=k,
-            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), num_warps=warps, **pdl_launch(pdl))
+            BLOCK_K=block_k, COPY_PROGS=max(per_row, 1), num_warps=warps, **launch)
         _align_place_kernel[(num_ch + num_experts,)](
             topk_ids.reshape(-1), scratch[0], scratch[1], sorted_ids, block_expert, t,
             max_blocks, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
             CH=_ALIGN_CHUNK, NUM_CH=num_ch,
             BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
-            num_warps=warps, **pdl_launch(pdl))
+            num_warps=warps, **launch)
         return sorted_ids, block_expert, xp
     _prologue_kernel[(num_experts + rows * per_row,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
@@ -468,6 +469,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         BLOCK_T=block_t, NUM_T_BLOCKS=triton.cdiv(t, block_t),
         BLOCK_B=max(16, triton.next_power_of_2(triton.cdiv(max_blocks, num_experts))),
         K=k, BLOCK_K=block_k, COPY_FIRST=copy == "chunks", COPY_PROGS=max(per_row, 1),
-        num_warps=warps, **pdl_launch(pdl),
+        num_warps=warps, **launch,
     )
     return sorted_ids, block_expert, xp

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .moe_align import _PACK, _plane_major_cols
-from .moe_pdl import _pdl_release, _pdl_wait, _prefetch_rows
+from .moe_pdl import _pdl_release, _pdl_wait
 from .moe_tiles import (
     _GROUP, _block_rows, _dequant8, _dot, _live_split, _max_blocks, _mma8, _narrow_level,
     _rows_at,
@@ -46,7 +46,7 @@ def _gate_up_kernel(
     PAR_ACC: tl.constexpr = False,  # two accumulators per tile (planes 0-3 / 4-7): _mma8
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
-    PDL: tl.constexpr = 0,  # moe_pdl's mode (2, 3: the next launch after the K loop)
+    PDL: tl.constexpr = 0,  # moe_pdl's mode (2: the next launch after the K loop)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     # WIDE_HALVES (MoeConfig.wide_halves, HALF_M with BLOCK_M 16 / 32): each block has 2 NUM_N
@@ -436,7 +436,7 @@ def _down_loop_kernel(
     SPLIT_TARGET: tl.constexpr = 0,  # > 0: column ranges per call (GemmConfig.split_target)
     PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group (GemmConfig.scale_once)
-    PDL: tl.constexpr = 0,  # moe_pdl's mode (3: the range's weights asked for before the wait)
+    PDL: tl.constexpr = 0,  # moe_pdl's mode
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -454,12 +454,9 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
-    pid = tl.program_id(0)
-    if PDL >= 3:
-        _down_loop_prefetch(w_ptr, s_ptr, block_expert_ptr, T, pid, N, I, BLOCK_M, BLOCK_N,
-                            N_PER_CTA, NUM_EXPERTS, SPLIT_TARGET)
     _pdl_wait(PDL)
     _pdl_release(PDL)
+    pid = tl.program_id(0)
     if SPLIT_TARGET > 0:
         parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
                                   TILES, TILES, SPLIT_TARGET)
@@ -478,40 +475,6 @@ def _down_loop_kernel(
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
                  pid_m * BLOCK_M, pid_s, tiles, N, I, BLOCK_M, BLOCK_N, I, N_PER_CTA,
                  PORTABLE, HALF_M, PAR_ACC, SCALE_ONCE)
-
-
-@triton.jit
-def _down_loop_prefetch(w_ptr, s_ptr, block_expert_ptr, T, pid, N: tl.constexpr,
-                        I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        N_PER_CTA: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                        SPLIT_TARGET: tl.constexpr):
-    """PDL 3: ask the L2 for the weight and scale lines of program ``pid``'s column range
-    (as _down_loop_kernel finds it), before the program waits for the gate-up. It reads only
-    what the grouping wrote (see moe_pdl)."""
-    NUM_S: tl.constexpr = N // N_PER_CTA
-    TILES: tl.constexpr = N_PER_CTA // BLOCK_N
-    KP: tl.constexpr = I // _PACK
-    if SPLIT_TARGET > 0:
-        parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
-                                  TILES, TILES, SPLIT_TARGET)
-        used = pid < live * parts
-        pid_m = pid // (NUM_S * parts)
-        pid_s = pid % (NUM_S * parts)
-        tiles = TILES // parts
-    else:
-        used = pid >= 0
-        pid_m = pid // NUM_S
-        pid_s = pid % NUM_S
-        tiles = TILES
-    if used:
-        e = tl.load(block_expert_ptr + pid_m)
-        if e >= 0:
-            e64 = e.to(tl.int64)
-            col0 = pid_s * (tiles * BLOCK_N)
-            _prefetch_rows(w_ptr + e64 * (KP * N) + tl.arange(0, KP) * N + col0,
-                           tiles * BLOCK_N, N_PER_CTA, 32)
-            _prefetch_rows(s_ptr + e64 * (I // _GROUP * N) + tl.arange(0, I // _GROUP) * N
-                           + col0, tiles * BLOCK_N, N_PER_CTA, 64)
 
 
 @triton.jit

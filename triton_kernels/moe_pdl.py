@@ -4,65 +4,83 @@ A kernel launched with ``launch_pdl=True`` may start while the kernel before it 
 still runs: it is launched once every program of that kernel has called
 ``griddepcontrol.launch_dependents`` or ended, and ``griddepcontrol.wait`` holds it until that
 kernel has completed with its writes visible. ``SGLANG_DDTREE_MOE_PDL`` (read per call) picks
-how far the MoE's four launches (five with the split-K reduce) use it:
+how the MoE's launches (four, five with the split-K reduce, six with the two-pass grouping)
+use it:
 
 * ``0`` (default): plain launches.
 * ``1``: every launch waits first thing, and the next launch comes at its programs' exit
   (no launch gap).
-* ``2``: as 1, and each launch but the combine lets the next one start early: the grouping
-  and the down at once (after their wait), the gate-up after its K loop (its epilogue still
-  to run). The next launch's programs then sit in free slots of the GPU, waiting, instead of
-  being launched after the last program ends. The combine's successor is the caller's next
-  operation, so it is left to the combine's exit (as after a plain launch, and as the
-  benchmark's back-to-back calls then time it: the next call's grouping starts at the exit).
-* ``3``: as 2, and a looped down program asks the L2 (``prefetch.global.L2``) for the weight
-  and scale lines of its column range before it waits, so that they arrive while the gate-up
-  finishes.
+* ``1:LETTERS``: as 1, and the launches named let the next one start early, their programs
+  then sitting in free slots of the GPU, waiting, instead of being launched after the last
+  program ends: ``a`` the grouping (at once, after its wait), ``g`` the gate-up (after its K
+  loop, its epilogue still to run), ``r`` the split-K reduce and ``d`` the down (at once).
+* ``2``: ``1:agrd``.
 
-Every program waits before it returns, whatever its work: a launch's completion then implies
-its predecessor's, so a kernel after the MoE that waits only for the last launch (SGLang's
-next operation, which is a plain launch) finds every MoE buffer written and free. What a
-program reads before its wait (the down's block labels and weights under 3) was written by
-the grouping, which completed before any gate-up program passed its own wait, and so before
-the down was launched.
+The combine never releases early: its successor is the caller's next operation (as after a
+plain launch, and as the benchmark's back-to-back calls then time it: the next call's
+grouping starts at the combine's exit).
+
+Every program waits before it reads anything or returns, whatever its work: a launch's
+completion then implies its predecessor's, so a kernel after the MoE that waits only for the
+last launch (SGLang's next operation, a plain launch) finds every MoE buffer written and free.
 
 Session 19 (``bench_results/README.md``) timed an earlier form (every kernel releasing the next
 at once, or waiting only) and dropped it; this one is timed by ``bench_fused_moe.py
---ours-variants``.
+--ours-variants`` (``gpu_session.sh moepdl``).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 PDL_ENV = "SGLANG_DDTREE_MOE_PDL"
-PDL_MODES = (0, 1, 2, 3)
+RELEASE_POINTS = "agrd"  # grouping, gate-up, split-K reduce, down
 
 
-def pdl_mode(device: torch.device, portable_path: bool, mode: int | None = None) -> int:
-    """The PDL mode of a call: ``mode`` if given, else ``SGLANG_DDTREE_MOE_PDL`` (0 unset).
-    Raises ValueError for an unknown mode, or a mode > 0 where the device cannot (the portable
-    path, a GPU before sm_90)."""
-    if mode is None:
-        env = os.environ.get(PDL_ENV, "0")
-        if env not in ("0", "1", "2", "3"):
-            raise ValueError(f"{PDL_ENV}: 0, 1, 2 or 3, got {env!r}")
-        mode = int(env)
-    if mode not in PDL_MODES:
-        raise ValueError(f"pdl: one of {PDL_MODES}, got {mode!r}")
-    if mode and (portable_path or torch.cuda.get_device_capability(device) < (9, 0)):
-        raise ValueError(f"{PDL_ENV}={mode} needs an sm_90+ GPU outside the Triton interpreter; "
+@dataclass(frozen=True)
+class Pdl:
+    """A call's PDL choice: ``on`` (every launch waits) and the launches that release their
+    successor early (letters of RELEASE_POINTS)."""
+    on: bool = False
+    release: str = ""
+
+    def launch(self, point: str) -> dict:
+        """Launch options of the kernel at ``point`` (a RELEASE_POINTS letter, or ``c`` for the
+        combine): its ``PDL`` constexpr (1: wait; 2: wait and release early) and Triton's
+        ``launch_pdl``; none when off, so plain launches compile and run as without PDL."""
+        if not self.on:
+            return {}
+        return {"PDL": 2 if point in self.release else 1, "launch_pdl": True}
+
+
+def parse_pdl(spec) -> Pdl:
+    """``0``, ``1``, ``2`` or ``1:LETTERS`` (module docstring) -> Pdl; ValueError otherwise."""
+    spec = str(spec).strip()
+    mode, _, letters = spec.partition(":")
+    if spec == "0":
+        return Pdl()
+    if spec == "2":
+        return Pdl(True, RELEASE_POINTS)
+    if mode == "1" and set(letters) <= set(RELEASE_POINTS) and len(set(letters)) == len(letters):
+        return Pdl(True, "".join(c for c in RELEASE_POINTS if c in letters))
+    raise ValueError(f"{PDL_ENV}: 0, 1, 2 or 1:LETTERS (LETTERS from {RELEASE_POINTS!r}, "
+                     f"each once), got {spec!r}")
+
+
+def pdl_mode(device: torch.device, portable_path: bool, mode=None) -> Pdl:
+    """The PDL choice of a call: ``mode`` (a Pdl, or a spec as parse_pdl takes) if given, else
+    ``SGLANG_DDTREE_MOE_PDL`` (0 unset). Raises ValueError for an unknown spec, or PDL where
+    the device cannot run it (the portable path, a GPU before sm_90)."""
+    if not isinstance(mode, Pdl):
+        mode = parse_pdl(os.environ.get(PDL_ENV, "0") if mode is None else mode)
+    if mode.on and (portable_path or torch.cuda.get_device_capability(device) < (9, 0)):
+        raise ValueError(f"{PDL_ENV} needs an sm_90+ GPU outside the Triton interpreter; "
                          f"unset it (or 0) here")
     return mode
-
-
-def pdl_launch(mode: int) -> dict:
-    """The launch options of a kernel under ``mode``: its ``PDL`` constexpr and Triton's
-    ``launch_pdl`` (none at 0, so plain launches compile and run as without this module)."""
-    return {"PDL": mode, "launch_pdl": True} if mode else {}
 
 
 @triton.jit
@@ -74,23 +92,6 @@ def _pdl_wait(PDL: tl.constexpr):
 
 @triton.jit
 def _pdl_release(PDL: tl.constexpr):
-    """Under PDL 2 or 3, let the next launch start now (once every program has said so)."""
+    """Under PDL 2, let the next launch start now (once every program has said so)."""
     if PDL >= 2:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask the L2 for the 128-byte lines at ``ptrs`` (PTX ``prefetch.global.L2``; no register
-    result, nothing waits for it)."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(row_ptrs, length, MAX_LEN: tl.constexpr, WIDTH: tl.constexpr):
-    """Ask the L2 for the lines of ``length`` (<= MAX_LEN) elements at each of ``row_ptrs``
-    ([rows] pointers), ``WIDTH`` elements a 128-byte line; pointers past ``length`` repeat the
-    last element's line."""
-    cols = tl.minimum(tl.arange(0, (MAX_LEN + WIDTH - 1) // WIDTH) * WIDTH, length - 1)
-    _prefetch_l2(row_ptrs[:, None] + cols[None, :])

@@ -92,7 +92,7 @@ from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and
 from .moe_gemm import (  # steps 2 and 3
     _down_kernel, _down_loop_kernel, _gate_up_kernel, _gate_up_reduce_kernel,
 )
-from .moe_pdl import PDL_ENV, _pdl_wait, pdl_launch, pdl_mode  # noqa: F401
+from .moe_pdl import PDL_ENV, Pdl, _pdl_wait, parse_pdl, pdl_mode  # noqa: F401
 from .moe_tiles import (  # noqa: F401  (names re-exported for tests)
     _DEQUANT_PTX, _DEQUANT_PTX_HI, _DEQUANT_PTX_LO, GROUP_SIZE, _live_split,
 )
@@ -136,10 +136,10 @@ COMBINE_DEFAULT = (512, 4)
 
 def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: float,
             num_experts: int, shape: tuple[int, int] | None = None,
-            pdl: int = 0) -> torch.Tensor:
+            pdl: Pdl | None = None) -> torch.Tensor:
     """``out[m] = scale * sum_k y[m * topk + k]`` over the slots with a valid expert id, in slot
     order (fp32), one launch (``_combine_kernel``); ``shape`` = (block_n, num_warps). Any
-    shape gives the same bits. ``pdl``: ``moe_pdl``'s mode (the caller checks the device)."""
+    shape gives the same bits. ``pdl``: ``moe_pdl``'s choice (the caller checks the device)."""
     m, topk = topk_ids.shape
     hidden = y.shape[1]
     if shape is None:
@@ -150,7 +150,7 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
     block_n = min(block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_n))](
         y, topk_ids, out, float(scale), out.stride(0), N=hidden, TOPK=topk,
-        NUM_EXPERTS=num_experts, BLOCK_N=block_n, num_warps=warps, **pdl_launch(pdl))
+        NUM_EXPERTS=num_experts, BLOCK_N=block_n, num_warps=warps, **(pdl or Pdl()).launch("c"))
     return out
 
 
@@ -203,7 +203,7 @@ def fused_moe_w4a16(
     routed_scaling_factor: float = 1.0,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
-    pdl: int | None = None,
+    pdl: Pdl | str | None = None,
     _upto: int = 4,
 ) -> torch.Tensor:
     """MoE forward with int4 group-32 symmetric experts; CUDA-graph safe (no host sync).
@@ -231,10 +231,10 @@ def fused_moe_w4a16(
         ``[M, H]`` output buffer (may alias ``hidden_states``: it is read before ``out`` is written).
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
-    pdl : int, optional
-        Programmatic dependent launch mode, 0-3 (``moe_pdl``); default
-        ``SGLANG_DDTREE_MOE_PDL``, else 0 (plain launches). Above 0 needs an sm_90+ GPU
-        outside the interpreter (ValueError otherwise). The same outputs bit for bit.
+    pdl : Pdl or str, optional
+        Programmatic dependent launch (``moe_pdl``: a Pdl or a spec such as ``"1"``, ``"2"``,
+        ``"1:ag"``); default ``SGLANG_DDTREE_MOE_PDL``, else plain launches. Needs an sm_90+
+        GPU outside the interpreter (ValueError otherwise). The same outputs bit for bit.
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.
@@ -271,7 +271,6 @@ def fused_moe_w4a16(
     bm = cfg.block_m
     portable_path = portable(hidden_states.device)
     pdl = pdl_mode(hidden_states.device, portable_path, pdl)
-    launch = pdl_launch(pdl)
     t = m * topk
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
                                              pdl=pdl)
@@ -303,13 +302,15 @@ def fused_moe_w4a16(
         SPLIT_TARGET=gu.split_target,
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
-        num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu), **launch)
+        num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu),
+        **pdl.launch("g"))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
             part, sorted_ids, block_expert, h, t, part_rows, I=inter, SPLIT_K=gu.split_k,
             BLOCK_M=bm, BLOCK_C=block_c, DOWN_BLOCK_K=dn.block_k,
-            SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k, **launch)
+            SPLIT_TARGET=gu.split_target, NUM_N=num_n, KS=hidden // gu.block_k,
+            **pdl.launch("r"))
     if _upto < 3:
         return out
     if dn.n_per_cta:
@@ -323,13 +324,13 @@ def fused_moe_w4a16(
             NUM_EXPERTS=num_experts if dn.split_target else 0,
             SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
             SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages,
-            **_reg_limit(dn), **launch)
+            **_reg_limit(dn), **pdl.launch("d"))
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,
             I=inter, BLOCK_M=bm, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, PORTABLE=portable_path,
             HALF_M=cfg.narrow_down, num_warps=dn.num_warps, num_stages=dn.num_stages,
-            **_reg_limit(dn), **launch)
+            **_reg_limit(dn), **pdl.launch("d"))
     if _upto < 4:
         return out
     return combine(y, topk_ids, out, routed_scaling_factor, num_experts, pdl=pdl)

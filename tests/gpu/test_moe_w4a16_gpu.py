@@ -287,20 +287,20 @@ def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
             monkeypatch.setenv(K.moe.ALIGN_ENV, method)
 
 
-@pytest.mark.parametrize("m", [1, 2, 8, 9, 16, 33, 64, 300, 2048])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 2048])
 @pytest.mark.parametrize("few", [False, True])
 def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
-    """Each programmatic-dependent-launch mode (moe_pdl: waits only, early releases, the
-    down's L2 prefetch) gives the plain launches' bits, eager (twice, back to back: a call's
-    grouping may start while the last one's combine ends) and replayed from a CUDA graph
-    with new routing (few experts on even replays), with the split-K reduce launch too."""
+    """Programmatic dependent launch (moe_pdl: waits only, and every early release) gives the
+    plain launches' bits, eager (twice, back to back: a call's grouping may start while the
+    last one's combine ends) and replayed from a CUDA graph with new routing (few experts on
+    even replays), with the split-K reduce launch too (M 1-16 split on few experts)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti = few_or_random(m, seed=m, few=few)
     monkeypatch.setenv(K.moe.PDL_ENV, "0")
     want = ours(K, w, x, tw, ti).clone()
-    for mode in ("1", "2", "3"):
+    for mode in ("1", "2"):
         monkeypatch.setenv(K.moe.PDL_ENV, mode)
         a, b = ours(K, w, x, tw, ti), ours(K, w, x, tw, ti)
         assert torch.equal(a, want) and torch.equal(b, want), mode

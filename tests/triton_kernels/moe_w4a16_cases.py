@@ -697,22 +697,27 @@ def test_combine_env_is_checked(monkeypatch):
 
 
 def test_pdl_mode_is_checked(experts, monkeypatch):
-    """SGLANG_DDTREE_MOE_PDL: an unknown value, or a mode above 0 where it cannot run (here:
-    the interpreter), stops the call before any launch with an error naming the variable;
-    0 runs as unset."""
+    """SGLANG_DDTREE_MOE_PDL: an unknown spec, or PDL where it cannot run (here: the
+    interpreter), stops the call before any launch with an error naming the variable; 0 runs
+    as unset. The specs' meaning (moe_pdl)."""
     w = experts[4]
     x = torch.randn(3, H, dtype=torch.bfloat16)
     tw, ti = random_routing(3, 4, 2, seed=5)
-    for bad in ("4", "on", "-1"):
+    for bad in ("3", "on", "-1", "1:x", "1:aa", "2:a", "1,a"):
         monkeypatch.setenv(MOE.PDL_ENV, bad)
         with pytest.raises(ValueError, match=MOE.PDL_ENV):
             run(w, x, tw, ti)
-    for mode in ("1", "3"):
-        monkeypatch.setenv(MOE.PDL_ENV, mode)
+    for spec in ("1", "2", "1:gd"):
+        monkeypatch.setenv(MOE.PDL_ENV, spec)
         with pytest.raises(ValueError, match="sm_90"):
             run(w, x, tw, ti)
-    with pytest.raises(ValueError, match="one of"):
-        MOE.pdl_mode(x.device, True, 5)
+    with pytest.raises(ValueError, match="sm_90"):
+        MOE.pdl_mode(x.device, True, MOE.Pdl(True))
+    assert MOE.parse_pdl("2") == MOE.Pdl(True, "agrd") == MOE.parse_pdl("1:drga")
+    assert MOE.parse_pdl("1") == MOE.Pdl(True, "") and MOE.parse_pdl("0") == MOE.Pdl()
+    assert MOE.Pdl().launch("g") == {}
+    assert MOE.Pdl(True, "g").launch("g") == {"PDL": 2, "launch_pdl": True}
+    assert MOE.Pdl(True, "g").launch("d") == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setenv(MOE.PDL_ENV, "0")
     check(*run(w, x, tw, ti))
 

@@ -304,40 +304,29 @@ def _ptx_order(ptx: str, *needles: str) -> list[int]:
 
 
 # the M = 1 band (per-tile down), M = 8 (looped down, fixed ranges), 9-16 (live ranges),
-# 17-32 (half_m 1), 65-128 (half_m 2); mode 2 differs from 3 only by the down's prefetch
-@pytest.mark.parametrize("pdl", [1, 2, 3])
+# 17-32 (half_m 1), 65-128 (half_m 2); a kernel's PDL constexpr is 1 (wait) or 2 (wait and
+# release early), moe_pdl.Pdl.launch
+@pytest.mark.parametrize("pdl", [1, 2])
 def test_pdl_modes_compile_without_spills(MOE, pdl, tmp_path):
-    """moe_pdl's modes in shipped GEMM configs (and the grouping, reduce and combine
-    launches): no spills, the dequant still in registers, and the PTX as each mode says:
-    ``griddepcontrol.wait`` before any other global load (the looped down under 3: after its
-    L2 prefetch, with only the block label and count read before it), ``launch_dependents``
-    from mode 2 (the gate-up's after its first MMA), ``prefetch.global.L2`` under 3 in the
-    looped down only. (Mode 0 compiles as before: the digests of moe_ptx_digest.py.)"""
-    wait, release, prefetch = ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
-                               "prefetch.global.L2")
-    cases = _shipped((8,) if pdl == 2 else (1, 8, 16, 32, 128))
-    assert len(cases) >= (2 if pdl == 2 else 8), cases
+    """moe_pdl's waits and early releases in shipped GEMM configs (and the grouping, reduce
+    and combine launches): no spills, the dequant still in registers, the same registers as
+    without, and the PTX as each says: ``griddepcontrol.wait`` before any global load,
+    ``launch_dependents`` under 2 only (the gate-up's after its first MMA), never in the
+    combine. (Without PDL the kernels compile as before: moe_ptx_digest.py's digests.)"""
+    wait, release = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+    cases = _shipped((1, 8, 16, 32, 128))
+    assert len(cases) >= 8, cases
     for kind, bm, tiles, half, wide in cases:
-        if pdl == 2 and kind == "gate_up":
-            continue
         kern = _gemm(MOE, kind, bm, tiles, half, wide, pdl=pdl)
         _check_kernel(kern, tmp_path)
+        assert registers(kern, tmp_path) == registers(_gemm(MOE, kind, bm, tiles, half, wide),
+                                                      tmp_path), (kind, tiles)
         ptx = kern.asm["ptx"]
-        at_wait, at_release, at_prefetch, at_load = _ptx_order(ptx, wait, release, prefetch,
-                                                               "ld.global")
-        assert at_wait >= 0 and (at_release >= 0) == (pdl >= 2), (kind, tiles)
-        looped = kind == "down" and len(tiles) > 4 and tiles[4] > 0
-        assert (at_prefetch >= 0) == (pdl == 3 and looped), (kind, tiles)
-        if pdl == 3 and looped:
-            assert at_prefetch < at_wait, tiles
-            assert ptx[:at_wait].count("ld.global") <= 2, tiles  # the label (and block count)
-        else:
-            assert at_wait < at_load, (kind, tiles)
-        if kind == "gate_up" and pdl >= 2:
+        at_wait, at_release, at_load = _ptx_order(ptx, wait, release, "ld.global")
+        assert 0 <= at_wait < at_load and (at_release >= 0) == (pdl == 2), (kind, tiles)
+        if kind == "gate_up" and pdl == 2:
             mma = min(i for i in _ptx_order(ptx, "mma.sync", "wgmma.mma_async") if i >= 0)
             assert mma < at_release, tiles
-    if not pdl:
-        return
     sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
            "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
     kerns = [_compile(MOE._align_small_kernel, sig,
@@ -371,7 +360,7 @@ def test_pdl_modes_compile_without_spills(MOE, pdl, tmp_path):
         at_wait, at_release, at_load = _ptx_order(ptx, wait, release, "ld.global")
         assert 0 <= at_wait < at_load, kern.name
         # (the combine leaves the release to its exit: its successor is the caller's)
-        assert (at_release >= 0) == (pdl >= 2 and kern.name != "_combine_kernel"), kern.name
+        assert (at_release >= 0) == (pdl == 2 and kern.name != "_combine_kernel"), kern.name
         assert_no_spills(kern, tmp_path)
 
 
