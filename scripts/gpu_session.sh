@@ -347,10 +347,23 @@ for s in "$@"; do
              # copy per chunk in the grouping, interleaved, 3 rounds, random routing then 8
              # shared experts; then the GPU test (each choice's bits equal plain launches,
              # eager and CUDA-graph replay). No kit
+             # (and two tables whose looped downs hold fewer registers, ptxas's cap in
+             # GemmConfig.max_regs: 72 where no spill, 7 programs an SM instead of 6; the
+             # M = 8 band's at 64, 8 programs; written here into $OUT)
+             python3 - "$OUT" <<'PYEOF'
+import json, sys
+base = json.load(open("triton_kernels/moe_w4a16_configs.json"))
+for tag, m8 in (("72", 72), ("64", 64)):
+    t = json.loads(json.dumps(base))
+    for b in t["bands"]:
+        if b["down"].get("n_per_cta") and b["max_m"] <= 48:
+            b["down"]["max_regs"] = m8 if b["max_m"] == 8 else 72
+    json.dump(t, open(f"{sys.argv[1]}/moe_configs_down_regs{tag}.json", "w"), indent=1)
+PYEOF
              for routing in random concentrated:8; do
                step moepdl-${routing/:/} ${MOEPDL_LIMIT:-170} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds 3 --routing $routing \
-                 --ms ${MOEPDL_MS:-8 1 2 4 16 32 64} \
+                 --ms ${MOEPDL_MS:-8 1 2 4 16 32 48 64} \
                  --ours-variants pdl1:SGLANG_DDTREE_MOE_PDL=1 pdl2:SGLANG_DDTREE_MOE_PDL=2 \
                    p1a:SGLANG_DDTREE_MOE_PDL=1:a p1g:SGLANG_DDTREE_MOE_PDL=1:g \
                    p1d:SGLANG_DDTREE_MOE_PDL=1:d chunks:SGLANG_DDTREE_MOE_PROLOGUE=chunks \
@@ -360,6 +373,9 @@ for s in "$@"; do
                    c_p1g:SGLANG_DDTREE_MOE_PDL=1:g,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
                    c_p1d:SGLANG_DDTREE_MOE_PDL=1:d,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
                    c_p1gd:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
+                   r72:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_down_regs72.json \
+                   r64:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_down_regs64.json \
+                   r64_c_pdl1:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_down_regs64.json,SGLANG_DDTREE_MOE_PDL=1,SGLANG_DDTREE_MOE_PROLOGUE=chunks \
                  --out "$OUT/fused_moe_pdl_${routing/:/}_h200.json"
              done
              step moepdl-test ${MOEPDL_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;
