@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -379,6 +379,20 @@ PYEOF
                  --out "$OUT/fused_moe_pdl_${routing/:/}_h200.json"
              done
              step moepdl-test ${MOEPDL_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;
+    moepdlab) # (session 59) the served defaults since then (PDL 1:gd on sm_90+, x's copy per
+             # chunk beside the one-program grouping) against plain launches with the copy per
+             # row (before), the copy per chunk alone, and PDL with waits only; interleaved, 3
+             # rounds, random routing then 8 shared experts; then the MoE GPU tests (on the new
+             # defaults). No kit
+             for routing in random concentrated:8; do
+               step moepdlab-${routing/:/} ${MOEPDL_LIMIT:-120} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds 3 --routing $routing \
+                 --ms ${MOEPDL_MS:-8 1 2 4 16 32 64} \
+                 --ours-variants before:SGLANG_DDTREE_MOE_PDL=0,SGLANG_DDTREE_MOE_PROLOGUE=rows \
+                   chunks_only:SGLANG_DDTREE_MOE_PDL=0 waits_only:SGLANG_DDTREE_MOE_PDL=1 \
+                 --out "$OUT/fused_moe_pdl_ab_${routing/:/}_h200.json"
+             done
+             step moepdlab-tests ${MOEPDL_TEST_LIMIT:-240} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang" ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

@@ -378,9 +378,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         same launch.
     copy : str, optional
         How that copy is laid out over programs (default: ``SGLANG_DDTREE_MOE_PROLOGUE``, else
-        ``rows`` with the one-launch grouping and ``chunks`` with the two-pass one, the faster
-        at every M timed on the H200, session 39). ``rows``: one program per row of x, walking
-        the row in 1,024-column chunks. ``chunks``: one program per chunk. Same output
+        ``rows`` with the one-launch grouping and ``chunks`` with the two-pass and one-program
+        ones, the faster on the H200, sessions 39 and 59). ``rows``: one program per row of x,
+        walking the row in 1,024-column chunks. ``chunks``: one program per chunk. Same output
         (``bench_fused_moe.py --prologue`` times both).
     method : str, optional
         ``one``: one launch whose expert programs each histogram all T pairs (O(E T) work,
@@ -426,8 +426,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     two_pass = method == "two" or (method in ("auto", "small") and not small
                                    and t >= ALIGN_TWO_PASS_MIN_PAIRS)
     # rows beside the one-launch grouping, chunks beside the two-pass one: the faster of the
-    # two at every M timed on the H200 (bench_results/fused_moe_prologue_h200_s39.json)
-    copy = copy or os.environ.get(PROLOGUE_ENV) or ("chunks" if two_pass else "rows")
+    # two at every M timed on the H200 (bench_results/fused_moe_prologue_h200_s39.json);
+    # chunks beside the one-program grouping too: whole calls 0.8-1.5 us faster at M 1-16 on
+    # the H200 and 0.8-1.2 on an H100, random routing and 8 shared experts (session 59,
+    # bench_results/fused_moe_pdl_*_s59{a,b}.json)
+    copy = copy or os.environ.get(PROLOGUE_ENV) or ("chunks" if two_pass or small else "rows")
     if copy not in ("rows", "chunks"):
         raise ValueError(f"{PROLOGUE_ENV} / copy: rows or chunks, got {copy!r}")
     k = 0 if x is None else x.shape[1]

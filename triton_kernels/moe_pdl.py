@@ -7,7 +7,7 @@ kernel has completed with its writes visible. ``SGLANG_DDTREE_MOE_PDL`` (read pe
 how the MoE's launches (four, five with the split-K reduce, six with the two-pass grouping)
 use it:
 
-* ``0`` (default): plain launches.
+* ``0``: plain launches (the default off sm_90+ and in the interpreter).
 * ``1``: every launch waits first thing, and the next launch comes at its programs' exit
   (no launch gap).
 * ``1:LETTERS``: as 1, and the launches named let the next one start early, their programs
@@ -15,6 +15,14 @@ use it:
   program ends: ``a`` the grouping (at once, after its wait), ``g`` the gate-up (after its K
   loop, its epilogue still to run), ``r`` the split-K reduce and ``d`` the down (at once).
 * ``2``: ``1:agrd``.
+
+Unset, a call on an sm_90+ GPU takes ``1:gd`` (``DEFAULT_SPEC``), the fastest choice timed in
+session 59 (``bench_results/fused_moe_pdl_*_s59{a,b}.json``): with the grouping's x copy per
+chunk, on an H100 whole calls 1.1-3.1 us faster than plain launches at M 1-64 on random
+routing and on 8 shared experts (M = 8 on random routing 81.7 -> 78.9 us). Releasing the
+gate-up early from the grouping (``a``) was slower at M = 8 on random routing on both cards
+(H100: 79.6 -> 84.5 us with the copy per chunk; H200 mode 2: 65.3 -> 67.2 against waits
+only), where the early gate-up programs take slots while the grouping runs.
 
 The combine never releases early: its successor is the caller's next operation (as after a
 plain launch, and as the benchmark's back-to-back calls then time it: the next call's
@@ -39,6 +47,7 @@ import triton.language as tl
 
 PDL_ENV = "SGLANG_DDTREE_MOE_PDL"
 RELEASE_POINTS = "agrd"  # grouping, gate-up, split-K reduce, down
+DEFAULT_SPEC = "1:gd"  # unset, on sm_90+ (module docstring)
 
 
 @dataclass(frozen=True)
@@ -73,11 +82,15 @@ def parse_pdl(spec) -> Pdl:
 
 def pdl_mode(device: torch.device, portable_path: bool, mode=None) -> Pdl:
     """The PDL choice of a call: ``mode`` (a Pdl, or a spec as parse_pdl takes) if given, else
-    ``SGLANG_DDTREE_MOE_PDL`` (0 unset). Raises ValueError for an unknown spec, or PDL where
-    the device cannot run it (the portable path, a GPU before sm_90)."""
+    ``SGLANG_DDTREE_MOE_PDL``, else DEFAULT_SPEC on an sm_90+ GPU and plain launches elsewhere.
+    Raises ValueError for an unknown spec, or PDL asked for where the device cannot run it
+    (the portable path, a GPU before sm_90)."""
+    able = not portable_path and torch.cuda.get_device_capability(device) >= (9, 0)
+    if mode is None:
+        mode = os.environ.get(PDL_ENV) or (DEFAULT_SPEC if able else "0")
     if not isinstance(mode, Pdl):
-        mode = parse_pdl(os.environ.get(PDL_ENV, "0") if mode is None else mode)
-    if mode.on and (portable_path or torch.cuda.get_device_capability(device) < (9, 0)):
+        mode = parse_pdl(mode)
+    if mode.on and not able:
         raise ValueError(f"{PDL_ENV} needs an sm_90+ GPU outside the Triton interpreter; "
                          f"unset it (or 0) here")
     return mode

@@ -232,9 +232,10 @@ def fused_moe_w4a16(
     config : MoeConfig, optional
         Overrides the tuned table (``moe_w4a16_configs.json``).
     pdl : Pdl or str, optional
-        Programmatic dependent launch (``moe_pdl``: a Pdl or a spec such as ``"1"``, ``"2"``,
-        ``"1:ag"``); default ``SGLANG_DDTREE_MOE_PDL``, else plain launches. Needs an sm_90+
-        GPU outside the interpreter (ValueError otherwise). The same outputs bit for bit.
+        Programmatic dependent launch (``moe_pdl``: a Pdl or a spec such as ``"0"``, ``"1"``,
+        ``"1:gd"``); default ``SGLANG_DDTREE_MOE_PDL``, else ``1:gd`` on an sm_90+ GPU and
+        plain launches elsewhere. Asked for where it cannot run (the interpreter, before
+        sm_90): ValueError. The same outputs bit for bit.
     _upto : int
         Benchmark-only: launch the first ``_upto`` of the four kernels (align, gate-up, down,
         combine) and return ``out`` unwritten below 4, for per-kernel times by differences.

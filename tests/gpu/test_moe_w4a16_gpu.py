@@ -290,8 +290,8 @@ def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 2048])
 @pytest.mark.parametrize("few", [False, True])
 def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
-    """Programmatic dependent launch (moe_pdl: waits only, and every early release) gives the
-    plain launches' bits, eager (twice, back to back: a call's grouping may start while the
+    """Programmatic dependent launch (moe_pdl: waits only, every early release, the default)
+    gives the plain launches' bits, eager (twice, back to back: a call's grouping may start while the
     last one's combine ends) and replayed from a CUDA graph with new routing (few experts on
     even replays), with the split-K reduce launch too (M 1-16 split on few experts)."""
     if torch.cuda.get_device_capability() < (9, 0):
@@ -300,7 +300,7 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
     tw, ti = few_or_random(m, seed=m, few=few)
     monkeypatch.setenv(K.moe.PDL_ENV, "0")
     want = ours(K, w, x, tw, ti).clone()
-    for mode in ("1", "2"):
+    for mode in ("1", "2", "1:gd", ""):  # ("": unset, the default: 1:gd on sm_90+)
         monkeypatch.setenv(K.moe.PDL_ENV, mode)
         a, b = ours(K, w, x, tw, ti), ours(K, w, x, tw, ti)
         assert torch.equal(a, want) and torch.equal(b, want), mode

@@ -720,6 +720,28 @@ def test_pdl_mode_is_checked(experts, monkeypatch):
     assert MOE.Pdl(True, "g").launch("d") == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setenv(MOE.PDL_ENV, "0")
     check(*run(w, x, tw, ti))
+    monkeypatch.delenv(MOE.PDL_ENV)  # unset: plain launches where PDL cannot run
+    check(*run(w, x, tw, ti))
+
+
+def test_pdl_default_follows_the_device(monkeypatch):
+    """Unset, SGLANG_DDTREE_MOE_PDL means DEFAULT_SPEC (1:gd) on an sm_90+ GPU and plain
+    launches before sm_90 or on the portable path; a set value wins either way."""
+    monkeypatch.delenv(MOE.PDL_ENV, raising=False)
+    dev = torch.device("cuda", 0)  # (no CUDA call: the capability is patched)
+    for cap, want in (((9, 0), MOE.Pdl(True, "gd")), ((10, 0), MOE.Pdl(True, "gd")),
+                      ((8, 9), MOE.Pdl())):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert MOE.pdl_mode(dev, False) == want, cap
+        assert MOE.pdl_mode(dev, True) == MOE.Pdl(), cap  # the portable path
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setenv(MOE.PDL_ENV, "0")
+    assert MOE.pdl_mode(dev, False) == MOE.Pdl()
+    monkeypatch.setenv(MOE.PDL_ENV, "2")
+    assert MOE.pdl_mode(dev, False) == MOE.Pdl(True, "agrd")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    with pytest.raises(ValueError, match="sm_90"):
+        MOE.pdl_mode(dev, False)
 
 
 @pytest.mark.parametrize("shape", [(1024, 4), (64, 2), (64, 1)])
