@@ -145,6 +145,7 @@ def _process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         setattr(layer, name, torch.nn.Parameter(
             torch.empty((e, 0), dtype=torch.int32, device=w13.device), requires_grad=False))
     _check_config_table_once(hidden, inter)
+    _check_pdl(w13.device)
     layer._ddtree_fused_moe_ready = True
     _log_first_layer(e, hidden, inter)
 
@@ -165,6 +166,19 @@ def _check_config_table_once(hidden: int, inter: int) -> None:
     try:
         _checked_tables[key] = check_config_table(hidden, inter)
     except (ValueError, FileNotFoundError) as exc:
+        raise FusedMoeHookError(f"{ENV_SWITCH}=1: {exc}") from None
+
+
+def _check_pdl(device: torch.device) -> None:
+    """SGLANG_DDTREE_MOE_PDL (the kernel's programmatic dependent launch, moe_pdl) checked
+    while the server loads weights: an unknown spec, or PDL asked for where it cannot run,
+    stops the start-up instead of the first MoE call."""
+    from .triton_kernels._device import portable
+    from .triton_kernels.moe_pdl import pdl_mode
+
+    try:
+        pdl_mode(device, portable(device))
+    except ValueError as exc:
         raise FusedMoeHookError(f"{ENV_SWITCH}=1: {exc}") from None
 
 

@@ -188,6 +188,18 @@ _E2E = textwrap.dedent("""
         raise SystemExit("bad config table accepted")
     except moe_hook.FusedMoeHookError as exc:
         assert "band max_m=512" in str(exc) and "SGLANG_DDTREE_MOE_CONFIG" in str(exc), exc
+    del os.environ["SGLANG_DDTREE_MOE_CONFIG"]
+    # programmatic dependent launch: a bad spec, or PDL asked for where it cannot run (the
+    # interpreter here), refused while weights load; unset it is off here
+    for spec, words in (("4", "0, 1, 2 or 1:LETTERS"), ("1:gd", "sm_90")):
+        os.environ["SGLANG_DDTREE_MOE_PDL"] = spec
+        try:
+            s.process_weights_after_loading(bad)
+            raise SystemExit(f"PDL spec {spec} accepted")
+        except moe_hook.FusedMoeHookError as exc:
+            assert words in str(exc) and "SGLANG_DDTREE_MOE_PDL" in str(exc), exc
+    del os.environ["SGLANG_DDTREE_MOE_PDL"]
+    s.process_weights_after_loading(bad)
     print("E2E_OK", rel)
 """)
 
