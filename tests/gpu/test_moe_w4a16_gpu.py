@@ -279,21 +279,31 @@ def test_two_pass_grouping_equals_one_launch(K, w, m, few, monkeypatch):
         want = ours(K, w, x, tw, ti).clone()
         monkeypatch.setenv(K.moe.ALIGN_ENV, method)
         assert torch.equal(ours(K, w, x, tw, ti), want), method
-        out = torch.empty_like(want)
-        graph = captured(K, w, x, tw, ti, out)
-        for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=m + 100):
-            monkeypatch.setenv(K.moe.ALIGN_ENV, "one")
-            assert torch.equal(out, ours(K, w, x, tw2, ti2)), method
-            monkeypatch.setenv(K.moe.ALIGN_ENV, method)
+        replays_match_eager(K, w, x, tw, ti, want, monkeypatch, K.moe.ALIGN_ENV, method, "one",
+                            seed0=m + 100)
+
+
+def replays_match_eager(K, w, x, tw, ti, like, monkeypatch, var, value, eager, seed0):
+    """A CUDA graph of one call captured with ``var`` = ``value``, replayed twice with new
+    inputs (few experts on even replays); each replay equals, bit for bit, an eager call with
+    ``var`` = ``eager``. Leaves ``var`` = ``value`` and the last replay's inputs in x, tw, ti."""
+    monkeypatch.setenv(var, value)
+    out = torch.empty_like(like)
+    graph = captured(K, w, x, tw, ti, out)
+    for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=seed0):
+        monkeypatch.setenv(var, eager)
+        assert torch.equal(out, ours(K, w, x, tw2, ti2)), (var, value)
+        monkeypatch.setenv(var, value)
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 2048])
 @pytest.mark.parametrize("few", [False, True])
 def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
     """Programmatic dependent launch (moe_pdl: waits only, every early release, the default)
-    gives the plain launches' bits, eager (twice, back to back: a call's grouping may start while the
-    last one's combine ends) and replayed from a CUDA graph with new routing (few experts on
-    even replays), with the split-K reduce launch too (M 1-16 split on few experts)."""
+    gives the plain launches' bits, eager (twice, back to back: a call's grouping may start
+    while the last one's combine ends) and replayed from a CUDA graph with new routing (few
+    experts on even replays), with the split-K reduce launch too (M 1-16 split on few
+    experts)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
@@ -307,12 +317,8 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
         monkeypatch.setenv(K.moe.SERIAL_REDUCE_ENV, "0")  # the reduce launch where split
         assert torch.equal(ours(K, w, x, tw, ti), want), (mode, "reduce")
         monkeypatch.delenv(K.moe.SERIAL_REDUCE_ENV)
-        out = torch.empty_like(want)
-        graph = captured(K, w, x, tw, ti, out)
-        for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=m + 200):
-            monkeypatch.setenv(K.moe.PDL_ENV, "0")
-            assert torch.equal(out, ours(K, w, x, tw2, ti2)), mode
-            monkeypatch.setenv(K.moe.PDL_ENV, mode)
+        replays_match_eager(K, w, x, tw, ti, want, monkeypatch, K.moe.PDL_ENV, mode, "0",
+                            seed0=m + 200)
         monkeypatch.setenv(K.moe.PDL_ENV, "0")  # (the replays left new inputs: new bits)
         want = ours(K, w, x, tw, ti).clone()
 
