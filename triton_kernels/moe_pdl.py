@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the fused MoE's launches (sm_90+, opt-in).
+"""Programmatic dependent launch (PDL) for the fused MoE's launches (sm_90+, on by default).
 
 A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream
 still runs: it is launched once every program of that kernel has called
@@ -19,7 +19,9 @@ use it:
 Unset, a call on an sm_90+ GPU takes ``1:gd`` (``DEFAULT_SPEC``), the fastest choice timed in
 session 59 (``bench_results/fused_moe_pdl_*_s59{a,b}.json``): with the grouping's x copy per
 chunk, on an H100 whole calls 1.1-3.1 us faster than plain launches at M 1-64 on random
-routing and on 8 shared experts (M = 8 on random routing 81.7 -> 78.9 us). Releasing the
+routing and on 8 shared experts (M = 8 on random routing 81.7 -> 78.9 us); on the H200
+(``fused_moe_pdl_ab_*_h200_s59c.json``) 63.9 against 66.7 us at M = 8 on random routing,
+1.5-3.1 us less a call at M 1-32 on both routings. Releasing the
 gate-up early from the grouping (``a``) was slower at M = 8 on random routing on both cards
 (H100: 79.6 -> 84.5 us with the copy per chunk; H200 mode 2: 65.3 -> 67.2 against waits
 only), where the early gate-up programs take slots while the grouping runs.
