@@ -341,7 +341,7 @@ for s in "$@"; do
              step moestall-summary 60 python3 scripts/ncu_sass_stalls.py "$OUT"/ncu_moe_*_sass.csv \
                --out "$OUT/ncu_moe_stalls_h200.json"
              gzip -f "$OUT"/ncu_moe_*_sass.csv ;;
-    moepdl)  # (session 59) programmatic dependent launch (triton_kernels/moe_pdl.py), opt-in:
+    moepdl)  # (session 59) programmatic dependent launch (triton_kernels/moe_pdl.py; opt-in then):
              # whole calls of the table against waits only (1), each early release alone
              # (1:a grouping, 1:g gate-up, 1:d down) and all (2), each with and without x's
              # copy per chunk in the grouping, interleaved, 3 rounds, random routing then 8

@@ -149,42 +149,52 @@ def _check_kernel(kern, tmp_path):
     assert_no_spills(kern, tmp_path)
 
 
+# runtime signatures of the launches around the two GEMMs (the groupings', the split-K
+# reduce's and the combine's)
+_GROUPING_SIG = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+                 "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32",
+                 "stride_xm": "i32"}  # _prologue_kernel and _align_small_kernel
+_COUNT_SIG = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
+              "T": "i32", "stride_xm": "i32"}
+_PLACE_SIG = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
+              "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32",
+              "max_blocks": "i32"}
+_REDUCE_SIG = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
+               "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
+_COMBINE_SIG = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
+                "stride_om": "i32"}
+
+
 def test_prologue_and_combine_compile(MOE, tmp_path):
-    sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
+    sig = _GROUPING_SIG
     const = dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1, BLOCK_B=16,
                  K=H, BLOCK_K=256, COPY_FIRST=False, COPY_PROGS=1)
     _compile(MOE._prologue_kernel, sig, const, 4, 1)
     _compile(MOE._prologue_kernel, sig, dict(const, COPY_FIRST=True, COPY_PROGS=7), 4, 1)
-    sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
-           "stride_om": "i32"}
+    sig = _COMBINE_SIG
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=1024), 4, 1)
     block_n, warps = MOE.COMBINE_DEFAULT
     _compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=block_n),
              warps, 1)
     # the two-pass grouping (large calls): 16 chunks of 1,024 pairs (M = 2,048 at top-8)
-    sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
-           "T": "i32", "stride_xm": "i32"}
+    sig = _COUNT_SIG
     for copy_progs in (1, 7):
         _compile(MOE._align_count_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, CH=1024,
                                                     NUM_CH=16, K=H, BLOCK_K=256,
                                                     COPY_PROGS=copy_progs), MOE.ALIGN_WARPS, 1)
-    sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
-           "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32", "max_blocks": "i32"}
+    sig = _PLACE_SIG
     _compile(MOE._align_place_kernel, sig, dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64,
                                                 CH=1024, NUM_CH=16, BLOCK_B=64),
              MOE.ALIGN_WARPS, 1)
     # the one-program grouping (a histogram and a sort) at M = 8 and at its largest sort
     # (1,024 pairs), with the copy per row and per chunk
-    sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
+    sig = _GROUPING_SIG
     for t_pad, bm, b_pad, copy_progs in ((64, 8, 64, 1), (1024, 16, 512, 1), (1024, 16, 512, 7)):
         kern = _compile(MOE._align_small_kernel, sig,
                         dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=bm, T_PAD=t_pad, B_PAD=b_pad,
                              K=H, BLOCK_K=256, COPY_PROGS=copy_progs), MOE.ALIGN_WARPS, 1)
         assert_no_spills(kern, tmp_path)
-    sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
+    sig = _REDUCE_SIG
     const = dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256, SPLIT_TARGET=0,
                  NUM_N=4, KS=28)
     _compile(MOE._gate_up_reduce_kernel, sig, const, 4, 1)
@@ -327,33 +337,24 @@ def test_pdl_modes_compile_without_spills(MOE, pdl, tmp_path):
         if kind == "gate_up" and pdl == 2:
             mma = min(i for i in _ptx_order(ptx, "mma.sync", "wgmma.mma_async") if i >= 0)
             assert mma < at_release, tiles
-    sig = {"topk_ids_ptr": "*i32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "x_ptr": "*bf16", "xp_ptr": "*bf16", "T": "i32", "max_blocks": "i32", "stride_xm": "i32"}
+    sig = _GROUPING_SIG
     kerns = [_compile(MOE._align_small_kernel, sig,
                       dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=8, T_PAD=64, B_PAD=64, K=H,
                            BLOCK_K=256, COPY_PROGS=1, PDL=pdl), MOE.ALIGN_WARPS, 1),
              _compile(MOE._prologue_kernel, sig,
                       dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=16, BLOCK_T=1024, NUM_T_BLOCKS=1,
                            BLOCK_B=16, K=H, BLOCK_K=256, PDL=pdl), 4, 1)]
-    sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
-           "T": "i32", "stride_xm": "i32"}
-    kerns.append(_compile(MOE._align_count_kernel, sig,
+    kerns.append(_compile(MOE._align_count_kernel, _COUNT_SIG,
                           dict(NUM_EXPERTS=384, E_PAD=512, CH=1024, NUM_CH=16, K=H, BLOCK_K=256,
                                COPY_PROGS=7, PDL=pdl), MOE.ALIGN_WARPS, 1))
-    sig = {"topk_ids_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32",
-           "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32", "T": "i32", "max_blocks": "i32"}
-    kerns.append(_compile(MOE._align_place_kernel, sig,
+    kerns.append(_compile(MOE._align_place_kernel, _PLACE_SIG,
                           dict(NUM_EXPERTS=384, E_PAD=512, BLOCK_M=64, CH=1024, NUM_CH=16,
                                BLOCK_B=64, PDL=pdl), MOE.ALIGN_WARPS, 1))
-    sig = {"part_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32",
-           "h_ptr": "*bf16", "T": "i32", "part_rows": "i32"}
-    kerns.append(_compile(MOE._gate_up_reduce_kernel, sig,
+    kerns.append(_compile(MOE._gate_up_reduce_kernel, _REDUCE_SIG,
                           dict(I=I, SPLIT_K=4, BLOCK_M=16, BLOCK_C=128, DOWN_BLOCK_K=256,
                                SPLIT_TARGET=256, NUM_N=4, KS=28, PDL=pdl), 4, 1))
-    sig = {"y_ptr": "*bf16", "topk_ids_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32",
-           "stride_om": "i32"}
     block_n, warps = MOE.COMBINE_DEFAULT
-    kerns.append(_compile(MOE._combine_kernel, sig, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384,
+    kerns.append(_compile(MOE._combine_kernel, _COMBINE_SIG, dict(N=H, TOPK=TOPK, NUM_EXPERTS=384,
                                                          BLOCK_N=block_n, PDL=pdl), warps, 1))
     for kern in kerns:
         ptx = kern.asm["ptx"]
