@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -393,6 +393,20 @@ PYEOF
                  --out "$OUT/fused_moe_pdl_ab_${routing/:/}_h200.json"
              done
              step moepdlab-tests ${MOEPDL_TEST_LIMIT:-240} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang" ;;
+    moeearly) # (session 60) moe_pdl's loads before the wait: the looped down's first / last
+             # column step (e / E) and the combine's expert ids (c), alone and together, against
+             # the default (1:gd); interleaved, 3 rounds, random routing then 8 shared experts;
+             # then the PDL GPU test (every mode's bits, eager and replayed). No kit
+             for routing in random concentrated:8; do
+               step moeearly-${routing/:/} ${MOEEARLY_LIMIT:-150} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds 3 --routing $routing \
+                 --ms ${MOEEARLY_MS:-8 1 2 4 16 32 64} \
+                 --ours-variants first:SGLANG_DDTREE_MOE_PDL=1:gde last:SGLANG_DDTREE_MOE_PDL=1:gdE \
+                   ids:SGLANG_DDTREE_MOE_PDL=1:gdc first_ids:SGLANG_DDTREE_MOE_PDL=1:gdec \
+                   last_ids:SGLANG_DDTREE_MOE_PDL=1:gdEc \
+                 --out "$OUT/fused_moe_early_${routing/:/}_h200.json"
+             done
+             step moeearly-test ${MOEEARLY_TEST_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

@@ -15,6 +15,11 @@ use it:
   program ends: ``a`` the grouping (at once, after its wait), ``g`` the gate-up (after its K
   loop, its epilogue still to run), ``r`` the split-K reduce and ``d`` the down (at once).
 * ``2``: ``1:agrd``.
+* ``e``, ``E``, ``c`` (after 1 or 2, e.g. ``1:gde``, ``2:c``): loads before the wait, of what
+  does not depend on the launch before. ``e`` / ``E``: the looped down's programs read their
+  expert block and rows, the routing weights and the weight and scale tile of their first
+  (``e``) or last (``E``) column step, so those loads overlap the gate-up's last programs.
+  ``c``: the combine's programs read their token's expert ids.
 
 Unset, a call on an sm_90+ GPU takes ``1:gd`` (``DEFAULT_SPEC``), the fastest choice timed in
 session 59 (``bench_results/fused_moe_pdl_*_s59{a,b}.json``): with the grouping's x copy per
@@ -49,15 +54,18 @@ import triton.language as tl
 
 PDL_ENV = "SGLANG_DDTREE_MOE_PDL"
 RELEASE_POINTS = "agrd"  # grouping, gate-up, split-K reduce, down
+EARLY = "eEc"  # loads before the wait: the looped down's (first / last column step), the combine's
 DEFAULT_SPEC = "1:gd"  # unset, on sm_90+ (module docstring)
 
 
 @dataclass(frozen=True)
 class Pdl:
-    """A call's PDL choice: ``on`` (every launch waits) and the launches that release their
-    successor early (letters of RELEASE_POINTS)."""
+    """A call's PDL choice: ``on`` (every launch waits), the launches that release their
+    successor early (letters of RELEASE_POINTS) and ``early``: the looped down loads what it
+    can before its wait."""
     on: bool = False
     release: str = ""
+    early: str = ""  # letters of EARLY (without ``on``, as the tests run them: no wait)
 
     def launch(self, point: str) -> dict:
         """Launch options of the kernel at ``point`` (a RELEASE_POINTS letter, or ``c`` for the
@@ -67,19 +75,33 @@ class Pdl:
             return {}
         return {"PDL": 2 if point in self.release else 1, "launch_pdl": True}
 
+    def down_loop(self) -> dict:
+        """The looped down's launch options: ``launch("d")`` and, with ``early``, its
+        ``EARLY`` constexpr."""
+        down = 1 if "e" in self.early else 2 if "E" in self.early else 0
+        return {**self.launch("d"), **({"EARLY": down} if down else {})}
+
+    def combine(self) -> dict:
+        """The combine's launch options: ``launch("c")`` and, with ``c`` in ``early``, its
+        ``EARLY`` constexpr (the expert ids read before the wait)."""
+        return {**self.launch("c"), **({"EARLY": True} if "c" in self.early else {})}
+
 
 def parse_pdl(spec) -> Pdl:
-    """``0``, ``1``, ``2`` or ``1:LETTERS`` (module docstring) -> Pdl; ValueError otherwise."""
+    """``0``, ``1``, ``2``, ``2:LOADS`` or ``1:LETTERS`` (module docstring) -> Pdl; ValueError otherwise."""
     spec = str(spec).strip()
-    mode, _, letters = spec.partition(":")
+    mode, colon, letters = spec.partition(":")
     if spec == "0":
         return Pdl()
-    if spec == "2":
-        return Pdl(True, RELEASE_POINTS)
-    if mode == "1" and set(letters) <= set(RELEASE_POINTS) and len(set(letters)) == len(letters):
-        return Pdl(True, "".join(c for c in RELEASE_POINTS if c in letters))
-    raise ValueError(f"{PDL_ENV}: 0, 1, 2 or 1:LETTERS (LETTERS from {RELEASE_POINTS!r}, "
-                     f"each once), got {spec!r}")
+    early = "".join(c for c in EARLY if c in letters)
+    once = len(set(letters)) == len(letters) and not ("e" in early and "E" in early)
+    if mode == "2" and once and set(letters) <= set(EARLY) and (letters or not colon):
+        return Pdl(True, RELEASE_POINTS, early)
+    if mode == "1" and once and set(letters) <= set(RELEASE_POINTS + EARLY):
+        return Pdl(True, "".join(c for c in RELEASE_POINTS if c in letters), early)
+    raise ValueError(f"{PDL_ENV}: 0, 1, 2, 2:LOADS or 1:LETTERS (LETTERS from "
+                     f"{RELEASE_POINTS + EARLY!r}, LOADS from {EARLY!r}, each once, not both e "
+                     f"and E), got {spec!r}")
 
 
 def pdl_mode(device: torch.device, portable_path: bool, mode=None) -> Pdl:

@@ -113,15 +113,25 @@ def _combine_kernel(
     NUM_EXPERTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = 0,  # moe_pdl's mode (no early release: the next launch is SGLang's)
+    TOPK_PAD: tl.constexpr = 8,  # (EARLY) next power of 2 of TOPK
+    EARLY: tl.constexpr = False,  # moe_pdl's "c": the expert ids read before the wait
 ):
-    _pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
+    if EARLY:  # the router's output, written before the MoE's first launch: which slots
+        # have a y row, as bits of one integer
+        slots = tl.arange(0, TOPK_PAD)
+        ids = tl.load(topk_ids_ptr + m * TOPK + slots, mask=slots < TOPK, other=-1)
+        valid = tl.sum(tl.where((ids >= 0) & (ids < NUM_EXPERTS), 1 << slots, 0), axis=0)
+    _pdl_wait(PDL)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(TOPK):  # fixed order: deterministic sum
-        e = tl.load(topk_ids_ptr + m * TOPK + k)
-        live = ok & (e >= 0) & (e < NUM_EXPERTS)
+        if EARLY:
+            live = ok & (((valid >> k) & 1) != 0)
+        else:
+            e = tl.load(topk_ids_ptr + m * TOPK + k)
+            live = ok & (e >= 0) & (e < NUM_EXPERTS)
         acc += tl.load(y_ptr + (m * TOPK + k) * N + offs, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -150,7 +160,8 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
     block_n = min(block_n, triton.next_power_of_2(hidden))
     _combine_kernel[(m, triton.cdiv(hidden, block_n))](
         y, topk_ids, out, float(scale), out.stride(0), N=hidden, TOPK=topk,
-        NUM_EXPERTS=num_experts, BLOCK_N=block_n, num_warps=warps, **(pdl or Pdl()).launch("c"))
+        NUM_EXPERTS=num_experts, BLOCK_N=block_n, TOPK_PAD=triton.next_power_of_2(topk),
+        num_warps=warps, **(pdl.combine() if pdl and topk < 32 else (pdl or Pdl()).launch("c")))
     return out
 
 
@@ -325,7 +336,7 @@ def fused_moe_w4a16(
             NUM_EXPERTS=num_experts if dn.split_target else 0,
             SPLIT_TARGET=dn.split_target, PAR_ACC=bool(dn.par_acc),
             SCALE_ONCE=bool(dn.scale_once), num_warps=dn.num_warps, num_stages=dn.num_stages,
-            **_reg_limit(dn), **pdl.launch("d"))
+            **_reg_limit(dn), **pdl.down_loop())
     else:
         _down_kernel[(n_blocks * (hidden // dn.block_n),)](
             h, w2_packed, w2_scale, sorted_ids, block_expert, topk_weights, y, t, N=hidden,

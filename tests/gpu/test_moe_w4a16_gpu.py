@@ -299,8 +299,8 @@ def replays_match_eager(K, w, x, tw, ti, like, monkeypatch, var, value, eager, s
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 2048])
 @pytest.mark.parametrize("few", [False, True])
 def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
-    """Programmatic dependent launch (moe_pdl: waits only, every early release, the default)
-    gives the plain launches' bits, eager (twice, back to back: a call's grouping may start
+    """Programmatic dependent launch (moe_pdl: waits only, every early release, the default,
+    the loads before the wait) gives the plain launches' bits, eager (twice, back to back: a call's grouping may start
     while the last one's combine ends) and replayed from a CUDA graph with new routing (few
     experts on even replays), with the split-K reduce launch too (M 1-16 split on few
     experts)."""
@@ -310,7 +310,8 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
     tw, ti = few_or_random(m, seed=m, few=few)
     monkeypatch.setenv(K.moe.PDL_ENV, "0")
     want = ours(K, w, x, tw, ti).clone()
-    for mode in ("1", "2", "1:gd", ""):  # ("": unset, the default: 1:gd on sm_90+)
+    # ("": unset, the default: 1:gd on sm_90+; e / E / c: loads before the wait)
+    for mode in ("1", "2", "1:gd", "", "1:gdec", "1:gdEc", "2:e"):
         monkeypatch.setenv(K.moe.PDL_ENV, mode)
         a, b = ours(K, w, x, tw, ti), ours(K, w, x, tw, ti)
         assert torch.equal(a, want) and torch.equal(b, want), mode
