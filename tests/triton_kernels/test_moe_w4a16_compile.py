@@ -43,12 +43,13 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
-          pdl: int = 0):
+          pdl: int = 0, early: int = 0):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
-    (MoeConfig.wide_halves); ``pdl``: moe_pdl's mode (passed only when set)."""
-    extra = {"PDL": pdl} if pdl else {}
+    (MoeConfig.wide_halves); ``pdl``: moe_pdl's mode, ``early`` the looped down's EARLY
+    (each passed only when set)."""
+    extra = dict({"PDL": pdl} if pdl else {}, **({"EARLY": early} if early else {}))
     (bn, bk, warps, stages, n_per_cta, split_dq, split_k, split_target, par_acc, scale_once,
      max_regs) = tuple(tiles) + (0, 0, 1, 0, 0, 0, 0)[len(tiles) - 4:]
     # (passed only when set, as the launch does)
@@ -363,6 +364,65 @@ def test_pdl_modes_compile_without_spills(MOE, pdl, tmp_path):
         # (the combine leaves the release to its exit: its successor is the caller's)
         assert (at_release >= 0) == (pdl == 2 and kern.name != "_combine_kernel"), kern.name
         assert_no_spills(kern, tmp_path)
+
+
+def _loads_from(ptx: str, params: set) -> tuple[int, int]:
+    """Global loads (``ld.global``, ``cp.async``) whose address derives from the kernel
+    parameters ``params`` (their indices), before and after the first ``griddepcontrol.wait``:
+    a forward walk of the PTX's register definitions (virtual registers, each written once
+    apart from loop-carried ones, which take their first definition's taint)."""
+    tainted, counts, after = set(), [0, 0], 0
+    for line in ptx.splitlines():
+        line = re.sub(r"^\s*@!?%p\d+\s+", "", line.strip())
+        if "griddepcontrol.wait" in line:
+            after = 1
+            continue
+        m = re.match(r"ld\.param\.\S+\s+(%\w+),\s*\[\w+_param_(\d+)\]", line)
+        if m:
+            if int(m.group(2)) in params:
+                tainted.add(m.group(1))
+            continue
+        op, _, rest = line.partition(" ")
+        if not rest or op.startswith(("//", ".")) or op.endswith(":"):
+            continue
+        if op.startswith(("ld.global", "cp.async")):
+            addr = re.search(r"\[\s*(%\w+)", rest[rest.find("[") if op.startswith("ld") else 0:])
+            if addr and addr.group(1) in tainted:
+                counts[after] += 1
+        if rest.lstrip().startswith("["):  # a store / copy: no register written
+            continue
+        dest, _, srcs = rest.partition(",") if not rest.lstrip().startswith("{") else \
+            rest.partition("}")
+        if set(re.findall(r"%\w+", srcs)) & tainted:
+            tainted.update(re.findall(r"%\w+", dest))
+    return counts[0], counts[1]
+
+
+# The looped downs of the M = 8 / 9-16 / 17-32 / 65-128 bands (fixed, live, narrowed)
+@pytest.mark.parametrize("early", [1, 2])
+def test_early_loads_stop_at_the_wait(MOE, early, tmp_path):
+    """moe_pdl's loads before the wait (``e`` / ``E``, ``c``): in the shipped looped downs
+    with PDL the weight and scale loads of a step (parameters 1, 2) come before the wait and
+    the activations (parameter 0, the gate-up's output) only after it; in the combine the
+    expert ids (1) before and y (0, the down's output) after. No spills, dequant kept."""
+    cases = [c for c in _shipped((8, 16, 32, 128)) if c[0] == "down" and len(c[2]) > 4
+             and c[2][4]]
+    assert len(cases) >= 3, cases
+    for kind, bm, tiles, half, wide in cases:
+        kern = _gemm(MOE, kind, bm, tiles, half, wide, pdl=2, early=early)
+        _check_kernel(kern, tmp_path)
+        ptx = kern.asm["ptx"]
+        weights, h = _loads_from(ptx, {1, 2}), _loads_from(ptx, {0})
+        assert weights[0] > 0 and h == (0, h[1]) and h[1] > 0, (tiles, weights, h)
+    kern = _compile(MOE._combine_kernel, _COMBINE_SIG,
+                    dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=512, PDL=1, EARLY=True), 4, 1)
+    ids, y = _loads_from(kern.asm["ptx"], {1}), _loads_from(kern.asm["ptx"], {0})
+    assert ids[0] > 0 and ids[1] == 0 and y[0] == 0 and y[1] > 0, (ids, y)
+    assert_no_spills(kern, tmp_path)
+    # the walk itself: without the early loads, nothing before the wait
+    plain = _compile(MOE._combine_kernel, _COMBINE_SIG,
+                     dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=512, PDL=1), 4, 1)
+    assert _loads_from(plain.asm["ptx"], {0, 1})[0] == 0
 
 
 def test_rerun_in_clean_process():
