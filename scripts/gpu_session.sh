@@ -393,17 +393,17 @@ PYEOF
                  --out "$OUT/fused_moe_pdl_ab_${routing/:/}_h200.json"
              done
              step moepdlab-tests ${MOEPDL_TEST_LIMIT:-240} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang" ;;
-    moeearly) # (session 60) moe_pdl's loads before the wait: the looped down's first / last
-             # column step (e / E) and the combine's expert ids (c), alone and together, against
+    moeearly) # (session 60) moe_pdl's loads before the wait: the looped down's block, rows and
+             # routing weights (e) and the combine's expert ids (c), alone and together, against
              # the default (1:gd); interleaved, 3 rounds, random routing then 8 shared experts;
-             # then the PDL GPU test (every mode's bits, eager and replayed). No kit
+             # then the PDL GPU test (every mode's bits, eager and replayed). No kit. (Its first
+             # form, at 7913413, timed weight tiles loaded before the down's wait instead of e)
              for routing in random concentrated:8; do
                step moeearly-${routing/:/} ${MOEEARLY_LIMIT:-150} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds 3 --routing $routing \
+                 --no-sglang --check --rounds ${MOEEARLY_ROUNDS:-3} --routing $routing \
                  --ms ${MOEEARLY_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants first:SGLANG_DDTREE_MOE_PDL=1:gde last:SGLANG_DDTREE_MOE_PDL=1:gdE \
-                   ids:SGLANG_DDTREE_MOE_PDL=1:gdc first_ids:SGLANG_DDTREE_MOE_PDL=1:gdec \
-                   last_ids:SGLANG_DDTREE_MOE_PDL=1:gdEc \
+                 --ours-variants e:SGLANG_DDTREE_MOE_PDL=1:gde c:SGLANG_DDTREE_MOE_PDL=1:gdc \
+                   ec:SGLANG_DDTREE_MOE_PDL=1:gdec \
                  --out "$OUT/fused_moe_early_${routing/:/}_h200.json"
              done
              step moeearly-test ${MOEEARLY_TEST_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;

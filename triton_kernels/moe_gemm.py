@@ -346,7 +346,7 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
                  pid_nc, tiles, N: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr,
                  PORTABLE: tl.constexpr, HALF_M: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                 SCALE_ONCE: tl.constexpr = False, EARLY: tl.constexpr = 0,
+                 SCALE_ONCE: tl.constexpr = False, EARLY: tl.constexpr = False,
                  PDL: tl.constexpr = 0):
     """Both down kernels' work for one expert block, at the width ``level`` picks under HALF_M
     (_narrow_level): the looped kernel's (N_PER_CTA > 0, ``pid_nc`` its column range of
@@ -381,7 +381,7 @@ def _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, ro
                 tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, N_PER_CTA: tl.constexpr, PORTABLE: tl.constexpr,
                 PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                EARLY: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                EARLY: tl.constexpr = False, PDL: tl.constexpr = 0):
     if N_PER_CTA > 0:
         _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BM, BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE, EARLY,
@@ -441,7 +441,7 @@ def _down_loop_kernel(
     PAR_ACC: tl.constexpr = False,  # planes 0-3 / 4-7 in two accumulators (GemmConfig.par_acc)
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group (GemmConfig.scale_once)
     PDL: tl.constexpr = 0,  # moe_pdl's mode
-    EARLY: tl.constexpr = 0,  # moe_pdl's "e" / "E": the loads that need no gate-up before the wait
+    EARLY: tl.constexpr = False,  # moe_pdl's "e": the grouping's outputs read before the wait
 ):
     """Down GEMM for a small intermediate size (the whole K = I in one tile).
 
@@ -459,11 +459,12 @@ def _down_loop_kernel(
     """
     NUM_S: tl.constexpr = N // N_PER_CTA
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
-    # EARLY: the grouping's outputs, the routing weights and the first weight tile are read
-    # before the wait (in _down_loop_rows), and every program still waits before it returns.
+    # EARLY: the grouping's outputs (the block's expert and rows) and the routing weights are
+    # read before the wait (in _down_loop_rows), and every program still waits before it
+    # returns.
     # The grouping has completed by then: this launch starts only once every program of the
     # gate-up (or reduce) has released it or ended, each after its own wait.
-    if EARLY == 0:
+    if not EARLY:
         _pdl_wait(PDL)
         _pdl_release(PDL)
     pid = tl.program_id(0)
@@ -471,7 +472,7 @@ def _down_loop_kernel(
         parts, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_S,
                                   TILES, TILES, SPLIT_TARGET)
         if pid >= live * parts:
-            if EARLY > 0:
+            if EARLY:
                 _pdl_wait(PDL)
             return
         pid_m = pid // (NUM_S * parts)
@@ -483,7 +484,7 @@ def _down_loop_kernel(
         tiles = TILES
     e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
     if e < 0:
-        if EARLY > 0:
+        if EARLY:
             _pdl_wait(PDL)
         return
     _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, level,
@@ -495,28 +496,19 @@ def _down_loop_kernel(
 def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0, pid_s,
                     tiles, N: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
                     BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False,
-                    SCALE_ONCE: tl.constexpr = False, EARLY: tl.constexpr = 0,
+                    SCALE_ONCE: tl.constexpr = False, EARLY: tl.constexpr = False,
                     PDL: tl.constexpr = 0):
     """_down_loop_kernel's work for padded rows ``row0 .. row0 + BM - 1`` (expert ``e``):
     column range ``pid_s`` of ``tiles`` BLOCK_N steps (a constant unless the range is live).
-    EARLY 1 / 2: the row ids, routing weights and the first / last step's weight and scale
-    tile are loaded, then the PDL wait (and release), then the activations (the gate-up's
-    output)."""
+    EARLY: the row ids and routing weights are loaded, then the PDL wait (and release), then
+    the activations (the gate-up's output) and the weights."""
     KP: tl.constexpr = I // _PACK
     offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     offs_r = tl.arange(0, KP)
-    steps = tiles  # column steps of the loop
-    if EARLY > 0:
-        # EARLY 1: the first column step's tiles, used before the loop; 2: the last step's,
-        # held in registers through the loop (whose loads the compiler pipelines from its
-        # first step on, right after the wait)
+    if EARLY:  # the routing weights and pointers, then the wait (the activations after it)
         wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         w_ptrs, s_ptrs, y_ptrs = _down_loop_ptrs(w_ptr, s_ptr, y_ptr, e, rows, pid_s, tiles, N, I,
                                                  BLOCK_N, SCALE_ONCE)
-        steps = tiles - 1
-        at = 0 if EARLY == 1 else steps * BLOCK_N
-        w_early = tl.load(w_ptrs + at)
-        s_early = _scale_tile(s_ptrs + at, BLOCK_N, KP, SCALE_ONCE)
         _pdl_wait(PDL)
         _pdl_release(PDL)
     h_ptrs = h_ptr + offs_m[None, :].to(tl.int64) * I + offs_r[:, None]  # [KP, BM], plane 0
@@ -529,20 +521,14 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
     a5 = tl.load(h_ptrs + 5 * KP, mask=a_mask, other=0.0)
     a6 = tl.load(h_ptrs + 6 * KP, mask=a_mask, other=0.0)
     a7 = tl.load(h_ptrs + 7 * KP, mask=a_mask, other=0.0)
-    if EARLY == 0:
+    if not EARLY:
         wt = tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         w_ptrs, s_ptrs, y_ptrs = _down_loop_ptrs(w_ptr, s_ptr, y_ptr, e, rows, pid_s, tiles, N, I,
                                                  BLOCK_N, SCALE_ONCE)
-    if EARLY == 1:
-        _down_tile(w_early, s_early, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
-                   BLOCK_N, PORTABLE, PAR_ACC)
-        w_ptrs += BLOCK_N
-        s_ptrs += BLOCK_N
-        y_ptrs += BLOCK_N
     if PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live range): a while loop
         i = 0
-        while i < steps:
+        while i < tiles:
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
                        BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
             w_ptrs += BLOCK_N
@@ -550,15 +536,12 @@ def _down_loop_rows(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e
             y_ptrs += BLOCK_N
             i += 1
     else:
-        for _ in range(steps):
+        for _ in range(tiles):
             _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
                        BLOCK_N, PORTABLE, PAR_ACC, SCALE_ONCE)
             w_ptrs += BLOCK_N
             s_ptrs += BLOCK_N
             y_ptrs += BLOCK_N
-    if EARLY == 2:  # (y_ptrs now at the last step)
-        _down_tile(w_early, s_early, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM,
-                   BLOCK_N, PORTABLE, PAR_ACC)
 
 
 @triton.jit
@@ -583,20 +566,14 @@ def _down_loop_ptrs(w_ptr, s_ptr, y_ptr, e, rows, pid_s, tiles, N: tl.constexpr,
 def _down_step(w_ptrs, s_ptrs, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask,
                BM: tl.constexpr, BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr,
                PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False):
-    """One BLOCK_N step of _down_loop_rows: its [BLOCK_N, I] weight tile and scales
-    (SCALE_ONCE: ``s_ptrs`` is the [BLOCK_N, KP / 4] group view), then _down_tile."""
+    """One BLOCK_N step of _down_loop_rows: dequantize the [BLOCK_N, I] weight tile, its eight
+    nibble-plane dots with the block's activation planes, the routing weights, y's store
+    (PAR_ACC: planes 4-7 in a second accumulator, half the dependent MMA chain; SCALE_ONCE:
+    ``s_ptrs`` is the [BLOCK_N, KP / 4] group view)."""
     KP: tl.constexpr = a0.shape[0]
-    _down_tile(tl.load(w_ptrs), _scale_tile(s_ptrs, BLOCK_N, KP, SCALE_ONCE), y_ptrs, a0, a1, a2,
-               a3, a4, a5, a6, a7, wt, a_mask, BM, BLOCK_N, PORTABLE, PAR_ACC)
-
-
-@triton.jit
-def _down_tile(w, s, y_ptrs, a0, a1, a2, a3, a4, a5, a6, a7, wt, a_mask, BM: tl.constexpr,
-               BLOCK_N: tl.constexpr, PORTABLE: tl.constexpr, PAR_ACC: tl.constexpr = False):
-    """A loaded weight tile's step: dequantize, its eight nibble-plane dots with the block's
-    activation planes, the routing weights, y's store (PAR_ACC: planes 4-7 in a second
-    accumulator, half the dependent MMA chain)."""
-    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(w, s, PORTABLE)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _dequant8(tl.load(w_ptrs),
+                                               _scale_tile(s_ptrs, BLOCK_N, KP, SCALE_ONCE),
+                                               PORTABLE)
     acc = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
     acc = _dot(p0, a0, acc, PORTABLE)
     acc = _dot(p1, a1, acc, PORTABLE)

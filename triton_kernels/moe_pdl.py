@@ -15,11 +15,10 @@ use it:
   program ends: ``a`` the grouping (at once, after its wait), ``g`` the gate-up (after its K
   loop, its epilogue still to run), ``r`` the split-K reduce and ``d`` the down (at once).
 * ``2``: ``1:agrd``.
-* ``e``, ``E``, ``c`` (after 1 or 2, e.g. ``1:gde``, ``2:c``): loads before the wait, of what
-  does not depend on the launch before. ``e`` / ``E``: the looped down's programs read their
-  expert block and rows, the routing weights and the weight and scale tile of their first
-  (``e``) or last (``E``) column step, so those loads overlap the gate-up's last programs.
-  ``c``: the combine's programs read their token's expert ids.
+* ``e``, ``c`` (after 1 or 2, e.g. ``1:gde``, ``2:c``): loads before the wait, of what does
+  not depend on the launch before. ``e``: the looped down's programs read their block's expert
+  and rows and the routing weights (the activations and the weights after the wait); ``c``:
+  the combine's programs read their token's expert ids.
 
 Unset, a call on an sm_90+ GPU takes ``1:gd`` (``DEFAULT_SPEC``), the fastest choice timed in
 session 59 (``bench_results/fused_moe_pdl_*_s59{a,b}.json``): with the grouping's x copy per
@@ -54,7 +53,7 @@ import triton.language as tl
 
 PDL_ENV = "SGLANG_DDTREE_MOE_PDL"
 RELEASE_POINTS = "agrd"  # grouping, gate-up, split-K reduce, down
-EARLY = "eEc"  # loads before the wait: the looped down's (first / last column step), the combine's
+EARLY = "ec"  # loads before the wait: the looped down's, the combine's (module docstring)
 DEFAULT_SPEC = "1:gd"  # unset, on sm_90+ (module docstring)
 
 
@@ -78,8 +77,7 @@ class Pdl:
     def down_loop(self) -> dict:
         """The looped down's launch options: ``launch("d")`` and, with ``early``, its
         ``EARLY`` constexpr."""
-        down = 1 if "e" in self.early else 2 if "E" in self.early else 0
-        return {**self.launch("d"), **({"EARLY": down} if down else {})}
+        return {**self.launch("d"), **({"EARLY": True} if "e" in self.early else {})}
 
     def combine(self) -> dict:
         """The combine's launch options: ``launch("c")`` and, with ``c`` in ``early``, its
@@ -94,14 +92,13 @@ def parse_pdl(spec) -> Pdl:
     if spec == "0":
         return Pdl()
     early = "".join(c for c in EARLY if c in letters)
-    once = len(set(letters)) == len(letters) and not ("e" in early and "E" in early)
+    once = len(set(letters)) == len(letters)
     if mode == "2" and once and set(letters) <= set(EARLY) and (letters or not colon):
         return Pdl(True, RELEASE_POINTS, early)
     if mode == "1" and once and set(letters) <= set(RELEASE_POINTS + EARLY):
         return Pdl(True, "".join(c for c in RELEASE_POINTS if c in letters), early)
     raise ValueError(f"{PDL_ENV}: 0, 1, 2, 2:LOADS or 1:LETTERS (LETTERS from "
-                     f"{RELEASE_POINTS + EARLY!r}, LOADS from {EARLY!r}, each once, not both e "
-                     f"and E), got {spec!r}")
+                     f"{RELEASE_POINTS + EARLY!r}, LOADS from {EARLY!r}, each once), got {spec!r}")
 
 
 def pdl_mode(device: torch.device, portable_path: bool, mode=None) -> Pdl:

@@ -310,8 +310,8 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
     tw, ti = few_or_random(m, seed=m, few=few)
     monkeypatch.setenv(K.moe.PDL_ENV, "0")
     want = ours(K, w, x, tw, ti).clone()
-    # ("": unset, the default: 1:gd on sm_90+; e / E / c: loads before the wait)
-    for mode in ("1", "2", "1:gd", "", "1:gdec", "1:gdEc", "2:e"):
+    # ("": unset, the default: 1:gd on sm_90+; e / c: loads before the wait)
+    for mode in ("1", "2", "1:gd", "", "1:gdec", "1:c", "2:e"):
         monkeypatch.setenv(K.moe.PDL_ENV, mode)
         a, b = ours(K, w, x, tw, ti), ours(K, w, x, tw, ti)
         assert torch.equal(a, want) and torch.equal(b, want), mode

@@ -703,11 +703,11 @@ def test_pdl_mode_is_checked(experts, monkeypatch):
     w = experts[4]
     x = torch.randn(3, H, dtype=torch.bfloat16)
     tw, ti = random_routing(3, 4, 2, seed=5)
-    for bad in ("3", "on", "-1", "1:x", "1:aa", "2:a", "1,a", "1:eE", "2:ee", "2:", "0:e"):
+    for bad in ("3", "on", "-1", "1:x", "1:aa", "2:a", "1,a", "1:ee", "2:ee", "2:", "0:e", "1:E"):
         monkeypatch.setenv(MOE.PDL_ENV, bad)
         with pytest.raises(ValueError, match=MOE.PDL_ENV):
             run(w, x, tw, ti)
-    for spec in ("1", "2", "1:gd", "1:gdec", "2:E"):
+    for spec in ("1", "2", "1:gd", "1:gdec", "2:e"):
         monkeypatch.setenv(MOE.PDL_ENV, spec)
         with pytest.raises(ValueError, match="sm_90"):
             run(w, x, tw, ti)
@@ -718,10 +718,10 @@ def test_pdl_mode_is_checked(experts, monkeypatch):
     assert MOE.Pdl().launch("g") == {}
     assert MOE.Pdl(True, "g").launch("g") == {"PDL": 2, "launch_pdl": True}
     assert MOE.Pdl(True, "g").launch("d") == {"PDL": 1, "launch_pdl": True}
-    assert MOE.parse_pdl("1:cgEd") == MOE.Pdl(True, "gd", "Ec") == MOE.parse_pdl("1:gdEc")
+    assert MOE.parse_pdl("1:cged") == MOE.Pdl(True, "gd", "ec") == MOE.parse_pdl("1:gdec")
     assert MOE.parse_pdl("2:c") == MOE.Pdl(True, "agrd", "c")
-    assert MOE.Pdl(True, "gd", "Ec").down_loop() == {"PDL": 2, "launch_pdl": True, "EARLY": 2}
-    assert MOE.Pdl(True, "gd", "e").down_loop() == {"PDL": 2, "launch_pdl": True, "EARLY": 1}
+    assert MOE.Pdl(True, "gd", "ec").down_loop() == {"PDL": 2, "launch_pdl": True, "EARLY": True}
+    assert MOE.Pdl(True, "gd", "c").down_loop() == {"PDL": 2, "launch_pdl": True}
     assert MOE.Pdl(True, "gd", "e").combine() == {"PDL": 1, "launch_pdl": True}
     assert MOE.Pdl(True, "", "c").combine() == {"PDL": 1, "launch_pdl": True, "EARLY": True}
     assert MOE.Pdl(early="c").combine() == {"EARLY": True}  # (the tests' form: no wait)
@@ -731,8 +731,8 @@ def test_pdl_mode_is_checked(experts, monkeypatch):
     check(*run(w, x, tw, ti))
 
 
-# looped downs: 2 column steps a range (16-row blocks, and 32 narrowed), 1 step (the loop
-# runs no step past the early one), live ranges (1-4 steps a range by the call's blocks)
+# looped downs: 2 column steps a range (16-row blocks, and 32 narrowed), 1 step, live ranges
+# (1-4 steps a range by the call's blocks)
 _EARLY_CFGS = {"loop": CFG_LOOP, "half_loop": CFG_HALF_LOOP,
                "one_step": MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1),
                                          MOE.GemmConfig(64, 128, 4, 1, 64)),
@@ -742,8 +742,8 @@ _EARLY_CFGS = {"loop": CFG_LOOP, "half_loop": CFG_HALF_LOOP,
 @pytest.mark.parametrize("cfg", list(_EARLY_CFGS), ids=str)
 @pytest.mark.parametrize("case", ["one_block", "many_blocks"])
 def test_early_loads_change_no_bit(experts, cfg, case):
-    """moe_pdl's loads before the wait (the looped down's first or last column step ``e`` /
-    ``E``, the combine's expert ids ``c``), run here without PDL: the same bits as the plain
+    """moe_pdl's loads before the wait (the looped down's block, rows and routing weights
+    ``e``, the combine's expert ids ``c``), run here without PDL: the same bits as the plain
     kernels, with dropped slots (-1) and ids past the experts (no y row), unused blocks and
     programs past a live range."""
     m = {"one_block": 5, "many_blocks": 40}[case]
@@ -761,7 +761,7 @@ def test_early_loads_change_no_bit(experts, cfg, case):
     plain = call(None)
     check(plain, REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                          w["w2_scale"], tw, ti))
-    for early in ("e", "E", "c", "Ec"):
+    for early in ("e", "c", "ec"):
         assert torch.equal(call(MOE.Pdl(early=early)), plain), early
 
 

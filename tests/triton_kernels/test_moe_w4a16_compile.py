@@ -43,7 +43,7 @@ _compile = compile_sm90  # (scripts/moe_ptx_digest.py calls it by this name)
 
 
 def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: bool = False,
-          pdl: int = 0, early: int = 0):
+          pdl: int = 0, early: bool = False):
     """Compile one GEMM kernel; ``tiles`` = (block_n, block_k, warps, stages[, n_per_cta,
     split_dq, split_k, split_target[, par_acc[, scale_once[, max_regs]]]]) as in GemmConfig;
     ``half_m``: whether that GEMM runs HALF_M; ``wide``: the gate-up's WIDE_HALVES
@@ -386,8 +386,9 @@ def _loads_from(ptx: str, params: set) -> tuple[int, int]:
         if not rest or op.startswith(("//", ".")) or op.endswith(":"):
             continue
         if op.startswith(("ld.global", "cp.async")):
-            addr = re.search(r"\[\s*(%\w+)", rest[rest.find("[") if op.startswith("ld") else 0:])
-            if addr and addr.group(1) in tainted:
+            addrs = re.findall(r"\[\s*(%\w+)", rest)  # (cp.async: shared, then global)
+            addr = addrs[0] if op.startswith("ld") else addrs[1] if len(addrs) > 1 else None
+            if addr in tainted:
                 counts[after] += 1
         if rest.lstrip().startswith("["):  # a store / copy: no register written
             continue
@@ -399,21 +400,23 @@ def _loads_from(ptx: str, params: set) -> tuple[int, int]:
 
 
 # The looped downs of the M = 8 / 9-16 / 17-32 / 65-128 bands (fixed, live, narrowed)
-@pytest.mark.parametrize("early", [1, 2])
-def test_early_loads_stop_at_the_wait(MOE, early, tmp_path):
-    """moe_pdl's loads before the wait (``e`` / ``E``, ``c``): in the shipped looped downs
-    with PDL the weight and scale loads of a step (parameters 1, 2) come before the wait and
-    the activations (parameter 0, the gate-up's output) only after it; in the combine the
-    expert ids (1) before and y (0, the down's output) after. No spills, dequant kept."""
+def test_early_loads_stop_at_the_wait(MOE, tmp_path):
+    """moe_pdl's loads before the wait (``e``, ``c``): in the shipped looped downs with PDL the
+    routing weights (parameter 5) come before the wait, and the activations (0, the gate-up's
+    output) and the weights (1) only after it; in the combine the expert ids (1) before and y
+    (0, the down's output) after. The same registers, no spills, dequant kept."""
     cases = [c for c in _shipped((8, 16, 32, 128)) if c[0] == "down" and len(c[2]) > 4
              and c[2][4]]
     assert len(cases) >= 3, cases
     for kind, bm, tiles, half, wide in cases:
-        kern = _gemm(MOE, kind, bm, tiles, half, wide, pdl=2, early=early)
+        kern = _gemm(MOE, kind, bm, tiles, half, wide, pdl=2, early=True)
         _check_kernel(kern, tmp_path)
+        assert registers(kern, tmp_path) <= registers(_gemm(MOE, kind, bm, tiles, half, wide,
+                                                            pdl=2), tmp_path), tiles
         ptx = kern.asm["ptx"]
-        weights, h = _loads_from(ptx, {1, 2}), _loads_from(ptx, {0})
-        assert weights[0] > 0 and h == (0, h[1]) and h[1] > 0, (tiles, weights, h)
+        routing, h, w = (_loads_from(ptx, {p}) for p in (5, 0, 1))
+        assert routing[0] > 0 and h[0] == w[0] == 0 and h[1] > 0 and w[1] > 0, (tiles, routing,
+                                                                                 h, w)
     kern = _compile(MOE._combine_kernel, _COMBINE_SIG,
                     dict(N=H, TOPK=TOPK, NUM_EXPERTS=384, BLOCK_N=512, PDL=1, EARLY=True), 4, 1)
     ids, y = _loads_from(kern.asm["ptx"], {1}), _loads_from(kern.asm["ptx"], {0})
