@@ -288,16 +288,10 @@ def _align_small_kernel(
     BLOCK_K: tl.constexpr,
     COPY_PROGS: tl.constexpr = 1,  # programs per row of x (1,024-column chunks each)
     PDL: tl.constexpr = 0,  # moe_pdl's mode
-    warm_w_ptr=None,  # (WARM_BYTES) the gate-up's packed weights [E, K // 8, WARM_N] int32
-    warm_s_ptr=None,  # (WARM_BYTES) and scales [E, K // 32, WARM_N] bf16
-    COPY_N: tl.constexpr = 0,  # (WARM_BYTES) copy programs: the warm programs come after them
-    WARM_BYTES: tl.constexpr = 0,  # > 0: the L2 warm-up's budget (see _warm_expert)
-    WARM_N: tl.constexpr = 0,  # the gate-up's columns (2 I)
 ):
     """The grouping of a call of up to a thousand pairs in one program (no per-expert
     programs): the same sorted_ids and block labels as _prologue_kernel. Programs 1.. copy x
-    (plane-major), COPY_PROGS per row; with WARM_BYTES, T programs after them warm the L2 with
-    the first gate-up weights of each pair's expert (_warm_expert).
+    (plane-major), COPY_PROGS per row.
 
     One histogram gives each expert's padded row range; sorting the keys ``expert * T_PAD +
     pair`` lists the pairs by expert, in flat order inside one, so the pair at sorted position
@@ -307,11 +301,6 @@ def _align_small_kernel(
     _pdl_wait(PDL)
     _pdl_release(PDL)
     pid = tl.program_id(0)
-    if WARM_BYTES > 0:
-        if pid > COPY_N:
-            _warm_expert(topk_ids_ptr, warm_w_ptr, warm_s_ptr, pid - 1 - COPY_N, T, NUM_EXPERTS,
-                         T_PAD, K, WARM_N, WARM_BYTES)
-            return
     if pid > 0:
         _copy_part(x_ptr, xp_ptr, pid - 1, stride_xm, K, BLOCK_K, COPY_PROGS)
         return
@@ -347,54 +336,6 @@ def _align_small_kernel(
     tl.store(block_expert_ptr + max_blocks, total // BLOCK_M)
 
 
-@triton.jit
-def _l2_prefetch(addr, nbytes):
-    """sm_90's bulk prefetch: ``nbytes`` (a multiple of 16) from ``addr`` (16-byte aligned,
-    int64) into the L2, one instruction per element, nothing waits for it."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-                              "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _warm_expert(topk_ids_ptr, w_ptr, s_ptr, p, T, NUM_EXPERTS: tl.constexpr,
-                 T_PAD: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                 WARM_BYTES: tl.constexpr):
-    """Pair ``p``'s warm-up program: if ``p`` is its expert's first pair, ask the L2 for that
-    expert's first gate-up weight rows and their scales (WARM_BYTES split over the call's
-    distinct experts, at most the whole K), in 128 pieces of a multiple of 16 bytes. The
-    gate-up's programs all start at K row 0 (unsplit; a split's first part), so while the
-    grouping runs the DRAM fetches what they read first. Changes no result."""
-    i = tl.arange(0, T_PAD)
-    ids = tl.load(topk_ids_ptr + i, mask=i < T, other=-1).to(tl.int32)
-    live = (ids >= 0) & (ids < NUM_EXPERTS)
-    e = tl.sum(tl.where(i == p, ids, 0))
-    earlier = tl.sum((live & (ids == e) & (i < p)).to(tl.int32))
-    # distinct experts: the pairs that are their expert's first
-    first = live & (tl.sum(((ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
-                            ).to(tl.int32), axis=1) == 0)
-    distinct = tl.maximum(tl.sum(first.to(tl.int32)), 1)
-    if (e >= 0) & (e < NUM_EXPERTS) & (earlier == 0):
-        ROW_W: tl.constexpr = N * 4  # bytes of a packed row (8 K rows)
-        GROUP_W: tl.constexpr = N * 2  # bytes of a scale row (32 K rows)
-        # whole scale groups: 4 packed rows and one scale row
-        groups = tl.minimum(WARM_BYTES // distinct // (4 * ROW_W + GROUP_W), K // 32)
-        e64 = e.to(tl.int64)
-        w_base = w_ptr.to(tl.int64, bitcast=True) + e64 * (K // 8 * ROW_W)
-        s_base = s_ptr.to(tl.int64, bitcast=True) + e64 * (K // 32 * GROUP_W)
-        _l2_prefetch_span(w_base, groups * (4 * ROW_W))
-        _l2_prefetch_span(s_base, groups * GROUP_W)
-
-
-@triton.jit
-def _l2_prefetch_span(base, nbytes):
-    """``nbytes`` (a multiple of 16) from ``base`` into the L2 in 128 pieces, one a thread."""
-    piece = ((nbytes + 127) // 128 + 15) // 16 * 16
-    j = tl.arange(0, 128)
-    start = j * piece
-    size = tl.minimum(piece, tl.maximum(nbytes - start, 16))
-    _l2_prefetch(base + tl.minimum(start, tl.maximum(nbytes - 16, 0)), size)
-
-
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static upper bound on padded rows: each non-empty expert adds < BLOCK_M padding rows."""
     bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
@@ -422,8 +363,7 @@ _ALIGN_CHUNK = 1024  # pairs per chunk program of the two-pass grouping
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               x: torch.Tensor | None = None, block_k: int = 128, copy: str | None = None,
-              method: str | None = None, warps: int | None = None, pdl: Pdl | None = None,
-              warm: tuple | None = None):
+              method: str | None = None, warps: int | None = None, pdl: Pdl | None = None):
     """Group (token, slot) pairs by expert in blocks of ``block_m`` rows (one launch, or two
     for large calls: ``method``).
 
@@ -456,11 +396,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         ``ALIGN_WARPS``); the same outputs at any count.
     pdl : Pdl, optional
         ``moe_pdl``'s choice for the launches (default: plain; the caller checks the device).
-    warm : tuple, optional
-        ``(w13_packed, w13_scale, nbytes)``: with the one-program grouping (on an sm_90+ GPU),
-        one more program per pair asks the L2 for the first gate-up weights of its expert,
-        ``nbytes`` over the call's distinct experts (``_warm_expert``); ignored by the other
-        groupings. The same outputs.
 
     Returns
     -------
@@ -506,17 +441,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             ALIGN_WARPS
     launch = (pdl or Pdl()).launch("a")
     if small:
-        n_copy = rows * per_row
-        warm_opts = {} if not warm or not warm[2] else dict(
-            warm_w_ptr=warm[0], warm_s_ptr=warm[1], COPY_N=n_copy, WARM_BYTES=int(warm[2]),
-            WARM_N=warm[0].shape[2])
-        _align_small_kernel[(1 + n_copy + (t if warm_opts else 0),)](
+        _align_small_kernel[(1 + rows * per_row,)](
             topk_ids.reshape(-1), sorted_ids, block_expert, sorted_ids if x is None else x,
             sorted_ids if x is None else xp, t, max_blocks, 0 if x is None else x.stride(0),
             NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
             T_PAD=max(16, triton.next_power_of_2(max(t, 1))),
             B_PAD=max(16, triton.next_power_of_2(max_blocks)), K=k, BLOCK_K=block_k,
-            COPY_PROGS=max(per_row, 1), num_warps=warps, **launch, **warm_opts)
+            COPY_PROGS=max(per_row, 1), num_warps=warps, **launch)
         return sorted_ids, block_expert, xp
     if two_pass:
         num_ch = triton.cdiv(max(t, 1), _ALIGN_CHUNK)

@@ -176,20 +176,6 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
 # kernel instead (same result, bit for bit). Two MoE calls must not run at the same time on two
 # streams of one device (SGLang runs one forward at a time). SGLANG_DDTREE_MOE_SERIAL_REDUCE=0
 # (read per call) always takes the reduce kernel.
-# The one-program grouping's L2 warm-up (moe_align's ``warm``): SGLANG_DDTREE_MOE_WARM=MB (read
-# per call; unset or 0: off) of the first gate-up weights of the call's experts are asked of
-# the L2 while the grouping runs (sm_90+, not in the interpreter).
-WARM_ENV = "SGLANG_DDTREE_MOE_WARM"
-
-
-def _warm_bytes(portable_path: bool) -> int:
-    env = os.environ.get(WARM_ENV)
-    if not env or env == "0":
-        return 0
-    mb = _env_ints(WARM_ENV, env, 1, "megabytes, e.g. 16")[0]
-    return 0 if portable_path else mb << 20
-
-
 SERIAL_REDUCE_ENV = "SGLANG_DDTREE_MOE_SERIAL_REDUCE"
 _MIN_COUNTERS = 1 << 16  # 256 KB: every split band of the shipped table at Kimi's shapes
 _counters: dict = {}
@@ -298,10 +284,8 @@ def fused_moe_w4a16(
     portable_path = portable(hidden_states.device)
     pdl = pdl_mode(hidden_states.device, portable_path, pdl)
     t = m * topk
-    warm = _warm_bytes(portable_path)
     sorted_ids, block_expert, xp = moe_align(topk_ids, num_experts, bm, hidden_states, gu.block_k,
-                                             pdl=pdl, warm=(w13_packed, w13_scale, warm) if warm
-                                             else None)
+                                             pdl=pdl)
     if _upto < 2:
         return out
     max_padded = sorted_ids.numel()

@@ -324,28 +324,6 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
         want = ours(K, w, x, tw, ti).clone()
 
 
-@pytest.mark.parametrize("m", [1, 8, 16, 17])
-@pytest.mark.parametrize("few", [False, True])
-def test_l2_warm_up_changes_no_bit(K, w, m, few, monkeypatch):
-    """The one-program grouping's L2 warm-up (SGLANG_DDTREE_MOE_WARM, M <= 16; ignored from
-    M = 17) gives the bits without it, eager and replayed from a CUDA graph with new routing,
-    with padding slots (-1) and at budgets that cover part of, or all, the experts' K rows."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the bulk L2 prefetch needs sm_90+")
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
-    tw, ti = few_or_random(m, seed=m + 40, few=few)
-    ti[0, -1] = -1
-    monkeypatch.setenv(K.moe.WARM_ENV, "0")
-    want = ours(K, w, x, tw, ti).clone()
-    for mb in ("4", "64"):
-        monkeypatch.setenv(K.moe.WARM_ENV, mb)
-        assert torch.equal(ours(K, w, x, tw, ti), want), mb
-        replays_match_eager(K, w, x, tw, ti, want, monkeypatch, K.moe.WARM_ENV, mb, "0",
-                            seed0=m + 300)
-        monkeypatch.setenv(K.moe.WARM_ENV, "0")
-        want = ours(K, w, x, tw, ti).clone()
-
-
 @pytest.mark.parametrize("m", [1, 8, 64, 512])
 def test_combine_shapes_equal_bit_for_bit(K, m):
     """Every combine launch shape the benchmark times gives the default shape's bits (slot

@@ -765,21 +765,6 @@ def test_early_loads_change_no_bit(experts, cfg, case):
         assert torch.equal(call(MOE.Pdl(early=early)), plain), early
 
 
-def test_warm_env_is_checked(experts, monkeypatch):
-    """SGLANG_DDTREE_MOE_WARM: megabytes (a positive integer) or 0; another value stops the
-    call naming the variable. The interpreter has no L2 to warm: a set value runs as 0."""
-    w = experts[4]
-    x = torch.randn(3, H, dtype=torch.bfloat16)
-    tw, ti = random_routing(3, 4, 2, seed=6)
-    for bad in ("-1", "x", "1.5", "4:4"):
-        monkeypatch.setenv(MOE.WARM_ENV, bad)
-        with pytest.raises(ValueError, match=MOE.WARM_ENV):
-            run(w, x, tw, ti)
-    for ok in ("0", "16"):
-        monkeypatch.setenv(MOE.WARM_ENV, ok)
-        check(*run(w, x, tw, ti))
-
-
 def test_pdl_default_follows_the_device(monkeypatch):
     """Unset, SGLANG_DDTREE_MOE_PDL means DEFAULT_SPEC (1:gd) on an sm_90+ GPU and plain
     launches before sm_90 or on the portable path; a set value wins either way."""
