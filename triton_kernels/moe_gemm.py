@@ -47,8 +47,13 @@ def _gate_up_kernel(
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
     PDL: tl.constexpr = 0,  # moe_pdl's mode (2: the next launch after the K loop)
+    EARLY_ROWS: tl.constexpr = False,  # (not HALF_M) block expert and rows in one round trip
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
+    # EARLY_ROWS: the block's expert and its row ids are loaded together, and under a live split
+    # for every split the call may take, before its used-block count is known: one dependent
+    # load before the K loop's first instead of three (count, expert, rows).
+    SPEC: tl.constexpr = EARLY_ROWS and not HALF_M
     # WIDE_HALVES (MoeConfig.wide_halves, HALF_M with BLOCK_M 16 / 32): each block has 2 NUM_N
     # programs (per K split). A full block's tile is two programs of BLOCK_N / 2 columns (its
     # half-width tiles); a block that narrows runs its NUM_N [BLOCK_N, BLOCK_M / 2] tiles on the
@@ -64,8 +69,13 @@ def _gate_up_kernel(
         # whatever the split: the grid (live_grid) holds the most any call can need, and
         # programs past this call's leave at once. max_blocks as moe_align sized it.
         # (the split from the used blocks' NUM_N tiles, as without WIDE_HALVES)
-        n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M), NUM_N,
-                                    K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
+        if SPEC:
+            n_split, live, e, rows_pre = _live_split_rows(
+                block_expert_ptr, sorted_ids_ptr, pid, T, _max_blocks(T, NUM_EXPERTS, BLOCK_M),
+                NQ, NUM_N, K // BLOCK_K, SPLIT_K, SPLIT_TARGET, BLOCK_M)
+        else:
+            n_split, live = _live_split(block_expert_ptr, _max_blocks(T, NUM_EXPERTS, BLOCK_M),
+                                        NUM_N, K // BLOCK_K, SPLIT_K, SPLIT_TARGET)
         if pid >= live * (NQ // NUM_N) * n_split:
             return
         pid_k = pid % n_split
@@ -76,7 +86,14 @@ def _gate_up_kernel(
         n_split = SPLIT_K
     pid_m = pid_mn // NQ
     pid_n = pid_mn % NQ  # WIDE_HALVES: a half-width tile's index (full blocks) or past NUM_N
-    e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
+    if SPEC:
+        level = 0
+        if SPLIT_TARGET == 0:
+            e = tl.load(block_expert_ptr + pid_m)
+            rows_pre = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    else:
+        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
+        rows_pre = 0
     if e < 0:
         return
     row0 = pid_m * BLOCK_M
@@ -113,7 +130,35 @@ def _gate_up_kernel(
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
-                      SCALE_ONCE, PDL)
+                      SCALE_ONCE, PDL, rows_pre, SPEC)
+
+
+@triton.jit
+def _live_split_rows(block_expert_ptr, sorted_ids_ptr, pid, T, max_blocks, NQ: tl.constexpr,
+                     NUM_N: tl.constexpr, KS: tl.constexpr, SPLIT_K: tl.constexpr,
+                     SPLIT_TARGET: tl.constexpr, BLOCK_M: tl.constexpr):
+    """_live_split, and the expert and row ids of the block program ``pid`` works on, all
+    from one round of loads: the block under each candidate split (SPLIT_K and its divisors
+    below it that divide the KS steps) is loaded beside the used-block count, then the split's
+    is kept. Returns (split, used tiles, expert (-1: unused), row ids)."""
+    live = tl.load(block_expert_ptr + max_blocks) * NUM_N
+    offs = tl.arange(0, BLOCK_M)
+    pm = (pid // SPLIT_K) // NQ
+    ok = pm < max_blocks
+    e = tl.load(block_expert_ptr + pm, mask=ok, other=-1)
+    rows = tl.load(sorted_ids_ptr + pm * BLOCK_M + offs, mask=ok, other=T)
+    s = tl.full([], SPLIT_K, tl.int32)
+    for c in tl.static_range(SPLIT_K - 1, 0, -1):  # descending: the last match is the smallest
+        if KS % c == 0:
+            pm_c = (pid // c) // NQ
+            ok_c = pm_c < max_blocks
+            e_c = tl.load(block_expert_ptr + pm_c, mask=ok_c, other=-1)
+            rows_c = tl.load(sorted_ids_ptr + pm_c * BLOCK_M + offs, mask=ok_c, other=T)
+            take = live * c >= SPLIT_TARGET
+            s = tl.where(take, c, s)
+            e = tl.where(take, e_c, e)
+            rows = tl.where(take, rows_c, rows)
+    return s, live, e, rows
 
 
 @triton.jit
@@ -135,15 +180,20 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
                   PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                  PDL: tl.constexpr = 0):
+                  PDL: tl.constexpr = 0, rows_pre=0, ROWS_PRE: tl.constexpr = False):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
-    counter under ``SERIAL``."""
+    counter under ``SERIAL``; ROWS_PRE: ``rows_pre`` holds the rows' pair ids, loaded."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     K_STEPS = K // BLOCK_K // n_split
-    offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
+    if ROWS_PRE:
+        offs_m = row0 + tl.arange(0, BM)
+        rows = rows_pre
+        row_ok = rows < T
+    else:
+        offs_m, rows, row_ok = _rows_at(sorted_ids_ptr, row0, T, BM)
     tok = tl.where(row_ok, rows // TOPK, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, KP)

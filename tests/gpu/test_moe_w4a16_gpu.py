@@ -324,6 +324,22 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
         want = ours(K, w, x, tw, ti).clone()
 
 
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 33])
+@pytest.mark.parametrize("few", [False, True])
+def test_gate_up_rows_in_one_round_change_no_bit(K, w, m, few, monkeypatch):
+    """SGLANG_DDTREE_MOE_GU_ROWS=1 (the gate-up's block expert and row ids in one round of
+    loads, every candidate split's under a live split) gives the bits without it, eager and
+    replayed from a CUDA graph with new routing (few experts on even replays: other splits)."""
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+    tw, ti = few_or_random(m, seed=m + 60, few=few)
+    monkeypatch.setenv(K.moe.GU_ROWS_ENV, "0")
+    want = ours(K, w, x, tw, ti).clone()
+    monkeypatch.setenv(K.moe.GU_ROWS_ENV, "1")
+    assert torch.equal(ours(K, w, x, tw, ti), want)
+    replays_match_eager(K, w, x, tw, ti, want, monkeypatch, K.moe.GU_ROWS_ENV, "1", "0",
+                        seed0=m + 400)
+
+
 @pytest.mark.parametrize("m", [1, 8, 64, 512])
 def test_combine_shapes_equal_bit_for_bit(K, m):
     """Every combine launch shape the benchmark times gives the default shape's bits (slot

@@ -765,6 +765,33 @@ def test_early_loads_change_no_bit(experts, cfg, case):
         assert torch.equal(call(MOE.Pdl(early=early)), plain), early
 
 
+@pytest.mark.parametrize("cfg", ["live", "live_bm8", "fixed", "half"])
+@pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
+def test_gate_up_rows_in_one_round_change_no_bit(cfg, case, monkeypatch):
+    """SGLANG_DDTREE_MOE_GU_ROWS=1 (the gate-up's block expert and row ids loaded together,
+    under a live split for every split the call may take): the same bits as without, at each
+    split a live call takes (4 / 2 / 1 by its blocks), a fixed split, and HALF_M (where it
+    does nothing)."""
+    conf = {"live": _live_cfg(4, 8), "live_bm8": dataclasses.replace(_live_cfg(4, 8), block_m=8),
+            "fixed": CFG_SPLITK, "half": CFG_HALF16_GU_LIVE}[cfg]
+    m = {"one_block": 5, "two_blocks": 6, "many_blocks": 40}[case]
+    hidden = H_LIVE if cfg.startswith("live") else H
+    x, tw, ti = _block_case(case, m, hidden, 900)
+    w = REF.make_random_moe(9, hidden, I, seed=9)
+    out = []
+    for env in ("0", "1"):
+        monkeypatch.setenv(MOE.GU_ROWS_ENV, env)
+        out.append(MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                       w["w2_scale"], tw, ti, config=conf))
+    assert torch.equal(out[0], out[1])
+    check(out[1], REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                                          w["w2_scale"], tw, ti))
+    monkeypatch.setenv(MOE.GU_ROWS_ENV, "2")
+    with pytest.raises(ValueError, match=MOE.GU_ROWS_ENV):
+        MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
+                            tw, ti, config=conf)
+
+
 def test_pdl_default_follows_the_device(monkeypatch):
     """Unset, SGLANG_DDTREE_MOE_PDL means DEFAULT_SPEC (1:gd) on an sm_90+ GPU and plain
     launches before sm_90 or on the portable path; a set value wins either way."""
