@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -420,6 +420,22 @@ PYEOF
                  --out "$OUT/fused_moe_rows_${routing/:/}_h200.json"
              done
              step moerows-test ${MOEROWS_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "rows_in_one or pdl_modes" ;;
+    moes60ab) # (session 60) the served defaults since then (PDL 1:gdec: the down's and the
+             # combine's loads before the wait; the M = 8 band's early_rows) against the ones
+             # before (PDL 1:gd, bench_results/moe_w4a16_configs_before_s60.json), and each
+             # change alone; interleaved, random routing then 8 shared experts; then the GPU
+             # tests of PDL, early_rows, graph replays and live splits (bits). No kit
+             for routing in random concentrated:8; do
+               step moes60ab-${routing/:/} ${MOES60AB_LIMIT:-150} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds ${MOES60AB_ROUNDS:-5} --routing $routing \
+                 --ms ${MOES60AB_MS:-8 1 2 4 16 32 64} \
+                 --ours-variants "before:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
+                   rows_only:SGLANG_DDTREE_MOE_PDL=1:gd \
+                   "ec_only:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
+                 --out "$OUT/fused_moe_s60_ab_${routing/:/}_h200.json"
+             done
+             step moes60ab-tests ${MOES60AB_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
+               -k "pdl_modes or rows_in_one or graph_replay or live_split or serial" ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

@@ -93,6 +93,14 @@ class MoeConfig:
     # dequantized once for all of them (session 53; no faster than plain half_m on an H100,
     # session 55)
     wide_halves: int = 0
+    # 1 (a gate-up without half_m): each gate-up program loads its block's expert and row ids
+    # in one round trip after its wait (under a live split, the block of every split the call
+    # may take, beside the used-block count) instead of count, then expert, then rows
+    # (_gate_up_kernel EARLY_ROWS). The same bits. Session 60: on an H100, M = 8 on random
+    # routing 76.4 against 76.8 us a call, 0.2 us faster on 8 shared experts; the M 2 band's
+    # tile took 167 registers against 127 with it (slower there), the M 9-16 band's mixed
+    # (bench_results/fused_moe_rows_*_h100_s60d.json): the M = 8 band only
+    early_rows: int = 0
 
     @property
     def narrow_gate_up(self) -> bool:
@@ -161,7 +169,8 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
             block_m=int(band["block_m"]),
             gate_up=gemm_config(band["gate_up"], f"{where} gate_up"),
             down=gemm_config(band["down"], f"{where} down"), half_m=int(band.get("half_m", 0)),
-            wide_halves=int(band.get("wide_halves", 0)))))
+            wide_halves=int(band.get("wide_halves", 0)),
+            early_rows=int(band.get("early_rows", 0)))))
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
@@ -241,7 +250,8 @@ def _fitted(cfg: MoeConfig, hidden: int, inter: int) -> tuple[GemmConfig, GemmCo
             or ((dn.par_acc or dn.scale_once) and not dn.n_per_cta)
             or any(g.max_regs and (g.max_regs % 8 or not 64 <= g.max_regs <= 248)
                    for g in (gu, dn))
-            or cfg.wide_halves not in (0, 1)
+            or cfg.wide_halves not in (0, 1) or cfg.early_rows not in (0, 1)
+            or (cfg.early_rows and cfg.narrow_gate_up)
             or (cfg.wide_halves and (cfg.half_m not in (1, 2) or bm not in (16, 32)
                                      or gu.block_n % 32))):
         # block_k >= 128 keeps each nibble-plane dot at depth >= 16, the MMA minimum (and

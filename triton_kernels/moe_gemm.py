@@ -47,7 +47,7 @@ def _gate_up_kernel(
     SCALE_ONCE: tl.constexpr = False,  # one scale load per group, broadcast (_scale_tile)
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
     PDL: tl.constexpr = 0,  # moe_pdl's mode (2: the next launch after the K loop)
-    EARLY_ROWS: tl.constexpr = False,  # (not HALF_M) block expert and rows in one round trip
+    EARLY_ROWS: tl.constexpr = False,  # (not HALF_M) MoeConfig.early_rows
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     # EARLY_ROWS: the block's expert and its row ids are loaded together, and under a live split

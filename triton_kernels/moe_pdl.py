@@ -54,7 +54,7 @@ import triton.language as tl
 PDL_ENV = "SGLANG_DDTREE_MOE_PDL"
 RELEASE_POINTS = "agrd"  # grouping, gate-up, split-K reduce, down
 EARLY = "ec"  # loads before the wait: the looped down's, the combine's (module docstring)
-DEFAULT_SPEC = "1:gd"  # unset, on sm_90+ (module docstring)
+DEFAULT_SPEC = "1:gdec"  # unset, on sm_90+ (module docstring)
 
 
 @dataclass(frozen=True)

@@ -176,18 +176,6 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
 # kernel instead (same result, bit for bit). Two MoE calls must not run at the same time on two
 # streams of one device (SGLang runs one forward at a time). SGLANG_DDTREE_MOE_SERIAL_REDUCE=0
 # (read per call) always takes the reduce kernel.
-# The gate-up's block expert and row ids in one round of loads (_gate_up_kernel EARLY_ROWS):
-# SGLANG_DDTREE_MOE_GU_ROWS=1 (read per call; 0 or unset: off). The same bits.
-GU_ROWS_ENV = "SGLANG_DDTREE_MOE_GU_ROWS"
-
-
-def _early_rows() -> dict:
-    env = os.environ.get(GU_ROWS_ENV, "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"{GU_ROWS_ENV}: 0 or 1, got {env!r}")
-    return {"EARLY_ROWS": True} if env == "1" else {}
-
-
 SERIAL_REDUCE_ENV = "SGLANG_DDTREE_MOE_SERIAL_REDUCE"
 _MIN_COUNTERS = 1 << 16  # 256 KB: every split band of the shipped table at Kimi's shapes
 _counters: dict = {}
@@ -327,7 +315,7 @@ def fused_moe_w4a16(
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
         num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu),
-        **pdl.launch("g"), **_early_rows())
+        **pdl.launch("g"), **({"EARLY_ROWS": True} if cfg.early_rows else {}))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](

@@ -324,20 +324,23 @@ def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
         want = ours(K, w, x, tw, ti).clone()
 
 
-@pytest.mark.parametrize("m", [1, 2, 8, 16, 33])
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
 @pytest.mark.parametrize("few", [False, True])
-def test_gate_up_rows_in_one_round_change_no_bit(K, w, m, few, monkeypatch):
-    """SGLANG_DDTREE_MOE_GU_ROWS=1 (the gate-up's block expert and row ids in one round of
-    loads, every candidate split's under a live split) gives the bits without it, eager and
-    replayed from a CUDA graph with new routing (few experts on even replays: other splits)."""
+def test_gate_up_rows_in_one_round_change_no_bit(K, w, m, few):
+    """MoeConfig.early_rows (the gate-up's block expert and row ids in one round of loads,
+    every candidate split's under a live split) on the band of M, and off: the same bits,
+    eager and replayed from a CUDA graph with new routing (few experts on even replays: other
+    splits)."""
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
     tw, ti = few_or_random(m, seed=m + 60, few=few)
-    monkeypatch.setenv(K.moe.GU_ROWS_ENV, "0")
-    want = ours(K, w, x, tw, ti).clone()
-    monkeypatch.setenv(K.moe.GU_ROWS_ENV, "1")
-    assert torch.equal(ours(K, w, x, tw, ti), want)
-    replays_match_eager(K, w, x, tw, ti, want, monkeypatch, K.moe.GU_ROWS_ENV, "1", "0",
-                        seed0=m + 400)
+    band = K.moe.select_config(m)
+    on, off = (dataclasses.replace(band, early_rows=r) for r in (1, 0))
+    want = ours(K, w, x, tw, ti, config=off)
+    assert torch.equal(ours(K, w, x, tw, ti, config=on), want)
+    out = torch.empty_like(want)
+    graph = captured(K, w, x, tw, ti, out, config=on)
+    for _, tw2, ti2 in replays(graph, x, tw, ti, 2, seed0=m + 400):
+        assert torch.equal(out, ours(K, w, x, tw2, ti2, config=off))
 
 
 @pytest.mark.parametrize("m", [1, 8, 64, 512])

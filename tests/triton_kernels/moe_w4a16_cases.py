@@ -765,39 +765,33 @@ def test_early_loads_change_no_bit(experts, cfg, case):
         assert torch.equal(call(MOE.Pdl(early=early)), plain), early
 
 
-@pytest.mark.parametrize("cfg", ["live", "live_bm8", "fixed", "half"])
+@pytest.mark.parametrize("cfg", ["live", "live_bm8", "fixed", "plain"])
 @pytest.mark.parametrize("case", ["one_block", "two_blocks", "many_blocks"])
-def test_gate_up_rows_in_one_round_change_no_bit(cfg, case, monkeypatch):
-    """SGLANG_DDTREE_MOE_GU_ROWS=1 (the gate-up's block expert and row ids loaded together,
-    under a live split for every split the call may take): the same bits as without, at each
-    split a live call takes (4 / 2 / 1 by its blocks), a fixed split, and HALF_M (where it
-    does nothing)."""
+def test_gate_up_rows_in_one_round_change_no_bit(cfg, case):
+    """MoeConfig.early_rows (the gate-up's block expert and row ids loaded together, under a
+    live split for every split the call may take): the same bits as without, at each split a
+    live call takes (4 / 2 / 1 by its blocks), a fixed split and none."""
     conf = {"live": _live_cfg(4, 8), "live_bm8": dataclasses.replace(_live_cfg(4, 8), block_m=8),
-            "fixed": CFG_SPLITK, "half": CFG_HALF16_GU_LIVE}[cfg]
+            "fixed": CFG_SPLITK, "plain": CFG}[cfg]
     m = {"one_block": 5, "two_blocks": 6, "many_blocks": 40}[case]
     hidden = H_LIVE if cfg.startswith("live") else H
     x, tw, ti = _block_case(case, m, hidden, 900)
     w = REF.make_random_moe(9, hidden, I, seed=9)
-    out = []
-    for env in ("0", "1"):
-        monkeypatch.setenv(MOE.GU_ROWS_ENV, env)
-        out.append(MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
-                                       w["w2_scale"], tw, ti, config=conf))
+    out = [MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
+                               w["w2_scale"], tw, ti, config=dataclasses.replace(conf,
+                                                                                 early_rows=r))
+           for r in (0, 1)]
     assert torch.equal(out[0], out[1])
     check(out[1], REF.moe_w4a16_reference(x, w["w13_packed"], w["w13_scale"], w["w2_packed"],
                                           w["w2_scale"], tw, ti))
-    monkeypatch.setenv(MOE.GU_ROWS_ENV, "2")
-    with pytest.raises(ValueError, match=MOE.GU_ROWS_ENV):
-        MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"],
-                            tw, ti, config=conf)
 
 
 def test_pdl_default_follows_the_device(monkeypatch):
-    """Unset, SGLANG_DDTREE_MOE_PDL means DEFAULT_SPEC (1:gd) on an sm_90+ GPU and plain
+    """Unset, SGLANG_DDTREE_MOE_PDL means DEFAULT_SPEC (1:gdec) on an sm_90+ GPU and plain
     launches before sm_90 or on the portable path; a set value wins either way."""
     monkeypatch.delenv(MOE.PDL_ENV, raising=False)
     dev = torch.device("cuda", 0)  # (no CUDA call: the capability is patched)
-    for cap, want in (((9, 0), MOE.Pdl(True, "gd")), ((10, 0), MOE.Pdl(True, "gd")),
+    for cap, want in (((9, 0), MOE.Pdl(True, "gd", "ec")), ((10, 0), MOE.Pdl(True, "gd", "ec")),
                       ((8, 9), MOE.Pdl())):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
         assert MOE.pdl_mode(dev, False) == want, cap
@@ -1039,7 +1033,8 @@ def test_wide_halves_needs_half_m_on_16_or_32_row_blocks():
 def test_config_table_is_checked_against_the_shapes(tmp_path):
     """check_config_table (run by the SGLang hook while weights load): the shipped table tiles
     Kimi's rank shapes and these tests' tiny ones; a table with a band that cannot (half_m 3,
-    a gate-up block_n that does not divide the intermediate size, 4-row blocks) or with an
+    a gate-up block_n that does not divide the intermediate size, 4-row blocks, early_rows
+    other than 0 / 1 or beside a narrowed gate-up) or with an
     unreadable band is refused, naming the band's max_m and the fix."""
     import json
     from pathlib import Path
@@ -1049,7 +1044,9 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
     for band, change, shape in ((512, {"half_m": 3}, (7168, 256)),
                                 (32, {"gate_up": dict(table["bands"][0]["gate_up"], block_n=96)},
                                  (7168, 256)),
-                                (2048, {"block_m": 4}, (H, I))):
+                                (2048, {"block_m": 4}, (H, I)),
+                                (32, {"early_rows": 1}, (7168, 256)),  # with half_m
+                                (8, {"early_rows": 2}, (7168, 256))):
         bad = json.loads(json.dumps(table))
         next(b for b in bad["bands"] if b["max_m"] == band).update(change)
         path = tmp_path / f"bad_{band}.json"
