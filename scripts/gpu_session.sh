@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -436,6 +436,27 @@ PYEOF
              done
              step moes60ab-tests ${MOES60AB_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
                -k "pdl_modes or rows_in_one or graph_replay or live_split or serial" ;;
+    moem8pdl) # (session 60) the M = 8 band's tiles re-timed under the served PDL (1:gdec):
+             # tables written here, each changing one field of that band (down n_per_cta 128 /
+             # 512, down block_n 32, gate-up split_target 512, gate-up 4 stages), whole calls at
+             # M = 8, interleaved, 7 rounds, random routing then 8 shared experts. No kit
+             python3 - "$OUT" <<'PY'
+import json, sys
+base = json.load(open("triton_kernels/moe_w4a16_configs.json"))
+for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn128", "down", "n_per_cta", 128),
+                                 ("dnbn32", "down", "block_n", 32), ("gut512", "gate_up", "split_target", 512),
+                                 ("gus4", "gate_up", "num_stages", 4)):
+    t = json.loads(json.dumps(base))
+    next(b for b in t["bands"] if b["max_m"] == 8)[kind][field] = value
+    json.dump(t, open(f"{sys.argv[1]}/moe_configs_m8_{name}.json", "w"), indent=1)
+PY
+             for routing in random concentrated:8; do
+               step moem8pdl-${routing/:/} ${MOEM8PDL_LIMIT:-150} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds ${MOEM8PDL_ROUNDS:-7} --routing $routing --ms 8 \
+                 --ours-variants $(for n in dn512 dn128 dnbn32 gut512 gus4; do
+                   printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) \
+                 --out "$OUT/fused_moe_m8_pdl_${routing/:/}_h200.json"
+             done ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);
