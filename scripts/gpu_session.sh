@@ -421,17 +421,19 @@ PYEOF
              done
              step moerows-test ${MOEROWS_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "rows_in_one or pdl_modes" ;;
     moes60ab) # (session 60) the served defaults since then (PDL 1:gdec: the down's and the
-             # combine's loads before the wait; the M = 8 band's early_rows) against the ones
-             # before (PDL 1:gd, bench_results/moe_w4a16_configs_before_s60.json), and each
-             # change alone; interleaved, random routing then 8 shared experts; then the GPU
-             # tests of PDL, early_rows, graph replays and live splits (bits). No kit
+             # combine's loads before the wait; the M = 8 band's early_rows and 128-column down
+             # ranges) against the ones before (PDL 1:gd,
+             # bench_results/moe_w4a16_configs_before_s60.json), and the PDL and table changes
+             # alone; interleaved, random routing then 8 shared experts; then the GPU tests of
+             # PDL, early_rows, graph replays and live splits (bits). No kit. (Run e timed it
+             # at c4d0f68, before the 128-column ranges: its rows_only is table_only there)
              for routing in random concentrated:8; do
                step moes60ab-${routing/:/} ${MOES60AB_LIMIT:-150} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds ${MOES60AB_ROUNDS:-5} --routing $routing \
                  --ms ${MOES60AB_MS:-8 1 2 4 16 32 64} \
                  --ours-variants "before:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
-                   rows_only:SGLANG_DDTREE_MOE_PDL=1:gd \
-                   "ec_only:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
+                   table_only:SGLANG_DDTREE_MOE_PDL=1:gd \
+                   "pdl_only:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
                  --out "$OUT/fused_moe_s60_ab_${routing/:/}_h200.json"
              done
              step moes60ab-tests ${MOES60AB_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \

@@ -289,9 +289,50 @@ _BEFORE_S55 = {2: ((64, 256, 4, 3, 0, 1, 4), None),
                48: ((64, 256, 4, 3, 0, 1, 4, 512), None)}
 
 
-def _table_before_s55(bench) -> dict:
-    """The committed table with session 55's picks and 'tuned' entries taken back."""
+def _table_before_s60() -> dict:
+    """The committed table with session 60's change (its last 'tuned' entry, by hand: the M = 8
+    band's looped down from 256 to 128 columns a program, and early_rows) taken back."""
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    assert table["tuned"][-1]["rule"].startswith("session 60:")
+    table["tuned"] = table["tuned"][:-1]
+    band = next(b for b in table["bands"] if b["max_m"] == 8)
+    assert band["down"]["n_per_cta"] == 128 and band.pop("early_rows") == 1
+    band["down"]["n_per_cta"] = 256
+    return table
+
+
+def test_session_60_m8_band_is_the_faster_of_its_h100_runs():
+    """Session 60's hand change of the M = 8 band: with the served PDL, 128 down columns a
+    program were faster than 256 (and than 512, 64, 2 stages, 2 warps, block_n 128) at M = 8
+    on random routing and on 8 shared experts in both H100 runs that timed it, and
+    early_rows faster than without at M = 8 on both routings; the rest of the table as
+    before."""
+    def medians(name):
+        rows = json.loads((REPO / "bench_results" / name).read_text())["rows"]
+        row = next(r for r in rows if r["m"] == 8)
+        # (the same bits wherever only the down's column ranges or the gate-up's loads moved;
+        # a gate-up split_target of 512 splits K, another fp32 sum order)
+        assert all(v for k, v in row.items() if k.startswith("bits_equal")
+                   and not k.endswith("gut512")), row
+        return {k: sorted(v)[len(v) // 2] for k, v in row["us_rounds"].items()}
+
+    for routing in ("random", "concentrated8"):
+        for run, name in (("f", "pdl"), ("g", "dn")):
+            us = medians(f"fused_moe_m8_{name}_{routing}_h100_s60{run}.json")
+            assert us["ours_dn128"] == min(us.values()) < us["ours"], (routing, run, us)
+        us = medians(f"fused_moe_rows_{routing}_h100_s60d.json")
+        assert us["ours_rows"] < us["ours"] and us["ours_ec_rows"] < us["ours_ec"], us
+    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    before = _table_before_s60()
+    assert [b for b in table["bands"] if b["max_m"] != 8] == \
+        [b for b in before["bands"] if b["max_m"] != 8]
+    assert table["tuned"][-1]["max_m"] == [8]
+
+
+def _table_before_s55(bench) -> dict:
+    """The committed table with session 60's change and session 55's picks and 'tuned'
+    entries taken back."""
+    table = _table_before_s60()
     assert all("_s55.json" in e["command"] for e in table["tuned"][-_S55_ENTRIES:])
     table["tuned"] = table["tuned"][:-_S55_ENTRIES]
     for band in table["bands"]:
@@ -607,7 +648,7 @@ def test_session_55_scale_once_picks_rebuild_the_table(bench, tmp_path):
     assert sorted(picks) == [2, 8, 16, 32, 48]
     assert all(p["random"] < 1 and p["concentrated"] < 1 for p in picks.values()), picks
     assert all(p["gate_up"][9] == 1 for p in picks.values())  # scale_once in every pick
-    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    table = _table_before_s60()
     path = tmp_path / "table.json"
     path.write_text(json.dumps(_table_before_s55(bench)))
     for entry in table["tuned"][-_S55_ENTRIES:]:
