@@ -20,8 +20,11 @@ use it:
   and rows and the routing weights (the activations and the weights after the wait); ``c``:
   the combine's programs read their token's expert ids.
 
-Unset, a call on an sm_90+ GPU takes ``1:gd`` (``DEFAULT_SPEC``), the fastest choice timed in
-session 59 (``bench_results/fused_moe_pdl_*_s59{a,b}.json``): with the grouping's x copy per
+Unset, a call on an sm_90+ GPU takes ``1:gdec`` (``DEFAULT_SPEC``). Session 60 added ``ec`` to
+session 59's ``1:gd`` (on an H100 only, ``bench_results/fused_moe_early_*_h100_s60b.json``:
+0.2-0.7 us less a call at most M on random routing and on 8 shared experts, none at M = 8 on
+random routing). ``1:gd`` was the fastest choice timed in session 59
+(``bench_results/fused_moe_pdl_*_s59{a,b}.json``): with the grouping's x copy per
 chunk, on an H100 whole calls 1.1-3.1 us faster than plain launches at M 1-64 on random
 routing and on 8 shared experts (M = 8 on random routing 81.7 -> 78.9 us); on the H200
 (``fused_moe_pdl_ab_*_h200_s59c.json``) 63.9 against 66.7 us at M = 8 on random routing,
@@ -34,7 +37,8 @@ The combine never releases early: its successor is the caller's next operation (
 plain launch, and as the benchmark's back-to-back calls then time it: the next call's
 grouping starts at the combine's exit).
 
-Every program waits before it reads anything or returns, whatever its work: a launch's
+Every program waits before it returns and before it reads anything the launch before it
+writes (with ``e`` / ``c`` it reads other inputs first), whatever its work: a launch's
 completion then implies its predecessor's, so a kernel after the MoE that waits only for the
 last launch (SGLang's next operation, a plain launch) finds every MoE buffer written and free.
 

@@ -244,7 +244,7 @@ def fused_moe_w4a16(
         Overrides the tuned table (``moe_w4a16_configs.json``).
     pdl : Pdl or str, optional
         Programmatic dependent launch (``moe_pdl``: a Pdl or a spec such as ``"0"``, ``"1"``,
-        ``"1:gd"``); default ``SGLANG_DDTREE_MOE_PDL``, else ``1:gd`` on an sm_90+ GPU and
+        ``"1:gdec"``); default ``SGLANG_DDTREE_MOE_PDL``, else ``1:gdec`` on an sm_90+ GPU and
         plain launches elsewhere. Asked for where it cannot run (the interpreter, before
         sm_90): ValueError. The same outputs bit for bit.
     _upto : int
