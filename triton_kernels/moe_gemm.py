@@ -511,9 +511,8 @@ def _down_loop_kernel(
     TILES: tl.constexpr = N_PER_CTA // BLOCK_N  # BLOCK_N steps of a column range
     # EARLY: the grouping's outputs (the block's expert and rows) and the routing weights are
     # read before the wait (in _down_loop_rows), and every program still waits before it
-    # returns.
-    # The grouping has completed by then: this launch starts only once every program of the
-    # gate-up (or reduce) has released it or ended, each after its own wait.
+    # returns. The grouping has completed by then: this launch starts only once every program
+    # of the gate-up (or reduce) has released it or ended, each after its own wait.
     if not EARLY:
         _pdl_wait(PDL)
         _pdl_release(PDL)

@@ -64,8 +64,8 @@ DEFAULT_SPEC = "1:gdec"  # unset, on sm_90+ (module docstring)
 @dataclass(frozen=True)
 class Pdl:
     """A call's PDL choice: ``on`` (every launch waits), the launches that release their
-    successor early (letters of RELEASE_POINTS) and ``early``: the looped down loads what it
-    can before its wait."""
+    successor early (letters of RELEASE_POINTS) and those that read, before their wait, what
+    the launch before them does not write (``early``, letters of EARLY)."""
     on: bool = False
     release: str = ""
     early: str = ""  # letters of EARLY (without ``on``, as the tests run them: no wait)
@@ -90,7 +90,8 @@ class Pdl:
 
 
 def parse_pdl(spec) -> Pdl:
-    """``0``, ``1``, ``2``, ``2:LOADS`` or ``1:LETTERS`` (module docstring) -> Pdl; ValueError otherwise."""
+    """``0``, ``1``, ``2``, ``2:LOADS`` or ``1:LETTERS`` (module docstring) -> Pdl; ValueError
+    otherwise."""
     spec = str(spec).strip()
     mode, colon, letters = spec.partition(":")
     if spec == "0":

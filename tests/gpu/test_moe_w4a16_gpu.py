@@ -300,10 +300,10 @@ def replays_match_eager(K, w, x, tw, ti, like, monkeypatch, var, value, eager, s
 @pytest.mark.parametrize("few", [False, True])
 def test_pdl_modes_equal_plain_launches(K, w, m, few, monkeypatch):
     """Programmatic dependent launch (moe_pdl: waits only, every early release, the default,
-    the loads before the wait) gives the plain launches' bits, eager (twice, back to back: a call's grouping may start
-    while the last one's combine ends) and replayed from a CUDA graph with new routing (few
-    experts on even replays), with the split-K reduce launch too (M 1-16 split on few
-    experts)."""
+    the loads before the wait) gives the plain launches' bits, eager (twice, back to back: a
+    call's grouping may start while the last one's combine ends) and replayed from a CUDA
+    graph with new routing (few experts on even replays), with the split-K reduce launch too
+    (M 1-16 split on few experts)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")
     x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
