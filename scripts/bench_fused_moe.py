@@ -932,7 +932,10 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="per-kernel times (align, gate-up, down, combine) by differences of "
                          "graphs that stop after each kernel, for the table's config and the "
-                         "down-kernel candidates; JSON to --out")
+                         "down-kernel candidates; JSON to --out. With programmatic dependent "
+                         "launch (on by default on sm_90+) neighbouring launches overlap, so "
+                         "the differences are not each launch's own time: set "
+                         "SGLANG_DDTREE_MOE_PDL=0 for per-launch times")
     ap.add_argument("--breakdown-down", default=None, metavar="CONFIGS",
                     help="--breakdown: these down configs (';'-separated block_n,block_k,"
                          "num_warps,num_stages[,n_per_cta[,split_dq,split_k,split_target"
