@@ -394,29 +394,39 @@ PYEOF
              done
              step moepdlab-tests ${MOEPDL_TEST_LIMIT:-240} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang" ;;
     moeearly) # (session 60) moe_pdl's loads before the wait: the looped down's block, rows and
-             # routing weights (e) and the combine's expert ids (c), alone and together, against
-             # the default (1:gd); interleaved, 3 rounds, random routing then 8 shared experts;
-             # then the PDL GPU test (every mode's bits, eager and replayed). No kit. (Its first
-             # form, at 7913413, timed weight tiles loaded before the down's wait instead of e)
+             # routing weights (e) and the combine's expert ids (c), served since c4d0f68
+             # (1:gdec), against 1:gd and each alone; interleaved, random routing then 8 shared
+             # experts; then the PDL GPU test (every mode's bits, eager and replayed). No kit.
+             # (Run a timed 7913413's first form: weight tiles before the down's wait; run b
+             # 9eb0c23's, against the then default 1:gd)
              for routing in random concentrated:8; do
                step moeearly-${routing/:/} ${MOEEARLY_LIMIT:-150} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds ${MOEEARLY_ROUNDS:-3} --routing $routing \
                  --ms ${MOEEARLY_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants e:SGLANG_DDTREE_MOE_PDL=1:gde c:SGLANG_DDTREE_MOE_PDL=1:gdc \
-                   ec:SGLANG_DDTREE_MOE_PDL=1:gdec \
+                 --ours-variants gd:SGLANG_DDTREE_MOE_PDL=1:gd e:SGLANG_DDTREE_MOE_PDL=1:gde \
+                   c:SGLANG_DDTREE_MOE_PDL=1:gdc \
                  --out "$OUT/fused_moe_early_${routing/:/}_h200.json"
              done
              step moeearly-test ${MOEEARLY_TEST_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;
-    moerows) # (session 60) moe_pdl's loads before the wait (1:gdec) and the gate-up's block
-             # expert and rows in one round of loads (SGLANG_DDTREE_MOE_GU_ROWS=1), alone and
-             # together, against the default; interleaved, random routing then 8 shared experts;
-             # then their GPU tests (bits). No kit
+    moerows) # (session 60) MoeConfig.early_rows (the gate-up's block expert and rows in one
+             # round of loads; the M = 8 band since c4d0f68) against the table without it (written
+             # here), with the served PDL and with 1:gd; interleaved, random routing then 8
+             # shared experts; then its GPU test (bits). No kit. (Run d timed 0401d49's form, an
+             # env switch SGLANG_DDTREE_MOE_GU_ROWS, since replaced by the band field)
+             python3 - "$OUT/moe_configs_no_early_rows.json" <<'PY'
+import json, sys
+t = json.load(open("triton_kernels/moe_w4a16_configs.json"))
+for b in t["bands"]:
+    b.pop("early_rows", None)
+json.dump(t, open(sys.argv[1], "w"), indent=1)
+PY
              for routing in random concentrated:8; do
                step moerows-${routing/:/} ${MOEROWS_LIMIT:-150} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds ${MOEROWS_ROUNDS:-5} --routing $routing \
                  --ms ${MOEROWS_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants ec:SGLANG_DDTREE_MOE_PDL=1:gdec rows:SGLANG_DDTREE_MOE_GU_ROWS=1 \
-                   ec_rows:SGLANG_DDTREE_MOE_PDL=1:gdec,SGLANG_DDTREE_MOE_GU_ROWS=1 \
+                 --ours-variants "no_rows:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json" \
+                   gd:SGLANG_DDTREE_MOE_PDL=1:gd \
+                   "gd_no_rows:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json" \
                  --out "$OUT/fused_moe_rows_${routing/:/}_h200.json"
              done
              step moerows-test ${MOEROWS_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "rows_in_one or pdl_modes" ;;
