@@ -21,6 +21,16 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" >> "$OUT/session.log" 2>&1
   log "$name rc=$?"
 }
+moe_ab() {  # moe_ab NAME LIMIT ROUNDS "MS" STEM VARIANT...: whole fused-MoE calls of the table
+  # against each --ours-variants VARIANT, interleaved, on random routing then 8 shared experts,
+  # JSON to $OUT/STEM_<routing>_h200.json (no kit)
+  local name=$1 limit=$2 rounds=$3 ms=$4 stem=$5 routing; shift 5
+  for routing in random concentrated:8; do
+    step $name-${routing/:/} $limit python3 scripts/bench_fused_moe.py --no-sglang --check \
+      --rounds $rounds --routing $routing --ms $ms --ours-variants "$@" \
+      --out "$OUT/${stem}_${routing/:/}_h200.json"
+  done
+}
 for s in "$@"; do
   case $s in
     quick)   step quick ${QUICK_LIMIT:-280} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
@@ -399,14 +409,9 @@ PYEOF
              # experts; then the PDL GPU test (every mode's bits, eager and replayed). No kit.
              # (Run a timed 7913413's first form: weight tiles before the down's wait; run b
              # 9eb0c23's, against the then default 1:gd)
-             for routing in random concentrated:8; do
-               step moeearly-${routing/:/} ${MOEEARLY_LIMIT:-150} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds ${MOEEARLY_ROUNDS:-3} --routing $routing \
-                 --ms ${MOEEARLY_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants gd:SGLANG_DDTREE_MOE_PDL=1:gd e:SGLANG_DDTREE_MOE_PDL=1:gde \
-                   c:SGLANG_DDTREE_MOE_PDL=1:gdc \
-                 --out "$OUT/fused_moe_early_${routing/:/}_h200.json"
-             done
+             moe_ab moeearly ${MOEEARLY_LIMIT:-150} ${MOEEARLY_ROUNDS:-3} "${MOEEARLY_MS:-8 1 2 4 16 32 64}" \
+               fused_moe_early gd:SGLANG_DDTREE_MOE_PDL=1:gd e:SGLANG_DDTREE_MOE_PDL=1:gde \
+               c:SGLANG_DDTREE_MOE_PDL=1:gdc
              step moeearly-test ${MOEEARLY_TEST_LIMIT:-150} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "pdl_modes" ;;
     moerows) # (session 60) MoeConfig.early_rows (the gate-up's block expert and rows in one
              # round of loads; the M = 8 band since c4d0f68) against the table without it (written
@@ -420,15 +425,10 @@ for b in t["bands"]:
     b.pop("early_rows", None)
 json.dump(t, open(sys.argv[1], "w"), indent=1)
 PY
-             for routing in random concentrated:8; do
-               step moerows-${routing/:/} ${MOEROWS_LIMIT:-150} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds ${MOEROWS_ROUNDS:-5} --routing $routing \
-                 --ms ${MOEROWS_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants "no_rows:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json" \
-                   gd:SGLANG_DDTREE_MOE_PDL=1:gd \
-                   "gd_no_rows:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json" \
-                 --out "$OUT/fused_moe_rows_${routing/:/}_h200.json"
-             done
+             moe_ab moerows ${MOEROWS_LIMIT:-150} ${MOEROWS_ROUNDS:-5} "${MOEROWS_MS:-8 1 2 4 16 32 64}" \
+               fused_moe_rows "no_rows:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json" \
+               gd:SGLANG_DDTREE_MOE_PDL=1:gd \
+               "gd_no_rows:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json"
              step moerows-test ${MOEROWS_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "rows_in_one or pdl_modes" ;;
     moes60ab) # (session 60) the served defaults since then (PDL 1:gdec: the down's and the
              # combine's loads before the wait; the M = 8 band's early_rows and 128-column down
@@ -437,38 +437,31 @@ PY
              # alone; interleaved, random routing then 8 shared experts; then the GPU tests of
              # PDL, early_rows, graph replays and live splits (bits). No kit. (Run e timed it
              # at c4d0f68, before the 128-column ranges: its rows_only is table_only there)
-             for routing in random concentrated:8; do
-               step moes60ab-${routing/:/} ${MOES60AB_LIMIT:-150} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds ${MOES60AB_ROUNDS:-5} --routing $routing \
-                 --ms ${MOES60AB_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants "before:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
-                   table_only:SGLANG_DDTREE_MOE_PDL=1:gd \
-                   "pdl_only:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
-                 --out "$OUT/fused_moe_s60_ab_${routing/:/}_h200.json"
-             done
+             moe_ab moes60ab ${MOES60AB_LIMIT:-150} ${MOES60AB_ROUNDS:-5} "${MOES60AB_MS:-8 1 2 4 16 32 64}" \
+               fused_moe_s60_ab \
+               "before:SGLANG_DDTREE_MOE_PDL=1:gd,SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json" \
+               table_only:SGLANG_DDTREE_MOE_PDL=1:gd \
+               "pdl_only:SGLANG_DDTREE_MOE_CONFIG=$PWD/bench_results/moe_w4a16_configs_before_s60.json"
              step moes60ab-tests ${MOES60AB_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
                -k "pdl_modes or rows_in_one or graph_replay or live_split or serial" ;;
     moem8pdl) # (session 60) the M = 8 band's tiles re-timed under the served PDL (1:gdec):
-             # tables written here, each changing one field of that band (down n_per_cta 128 /
+             # tables written here, each changing one field of that band (down n_per_cta 256 /
              # 512, down block_n 32, gate-up split_target 512, gate-up 4 stages), whole calls at
-             # M = 8, interleaved, 7 rounds, random routing then 8 shared experts. No kit
+             # M = 8, interleaved, 7 rounds, random routing then 8 shared experts. No kit. (Run f
+             # timed it at b0356b6, whose table had 256 down columns: its dn128 is the table now)
              python3 - "$OUT" <<'PY'
 import json, sys
 base = json.load(open("triton_kernels/moe_w4a16_configs.json"))
-for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn128", "down", "n_per_cta", 128),
+for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn256", "down", "n_per_cta", 256),
                                  ("dnbn32", "down", "block_n", 32), ("gut512", "gate_up", "split_target", 512),
                                  ("gus4", "gate_up", "num_stages", 4)):
     t = json.loads(json.dumps(base))
     next(b for b in t["bands"] if b["max_m"] == 8)[kind][field] = value
     json.dump(t, open(f"{sys.argv[1]}/moe_configs_m8_{name}.json", "w"), indent=1)
 PY
-             for routing in random concentrated:8; do
-               step moem8pdl-${routing/:/} ${MOEM8PDL_LIMIT:-150} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds ${MOEM8PDL_ROUNDS:-7} --routing $routing --ms 8 \
-                 --ours-variants $(for n in dn512 dn128 dnbn32 gut512 gus4; do
-                   printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) \
-                 --out "$OUT/fused_moe_m8_pdl_${routing/:/}_h200.json"
-             done ;;
+             moe_ab moem8pdl ${MOEM8PDL_LIMIT:-150} ${MOEM8PDL_ROUNDS:-7} 8 fused_moe_m8_pdl \
+               $(for n in dn512 dn256 dnbn32 gut512 gus4; do
+                   printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);
