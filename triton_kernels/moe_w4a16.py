@@ -158,10 +158,13 @@ def combine(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, scale: f
             COMBINE_DEFAULT
     block_n, warps = shape
     block_n = min(block_n, triton.next_power_of_2(hidden))
+    opts = (pdl or Pdl()).combine()
+    if topk >= 32:  # (EARLY keeps the valid slots as bits of one int32, clear of its sign)
+        opts.pop("EARLY", None)
     _combine_kernel[(m, triton.cdiv(hidden, block_n))](
         y, topk_ids, out, float(scale), out.stride(0), N=hidden, TOPK=topk,
         NUM_EXPERTS=num_experts, BLOCK_N=block_n, TOPK_PAD=triton.next_power_of_2(topk),
-        num_warps=warps, **(pdl.combine() if pdl and topk < 32 else (pdl or Pdl()).launch("c")))
+        num_warps=warps, **opts)
     return out
 
 
