@@ -394,14 +394,9 @@ PYEOF
              # row (before), the copy per chunk alone, and PDL with waits only; interleaved, 3
              # rounds, random routing then 8 shared experts; then the MoE GPU tests (on the new
              # defaults). No kit
-             for routing in random concentrated:8; do
-               step moepdlab-${routing/:/} ${MOEPDL_LIMIT:-120} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds 3 --routing $routing \
-                 --ms ${MOEPDL_MS:-8 1 2 4 16 32 64} \
-                 --ours-variants before:SGLANG_DDTREE_MOE_PDL=0,SGLANG_DDTREE_MOE_PROLOGUE=rows \
-                   chunks_only:SGLANG_DDTREE_MOE_PDL=0 waits_only:SGLANG_DDTREE_MOE_PDL=1 \
-                 --out "$OUT/fused_moe_pdl_ab_${routing/:/}_h200.json"
-             done
+             moe_ab moepdlab ${MOEPDL_LIMIT:-120} 3 "${MOEPDL_MS:-8 1 2 4 16 32 64}" fused_moe_pdl_ab \
+               before:SGLANG_DDTREE_MOE_PDL=0,SGLANG_DDTREE_MOE_PROLOGUE=rows \
+               chunks_only:SGLANG_DDTREE_MOE_PDL=0 waits_only:SGLANG_DDTREE_MOE_PDL=1
              step moepdlab-tests ${MOEPDL_TEST_LIMIT:-240} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py -k "not sglang" ;;
     moeearly) # (session 60) moe_pdl's loads before the wait: the looped down's block, rows and
              # routing weights (e) and the combine's expert ids (c), served since c4d0f68
