@@ -48,7 +48,6 @@ def _gate_up_kernel(
     WIDE_HALVES: tl.constexpr = False,  # HALF_M: a full block's tile as two of BLOCK_N / 2
     PDL: tl.constexpr = 0,  # moe_pdl's mode (2: the next launch after the K loop)
     EARLY_ROWS: tl.constexpr = False,  # (not HALF_M) MoeConfig.early_rows
-    TMA: tl.constexpr = False,  # w_ptr / s_ptr are tensor descriptors (_gate_up_rows)
 ):
     NUM_N: tl.constexpr = I // BLOCK_N
     # EARLY_ROWS: the block's expert and its row ids are loaded together, and under a live split
@@ -63,7 +62,6 @@ def _gate_up_kernel(
     # as plain HALF_M runs it, needs about 1.3x both on sm_90), while an expert with more than
     # BLOCK_M / 2 rows of a call still dequantizes each weight tile once for all of them.
     NQ: tl.constexpr = 2 * NUM_N if WIDE_HALVES else NUM_N  # programs per block (and split)
-    tl.static_assert(not (TMA and HALF_M), "TMA: full-width blocks only")
     _pdl_wait(PDL)
     pid = tl.program_id(0)
     if SPLIT_TARGET > 0:
@@ -132,7 +130,7 @@ def _gate_up_kernel(
         _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows, e,
                       row0, pid_n, pid_k, K, I, TOPK, BLOCK_M, BLOCK_N, BLOCK_K, DOWN_BLOCK_K,
                       PORTABLE, SPLIT_DQ, SPLIT_K, cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC,
-                      SCALE_ONCE, PDL, rows_pre, SPEC, TMA=TMA)
+                      SCALE_ONCE, PDL, rows_pre, SPEC)
 
 
 @triton.jit
@@ -182,15 +180,11 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
                   DOWN_BLOCK_K: tl.constexpr, PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr,
                   SPLIT_K: tl.constexpr, cnt_ptr, tile, SERIAL: tl.constexpr, n_split,
                   PAR_ACC: tl.constexpr = False, SCALE_ONCE: tl.constexpr = False,
-                  PDL: tl.constexpr = 0, rows_pre=0, ROWS_PRE: tl.constexpr = False,
-                  TMA: tl.constexpr = False):
+                  PDL: tl.constexpr = 0, rows_pre=0, ROWS_PRE: tl.constexpr = False):
     """The gate-up tile of padded rows ``row0 .. row0 + BM - 1`` (expert ``e``), output columns
     ``pid_n``'s (``BLOCK_N`` wide, of gate and of up), K range ``pid_k``'s of ``n_split``
     (``SPLIT_K`` itself, or this call's live split, at most ``SPLIT_K``); ``tile`` indexes its
-    counter under ``SERIAL``; ROWS_PRE: ``rows_pre`` holds the rows' pair ids, loaded. TMA:
-    ``w_ptr`` / ``s_ptr`` are tensor descriptors over the packed words ``[E K / 8, 2 I]`` and
-    the scales ``[E K / 32, 2 I]`` with ``[KP, BLOCK_N]`` / ``[KP / 4, BLOCK_N]`` blocks (the
-    bulk tensor copy on Hopper; the scales then as under SCALE_ONCE)."""
+    counter under ``SERIAL``; ROWS_PRE: ``rows_pre`` holds the rows' pair ids, loaded."""
     KP: tl.constexpr = BLOCK_K // _PACK
     N2: tl.constexpr = 2 * I
     K_STEPS = K // BLOCK_K // n_split
@@ -207,19 +201,14 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     # [BLOCK_N, KP] views of the packed gate tile and its scales (4 packed rows share a scale;
     # SCALE_ONCE: a [BLOCK_N, KP / 4] view, one per group, broadcast in registers).
     k0 = pid_k * (K_STEPS * BLOCK_K)  # first input row of this program's K range
-    w_ptrs = 0
-    s_ptrs = 0
-    if TMA:
-        pass
-    elif SCALE_ONCE:
+    w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
+              + offs_n[:, None])
+    if SCALE_ONCE:
         offs_g = tl.arange(0, KP // 4)
         s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_g[None, :]) * N2
                   + offs_n[:, None])
     else:
         s_ptrs = (s_ptr + e64 * (K // _GROUP * N2) + (k0 // _GROUP + offs_r[None, :] // 4) * N2
-                  + offs_n[:, None])
-    if not TMA:
-        w_ptrs = (w_ptr + e64 * (K // _PACK * N2) + (k0 // _PACK + offs_r[None, :]) * N2
                   + offs_n[:, None])
     x_ptrs = xp_ptr + tok[None, :] * K + k0 + offs_r[:, None]  # [KP, BM], plane 0
     x_mask = row_ok[None, :]
@@ -232,27 +221,7 @@ def _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part
     if PAR_ACC:
         acc_gb = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
         acc_ub = tl.zeros([BLOCK_N, BM], dtype=tl.float32)
-    if TMA:
-        w_row = e * (K // _PACK) + k0 // _PACK
-        s_row = e * (K // _GROUP) + k0 // _GROUP
-        n0 = pid_n * BLOCK_N
-        if PORTABLE:
-            i = 0
-            while i < K_STEPS:
-                acc_g, acc_u, acc_gb, acc_ub = _gate_up_step_tma(
-                    acc_g, acc_u, acc_gb, acc_ub, w_ptr, s_ptr, w_row + i * KP,
-                    s_row + i * (KP // 4), n0, x_ptrs, x_mask, I, BLOCK_N, KP, PORTABLE,
-                    SPLIT_DQ, PAR_ACC)
-                x_ptrs += BLOCK_K
-                i += 1
-        else:
-            for i in range(0, K_STEPS):
-                acc_g, acc_u, acc_gb, acc_ub = _gate_up_step_tma(
-                    acc_g, acc_u, acc_gb, acc_ub, w_ptr, s_ptr, w_row + i * KP,
-                    s_row + i * (KP // 4), n0, x_ptrs, x_mask, I, BLOCK_N, KP, PORTABLE,
-                    SPLIT_DQ, PAR_ACC)
-                x_ptrs += BLOCK_K
-    elif PORTABLE:
+    if PORTABLE:
         # the interpreter cannot range() over a loaded bound (a live split): a while loop
         i = 0
         while i < K_STEPS:
@@ -325,23 +294,6 @@ def _gate_up_step(acc_g, acc_u, acc_gb, acc_ub, w_ptrs, s_ptrs, x_ptrs, x_mask, 
     s = _scale_tile(s_ptrs, BN, KP, SCALE_ONCE)
     w2 = tl.load(w_ptrs + I)
     s2 = _scale_tile(s_ptrs + I, BN, KP, SCALE_ONCE)
-    return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs, x_mask, KP, True, PORTABLE,
-                 SPLIT_DQ, PAR_ACC)
-
-
-@triton.jit
-def _gate_up_step_tma(acc_g, acc_u, acc_gb, acc_ub, w_desc, s_desc, w_row, s_row, n0, x_ptrs,
-                      x_mask, I: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
-                      PORTABLE: tl.constexpr, SPLIT_DQ: tl.constexpr, PAR_ACC: tl.constexpr):
-    """_gate_up_step with the gate and up tiles and their scales from tensor descriptors:
-    packed rows ``w_row ..`` and scale rows ``s_row ..``, columns ``n0 ..`` (gate) and
-    ``n0 + I ..`` (up), transposed to the [BN, KP] tiles _mma8 takes."""
-    w = tl.trans(w_desc.load([w_row, n0]))
-    s = tl.trans(s_desc.load([s_row, n0]))
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, KP // 4, 4]), [BN, KP])
-    w2 = tl.trans(w_desc.load([w_row, n0 + I]))
-    s2 = tl.trans(s_desc.load([s_row, n0 + I]))
-    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], [BN, KP // 4, 4]), [BN, KP])
     return _mma8(acc_g, acc_u, acc_gb, acc_ub, w, s, w2, s2, x_ptrs, x_mask, KP, True, PORTABLE,
                  SPLIT_DQ, PAR_ACC)
 

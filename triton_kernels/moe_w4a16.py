@@ -197,25 +197,6 @@ def _tile_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return arrival_counters(_counters, device, n, _MIN_COUNTERS)
 
 
-TMA_ENV = "SGLANG_DDTREE_MOE_TMA"
-
-
-def _gate_up_weights(w13_packed: torch.Tensor, w13_scale: torch.Tensor, gu, cfg) -> tuple:
-    """The gate-up's weight and scale arguments: the tensors, or with ``SGLANG_DDTREE_MOE_TMA=1``
-    (read per call) where the band's gate-up has ``scale_once`` and full-width blocks (no
-    half_m), tensor descriptors over their ``[E K / 8, 2 I]`` / ``[E K / 32, 2 I]`` views (the
-    same sums: the same tiles, loaded by Hopper's bulk tensor copy). Returns (w, s, TMA)."""
-    if (os.environ.get(TMA_ENV, "0") != "1" or not gu.scale_once or cfg.narrow_gate_up
-            or cfg.wide_halves):
-        return w13_packed, w13_scale, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    two_i = w13_packed.shape[2]
-    kp = gu.block_k // PACK_FACTOR
-    w = TensorDescriptor.from_tensor(w13_packed.view(-1, two_i), [kp, gu.block_n])
-    s = TensorDescriptor.from_tensor(w13_scale.view(-1, two_i), [kp // 4, gu.block_n])
-    return w, s, True
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
         raise ValueError(f"{name}: expected {tuple(shape)} {dtype or ''}, got {tuple(t.shape)} "
@@ -327,9 +308,8 @@ def fused_moe_w4a16(
     counters = _tile_counters(hidden_states.device, wide * tiles) if gu.split_k > 1 else None
     programs = wide * (tiles * gu.split_k if not gu.split_target else live_grid(
         tiles, hidden // gu.block_k, gu.split_k, gu.split_target))
-    gu_w, gu_s, tma = _gate_up_weights(w13_packed, w13_scale, gu, cfg)
     _gate_up_kernel[(programs,)](
-        xp, gu_w, gu_s, sorted_ids, block_expert, h, part,
+        xp, w13_packed, w13_scale, sorted_ids, block_expert, h, part,
         sorted_ids if counters is None else counters, t, part_rows, K=hidden,
         I=inter, TOPK=topk, BLOCK_M=bm, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
         DOWN_BLOCK_K=dn.block_k, PORTABLE=portable_path, SPLIT_DQ=bool(gu.split_dq),
@@ -338,8 +318,7 @@ def fused_moe_w4a16(
         NUM_EXPERTS=num_experts if gu.split_target else 0, PAR_ACC=bool(gu.par_acc),
         SCALE_ONCE=bool(gu.scale_once), WIDE_HALVES=bool(cfg.wide_halves),
         num_warps=gu.num_warps, num_stages=gu.num_stages, **_reg_limit(gu),
-        **pdl.launch("g"), **({"EARLY_ROWS": True} if cfg.early_rows else {}),
-        **({"TMA": True} if tma else {}))
+        **pdl.launch("g"), **({"EARLY_ROWS": True} if cfg.early_rows else {}))
     if gu.split_k > 1 and counters is None:
         block_c = min(inter, 128)
         _gate_up_reduce_kernel[(n_blocks, inter // block_c)](
