@@ -628,15 +628,24 @@ def apply_picks(path: str, picks: dict, meta: dict) -> None:
         changed.append(band["max_m"])
     runs = table.get("tuned", [])
     runs = ([runs] if isinstance(runs, dict) else runs) + [{**meta, "max_m": changed}]
-    _dump_table(path, table.get("note", ""), runs, table["bands"])
+    _dump_table(path, table.get("note", ""), runs, table["bands"], table.get(mw.DEVICES))
+
+
+def table_overrides(dev: torch.device) -> str | None:
+    """The device name whose overrides (the config table's ``devices`` section) the table
+    read here serves this run with, or None: the bands as written."""
+    name = mw.cuda_device_name(dev)
+    return name if name in mw.device_overrides() else None
 
 
 def run_header(dev: torch.device, fields: dict) -> dict:
-    """A result's provenance (command, GPU, date, versions, source digest) and ``fields``."""
+    """A result's provenance (command, GPU, date, versions, source digest, the table's
+    overrides in effect) and ``fields``."""
     return {"command": " ".join([sys.executable] + sys.argv), "gpu": _device_name(dev),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-            "source_digest": checkout_digest(__file__), **fields}
+            "source_digest": checkout_digest(__file__),
+            "table_overrides_for": table_overrides(dev), **fields}
 
 
 def breakdown(args, layers, make_inputs, dev) -> dict:
@@ -878,19 +887,29 @@ def write_table(path: str, tuned: dict, meta: dict) -> None:
         run.setdefault("max_m", [b["max_m"] for b in old["bands"]])
         run["max_m"] = [m for m in run["max_m"] if m not in new_ms]
     runs = [r for r in runs if r["max_m"]] + [{**meta, "max_m": sorted(new_ms)}]
-    _dump_table(path, old.get("note", ""), runs, sorted(bands, key=lambda b: b["max_m"]))
+    _dump_table(path, old.get("note", ""), runs, sorted(bands, key=lambda b: b["max_m"]),
+                old.get(mw.DEVICES))
 
 
-def _dump_table(path: str, note: str, runs: list, bands: list) -> None:
-    """The config table as committed: one tuning run and one band per line (diffable)."""
+def _dump_table(path: str, note: str, runs: list, bands: list, devices: dict | None = None) -> None:
+    """The config table as committed: one tuning run, one band and one device's overrides per
+    line (diffable). The overrides (``devices``) are kept as they were: picks and tuning runs
+    write the bands, which serve every device without an override."""
     lines = ["{", f' "note": {json.dumps(note)},', ' "tuned": [']
     lines += [f"  {json.dumps(r)}," for r in runs]
     lines[-1] = lines[-1].rstrip(",")
     lines += [" ],", ' "bands": [']
     lines += [f"  {json.dumps(b)}," for b in bands]
     lines[-1] = lines[-1].rstrip(",")
+    if devices:
+        lines += [" ],", f' "{mw.DEVICES}": {{']
+        lines += [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in devices.items()]
+        lines[-1] = lines[-1].rstrip(",")
+        lines += [" }"]
+    else:
+        lines += [" ]"]
     with open(path, "w") as f:
-        f.write("\n".join(lines + [" ]", "}"]) + "\n")
+        f.write("\n".join(lines + ["}"]) + "\n")
 
 
 def main(argv=None) -> int:
@@ -1211,6 +1230,7 @@ def main(argv=None) -> int:
                      "python": platform.python_version(), "sglang": _sglang_version()},
         "git": _git_rev(),  # the device's .git can be stale: source_digest is what counts
         "source_digest": checkout_digest(__file__),
+        "table_overrides_for": table_overrides(dev),
         "shapes": {"experts": args.experts, "topk": args.topk, "hidden": args.hidden,
                    "inter": args.inter, "group": 32, "layers_per_graph": args.layers},
         "routing": args.routing,

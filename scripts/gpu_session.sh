@@ -362,7 +362,8 @@ for s in "$@"; do
              # M = 8 band's at 64, 8 programs; written here into $OUT)
              python3 - "$OUT" <<'PYEOF'
 import json, sys
-base = json.load(open("triton_kernels/moe_w4a16_configs.json"))
+from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
+base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
 for tag, m8 in (("72", 72), ("64", 64)):
     t = json.loads(json.dumps(base))
     for b in t["bands"]:
@@ -415,7 +416,8 @@ PYEOF
              # env switch SGLANG_DDTREE_MOE_GU_ROWS, since replaced by the band field)
              python3 - "$OUT/moe_configs_no_early_rows.json" <<'PY'
 import json, sys
-t = json.load(open("triton_kernels/moe_w4a16_configs.json"))
+from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
+t = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
 for b in t["bands"]:
     b.pop("early_rows", None)
 json.dump(t, open(sys.argv[1], "w"), indent=1)
@@ -440,14 +442,18 @@ PY
              step moes60ab-tests ${MOES60AB_TEST_LIMIT:-200} python3 -m pytest -q tests/gpu/test_moe_w4a16_gpu.py \
                -k "pdl_modes or rows_in_one or graph_replay or live_split or serial" ;;
     moem8pdl) # (session 60) the M = 8 band's tiles re-timed under the served PDL (1:gdec):
-             # tables written here, each changing one field of that band (down n_per_cta 256 /
-             # 512, down block_n 32, gate-up split_target 512, gate-up 4 stages), whole calls at
-             # M = 8, interleaved, 7 rounds, random routing then 8 shared experts. No kit. (Run f
-             # timed it at b0356b6, whose table had 256 down columns: its dn128 is the table now)
+             # tables written here from the table as this card is served it (session 61: the
+             # H100's overrides give its M = 8 down 128 columns, other cards 256), each changing
+             # one field of that band (down n_per_cta 128 / 256 / 512, one of the first two the
+             # table itself, down block_n 32, gate-up split_target 512, gate-up 4 stages), whole
+             # calls at M = 8, interleaved, 7 rounds, random routing then 8 shared experts. No
+             # kit. (Run f timed it at b0356b6, whose table had 256 down columns, without dn128)
              python3 - "$OUT" <<'PY'
 import json, sys
-base = json.load(open("triton_kernels/moe_w4a16_configs.json"))
+from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
+base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
 for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn256", "down", "n_per_cta", 256),
+                                 ("dn128", "down", "n_per_cta", 128),
                                  ("dnbn32", "down", "block_n", 32), ("gut512", "gate_up", "split_target", 512),
                                  ("gus4", "gate_up", "num_stages", 4)):
     t = json.loads(json.dumps(base))
@@ -455,7 +461,7 @@ for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn256", 
     json.dump(t, open(f"{sys.argv[1]}/moe_configs_m8_{name}.json", "w"), indent=1)
 PY
              moe_ab moem8pdl ${MOEM8PDL_LIMIT:-150} ${MOEM8PDL_ROUNDS:-7} 8 fused_moe_m8_pdl \
-               $(for n in dn512 dn256 dnbn32 gut512 gus4; do
+               $(for n in dn512 dn256 dn128 dnbn32 gut512 gus4; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before

@@ -152,8 +152,40 @@ def gemm_config(fields: dict, where: str = "GemmConfig") -> GemmConfig:
     return GemmConfig(**{k: v for k, v in fields.items() if k not in _REMOVED_GEMM})
 
 
+# A table's per-device overrides: {"devices": {NAME: {"why": ..., "bands": [{"max_m": M,
+# "down": {...}, ...}]}}}. NAME is torch.cuda.get_device_name()'s, matched exactly; each
+# override band names a band of the table by max_m and replaces the fields it gives (inside
+# gate_up / down, field by field). The bands themselves are the default for any other device.
+DEVICES = "devices"
+_AUTO = object()  # select_config's device_name default: the current CUDA device's name
+
+
 @functools.lru_cache(maxsize=None)
-def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
+def _cuda_name(index: int) -> str:
+    import torch
+    return torch.cuda.get_device_name(index)
+
+
+def cuda_device_name(device=None) -> str | None:
+    """The name the table's ``devices`` overrides are keyed by: ``device``'s (a torch device;
+    None: the current CUDA device's), or None for a CPU tensor or without CUDA."""
+    import torch
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        return _cuda_name(torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def table_json(path: str | None = None, device_name: str | None = None) -> dict:
+    """The config table file's JSON (``path``, else ``SGLANG_DDTREE_MOE_CONFIG``, else the
+    shipped one) as it serves ``device_name``: its overrides for that device merged into the
+    bands and the ``devices`` section dropped (what scripts edit to time a variant of the
+    served table). ValueError for an override of a band the table lacks."""
+    path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"fused MoE config table {path} is missing: the package must ship "
@@ -161,6 +193,34 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
             "SGLANG_DDTREE_MOE_CONFIG to a table")
     with open(path) as f:
         raw = json.load(f)
+    over = raw.pop(DEVICES, {}).get(device_name) if device_name else None
+    raw.pop(DEVICES, None)
+    for ob in (over or {}).get("bands", []):
+        band = next((b for b in raw["bands"] if b["max_m"] == ob.get("max_m")), None)
+        if band is None:
+            raise ValueError(f"fused MoE config table {path}: the override for "
+                             f"{device_name!r} names band max_m={ob.get('max_m')}, which "
+                             "the table does not have; fix the override's max_m")
+        for key, value in ob.items():
+            if key in ("gate_up", "down"):
+                band[key] = dict(band[key], **value)
+            elif key != "max_m":
+                band[key] = value
+    return raw
+
+
+def device_overrides(path: str | None = None) -> list[str]:
+    """The device names the table (as ``table_json`` finds it) has overrides for."""
+    path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return sorted(json.load(f).get(DEVICES, {}))
+
+
+@functools.lru_cache(maxsize=None)
+def _config_table(path: str, device_name: str | None = None) -> tuple[tuple[int, MoeConfig], ...]:
+    raw = table_json(path, device_name)
     table = []
     for band in raw["bands"]:
         where = f"band max_m={band.get('max_m')}"
@@ -174,14 +234,18 @@ def _config_table(path: str) -> tuple[tuple[int, MoeConfig], ...]:
     return tuple(sorted(table, key=lambda b: b[0]))
 
 
-def select_config(m: int, path: str | None = None) -> MoeConfig:
+def select_config(m: int, path: str | None = None, device_name=_AUTO) -> MoeConfig:
     """Config of the smallest M band holding ``m`` (the largest band for bigger ``m``).
 
     The table is ``path``, else the file named by the env variable
     ``SGLANG_DDTREE_MOE_CONFIG`` (for tuning runs), else ``moe_w4a16_configs.json`` beside
-    this module.
+    this module; with its ``devices`` overrides for ``device_name`` (default: the current CUDA
+    device's, ``cuda_device_name()``; None: the bands as written).
     """
-    table = _config_table(path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH))
+    if device_name is _AUTO:
+        device_name = cuda_device_name()
+    table = _config_table(path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH),
+                          device_name)
     for max_m, cfg in table:
         if m <= max_m:
             return cfg
@@ -268,16 +332,20 @@ def check_config_table(hidden: int, inter: int, path: str | None = None) -> str:
     that cannot serve some M fails when a server loads its weights rather than at the first
     call of that size. Returns the table's path; ValueError naming the band and the fix."""
     path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
-    try:
-        table = _config_table(path)
-    except (KeyError, TypeError, ValueError) as exc:  # a band without a field, or a bad one
-        raise ValueError(f"fused MoE config table {path}: unreadable band ({exc!r}); fix it or "
-                         "unset SGLANG_DDTREE_MOE_CONFIG for the shipped table") from exc
-    for max_m, cfg in table:
+    # the bands as written and as each device with overrides gets them
+    for name in [None] + device_overrides(path):
+        on = f" (as overridden for {name!r})" if name else ""
         try:
-            _fitted(cfg, hidden, inter)
-        except ValueError as exc:
-            raise ValueError(f"fused MoE config table {path}, band max_m={max_m}: {exc}; fix "
-                             "that band or unset SGLANG_DDTREE_MOE_CONFIG for the shipped "
-                             "table") from None
+            table = _config_table(path, name)
+        except (KeyError, TypeError, ValueError) as exc:  # a band without a field, or a bad one
+            raise ValueError(f"fused MoE config table {path}{on}: unreadable band ({exc!r}); "
+                             "fix it or unset SGLANG_DDTREE_MOE_CONFIG for the shipped "
+                             "table") from exc
+        for max_m, cfg in table:
+            try:
+                _fitted(cfg, hidden, inter)
+            except ValueError as exc:
+                raise ValueError(f"fused MoE config table {path}{on}, band max_m={max_m}: "
+                                 f"{exc}; fix that band or unset SGLANG_DDTREE_MOE_CONFIG for "
+                                 "the shipped table") from None
     return path

@@ -80,9 +80,9 @@ import triton.language as tl
 
 from ._device import arrival_counters, portable
 from .moe_config import (  # noqa: F401  (names re-exported for tests and scripts)
-    _CONFIG_PATH, _REMOVED, _REMOVED_GEMM, GemmConfig, MoeConfig, _config_table, _fit,
-    _fitted, _split_candidates, check_config_table, gemm_config, live_grid, live_split,
-    select_config,
+    _CONFIG_PATH, _REMOVED, _REMOVED_GEMM, DEVICES, GemmConfig, MoeConfig, _config_table,
+    _fit, _fitted, _split_candidates, check_config_table, cuda_device_name, device_overrides,
+    gemm_config, live_grid, live_split, select_config, table_json,
 )
 from .moe_align import (  # noqa: F401  (step 1; names re-exported for tests and scripts)
     ALIGN_ENV, ALIGN_WARPS, ALIGN_WARPS_ENV, PACK_FACTOR, PROLOGUE_ENV, _align_count_kernel,
@@ -281,7 +281,7 @@ def fused_moe_w4a16(
     if m == 0:
         return out
 
-    cfg = config or select_config(m)
+    cfg = config or select_config(m, device_name=cuda_device_name(hidden_states.device))
     gu, dn = _fitted(cfg, hidden, inter)
     bm = cfg.block_m
     portable_path = portable(hidden_states.device)

@@ -289,10 +289,30 @@ _BEFORE_S55 = {2: ((64, 256, 4, 3, 0, 1, 4), None),
                48: ((64, 256, 4, 3, 0, 1, 4, 512), None)}
 
 
-def _table_before_s60() -> dict:
-    """The committed table with session 60's change (its last 'tuned' entry, by hand: the M = 8
-    band's looped down from 256 to 128 columns a program, and early_rows) taken back."""
+_H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _table_before_s61() -> dict:
+    """The committed table with session 61's change (its last 'tuned' entry, by hand: the M = 8
+    band's 128 down columns, timed on an H100 only, moved into the H100's overrides, the bands
+    back to 256) taken back: the bands as session 60 left them, no overrides."""
     table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    assert table["tuned"][-1]["rule"].startswith("session 61:")
+    table["tuned"] = table["tuned"][:-1]
+    devices = table.pop("devices")
+    assert list(devices) == [_H100]
+    assert devices[_H100]["bands"] == [{"max_m": 8, "down": {"n_per_cta": 128}}]
+    band = next(b for b in table["bands"] if b["max_m"] == 8)
+    assert band["down"]["n_per_cta"] == 256
+    band["down"]["n_per_cta"] = 128
+    return table
+
+
+def _table_before_s60() -> dict:
+    """The committed table with session 61's change and session 60's (its 'tuned' entry, by
+    hand: the M = 8 band's looped down from 256 to 128 columns a program, and early_rows)
+    taken back."""
+    table = _table_before_s61()
     assert table["tuned"][-1]["rule"].startswith("session 60:")
     table["tuned"] = table["tuned"][:-1]
     band = next(b for b in table["bands"] if b["max_m"] == 8)
@@ -322,11 +342,27 @@ def test_session_60_m8_band_is_the_faster_of_its_h100_runs():
             assert us["ours_dn128"] == min(us.values()) < us["ours"], (routing, run, us)
         us = medians(f"fused_moe_rows_{routing}_h100_s60d.json")
         assert us["ours_rows"] < us["ours"] and us["ours_ec_rows"] < us["ours_ec"], us
-    table = json.loads((REPO / "triton_kernels" / "moe_w4a16_configs.json").read_text())
+    table = _table_before_s61()
     before = _table_before_s60()
     assert [b for b in table["bands"] if b["max_m"] != 8] == \
         [b for b in before["bands"] if b["max_m"] != 8]
     assert table["tuned"][-1]["max_m"] == [8]
+
+
+def test_session_61_h100_band_is_an_override(bench):
+    """Session 61: the table serves the H100 (SXM, 80 GB) exactly the bands session 60 left,
+    and every other card (the H200 first) those bands with the M = 8 band's down on session
+    59's 256 columns (the H200's pick, session 47), session 60's other change (early_rows)
+    kept."""
+    mc = bench.mw
+    path = str(REPO / "triton_kernels" / "moe_w4a16_configs.json")
+    assert mc.table_json(path, _H100)["bands"] == _table_before_s61()["bands"]
+    others = mc.table_json(path, "NVIDIA H200")["bands"]
+    assert others == mc.table_json(path, None)["bands"]
+    s59 = [dict(b) for b in _table_before_s60()["bands"]]
+    next(b for b in s59 if b["max_m"] == 8)["early_rows"] = 1
+    assert [json.dumps(b, sort_keys=True) for b in others] == \
+        [json.dumps(b, sort_keys=True) for b in s59]
 
 
 def _table_before_s55(bench) -> dict:

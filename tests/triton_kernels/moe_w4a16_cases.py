@@ -1093,6 +1093,64 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
                     == MOE.select_config(old["bands"][2]["max_m"]))
 
 
+def test_device_overrides_replace_fields_for_their_card_only(tmp_path, monkeypatch):
+    """A table's ``devices`` overrides (keyed by torch.cuda.get_device_name()): the card named
+    gets the fields they give merged into the bands they name (inside gate_up / down field by
+    field), every other card and a CPU the bands as written; table_json gives the merged JSON
+    without the section; an override of a band the table lacks, or one that cannot tile the
+    shapes, is refused at the check the SGLang hook runs, naming the card and the fix."""
+    import json
+    from pathlib import Path
+    table = json.loads(Path(MOE._CONFIG_PATH).read_text())
+    table.pop(MOE.DEVICES, None)
+    table[MOE.DEVICES] = {"Card X": {"why": "a test", "bands": [
+        {"max_m": 8, "down": {"n_per_cta": 512}, "early_rows": 0},
+        {"max_m": 16, "block_m": 16}]}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    base = {b["max_m"]: b for b in table["bands"]}
+    for name in (None, "Card Y"):
+        assert MOE.select_config(8, str(path), name) == MOE.select_config(8, str(path), None)
+        assert MOE.table_json(str(path), name)["bands"] == table["bands"]
+    x8 = MOE.select_config(8, str(path), "Card X")
+    assert x8.down == MOE.gemm_config(dict(base[8]["down"], n_per_cta=512))
+    assert x8.gate_up == MOE.gemm_config(base[8]["gate_up"]) and x8.early_rows == 0
+    assert MOE.select_config(16, str(path), "Card X").block_m == 16
+    assert MOE.select_config(32, str(path), "Card X") == MOE.select_config(32, str(path), None)
+    merged = MOE.table_json(str(path), "Card X")
+    assert MOE.DEVICES not in merged and len(merged["bands"]) == len(table["bands"])
+    assert MOE.device_overrides(str(path)) == ["Card X"]
+    assert MOE.check_config_table(7168, 256, str(path)) == str(path)
+    # the default name: the current CUDA device's, none on a CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert MOE.cuda_device_name() is None and MOE.cuda_device_name(torch.device("cpu")) is None
+    assert MOE.select_config(8, str(path)) == MOE.select_config(8, str(path), None)
+    for i, (over, match) in enumerate((
+            ({"max_m": 9, "down": {"n_per_cta": 512}}, "names band max_m=9"),
+            ({"max_m": 8, "gate_up": {"block_n": 96}}, "band max_m=8"))):
+        bad = json.loads(json.dumps(table))
+        bad[MOE.DEVICES]["Card X"]["bands"] = [over]
+        path = tmp_path / f"bad{i}.json"  # (tables are cached by path)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"overridden for 'Card X'.*{match}.*fix"):
+            MOE.check_config_table(7168, 256, str(path))
+
+
+def test_launch_picks_the_band_of_its_device(monkeypatch):
+    """fused_moe_w4a16 without a config picks the band by its input's device's name."""
+    seen = []
+    real = MOE.select_config
+    monkeypatch.setattr(MOE, "select_config", lambda m, path=None, device_name=None: (
+        seen.append((m, device_name)) or real(m, path, None)))
+    monkeypatch.setattr(MOE, "cuda_device_name", lambda device=None: f"name of {device}")
+    w = REF.make_random_moe(4, H, I, seed=1)
+    x = torch.randn(3, H).bfloat16()
+    tw, ti = random_routing(3, 4, 2, seed=1)
+    MOE.fused_moe_w4a16(x, w["w13_packed"], w["w13_scale"], w["w2_packed"], w["w2_scale"], tw,
+                        ti)
+    assert seen == [(3, "name of cpu")]
+
+
 def test_half_m_needs_blocks_of_16_32_or_64():
     w = REF.make_random_moe(4, H, I, seed=1)
     x = torch.randn(3, H).bfloat16()

@@ -12,8 +12,10 @@ the process already has triton in interpreter mode, the module reruns itself in 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tests.triton_kernels._sm90 import (
 
 H, I, TOPK = 7168, 256, 8
 _CONFIGS = Path(__file__).resolve().parents[2] / "triton_kernels" / "moe_w4a16_configs.json"
+_MOE_CONFIG_PY = _CONFIGS.parent / "moe_config.py"
 
 
 def _mode_ok() -> bool:
@@ -87,13 +90,20 @@ def _gemm(MOE, kind: str, bm: int, tiles: tuple, half_m: bool = False, wide: boo
 
 
 def _shipped(max_ms=None):
-    """(kind, block_m, tiles, half_m, wide) of every config in the shipped table (or of its
-    bands of these ``max_m``s) (half_m:
+    """(kind, block_m, tiles, half_m, wide) of every config in the shipped table, its device
+    overrides' included (or of its bands of these ``max_m``s) (half_m:
     whether that GEMM runs with HALF_M, as fused_moe_w4a16 launches it for the band's half_m;
     wide: the gate-up's WIDE_HALVES; tiles end with par_acc / scale_once (/ max_regs) where a
     band sets them)."""
     seen = []
-    for band in json.loads(_CONFIGS.read_text())["bands"]:
+    # the bands as written, then as each card with overrides (the devices section) gets them
+    # (moe_config loaded from its file: it imports no triton)
+    spec = importlib.util.spec_from_file_location("_moe_config_tables", _MOE_CONFIG_PY)
+    mc = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (its dataclasses)
+    spec.loader.exec_module(mc)
+    bands = [b for name in [None] + mc.device_overrides(str(_CONFIGS))
+             for b in mc.table_json(str(_CONFIGS), name)["bands"]]
+    for band in bands:
         if max_ms is not None and band["max_m"] not in max_ms:
             continue
         for kind in ("gate_up", "down"):
