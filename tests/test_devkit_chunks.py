@@ -96,7 +96,7 @@ def test_the_checkout_is_measured_as_git_sees_it(tmp_path):
     (repo / "ignored" / "big.bin").write_bytes(b"y" * 5000)
     (repo / "new.txt").write_bytes(b"z" * 300)  # untracked, not ignored: it travels
     subprocess.run(["git", "-C", str(repo), "add", "tracked.txt", ".gitignore"], check=True)
-    assert dc.checkout_bytes(repo) == 1000 + 300 + len("ignored/\n")
+    assert dc.checkout_bytes(repo) == sum(dc.counted(n) for n in (1000, 300, len("ignored/\n")))
 
 
 def test_fa3_parts_are_listed_with_whether_they_fit(tmp_path):
@@ -115,3 +115,12 @@ def test_fa3_parts_are_listed_with_whether_they_fit(tmp_path):
     assert calls[0][1] == "python3 scripts/devkit_fa3.py install .devkit/fa3/part_00"
     assert [c[2] for c in calls] == [True, True]
     assert [c[2] for c in dc.fa3_calls(kit, checkout=30 * MIB)] == [False, True]
+
+
+def test_files_count_in_whole_blocks():
+    """Session 61: a call the sizes put at 63.7 MiB was refused as over 64 MiB; each file
+    counts for whole 4 KiB blocks (806 small checkout files: 1.6 MiB more than their sizes)."""
+    assert [dc.counted(n) for n in (0, 1, 4096, 4097, 20 * MIB)] == [0, 4096, 4096, 8192,
+                                                                      20 * MIB]
+    assert dc.plan  # (plan counts wheels, extras and the checkout through counted)
+
