@@ -193,9 +193,9 @@ def table_json(path: str | None = None, device_name: str | None = None) -> dict:
             "SGLANG_DDTREE_MOE_CONFIG to a table")
     with open(path) as f:
         raw = json.load(f)
-    over = raw.pop(DEVICES, {}).get(device_name) if device_name else None
-    raw.pop(DEVICES, None)
-    for ob in (over or {}).get("bands", []):
+    devices = raw.pop(DEVICES, {})
+    over = devices.get(device_name, {}) if device_name else {}
+    for ob in over.get("bands", []):
         band = next((b for b in raw["bands"] if b["max_m"] == ob.get("max_m")), None)
         if band is None:
             raise ValueError(f"fused MoE config table {path}: the override for "
