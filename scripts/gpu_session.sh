@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -463,6 +463,31 @@ PY
              moe_ab moem8pdl ${MOEM8PDL_LIMIT:-150} ${MOEM8PDL_ROUNDS:-7} 8 fused_moe_m8_pdl \
                $(for n in dn512 dn256 dn128 dnbn32 gut512 gus4; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
+    moem16split) # (session 61) the M 9-16 band's gate-up K split: split_k 7 (a divisor of its
+             # 28 K steps; 4 in the bands) with split_target 512 / 448 / 384, in tables written
+             # here from the table as this card is served it (on the H100 its override already
+             # has 7 / 448: there s7t448 is the table itself); whole calls at M = 9 / 12 / 16,
+             # interleaved, 5 rounds, on 8 / 32 / 16 shared experts and random routing. No kit.
+             # (Session 61 ran these commands on an H100 at 5e17a73, before the override:
+             # bench_results/fused_moe_split7t_*_h100_s61.json)
+             python3 - "$OUT" <<'PY'
+import json, sys
+from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
+base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
+for name, split, target in (("s7", 7, 512), ("s7t448", 7, 448), ("s7t384", 7, 384)):
+    t = json.loads(json.dumps(base))
+    next(b for b in t["bands"] if b["max_m"] == 16)["gate_up"].update(split_k=split,
+                                                                      split_target=target)
+    json.dump(t, open(f"{sys.argv[1]}/t_{name}.json", "w"), indent=1)
+PY
+             for routing in concentrated:8 concentrated:32 concentrated:16 random; do
+               step moem16split-${routing/:/} ${MOEM16SPLIT_LIMIT:-90} python3 scripts/bench_fused_moe.py \
+                 --no-sglang --check --rounds 5 --routing $routing --ms 9 12 16 \
+                 --ours-variants $(for n in s7 s7t448 s7t384; do
+                     printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done) \
+                 --out "$OUT/fused_moe_split7t_${routing/:/}_h200.json"
+             done
+             rm -f "$OUT"/t_s7*.json ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);

@@ -355,6 +355,29 @@ def test_live_split_equals_the_fixed_split_it_picks(band, case, serial, monkeypa
     _live_equals_fixed(w, x, tw, ti, cfg_of(4, 4 * num_n), cfg_of(want, 0), serial)
 
 
+@pytest.mark.parametrize("case", ["one_block", "many_blocks"])
+@pytest.mark.parametrize("serial", ["1", "0"])
+def test_live_split_of_seven(case, serial, monkeypatch):
+    """A K split that is no power of two (split_k 7, as the H100's M 9-16 band since session
+    61 at its 28 K steps): at 7 K steps a live call of one used block splits 7 ways, one of many
+    blocks not at all, equal bit for bit to that fixed split (one launch and the reduce
+    kernel)."""
+    monkeypatch.setenv(MOE.SERIAL_REDUCE_ENV, serial)
+    hidden = 7 * 128
+
+    def cfg_of(split_k, target):
+        return MOE.MoeConfig(16, MOE.GemmConfig(64, 128, 4, 1, 0, 0, split_k, target),
+                             MOE.GemmConfig(64, 128, 4, 1, 128))
+
+    w = REF.make_random_moe(9, hidden, I, seed=7)
+    m = {"one_block": 5, "many_blocks": 40}[case]
+    x, tw, ti = _block_case(case, m, hidden, 300)
+    blocks = int(MOE.moe_align(ti, 9, 16)[1][-1])
+    want = {"one_block": 7, "many_blocks": 1}[case]
+    assert MOE.live_split(blocks, I // 64, 7, 7, 7 * I // 64) == want, blocks
+    _live_equals_fixed(w, x, tw, ti, cfg_of(7, 7 * I // 64), cfg_of(want, 0), serial)
+
+
 def _live_equals_fixed(w, x, tw, ti, live_cfg, fixed_cfg, serial):
     """The call with ``live_cfg`` (a live split) is within tolerance of the reference and
     equal bit for bit to the one with ``fixed_cfg``; with serial sums the counters end at 0."""
