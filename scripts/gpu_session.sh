@@ -463,10 +463,10 @@ PY
              moe_ab moem8pdl ${MOEM8PDL_LIMIT:-150} ${MOEM8PDL_ROUNDS:-7} 8 fused_moe_m8_pdl \
                $(for n in dn512 dn256 dn128 dnbn32 gut512 gus4; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
-    moem16split) # (session 61) the M 9-16 band's gate-up K split: split_k 7 (a divisor of its
-             # 28 K steps; 4 in the bands) with split_target 512 / 448 / 384, in tables written
-             # here from the table as this card is served it (on the H100 its override already
-             # has 7 / 448: there s7t448 is the table itself); whole calls at M = 9 / 12 / 16,
+    moem16split) # (session 61) the M 9-16 band's gate-up K split: split_k 4 (the bands') and
+             # 7 (a divisor of its 28 K steps) with split_target 512 / 448 / 384, in tables
+             # written here from the table as this card is served it (on the H100 its override
+             # has 7 / 448: there s7t448 is the table itself, elsewhere s4); whole calls at M = 9 / 12 / 16,
              # interleaved, 5 rounds, on 8 / 32 / 16 shared experts and random routing. No kit.
              # (Session 61 ran these commands on an H100 at 5e17a73, before the override:
              # bench_results/fused_moe_split7t_*_h100_s61.json)
@@ -474,7 +474,8 @@ PY
 import json, sys
 from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
 base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
-for name, split, target in (("s7", 7, 512), ("s7t448", 7, 448), ("s7t384", 7, 384)):
+for name, split, target in (("s4", 4, 512), ("s7", 7, 512), ("s7t448", 7, 448),
+                           ("s7t384", 7, 384)):
     t = json.loads(json.dumps(base))
     next(b for b in t["bands"] if b["max_m"] == 16)["gate_up"].update(split_k=split,
                                                                       split_target=target)
@@ -483,11 +484,11 @@ PY
              for routing in concentrated:8 concentrated:32 concentrated:16 random; do
                step moem16split-${routing/:/} ${MOEM16SPLIT_LIMIT:-90} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds 5 --routing $routing --ms 9 12 16 \
-                 --ours-variants $(for n in s7 s7t448 s7t384; do
+                 --ours-variants $(for n in s4 s7 s7t448 s7t384; do
                      printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done) \
                  --out "$OUT/fused_moe_split7t_${routing/:/}_h200.json"
              done
-             rm -f "$OUT"/t_s7*.json ;;
+             rm -f "$OUT"/t_s[47]*.json ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before
              # session 55's scale_once / par_acc picks, bench_results/moe_w4a16_configs_before_s55.json);
