@@ -22,10 +22,10 @@ step() {  # step NAME SECONDS CMD...
   log "$name rc=$?"
 }
 moe_ab() {  # moe_ab NAME LIMIT ROUNDS "MS" STEM VARIANT...: whole fused-MoE calls of the table
-  # against each --ours-variants VARIANT, interleaved, on random routing then 8 shared experts,
-  # JSON to $OUT/STEM_<routing>_h200.json (no kit)
+  # against each --ours-variants VARIANT, interleaved, on each routing of $ROUTINGS (default:
+  # random routing then 8 shared experts), JSON to $OUT/STEM_<routing>_h200.json (no kit)
   local name=$1 limit=$2 rounds=$3 ms=$4 stem=$5 routing; shift 5
-  for routing in random concentrated:8; do
+  for routing in ${ROUTINGS:-random concentrated:8}; do
     step $name-${routing/:/} $limit python3 scripts/bench_fused_moe.py --no-sglang --check \
       --rounds $rounds --routing $routing --ms $ms --ours-variants "$@" \
       --out "$OUT/${stem}_${routing/:/}_h200.json"
@@ -362,8 +362,8 @@ for s in "$@"; do
              # M = 8 band's at 64, 8 programs; written here into $OUT)
              python3 - "$OUT" <<'PYEOF'
 import json, sys
-from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
-base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
+from sglang_ddtree.triton_kernels.moe_config import table_json
+base = table_json()  # as this card is served it: its overrides merged
 for tag, m8 in (("72", 72), ("64", 64)):
     t = json.loads(json.dumps(base))
     for b in t["bands"]:
@@ -416,8 +416,8 @@ PYEOF
              # env switch SGLANG_DDTREE_MOE_GU_ROWS, since replaced by the band field)
              python3 - "$OUT/moe_configs_no_early_rows.json" <<'PY'
 import json, sys
-from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
-t = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
+from sglang_ddtree.triton_kernels.moe_config import table_json
+t = table_json()  # as this card is served it: its overrides merged
 for b in t["bands"]:
     b.pop("early_rows", None)
 json.dump(t, open(sys.argv[1], "w"), indent=1)
@@ -450,8 +450,8 @@ PY
              # kit. (Run f timed it at b0356b6, whose table had 256 down columns, without dn128)
              python3 - "$OUT" <<'PY'
 import json, sys
-from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
-base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
+from sglang_ddtree.triton_kernels.moe_config import table_json
+base = table_json()  # as this card is served it: its overrides merged
 for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn256", "down", "n_per_cta", 256),
                                  ("dn128", "down", "n_per_cta", 128),
                                  ("dnbn32", "down", "block_n", 32), ("gut512", "gate_up", "split_target", 512),
@@ -472,8 +472,8 @@ PY
              # bench_results/fused_moe_split7t_*_h100_s61.json)
              python3 - "$OUT" <<'PY'
 import json, sys
-from sglang_ddtree.triton_kernels.moe_config import cuda_device_name, table_json
-base = table_json(None, cuda_device_name())  # as served here: this card's overrides merged
+from sglang_ddtree.triton_kernels.moe_config import table_json
+base = table_json()  # as this card is served it: its overrides merged
 for name, split, target in (("s4", 4, 512), ("s7", 7, 512), ("s7t448", 7, 448),
                            ("s7t384", 7, 384)):
     t = json.loads(json.dumps(base))
@@ -481,13 +481,10 @@ for name, split, target in (("s4", 4, 512), ("s7", 7, 512), ("s7t448", 7, 448),
                                                                       split_target=target)
     json.dump(t, open(f"{sys.argv[1]}/t_{name}.json", "w"), indent=1)
 PY
-             for routing in concentrated:8 concentrated:32 concentrated:16 random; do
-               step moem16split-${routing/:/} ${MOEM16SPLIT_LIMIT:-90} python3 scripts/bench_fused_moe.py \
-                 --no-sglang --check --rounds 5 --routing $routing --ms 9 12 16 \
-                 --ours-variants $(for n in s4 s7 s7t448 s7t384; do
-                     printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done) \
-                 --out "$OUT/fused_moe_split7t_${routing/:/}_h200.json"
-             done
+             ROUTINGS="concentrated:8 concentrated:32 concentrated:16 random" \
+               moe_ab moem16split ${MOEM16SPLIT_LIMIT:-90} 5 "9 12 16" fused_moe_split7t \
+               $(for n in s4 s7 s7t448 s7t384; do
+                   printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done)
              rm -f "$OUT"/t_s[47]*.json ;;
     moetableab) # (session 55) whole calls of the committed table against another one in the
              # same run, interleaved, 3 rounds, on three routings (default: the table before

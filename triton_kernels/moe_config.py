@@ -180,11 +180,14 @@ def cuda_device_name(device=None) -> str | None:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def table_json(path: str | None = None, device_name: str | None = None) -> dict:
+def table_json(path: str | None = None, device_name=_AUTO) -> dict:
     """The config table file's JSON (``path``, else ``SGLANG_DDTREE_MOE_CONFIG``, else the
-    shipped one) as it serves ``device_name``: its overrides for that device merged into the
+    shipped one) as it serves ``device_name`` (default, as ``select_config``: the current CUDA
+    device's; None: the bands as written): its overrides for that device merged into the
     bands and the ``devices`` section dropped (what scripts edit to time a variant of the
     served table). ValueError for an override of a band the table lacks."""
+    if device_name is _AUTO:
+        device_name = cuda_device_name()
     path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
     if not os.path.exists(path):
         raise FileNotFoundError(
