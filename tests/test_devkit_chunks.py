@@ -117,10 +117,14 @@ def test_fa3_parts_are_listed_with_whether_they_fit(tmp_path):
     assert [c[2] for c in dc.fa3_calls(kit, checkout=30 * MIB)] == [False, True]
 
 
-def test_files_count_in_whole_blocks():
+def test_files_count_in_whole_blocks(tmp_path):
     """Session 61: a call the sizes put at 63.7 MiB was refused as over 64 MiB; each file
-    counts for whole 4 KiB blocks (806 small checkout files: 1.6 MiB more than their sizes)."""
+    counts for whole 4 KiB blocks (806 small checkout files: 1.6 MiB more than their sizes),
+    the wheels and the kit's extras too."""
     assert [dc.counted(n) for n in (0, 1, 4096, 4097, 20 * MIB)] == [0, 4096, 4096, 8192,
                                                                       20 * MIB]
-    assert dc.plan  # (plan counts wheels, extras and the checkout through counted)
+    kit = _kit(tmp_path, {"w1": {f"s{i}.whl": 1 / MIB for i in range(10)}})
+    # ten 1-byte wheels and the extras (install.sh, serve.sh, models/config.json): 13 blocks
+    (entry,) = dc.plan(kit, checkout=dc.counted(5))
+    assert entry["carried_bytes"] == 14 * dc.BLOCK
 
