@@ -380,6 +380,12 @@ def run_header() -> dict:
     }
 
 
+def case_wave(n_jobs: int, max_servers: int) -> int:
+    """How many lossless-case servers run at once: every case's (``max_servers`` 0), else at
+    most ``max_servers``."""
+    return n_jobs if max_servers <= 0 else min(n_jobs, max_servers)
+
+
 def first_diff(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -557,6 +563,11 @@ def main():
     ap.add_argument("--tp", type=int, default=1, help="--tp-size of every server (AR too)")
     ap.add_argument("--chunked-prefill-size", type=int, default=128,
                     help="small, so that prompts longer than it are prefilled in chunks")
+    ap.add_argument("--max-servers", type=int, default=0,
+                    help="at most this many lossless-case servers at once (0: every case's at "
+                    "once, as on an H200); each case's server starts when an earlier one has "
+                    "stopped. The AR reference server stays up throughout. An 80 GB card holds "
+                    "about three 8-layer int4 Kimi servers beside its AR server")
     ap.add_argument("--ddtree-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every DDTREE server, e.g. "
                     "SGLANG_DDTREE_KV_MOVE=sglang (repeatable)")
@@ -578,6 +589,7 @@ def main():
         **run_header(),
         "max_new_tokens": args.max_new_tokens, "tie_tolerance_logprob": args.tie_tol,
         "verify_backend": args.verify_backend, "ddtree_env": ddtree_env, "tp_size": args.tp,
+        "max_servers": args.max_servers,
         "notes": "lossless cases run with the test-only oracle draft (SGLANG_DDTREE_TEST_ORACLE) "
                  "and several servers at once on one GPU: their tokens/s is not a speed figure. "
                  "Speed figures are in 'speed' (one server at a time, no oracle).",
@@ -689,6 +701,21 @@ def main():
     servers, speed_servers, det_servers = {}, {}, {}
     jobs = [(m, b, True) for m, bs in cases for b in bs] + \
            [(m, b, False) for m, bs in eager for b in bs]
+    if args.max_servers < 0:
+        raise SystemExit(f"--max-servers {args.max_servers}: expected 0 (no cap) or more")
+    wave = case_wave(len(jobs), args.max_servers)
+
+    def start_case(m, b, graph):
+        tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
+        with lock:
+            port = next(ports)
+        servers[(m, b, graph)] = Server(
+            ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
+            port, env=env_of(m, {"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m]},
+                             ddtree_env, MODEL_SETS[m].get("ddtree_env", {}),
+                             budget_env(b)),
+            wait=False)
+        return servers[(m, b, graph)]
     try:
         # every server starts now (fixed KV pools, --sleep-on-idle); the oracle servers read
         # their oracle file at their first step, after the AR reference below has written it
@@ -710,14 +737,8 @@ def main():
                     common + extra, log(f"{m}-speed-{algo}"), next(ports), wait=False,
                     env=env_of(m, {"SGLANG_DDTREE_TIMERS": "cpu", **speed_env}
                                if algo == "ddtree" else {}))
-        for m, b, graph in jobs:
-            tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
-            servers[(m, b, graph)] = Server(
-                ddtree_args(m, b) + ([] if graph else ["--disable-cuda-graph"]), log(tag),
-                next(ports), env=env_of(m, {"SGLANG_DDTREE_TEST_ORACLE": oracle_path[m]},
-                                        ddtree_env, MODEL_SETS[m].get("ddtree_env", {}),
-                                        budget_env(b)),
-                wait=False)
+        for m, b, graph in jobs[:wave]:  # the later cases' servers start as these stop
+            start_case(m, b, graph)
         for m, budgets in det:
             # SGLang's deterministic mode aligns every prefill chunk of the triton/flashinfer
             # backends to 4096 tokens and never schedules a chunk below that: with this suite's
@@ -771,7 +792,9 @@ def main():
         def run_case(m, b, graph):
             _, _, prompts = setup[m]
             tag = f"{m}-ddtree-b{b}" + ("" if graph else "-eager")
-            srv = servers[(m, b, graph)]
+            # started by now, or (past the first wave) here, once an earlier case's server
+            # has stopped: the pool runs at most `wave` cases at once
+            srv = servers.get((m, b, graph)) or start_case(m, b, graph)
             try:
                 srv.wait_ready()
                 for c in concs:
@@ -881,18 +904,26 @@ def main():
                 a.stop()
                 d.stop()
 
-        with cf.ThreadPoolExecutor(len(jobs) + len(det)) as ex:  # all cases at once
-            futs = [ex.submit(run_case, *j) for j in jobs if j[0] in ref] + \
-                [ex.submit(run_det, m, bs[0]) for m, bs in det]
-            for m, b, graph in jobs:
-                if m not in ref:
+        runnable = [j for j in jobs if j[0] in ref]
+        for m, b, graph in jobs:
+            if m not in ref:
+                if (m, b, graph) in servers:
                     servers[(m, b, graph)].stop()
-                    errors.append(f"{m} budget {b}: skipped, no AR reference")
+                errors.append(f"{m} budget {b}: skipped, no AR reference")
+        # the cases in job order, at most `wave` at once (their servers: the first wave's
+        # started above; each later one when a worker frees), the deterministic pair beside
+        with cf.ThreadPoolExecutor(max(1, min(wave, len(runnable)))) as ex, \
+                cf.ThreadPoolExecutor(max(1, len(det))) as ex_det:
+            futs = [ex.submit(run_case, *j) for j in runnable] + \
+                [ex_det.submit(run_det, m, bs[0]) for m, bs in det]
             for f in futs:
                 try:
                     f.result()
                 except Exception as e:  # keep the other cases' results; report the failure
                     errors.append(repr(e)[:2000])
+        # start-up times of the servers started past the first wave
+        result["startup_s"].update({os.path.basename(s.log)[:-4]: round(s.startup_s, 1)
+                                    for s in servers.values() if hasattr(s, "startup_s")})
     finally:
         result["errors"] = errors
         for s in (list(ar.values()) + list(servers.values()) + list(det_servers.values())

@@ -567,7 +567,8 @@ PY
              # budget 4 / 6 at batch 1 (M = 5 / 7), AR and the draft-free decode at batch 6
              step moe-serve ${MOE_SERVE_LIMIT:-420} python3 scripts/e2e_lossless.py \
                --cases "${MOE_SERVE_CASES:-kimi_int4:4,6,8}" --batch-sizes ${MOE_SERVE_BATCHES:-1,6} --prompts 12 \
-               --eager-check= --speed= --deterministic= --out "$OUT/e2e_lossless_kimi_int4_h200.json" ;;
+               --eager-check= --speed= --deterministic= --out "$OUT/e2e_lossless_kimi_int4_h200.json" \
+               ${MOE_SERVE_ARGS:-} ;;  # an 80 GB card: MOE_SERVE_ARGS="--max-servers 3"
     moehalf) # MoeConfig.half_m: 32-row blocks run as 16-row tiles while their second half is
              # padding, so an expert with 17-32 rows of a call dequantizes each weight tile once
              # (a tree's tokens that share experts; the dummy fill's 8 experts), against the

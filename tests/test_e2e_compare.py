@@ -78,3 +78,11 @@ def test_port_free_sees_a_listener():
         port = s.getsockname()[1]
         assert not e2e_lossless.port_free(port)
     assert e2e_lossless.port_free(port)
+
+
+def test_case_wave_caps_the_servers_at_once():
+    # 0: every case's server at once (the H200's default); else at most that many
+    assert e2e_lossless.case_wave(8, 0) == 8
+    assert e2e_lossless.case_wave(8, 3) == 3
+    assert e2e_lossless.case_wave(2, 3) == 2
+    assert e2e_lossless.case_wave(0, 3) == 0
