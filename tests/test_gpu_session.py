@@ -204,3 +204,18 @@ def test_every_moe_grid_candidate_tiles_the_kimi_shapes():
                 except (TypeError, ValueError) as exc:
                     bad.append(f"{step} {flag} M={m} {c}: {exc}")
     assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("mib,small", [(81559, True), (143771, False)])
+def test_small_card_settings_follow_the_cards_memory(tmp_path, mib, small):
+    # session 62 on an H100: four 8-layer Kimi servers at once and the 61-layer rank at the
+    # default --mem-fraction-static died of memory at start-up; the script adapts to the card
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {mib}\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1"}
+    subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True)
+    log = (out / "session.log").read_text() if (out / "session.log").exists() else ""
+    assert ("--max-servers 2" in log and "--mem-fraction 0.95" in log) == small, log
