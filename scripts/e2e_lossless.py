@@ -566,8 +566,8 @@ def main():
     ap.add_argument("--max-servers", type=int, default=0,
                     help="at most this many lossless-case servers at once (0: every case's at "
                     "once, as on an H200); each case's server starts when an earlier one has "
-                    "stopped. The AR reference server stays up throughout. An 80 GB card holds "
-                    "about three 8-layer int4 Kimi servers beside its AR server")
+                    "stopped. The AR reference server stays up throughout. On an 80 GB H100, 2 "
+                    "worked for the 8-layer int4 Kimi rank; its four cases at once did not")
     ap.add_argument("--ddtree-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every DDTREE server, e.g. "
                     "SGLANG_DDTREE_KV_MOVE=sglang (repeatable)")

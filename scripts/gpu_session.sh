@@ -16,7 +16,7 @@ if [ -f .devkit/tvm_ffi_cache.tgz ] && [ ! -d "$HOME/.cache/tvm-ffi" ]; then
     && log "tvm-ffi JIT cache unpacked from .devkit/tvm_ffi_cache.tgz"
 fi
 # An 80 GB card (H100) holds fewer servers at once than the H200's 141 GB, and the 61-layer int4
-# Kimi rank (about 71 GiB of weights with its drafter's) only with --mem-fraction-static 0.95
+# Kimi rank (about 72 GiB of weights with its drafter's) only with --mem-fraction-static 0.95
 # (session 62): the steps below take these where the card has less than 100,000 MiB
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 card_serve_args="" card_costs_args=""
