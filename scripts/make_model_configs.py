@@ -8,7 +8,9 @@ DFlash drafter config SGLang 0.5.17's ``DFlashDraftModel`` reads:
   (DeepseekV3 architecture, MLA + 384-expert MoE), ``N`` of its 61 layers, bf16 experts. See the
   ``notes`` field written into the config for exactly what is and is not the rank's share.
 - ``kimi-k2.6-tp8rank-l{N}-int4``: the same with K2.6's own int4 routed experts
-  (compressed-tensors W4A16, group 32); at int4 all 61 layers of a rank fit one H200 (~79 GB).
+  (compressed-tensors W4A16, group 32); at int4 all 61 layers of a rank fit one H200 (~80 GB
+  of weights); with the rank's vocabulary (next) also an 80 GB H100, at
+  ``--mem-fraction-static 0.95`` (~76 GB; session 62).
 - ``kimi-k2.6-tp8rank-l{N}-int4-rankvocab``: the int4 rank with one TP8 rank's share of the
   vocabulary (20,480 of 163,840 rows) for its embedding and lm_head: a rank's own lm_head GEMM,
   not the whole vocabulary's (about 0.5 ms of weight reads a step on an H200) in every step.
