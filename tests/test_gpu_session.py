@@ -216,6 +216,8 @@ def test_small_card_settings_follow_the_cards_memory(tmp_path, mib, small):
     (fake / "nvidia-smi").chmod(0o755)
     out = tmp_path / "out"
     env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1"}
-    subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True)
-    log = (out / "session.log").read_text() if (out / "session.log").exists() else ""
+    # an unknown step only logs itself: the log then shows the script ran past the card check
+    subprocess.run(["bash", str(SCRIPT), "nosuchstep"], cwd=ROOT, env=env, capture_output=True)
+    log = (out / "session.log").read_text()
+    assert "unknown step nosuchstep" in log, log
     assert ("--max-servers 2" in log and "--mem-fraction 0.95" in log) == small, log
