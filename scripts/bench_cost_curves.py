@@ -78,12 +78,15 @@ def accept_from_bench(path: str, concurrency: str = "1", mode: str = "greedy") -
 
 
 def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "dflash"),
-              ddtree_extra=()):
+              ddtree_extra=(), timer_pads=(0,)):
     """[(method, extra server args, env)]: AR, DFLASH, DDTREE per budget with host-only stage
     timers (no synchronization, so overlap scheduling and TPOT are those of a plain server),
     and ``-timers`` servers with stage timers on the GPU's stream (``timer_mode`` gpu: CUDA
     events; sync: a synchronization per stage, which defeats overlap scheduling) for the
-    verify-forward split; their TPOT is not used."""
+    verify-forward split; their TPOT is not used. ``timer_pads``: one ``-timers`` server per
+    budget and pad; a pad > 0 (gpu mode only) is SGLANG_DDTREE_TIMERS_PAD_US, its server named
+    ``ddtree_b<budget>-pad<us>-timers``: a verify stage without the stream's idle wait for the
+    host (sglang_ddtree/step_timers.py)."""
     from bench_e2e import ddtree_args
 
     def ddtree(b):
@@ -97,7 +100,11 @@ def plan_runs(budgets, timer_budgets, spec, timer_mode="gpu", baselines=("ar", "
     # each batch size's first 16 steps are left out: one-time costs are not the step's
     timed = {"SGLANG_DDTREE_TIMERS": "1" if timer_mode == "sync" else timer_mode,
              "SGLANG_DDTREE_TIMERS_SKIP": "16", **every}
-    runs += [(f"ddtree_b{b}-timers", ddtree(b), timed) for b in timer_budgets]
+    if any(timer_pads) and timer_mode != "gpu":
+        raise SystemExit("--timer-pad-us needs --timer-mode gpu")
+    runs += [(f"ddtree_b{b}" + (f"-pad{pad}" if pad else "") + "-timers", ddtree(b),
+              {**timed, "SGLANG_DDTREE_TIMERS_PAD_US": str(pad)} if pad else timed)
+             for b in timer_budgets for pad in timer_pads]
     return runs
 
 
@@ -120,7 +127,8 @@ def derive(res: dict) -> dict:
 
 def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
                   res=None, dump=lambda: None, timer_budgets=(), timer_mode="gpu",
-                  baselines=("ar", "dflash"), ddtree_extra=(), server_env=None):
+                  baselines=("ar", "dflash"), ddtree_extra=(), server_env=None,
+                  timer_pads=(0,)):
     """Fills ``res`` (a dict, e.g. already in the result JSON) method by method, calling
     ``dump`` after each: a run cut short by its time limit keeps the methods it measured.
     ``server_env`` goes to every server, AR and DFLASH included (e.g. the fused MoE switch)."""
@@ -153,7 +161,7 @@ def measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_b
     greedy = {"temperature": 0.0}
     for i, (method, extra, env) in enumerate(plan_runs(budgets, timer_budgets, spec,
                                                            timer_mode, baselines,
-                                                           ddtree_extra)):
+                                                           ddtree_extra, timer_pads)):
         log = os.path.join(args.workdir, f"{name}-{method}.log")
         try:
             srv = Server(common + extra, log, args.port + i, env={**(server_env or {}), **env})
@@ -210,6 +218,11 @@ def main():
     ap.add_argument("--timer-mode", default="gpu", choices=("gpu", "sync"),
                     help="stage timers of the -timers servers: gpu (CUDA events, no per-step "
                     "sync) or sync (a synchronization at every stage boundary)")
+    ap.add_argument("--timer-pad-us", default="0",
+                    help="comma list of pads (us) for the -timers servers, one server per budget "
+                    "and pad; 0 = none. A pad (a GPU busy-wait after the tree stage, its own "
+                    "stage) lets the host issue the verify before the stream reaches it, so the "
+                    "verify stage is the forward alone: e.g. 0,3000 measures the idle wait")
     ap.add_argument("--baselines", default="ar,dflash",
                     help="which of ar / dflash get a server (verify/decode needs ar)")
     ap.add_argument("--ddtree-args", default="",
@@ -285,6 +298,7 @@ def main():
         measure_model(name, args, concs, budgets, Server, run_pass, stage_times_by_bs,
                       res=result["models"][name], dump=dump, timer_budgets=timer_budgets,
                       timer_mode=args.timer_mode,
+                      timer_pads=[int(p) for p in args.timer_pad_us.split(",") if p],
                       baselines=[b for b in args.baselines.split(",") if b],
                       ddtree_extra=args.ddtree_args.split() + args.ddtree_arg,
                       server_env=parse_server_env(args.server_env))

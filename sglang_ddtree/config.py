@@ -390,6 +390,27 @@ def timers_every(environ=os.environ) -> int:
     return max(1, _parse_int(ENV_TIMERS + "_EVERY", raw)) if raw else 200
 
 
+def timers_pad_us(environ=os.environ) -> int:
+    """SGLANG_DDTREE_TIMERS_PAD_US (a diagnostic, ``gpu`` timers only; default 0 = off): after
+    the tree stage, a GPU busy-wait of about this many microseconds, timed as its own stage
+    ``pad``. While the GPU waits there, the host finishes issuing the verify, so the ``verify``
+    stage that follows holds the target's forward alone, without the time the stream sat idle
+    for the host (which the ``gpu`` timers charge to the stage the GPU waited in). The pad
+    lengthens the step: for stage splits, not for TPOT."""
+    raw = environ.get(ENV_TIMERS + "_PAD_US", "").strip()
+    if not raw or raw == "0":
+        return 0
+    pad = _parse_int(ENV_TIMERS + "_PAD_US", raw)
+    if pad < 0:
+        raise DDTreeConfigError(f"{ENV_TIMERS}_PAD_US={raw!r}: want microseconds >= 0")
+    if timers_mode(environ) != "gpu":
+        raise DDTreeConfigError(
+            f"{ENV_TIMERS}_PAD_US={raw} needs {ENV_TIMERS}=gpu (the pad splits the GPU stream's "
+            f"stage times; it means nothing to host or synchronized timers): set "
+            f"{ENV_TIMERS}=gpu or unset {ENV_TIMERS}_PAD_US")
+    return pad
+
+
 def timers_mode(environ=os.environ) -> str:
     """SGLANG_DDTREE_TIMERS: off (unset/0), ``cpu`` (host time per stage, no synchronization:
     what the step costs the scheduler thread), ``gpu`` (CUDA events at the stage boundaries,

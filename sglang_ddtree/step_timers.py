@@ -35,23 +35,40 @@ class StepTimers:
     SGLang's ``on_publish`` callback with the new lengths (the scheduler's, which every spec
     worker calls; counted in commit before session 8); draft_kv: the drafter's KV from the
     accepted nodes' hidden states (DFlash's own append, which DFLASH pays every step as well).
-    DDTree's own overhead over a chain step is tree + accept + commit."""
+    DDTree's own overhead over a chain step is tree + accept + commit.
+
+    ``pad_us`` (gpu mode, SGLANG_DDTREE_TIMERS_PAD_US; a diagnostic): :meth:`pad`, called after
+    the tree stage, queues a GPU busy-wait of about that many microseconds, timed as the stage
+    ``pad`` (its length is what the events measure; the microseconds only set it roughly). The
+    host issues the verify meanwhile, so ``verify`` then holds the forward's GPU work alone:
+    the verify of a run without the pad minus this one is the time the stream sat idle waiting
+    for the host to issue the verify."""
 
     STAGES = ("draft", "tree", "verify", "accept", "commit", "publish", "draft_kv")
+    PAD_STAGE = "pad"
+    # GPU clock cycles a microsecond of the pad spins (torch.cuda._sleep counts cycles); about
+    # the boost clock of an H100 / H200 (1.98 GHz): slower clocks make a longer pad
+    PAD_CYCLES_PER_US = 2000
 
-    def __init__(self, mode: str = "off", every: int = 200, skip: int = 0):
+    def __init__(self, mode: str = "off", every: int = 200, skip: int = 0, pad_us: int = 0):
         if mode == "gpu" and not torch.cuda.is_available():
             raise cfg.DDTreeConfigError("SGLANG_DDTREE_TIMERS=gpu needs a CUDA device; use "
                                         "cpu or 1 (sync)")
+        if pad_us and mode != "gpu":
+            raise cfg.DDTreeConfigError("SGLANG_DDTREE_TIMERS_PAD_US needs "
+                                        "SGLANG_DDTREE_TIMERS=gpu")
+        self.pad_us = int(pad_us)
+        # the stages this run logs: the pad's only when it is on (older readers see no change)
+        self.stages = self.STAGES + ((self.PAD_STAGE,) if self.pad_us else ())
         self.mode = mode
         self.every = every  # steps between log lines
         self.enabled = mode != "off"
         self._sync = mode == "sync"
         self._gpu = mode == "gpu"
-        self.totals = {s: 0.0 for s in self.STAGES}
+        self.totals = {s: 0.0 for s in self.stages}
         self.steps = 0  # steps finished
         self.steps_counted = 0  # of which in the stage times (past each batch size's skip)
-        self._step = {s: 0.0 for s in self.STAGES}
+        self._step = {s: 0.0 for s in self.stages}
         self.by_bs = {}  # bs -> [steps, {stage: seconds}]
         self.skip = skip  # first steps of each batch size left out (one-time costs)
         self._seen = {}  # bs -> steps finished at that batch size, counted or not
@@ -86,12 +103,18 @@ class StepTimers:
             self._step[stage] += now - self._t
             self._t = now
 
+    def pad(self):
+        """gpu mode with a pad: the busy-wait and its stage mark (see the class); else nothing."""
+        if self.pad_us and self._gpu:
+            torch.cuda._sleep(self.pad_us * self.PAD_CYCLES_PER_US)
+            self.mark(self.PAD_STAGE)
+
     def _add(self, bs, per_stage):
         self._seen[bs] = self._seen.get(bs, 0) + 1
         if self._seen[bs] <= self.skip:
             return
         self.steps_counted += 1
-        entry = self.by_bs.setdefault(bs, [0, {s: 0.0 for s in self.STAGES}])
+        entry = self.by_bs.setdefault(bs, [0, {s: 0.0 for s in self.stages}])
         entry[0] += 1
         for stage, v in per_stage.items():
             self.totals[stage] += v
@@ -104,7 +127,7 @@ class StepTimers:
             return
         self._pending[-1][1][-1][1].synchronize()
         for bs, events in self._pending:
-            per_stage = {s: 0.0 for s in self.STAGES}
+            per_stage = {s: 0.0 for s in self.stages}
             for (_, a), (stage, b) in zip(events, events[1:]):
                 per_stage[stage] += a.elapsed_time(b) / 1e3  # ms -> s
             self._add(bs, per_stage)
@@ -120,7 +143,7 @@ class StepTimers:
             self._events = []
         else:
             self._add(bs, self._step)
-            self._step = {s: 0.0 for s in self.STAGES}
+            self._step = {s: 0.0 for s in self.stages}
         if self.steps % self.every == 0:
             if self._gpu:
                 self._read_events()

@@ -119,7 +119,7 @@ def _make_worker_class(sgl):
 
                 self._oracle = OracleDraft.from_env()
             self._timers = StepTimers(mode=timers_mode, every=cfg.timers_every(),
-                                      skip=cfg.timers_skip())
+                                      skip=cfg.timers_skip(), pad_us=cfg.timers_pad_us())
             self._sync_check = SyncCheck(cfg.sync_check_enabled(), every=cfg.timers_every())
             # T > 0 nodes draw as this server's Sampler does: with flashinfer, its own kernels
             self._row_draw = None
@@ -422,6 +422,7 @@ def _make_worker_class(sgl):
                 grammar_tree = sgl.GrammarTree.from_device(
                     tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens)
             t.mark("tree")
+            t.pad()  # SGLANG_DDTREE_TIMERS_PAD_US: a diagnostic busy-wait, else nothing
 
             # 3) verify all N tokens in one target forward with the ancestor mask
             verify_input = sgl.DFlashVerifyInput(

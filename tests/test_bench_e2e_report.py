@@ -425,6 +425,42 @@ def test_timers_mode_names(monkeypatch):
         assert cfg.timers_mode({cfg.ENV_TIMERS: raw}) == mode
 
 
+def test_timers_pad_needs_gpu_timers_and_a_whole_number(monkeypatch):
+    """SGLANG_DDTREE_TIMERS_PAD_US: off by default and at 0; with gpu timers the microseconds;
+    with any other timers mode, or a bad value, an error at start-up naming the fix."""
+    import pytest
+
+    from sglang_ddtree import config as cfg
+
+    pad = cfg.ENV_TIMERS + "_PAD_US"
+    assert cfg.timers_pad_us({}) == 0
+    assert cfg.timers_pad_us({pad: "0", cfg.ENV_TIMERS: "cpu"}) == 0
+    assert cfg.timers_pad_us({pad: "3000", cfg.ENV_TIMERS: "gpu"}) == 3000
+    for env, words in (({pad: "3000", cfg.ENV_TIMERS: "cpu"}, "SGLANG_DDTREE_TIMERS=gpu"),
+                       ({pad: "3000"}, "SGLANG_DDTREE_TIMERS=gpu"),
+                       ({pad: "-5", cfg.ENV_TIMERS: "gpu"}, ">= 0"),
+                       ({pad: "3ms", cfg.ENV_TIMERS: "gpu"}, "not an integer")):
+        with pytest.raises(cfg.DDTreeConfigError, match=words):
+            cfg.timers_pad_us(env)
+
+
+def test_step_timers_log_a_pad_stage_only_when_the_pad_is_on():
+    import pytest
+
+    from sglang_ddtree import config as cfg
+    from sglang_ddtree.step_timers import StepTimers
+
+    t = StepTimers(mode="cpu")
+    assert t.stages == StepTimers.STAGES
+    t.start()
+    t.pad()  # no pad: nothing marked, nothing queued
+    t.mark("draft")
+    t.finish(1)
+    assert set(t.per_batch_size()["1"]) == {"steps", *StepTimers.STAGES}
+    with pytest.raises(cfg.DDTreeConfigError, match="SGLANG_DDTREE_TIMERS=gpu"):
+        StepTimers(mode="cpu", pad_us=100)
+
+
 def test_servers_admit_the_timers_passes_concurrency():
     """The -timers servers' passes (--timer-concurrency) must not be capped by the speed points'
     largest concurrency: every server is started for the largest of both."""

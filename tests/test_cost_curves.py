@@ -32,6 +32,27 @@ def test_plan_runs_times_ddtree_without_syncs_and_splits_stages_on_extra_servers
         "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "32", "--spec"]
 
 
+def test_plan_runs_adds_one_timers_server_per_pad():
+    import pytest
+
+    runs = cc.plan_runs([], [15, 31], ["--spec"], baselines=["ar"], timer_pads=[0, 3000])
+    assert [r[0] for r in runs] == ["ar", "ddtree_b15-timers", "ddtree_b15-pad3000-timers",
+                                    "ddtree_b31-timers", "ddtree_b31-pad3000-timers"]
+    env = {name: e for name, _, e in runs}
+    assert "SGLANG_DDTREE_TIMERS_PAD_US" not in env["ddtree_b15-timers"]
+    assert env["ddtree_b15-pad3000-timers"]["SGLANG_DDTREE_TIMERS_PAD_US"] == "3000"
+    assert env["ddtree_b15-pad3000-timers"]["SGLANG_DDTREE_TIMERS"] == "gpu"
+    args = {name: a for name, a, _ in runs}
+    assert args["ddtree_b31-timers"] == args["ddtree_b31-pad3000-timers"]
+    with pytest.raises(SystemExit, match="gpu"):
+        cc.plan_runs([], [15], [], timer_mode="sync", timer_pads=[3000])
+    # derive: the padded server's verify is its own method, over the same AR decode
+    res = cc.derive({"tpot_ms": {"ar": {"1": 2.0}}, "accept_length": {},
+                     "verify_ms": {"ddtree_b15": {"1": 3.0}, "ddtree_b15-pad3000": {"1": 2.5}}})
+    assert res["verify_over_decode"] == {"ddtree_b15": {"1": 1.5},
+                                         "ddtree_b15-pad3000": {"1": 1.25}}
+
+
 def test_derive_steps_from_tpot_times_accept_and_verify_over_ar_decode():
     res = {"tpot_ms": {"ar": {"1": 2.0, "8": 4.0}, "dflash": {"1": 3.0},
                        "ddtree_b32": {"1": 2.5, "8": None}},

@@ -32,6 +32,35 @@ def test_gpu_mode_sees_gpu_work_the_host_does_not_wait_for():
     assert all(per[s] < 0.1 * per["verify"] for s in StepTimers.STAGES if s != "verify"), per
 
 
+def test_pad_takes_the_idle_wait_out_of_the_next_stage():
+    """SGLANG_DDTREE_TIMERS_PAD_US: the host issues the next stage's work late (after a 3 ms
+    host wait); without a pad the stage holds that wait, with a pad (a busy-wait longer than
+    it) the stage holds its own GPU work only, and the pad is a stage of its own."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import time
+
+    def run(pad_us):
+        t = StepTimers(mode="gpu", every=10, pad_us=pad_us)
+        torch.cuda.synchronize()
+        for _ in range(10):
+            t.start()
+            t.mark("draft")
+            t.mark("tree")
+            t.pad()
+            time.sleep(0.003)  # the host prepares the verify; the stream is empty
+            torch.cuda._sleep(200_000)  # the verify's GPU work: ~0.1 ms
+            t.mark("verify")
+            t.finish(1)
+            torch.cuda.synchronize()  # the next step starts on an empty stream, as here
+        return t.per_batch_size()["1"]
+
+    plain, padded = run(0), run(8000)
+    assert "pad" not in plain and padded["pad"] > 2.5, (plain, padded)
+    assert plain["verify"] > 2.5, plain  # ms: the host's wait, charged to the verify
+    assert padded["verify"] < 1.0, padded  # the GPU work alone
+
+
 def test_moe_distinct_expert_counts_accumulate_inside_a_cuda_graph(monkeypatch):
     """SGLANG_DDTREE_MOE_STATS: the counts are fixed-shape GPU ops, so a captured MoE call adds
     to them at every replay (the buffer is made by the first, eager, call)."""
