@@ -69,7 +69,11 @@ def test_other_warnings_pass_through_and_keep_their_filters(monkeypatch):
             with check.step():
                 warnings.warn("called a synchronizing CUDA operation")  # caught every time
                 warnings.warn("something else")  # passed on, under the caller's filter
+                # torch's notice on entering the mode: no sync, though it holds the word
+                warnings.warn("Synchronization debug mode is a prototype feature and does not "
+                              "yet detect all synchronizing operations")
     # (each step's warnings.catch_warnings resets Python's once-per-location registry, so a
     # repeated warning may show again under the check: debug mode only)
-    assert set(shown) == {"something else"}
+    assert set(shown) == {"something else", "Synchronization debug mode is a prototype "
+                          "feature and does not yet detect all synchronizing operations"}
     assert check.syncs == 2 and check.steps == 2
