@@ -115,10 +115,13 @@ for s in "$@"; do
                --speed= --deterministic "${DET_CASE:-tiny:32}" --port ${DET_PORT:-32100} \
                --workdir /tmp/ddtree_e2e_det --out "$OUT/e2e_lossless_h200_det.json" ${DET_ARGS:-} ;;
     syncs)   # one lossless case with SGLANG_DDTREE_CHECK_SYNCS=1: every host sync inside the
-             # decode step (ours and the SGLang code it calls), logged per call site
+             # decode step (ours and the SGLang code it calls), logged per call site. The lossless
+             # cases plant oracle drafts, whose 5 syncs a step (oracle.py, a test-only mode) show
+             # in the log (session 63); SYNCS_SPEED (e.g. "kimi_int4:15") also runs that
+             # model's speed servers, whose drafts are the drafter's own: the served path
              step syncs ${SYNCS_LIMIT:-300} python3 scripts/e2e_lossless.py --cases "${SYNCS_CASES:-tiny:32;mla:32}" \
-               --eager-check= --speed= --deterministic= --workdir /tmp/ddtree_e2e_syncs --port 32300 \
-               --ddtree-env SGLANG_DDTREE_CHECK_SYNCS=1 --out "$OUT/e2e_sync_check_h200.json"
+               --eager-check= --speed="${SYNCS_SPEED:-}" --deterministic= --workdir /tmp/ddtree_e2e_syncs --port 32300 \
+               ${SYNCS_ARGS:-} --ddtree-env SGLANG_DDTREE_CHECK_SYNCS=1 --out "$OUT/e2e_sync_check_h200.json"
              grep -h "sync check" /tmp/ddtree_e2e_syncs/*.log > "$OUT/sync_check_h200.log" ;;
     grammar) # (session 50, written without a GPU) grammar-constrained requests served: regex, JSON
              # schema, EBNF and unconstrained prompts mixed in every batch on the tiny pair (with
