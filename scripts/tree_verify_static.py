@@ -136,7 +136,7 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     consts["MIN_CHUNK"] = min_split_keys or 256
     if "TAIL_M" in fn.arg_names:
         consts["TAIL_M"] = tail_m
-    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
+    ptrs = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_table_ptr": "*i32",
             "kv_row_ptr": "*i64", "seq_lens_ptr": "*i64", "tree_loc_ptr": "*i64",
             "tree_mask_ptr": "*u8", "pre_o_ptr": "*bf16", "pre_lse_ptr": "*fp32"}
@@ -146,7 +146,7 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     # what Triton specializes at a real launch: 16-byte aligned pointers and the strides that
     # are multiples of 16 at these shapes (without it every load is scalar and every element
     # needs its own 64-bit address, which misreports the register use)
-    div16 = set(ptrs) | {"stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+    div16 = set(ptrs) | {"stride_qt", "stride_qh", "stride_qpt", "stride_qph", "stride_kt", "stride_kh", "stride_vt",
                          "stride_vh", "stride_ot", "stride_oh", "stride_table"}
     specialized = budget_specialized(fn, budget) if budget else set()
     div16 |= specialized

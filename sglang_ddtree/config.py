@@ -365,6 +365,20 @@ def read_draft_attention(environ=os.environ) -> str:
     return raw
 
 
+ENV_MLA_SPLIT = "SGLANG_DDTREE_MLA_SPLIT"
+
+
+def mla_split_enabled(environ=os.environ) -> bool:
+    """SGLANG_DDTREE_MLA_SPLIT: ``1`` (default) hands a DeepSeek-family target's verify
+    attention the query and latent parts as SGLang's split convention does (``mla_split``):
+    behind backends such as triton, no ``[q_nope W_UK | q_pe]`` or ``[k_nope | k_pe]`` copy
+    a layer. ``0``: the model's own convention for the backend (A/B runs)."""
+    raw = environ.get(ENV_MLA_SPLIT, "").strip() or "1"
+    if raw not in ("0", "1"):
+        raise DDTreeConfigError(f"{ENV_MLA_SPLIT}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def read_verify_backend(environ=os.environ) -> str:
     raw = environ.get(ENV_VERIFY_BACKEND)
     if raw is None or raw == "":

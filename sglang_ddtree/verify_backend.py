@@ -31,8 +31,12 @@ passes ``q = q_nope W_UK [T, H, rank]``, ``k = v = k_nope [T, 1, rank]`` and ``q
 ``k_rope`` ([T, H, rope] / [T, 1, rope]); trtllm_mla with an fp8 KV cache also passes
 ``cos_sin_cache`` / ``is_neox`` (rope not applied yet: the backend fuses it) and
 ``llama_4_scaling``. Other backends (triton, flashmla) get ``q = [q_nope W_UK | q_pe] [T, H,
-rank + rope]``, ``k = [k_nope | k_pe] [T, 1, rank + rope]``, ``v = k_nope``. Either way the cache
-row is ``[k_nope | k_pe]`` and the kernel sees ``q = [q_nope W_UK | q_pe]``.
+rank + rope]``, ``k = [k_nope | k_pe] [T, 1, rank + rope]``, ``v = k_nope``, unless
+:mod:`.mla_split` (on by default) has the model hand the verify the split parts. Either way the
+cache row is ``[k_nope | k_pe]`` and the kernel's query is ``[q_nope W_UK | q_pe]``; split parts
+are neither copied together (the kernel reads ``q_pe`` apart) nor written as one row (the
+pool's ``set_mla_kv_buffer``), except under a scaled fp8 cache, Llama-4 scaling or a FlashMLA
+prefix, which take the whole row.
 """
 from __future__ import annotations
 
@@ -246,6 +250,12 @@ class TreeVerifyBackend:
     def wrapped_backend(self):
         return self._inner
 
+    @property
+    def takes_split_mla(self) -> bool:
+        """Whether verify batches may hand this backend an MLA target's query and latent
+        parts split (:mod:`.mla_split`): it then copies neither."""
+        return self._is_mla and self._block_mask is None
+
     def glue_target_verify_metadata(self) -> str:
         """SGLang 0.5.23: our verify prep copies with host-chosen shapes; never glue-captured."""
         return "DDTREE's triton tree-verify prep snapshots req_to_token rows on the host side"
@@ -448,6 +458,9 @@ class TreeVerifyBackend:
         rope = layer.qk_head_dim - rank
         tokens = q.shape[0]
         q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
+        scaling = kwargs.get("llama_4_scaling")
+        prefix = self._prefix_serves(tokens // self._n)  # the prefix on FlashMLA
+        q_pe = None
         if q_rope is not None:  # split convention: q_nope W_UK / k_nope plus rope parts
             q_pe = q_rope.reshape(tokens, heads, rope)
             k_pe = None if k_rope is None else k_rope.reshape(-1, 1, rope)
@@ -457,32 +470,41 @@ class TreeVerifyBackend:
                 q_pe = apply_rope(q_pe, forward_batch.positions, cos_sin_cache, is_neox)
                 if k_pe is not None:
                     k_pe = apply_rope(k_pe, forward_batch.positions, cos_sin_cache, is_neox)
-            q_full = torch.cat([q.reshape(tokens, heads, rank), q_pe.to(q.dtype)], dim=-1)
+            q_full = q.reshape(tokens, heads, rank)
+            q_pe = q_pe.to(q.dtype)
+            if scaling is not None or prefix:  # these take the whole query row
+                q_full, q_pe = torch.cat([q_full, q_pe], dim=-1), None
             latent = None
             if k is not None and k_pe is not None:
                 k_nope = k.reshape(-1, 1, rank)
-                latent = torch.cat([k_nope, k_pe.to(k_nope.dtype)], dim=-1)
+                k_pe = k_pe.to(k_nope.dtype)
+                latent = (k_nope, k_pe)
         else:  # concatenated convention
             q_full = q.reshape(tokens, heads, rank + rope)
             latent = None if k is None else k.reshape(-1, 1, rank + rope)
-        scaling = kwargs.get("llama_4_scaling")
         if scaling is not None:
             q_full = (q_full * scaling).to(q_full.dtype)
         if save_kv_cache and latent is not None:
-            if layer.k_scale is not None:
-                latent = latent / layer.k_scale
-            pool.set_kv_buffer(layer, self._sgl.kv_write_loc(forward_batch), latent,
-                               latent[..., :rank])
+            loc = self._sgl.kv_write_loc(forward_batch)
+            if isinstance(latent, tuple) and layer.k_scale is None \
+                    and hasattr(pool, "set_mla_kv_buffer"):
+                pool.set_mla_kv_buffer(layer, loc, *latent)  # both parts, no [k | k_pe] copy
+            else:
+                if isinstance(latent, tuple):
+                    latent = torch.cat(latent, dim=-1)
+                if layer.k_scale is not None:
+                    latent = latent / layer.k_scale
+                pool.set_kv_buffer(layer, loc, latent, latent[..., :rank])
         out = torch.empty((tokens, heads, rank), dtype=q_full.dtype, device=q_full.device)
         kv_cache = pool.get_key_buffer(layer.layer_id)
         prefix_out = prefix_lse = None
-        if self._prefix_serves(tokens // self._n):  # the prefix on FlashMLA, the tree keys below
+        if prefix:  # the prefix on FlashMLA, the tree keys below
             prefix_out, prefix_lse = self._prefix.run(q_full, kv_cache, layer.scaling)
         plan.run(q_full, kv_cache, forward_batch.out_cache_loc,
                  meta.mask, req_to_token=meta.table, req_pool_indices=meta.rows,
                  seq_lens=meta.seq_lens,
                  kv_scale=layer.k_scale_float if layer.k_scale is not None else 1.0, out=out,
-                 prefix_out=prefix_out, prefix_lse=prefix_lse)
+                 prefix_out=prefix_out, prefix_lse=prefix_lse, q_pe=q_pe)
         return out.view(tokens, heads * rank)
 
 
@@ -611,6 +633,10 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
             "tree-capable --attention-backend (triton, or flashinfer for MHA)."
         )
     prefix = choose_prefix(model_runner, is_mla, layers, kernel=prefix_fns is None)
+    if is_mla and cfg.mla_split_enabled():
+        from . import mla_split
+
+        mla_split.install(sgl)
     wrapper = TreeVerifyBackend(inner, model_runner,
                                 num_tree_tokens=num_tree_tokens, is_mla=is_mla, layers=layers,
                                 sgl=sgl, kernels=kernels, prefix=prefix,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import types
 
@@ -39,6 +40,10 @@ TOL = 1e-2  # bf16 output rounding (the interpreter's dots run in fp32)
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+    from sglang_ddtree import mla_split
+
+    mla_split.uninstall()  # an MLA wrapper's install patched SGLang's model class
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +285,9 @@ def sgl():
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    scope = (parallel.override(dcp_enabled=False) if hasattr(parallel, "override")
-             else contextlib.nullcontext())
+    # (0.5.23's MLA pool reads the DCP width where it writes split latent parts)
+    scope = (parallel.override(dcp_enabled=False, attn_dcp_size=1, attn_dcp_rank=0)
+             if hasattr(parallel, "override") else contextlib.nullcontext())
     with scope:
         s = compat.load()
         assert s.dcp_enabled() is False
@@ -802,6 +808,18 @@ def test_mla_verify_matches_reference(sgl, convention, kv_dtype):
     want_cache = raw.view(kv_dtype)
 
     w.init_forward_metadata(fb)
+    # what reaches the kernel and the pool: split parts stay split (no concat copies) unless
+    # Llama-4 scaling takes the whole query row
+    plan = w._plans[verify_backend.layer_key(layer)]
+    runs, writes = [], []
+    run = plan.run
+    plan.run = lambda q, *a, **kw: runs.append((q.shape[-1], kw["q_pe"] is not None)) \
+        or run(q, *a, **kw)
+    for name in ("set_kv_buffer", "set_mla_kv_buffer"):
+        method = getattr(pool, name)
+        setattr(pool, name, functools.partial(
+            lambda method, name, *a, **kw: writes.append(name) or method(*a, **kw),
+            method, name))
     with _attn_context(w):
         if convention == "concat":  # triton / flashmla targets
             q = torch.cat([q_nope, q_pe], dim=-1)
@@ -809,6 +827,11 @@ def test_mla_verify_matches_reference(sgl, convention, kv_dtype):
         else:  # fa3 / flashinfer / cutlass_mla / trtllm_mla targets
             out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe, **kwargs)
     assert inner.calls == []
+    if convention == "split":
+        assert runs == [(RANK, True)] and writes == ["set_mla_kv_buffer"]
+    else:
+        assert runs == [(RANK + ROPE, False)]
+        assert writes == ["set_kv_buffer" if convention == "concat" else "set_mla_kv_buffer"]
     got_cache = pool.get_key_buffer(0)
     torch.testing.assert_close(got_cache.float(), want_cache.float(), equal_nan=True, rtol=0,
                                atol=0)

@@ -280,7 +280,7 @@ def _epilogue(acc, m_i, l_i, row_ok, row_live, tok, head, t_glob, b, split, dvp,
 
 @triton.jit
 def _tree_attn_fwd_kernel(
-    q_ptr,            # [T, Hq, DK + D_PE] queries, T = bs * N (request-major, node order)
+    q_ptr,            # [T, Hq, DK (+ D_PE)] queries, T = bs * N (request-major, node order)
     k_ptr,            # [num_slots, Hkv, DK + D_PE] key cache (bf16/fp16/fp8)
     v_ptr,            # [num_slots, Hkv, DV] value cache (unused when SHARED_KV)
     o_ptr,            # [T, Hq, DV] output, written directly unless SPLIT
@@ -297,6 +297,8 @@ def _tree_attn_fwd_kernel(
     v_scale,
     logit_cap,
     stride_qt, stride_qh,
+    qpe_ptr,          # [T, Hq, D_PE] rope part of the queries (D_PE > 0): q's last D_PE dims,
+    stride_qpt, stride_qph,  # or a tensor of its own (MLA's split convention, no concat)
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_ot, stride_oh,
@@ -369,9 +371,10 @@ def _tree_attn_fwd_kernel(
     else:
         q = row_ok  # unused: _attend_tile reads the query in slices
     if D_PE > 0:
-        offs_pe = DK + tl.arange(0, D_PE)
+        offs_pe = tl.arange(0, D_PE)
         q_pe = tl.load(
-            q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + offs_pe[None, :],
+            qpe_ptr + t_glob[:, None] * stride_qpt + head[:, None] * stride_qph
+            + offs_pe[None, :],
             mask=row_live[:, None], other=0.0,
         )
     else:
@@ -816,11 +819,21 @@ class TreeAttention:
     # ---- internals --------------------------------------------------------------------------
 
     def _validate(self, q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
-                  req_pool_indices, seq_lens, kv_indptr, kv_indices, out) -> None:
+                  req_pool_indices, seq_lens, kv_indptr, kv_indices, out, q_pe=None) -> None:
         n, hq = self.num_tree_tokens, self.num_q_heads
         dq = self.head_dim + self.rope_dim
-        _check(q.dim() == 3 and q.shape[1:] == (hq, dq) and q.shape[0] % n == 0, "q shape",
-               f"[bs*{n}, {hq}, {dq}]", tuple(q.shape))
+        if q_pe is not None:  # the rope part apart: q holds the first head_dim dims only
+            _check(self.rope_dim > 0, "q_pe", "None (this plan has no rope dims)", "a tensor")
+            _check(q.dim() == 3 and q.shape[1:] == (hq, self.head_dim)
+                   and q.shape[0] % n == 0, "q shape (with q_pe)",
+                   f"[bs*{n}, {hq}, {self.head_dim}]", tuple(q.shape))
+            _check(tuple(q_pe.shape) == (q.shape[0], hq, self.rope_dim), "q_pe shape",
+                   (q.shape[0], hq, self.rope_dim), tuple(q_pe.shape))
+            _check(q_pe.dtype == q.dtype, "q_pe dtype", q.dtype, q_pe.dtype)
+            _check(q_pe.stride(-1) == 1, "q_pe last-dim stride", 1, q_pe.stride(-1))
+        else:
+            _check(q.dim() == 3 and q.shape[1:] == (hq, dq) and q.shape[0] % n == 0, "q shape",
+                   f"[bs*{n}, {hq}, {dq}]", tuple(q.shape))
         bs = q.shape[0] // n
         _check(1 <= bs <= self.max_batch_size, "batch size", f"1..{self.max_batch_size}", bs)
         _check(q.dtype in (torch.bfloat16, torch.float16), "q dtype", "bf16/fp16", q.dtype)
@@ -886,9 +899,11 @@ class TreeAttention:
 
     def _launch(self, q, k_cache, v_cache, out_cache_loc, tree_mask, req_to_token,
                 req_pool_indices, seq_lens, kv_indptr, kv_indices, k_scale, v_scale, out,
-                prefix_out=None, prefix_lse=None):
+                prefix_out=None, prefix_lse=None, q_pe=None):
         n = self.num_tree_tokens
         bs = q.shape[0] // n
+        if q_pe is None:  # the rope dims follow the head dims in q (none for MHA: unread)
+            q_pe = q[..., self.head_dim:] if self.rope_dim else q
         if out is None:
             out = torch.empty((q.shape[0], self.num_q_heads, self.v_head_dim), dtype=q.dtype,
                               device=q.device)
@@ -924,7 +939,8 @@ class TreeAttention:
             q, k_cache, v_cache, out, part_o, part_lse,
             table, rows, lens, out_cache_loc, tree_mask,
             n, splits, qk_scale, float(v_scale), self.logit_cap,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            q.stride(0), q.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+            k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
             stride_table, tree_mask.stride(0), tree_mask.stride(1),
             prefix_out, prefix_lse, *po_strides, *pl_strides,

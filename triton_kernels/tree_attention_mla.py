@@ -73,13 +73,15 @@ class TreeAttentionMLA(TreeAttention):
             kv_indices: Optional[torch.Tensor] = None, kv_scale: float = 1.0,
             out: Optional[torch.Tensor] = None, validate: bool = True,
             prefix_out: Optional[torch.Tensor] = None,
-            prefix_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+            prefix_lse: Optional[torch.Tensor] = None,
+            q_pe: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Absorbed-MLA tree attention for one layer. CUDA-graph safe.
 
         Parameters
         ----------
         q : [bs * N, H, kv_lora_rank + rope_dim] bf16/fp16
-            Absorbed queries, request-major in node order.
+            Absorbed queries, request-major in node order; with ``q_pe`` given, only the
+            first ``kv_lora_rank`` dims (``q_nope W_UK``), any token / head strides.
         kv_cache : [num_slots, 1, kv_lora_rank + rope_dim] bf16/fp16, fp8 e4m3/e5m2 or uint8
             The layer's latent cache (uint8 is read as e4m3, as SGLang stores fp8).
         out_cache_loc : [bs * N] int32/int64
@@ -94,6 +96,9 @@ class TreeAttentionMLA(TreeAttention):
             Written in place.
         prefix_out, prefix_lse : optional
             The prefix part from another kernel (FlashMLA), as :meth:`TreeAttention.run`.
+        q_pe : [bs * N, H, rope_dim], optional
+            The queries' rope part as a tensor of its own (SGLang's split MLA convention):
+            the kernel reads both parts where they lie, so no ``[q | q_pe]`` copy is made.
 
         Returns
         -------
@@ -101,11 +106,11 @@ class TreeAttentionMLA(TreeAttention):
         """
         if validate:
             self._validate(q, kv_cache, kv_cache, out_cache_loc, tree_mask, req_to_token,
-                           req_pool_indices, seq_lens, kv_indptr, kv_indices, out)
+                           req_pool_indices, seq_lens, kv_indptr, kv_indices, out, q_pe)
             self._validate_prefix(q, prefix_out, prefix_lse)
         return self._launch(q, kv_cache, kv_cache, out_cache_loc, tree_mask, req_to_token,
                             req_pool_indices, seq_lens, kv_indptr, kv_indices, kv_scale,
-                            kv_scale, out, prefix_out, prefix_lse)
+                            kv_scale, out, prefix_out, prefix_lse, q_pe)
 
 
 def tree_attention_mla(q, kv_cache, out_cache_loc, tree_mask, *, sm_scale: float,

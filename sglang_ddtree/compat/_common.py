@@ -33,6 +33,14 @@ LAZY_COMMON = {
     "RadixAttention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
     "GrammarTree": ("sglang.srt.speculative.spec_utils", "GrammarTree"),
     "build_grammar_vocab_mask": ("sglang.srt.speculative.spec_utils", "build_grammar_vocab_mask"),
+    "get_attn_backend": ("sglang.srt.model_executor.forward_context", "get_attn_backend"),
+    # DeepSeek-family absorbed MLA: the mixin whose forward_absorb_core hands q / k to the
+    # attention backend, and the backend names that get them split (q_nope W_UK, q_rope)
+    "DeepseekMLAForwardMixin": (
+        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla",
+        "DeepseekMLAForwardMixin"),
+    "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS": (
+        "sglang.srt.models.deepseek_common.utils", "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS"),
 }
 
 

@@ -113,6 +113,16 @@ def test_mla_gpu(K, case):
         kv_scale=scale, **layout.table_kwargs())
     assert not out.isnan().any()
     assert rel_err(out, ref) < (TOL[torch.bfloat16] if scale == 1.0 else FP8_TOL)
+    # SGLang's split convention (mla_split): q_nope W_UK as a transposed bmm output, q_rope a
+    # slice of the wider per-head row; the same loads and dots, so bitwise the same output
+    t = q.shape[0]
+    q_nope = q[..., :512].transpose(0, 1).contiguous().transpose(0, 1)
+    wide = torch.empty(t, h, 192, device="cuda", dtype=torch.bfloat16)
+    wide[..., 128:] = q[..., 512:]
+    out_split = torch.full_like(out, float("nan"))
+    attn.run(q_nope, cache, layout.out_cache_loc, mask, kv_scale=scale, out=out_split,
+             q_pe=wide[..., 128:], **layout.table_kwargs())
+    assert torch.equal(out, out_split)
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])

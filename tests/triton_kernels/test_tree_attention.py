@@ -385,6 +385,60 @@ def test_mla_matches_reference(case):
     assert rel_err(out, ref) < TOL[torch.bfloat16], rel_err(out, ref)
 
 
+@pytest.mark.parametrize("dk_chunk,splits", [(0, 1), (0, 3), (32, 2)])
+def test_mla_split_query_reads_both_parts_where_they_lie(dk_chunk, splits):
+    """SGLang's split MLA convention: ``q_nope W_UK`` as a transposed bmm output (token stride
+    rank, head stride tokens x rank) and the rope part as a slice of a wider per-head row, as
+    the model hands them over. The kernel reads both without a concatenated copy and gives
+    bitwise the result of the concatenated query (the same loads and dots)."""
+    g, layout, mask = make_layout([9, 30], 4, 4, seed=21)
+    bs, n, h, rank, rope = 2, 4, 3, 64, 16
+    t = bs * n
+    cache = poison_unused(torch.randn(layout.num_slots, 1, rank + rope, generator=g),
+                          layout).bfloat16()
+    q_nope = torch.randn(h, t, rank, generator=g).bfloat16().transpose(0, 1)  # [T, H, rank]
+    wide = torch.randn(t, h, 48 + rope, generator=g).bfloat16()  # [nope 48 | rope] rows
+    q_pe = wide[..., 48:]
+    assert not q_nope.is_contiguous() and not q_pe.is_contiguous()
+    q_cat = torch.cat([q_nope, q_pe], dim=-1)
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
+                                     max_context_len=64, device="cpu", sm_scale=0.1,
+                                     kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits,
+                                     config=TA.KernelConfig(16, 16, 1, 1, dk_chunk=dk_chunk,
+                                                            min_split_keys=1))
+    outs = []
+    for q, pe in ((q_cat, None), (q_nope, q_pe)):
+        attn.part_o.fill_(float("nan"))
+        out = torch.full((t, h, rank), float("nan"), dtype=torch.bfloat16)
+        attn.run(q, cache, layout.out_cache_loc, mask, out=out, q_pe=pe,
+                 **layout.table_kwargs())
+        outs.append(out)
+    ref = REF.mla_tree_attention_reference(q_cat, cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=rank, sm_scale=0.1,
+                                           **layout.table_kwargs())
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], ref) < TOL[torch.bfloat16], rel_err(outs[1], ref)
+
+
+def test_mla_split_query_shapes_are_checked():
+    g, layout, mask = make_layout([5], 3, 1, seed=22)
+    cache = torch.randn(layout.num_slots, 1, 80, generator=g).bfloat16()
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=1, num_tree_tokens=3, num_heads=2,
+                                     max_context_len=8, device="cpu", sm_scale=0.1,
+                                     kv_lora_rank=64, rope_dim=16)
+    q = torch.randn(3, 2, 64).bfloat16()
+    with pytest.raises(ValueError, match="q_pe shape"):
+        attn.run(q, cache, layout.out_cache_loc, mask, q_pe=torch.randn(3, 2, 8).bfloat16(),
+                 **layout.table_kwargs())
+    with pytest.raises(ValueError, match="q shape"):  # the whole row with q_pe given
+        attn.run(torch.randn(3, 2, 80).bfloat16(), cache, layout.out_cache_loc, mask,
+                 q_pe=torch.randn(3, 2, 16).bfloat16(), **layout.table_kwargs())
+    with pytest.raises(ValueError, match="q_pe dtype"):
+        attn.run(q, cache, layout.out_cache_loc, mask, q_pe=torch.randn(3, 2, 16).half(),
+                 **layout.table_kwargs())
+
+
 def test_mla_one_shot_indptr():
     g, layout, mask = make_layout([3, 11], 3, 2, seed=9)
     cache = poison_unused(torch.randn(layout.num_slots, 1, 48, generator=g), layout).bfloat16()
