@@ -15,14 +15,14 @@ if [ -f .devkit/tvm_ffi_cache.tgz ] && [ ! -d "$HOME/.cache/tvm-ffi" ]; then
   mkdir -p "$HOME/.cache" && tar xzf .devkit/tvm_ffi_cache.tgz -C "$HOME/.cache" \
     && log "tvm-ffi JIT cache unpacked from .devkit/tvm_ffi_cache.tgz"
 fi
-# An 80 GB card (H100) holds fewer servers at once than the H200's 141 GB, and the 61-layer int4
-# Kimi rank (about 72 GiB of weights with its drafter's) only with --mem-fraction-static 0.95
-# (session 62): the steps below take these where the card has less than 100,000 MiB
+# An 80 GB card (H100) holds fewer servers at once than the H200's 141 GB: the e2e steps below
+# take this where the card has less than 100,000 MiB (bench_cost_curves.py picks its own
+# --mem-fraction for the card: default_mem_fraction)
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-card_serve_args="" card_costs_args=""
+card_serve_args=""
 if [ "${gpu_mib:-0}" -gt 0 ] 2>/dev/null && [ "$gpu_mib" -lt 100000 ]; then
-  card_serve_args="--max-servers 2" card_costs_args="--mem-fraction 0.95"
-  log "an ${gpu_mib} MiB card: e2e_lossless $card_serve_args, the 61-layer cost curves $card_costs_args"
+  card_serve_args="--max-servers 2"
+  log "an ${gpu_mib} MiB card: e2e_lossless $card_serve_args"
 fi
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
@@ -273,7 +273,7 @@ for s in "$@"; do
                --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
                --timer-budgets ${SKINNY_COSTS_BUDGETS:-16,31} --concurrency 1 \
                --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
-               --server-env SGLANG_DDTREE_SKINNY_GEMM=1 $card_costs_args ;;
+               --server-env SGLANG_DDTREE_SKINNY_GEMM=1 ;;
     kimifmla) # issue 6's ratio as a Hopper Kimi deployment serves it: the 61-layer int4 rank at
              # batch 1 on SGLang's flashmla backend with 64-token pages (AR decode on FlashMLA;
              # DDTREE's verify with the prefix on FlashMLA under auto and session 35's merge
@@ -284,7 +284,7 @@ for s in "$@"; do
                --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
                --timer-budgets ${KIMI_FMLA_BUDGETS:-16,31} --concurrency 1 \
                --attention-backend flashmla --page-size 64 \
-               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 $card_costs_args ;;
+               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
     moedual) # our MoE beside the shared expert on SGLang's second stream (its DeepseekV2 layer
              # in CUDA graphs) against each alone, 16 weight sets a graph (no L2 reuse across
              # layers); session 30's in-server gate-up times were above the kernel-only bench
@@ -850,7 +850,7 @@ PY
                --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
                --timer-budgets ${WIDEMLA_COSTS_BUDGETS:-31,32} --concurrency 1 \
                --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
-               $card_costs_args ${WIDEMLA_COSTS_ARGS:-} ;;
+               ${WIDEMLA_COSTS_ARGS:-} ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,

@@ -199,3 +199,10 @@ def test_measure_model_keeps_moe_expert_counts_and_can_capture_only_measured_siz
                      lambda *a: {"tpot_ms": 2.0, "accept_length": 1.0}, stage_times_by_bs,
                      timer_budgets=[8], baselines=["ar"])
     assert len(seen) == 2 and all(a[a.index("--page-size") + 1] == "64" for a in seen)
+
+
+def test_default_mem_fraction_follows_the_card():
+    """0.95 on an 80 GB H100 (the 61-layer int4 Kimi rank fits it only so), 0.85 on the H200."""
+    mib = 2 ** 20
+    assert cc.default_mem_fraction(81_559 * mib) == 0.95  # H100 80GB HBM3
+    assert cc.default_mem_fraction(143_771 * mib) == 0.85  # H200

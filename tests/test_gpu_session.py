@@ -208,8 +208,9 @@ def test_every_moe_grid_candidate_tiles_the_kimi_shapes():
 
 @pytest.mark.parametrize("mib,small", [(81559, True), (143771, False)])
 def test_small_card_settings_follow_the_cards_memory(tmp_path, mib, small):
-    # session 62 on an H100: four 8-layer Kimi servers at once and the 61-layer rank at the
-    # default --mem-fraction-static died of memory at start-up; the script adapts to the card
+    # session 62 on an H100: four 8-layer Kimi servers at once died of memory at start-up; the
+    # script adapts to the card (the 61-layer rank's --mem-fraction-static is
+    # bench_cost_curves.default_mem_fraction's, tests/test_cost_curves.py)
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {mib}\n")
@@ -220,4 +221,4 @@ def test_small_card_settings_follow_the_cards_memory(tmp_path, mib, small):
     subprocess.run(["bash", str(SCRIPT), "nosuchstep"], cwd=ROOT, env=env, capture_output=True)
     log = (out / "session.log").read_text()
     assert "unknown step nosuchstep" in log, log
-    assert ("--max-servers 2" in log and "--mem-fraction 0.95" in log) == small, log
+    assert ("--max-servers 2" in log) == small, log
