@@ -15,7 +15,10 @@ latent row with the pool's ``set_mla_kv_buffer`` (both parts in one launch) and 
 convention costs the verify two copies a layer that it does not need. Session 30's profile of
 the Kimi rank (``bench_results/profile_step_kimi_l8_int4_ar_b15_b16_b32_h200_s30.json``, H200,
 budget 15) had them at 2.1 us a call, about 4 us a layer, next to 3.5 us for the latent row's
-indexed write.
+indexed write. Measured (session 64, an H100, one call, the 61-layer int4 Kimi rank at batch 1,
+``bench_results/cost_curves_kimi_l61_b15_split{1,0}_h100_s64.json``): budget 15's verify 6.698
+ms with the split parts against 7.138 with the copies, AR decode 6.103 (verify / decode 1.097
+against 1.170); the 8-layer rank's DDTREE output was identical to AR's (12 / 12).
 
 :func:`install` wraps ``forward_absorb_core``: for a TARGET_VERIFY batch whose attention backend
 is DDTREE's :class:`~sglang_ddtree.verify_backend.TreeVerifyBackend` on an MLA target, the
