@@ -27,8 +27,9 @@ original runs with the layer's ``current_attention_backend`` set to :data:`SPLIT
 name no other check in it knows, calls ``attn_mqa(q_nope_out, k_nope, k_nope, q_rope=q_pe,
 k_rope=k_pe)``); the name is restored after the call. Every other call runs unchanged: decode
 and prefill, other backends' verify, and a layer that passes DSA top-k indices, Llama-4
-scaling, a fused BMM plan or learnable sinks. The choice depends only on the batch's mode and the
-backend, so a captured verify graph holds one convention. ``SGLANG_DDTREE_MLA_SPLIT=0`` leaves
+scaling, a fused BMM plan or learnable sinks, and any call traced by torch.compile. The choice
+depends only on the batch's mode and the backend, so a captured verify graph holds one
+convention. ``SGLANG_DDTREE_MLA_SPLIT=0`` leaves
 the model's own convention (A/B runs).
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,10 @@ def install(sgl) -> bool:
 
     @functools.wraps(original)
     def forward_absorb_core(self, *args, **kwargs):
+        # (under torch.compile's tracing the model keeps its convention: the swap is eager /
+        # CUDA-graph capture only)
+        if torch.compiler.is_compiling():
+            return original(self, *args, **kwargs)
         call = dict(zip(names, args), **kwargs)
         if not _takes_split(self, call, get_attn_backend, TreeVerifyBackend):
             return original(self, *args, **kwargs)

@@ -131,6 +131,17 @@ def test_everything_else_runs_untouched(case):
     assert layer.seen == [(layer.current_attention_backend, case == "already_split")]
 
 
+def test_torch_compile_tracing_keeps_the_models_convention(monkeypatch):
+    import torch
+
+    sgl, Layer = _fake_sgl({"now": _backend()})
+    mla_split.install(sgl)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    layer = Layer()
+    assert _call(layer, _batch()) == "concat"
+    assert layer.seen == [("triton", False)]
+
+
 def test_uninstall_restores_the_method_and_the_list():
     sgl, Layer = _fake_sgl({"now": _backend()})
     original = sgl.DeepseekMLAForwardMixin.__dict__["forward_absorb_core"]
