@@ -195,6 +195,15 @@ def test_worker_installs_triton_verify_behind_non_tree_backends(worker_class, mo
     assert installed[-1] == (w.model_runner, 8) and w._tree_verify == "wrapper"
 
 
+@pytest.mark.parametrize("arch", ["mla", "mha"])
+def test_worker_refuses_a_bad_mla_split_value_on_any_target(worker_class, monkeypatch, arch):
+    monkeypatch.setattr(verify_backend, "install", lambda *a: pytest.fail("installed"))
+    monkeypatch.setenv(cfg.ENV_MLA_SPLIT, "yes")
+    w = _bare_worker(worker_class, arch, "TritonAttnBackend")
+    with pytest.raises(cfg.DDTreeConfigError, match="SGLANG_DDTREE_MLA_SPLIT: expected 0 or 1"):
+        w.init_attention_backends()
+
+
 def test_resolve_verify_backend_table():
     native, ours = ("triton", "flashinfer"), ("triton", "flashinfer", "fa3")
     assert cfg.resolve_verify_backend("native", "fa3", native, ours) == "native"
