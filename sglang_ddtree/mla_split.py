@@ -47,7 +47,7 @@ SPLIT_NAME = "ddtree_split_mla"  # what the wrapped call sees as its backend's n
 _LEADING = ("q_pe", "k_pe", "q_nope_out", "k_nope", "forward_batch")
 _READ = ("topk_indices", "llama_4_scaling")
 
-_state = {"cls": None, "original": None, "names": None, "backends": None}
+_state = {"cls": None, "original": None, "backends": None}
 
 
 def _signature_problem(fn) -> str | None:
@@ -120,7 +120,7 @@ def install(sgl) -> bool:
 
     if SPLIT_NAME not in backends:
         backends.append(SPLIT_NAME)
-    _state.update(cls=cls, original=original, names=names, backends=backends)
+    _state.update(cls=cls, original=original, backends=backends)
     cls.forward_absorb_core = forward_absorb_core
     logger.info("DDTREE: MLA verify batches hand the attention split query / latent parts "
                 "(no concat copies; %s=0 turns this off)", "SGLANG_DDTREE_MLA_SPLIT")
@@ -134,4 +134,4 @@ def uninstall() -> None:
     _state["cls"].forward_absorb_core = _state["original"]
     if SPLIT_NAME in _state["backends"]:
         _state["backends"].remove(SPLIT_NAME)
-    _state.update(cls=None, original=None, names=None, backends=None)
+    _state.update(cls=None, original=None, backends=None)
