@@ -379,20 +379,6 @@ def mla_split_enabled(environ=os.environ) -> bool:
     return raw == "1"
 
 
-ENV_MLA_ABSORB = "SGLANG_DDTREE_MLA_ABSORB"
-
-
-def mla_absorb_enabled(environ=os.environ) -> bool:
-    """SGLANG_DDTREE_MLA_ABSORB: ``1`` runs a DeepSeek-family target's two absorbed head
-    projections (``q_nope W_UK``, ``o W_UV``) of a verify batch on DDTREE's Triton kernel
-    (``mla_absorb``) instead of cuBLAS's ``torch.bmm``. ``0`` (default until it is timed and
-    checked lossless in a server): cuBLAS."""
-    raw = environ.get(ENV_MLA_ABSORB, "").strip() or "0"
-    if raw not in ("0", "1"):
-        raise DDTreeConfigError(f"{ENV_MLA_ABSORB}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
 def read_verify_backend(environ=os.environ) -> str:
     raw = environ.get(ENV_VERIFY_BACKEND)
     if raw is None or raw == "":

@@ -31,21 +31,14 @@ scaling, a fused BMM plan or learnable sinks, and any call traced by torch.compi
 depends only on the batch's mode and the backend, so a captured verify graph holds one
 convention. ``SGLANG_DDTREE_MLA_SPLIT=0`` leaves
 the model's own convention (A/B runs).
-
-The same wrappers (``forward_absorb_prepare`` too) put the verify's two absorbed head projections
-on our Triton kernel (:mod:`.mla_absorb`, ``SGLANG_DDTREE_MLA_ABSORB``), for every TARGET_VERIFY
-call on this backend whose weights it takes.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
 
 import torch
-
-from . import mla_absorb
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +47,7 @@ SPLIT_NAME = "ddtree_split_mla"  # what the wrapped call sees as its backend's n
 _LEADING = ("q_pe", "k_pe", "q_nope_out", "k_nope", "forward_batch")
 _READ = ("topk_indices", "llama_4_scaling")
 
-_PREPARE_LEADING = ("positions", "hidden_states", "forward_batch")
-
-_state = {"cls": None, "original": None, "original_prepare": None, "backends": None,
-          "split": False, "absorb": False}
+_state = {"cls": None, "original": None, "backends": None}
 
 
 def _signature_problem(fn) -> str | None:
@@ -71,39 +61,25 @@ def _signature_problem(fn) -> str | None:
     return None
 
 
-def _our_verify(args: dict, get_attn_backend, backend_cls) -> bool:
-    """Whether this is a TARGET_VERIFY call on DDTREE's MLA verify backend."""
+def _takes_split(layer, args: dict, get_attn_backend, backend_cls) -> bool:
+    """Whether this call goes through the split branch under :data:`SPLIT_NAME`."""
     fb = args.get("forward_batch")
     if fb is None or not fb.forward_mode.is_target_verify():
+        return False
+    if layer.current_attention_backend in _state["backends"]:
+        return False  # already split
+    if any(args.get(n) is not None for n in ("topk_indices", "llama_4_scaling", "fusion_plan")):
+        return False
+    if getattr(layer, "learnable_sink_param", None) is not None:
         return False
     backend = get_attn_backend()
     return isinstance(backend, backend_cls) and backend.takes_split_mla
 
 
-def _prepare_signature_problem(fn) -> str | None:
-    """Why ``fn`` is not the forward_absorb_prepare this wrapper knows (None: it is)."""
-    names = list(inspect.signature(fn).parameters)
-    if names[0] != "self" or tuple(names[1:4]) != _PREPARE_LEADING:
-        return f"its parameters {names} do not start with (self, {', '.join(_PREPARE_LEADING)})"
-    return None
-
-
-def _takes_split(layer, args: dict) -> bool:
-    """Whether this verify call (:func:`_our_verify`) goes through the split branch under
-    :data:`SPLIT_NAME`."""
-    if layer.current_attention_backend in _state["backends"]:
-        return False  # already split
-    if any(args.get(n) is not None for n in ("topk_indices", "llama_4_scaling", "fusion_plan")):
-        return False
-    return getattr(layer, "learnable_sink_param", None) is None
-
-
-def install(sgl, split: bool = True, absorb: bool = False) -> bool:
-    """Wrap ``DeepseekMLAForwardMixin.forward_absorb_core`` (and, with ``absorb``,
-    ``forward_absorb_prepare``) for the split parts (``split``) and the absorb kernel
-    (``absorb``); idempotent. False, with a warning, where this SGLang's methods are not the
-    ones the wrappers know (the verify then keeps the model's convention and cuBLAS: correct,
-    slower)."""
+def install(sgl) -> bool:
+    """Wrap ``DeepseekMLAForwardMixin.forward_absorb_core`` (idempotent). False, with a
+    warning, where this SGLang's method is not the one the wrapper knows (the verify then keeps
+    the model's convention: correct, with the copies)."""
     from .verify_backend import TreeVerifyBackend
 
     if _state["cls"] is not None:
@@ -123,62 +99,31 @@ def install(sgl, split: bool = True, absorb: bool = False) -> bool:
                        "SGLang's forward_absorb_core is not the one sglang_ddtree.mla_split "
                        "knows (%s)", problem or f"backend names are a {type(backends).__name__}")
         return False
-    original_prepare = cls.__dict__.get("forward_absorb_prepare")
-    if absorb:
-        problem = ("the class has no forward_absorb_prepare" if original_prepare is None
-                   else _prepare_signature_problem(original_prepare))
-        if problem is not None:
-            logger.warning("DDTREE: the MLA verify keeps cuBLAS for its absorbed projections: "
-                           "SGLang's forward_absorb_prepare is not the one "
-                           "sglang_ddtree.mla_split knows (%s)", problem)
-            absorb = False
-    if not (split or absorb):
-        return False
     names = tuple(inspect.signature(original).parameters)[1:]
     get_attn_backend = sgl.get_attn_backend
 
     @functools.wraps(original)
     def forward_absorb_core(self, *args, **kwargs):
-        # (under torch.compile's tracing the model keeps its convention and cuBLAS: the swaps
-        # are eager / CUDA-graph capture only)
+        # (under torch.compile's tracing the model keeps its convention: the swap is eager /
+        # CUDA-graph capture only)
         if torch.compiler.is_compiling():
             return original(self, *args, **kwargs)
         call = dict(zip(names, args), **kwargs)
-        if not _our_verify(call, get_attn_backend, TreeVerifyBackend):
+        if not _takes_split(self, call, get_attn_backend, TreeVerifyBackend):
             return original(self, *args, **kwargs)
-        with contextlib.ExitStack() as stack:
-            if _state["absorb"]:
-                stack.enter_context(mla_absorb.swapped(self, "w_vc"))
-            if _state["split"] and _takes_split(self, call):
-                before = self.current_attention_backend
-                self.current_attention_backend = SPLIT_NAME
-                stack.callback(setattr, self, "current_attention_backend", before)
+        before = self.current_attention_backend
+        self.current_attention_backend = SPLIT_NAME
+        try:
             return original(self, *args, **kwargs)
+        finally:
+            self.current_attention_backend = before
 
-    _state.update(cls=cls, original=original, backends=backends, split=split, absorb=absorb)
-    if split and SPLIT_NAME not in backends:
+    if SPLIT_NAME not in backends:
         backends.append(SPLIT_NAME)
+    _state.update(cls=cls, original=original, backends=backends)
     cls.forward_absorb_core = forward_absorb_core
-    if absorb:
-        prepare_names = tuple(inspect.signature(original_prepare).parameters)[1:]
-
-        @functools.wraps(original_prepare)
-        def forward_absorb_prepare(self, *args, **kwargs):
-            if torch.compiler.is_compiling():
-                return original_prepare(self, *args, **kwargs)
-            call = dict(zip(prepare_names, args), **kwargs)
-            if not _our_verify(call, get_attn_backend, TreeVerifyBackend):
-                return original_prepare(self, *args, **kwargs)
-            with mla_absorb.swapped(self, "w_kc"):
-                return original_prepare(self, *args, **kwargs)
-
-        _state["original_prepare"] = original_prepare
-        cls.forward_absorb_prepare = forward_absorb_prepare
-    logger.info("DDTREE: MLA verify batches %s%s%s", "hand the attention split query / latent "
-                "parts (no concat copies; SGLANG_DDTREE_MLA_SPLIT=0 turns this off)" if split
-                else "", "; " if split and absorb else "",
-                "run the absorbed head projections on DDTREE's Triton kernel "
-                "(SGLANG_DDTREE_MLA_ABSORB=1)" if absorb else "")
+    logger.info("DDTREE: MLA verify batches hand the attention split query / latent parts "
+                "(no concat copies; %s=0 turns this off)", "SGLANG_DDTREE_MLA_SPLIT")
     return True
 
 
@@ -187,9 +132,6 @@ def uninstall() -> None:
     if _state["cls"] is None:
         return
     _state["cls"].forward_absorb_core = _state["original"]
-    if _state["original_prepare"] is not None:
-        _state["cls"].forward_absorb_prepare = _state["original_prepare"]
     if SPLIT_NAME in _state["backends"]:
         _state["backends"].remove(SPLIT_NAME)
-    _state.update(cls=None, original=None, original_prepare=None, backends=None, split=False,
-                  absorb=False)
+    _state.update(cls=None, original=None, backends=None)

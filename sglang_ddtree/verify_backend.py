@@ -633,10 +633,10 @@ def wrap(inner, model_runner, num_tree_tokens: int, sgl, kernels=None,
             "tree-capable --attention-backend (triton, or flashinfer for MHA)."
         )
     prefix = choose_prefix(model_runner, is_mla, layers, kernel=prefix_fns is None)
-    if is_mla and (cfg.mla_split_enabled() or cfg.mla_absorb_enabled()):
+    if is_mla and cfg.mla_split_enabled():
         from . import mla_split
 
-        mla_split.install(sgl, split=cfg.mla_split_enabled(), absorb=cfg.mla_absorb_enabled())
+        mla_split.install(sgl)
     wrapper = TreeVerifyBackend(inner, model_runner,
                                 num_tree_tokens=num_tree_tokens, is_mla=is_mla, layers=layers,
                                 sgl=sgl, kernels=kernels, prefix=prefix,

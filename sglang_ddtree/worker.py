@@ -219,9 +219,7 @@ def _make_worker_class(sgl):
             arch = "mla" if sgl.is_mla(mr.model_config) else "mha"
             backend = sgl.attention_backend_name(mr)
             requested = cfg.read_verify_backend()
-            # a bad SGLANG_DDTREE_MLA_SPLIT / _ABSORB stops start-up on any target
-            cfg.mla_split_enabled()
-            cfg.mla_absorb_enabled()
+            cfg.mla_split_enabled()  # a bad SGLANG_DDTREE_MLA_SPLIT stops start-up on any target
             verify = cfg.resolve_verify_backend(requested, backend, cfg.TREE_VERIFY_BACKENDS[arch],
                                                 cfg.TRITON_VERIFY_TARGET_BACKENDS[arch],
                                                 cfg.AUTO_PREFERS_TRITON_VERIFY[arch])
