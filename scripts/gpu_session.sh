@@ -476,13 +476,11 @@ PY
                $(for n in dn512 dn256 dn128 dnbn32 gut512 gus4; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
     moegoal) # (session 66) the fused-MoE bandwidth goal (issue 5) as served: whole calls at
-             # M = 8 / 16 / 32 / 64 on random routing, MOEGOAL_ROUNDS rounds, each row's GB/s
-             # against the copy bandwidth measured in the same run. No kit. With the M = 8
-             # band's tiles beside it: ROUTINGS=random gpu_session.sh moegoal moem8pdl
-             # (session 66 set this up for the H200; none came)
-             step moegoal ${MOEGOAL_LIMIT:-150} python3 scripts/bench_fused_moe.py --no-sglang --check \
-               --rounds ${MOEGOAL_ROUNDS:-7} --routing random --ms 8 16 32 64 \
-               --out "$OUT/fused_moe_goal_random_h200.json" ;;
+             # M = 8 / 16 / 32 / 64 (the goal's: random routing), MOEGOAL_ROUNDS rounds, each
+             # row's GB/s against the copy bandwidth measured in the same run. No kit. Random
+             # routing only, with the M = 8 band's tiles beside it:
+             # ROUTINGS=random gpu_session.sh moegoal moem8pdl (set up for the H200; none came)
+             moe_ab moegoal ${MOEGOAL_LIMIT:-150} ${MOEGOAL_ROUNDS:-7} "8 16 32 64" fused_moe_goal ;;
     moem16split) # (session 61) the M 9-16 band's gate-up K split: split_k 4 (the bands') and
              # 7 (a divisor of its 28 K steps) with split_target 512 / 448 / 384, in tables
              # written here from the table as this card is served it (on the H100 its override
