@@ -129,6 +129,20 @@ MODEL_SETS["kimi_int4"] = {
     "draft": os.path.abspath(os.path.join(KIMI_CONFIGS, "kimi-k2.6-tp8rank-l8-int4-dflash-draft")),
     "random_target": False, "backend": "triton",
     "server_env": {"SGLANG_DDTREE_FUSED_MOE": "1", "SGLANG_DDTREE_MOE_DUMMY_INT4_SEED": "1234"}}
+# the same rank with an fp8 e4m3 KV cache (AR reference too: both read the same quantised
+# latents), the verify's latent rows written by the pool's set_mla_kv_buffer from the split
+# query / latent parts (mla_split) and read by our kernel's fp8 path
+MODEL_SETS["kimi_int4_fp8kv"] = dict(MODEL_SETS["kimi_int4"],
+                                     extra_args=["--kv-cache-dtype", "fp8_e4m3"])
+# the rank on SGLang's fa3 backend (Hopper): the model hands the verify its split parts itself
+# (fa3 is one of SGLang's split-convention backends); prefill and AR decode on FA3
+MODEL_SETS["kimi_int4_fa3"] = dict(MODEL_SETS["kimi_int4"], backend="fa3",
+                                   ddtree_args=TRITON_VERIFY)
+# the rank on FlashMLA pages of 64 with the defaults (auto: the verify's prefix on FlashMLA,
+# which takes the whole query row, so the split parts are joined for it)
+MODEL_SETS["kimi_int4_fmla"] = dict(
+    MODEL_SETS["kimi_int4"], **FLASHMLA_PAGES,
+    ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"])
 
 
 HOST_SYNC_DEBUG_ENV = ("SGLANG_DDTREE_CHECK_RANKS",)

@@ -311,3 +311,31 @@ def test_mha_prefix_on_fa3_sets(monkeypatch, tmp_path, case, setting):
     assert len(ar) == 1 and "SGLANG_DDTREE_MHA_PREFIX" not in (ar[0].env or {})
     assert all(s.args[s.args.index("--attention-backend") + 1] == "fa3"
                for s in FakeServer.started)
+
+
+def test_kimi_serving_variant_sets(monkeypatch, tmp_path):
+    """kimi_int4_fp8kv / _fa3 / _fmla: each set's AR reference and DDTREE servers share its
+    KV dtype, attention backend and pages (an AR on another cache or backend would compare two
+    different numerics), and keep the fused-MoE environment."""
+    pytest.importorskip("sglang")
+    FakeServer.dead = None
+    rc, res = _run(monkeypatch, tmp_path, "--cases",
+                   "kimi_int4_fp8kv:8;kimi_int4_fa3:8;kimi_int4_fmla:8", "--eager-check=",
+                   "--speed=", "--deterministic=")
+    assert rc == 0 and res["errors"] == [], res["failures"]
+    ar = [s for s in FakeServer.started if not s.spec]
+    assert len(ar) == 3 and len(FakeServer.started) == 6
+
+    def arg(s, flag):
+        return s.args[s.args.index(flag) + 1] if flag in s.args else None
+
+    for srv in FakeServer.started:
+        assert srv.env.get("SGLANG_DDTREE_FUSED_MOE") == "1"
+    kv = sorted((arg(s, "--kv-cache-dtype"), s.spec) for s in FakeServer.started
+                if arg(s, "--kv-cache-dtype"))
+    assert kv == [("fp8_e4m3", False), ("fp8_e4m3", True)]
+    fa3 = [s for s in FakeServer.started if arg(s, "--attention-backend") == "fa3"]
+    assert len(fa3) == 2 and all(arg(s, "--speculative-ddtree-verify-backend") == "triton"
+                                 for s in fa3 if s.spec)
+    fmla = [s for s in FakeServer.started if arg(s, "--attention-backend") == "flashmla"]
+    assert len(fmla) == 2 and all(arg(s, "--page-size") == "64" for s in fmla)
