@@ -83,6 +83,19 @@ def sglang_tiny_router():
     return dsv3_router_gemm
 
 
+def prefer_blas(library: str, fn):
+    """``fn`` run with torch's preferred BLAS library set to ``library`` (the earlier choice
+    restored after): a CUDA graph captured through it holds that library's kernels."""
+    def run():
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return fn()
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+    return run
+
+
 def sweep_config(fields: dict, n: int, k: int, sms: int):
     """The sweep item as a SkinnyConfig for ``N x K``, or None where its tiles do not fit."""
     bn, bk = fields["block_n"], fields["block_k"]
@@ -112,6 +125,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-router", action="store_true",
                     help="also time SGLang's tiny router GEMM (dsv3_router_gemm, fp32 out) where "
                          "it serves: N 256 / 384, K a multiple of 1,024, M <= 16")
+    ap.add_argument("--cublaslt", action="store_true",
+                    help="also time x @ w.T with torch's BLAS preference set to cuBLASLt during "
+                         "its capture ('cublaslt'; TORCH_BLAS_PREFER_CUBLASLT=1 sets it for a "
+                         "whole server)")
     ap.add_argument("--sweep", default="",
                     help="also time these configs (see parse_sweep), outputs checked against "
                          "the fp32 reference, under 'sweep_us'")
@@ -167,6 +184,10 @@ def main(argv=None) -> int:
                 "ours": lambda: [sg.skinny_gemm(x, w, out=o) for x, w, o in zip(xs, ws, outs)],
                 "cublas": cublas,
             }
+            if args.cublaslt and dev.type == "cuda":
+                runs["cublaslt"] = prefer_blas("cublaslt", cublas)
+                lt = runs["cublaslt"]()[0]
+                lt_err = ((lt.float() - ref).abs().max() / ref.abs().max()).item()
             if (callable(tiny_router) and n in (256, 384) and k % 1024 == 0 and m <= 16
                     and dev.type == "cuda"):
                 got = tiny_router(xs[0], ws[0], out_dtype=torch.float32)
@@ -207,7 +228,9 @@ def main(argv=None) -> int:
                    "gbs": {key: round(nbytes / (u * 1e3), 1) for key, u in us.items()},
                    "speedup_vs_cublas": round(us["cublas"] / us["ours"], 3),
                    **({"sweep_us": sweep_us} if sweep else {}),
-                   "max_rel_err_vs_fp32": round(err, 5)}
+                   "max_rel_err_vs_fp32": round(err, 5),
+                   **({"cublaslt_max_rel_err_vs_fp32": round(lt_err, 5)} if "cublaslt" in us
+                      else {})}
             if copy_gbs:
                 row["pct_copy_bw"] = {key: round(100 * g / copy_gbs, 1)
                                       for key, g in row["gbs"].items()}
@@ -216,6 +239,7 @@ def main(argv=None) -> int:
             print(f"{name} N={n} K={k} M={m}: ours {us['ours']} us, cuBLAS {us['cublas']} us "
                   f"({row['speedup_vs_cublas']}x), split {cfg.split_k}, err {err:.1e}"
                   + (f", SGLang router {us['sglang_router']} us" if "sglang_router" in us else "")
+                  + (f", cuBLASLt {us['cublaslt']} us" if "cublaslt" in us else "")
                   + (f", sweep {sweep_us}" if sweep else ""), flush=True)
     save()
     print("->", args.out)

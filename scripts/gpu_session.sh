@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -481,6 +481,14 @@ PY
              # routing only, with the M = 8 band's tiles beside it:
              # ROUTINGS=random gpu_session.sh moegoal moem8pdl (set up for the H200; none came)
              moe_ab moegoal ${MOEGOAL_LIMIT:-150} ${MOEGOAL_ROUNDS:-7} "8 16 32 64" fused_moe_goal ;;
+    gemmlt)  # (session 67) the Kimi rank's dense GEMMs (x @ w.T as SGLang's linear layers call
+             # it) on cuBLAS against cuBLASLt (torch's preferred BLAS library; a server takes it
+             # from TORCH_BLAS_PREFER_CUBLASLT=1) and our skinny GEMM, at a decode step's and
+             # a tree verify's rows. No kit. If cuBLASLt is faster at 16-32 rows and no slower
+             # at 1, the cost curve with --server-env TORCH_BLAS_PREFER_CUBLASLT=1 (every server)
+             step gemm-lt ${GEMMLT_LIMIT:-240} python3 scripts/bench_skinny_gemm.py --cublaslt \
+               --ms ${GEMMLT_MS:-1 8 16 32 33} --rounds ${GEMMLT_ROUNDS:-3} \
+               --out "$OUT/gemm_cublaslt_h200.json" ;;
     moem16split) # (session 61) the M 9-16 band's gate-up K split: split_k 4 (the bands') and
              # 7 (a divisor of its 28 K steps) with split_target 512 / 448 / 384, in tables
              # written here from the table as this card is served it (on the H100 its override
