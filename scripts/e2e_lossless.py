@@ -135,7 +135,9 @@ MODEL_SETS["kimi_int4"] = {
 MODEL_SETS["kimi_int4_fp8kv"] = dict(MODEL_SETS["kimi_int4"],
                                      extra_args=["--kv-cache-dtype", "fp8_e4m3"])
 # the rank on SGLang's fa3 backend (Hopper): the model hands the verify its split parts itself
-# (fa3 is one of SGLang's split-convention backends); prefill and AR decode on FA3
+# (fa3 is one of SGLang's split-convention backends); prefill and AR decode on FA3. SGLang's
+# default for an MLA model on Hopper. The kit's sgl_kernel has no FA3: install it first with
+# scripts/devkit_fa3.py (session 67's fa3 servers died at start-up without it)
 MODEL_SETS["kimi_int4_fa3"] = dict(MODEL_SETS["kimi_int4"], backend="fa3",
                                    ddtree_args=TRITON_VERIFY)
 # the rank on FlashMLA pages of 64 with the defaults (auto: the verify's prefix on FlashMLA,
