@@ -485,7 +485,9 @@ PY
              # it) on cuBLAS against cuBLASLt (torch's preferred BLAS library; a server takes it
              # from TORCH_BLAS_PREFER_CUBLASLT=1) and our skinny GEMM, at a decode step's and
              # a tree verify's rows. No kit. If cuBLASLt is faster at 16-32 rows and no slower
-             # at 1, the cost curve with --server-env TORCH_BLAS_PREFER_CUBLASLT=1 (every server)
+             # at 1, the cost curve with --server-env TORCH_BLAS_PREFER_CUBLASLT=1 (every server).
+             # Session 67, an H100: within 0.7 us of cuBLAS at every shape and row count, so
+             # that cost curve was not run (bench_results/gemm_cublaslt_h100_s67.json)
              step gemm-lt ${GEMMLT_LIMIT:-240} python3 scripts/bench_skinny_gemm.py --cublaslt \
                --ms ${GEMMLT_MS:-1 8 16 32 33} --rounds ${GEMMLT_ROUNDS:-3} \
                --out "$OUT/gemm_cublaslt_h200.json" ;;
