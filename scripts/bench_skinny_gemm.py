@@ -83,6 +83,17 @@ def sglang_tiny_router():
     return dsv3_router_gemm
 
 
+def sglang_fused_a():
+    """SGLang's min-latency GEMM for up to 16 tokens (0.5.17: ``dsv3_fused_a_gemm``, which its
+    DeepSeek-family attention runs for the q / kv down-projection and, at verified shapes,
+    ``q_b_proj``; above 16 tokens the layer's own linear, cuBLAS), or the import error."""
+    try:
+        from sglang.kernels.ops.gemm.fused_a_gemm import dsv3_fused_a_gemm
+    except Exception as exc:  # no SGLang here: recorded, not fatal
+        return f"unavailable: {exc!r}"[:200]
+    return dsv3_fused_a_gemm
+
+
 def prefer_blas(library: str, fn):
     """``fn`` run with torch's preferred BLAS library set to ``library`` (the earlier choice
     restored after): a CUDA graph captured through it holds that library's kernels."""
@@ -125,6 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-router", action="store_true",
                     help="also time SGLang's tiny router GEMM (dsv3_router_gemm, fp32 out) where "
                          "it serves: N 256 / 384, K a multiple of 1,024, M <= 16")
+    ap.add_argument("--sglang-fused-a", action="store_true",
+                    help="also time SGLang's min-latency GEMM (dsv3_fused_a_gemm, x @ w.T with "
+                         "w.T column-major) where it serves: N a multiple of 16, K of 256, "
+                         "M <= 16, bf16 out")
     ap.add_argument("--cublaslt", action="store_true",
                     help="also time x @ w.T with torch's BLAS preference set to cuBLASLt during "
                          "its capture ('cublaslt'; TORCH_BLAS_PREFER_CUBLASLT=1 sets it for a "
@@ -135,6 +150,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sweep = parse_sweep(args.sweep)
     tiny_router = sglang_tiny_router() if args.sglang_router else None
+    fused_a = sglang_fused_a() if args.sglang_fused_a else None
     dev = torch.device(args.device)
     out_dtype = torch.float32 if args.fp32_out else torch.bfloat16
     shapes = parse_shapes(args.shapes)
@@ -151,6 +167,9 @@ def main(argv=None) -> int:
                       + (" with fp32 output (torch.mm out_dtype=float32, as SGLang's "
                          "linear_bf16_fp32)" if args.fp32_out else ""),
               "out_dtype": "float32" if args.fp32_out else "bfloat16",
+              **({"sglang_fused_a": fused_a if isinstance(fused_a, str) else
+                  "sglang.kernels.ops.gemm.fused_a_gemm.dsv3_fused_a_gemm (bf16 out)"}
+                 if args.sglang_fused_a else {}),
               **({"sglang_router": tiny_router if isinstance(tiny_router, str) else
                   "sglang.kernels.ops.gemm.dsv3_router_gemm.dsv3_router_gemm (fp32 out)"}
                  if args.sglang_router else {}),
@@ -188,6 +207,12 @@ def main(argv=None) -> int:
                 runs["cublaslt"] = prefer_blas("cublaslt", cublas)
                 lt = runs["cublaslt"]()[0]
                 lt_err = ((lt.float() - ref).abs().max() / ref.abs().max()).item()
+            if (callable(fused_a) and n % 16 == 0 and k % 256 == 0 and m <= 16
+                    and not args.fp32_out and dev.type == "cuda"):
+                got = fused_a(xs[0], ws[0].t())
+                ferr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                print(f"  sglang fused_a M={m}: err {ferr:.1e} vs fp32", flush=True)
+                runs["sglang_fused_a"] = lambda: [fused_a(x, w.t()) for x, w in zip(xs, ws)]
             if (callable(tiny_router) and n in (256, 384) and k % 1024 == 0 and m <= 16
                     and dev.type == "cuda"):
                 got = tiny_router(xs[0], ws[0], out_dtype=torch.float32)
@@ -240,6 +265,8 @@ def main(argv=None) -> int:
                   f"({row['speedup_vs_cublas']}x), split {cfg.split_k}, err {err:.1e}"
                   + (f", SGLang router {us['sglang_router']} us" if "sglang_router" in us else "")
                   + (f", cuBLASLt {us['cublaslt']} us" if "cublaslt" in us else "")
+                  + (f", SGLang fused_a {us['sglang_fused_a']} us" if "sglang_fused_a" in us
+                     else "")
                   + (f", sweep {sweep_us}" if sweep else ""), flush=True)
     save()
     print("->", args.out)
