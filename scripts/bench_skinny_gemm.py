@@ -73,25 +73,31 @@ def cublas_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.float(), w.float().t())
 
 
+def sglang_kernel(module: str, name: str):
+    """One of SGLang's own GEMM kernels (``module``.``name``), or the import error as a string
+    (no SGLang here, as in the kernel-only runs: recorded, not fatal)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as exc:  # noqa: BLE001
+        return f"unavailable: {exc!r}"[:200]
+
+
 def sglang_tiny_router():
     """SGLang's own router GEMM for up to 16 tokens (0.5.17: the dsv3 JIT kernel that its
     DeepseekV2 ``MoEGate`` calls with fp32 output), or the import error as a string."""
-    try:
-        from sglang.kernels.ops.gemm.dsv3_router_gemm import dsv3_router_gemm
-    except Exception as exc:  # no SGLang here (the kernel-only runs): recorded, not fatal
-        return f"unavailable: {exc!r}"[:200]
-    return dsv3_router_gemm
+    return sglang_kernel("sglang.kernels.ops.gemm.dsv3_router_gemm", "dsv3_router_gemm")
 
 
 def sglang_fused_a():
     """SGLang's min-latency GEMM for up to 16 tokens (0.5.17: ``dsv3_fused_a_gemm``, which its
     DeepSeek-family attention runs for the q / kv down-projection and, at verified shapes,
     ``q_b_proj``; above 16 tokens the layer's own linear, cuBLAS), or the import error."""
-    try:
-        from sglang.kernels.ops.gemm.fused_a_gemm import dsv3_fused_a_gemm
-    except Exception as exc:  # no SGLang here: recorded, not fatal
-        return f"unavailable: {exc!r}"[:200]
-    return dsv3_fused_a_gemm
+    return sglang_kernel("sglang.kernels.ops.gemm.fused_a_gemm", "dsv3_fused_a_gemm")
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| (ref in fp32)."""
+    return ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
 
 def prefer_blas(library: str, fn):
@@ -192,7 +198,7 @@ def main(argv=None) -> int:
             outs = [torch.empty(m, n, device=dev, dtype=out_dtype) for _ in ws]
             ours = sg.skinny_gemm(xs[0], ws[0], out=outs[0])  # counters outside the capture
             ref = sg.skinny_gemm_reference(xs[0], ws[0])
-            err = ((ours.float() - ref).abs().max() / ref.abs().max()).item()
+            err = rel_err(ours, ref)
             if args.fp32_out:
                 def cublas():
                     return [cublas_fp32(x, w) for x, w in zip(xs, ws)]
@@ -206,17 +212,17 @@ def main(argv=None) -> int:
             if args.cublaslt and dev.type == "cuda":
                 runs["cublaslt"] = prefer_blas("cublaslt", cublas)
                 lt = runs["cublaslt"]()[0]
-                lt_err = ((lt.float() - ref).abs().max() / ref.abs().max()).item()
+                lt_err = rel_err(lt, ref)
             if (callable(fused_a) and n % 16 == 0 and k % 256 == 0 and m <= 16
                     and not args.fp32_out and dev.type == "cuda"):
                 got = fused_a(xs[0], ws[0].t())
-                ferr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                ferr = rel_err(got, ref)
                 print(f"  sglang fused_a M={m}: err {ferr:.1e} vs fp32", flush=True)
                 runs["sglang_fused_a"] = lambda: [fused_a(x, w.t()) for x, w in zip(xs, ws)]
             if (callable(tiny_router) and n in (256, 384) and k % 1024 == 0 and m <= 16
                     and dev.type == "cuda"):
                 got = tiny_router(xs[0], ws[0], out_dtype=torch.float32)
-                rerr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                rerr = rel_err(got, ref)
                 print(f"  sglang router M={m}: err {rerr:.1e} vs fp32", flush=True)
                 runs["sglang_router"] = lambda: [tiny_router(x, w, out_dtype=torch.float32)
                                                  for x, w in zip(xs, ws)]
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     got = sg.skinny_gemm(xs[0], ws[0], out=outs[0], config=scfg)
-                    serr = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                    serr = rel_err(got, ref)
                     if serr > 1e-2:
                         sweep_us[label] = f"error {serr:.1e} vs fp32"
                         continue

@@ -100,9 +100,9 @@ MODEL_SETS["tiny_dnat"] = dict(MODEL_SETS["tiny"], ar_of="tiny",
 # the default, auto, takes FlashMLA here), and with its prefix part on FlashMLA
 # (SGLANG_DDTREE_MLA_PREFIX=flashmla); the dense drafter stays on triton
 FLASHMLA_PAGES = {"backend": "flashmla", "extra_args": ["--page-size", "64"]}
+FLASHMLA_DDTREE_ARGS = TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"]
 MODEL_SETS["mla_fmla_tv"] = dict(
-    MODEL_SETS["mla"], **FLASHMLA_PAGES,
-    ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"],
+    MODEL_SETS["mla"], **FLASHMLA_PAGES, ddtree_args=FLASHMLA_DDTREE_ARGS,
     ddtree_env={"SGLANG_DDTREE_MLA_PREFIX": "triton"})
 # the defaults on FlashMLA pages: auto puts the prefix on FlashMLA
 MODEL_SETS["mla_fmla_auto"] = dict(MODEL_SETS["mla_fmla_tv"], ar_of="mla_fmla_tv", ddtree_env={})
@@ -142,9 +142,8 @@ MODEL_SETS["kimi_int4_fa3"] = dict(MODEL_SETS["kimi_int4"], backend="fa3",
                                    ddtree_args=TRITON_VERIFY)
 # the rank on FlashMLA pages of 64 with the defaults (auto: the verify's prefix on FlashMLA,
 # which takes the whole query row, so the split parts are joined for it)
-MODEL_SETS["kimi_int4_fmla"] = dict(
-    MODEL_SETS["kimi_int4"], **FLASHMLA_PAGES,
-    ddtree_args=TRITON_VERIFY + ["--speculative-draft-attention-backend", "triton"])
+MODEL_SETS["kimi_int4_fmla"] = dict(MODEL_SETS["kimi_int4"], **FLASHMLA_PAGES,
+                                    ddtree_args=FLASHMLA_DDTREE_ARGS)
 
 
 HOST_SYNC_DEBUG_ENV = ("SGLANG_DDTREE_CHECK_RANKS",)
