@@ -150,11 +150,20 @@ def main(argv=None) -> int:
                     help="also time x @ w.T with torch's BLAS preference set to cuBLASLt during "
                          "its capture ('cublaslt'; TORCH_BLAS_PREFER_CUBLASLT=1 sets it for a "
                          "whole server)")
+    ap.add_argument("--pdl", default="",
+                    help="also time ours with these PDL modes (comma-separated, of 1 / 2: "
+                         "skinny_gemm.pdl_mode), as 'ours_pdl<mode>', each call's programs "
+                         "starting while the call before drains (sm_90+)")
     ap.add_argument("--sweep", default="",
                     help="also time these configs (see parse_sweep), outputs checked against "
                          "the fp32 reference, under 'sweep_us'")
     args = ap.parse_args(argv)
     sweep = parse_sweep(args.sweep)
+    pdl_modes = [int(v) for v in args.pdl.split(",") if v.strip()]
+    if any(v not in (1, 2) for v in pdl_modes):
+        ap.error(f"--pdl: modes 1 and / or 2, got {args.pdl!r}")
+    if pdl_modes and args.device == "cpu":
+        ap.error("--pdl needs an sm_90+ GPU (programmatic dependent launch)")
     tiny_router = sglang_tiny_router() if args.sglang_router else None
     fused_a = sglang_fused_a() if args.sglang_fused_a else None
     dev = torch.device(args.device)
@@ -196,7 +205,8 @@ def main(argv=None) -> int:
         for m in args.ms:
             xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in ws]
             outs = [torch.empty(m, n, device=dev, dtype=out_dtype) for _ in ws]
-            ours = sg.skinny_gemm(xs[0], ws[0], out=outs[0])  # counters outside the capture
+            # counters outside the capture; a copy, as outs[0] is written again below
+            ours = sg.skinny_gemm(xs[0], ws[0], out=outs[0], pdl=0).clone()
             ref = sg.skinny_gemm_reference(xs[0], ws[0])
             err = rel_err(ours, ref)
             if args.fp32_out:
@@ -206,9 +216,17 @@ def main(argv=None) -> int:
                 def cublas():
                     return [torch.mm(x, w.t(), out=o) for x, w, o in zip(xs, ws, outs)]
             runs = {
-                "ours": lambda: [sg.skinny_gemm(x, w, out=o) for x, w, o in zip(xs, ws, outs)],
+                "ours": lambda: [sg.skinny_gemm(x, w, out=o, pdl=0)
+                                 for x, w, o in zip(xs, ws, outs)],
                 "cublas": cublas,
             }
+            pdl_err = {}
+            for mode in pdl_modes:
+                got = sg.skinny_gemm(xs[0], ws[0], out=outs[0], pdl=mode)
+                pdl_err[mode] = (rel_err(got, ref), torch.equal(got, ours))
+                runs[f"ours_pdl{mode}"] = (
+                    lambda mode=mode: [sg.skinny_gemm(x, w, out=o, pdl=mode)
+                                       for x, w, o in zip(xs, ws, outs)])
             if args.cublaslt and dev.type == "cuda":
                 runs["cublaslt"] = prefer_blas("cublaslt", cublas)
                 lt = runs["cublaslt"]()[0]
@@ -238,13 +256,13 @@ def main(argv=None) -> int:
                     sweep_us[label] = "does not tile"
                     continue
                 try:
-                    got = sg.skinny_gemm(xs[0], ws[0], out=outs[0], config=scfg)
+                    got = sg.skinny_gemm(xs[0], ws[0], out=outs[0], config=scfg, pdl=0)
                     serr = rel_err(got, ref)
                     if serr > 1e-2:
                         sweep_us[label] = f"error {serr:.1e} vs fp32"
                         continue
                     sweep_us[label] = round(statistics.median(
-                        graph_time_us(lambda c=scfg: [sg.skinny_gemm(x, w, out=o, config=c)
+                        graph_time_us(lambda c=scfg: [sg.skinny_gemm(x, w, out=o, config=c, pdl=0)
                                                       for x, w, o in zip(xs, ws, outs)],
                                       args.iters, dev) / layers
                         for _ in range(args.rounds)), 2)
@@ -261,7 +279,11 @@ def main(argv=None) -> int:
                    **({"sweep_us": sweep_us} if sweep else {}),
                    "max_rel_err_vs_fp32": round(err, 5),
                    **({"cublaslt_max_rel_err_vs_fp32": round(lt_err, 5)} if "cublaslt" in us
-                      else {})}
+                      else {}),
+                   **{f"ours_pdl{mode}_max_rel_err_vs_fp32": round(e, 5)
+                      for mode, (e, _) in pdl_err.items()},
+                   **{f"ours_pdl{mode}_bits_equal_ours": same
+                      for mode, (_, same) in pdl_err.items()}}
             if copy_gbs:
                 row["pct_copy_bw"] = {key: round(100 * g / copy_gbs, 1)
                                       for key, g in row["gbs"].items()}
@@ -271,6 +293,7 @@ def main(argv=None) -> int:
                   f"({row['speedup_vs_cublas']}x), split {cfg.split_k}, err {err:.1e}"
                   + (f", SGLang router {us['sglang_router']} us" if "sglang_router" in us else "")
                   + (f", cuBLASLt {us['cublaslt']} us" if "cublaslt" in us else "")
+                  + "".join(f", PDL {mode} {us[f'ours_pdl{mode}']} us" for mode in pdl_modes)
                   + (f", SGLang fused_a {us['sglang_fused_a']} us" if "sglang_fused_a" in us
                      else "")
                   + (f", sweep {sweep_us}" if sweep else ""), flush=True)

@@ -51,6 +51,11 @@ reduce), about 5 us a layer of the verify's extra time over decode. Its tiles co
 (default ``ROUTER_CONFIG``: of 32 tilings in session 42's sweeps the fastest at 1 row and
 within 0.2 us of the fastest, 16 x 128 on 2 warps, at 8 and 16).
 
+``SGLANG_DDTREE_SKINNY_PDL=1`` / ``2`` (with either switch; ``triton_kernels/skinny_gemm.py``
+says what each mode does) launches the kernel with programmatic dependent launch, as SGLang's
+own dsv3 kernels launch at up to 16 tokens and cuBLAS does not. Off by default: not yet timed
+on a GPU (``scripts/bench_skinny_gemm.py --pdl 1,2``).
+
 Measured (session 42, H200, ``bench_results/skinny_router_*_h200_s42.json``, CUDA graphs over
 256 MB of router weights, us per call at 1 / 2 / 8 / 16 rows): SGLang 0.5.17's dsv3 router
 3.07 / 3.30 / 4.92 / 7.45, this kernel 5.13 / 5.78 / 5.85 / 6.03, cuBLAS 7.32 / 7.29 / 7.40 /
@@ -367,12 +372,35 @@ def uninstall(cls=None) -> None:
                   router_config=None, tiny=None)
 
 
+def check_pdl(environ, switched_on: bool) -> int:
+    """``SGLANG_DDTREE_SKINNY_PDL`` (the kernel's launches with programmatic dependent launch,
+    read by the kernel per call: ``skinny_gemm.pdl_mode``) as a mode, 0 if unset; raises for
+    another value, and for a mode above 0 while neither switch is on (it would do nothing).
+    Whether the GPU can run it is checked at the first call, which SGLang makes at start-up."""
+    from .triton_kernels import skinny_gemm as sg
+
+    value = environ.get(sg.PDL_ENV, "").strip()
+    if value not in ("", "0", "1", "2"):
+        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value!r}: expected 0 (plain launches), 1 "
+                                  "(each program waits for the launch before first) or 2 (its "
+                                  "first weight tile loaded before that wait)")
+    if value not in ("", "0") and not switched_on:
+        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value} applies to the skinny GEMM only: set "
+                                  f"{ENV_SWITCH} or {ROUTER_ENV} too, or unset it")
+    return int(value or 0)
+
+
 def maybe_install(environ=os.environ) -> bool:
     """Install what ``SGLANG_DDTREE_SKINNY_GEMM`` and ``SGLANG_DDTREE_ROUTER_GEMM`` ask for
-    (both values checked first); return whether either is on."""
+    (both values and ``SGLANG_DDTREE_SKINNY_PDL`` checked first); return whether either is
+    on."""
     rng = parse_range(environ.get(ENV_SWITCH, ""))
     router_rng = parse_range(environ.get(ROUTER_ENV, ""), ROUTER_ENV, DEFAULT_ROUTER_RANGE)
     router_cfg = parse_router_config(environ.get(ROUTER_CONFIG_ENV, ""))
+    pdl = check_pdl(environ, rng is not None or router_rng is not None)
+    if pdl:
+        logger.warning("sglang-ddtree: SGLANG_DDTREE_SKINNY_PDL=%d: the skinny GEMM launches "
+                       "with programmatic dependent launch", pdl)
     if rng is not None:
         install(rng)
     if router_rng is not None:

@@ -125,13 +125,15 @@ def _register() -> None:
 
 
 def _maybe_install_skinny_gemm() -> None:
-    """Opt-in (SGLANG_DDTREE_SKINNY_GEMM / SGLANG_DDTREE_ROUTER_GEMM, see dense_hook): in every
+    """Opt-in (SGLANG_DDTREE_SKINNY_GEMM / SGLANG_DDTREE_ROUTER_GEMM, with
+    SGLANG_DDTREE_SKINNY_PDL, see dense_hook): in every
     process, before the model runs. A bad value or an SGLang linear method or router GEMM that
     does not fit raises SkinnyGemmHookError: no fallback."""
     import os
 
     if not (os.environ.get("SGLANG_DDTREE_SKINNY_GEMM")
-            or os.environ.get("SGLANG_DDTREE_ROUTER_GEMM")):
+            or os.environ.get("SGLANG_DDTREE_ROUTER_GEMM")
+            or os.environ.get("SGLANG_DDTREE_SKINNY_PDL")):  # alone: refused by maybe_install
         return
     from . import dense_hook
 

@@ -246,6 +246,22 @@ def test_maybe_install_checks_the_router_values_first():
     assert dh.maybe_install({}) is False
 
 
+def test_skinny_pdl_is_checked_at_install():
+    """SGLANG_DDTREE_SKINNY_PDL: 0 / 1 / 2 with a switch; another value, or a mode without
+    either switch (it would do nothing), refused before anything is patched."""
+    for value in ("3", "on", "1:g"):
+        with pytest.raises(dh.SkinnyGemmHookError, match="expected 0 \\(plain launches\\)"):
+            dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "1",
+                              "SGLANG_DDTREE_SKINNY_PDL": value})
+    for value in ("1", "2"):
+        with pytest.raises(dh.SkinnyGemmHookError, match="skinny GEMM only: set"):
+            dh.maybe_install({"SGLANG_DDTREE_SKINNY_PDL": value})
+    assert dh._state["router_range"] is None and dh._state["range"] is None
+    assert dh.maybe_install({"SGLANG_DDTREE_SKINNY_PDL": "0"}) is False
+    assert dh.check_pdl({"SGLANG_DDTREE_SKINNY_PDL": " 2 "}, True) == 2
+    assert dh.check_pdl({}, False) == 0
+
+
 def test_the_installed_sglangs_tiny_router_gemm_is_named_in_moegate():
     """compat.<release>.ROUTER_TINY_GEMM is the name DeepseekV2's MoEGate calls for few rows
     (0.5.17: dsv3_router_gemm; 0.5.23: tiny_gemm_bf16), imported into the model module on CUDA

@@ -85,6 +85,48 @@ def test_graph_replay_and_repeats_are_bitwise_equal(SG):
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("pdl", [1, 2])
+@pytest.mark.parametrize("n,k,m", [(384, 7168, 17), (512, 7168, 32), (7168, 1024, 33),
+                                   (7168, 256, 24)])
+def test_pdl_modes_give_the_same_bits_eager_and_in_a_graph(SG, pdl, n, k, m):
+    """PDL modes 1 / 2 (sm_90+): the same bits as plain launches, eagerly and in a CUDA graph
+    of three chained calls, each reading what the call before it wrote (a program that read
+    it before its wait would see stale or NaN rows), replayed with new inputs."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        with pytest.raises(ValueError, match="sm_90"):
+            SG.skinny_gemm(*_inputs(m, n, k, seed=0), pdl=pdl)
+        return
+    x, w = _inputs(m, n, k, seed=3)
+    w2 = (torch.randn(k, n, device="cuda") * 0.02).to(torch.bfloat16)  # [k, n]: back to K
+    assert torch.equal(SG.skinny_gemm(x, w, pdl=pdl), SG.skinny_gemm(x, w, pdl=0))
+
+    def buffers():
+        return [torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
+                torch.empty(m, k, device="cuda", dtype=torch.bfloat16),
+                torch.empty(m, n, device="cuda", dtype=torch.bfloat16)]
+
+    def chain(x_in, mode, bufs):  # x @ w.T -> @ w2.T -> @ w.T
+        SG.skinny_gemm(x_in, w, out=bufs[0], pdl=mode)
+        SG.skinny_gemm(bufs[0], w2, out=bufs[1], pdl=mode)
+        SG.skinny_gemm(bufs[1], w, out=bufs[2], pdl=mode)
+
+    x_in, outs = x.clone(), buffers()
+    chain(x_in, pdl, outs)  # eager first: the counters are allocated outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(x_in, pdl, outs)
+    for seed in (4, 5):
+        x_new, _ = _inputs(m, n, k, seed=seed)
+        x_in.copy_(x_new)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        want = buffers()
+        chain(x_new, 0, want)
+        for got, exp in zip(outs, want):
+            assert torch.equal(got, exp)
+
+
 def test_rerun_in_clean_process():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
