@@ -51,10 +51,11 @@ reduce), about 5 us a layer of the verify's extra time over decode. Its tiles co
 (default ``ROUTER_CONFIG``: of 32 tilings in session 42's sweeps the fastest at 1 row and
 within 0.2 us of the fastest, 16 x 128 on 2 warps, at 8 and 16).
 
-``SGLANG_DDTREE_SKINNY_PDL=1`` / ``2`` (with either switch; ``triton_kernels/skinny_gemm.py``
-says what each mode does) launches the kernel with programmatic dependent launch, as SGLang's
-own dsv3 kernels launch at up to 16 tokens and cuBLAS does not. Off by default: not yet timed
-on a GPU (``scripts/bench_skinny_gemm.py --pdl 1,2``).
+``SGLANG_DDTREE_SKINNY_PDL=1`` (with either switch; ``triton_kernels/skinny_gemm.py``) launches
+the kernel with programmatic dependent launch, as SGLang's own dsv3 kernels launch at up to 16
+tokens and cuBLAS does not: 0.25-0.35 us less a call on an H100 (session 68,
+``bench_results/skinny_pdl_*_h100_s68.json``; the router at 32 rows 7.73 against 7.96 us,
+cuBLAS 8.01). Off by default, as the switches are: not served end to end.
 
 Measured (session 42, H200, ``bench_results/skinny_router_*_h200_s42.json``, CUDA graphs over
 256 MB of router weights, us per call at 1 / 2 / 8 / 16 rows): SGLang 0.5.17's dsv3 router
@@ -380,10 +381,9 @@ def check_pdl(environ, switched_on: bool) -> int:
     from .triton_kernels import skinny_gemm as sg
 
     value = environ.get(sg.PDL_ENV, "").strip()
-    if value not in ("", "0", "1", "2"):
-        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value!r}: expected 0 (plain launches), 1 "
-                                  "(each program waits for the launch before first) or 2 (its "
-                                  "first weight tile loaded before that wait)")
+    if value not in ("", "0", "1"):
+        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value!r}: expected 0 (plain launches) or 1 "
+                                  "(each program waits for the launch before it first)")
     if value not in ("", "0") and not switched_on:
         raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value} applies to the skinny GEMM only: set "
                                   f"{ENV_SWITCH} or {ROUTER_ENV} too, or unset it")

@@ -247,18 +247,19 @@ def test_maybe_install_checks_the_router_values_first():
 
 
 def test_skinny_pdl_is_checked_at_install():
-    """SGLANG_DDTREE_SKINNY_PDL: 0 / 1 / 2 with a switch; another value, or a mode without
-    either switch (it would do nothing), refused before anything is patched."""
-    for value in ("3", "on", "1:g"):
+    """SGLANG_DDTREE_SKINNY_PDL: 0 / 1 with a switch; another value (session 68's removed 2
+    among them), or 1 without either switch (it would do nothing), refused before anything is
+    patched."""
+    for value in ("2", "on", "1:g"):
         with pytest.raises(dh.SkinnyGemmHookError, match="expected 0 \\(plain launches\\)"):
             dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "1",
                               "SGLANG_DDTREE_SKINNY_PDL": value})
-    for value in ("1", "2"):
+    for value in ("1", " 1 "):
         with pytest.raises(dh.SkinnyGemmHookError, match="skinny GEMM only: set"):
             dh.maybe_install({"SGLANG_DDTREE_SKINNY_PDL": value})
     assert dh._state["router_range"] is None and dh._state["range"] is None
     assert dh.maybe_install({"SGLANG_DDTREE_SKINNY_PDL": "0"}) is False
-    assert dh.check_pdl({"SGLANG_DDTREE_SKINNY_PDL": " 2 "}, True) == 2
+    assert dh.check_pdl({"SGLANG_DDTREE_SKINNY_PDL": " 1 "}, True) == 1
     assert dh.check_pdl({}, False) == 0
 
 

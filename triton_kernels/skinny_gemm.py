@@ -26,11 +26,14 @@ before that, or needing more counters, raises instead of falling back). The ``PO
 Programmatic dependent launch (``pdl``, sm_90+, off by default; :func:`pdl_mode`). SGLang's own
 small-batch GEMMs for DeepSeek / Kimi (the dsv3 router and fused-A kernels, up to 16 tokens)
 launch with PDL: their programs start while the kernel before them drains and wait for its
-writes on the GPU. cuBLAS, which serves a verify's 17-32-row calls, does not. Modes: ``0``
-plain launches; ``1`` every program waits (``griddepcontrol.wait``) before it reads anything;
-``2`` as 1, with each program's first weight tile loaded before the wait (nothing before this
-launch writes the weights; the activations, counters and partials are read after it). The
-launch after this one starts at this one's programs' exit, as after a plain launch.
+writes on the GPU. cuBLAS, which serves a verify's 17-32-row calls, does not. Mode ``1``: every
+program waits (``griddepcontrol.wait``) before it reads anything; the launch after this one
+starts at this one's programs' exit, as after a plain launch. Session 68 (H100,
+``bench_results/skinny_pdl_h100_s68.json``, ``skinny_pdl_router_h100_s68.json``: chained calls
+in a CUDA graph, the same bits): 0.25-0.35 us less a call at every shape and row count timed
+(the router at 32 rows 7.73 against 7.96 us, cuBLAS 8.01). A mode that also loaded each
+program's first weight tile before the wait was 0.4-1.5 us slower a call (the peeled step's
+tiles took a pipeline stage's shared memory) and was removed.
 """
 from __future__ import annotations
 
@@ -45,14 +48,6 @@ from ._device import BLOCK_RESERVE, arrival_counters, num_sms, portable
 from .moe_pdl import _pdl_wait
 
 MAX_M = 64  # token rows one launch takes (the MMA's N side)
-
-
-@triton.jit
-def _step(w, xt, acc, PORTABLE: tl.constexpr):
-    """One K step: ``acc += w @ xt`` (fp32 operands on the portable path)."""
-    if PORTABLE:
-        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32))
-    return tl.dot(w, xt, acc)
 
 
 @triton.jit
@@ -73,7 +68,6 @@ def _skinny_gemm_kernel(
     SPLIT_K: tl.constexpr,
     PORTABLE: tl.constexpr,
     PDL: tl.constexpr = 0,  # 1: wait for the launch before (griddepcontrol.wait) first
-    W_FIRST: tl.constexpr = False,  # the first weight tile loaded before that wait (mode 2)
 ):
     tl.static_assert(K % (SPLIT_K * BLOCK_K) == 0)
     tl.static_assert(N % BLOCK_N == 0)
@@ -88,19 +82,14 @@ def _skinny_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if W_FIRST:  # the weights are this launch's own input: read before the wait
-        w = tl.load(w_ptrs)
-        _pdl_wait(PDL)
-        xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-        acc = _step(w, xt, acc, PORTABLE)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    else:
-        _pdl_wait(PDL)
-    for _ in range(1 if W_FIRST else 0, K_SPLIT // BLOCK_K):
+    _pdl_wait(PDL)
+    for _ in range(K_SPLIT // BLOCK_K):
         w = tl.load(w_ptrs)
         xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-        acc = _step(w, xt, acc, PORTABLE)
+        if PORTABLE:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc = tl.dot(w, xt, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
@@ -145,18 +134,16 @@ def block_m_for(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def launch_stages(cfg: SkinnyConfig, block_m: int, w_first: bool = False) -> int:
+def launch_stages(cfg: SkinnyConfig, block_m: int) -> int:
     """Pipeline stages of a launch: ``cfg.num_stages``, or where that is 0 the most (up to 4)
-    whose x and W tiles leave room for two programs per SM; with ``w_first`` (PDL mode 2) one
-    stage fewer, as the peeled first K step stages its own tiles (sm_90 compile: 32 x 64 x 128
-    tiles on 4 stages took 122,880 bytes with it, 98,304 without). Triton stages both operands in
+    whose x and W tiles leave room for two programs per SM. Triton stages both operands in
     shared memory where the row strides are multiples of 16 (K and N always are here): at
     64 x 64 x 128 tiles 4 stages took 131,072 bytes, one program per SM, 3 take 98,304 (sm_90
     compile, tests/triton_kernels/test_skinny_gemm_compile.py)."""
     if cfg.num_stages:
         return cfg.num_stages
     per_stage = (block_m + cfg.block_n) * cfg.block_k * 2
-    return max(1, min(_MAX_STAGES, _SMEM_TWO_PER_SM // per_stage - int(w_first)))
+    return max(1, min(_MAX_STAGES, _SMEM_TWO_PER_SM // per_stage))
 
 
 def plan_split(n_tiles: int, k_steps: int, target_programs: int, max_split: int = 16) -> int:
@@ -202,18 +189,17 @@ def _sms(device: torch.device) -> int:
 
 
 PDL_ENV = "SGLANG_DDTREE_SKINNY_PDL"
-PDL_MODES = (0, 1, 2)
 
 
 def pdl_mode(device: torch.device, mode=None) -> int:
     """A launch's PDL mode (module docstring): ``mode`` if given, else ``SGLANG_DDTREE_SKINNY_PDL``
-    (read per call), else 0. Raises ValueError for another value, or for a mode above 0 where
-    the device cannot run it (the portable path, a GPU before sm_90)."""
+    (read per call), else 0. Raises ValueError for another value, or for mode 1 where the
+    device cannot run it (the portable path, a GPU before sm_90)."""
     if mode is None:
         mode = os.environ.get(PDL_ENV, "").strip() or 0
-    if str(mode) not in ("0", "1", "2"):
-        raise ValueError(f"{PDL_ENV}: 0 (plain launches), 1 (wait first) or 2 (wait after the "
-                         f"first weight tile), got {mode!r}")
+    if str(mode) not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV}: 0 (plain launches) or 1 (each program waits for the "
+                         f"launch before), got {mode!r}")
     mode = int(mode)
     if mode and (portable(device) or torch.cuda.get_device_capability(device) < (9, 0)):
         raise ValueError(f"{PDL_ENV}={mode} needs an sm_90+ GPU outside the Triton interpreter; "
@@ -223,8 +209,7 @@ def pdl_mode(device: torch.device, mode=None) -> int:
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                 config: SkinnyConfig | None = None,
-                counters: torch.Tensor | None = None, pdl=None,
-                _w_first: bool = False) -> torch.Tensor:
+                counters: torch.Tensor | None = None, pdl=None) -> torch.Tensor:
     """``x @ w.T`` for ``x [M, K]`` bf16 (M <= 64, unit column stride) and ``w [N, K]`` bf16
     contiguous; CUDA-graph safe after one eager call of the shape (see the module docstring).
 
@@ -233,7 +218,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     second stream (the device's shared buffer is for one launch at a time).
 
     ``pdl``: the launch's PDL mode (:func:`pdl_mode`; None: the environment's, else 0).
-    ``_w_first`` (tests): mode 2's peeled first K step without the wait, where PDL cannot run.
 
     Returns ``[M, N]`` bf16, or ``out`` if given: ``[M, N]`` bf16 or fp32 (the fp32 sums
     stored unrounded), unit column stride."""
@@ -266,16 +250,12 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
                              f"{cnt.numel()} {cnt.dtype}")
     else:
         part = cnt = out  # unused
-    mode = pdl_mode(x.device, pdl)
-    opts = {"PDL": 1, "launch_pdl": True} if mode else {}
-    w_first = mode == 2 or _w_first
-    if w_first:
-        opts["W_FIRST"] = True
+    opts = {"PDL": 1, "launch_pdl": True} if pdl_mode(x.device, pdl) else {}
     _skinny_gemm_kernel[(n_tiles * cfg.split_k,)](
         x, w, out, part, cnt, m, x.stride(0), out.stride(0), N=n, K=k, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         PORTABLE=portable(x.device), num_warps=cfg.num_warps,
-        num_stages=launch_stages(cfg, block_m, w_first), **opts)
+        num_stages=launch_stages(cfg, block_m), **opts)
     return out
 
 

@@ -30,14 +30,14 @@ def SG():
 
 def _compile(SG, n, k, block_m, cfg, stages=None, pdl=0):
     """As a launch compiles it: the row strides (K and N) specialized as multiples of 16, the
-    stages launch_stages gives (or ``stages``); ``pdl`` the wrapper's PDL mode."""
+    stages launch_stages gives (or ``stages``); ``pdl`` the wrapper's PDL mode (0 / 1)."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     const = {"N": n, "K": k, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
              "BLOCK_K": cfg.block_k, "SPLIT_K": cfg.split_k, "PORTABLE": False,
-             **({"PDL": 1, "W_FIRST": pdl == 2} if pdl else {})}
+             **({"PDL": 1} if pdl else {})}
     return compile_sm90(SG._skinny_gemm_kernel, sig, const, cfg.num_warps,
-                        stages or SG.launch_stages(cfg, block_m, pdl == 2),
+                        stages or SG.launch_stages(cfg, block_m),
                         div16=("stride_xm", "stride_ym"))
 
 
@@ -56,23 +56,21 @@ def test_compiles_for_sm90_without_spills(SG, n, k, block_m, tmp_path):
     assert_no_spills(kern, tmp_path)
 
 
-@pytest.mark.parametrize("pdl", [1, 2])
 @pytest.mark.parametrize("n,k,block_m", [(2112, 7168, 32), (384, 7168, 32), (512, 7168, 16)])
-def test_pdl_modes_compile_without_spills(SG, n, k, block_m, pdl, tmp_path):
-    """PDL modes 1 / 2 (the wait first; the first weight tile before it) at the q / kv
-    down-projection's, the router's (its served split: dense_hook.ROUTER_CONFIG) and the shared
-    expert gate-up's shapes: the wait is in the binary, the dot still wgmma, no spills, and
-    mode 2's weight load comes before the wait in the PTX."""
+def test_pdl_compiles_without_spills(SG, n, k, block_m, tmp_path):
+    """PDL mode 1 at the q / kv down-projection's, the router's (its served split:
+    dense_hook.ROUTER_CONFIG) and the shared expert gate-up's shapes: the wait is in the binary
+    before any global load, the dot still wgmma, the shared memory of two programs an SM, no
+    spills; without PDL no griddepcontrol at all."""
     cfg = SG.default_config(n, k, sms=132)
-    kern = _compile(SG, n, k, block_m, cfg, pdl=pdl)
+    kern = _compile(SG, n, k, block_m, cfg, pdl=1)
     ptx = kern.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "wgmma" in ptx
     assert kern.metadata.shared <= SG._SMEM_TWO_PER_SM, kern.metadata.shared
     assert_no_spills(kern, tmp_path)
-    plain = _compile(SG, n, k, block_m, cfg)
-    assert "griddepcontrol" not in plain.asm["ptx"]
+    assert "griddepcontrol" not in _compile(SG, n, k, block_m, cfg).asm["ptx"]
     first_load = min(i for i in (ptx.find("ld.global"), ptx.find("cp.async")) if i >= 0)
-    assert (first_load < ptx.find("griddepcontrol.wait")) == (pdl == 2)
+    assert ptx.find("griddepcontrol.wait") < first_load
 
 
 def test_four_stages_at_64_rows_would_hold_one_program_per_sm(SG):
