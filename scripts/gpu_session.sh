@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -475,6 +475,33 @@ PY
              moe_ab moem8pdl ${MOEM8PDL_LIMIT:-150} ${MOEM8PDL_ROUNDS:-7} 8 fused_moe_m8_pdl \
                $(for n in dn512 dn256 dn128 dnbn32 gut512 gus4; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
+    moebm32) # (session 68) 32-row expert blocks at M 17-48, which since session 68 narrow to
+             # 8-row tiles (experts of 1-8 rows, as the served 16-row blocks' half does), 16-row
+             # ones (9-16 rows) or run whole (17-32 rows: each weight tile dequantized once for
+             # all of them, where the served 16-row blocks dequantize it twice): tables written
+             # here from the table as this card is served it, the M 17-32 band (bm32), that
+             # band without par_acc (bm32pa0: sm_90 compile 168 registers against 221) or with
+             # a 7-way gate-up split (bm32s7), and the M 17-32 and 33-48 bands (bm32b48) on
+             # 32-row blocks; whole calls at M = 17 / 24 / 32 / 40 / 48, interleaved, 5 rounds,
+             # on 8 / 32 shared experts and random routing. No kit
+             python3 - "$OUT" <<'PY'
+import json, sys
+from sglang_ddtree.triton_kernels.moe_config import table_json
+base = table_json()  # as this card is served it: its overrides merged
+for name, bands, gate_up in (("bm32", (32,), {}), ("bm32pa0", (32,), {"par_acc": 0}),
+                             ("bm32s7", (32,), {"split_k": 7}), ("bm32b48", (32, 48), {})):
+    t = json.loads(json.dumps(base))
+    for b in t["bands"]:
+        if b["max_m"] in bands:
+            b.update(block_m=32, half_m=1)
+            b["gate_up"].update(gate_up)
+    json.dump(t, open(f"{sys.argv[1]}/t_{name}.json", "w"), indent=1)
+PY
+             ROUTINGS="concentrated:8 concentrated:32 random" \
+               moe_ab moebm32 ${MOEBM32_LIMIT:-120} ${MOEBM32_ROUNDS:-5} "17 24 32 40 48" \
+               fused_moe_bm32 $(for n in bm32 bm32pa0 bm32s7 bm32b48; do
+                   printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done)
+             rm -f "$OUT"/t_bm32*.json ;;
     moegoal) # (session 66) the fused-MoE bandwidth goal (issue 5) as served: whole calls at
              # M = 8 / 16 / 32 / 64 (the goal's: random routing), MOEGOAL_ROUNDS rounds, each
              # row's GB/s against the copy bandwidth measured in the same run. No kit. Random

@@ -74,8 +74,10 @@ class MoeConfig:
     gate_up: GemmConfig
     down: GemmConfig
     # 1 (block_m 16, 32 or 64): both GEMMs run a block whose second half holds no real row as
-    # a block_m / 2-row tile, and with block_m 64 one whose last three quarters hold none as a
-    # 16-row tile. An expert with up to block_m rows in a call then dequantizes each weight tile
+    # a block_m / 2-row tile, and with block_m 32 / 64 one whose last three quarters hold none
+    # as an 8- / 16-row tile (the 32-row blocks' quarter since session 68; under wide_halves
+    # the gate-up narrows to the half only). An expert with up to block_m rows in a call then
+    # dequantizes each weight tile
     # once for all of them, while blocks of few rows pay for narrow tiles only (timed in
     # session 26 with block_m 32 / 64, slower on random routing,
     # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; in session 46 with block_m 16,

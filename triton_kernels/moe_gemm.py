@@ -92,7 +92,8 @@ def _gate_up_kernel(
             e = tl.load(block_expert_ptr + pid_m)
             rows_pre = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     else:
-        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
+        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M,
+                                  not WIDE_HALVES)
         rows_pre = 0
     if e < 0:
         return
@@ -110,7 +111,7 @@ def _gate_up_kernel(
                               part_rows, e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2,
                               BLOCK_N, BLOCK_K, DOWN_BLOCK_K, PORTABLE, SPLIT_DQ, SPLIT_K,
                               cnt_ptr, pid_mn, SERIAL, n_split, PAR_ACC, SCALE_ONCE, PDL)
-        elif BLOCK_M >= 64:
+        elif BLOCK_M >= 32:  # a half, or a quarter (16 rows of 64, 8 of 32)
             if level == 1:
                 _gate_up_rows(xp_ptr, w_ptr, s_ptr, sorted_ids_ptr, h_ptr, part_ptr, T, part_rows,
                               e, row0, pid_n, pid_k, K, I, TOPK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
@@ -163,13 +164,14 @@ def _live_split_rows(block_expert_ptr, sorted_ids_ptr, pid, T, max_blocks, NQ: t
 
 @triton.jit
 def _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr,
-                   HALF_M: tl.constexpr):
-    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows),
-    the level's ids loaded beside the expert, not after it (in bounds for unused blocks too)."""
+                   HALF_M: tl.constexpr, QUARTER: tl.constexpr = True):
+    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows;
+    _narrow_level, QUARTER as there), the level's ids loaded beside the expert, not after it
+    (in bounds for unused blocks too)."""
     e = tl.load(block_expert_ptr + pid_m)
     level = 0  # all BLOCK_M rows
     if HALF_M:
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M, QUARTER)
     return e, level
 
 
@@ -407,7 +409,7 @@ def _down_blocks(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, l
             _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                         pid_nc, tiles, N, I, BLOCK_M, BLOCK_N, BLOCK_K, N_PER_CTA, PORTABLE,
                         PAR_ACC, SCALE_ONCE, EARLY, PDL)
-        elif BLOCK_M >= 64:
+        elif BLOCK_M >= 32:  # a half, or a quarter (16 rows of 64, 8 of 32)
             if level == 1:
                 _down_width(h_ptr, w_ptr, s_ptr, sorted_ids_ptr, topk_w_ptr, y_ptr, T, e, row0,
                             pid_nc, tiles, N, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, N_PER_CTA,

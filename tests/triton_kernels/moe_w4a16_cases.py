@@ -961,10 +961,11 @@ def test_sixteen_column_gate_up_tiles(experts):
                          ids=["down", "down_loop", "split_k", "bm64", "bm64_loop_split_k",
                               "bm16_loop", "bm16_gate_up_only_live_split"])
 def test_half_m_blocks_match_reference(experts, cfg):
-    """HALF_M: experts with 6-7 rows, 20 and 40 (32-row blocks: half; full; full then half.
-    64-row blocks: quarter; half; full. 16-row blocks: half; full then half; full, full,
-    half), and with 64-row blocks one of 70 (full, then a quarter): every row written once,
-    outputs within tolerance of the reference and of the same blocks run full width."""
+    """HALF_M: experts with 6-7 rows, 20 and 40 (32-row blocks: quarter (8 rows, since
+    session 68); full; full then quarter. 64-row blocks: quarter; half; full. 16-row blocks:
+    half; full then half; full, full, half), and with 64-row blocks one of 70 (full, then a
+    quarter): every row written once, outputs within tolerance of the reference and of the
+    same blocks run full width."""
     m = 70 if cfg.block_m == 64 else 40
     x = torch.randn(m, H, generator=torch.Generator().manual_seed(41)).bfloat16()
     tw, ti = random_routing(m, 9, 3, seed=42)
@@ -981,6 +982,28 @@ def test_half_m_blocks_match_reference(experts, cfg):
     full = MOE.MoeConfig(min(cfg.block_m, 32), cfg.gate_up, cfg.down)
     wide, _ = run(experts[9], x, tw, ti, scale=1.3, cfg=full)
     assert (out.float() - wide.float()).abs().max() <= 2e-2 * wide.float().abs().max()
+
+
+@pytest.mark.parametrize("cfg", [CFG_HALF, CFG_HALF_LOOP, CFG_HALF_SPLITK],
+                         ids=["down", "down_loop", "split_k"])
+def test_32_row_blocks_take_8_16_and_32_row_tiles(experts, cfg):
+    """32-row blocks under HALF_M (session 68: the quarter level, as 64-row blocks have):
+    experts of 5 rows (an 8-row tile), 12 (16-row) and 28 (the full block) in one call, and one
+    of 33 (a full block, then an 8-row tile): within tolerance of the reference and of the same
+    call on unnarrowed 32-row blocks."""
+    m = 33
+    x = torch.randn(m, H, generator=torch.Generator().manual_seed(43)).bfloat16()
+    tw, ti = random_routing(m, 9, 3, seed=44)
+    ti[:, 0] = 2  # expert 2: all 33 rows
+    ti[:, 1] = torch.where(torch.arange(m) < 28, 4, torch.where(torch.arange(m) < 31, 6, 7))
+    ti[:, 2] = torch.where(torch.arange(m) < 12, 5, torch.where(torch.arange(m) < 17, 1, 3))
+    counts = torch.bincount(ti.long().flatten(), minlength=9)
+    assert [counts[e].item() for e in (2, 4, 5, 1, 3)] == [33, 28, 12, 5, 16], counts
+    out, ref = run(experts[9], x, tw, ti, scale=1.2, cfg=cfg)
+    check(out, ref)
+    full, _ = run(experts[9], x, tw, ti, scale=1.2,
+                  cfg=MOE.MoeConfig(32, cfg.gate_up, cfg.down))
+    assert (out.float() - full.float()).abs().max() <= 2e-2 * full.float().abs().max()
 
 
 @pytest.mark.parametrize("cfg", [CFG_WIDE16_LOOP, CFG_WIDE16_GU_LIVE, CFG_WIDE32_SPLITK],
