@@ -479,17 +479,21 @@ PY
              # 8-row tiles (experts of 1-8 rows, as the served 16-row blocks' half does), 16-row
              # ones (9-16 rows) or run whole (17-32 rows: each weight tile dequantized once for
              # all of them, where the served 16-row blocks dequantize it twice): tables written
-             # here from the table as this card is served it, the M 17-32 band (bm32), that
-             # band without par_acc (bm32pa0: sm_90 compile 168 registers against 221) or with
-             # a 7-way gate-up split (bm32s7), and the M 17-32 and 33-48 bands (bm32b48) on
-             # 32-row blocks; whole calls at M = 17 / 24 / 32 / 40 / 48, interleaved, 5 rounds,
-             # on 8 / 32 shared experts and random routing. No kit
+             # here from the table as this card is served it: the M 17-32 band on 32-row
+             # blocks with its gate-up tile (bm32: sm_90 compile 221 registers and 86,016
+             # bytes of shared memory, 2 programs an SM, where the served 16-row blocks' take
+             # 165 and 61,440, 3), without par_acc on 2 stages (bm32lean: 168 / 51,200, 3), or
+             # on 128-deep K steps (bm32k128: 128 / 43,008, 4); and the M 17-32 and 33-48
+             # bands as bm32lean (bm32b48). Whole calls at M = 17 / 24 / 32 / 40 / 48,
+             # interleaved, 5 rounds, on 8 / 32 shared experts and random routing. No kit
              python3 - "$OUT" <<'PY'
 import json, sys
 from sglang_ddtree.triton_kernels.moe_config import table_json
 base = table_json()  # as this card is served it: its overrides merged
-for name, bands, gate_up in (("bm32", (32,), {}), ("bm32pa0", (32,), {"par_acc": 0}),
-                             ("bm32s7", (32,), {"split_k": 7}), ("bm32b48", (32, 48), {})):
+lean = {"par_acc": 0, "num_stages": 2}  # sm_90: 168 registers, 51,200 bytes: 3 programs an SM
+for name, bands, gate_up in (("bm32", (32,), {}), ("bm32lean", (32,), lean),
+                             ("bm32k128", (32,), {"par_acc": 0, "block_k": 128}),
+                             ("bm32b48", (32, 48), lean)):
     t = json.loads(json.dumps(base))
     for b in t["bands"]:
         if b["max_m"] in bands:
@@ -499,7 +503,7 @@ for name, bands, gate_up in (("bm32", (32,), {}), ("bm32pa0", (32,), {"par_acc":
 PY
              ROUTINGS="concentrated:8 concentrated:32 random" \
                moe_ab moebm32 ${MOEBM32_LIMIT:-120} ${MOEBM32_ROUNDS:-5} "17 24 32 40 48" \
-               fused_moe_bm32 $(for n in bm32 bm32pa0 bm32s7 bm32b48; do
+               fused_moe_bm32 $(for n in bm32 bm32lean bm32k128 bm32b48; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done)
              rm -f "$OUT"/t_bm32*.json ;;
     moegoal) # (session 66) the fused-MoE bandwidth goal (issue 5) as served: whole calls at
