@@ -501,7 +501,7 @@ for name, bands, gate_up in (("bm32", (32,), {}), ("bm32lean", (32,), lean),
             b["gate_up"].update(gate_up)
     json.dump(t, open(f"{sys.argv[1]}/t_{name}.json", "w"), indent=1)
 PY
-             ROUTINGS="concentrated:8 concentrated:32 random" \
+             ROUTINGS="${MOEBM32_ROUTINGS:-concentrated:8 concentrated:32 random}" \
                moe_ab moebm32 ${MOEBM32_LIMIT:-120} ${MOEBM32_ROUNDS:-5} "17 24 32 40 48" \
                fused_moe_bm32 $(for n in bm32 bm32lean bm32k128 bm32b48; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done)
