@@ -77,9 +77,9 @@ class MoeConfig:
     # a block_m / 2-row tile, and with block_m 32 / 64 one whose last three quarters hold none
     # as an 8- / 16-row tile (the 32-row blocks' quarter since session 68; under wide_halves
     # the gate-up narrows to the half only). An expert with up to block_m rows in a call then
-    # dequantizes each weight tile
-    # once for all of them, while blocks of few rows pay for narrow tiles only (timed in
-    # session 26 with block_m 32 / 64, slower on random routing,
+    # dequantizes each weight tile once for all of them, while blocks of few rows pay for
+    # narrow tiles only (timed in session 26 with block_m 32 / 64, before 32-row blocks had
+    # a quarter, slower on random routing,
     # bench_results/fused_moe_half_m{32,64}_grid_h200_s26.json; in session 46 with block_m 16,
     # 8-row tiles for experts of 1-8 rows: the M 17-48 bands,
     # bench_results/fused_moe_half_m16_*grid_h200_s46.json). 2: the gate-up only (the down runs
