@@ -75,8 +75,8 @@ class MoeConfig:
     down: GemmConfig
     # 1 (block_m 16, 32 or 64): both GEMMs run a block whose second half holds no real row as
     # a block_m / 2-row tile, and with block_m 32 / 64 one whose last three quarters hold none
-    # as an 8- / 16-row tile (the 32-row blocks' quarter since session 68; under wide_halves
-    # the gate-up narrows to the half only). An expert with up to block_m rows in a call then
+    # as an 8- / 16-row tile (the 32-row blocks' quarter since session 68; wide_halves' gate-up
+    # runs either as its half). An expert with up to block_m rows in a call then
     # dequantizes each weight tile once for all of them, while blocks of few rows pay for
     # narrow tiles only (timed in session 26 with block_m 32 / 64, before 32-row blocks had
     # a quarter, slower on random routing,

@@ -92,8 +92,7 @@ def _gate_up_kernel(
             e = tl.load(block_expert_ptr + pid_m)
             rows_pre = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     else:
-        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M,
-                                  not WIDE_HALVES)
+        e, level = _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M, HALF_M)
         rows_pre = 0
     if e < 0:
         return
@@ -164,14 +163,13 @@ def _live_split_rows(block_expert_ptr, sorted_ids_ptr, pid, T, max_blocks, NQ: t
 
 @triton.jit
 def _grouped_block(block_expert_ptr, sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr,
-                   HALF_M: tl.constexpr, QUARTER: tl.constexpr = True):
-    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows;
-    _narrow_level, QUARTER as there), the level's ids loaded beside the expert, not after it
-    (in bounds for unused blocks too)."""
+                   HALF_M: tl.constexpr):
+    """moe_align's block ``pid_m``: its expert (-1: unused) and HALF_M level (0: all rows),
+    the level's ids loaded beside the expert, not after it (in bounds for unused blocks too)."""
     e = tl.load(block_expert_ptr + pid_m)
     level = 0  # all BLOCK_M rows
     if HALF_M:
-        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M, QUARTER)
+        level = _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M)
     return e, level
 
 

@@ -60,16 +60,15 @@ def _rows_at(sorted_ids_ptr, row0, T, BM: tl.constexpr):
 
 
 @triton.jit
-def _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr,
-                  QUARTER: tl.constexpr = True):
+def _narrow_level(sorted_ids_ptr, pid_m, T, BLOCK_M: tl.constexpr):
     """How far block ``pid_m`` can narrow under HALF_M: 0 runs all BLOCK_M rows, 1 the first
-    half, 2 the first quarter (BLOCK_M >= 32 with QUARTER: 16 rows of 64, 8 of 32; a 16-row
-    block narrows to 8 at most). An expert's real rows come before its padding (moe_align), so
+    half, 2 the first quarter (BLOCK_M >= 32: 16 rows of 64, 8 of 32; a 16-row block narrows to
+    8 at most). An expert's real rows come before its padding (moe_align), so
     a half or quarter holds them all when the row just past it is padding. Fewer rows, narrower
     MMAs; more rows in one tile, each weight tile dequantized once for all of them."""
     row0 = pid_m * BLOCK_M
     level = tl.where(tl.load(sorted_ids_ptr + row0 + BLOCK_M // 2) < T, 0, 1)
-    if BLOCK_M >= 64 or (BLOCK_M == 32 and QUARTER):
+    if BLOCK_M >= 32:
         quarter = tl.load(sorted_ids_ptr + row0 + BLOCK_M // 4) >= T
         level = tl.where((level == 1) & quarter, 2, level)
     return level
