@@ -150,18 +150,16 @@ def main(argv=None) -> int:
                     help="also time x @ w.T with torch's BLAS preference set to cuBLASLt during "
                          "its capture ('cublaslt'; TORCH_BLAS_PREFER_CUBLASLT=1 sets it for a "
                          "whole server)")
-    ap.add_argument("--pdl", default="",
-                    help="also time ours with these PDL modes (comma-separated; 1: "
-                         "skinny_gemm.pdl_mode), as 'ours_pdl<mode>', each call's programs "
-                         "starting while the call before drains (sm_90+)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time ours with programmatic dependent launch (skinny_gemm's "
+                         "PDL mode 1), as 'ours_pdl1', each call's programs starting while the "
+                         "call before drains (sm_90+)")
     ap.add_argument("--sweep", default="",
                     help="also time these configs (see parse_sweep), outputs checked against "
                          "the fp32 reference, under 'sweep_us'")
     args = ap.parse_args(argv)
     sweep = parse_sweep(args.sweep)
-    pdl_modes = [int(v) for v in args.pdl.split(",") if v.strip()]
-    if any(v != 1 for v in pdl_modes):
-        ap.error(f"--pdl: mode 1 (session 68 removed 2), got {args.pdl!r}")
+    pdl_modes = [1] if args.pdl else []
     if pdl_modes and args.device == "cpu":
         ap.error("--pdl needs an sm_90+ GPU (programmatic dependent launch)")
     tiny_router = sglang_tiny_router() if args.sglang_router else None

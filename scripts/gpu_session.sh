@@ -526,24 +526,24 @@ PY
              # a 32-token verify's run cuBLAS: the q / kv down-projection and q_b_proj
              # (dsv3_fused_a_gemm) and the router (dsv3_router_gemm, fp32 out) against cuBLAS,
              # cuBLASLt and our skinny GEMM at 1-33 rows. Needs the kit (SGLang's kernels)
-             # (session 68: with ours under PDL beside them, --pdl 1)
+             # (session 68: with ours under PDL beside them, --pdl)
              step gemm-fused-a ${GEMMSMALL_LIMIT:-150} python3 scripts/bench_skinny_gemm.py \
-               --sglang-fused-a --cublaslt --pdl 1 --shapes 2112x7168,1536x1536 \
+               --sglang-fused-a --cublaslt --pdl --shapes 2112x7168,1536x1536 \
                --ms 1 8 16 17 32 --out "$OUT/gemm_small_fused_a_h200.json"
              step gemm-router ${GEMMSMALL_LIMIT:-150} python3 scripts/bench_skinny_gemm.py \
-               --sglang-router --fp32-out --pdl 1 --shapes 384x7168 --ms 1 8 16 17 32 \
+               --sglang-router --fp32-out --pdl --shapes 384x7168 --ms 1 8 16 17 32 \
                --out "$OUT/gemm_small_router_h200.json" ;;
-    gemmpdl) # (session 68) the skinny GEMM with programmatic dependent launch (--pdl 1:
-             # skinny_gemm.pdl_mode) against plain launches and cuBLAS, at the shapes the
+    gemmpdl) # (session 68) the skinny GEMM with programmatic dependent launch (--pdl:
+             # skinny_gemm.pdl_mode 1) against plain launches and cuBLAS, at the shapes the
              # switches serve (the q / kv down-projection, the shared expert's gate-up and down,
              # the router with fp32 out), 1-32 rows; outputs checked for the plain launches'
              # bits. No kit (gemmsmall adds SGLang's 16-token kernels). Session 68 ran it with
              # a mode 2 since removed (bench_results/skinny_pdl_*_h100_s68.json)
-             step gemm-pdl ${GEMMPDL_LIMIT:-150} python3 scripts/bench_skinny_gemm.py --pdl 1 \
+             step gemm-pdl ${GEMMPDL_LIMIT:-150} python3 scripts/bench_skinny_gemm.py --pdl \
                --shapes 2112x7168,512x7168,7168x256 --ms 1 8 16 17 24 32 \
                --out "$OUT/skinny_pdl_h200.json"
              step gemm-pdl-router ${GEMMPDL_LIMIT:-150} python3 scripts/bench_skinny_gemm.py \
-               --pdl 1 --fp32-out --shapes 384x7168 --ms 1 8 16 17 24 32 \
+               --pdl --fp32-out --shapes 384x7168 --ms 1 8 16 17 24 32 \
                --out "$OUT/skinny_pdl_router_h200.json" ;;
     moem16split) # (session 61) the M 9-16 band's gate-up K split: split_k 4 (the bands') and
              # 7 (a divisor of its 28 K steps) with split_target 512 / 448 / 384, in tables

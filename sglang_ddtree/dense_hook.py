@@ -133,7 +133,7 @@ def parse_router_config(value: str):
 
 
 _state = {"range": None, "buffers": {}, "next": {}, "router": None, "router_range": None,
-          "router_config": None, "tiny": None}
+          "router_config": None, "tiny": None, "pdl": None}
 
 
 def _counters_for_layer(layer, device: torch.device, n_tiles: int):
@@ -195,7 +195,7 @@ def _skinny(holder, w: torch.Tensor, x: torch.Tensor, out=None, config=None):
         cfg = config or sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
         holder._ddtree_skinny_config = cfg
     return sg.skinny_gemm(x, w, out=out, config=cfg, counters=_counters_for_layer(
-        holder, x.device, w.shape[0] // cfg.block_n))
+        holder, x.device, w.shape[0] // cfg.block_n), pdl=_state["pdl"])
 
 
 def router_fits(w, x: torch.Tensor, lo: int, hi: int, cfg) -> bool:
@@ -370,24 +370,24 @@ def uninstall(cls=None) -> None:
             mod, attr, original = _state[key]
             setattr(mod, attr, original)
     _state.update(range=None, buffers={}, next={}, router=None, router_range=None,
-                  router_config=None, tiny=None)
+                  router_config=None, tiny=None, pdl=None)
 
 
 def check_pdl(environ, switched_on: bool) -> int:
-    """``SGLANG_DDTREE_SKINNY_PDL`` (the kernel's launches with programmatic dependent launch,
-    read by the kernel per call: ``skinny_gemm.pdl_mode``) as a mode, 0 if unset; raises for
+    """``SGLANG_DDTREE_SKINNY_PDL`` (the kernel's launches with programmatic dependent launch:
+    ``skinny_gemm.parse_pdl``) as a mode, 0 if unset; raises for
     another value, and for a mode above 0 while neither switch is on (it would do nothing).
     Whether the GPU can run it is checked at the first call, which SGLang makes at start-up."""
     from .triton_kernels import skinny_gemm as sg
 
-    value = environ.get(sg.PDL_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value!r}: expected 0 (plain launches) or 1 "
-                                  "(each program waits for the launch before it first)")
-    if value not in ("", "0") and not switched_on:
-        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={value} applies to the skinny GEMM only: set "
+    try:
+        mode = sg.parse_pdl(environ.get(sg.PDL_ENV, ""))
+    except ValueError as exc:
+        raise SkinnyGemmHookError(str(exc)) from exc
+    if mode and not switched_on:
+        raise SkinnyGemmHookError(f"{sg.PDL_ENV}={mode} applies to the skinny GEMM only: set "
                                   f"{ENV_SWITCH} or {ROUTER_ENV} too, or unset it")
-    return int(value or 0)
+    return mode
 
 
 def maybe_install(environ=os.environ) -> bool:
@@ -398,6 +398,7 @@ def maybe_install(environ=os.environ) -> bool:
     router_rng = parse_range(environ.get(ROUTER_ENV, ""), ROUTER_ENV, DEFAULT_ROUTER_RANGE)
     router_cfg = parse_router_config(environ.get(ROUTER_CONFIG_ENV, ""))
     pdl = check_pdl(environ, rng is not None or router_rng is not None)
+    _state["pdl"] = pdl  # every call's mode (install() / install_router() alone: the kernel's)
     if pdl:
         logger.warning("sglang-ddtree: SGLANG_DDTREE_SKINNY_PDL=%d: the skinny GEMM launches "
                        "with programmatic dependent launch", pdl)

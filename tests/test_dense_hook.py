@@ -263,6 +263,27 @@ def test_skinny_pdl_is_checked_at_install():
     assert dh.check_pdl({}, False) == 0
 
 
+def test_the_checked_pdl_mode_goes_with_every_call(monkeypatch):
+    """maybe_install's checked SGLANG_DDTREE_SKINNY_PDL is what each hooked call launches with
+    (the kernel then reads no environment per call); before it, None (the kernel's own)."""
+    from sglang_ddtree.triton_kernels import skinny_gemm as sg
+
+    dh.uninstall()  # another test's maybe_install may have left its mode
+    seen = []
+    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **kw: seen.append(kw["pdl"]))
+    layer = torch.nn.Linear(256, 128, bias=False)
+    layer._ddtree_skinny_counters = torch.zeros(2, dtype=torch.int32)  # no device buffer
+    x = torch.zeros(3, 256)
+    dh._skinny(layer, layer.weight, x)
+    monkeypatch.setattr(dh, "install_router", lambda *a, **kw: True)
+    try:
+        dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "1", "SGLANG_DDTREE_SKINNY_PDL": "1"})
+        dh._skinny(layer, layer.weight, x)
+    finally:
+        dh.uninstall()
+    assert seen == [None, 1] and dh._state["pdl"] is None
+
+
 def test_the_installed_sglangs_tiny_router_gemm_is_named_in_moegate():
     """compat.<release>.ROUTER_TINY_GEMM is the name DeepseekV2's MoEGate calls for few rows
     (0.5.17: dsv3_router_gemm; 0.5.23: tiny_gemm_bf16), imported into the model module on CUDA

@@ -191,16 +191,21 @@ def _sms(device: torch.device) -> int:
 PDL_ENV = "SGLANG_DDTREE_SKINNY_PDL"
 
 
+def parse_pdl(value) -> int:
+    """A PDL mode as given (``0`` / ``1``, a string or an int, spaces ignored; empty: 0);
+    ValueError naming the accepted values otherwise."""
+    v = str(value).strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={value!r}: expected 0 (plain launches) or 1 (each "
+                         "program waits for the launch before it first)")
+    return int(v or 0)
+
+
 def pdl_mode(device: torch.device, mode=None) -> int:
     """A launch's PDL mode (module docstring): ``mode`` if given, else ``SGLANG_DDTREE_SKINNY_PDL``
-    (read per call), else 0. Raises ValueError for another value, or for mode 1 where the
-    device cannot run it (the portable path, a GPU before sm_90)."""
-    if mode is None:
-        mode = os.environ.get(PDL_ENV, "").strip() or 0
-    if str(mode) not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV}: 0 (plain launches) or 1 (each program waits for the "
-                         f"launch before), got {mode!r}")
-    mode = int(mode)
+    (read per call), else 0 (:func:`parse_pdl`). Raises ValueError for another value, or for
+    mode 1 where the device cannot run it (the portable path, a GPU before sm_90)."""
+    mode = parse_pdl(os.environ.get(PDL_ENV, "") if mode is None else mode)
     if mode and (portable(device) or torch.cuda.get_device_capability(device) < (9, 0)):
         raise ValueError(f"{PDL_ENV}={mode} needs an sm_90+ GPU outside the Triton interpreter; "
                          f"unset it (or 0) here")

@@ -158,9 +158,9 @@ def test_benchmark_script_smoke_run(tmp_path):
     res32 = json.loads(out32.read_text())
     assert res32["out_dtype"] == "float32" and res32["rows"][0]["max_rel_err_vs_fp32"] < 1e-4
     assert isinstance(res32["rows"][0]["sweep_us"]["32,128,0"], float)
-    for pdl in ("1", "2"):  # PDL needs an sm_90+ GPU; 2 is no mode
+    for pdl in (["--pdl"], ["--pdl", "2"]):  # PDL needs an sm_90+ GPU; --pdl takes no value
         with pytest.raises(SystemExit):
-            bench.main(["--device", "cpu", "--shapes", "128x512", "--pdl", pdl,
+            bench.main(["--device", "cpu", "--shapes", "128x512", *pdl,
                         "--out", str(tmp_path / "pdl.json")])
     assert not (tmp_path / "pdl.json").exists()
     with pytest.raises(SystemExit, match="NxK"):
