@@ -371,18 +371,11 @@ for s in "$@"; do
              # eager and CUDA-graph replay). No kit
              # (and two tables whose looped downs hold fewer registers, ptxas's cap in
              # GemmConfig.max_regs: 72 where no spill, 7 programs an SM instead of 6; the
-             # M = 8 band's at 64, 8 programs; written here into $OUT)
-             python3 - "$OUT" <<'PYEOF'
-import json, sys
-from sglang_ddtree.triton_kernels.moe_config import table_json
-base = table_json()  # as this card is served it: its overrides merged
-for tag, m8 in (("72", 72), ("64", 64)):
-    t = json.loads(json.dumps(base))
-    for b in t["bands"]:
-        if b["down"].get("n_per_cta") and b["max_m"] <= 48:
-            b["down"]["max_regs"] = m8 if b["max_m"] == 8 else 72
-    json.dump(t, open(f"{sys.argv[1]}/moe_configs_down_regs{tag}.json", "w"), indent=1)
-PYEOF
+             # M = 8 band's at 64, 8 programs; the looped-down bands of M <= 48; written
+             # here into $OUT)
+             V="python3 scripts/moe_table_variant.py"; R="$OUT/moe_configs_down_regs"
+             $V "${R}72.json" "2,4,7,8,16,32,48:down.max_regs=72" &&
+             $V "${R}64.json" "2,4,7,16,32,48:down.max_regs=72" "8:down.max_regs=64"
              for routing in random concentrated:8; do
                step moepdl-${routing/:/} ${MOEPDL_LIMIT:-170} python3 scripts/bench_fused_moe.py \
                  --no-sglang --check --rounds 3 --routing $routing \
@@ -426,14 +419,7 @@ PYEOF
              # here), with the served PDL and with 1:gd; interleaved, random routing then 8
              # shared experts; then its GPU test (bits). No kit. (Run d timed 0401d49's form, an
              # env switch SGLANG_DDTREE_MOE_GU_ROWS, since replaced by the band field)
-             python3 - "$OUT/moe_configs_no_early_rows.json" <<'PY'
-import json, sys
-from sglang_ddtree.triton_kernels.moe_config import table_json
-t = table_json()  # as this card is served it: its overrides merged
-for b in t["bands"]:
-    b.pop("early_rows", None)
-json.dump(t, open(sys.argv[1], "w"), indent=1)
-PY
+             python3 scripts/moe_table_variant.py "$OUT/moe_configs_no_early_rows.json" 8:early_rows=0
              moe_ab moerows ${MOEROWS_LIMIT:-150} ${MOEROWS_ROUNDS:-5} "${MOEROWS_MS:-8 1 2 4 16 32 64}" \
                fused_moe_rows "no_rows:SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_no_early_rows.json" \
                gd:SGLANG_DDTREE_MOE_PDL=1:gd \
@@ -460,18 +446,11 @@ PY
              # table itself, down block_n 32, gate-up split_target 512, gate-up 4 stages), whole
              # calls at M = 8, interleaved, 7 rounds, random routing then 8 shared experts. No
              # kit. (Run f timed it at b0356b6, whose table had 256 down columns, without dn128)
-             python3 - "$OUT" <<'PY'
-import json, sys
-from sglang_ddtree.triton_kernels.moe_config import table_json
-base = table_json()  # as this card is served it: its overrides merged
-for name, kind, field, value in (("dn512", "down", "n_per_cta", 512), ("dn256", "down", "n_per_cta", 256),
-                                 ("dn128", "down", "n_per_cta", 128),
-                                 ("dnbn32", "down", "block_n", 32), ("gut512", "gate_up", "split_target", 512),
-                                 ("gus4", "gate_up", "num_stages", 4)):
-    t = json.loads(json.dumps(base))
-    next(b for b in t["bands"] if b["max_m"] == 8)[kind][field] = value
-    json.dump(t, open(f"{sys.argv[1]}/moe_configs_m8_{name}.json", "w"), indent=1)
-PY
+             V="python3 scripts/moe_table_variant.py"; T="$OUT/moe_configs_m8"
+             $V "${T}_dn512.json" 8:down.n_per_cta=512 && $V "${T}_dn256.json" 8:down.n_per_cta=256 &&
+             $V "${T}_dn128.json" 8:down.n_per_cta=128 && $V "${T}_dnbn32.json" 8:down.block_n=32 &&
+             $V "${T}_gut512.json" 8:gate_up.split_target=512 &&
+             $V "${T}_gus4.json" 8:gate_up.num_stages=4
              moe_ab moem8pdl ${MOEM8PDL_LIMIT:-150} ${MOEM8PDL_ROUNDS:-7} 8 fused_moe_m8_pdl \
                $(for n in dn512 dn256 dn128 dnbn32 gut512 gus4; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/moe_configs_m8_$n.json"; done) ;;
@@ -486,21 +465,11 @@ PY
              # on 128-deep K steps (bm32k128: 128 / 43,008, 4); and the M 17-32 and 33-48
              # bands as bm32lean (bm32b48). Whole calls at M = 17 / 24 / 32 / 40 / 48,
              # interleaved, 5 rounds, on 8 / 32 shared experts and random routing. No kit
-             python3 - "$OUT" <<'PY'
-import json, sys
-from sglang_ddtree.triton_kernels.moe_config import table_json
-base = table_json()  # as this card is served it: its overrides merged
-lean = {"par_acc": 0, "num_stages": 2}  # sm_90: 168 registers, 51,200 bytes: 3 programs an SM
-for name, bands, gate_up in (("bm32", (32,), {}), ("bm32lean", (32,), lean),
-                             ("bm32k128", (32,), {"par_acc": 0, "block_k": 128}),
-                             ("bm32b48", (32, 48), lean)):
-    t = json.loads(json.dumps(base))
-    for b in t["bands"]:
-        if b["max_m"] in bands:
-            b.update(block_m=32, half_m=1)
-            b["gate_up"].update(gate_up)
-    json.dump(t, open(f"{sys.argv[1]}/t_{name}.json", "w"), indent=1)
-PY
+             V="python3 scripts/moe_table_variant.py"; B32="block_m=32,half_m=1"
+             LEAN="gate_up.par_acc=0,gate_up.num_stages=2"  # sm_90: 168 registers, 51,200 bytes
+             $V "$OUT/t_bm32.json" "32:$B32" && $V "$OUT/t_bm32lean.json" "32:$B32,$LEAN" &&
+             $V "$OUT/t_bm32k128.json" "32:$B32,gate_up.par_acc=0,gate_up.block_k=128" &&
+             $V "$OUT/t_bm32b48.json" "32,48:$B32,$LEAN"
              ROUTINGS="${MOEBM32_ROUTINGS:-concentrated:8 concentrated:32 random}" \
                moe_ab moebm32 ${MOEBM32_LIMIT:-120} ${MOEBM32_ROUNDS:-5} "17 24 32 40 48" \
                fused_moe_bm32 $(for n in bm32 bm32lean bm32k128 bm32b48; do
@@ -552,17 +521,11 @@ PY
              # interleaved, 5 rounds, on 8 / 32 / 16 shared experts and random routing. No kit.
              # (Session 61 ran these commands on an H100 at 5e17a73, before the override:
              # bench_results/fused_moe_split7t_*_h100_s61.json)
-             python3 - "$OUT" <<'PY'
-import json, sys
-from sglang_ddtree.triton_kernels.moe_config import table_json
-base = table_json()  # as this card is served it: its overrides merged
-for name, split, target in (("s4", 4, 512), ("s7", 7, 512), ("s7t448", 7, 448),
-                           ("s7t384", 7, 384)):
-    t = json.loads(json.dumps(base))
-    next(b for b in t["bands"] if b["max_m"] == 16)["gate_up"].update(split_k=split,
-                                                                      split_target=target)
-    json.dump(t, open(f"{sys.argv[1]}/t_{name}.json", "w"), indent=1)
-PY
+             V="python3 scripts/moe_table_variant.py"; G="16:gate_up.split_k"
+             $V "$OUT/t_s4.json" "$G=4,gate_up.split_target=512" &&
+             $V "$OUT/t_s7.json" "$G=7,gate_up.split_target=512" &&
+             $V "$OUT/t_s7t448.json" "$G=7,gate_up.split_target=448" &&
+             $V "$OUT/t_s7t384.json" "$G=7,gate_up.split_target=384"
              ROUTINGS="concentrated:8 concentrated:32 concentrated:16 random" \
                moe_ab moem16split ${MOEM16SPLIT_LIMIT:-90} 5 "9 12 16" fused_moe_split7t \
                $(for n in s4 s7 s7t448 s7t384; do

@@ -222,3 +222,36 @@ def test_small_card_settings_follow_the_cards_memory(tmp_path, mib, small):
     log = (out / "session.log").read_text()
     assert "unknown step nosuchstep" in log, log
     assert ("--max-servers 2" in log) == small, log
+
+
+def _variant_lines(text: str) -> list[str]:
+    """A step's lines that write variant tables: ``scripts/moe_table_variant.py`` calls (also
+    through ``$V``) and the plain assignments they use."""
+    keep = []
+    for line in text.splitlines():
+        s = line.strip()
+        if "moe_table_variant.py" in s or s.startswith("$V ") or (
+                re.match(r"^[A-Z0-9_]+=", s) and "moe_ab" not in s and "step " not in s):
+            keep.append(s)
+    return keep
+
+
+def test_every_variant_table_a_step_writes_loads(tmp_path):
+    """Each step's ``moe_table_variant.py`` SPECs apply to the table and load: a band or field
+    typo fails here instead of in the device call (the steps run the same lines)."""
+    found = {name: _variant_lines(t) for name, t in steps().items()
+             if "moe_table_variant.py" in t}
+    assert {"moem8pdl", "moebm32", "moem16split", "moepdl", "moerows"} <= set(found)
+    from sglang_ddtree.triton_kernels import moe_config as mc
+    for name, lines in found.items():
+        out = tmp_path / name
+        out.mkdir()
+        script = "\n".join(['python3() { "$PY" "$@"; }', "set -e", *lines])
+        r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PY": sys.executable},
+                           timeout=300)
+        assert r.returncode == 0, f"{name}:\n{script}\n{r.stderr[-1500:]}"
+        written = sorted(out.glob("*.json"))
+        assert len(written) == sum(ln.count(".json") for ln in lines), (name, written)
+        for path in written:
+            assert mc._config_table(str(path), None), path
