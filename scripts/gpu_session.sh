@@ -876,13 +876,17 @@ for s in "$@"; do
                --kernels mla,mla_fp8 --budgets 30,31,32 --batch-sizes 1,2,8 \
                --out "$OUT/doctor_mla_b30_b32_h200.json" ;;
     widemlacosts) # (session 45 ran it with WIDEMLA_COSTS_BUDGETS=7,15 WIDEMLA_COSTS_NAME=b7_b15_bm8;
-             # WIDEMLA_COSTS_ARGS adds arguments, e.g. "--server-env
-             # SGLANG_DDTREE_MOE_CONFIG=$PWD/<another band table>.json")
+             # WIDEMLA_COSTS_ARGS adds arguments.) WIDEMLA_COSTS_MOE="SPEC ..." serves every
+             # server a variant of the fused-MoE table, written here for this card
+             # (scripts/moe_table_variant.py's SPECs), e.g. "32:block_m=32,half_m=1": session
+             # 68's 32-row blocks for the M 17-32 band
+             [ -z "${WIDEMLA_COSTS_MOE:-}" ] || python3 scripts/moe_table_variant.py "$OUT/moe_configs_costs.json" $WIDEMLA_COSTS_MOE >> "$OUT/session.log" 2>&1 || { log "widemlacosts: WIDEMLA_COSTS_MOE refused (above): not run"; continue; }
              step widemla-costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
                --out "$OUT/cost_curves_kimi_l61_${WIDEMLA_COSTS_NAME:-b31_b32}_h200.json" \
                --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
                --timer-budgets ${WIDEMLA_COSTS_BUDGETS:-31,32} --concurrency 1 \
                --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
+               ${WIDEMLA_COSTS_MOE:+--server-env SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_costs.json} \
                ${WIDEMLA_COSTS_ARGS:-} ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took

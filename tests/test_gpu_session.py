@@ -224,6 +224,9 @@ def test_small_card_settings_follow_the_cards_memory(tmp_path, mib, small):
     assert ("--max-servers 2" in log) == small, log
 
 
+COSTS_MOE = "32:block_m=32,half_m=1"  # session 68's cost-curve A/B (gpu_session.sh widemlacosts)
+
+
 def _variant_lines(text: str) -> list[str]:
     """A step's lines that write variant tables: ``scripts/moe_table_variant.py`` calls (also
     through ``$V``) and the plain assignments they use."""
@@ -248,10 +251,41 @@ def test_every_variant_table_a_step_writes_loads(tmp_path):
         out.mkdir()
         script = "\n".join(['python3() { "$PY" "$@"; }', "set -e", *lines])
         r = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                           env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PY": sys.executable},
+                           env={"PATH": "/usr/bin:/bin", "OUT": str(out), "PY": sys.executable,
+                                "WIDEMLA_COSTS_MOE": COSTS_MOE},
                            timeout=300)
         assert r.returncode == 0, f"{name}:\n{script}\n{r.stderr[-1500:]}"
         written = sorted(out.glob("*.json"))
         assert len(written) == sum(ln.count(".json") for ln in lines), (name, written)
         for path in written:
             assert mc._config_table(str(path), None), path
+
+
+@pytest.mark.parametrize("spec,served", [(COSTS_MOE, True), ("33:block_m=32", False)])
+def test_costs_serve_the_variant_table_they_wrote(tmp_path, spec, served):
+    """widemlacosts with WIDEMLA_COSTS_MOE: the variant table is written on the card and every
+    server gets it; a spec the script refuses stops the step before any server starts."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 143771\n")
+    (fake / "python3").write_text(  # the cost curve only logs itself; the rest runs for real
+        f'#!/bin/sh\ncase "$1" in scripts/bench_cost_curves.py) exit 0;; esac\n'
+        f'PYTHONPATH= exec {sys.executable} "$@"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1",
+           "WIDEMLA_COSTS_MOE": spec}
+    subprocess.run(["bash", str(SCRIPT), "widemlacosts"], cwd=ROOT, env=env,
+                   capture_output=True, timeout=300)
+    log = (out / "session.log").read_text()
+    table = out / "moe_configs_costs.json"
+    assert ("bench_cost_curves.py" in log) == served, log
+    assert table.exists() == served, log
+    if served:
+        assert f"SGLANG_DDTREE_MOE_CONFIG={table}" in log, log
+        from sglang_ddtree.triton_kernels import moe_config as mc
+        cfg = mc.select_config(32, str(table), None)
+        assert (cfg.block_m, cfg.half_m) == (32, 1)
+    else:
+        assert "no band max_m=33" in log and "refused" in log, log
