@@ -157,8 +157,13 @@ def gemm_config(fields: dict, where: str = "GemmConfig") -> GemmConfig:
 # A table's per-device overrides: {"devices": {NAME: {"why": ..., "bands": [{"max_m": M,
 # "down": {...}, ...}]}}}. NAME is torch.cuda.get_device_name()'s, matched exactly; each
 # override band names a band of the table by max_m and replaces the fields it gives (inside
-# gate_up / down, field by field). The bands themselves are the default for any other device.
+# gate_up / down, field by field). An override band with "split": 1 adds a band the table
+# lacks for that card: a copy of the band that serves its max_m as written (the next larger
+# band, before any of the card's overrides), then its own fields; the band it was cut from
+# keeps the M above it (session 70: the H100's M 17-32 band cut at 27). The bands themselves
+# are the default for any other device.
 DEVICES = "devices"
+SPLIT = "split"
 _AUTO = object()  # select_config's device_name default: the current CUDA device's name
 
 
@@ -187,7 +192,8 @@ def table_json(path: str | None = None, device_name=_AUTO) -> dict:
     shipped one) as it serves ``device_name`` (default, as ``select_config``: the current CUDA
     device's; None: the bands as written): its overrides for that device merged into the
     bands and the ``devices`` section dropped (what scripts edit to time a variant of the
-    served table). ValueError for an override of a band the table lacks."""
+    served table). ValueError for an override of a band the table lacks (without ``split``),
+    and for a ``split`` of a band it has or past its last band."""
     if device_name is _AUTO:
         device_name = cuda_device_name()
     path = path or os.environ.get("SGLANG_DDTREE_MOE_CONFIG", _CONFIG_PATH)
@@ -200,16 +206,35 @@ def table_json(path: str | None = None, device_name=_AUTO) -> dict:
         raw = json.load(f)
     devices = raw.pop(DEVICES, {})
     over = devices.get(device_name, {}) if device_name else {}
+    written = sorted(raw["bands"], key=lambda b: b["max_m"])
+    for ob in over.get("bands", []):  # the split bands first, copies of the bands as written
+        if not ob.get(SPLIT):
+            continue
+        m = ob.get("max_m")
+        if not isinstance(m, int) or any(b["max_m"] == m for b in raw["bands"]):
+            raise ValueError(f"fused MoE config table {path}: the override for {device_name!r} "
+                             f"splits off band max_m={m!r}, which the table already has (or "
+                             "is no integer); fix the override: drop 'split' to change that band")
+        src = next((b for b in written if b["max_m"] > m), None)
+        if src is None:
+            raise ValueError(f"fused MoE config table {path}: the override for {device_name!r} "
+                             f"splits off band max_m={m}, past the table's last band "
+                             f"(max_m={written[-1]['max_m']}, which serves every larger M); "
+                             "fix the override's max_m")
+        copy = {k: v for k, v in json.loads(json.dumps(src)).items() if k != "us"}
+        raw["bands"].append(dict(copy, max_m=m))  # ("us": the source band's tuning time)
+        raw["bands"].sort(key=lambda b: b["max_m"])
     for ob in over.get("bands", []):
         band = next((b for b in raw["bands"] if b["max_m"] == ob.get("max_m")), None)
         if band is None:
             raise ValueError(f"fused MoE config table {path}: the override for "
                              f"{device_name!r} names band max_m={ob.get('max_m')}, which "
-                             "the table does not have; fix the override's max_m")
+                             "the table does not have; fix the override's max_m (or give it "
+                             f"\"{SPLIT}\": 1 to add that band for this card)")
         for key, value in ob.items():
             if key in ("gate_up", "down"):
                 band[key] = dict(band[key], **value)
-            elif key != "max_m":
+            elif key not in ("max_m", SPLIT):
                 band[key] = value
     return raw
 

@@ -1182,6 +1182,51 @@ def test_device_overrides_replace_fields_for_their_card_only(tmp_path, monkeypat
             MOE.check_config_table(7168, 256, str(path))
 
 
+def test_device_split_override_adds_a_band_for_its_card_only(tmp_path):
+    """An override band with ``"split": 1`` adds a band the table lacks for that card: a copy
+    of the band that serves its max_m as written (before the card's other overrides, without
+    its "us"), then its own fields; the band it was cut from keeps the M above it. A split of
+    a band the table has, or past its last band, is refused naming the card and the fix."""
+    import json
+    from pathlib import Path
+    table = json.loads(Path(MOE._CONFIG_PATH).read_text())
+    table.pop(MOE.DEVICES, None)
+    base = {b["max_m"]: b for b in table["bands"]}
+    assert 20 not in base and 32 in base and 48 in base
+    table[MOE.DEVICES] = {"Card X": {"why": "a test", "bands": [
+        {"max_m": 32, "block_m": 32, "gate_up": {"split_k": 7}},
+        {"max_m": 20, "split": 1, "down": {"split_target": 896}}]}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    assert MOE.check_config_table(7168, 256, str(path)) == str(path)
+    x = MOE.table_json(str(path), "Card X")["bands"]
+    assert [b["max_m"] for b in x] == sorted([20] + list(base))
+    b20 = next(b for b in x if b["max_m"] == 20)
+    want = {k: v for k, v in json.loads(json.dumps(base[32])).items() if k != "us"}
+    want["max_m"], want["down"]["split_target"] = 20, 896
+    assert b20 == want  # the band as written, not its Card X override (block_m 32, split_k 7)
+    for m in (17, 20):
+        assert MOE.select_config(m, str(path), "Card X") == dataclasses.replace(
+            MOE.select_config(m, str(path), None), down=MOE.gemm_config(want["down"]))
+    for m in (21, 32):
+        got = MOE.select_config(m, str(path), "Card X")
+        assert got.block_m == 32 and got.gate_up.split_k == 7
+        assert got.down == MOE.select_config(m, str(path), None).down
+    assert MOE.select_config(33, str(path), "Card X") == MOE.select_config(33, str(path), None)
+    for name in (None, "Card Y"):
+        assert MOE.table_json(str(path), name)["bands"] == table["bands"]
+    for i, (over, match) in enumerate((
+            ({"max_m": 32, "split": 1}, "splits off band max_m=32, which the table already has"),
+            ({"max_m": 10 ** 6, "split": 1}, "past the table's last band"),
+            ({"max_m": 20, "block_m": 32}, "names band max_m=20.*\"split\": 1 to add"))):
+        bad = json.loads(json.dumps(table))
+        bad[MOE.DEVICES]["Card X"]["bands"] = [over]
+        path = tmp_path / f"bad{i}.json"  # (tables are cached by path)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"overridden for 'Card X'.*{match}.*fix"):
+            MOE.check_config_table(7168, 256, str(path))
+
+
 def test_launch_picks_the_band_of_its_device(monkeypatch):
     """fused_moe_w4a16 without a config picks the band by its input's device's name."""
     seen = []
