@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -475,6 +475,20 @@ for s in "$@"; do
                fused_moe_bm32 $(for n in bm32 bm32lean bm32k128 bm32b48; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done)
              rm -f "$OUT"/t_bm32*.json ;;
+    moem28)  # (session 70) the M 28-32 band the H100 serves since session 70 (32-row blocks,
+             # the gate-up's K split up to 7 ways at split_target 448, the looped down split
+             # live at 896: bm32a) against the band as written (16-row blocks: s69), both
+             # written here from the table as this card is served it, so that one of the two
+             # is the served table on an H100 and the other on an H200. Whole calls at M 24-32,
+             # interleaved, 7 rounds, on random routing and 32 / 8 shared experts. No kit
+             V="python3 scripts/moe_table_variant.py"
+             $V "$OUT/t_bm32a.json" "32:block_m=32,half_m=1,gate_up.split_k=7,gate_up.split_target=448,down.split_target=896" &&
+             $V "$OUT/t_s69.json" "32:block_m=16,half_m=1,gate_up.split_k=4,gate_up.split_target=512,down.split_target=0"
+             ROUTINGS="${MOEM28_ROUTINGS:-random concentrated:32 concentrated:8}" \
+               moe_ab moem28 ${MOEM28_LIMIT:-150} ${MOEM28_ROUNDS:-7} "24 26 27 28 30 32" \
+               fused_moe_m28 bm32a:SGLANG_DDTREE_MOE_CONFIG="$OUT/t_bm32a.json" \
+               s69:SGLANG_DDTREE_MOE_CONFIG="$OUT/t_s69.json"
+             rm -f "$OUT"/t_bm32a.json "$OUT"/t_s69.json ;;
     moegoal) # (session 66) the fused-MoE bandwidth goal (issue 5) as served: whole calls at
              # M = 8 / 16 / 32 / 64 (the goal's: random routing), MOEGOAL_ROUNDS rounds, each
              # row's GB/s against the copy bandwidth measured in the same run. No kit. Random

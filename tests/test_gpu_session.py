@@ -244,7 +244,7 @@ def test_every_variant_table_a_step_writes_loads(tmp_path):
     typo fails here instead of in the device call (the steps run the same lines)."""
     found = {name: _variant_lines(t) for name, t in steps().items()
              if "moe_table_variant.py" in t}
-    assert {"moem8pdl", "moebm32", "moem16split", "moepdl", "moerows"} <= set(found)
+    assert {"moem8pdl", "moebm32", "moem16split", "moepdl", "moerows", "moem28"} <= set(found)
     from sglang_ddtree.triton_kernels import moe_config as mc
     for name, lines in found.items():
         out = tmp_path / name
