@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28 kimiprofile61
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -300,6 +300,17 @@ for s in "$@"; do
                --draft bench_assets/model-configs/kimi-k2.6-tp8rank-l8-int4-dflash-draft \
                --methods ar,ddtree --budget ${KIMI_PROFILE_BUDGETS:-32,16,8} --steps 20 \
                --max-new-tokens 96 --server-env SGLANG_DDTREE_FUSED_MOE=1 \
+               --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
+    kimiprofile61) # (session 70) profile on the 61-layer int4 Kimi rank with the rank's
+             # vocabulary (the cost curves' model, whose weights do not fit L2 as the 8-layer
+             # rank's partly do), batch 1, AR and DDTREE at KIMI_PROFILE_BUDGETS (default 31),
+             # one server at a time (it fills an 80 GB H100 alone)
+             step kimi-profile61 ${PROFILE_LIMIT:-450} python3 scripts/profile_step.py \
+               --out "$OUT/profile_step_kimi_l61_h200.json" --dummy --serial \
+               --target bench_assets/model-configs/kimi-k2.6-tp8rank-l61-int4-rankvocab \
+               --draft bench_assets/model-configs/kimi-k2.6-tp8rank-l61-int4-rankvocab-dflash-draft \
+               --methods ar,ddtree --budget ${KIMI_PROFILE_BUDGETS:-31} --steps ${KIMI_PROFILE_STEPS:-10} \
+               --max-new-tokens 64 --server-env SGLANG_DDTREE_FUSED_MOE=1 \
                --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
     moeprologue) # the MoE prologue alone (grouping + x's copy; session 39: one launch 4.8 us
              # at M = 1 up to 82 at 2,048, two launches 9.7-28), both copy layouts, both

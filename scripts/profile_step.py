@@ -537,17 +537,28 @@ def main():
                     help="environment of every server (repeatable), recorded in the JSON: e.g. "
                     "SGLANG_DDTREE_FUSED_MOE=1 for the int4 Kimi rank on our fused MoE (without "
                     "it SGLang's Marlin MoE serves it)")
+    ap.add_argument("--mem-fraction", type=float, default=None,
+                    help="the servers' --mem-fraction-static (default 0.85; with --serial "
+                    "bench_cost_curves' default_mem_fraction for the card: 0.95 under "
+                    "100,000 MiB)")
+    ap.add_argument("--serial", action="store_true",
+                    help="start each server when the one before has stopped (default: all at "
+                    "once): the 61-layer int4 Kimi rank fills an 80 GB H100 alone")
     args = ap.parse_args()
     server_env = parse_server_env(args.server_env)
 
     import sglang
     import torch
+    from bench_cost_curves import default_mem_fraction
+
+    mem_fraction = args.mem_fraction or (default_mem_fraction(
+        torch.cuda.get_device_properties(0).total_memory) if args.serial else 0.85)
 
     os.makedirs(args.workdir, exist_ok=True)
     prompts = [json.loads(l)["input_ids"] for l in open(args.prompts_file)]
     common = ["--model-path", args.target, "--attention-backend", "triton",
               "--cuda-graph-max-bs", "16", "--max-running-requests", "16",
-              "--mem-fraction-static", "0.85", "--max-total-tokens", "65536",
+              "--mem-fraction-static", str(mem_fraction), "--max-total-tokens", "65536",
               "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-prefill-cuda-graph", "--sleep-on-idle"]
     spec = ["--speculative-draft-model-path", args.draft]
@@ -564,16 +575,24 @@ def main():
               "server_env": server_env, "fused_moe": effective_env(
                   server_env, "SGLANG_DDTREE_FUSED_MOE", "0") not in ("", "0"),
               "complete": False, "methods": {}}
+    result["mem_fraction"], result["serial"] = mem_fraction, args.serial
     servers = {}
     stop_on_sigterm()
+
+    def start(i, name, extra):
+        trace_dir = os.path.join(args.workdir, name)
+        os.makedirs(trace_dir, exist_ok=True)
+        servers[name] = Server(common + extra, os.path.join(args.workdir, f"{name}.log"),
+                               args.port + i, wait=False,
+                               env={**server_env, "SGLANG_TORCH_PROFILER_DIR": trace_dir})
+        return servers[name]
+
     try:
+        if not args.serial:
+            for i, (name, extra) in enumerate(methods.items()):
+                start(i, name, extra)
         for i, (name, extra) in enumerate(methods.items()):
-            trace_dir = os.path.join(args.workdir, name)
-            os.makedirs(trace_dir, exist_ok=True)
-            servers[name] = Server(common + extra, os.path.join(args.workdir, f"{name}.log"),
-                                   args.port + i, wait=False,
-                                   env={**server_env, "SGLANG_TORCH_PROFILER_DIR": trace_dir})
-        for name, srv in servers.items():
+            srv = servers[name] if name in servers else start(i, name, extra)
             srv.wait_ready()
             trace_dir = os.path.join(args.workdir, name)
             batch = prompts[: max(args.concurrency, 8)]

@@ -312,3 +312,86 @@ def test_kernels_of_two_streams_at_once():
     assert prof.target_forward_busy_ms({"gpu_kernels_by_frame": [
         {"frame": "tp_worker.py:forward_batch_generation", "ms_per_step": 1.0,
          "kernels": []}]}) is None  # a summary from before session 30
+
+
+def _fake_servers(monkeypatch, tmp_path, total_bytes):
+    """profile_step.main with its servers, requests and the card faked: returns the event log
+    ("start NAME", "ready NAME", "stop NAME") and each server's flags."""
+    import torch
+    import bench_e2e
+    import e2e_lossless
+
+    events, flags = [], {}
+
+    class FakeServer:
+        def __init__(self, args, log, port, env=None, wait=True):
+            self.name = os.path.basename(log)[:-4]
+            self.port, self.trace_dir = port, env["SGLANG_TORCH_PROFILER_DIR"]
+            flags[self.name] = args
+            events.append(f"start {self.name}")
+            self.stopped = False
+
+        def wait_ready(self):
+            events.append(f"ready {self.name}")
+            return self
+
+        def stop(self):
+            if not self.stopped:
+                events.append(f"stop {self.name}")
+            self.stopped = True
+
+    by_port = {}
+    real_init = FakeServer.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        by_port[self.port] = self
+
+    FakeServer.__init__ = init
+
+    def post(port, path, payload):  # /start_profile: the "server" writes its trace
+        with open(os.path.join(by_port[port].trace_dir, "t.trace.json"), "w") as f:
+            json.dump({"traceEvents": _steps(2, lambda t0: [])}, f)
+
+    monkeypatch.setattr(e2e_lossless, "Server", FakeServer)
+    monkeypatch.setattr(e2e_lossless, "stop_on_sigterm", lambda: None)
+    monkeypatch.setattr(bench_e2e, "run_pass", lambda *a, **k: None)
+    monkeypatch.setattr(prof, "_post", post)
+    monkeypatch.setattr(prof.time, "sleep", lambda s: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Card")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: type("P", (), {"total_memory": total_bytes})())
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [1, 2, 3]}) + "\n" for _ in range(8)))
+    return events, flags, ["--prompts-file", str(prompts), "--workdir", str(tmp_path / "w"),
+                           "--out", str(tmp_path / "o.json"), "--methods", "ar,ddtree",
+                           "--budget", "31", "--steps", "2"]
+
+
+def _mem_fraction(args):
+    return float(args[args.index("--mem-fraction-static") + 1])
+
+
+def test_serial_starts_each_server_after_the_last_stopped(monkeypatch, tmp_path):
+    """--serial (the 61-layer Kimi rank on an 80 GB H100): one server alive at a time, at the
+    card's default memory fraction (0.95 under 100,000 MiB); without it every server starts
+    before the first is used, at 0.85; --mem-fraction overrides both."""
+    events, flags, argv = _fake_servers(monkeypatch, tmp_path, 80 * 2 ** 30)
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", *argv, "--serial"])
+    prof.main()
+    assert events == ["start ar", "ready ar", "stop ar",
+                      "start ddtree", "ready ddtree", "stop ddtree"]
+    assert {n: _mem_fraction(a) for n, a in flags.items()} == {"ar": 0.95, "ddtree": 0.95}
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert out["serial"] is True and out["mem_fraction"] == 0.95 and out["complete"]
+
+    events.clear()
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", *argv])
+    prof.main()
+    assert events[:2] == ["start ar", "start ddtree"]
+    assert {n: _mem_fraction(a) for n, a in flags.items()} == {"ar": 0.85, "ddtree": 0.85}
+
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", *argv, "--serial",
+                                      "--mem-fraction", "0.9"])
+    prof.main()
+    assert {n: _mem_fraction(a) for n, a in flags.items()} == {"ar": 0.9, "ddtree": 0.9}
