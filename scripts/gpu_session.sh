@@ -304,12 +304,15 @@ for s in "$@"; do
     kimiprofile61) # (session 70) profile on the 61-layer int4 Kimi rank with the rank's
              # vocabulary (the cost curves' model, whose weights do not fit L2 as the 8-layer
              # rank's partly do), batch 1, AR and DDTREE at KIMI_PROFILE_BUDGETS (default 31),
-             # one server at a time (it fills an 80 GB H100 alone)
+             # one server at a time (it fills an 80 GB H100 alone). Session 70's call (400 s)
+             # profiled AR only before its limit: KIMI_PROFILE_METHODS=ddtree profiles the
+             # DDTREE server alone, for profile_step.py --compare against
+             # bench_results/profile_step_kimi_l61_ar_partial_h100_s70.json
              step kimi-profile61 ${PROFILE_LIMIT:-450} python3 scripts/profile_step.py \
                --out "$OUT/profile_step_kimi_l61_h200.json" --dummy --serial \
                --target bench_assets/model-configs/kimi-k2.6-tp8rank-l61-int4-rankvocab \
                --draft bench_assets/model-configs/kimi-k2.6-tp8rank-l61-int4-rankvocab-dflash-draft \
-               --methods ar,ddtree --budget ${KIMI_PROFILE_BUDGETS:-31} --steps ${KIMI_PROFILE_STEPS:-10} \
+               --methods ${KIMI_PROFILE_METHODS:-ar,ddtree} --budget ${KIMI_PROFILE_BUDGETS:-31} --steps ${KIMI_PROFILE_STEPS:-10} \
                --max-new-tokens 64 --server-env SGLANG_DDTREE_FUSED_MOE=1 \
                --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
     moeprologue) # the MoE prologue alone (grouping + x's copy; session 39: one launch 4.8 us
