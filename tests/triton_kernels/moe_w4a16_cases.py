@@ -1139,6 +1139,19 @@ def test_config_table_is_checked_against_the_shapes(tmp_path):
                     == MOE.select_config(old["bands"][2]["max_m"]))
 
 
+def _assert_refused_for_card_x(table: dict, tmp_path, cases) -> None:
+    """Each (override band, message pattern) of ``cases``, as the only override of ``table``'s
+    "Card X", is refused at the check the SGLang hook runs, naming the card and the fix."""
+    import json
+    for i, (over, match) in enumerate(cases):
+        bad = json.loads(json.dumps(table))
+        bad[MOE.DEVICES]["Card X"]["bands"] = [over]
+        path = tmp_path / f"bad{i}.json"  # (tables are cached by path)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"overridden for 'Card X'.*{match}.*fix"):
+            MOE.check_config_table(7168, 256, str(path))
+
+
 def test_device_overrides_replace_fields_for_their_card_only(tmp_path, monkeypatch):
     """A table's ``devices`` overrides (keyed by torch.cuda.get_device_name()): the card named
     gets the fields they give merged into the bands they name (inside gate_up / down field by
@@ -1171,15 +1184,9 @@ def test_device_overrides_replace_fields_for_their_card_only(tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert MOE.cuda_device_name() is None and MOE.cuda_device_name(torch.device("cpu")) is None
     assert MOE.select_config(8, str(path)) == MOE.select_config(8, str(path), None)
-    for i, (over, match) in enumerate((
-            ({"max_m": 9, "down": {"n_per_cta": 512}}, "names band max_m=9"),
-            ({"max_m": 8, "gate_up": {"block_n": 96}}, "band max_m=8"))):
-        bad = json.loads(json.dumps(table))
-        bad[MOE.DEVICES]["Card X"]["bands"] = [over]
-        path = tmp_path / f"bad{i}.json"  # (tables are cached by path)
-        path.write_text(json.dumps(bad))
-        with pytest.raises(ValueError, match=f"overridden for 'Card X'.*{match}.*fix"):
-            MOE.check_config_table(7168, 256, str(path))
+    _assert_refused_for_card_x(table, tmp_path, (
+        ({"max_m": 9, "down": {"n_per_cta": 512}}, "names band max_m=9"),
+        ({"max_m": 8, "gate_up": {"block_n": 96}}, "band max_m=8")))
 
 
 def test_device_split_override_adds_a_band_for_its_card_only(tmp_path):
@@ -1215,16 +1222,10 @@ def test_device_split_override_adds_a_band_for_its_card_only(tmp_path):
     assert MOE.select_config(33, str(path), "Card X") == MOE.select_config(33, str(path), None)
     for name in (None, "Card Y"):
         assert MOE.table_json(str(path), name)["bands"] == table["bands"]
-    for i, (over, match) in enumerate((
-            ({"max_m": 32, "split": 1}, "splits off band max_m=32, which the table already has"),
-            ({"max_m": 10 ** 6, "split": 1}, "past the table's last band"),
-            ({"max_m": 20, "block_m": 32}, "names band max_m=20.*\"split\": 1 to add"))):
-        bad = json.loads(json.dumps(table))
-        bad[MOE.DEVICES]["Card X"]["bands"] = [over]
-        path = tmp_path / f"bad{i}.json"  # (tables are cached by path)
-        path.write_text(json.dumps(bad))
-        with pytest.raises(ValueError, match=f"overridden for 'Card X'.*{match}.*fix"):
-            MOE.check_config_table(7168, 256, str(path))
+    _assert_refused_for_card_x(table, tmp_path, (
+        ({"max_m": 32, "split": 1}, "splits off band max_m=32, which the table already has"),
+        ({"max_m": 10 ** 6, "split": 1}, "past the table's last band"),
+        ({"max_m": 20, "block_m": 32}, "names band max_m=20.*\"split\": 1 to add")))
 
 
 def test_launch_picks_the_band_of_its_device(monkeypatch):
