@@ -489,15 +489,16 @@ for s in "$@"; do
                fused_moe_bm32 $(for n in bm32 bm32lean bm32k128 bm32b48; do
                    printf '%s:SGLANG_DDTREE_MOE_CONFIG=%s ' $n "$OUT/t_$n.json"; done)
              rm -f "$OUT"/t_bm32*.json ;;
-    moem28)  # (session 70) the M 28-32 band the H100 serves since session 70 (32-row blocks,
-             # the gate-up's K split up to 7 ways at split_target 448, the looped down split
-             # live at 896: bm32a) against the band as written (16-row blocks: s69), both
-             # written here from the table as this card is served it, so that one of the two
-             # is the served table on an H100 and the other on an H200. Whole calls at M 24-32,
-             # interleaved, 7 rounds, on random routing and 32 / 8 shared experts. No kit
+    moem28)  # (session 70) the table as the H100 serves it since session 70 (bm32a: M 28-32
+             # on 32-row blocks, the gate-up's K split up to 7 ways at split_target 448, the
+             # looped down split live at 896) against the bands as written (s69: 16-row blocks
+             # at M 17-32, what every other card serves), both written here from the shipped
+             # table, so that one of the two is the served table on an H100 and the other on
+             # an H200. Whole calls at M 24-32, interleaved, 7 rounds, on random routing and
+             # 32 / 8 shared experts. No kit
              V="python3 scripts/moe_table_variant.py"
-             $V "$OUT/t_bm32a.json" "32:block_m=32,half_m=1,gate_up.split_k=7,gate_up.split_target=448,down.split_target=896" &&
-             $V "$OUT/t_s69.json" "32:block_m=16,half_m=1,gate_up.split_k=4,gate_up.split_target=512,down.split_target=0"
+             $V "$OUT/t_bm32a.json" --device "NVIDIA H100 80GB HBM3" &&
+             $V "$OUT/t_s69.json" --device ""
              ROUTINGS="${MOEM28_ROUTINGS:-random concentrated:32 concentrated:8}" \
                moe_ab moem28 ${MOEM28_LIMIT:-150} ${MOEM28_ROUNDS:-7} "24 26 27 28 30 32" \
                fused_moe_m28 bm32a:SGLANG_DDTREE_MOE_CONFIG="$OUT/t_bm32a.json" \

@@ -96,7 +96,9 @@ def check_loads(table: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="where to write the variant table (JSON)")
-    ap.add_argument("specs", nargs="+", metavar="SPEC", help="BANDS:FIELD=VALUE[,FIELD=VALUE...]")
+    ap.add_argument("specs", nargs="*", metavar="SPEC",
+                    help="BANDS:FIELD=VALUE[,FIELD=VALUE...] (none: the table as --device's card "
+                         "is served it, written out whole)")
     ap.add_argument("--base", default=None,
                     help="the table to start from (default: SGLANG_DDTREE_MOE_CONFIG, else the "
                          "shipped one)")

@@ -82,3 +82,18 @@ def test_a_table_the_loader_refuses_is_not_written(tmp_path):
     base.write_text(json.dumps(raw))
     r, out = _run(tmp_path, "8:gate_up.num_stages=4", "--base", str(base), "--device", "")
     assert r.returncode == 2 and "prefetch_ahead" in r.stderr and not out.exists()
+
+
+def test_no_spec_writes_the_table_a_card_is_served(tmp_path):
+    """Without SPECs the table is written as ``--device``'s card is served it (the H100: with
+    its split M 17-27 band), or as written for ``--device ''``: what gpu_session.sh moem28
+    times against each other."""
+    for device in (H100, ""):
+        out = tmp_path / f"t{bool(device)}.json"
+        assert mtv.main([str(out), "--device", device]) == 0
+        table = json.loads(out.read_text())
+        assert table["bands"] == mc.table_json(None, device or None)["bands"]
+        for m in (8, 16, 27, 28, 32, 33):
+            assert mc.select_config(m, str(out), None) == mc.select_config(m, None, device or None)
+    assert [b["max_m"] for b in json.loads((tmp_path / "tTrue.json").read_text())["bands"]] != \
+        [b["max_m"] for b in json.loads((tmp_path / "tFalse.json").read_text())["bands"]]

@@ -388,6 +388,12 @@ def test_session_61_h100_band_is_an_override(bench, tmp_path):
         [json.dumps(b, sort_keys=True) for b in s59]
 
 
+def _medians_by_m(name: str) -> dict:
+    """{M: {implementation: median us over the rounds}} of a bench_results run."""
+    rows = json.loads((REPO / "bench_results" / name).read_text())["rows"]
+    return {r["m"]: {k: sorted(v)[len(v) // 2] for k, v in r["us_rounds"].items()} for r in rows}
+
+
 def test_session_70_h100_m28_32_band_is_an_override(tmp_path):
     """Session 70: the H100's M 17-32 band is cut at 27 (M 17-27: the band as written) and its
     M 28-32 part runs 32-row blocks with live K / column splits; every other card gets the
@@ -411,31 +417,26 @@ def test_session_70_h100_m28_32_band_is_faster_on_shared_experts_where_timed():
     """Session 70's H100 M 28-32 band (``ours_a``, medians of 7 rounds): 0.82-0.85x the table
     of before on 8 shared experts at every M of 26-32, within 1.5 % on 32 shared experts and
     on random routing at M 28-32; at M 25 / 26 on random routing 4-6 % slower (why the band
-    starts at 28). The same in a second run (``moem28``), within 2.1 % on 32 shared experts. No table of those timed for the M 33-48 band was faster on 8 shared
-    experts. The 61-layer int4 Kimi rank's budget-31 verify (M = 32) was faster with it in
+    starts at 28). The same in a second run (``moem28``), within 2.1 % on 32 shared experts.
+    No table of those timed for the M 33-48 band was faster on 8 shared experts. The 61-layer int4 Kimi rank's budget-31 verify (M = 32) was faster with it in
     the same lease, and its tokens equal AR's at budgets 31 / 32 x batch 1 / 2."""
-    def medians(name):
-        rows = json.loads((REPO / "bench_results" / name).read_text())["rows"]
-        return {r["m"]: {k: sorted(v)[len(v) // 2] for k, v in r["us_rounds"].items()}
-                for r in rows}
-
     for routing, most in (("concentrated8", 0.86), ("concentrated32", 1.015),
                           ("random", 1.015)):
-        for m, us in medians(f"fused_moe_bm32a_{routing}_h100_s70.json").items():
+        for m, us in _medians_by_m(f"fused_moe_bm32a_{routing}_h100_s70.json").items():
             if m >= 28 or routing == "concentrated8":
                 assert us["ours_a"] <= most * us["ours"], (routing, m, us)
-    assert medians("fused_moe_bm32a_random_h100_s70.json")[26]["ours_a"] > \
-        1.04 * medians("fused_moe_bm32a_random_h100_s70.json")[26]["ours"]
-    wide = medians("fused_moe_bm32a_m25_48_random_h100_s70.json")
+    assert _medians_by_m("fused_moe_bm32a_random_h100_s70.json")[26]["ours_a"] > \
+        1.04 * _medians_by_m("fused_moe_bm32a_random_h100_s70.json")[26]["ours"]
+    wide = _medians_by_m("fused_moe_bm32a_m25_48_random_h100_s70.json")
     assert wide[25]["ours_a"] > 1.04 * wide[25]["ours"]
-    shared = medians("fused_moe_bm32a_m25_48_concentrated8_h100_s70.json")
+    shared = _medians_by_m("fused_moe_bm32a_m25_48_concentrated8_h100_s70.json")
     assert all(shared[m][v] > 0.99 * shared[m]["ours"] for m in (33, 40, 48)
                for v in ("ours_t1", "ours_t2", "ours_t3"))
     # gpu_session.sh moem28 after the change: the served table (ours) against the band as
     # written (s69), which the H100 still serves at M 17-27
     for routing, most in (("concentrated8", 0.85), ("concentrated32", 1.021),
                           ("random", 1.015)):
-        for m, us in medians(f"fused_moe_m28_{routing}_h100_s70.json").items():
+        for m, us in _medians_by_m(f"fused_moe_m28_{routing}_h100_s70.json").items():
             if m >= 28:
                 assert us["ours"] <= most * us["ours_s69"], (routing, m, us)
             else:
@@ -460,18 +461,13 @@ def test_session_61_h100_m16_split_is_no_slower_where_timed():
     experts at every M timed (medians), within 0.5 % on 16 and 32, within 1 % on random routing;
     split_target 512 with split_k 7 (``s7``) was 2 % slower at M = 9 on 32 shared experts, and
     other bands' split 7 and a split of 14 were slower (the first run)."""
-    def medians(name):
-        rows = json.loads((REPO / "bench_results" / name).read_text())["rows"]
-        return {r["m"]: {k: sorted(v)[len(v) // 2] for k, v in r["us_rounds"].items()}
-                for r in rows}
-
     for routing, most in (("concentrated8", 0.96), ("concentrated16", 1.005),
                           ("concentrated32", 1.005), ("random", 1.01)):
-        for m, us in medians(f"fused_moe_split7t_{routing}_h100_s61.json").items():
+        for m, us in _medians_by_m(f"fused_moe_split7t_{routing}_h100_s61.json").items():
             assert us["ours_s7t448"] <= most * us["ours"], (routing, m, us)
-    assert medians("fused_moe_split7t_concentrated32_h100_s61.json")[9]["ours_s7"] > \
-        1.02 * medians("fused_moe_split7t_concentrated32_h100_s61.json")[9]["ours"]
-    first = medians("fused_moe_split7_concentrated8_h100_s61.json")
+    assert _medians_by_m("fused_moe_split7t_concentrated32_h100_s61.json")[9]["ours_s7"] > \
+        1.02 * _medians_by_m("fused_moe_split7t_concentrated32_h100_s61.json")[9]["ours"]
+    first = _medians_by_m("fused_moe_split7_concentrated8_h100_s61.json")
     assert all(first[m]["ours_b16s14"] > first[m]["ours"] for m in (9, 12, 16))
     assert first[20]["ours_b32s7"] > first[20]["ours"] and first[40]["ours_b48s7"] > first[40]["ours"]
 
