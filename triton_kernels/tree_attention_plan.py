@@ -7,6 +7,7 @@ functions, at plan time, which tile a batch size runs (:func:`_default_config`,
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Optional
@@ -235,6 +236,77 @@ def _mla_hopper_config(rows: int, groups: int) -> Optional[KernelConfig]:
     if rows >= _MLA_HOPPER_PADDED_MIN_ROWS and batch_rows <= _MLA_HOPPER_PADDED_MAX_BATCH_ROWS:
         return replace(_MLA_WGMMA_TILE, min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
     return None
+
+
+# MLA's short-context twin (session 71). The 8-warp 64-row tile serves trees of 145-264 query
+# rows in a batch of at most 264 (Kimi TP8: budgets 18-32 at batch 1, 9-15 at batch 2, ...),
+# and at short prefixes it runs few programs: budget 31 at batch 1 with 576 keys is 4 row
+# blocks x 5 live 128-key splits. On an H100 (bench_results/tv_mla_sweep_h100_s62{b,c}.json,
+# kernel alone) the 16-row 4-warp tile took 18.9 us there against 23.7-24.3, and 19.7 against
+# 23.7 at budget 15 / batch 2, but 1.1-1.7x longer from 2,048 keys. The twin is a second launch
+# of the 16-row tile with the same splits: its programs serve the requests whose prefix has at
+# most _MLA_SHORT_TWIN_KEYS keys and return at once for the others, the main launch's the
+# opposite (the kernel's GATE), so the choice is made on the GPU per request and per step, and
+# a CUDA graph holds both. SGLANG_DDTREE_MLA_SHORT_KEYS sets the bound (0: no twin); off by
+# default until the pair is timed (no GPU came in session 71): _MLA_SHORT_TWIN_KEYS is the bound
+# session 62's sweeps suggest, gpu_session.sh mlatwin times it.
+_MLA_SHORT_TWIN_KEYS = 1024
+_MLA_SHORT_TWIN_DEFAULT = 0
+_MLA_SHORT_TWIN_MAX_BATCH_ROWS = 264
+SHORT_KEYS_ENV = "SGLANG_DDTREE_MLA_SHORT_KEYS"
+
+
+def short_twin_keys(value=None) -> int:
+    """The short-context twin's bound in prefix keys: ``value`` if given, else
+    ``SGLANG_DDTREE_MLA_SHORT_KEYS``, else _MLA_SHORT_TWIN_DEFAULT; 0 turns the twin off.
+    ValueError naming the variable for anything but a non-negative integer."""
+    raw = os.environ.get(SHORT_KEYS_ENV, "") if value is None else value
+    text = str(raw).strip()
+    if text == "":
+        return _MLA_SHORT_TWIN_DEFAULT
+    try:
+        keys = int(text)
+    except ValueError:
+        keys = -1
+    if keys < 0:
+        raise ValueError(f"{SHORT_KEYS_ENV}={raw!r}: expected a non-negative integer (prefix "
+                         f"keys up to which the 16-row MLA twin serves a request; 0: off)")
+    return keys
+
+
+TWIN_PDL_ENV = "SGLANG_DDTREE_MLA_TWIN_PDL"
+
+
+def twin_pdl(device: torch.device, value=None) -> bool:
+    """Whether the twin pair launches under programmatic dependent launch (``value`` if given,
+    else ``SGLANG_DDTREE_MLA_TWIN_PDL``: ``0`` / unset off, ``1`` on): the twin lets the main
+    launch start at once, and the main launch's programs wait for the twin before they end.
+    ValueError for another value, or for ``1`` off an sm_90+ GPU (the interpreter included)."""
+    raw = os.environ.get(TWIN_PDL_ENV, "") if value is None else value
+    text = str(raw).strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{TWIN_PDL_ENV}={raw!r}: expected 0 (plain launches) or 1")
+    if text != "1":
+        return False
+    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or torch.cuda.get_device_capability(device) < (9, 0)):
+        raise ValueError(f"{TWIN_PDL_ENV}=1 needs an sm_90+ GPU outside the Triton "
+                         f"interpreter; unset it (or 0) here")
+    return True
+
+
+def _short_twin(dk: int, d_pe: int, dv: int, rows: int, groups: int, cfg: KernelConfig,
+                device: torch.device) -> Optional[KernelConfig]:
+    """The short-context twin's tile for a batch size served by ``cfg`` (see
+    _MLA_SHORT_TWIN_KEYS), None where it has none: Hopper, MLA latent rows, ``cfg`` the 8-warp
+    64-row tile, at most _MLA_SHORT_TWIN_MAX_BATCH_ROWS rows in the batch. The twin keeps
+    ``cfg``'s split minimum, so both launches cut a prefix into the same splits."""
+    if (device.type != "cuda" or not _latent_rows(dk, d_pe, dv)
+            or groups * rows > _MLA_SHORT_TWIN_MAX_BATCH_ROWS
+            or replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) != _MLA_WGMMA_TILE
+            or not _hopper(device) or not _mla_fits(_MLA_SMALL_BATCH, device)):
+        return None
+    return replace(_MLA_SMALL_BATCH, min_split_keys=cfg.min_split_keys)
 
 
 # The launch that attends only the tree keys and merges a prefix part from another kernel

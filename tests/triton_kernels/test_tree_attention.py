@@ -714,3 +714,75 @@ def test_given_prefix_empty_prefix_rows_and_validation():
     with pytest.raises(ValueError, match="logit cap"):
         capped.run(q, cache, layout.out_cache_loc, mask, prefix_out=p_out, prefix_lse=p_lse,
                    **kw)
+
+
+# --- MLA's short-context twin: a second launch on its own tile for the short prefixes --------
+
+TWIN_TILE = TA.KernelConfig(block_m=8, block_n=16, num_warps=1, num_stages=1)
+
+
+class _GatedLaunches:
+    """Stands in for the verify kernel: records each launch's GATE and grid, runs it unless its
+    GATE is in ``drop``."""
+
+    def __init__(self, real, drop=()):
+        self.real, self.drop, self.seen = real, set(drop), []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["GATE"], kw["BLOCK_M"], grid))
+            if kw["GATE"] not in self.drop:
+                self.real[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_short_twin_serves_each_request_once(monkeypatch, splits):
+    """With a twin tile the verify launches twice with the same splits: the twin (GATE 1) on
+    the requests of at most short_keys prefix keys, the batch size's tile (GATE 2) on the
+    others. Both together match the reference; each alone leaves exactly the other side's rows
+    unwritten (NaN), so no request is served by both or by neither."""
+    seq_lens, n, h, rank, rope = [5, 40, 17], 4, 3, 64, 16
+    g, layout, mask = make_layout(seq_lens, n, 1, seed=71 + splits)
+    bs = len(seq_lens)
+    cache = poison_unused(torch.randn(layout.num_slots, 1, rank + rope, generator=g),
+                          layout).bfloat16()
+    q = torch.randn(bs * n, h, rank + rope, generator=g).bfloat16()
+    attn = MLA.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=h,
+                                     max_context_len=64, device="cpu", sm_scale=0.15,
+                                     kv_lora_rank=rank, rope_dim=rope, num_kv_splits=splits,
+                                     config=SHORT_SPLITS, short_config=TWIN_TILE,
+                                     short_keys=17)
+    twin = attn.short_config_for(bs)
+    assert twin.block_m == 8 and twin.min_split_keys == SHORT_SPLITS.min_split_keys
+    ref = REF.mla_tree_attention_reference(q, cache, layout.out_cache_loc, mask,
+                                           kv_lora_rank=rank, sm_scale=0.15,
+                                           **layout.table_kwargs())
+    short = torch.tensor(seq_lens).le(17).repeat_interleave(n)  # rows of requests 0 and 2
+    real = TA._tree_attn_verify_kernel
+    for drop in ((), (2,), (1,)):
+        rec = _GatedLaunches(real, drop)
+        monkeypatch.setattr(TA, "_tree_attn_verify_kernel", rec)
+        attn.part_o.fill_(float("nan"))
+        out = torch.full((bs * n, h, rank), float("nan"), dtype=torch.bfloat16)
+        attn.run(q, cache, layout.out_cache_loc, mask, out=out, **layout.table_kwargs())
+        rows_m = -(-n * h // 8), -(-n * h // 16)
+        assert [(gate, bm, grid) for gate, bm, grid in rec.seen] == [
+            (1, 8, (rows_m[0], splits, bs)), (2, 16, (rows_m[1], splits, bs))]
+        if splits == 1:  # one split: each launch writes its rows straight to out
+            served = {(): torch.ones_like(short), (2,): short, (1,): ~short}[drop]
+        else:  # the reduce writes every row, from whatever partials the launches left
+            served = torch.ones_like(short) if not drop else None
+        if served is None:
+            continue
+        assert out[served].isnan().sum() == 0 and out[~served].isnan().all(), drop
+        assert rel_err(out[served], ref[served]) < TOL[torch.bfloat16], drop
+
+
+def test_mla_short_twin_off():
+    """short_keys 0, or an explicit tile without a twin tile: one launch, no twin."""
+    for kw in ({"short_config": TWIN_TILE, "short_keys": 0}, {"config": SHORT_SPLITS}):
+        attn = MLA.TreeAttentionMLA.plan(max_batch_size=2, num_tree_tokens=3, num_heads=2,
+                                         max_context_len=64, device="cpu", sm_scale=0.1,
+                                         kv_lora_rank=32, rope_dim=16, **kw)
+        assert attn.short_config_for(1) is None and attn.short_config_for(2) is None

@@ -195,3 +195,66 @@ def test_merging_launch_tile():
         (16, 32, 4, 2, 1)
     assert PLAN._merge_config(128, 0, 128, cuda) is None
     assert PLAN._merge_config(512, 64, 512, cpu) is None
+
+
+def test_short_context_twin_rule(monkeypatch):
+    """MLA's short-context twin (session 71): on Hopper, where the 8-warp 64-row tile serves a
+    batch of at most 264 query rows (Kimi TP8: budgets 18-32 at batch 1, 8-15 at batch 2), a
+    16-row 4-warp twin with the same split minimum; nowhere else (other archs, batches of
+    more rows, the small-batch tile, MHA, a device off CUDA)."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    monkeypatch.setattr(PLAN, "shared_memory", lambda device: (232448, 233472))
+    monkeypatch.setattr(PLAN, "_hopper", lambda device: True)
+
+    def twin(budget, bs, dk=512, d_pe=64, dv=512, device=cuda):
+        rows = (budget + 1) * (8 if dk > 256 else 4)
+        cfg = (PLAN._batch_config(dk, d_pe, dv, rows, bs, device)
+               or PLAN._default_config(dk, d_pe, dv, rows, device))
+        return cfg, PLAN._short_twin(dk, d_pe, dv, rows, bs, cfg, device)
+
+    for budget, bs in ((31, 1), (32, 1), (18, 1), (15, 2), (23, 1), (7, 4)):
+        cfg, tw = twin(budget, bs)
+        assert tw is not None, (budget, bs)
+        assert (tw.block_m, tw.block_n, tw.num_warps, tw.num_stages) == (16, 64, 4, 2)
+        assert tw.min_split_keys == cfg.min_split_keys == 128
+    for budget, bs in ((31, 2), (32, 4), (15, 1), (7, 1), (64, 1), (7, 8)):
+        assert twin(budget, bs)[1] is None, (budget, bs)
+    assert twin(31, 1, dk=128, d_pe=0, dv=128)[1] is None  # MHA
+    assert twin(31, 1, device=torch.device("cpu"))[1] is None
+    monkeypatch.setattr(PLAN, "_hopper", lambda device: False)
+    assert twin(31, 1)[1] is None
+    # a wide tile given by hand off Hopper still gets no twin (the rule reads the device)
+    assert PLAN._short_twin(512, 64, 512, 256, 1, PLAN._MLA_WGMMA_TILE, cuda) is None
+
+
+def test_short_twin_keys_env(monkeypatch):
+    """SGLANG_DDTREE_MLA_SHORT_KEYS: the default (off until timed), 0 for off, any
+    non-negative integer; anything else is refused naming the variable."""
+    import pytest
+
+    monkeypatch.delenv(PLAN.SHORT_KEYS_ENV, raising=False)
+    assert PLAN.short_twin_keys() == PLAN._MLA_SHORT_TWIN_DEFAULT == 0
+    for raw, want in (("0", 0), (" 1536 ", 1536), ("", 0), ("1024", 1024)):
+        monkeypatch.setenv(PLAN.SHORT_KEYS_ENV, raw)
+        assert PLAN.short_twin_keys() == want
+    assert PLAN.short_twin_keys(64) == 64  # an explicit value over the environment
+    for raw in ("-1", "1k", "on"):
+        monkeypatch.setenv(PLAN.SHORT_KEYS_ENV, raw)
+        with pytest.raises(ValueError, match=PLAN.SHORT_KEYS_ENV):
+            PLAN.short_twin_keys()
+
+
+def test_twin_pdl_env(monkeypatch):
+    """SGLANG_DDTREE_MLA_TWIN_PDL: off unless 1, 1 refused off an sm_90+ GPU, other values
+    refused naming the variable."""
+    import pytest
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(PLAN.TWIN_PDL_ENV, raising=False)
+    assert PLAN.twin_pdl(cpu) is False
+    monkeypatch.setenv(PLAN.TWIN_PDL_ENV, "0")
+    assert PLAN.twin_pdl(cpu) is False
+    for raw, match in (("1", "sm_90"), ("yes", PLAN.TWIN_PDL_ENV)):
+        monkeypatch.setenv(PLAN.TWIN_PDL_ENV, raw)
+        with pytest.raises(ValueError, match=match):
+            PLAN.twin_pdl(cpu)
