@@ -779,6 +779,15 @@ def _mla_setup(seed, kv_dtype, seq_lens=(5, 19), n=4, page=1):
     return g, layout, mask, layer, prefill_path, pool
 
 
+def _mla_split_parts(g, tokens):
+    """Random bf16 ``q_nope``, ``q_pe``, ``k_nope``, ``k_pe`` of a verify batch's tokens (the
+    split MLA convention's four parts)."""
+    return (torch.randn(tokens, HEADS, RANK, generator=g).bfloat16(),
+            torch.randn(tokens, HEADS, ROPE, generator=g).bfloat16(),
+            torch.randn(tokens, 1, RANK, generator=g).bfloat16(),
+            torch.randn(tokens, 1, ROPE, generator=g).bfloat16())
+
+
 @pytest.mark.parametrize("convention", ["concat", "split", "split_rope_in_backend"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_mla_verify_matches_reference(sgl, convention, kv_dtype):
@@ -792,10 +801,7 @@ def test_mla_verify_matches_reference(sgl, convention, kv_dtype):
     assert list(w._plans) == [verify_backend.layer_key(layer)]  # the MQA layer only
     tokens = layout.out_cache_loc.numel()
     fb = _verify_batch(layout, mask, n)
-    q_nope = torch.randn(tokens, HEADS, RANK, generator=g).bfloat16()
-    q_pe = torch.randn(tokens, HEADS, ROPE, generator=g).bfloat16()
-    k_nope = torch.randn(tokens, 1, RANK, generator=g).bfloat16()
-    k_pe = torch.randn(tokens, 1, ROPE, generator=g).bfloat16()
+    q_nope, q_pe, k_nope, k_pe = _mla_split_parts(g, tokens)
     kwargs = {}
     q_pe_used, k_pe_used = q_pe, k_pe
     if convention == "split_rope_in_backend":  # trtllm_mla fp8: rope left to the backend
@@ -881,10 +887,7 @@ def test_mla_short_twin_reaches_the_served_plan(sgl, monkeypatch):
     monkeypatch.setattr(ta, "_tree_attn_verify_kernel", Gates())
     tokens = layout.out_cache_loc.numel()
     fb = _verify_batch(layout, mask, n)
-    q_nope = torch.randn(tokens, HEADS, RANK, generator=g).bfloat16()
-    q_pe = torch.randn(tokens, HEADS, ROPE, generator=g).bfloat16()
-    k_nope = torch.randn(tokens, 1, RANK, generator=g).bfloat16()
-    k_pe = torch.randn(tokens, 1, ROPE, generator=g).bfloat16()
+    q_nope, q_pe, k_nope, k_pe = _mla_split_parts(g, tokens)
     w.init_forward_metadata(fb)
     with _attn_context(w):
         out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe)
