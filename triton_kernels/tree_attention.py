@@ -666,14 +666,14 @@ class TreeAttention:
         self.short_keys = short_twin_keys(short_keys)
         self.twin_pdl = twin_pdl(self.device)
         self._twins = {}
-        for bs, cfg in self._configs.items():
-            if self.short_keys == 0 or (config is not None and short_config is None):
-                break
-            twin = (replace(short_config, min_split_keys=cfg.min_split_keys) if short_config
-                    else _short_twin(self.head_dim, self.rope_dim, self.v_head_dim, rows,
-                                     bs * self.num_kv_heads, cfg, self.device))
-            if twin is not None:
-                self._twins[bs] = twin
+        if self.short_keys and (config is None or short_config is not None):
+            for bs, cfg in self._configs.items():
+                twin = (replace(short_config, min_split_keys=cfg.min_split_keys)
+                        if short_config else
+                        _short_twin(self.head_dim, self.rope_dim, self.v_head_dim, rows,
+                                    bs * self.num_kv_heads, cfg, self.device))
+                if twin is not None:
+                    self._twins[bs] = twin
         # the launch that attends the tree keys alone and merges a prefix part given by
         # another kernel (run(prefix_out=)): its own tile (_merge_config), not the full verify's
         self._merge_config = merge_config or _merge_config(

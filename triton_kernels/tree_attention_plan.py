@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ._device import BLOCK_RESERVE, num_sms, shared_memory
+from ._device import BLOCK_RESERVE, num_sms, portable, shared_memory
 
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
@@ -134,9 +134,14 @@ def _hopper(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
+def _is_wgmma_tile(cfg: KernelConfig) -> bool:
+    """Whether ``cfg`` is the 8-warp 64-row MLA tile, whatever its split minimum."""
+    return replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) == _MLA_WGMMA_TILE
+
+
 def _mla_tile_smem(cfg: KernelConfig) -> Optional[int]:
     """Shared memory of a served MLA tile shape, None for other shapes."""
-    if replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) == _MLA_WGMMA_TILE:
+    if _is_wgmma_tile(cfg):
         return _MLA_WGMMA_SMEM
     if (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dv_split, cfg.dk_chunk) != (64, 4, 2, 1, 0):
         return None
@@ -288,8 +293,7 @@ def twin_pdl(device: torch.device, value=None) -> bool:
         raise ValueError(f"{TWIN_PDL_ENV}={raw!r}: expected 0 (plain launches) or 1")
     if text != "1":
         return False
-    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-            or torch.cuda.get_device_capability(device) < (9, 0)):
+    if portable(device) or torch.cuda.get_device_capability(device) < (9, 0):
         raise ValueError(f"{TWIN_PDL_ENV}=1 needs an sm_90+ GPU outside the Triton "
                          f"interpreter; unset it (or 0) here")
     return True
@@ -303,7 +307,7 @@ def _short_twin(dk: int, d_pe: int, dv: int, rows: int, groups: int, cfg: Kernel
     ``cfg``'s split minimum, so both launches cut a prefix into the same splits."""
     if (device.type != "cuda" or not _latent_rows(dk, d_pe, dv)
             or groups * rows > _MLA_SHORT_TWIN_MAX_BATCH_ROWS
-            or replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) != _MLA_WGMMA_TILE
+            or not _is_wgmma_tile(cfg)
             or not _hopper(device) or not _mla_fits(_MLA_SMALL_BATCH, device)):
         return None
     return replace(_MLA_SMALL_BATCH, min_split_keys=cfg.min_split_keys)
