@@ -16,6 +16,32 @@ def portable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) < (8, 0)
 
 
+def pdl_able(device: torch.device) -> bool:
+    """Whether launches on ``device`` may use programmatic dependent launch: an sm_90+ GPU
+    outside the Triton interpreter."""
+    return not portable(device) and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def parse_switch(env: str, raw, one: str = "") -> int:
+    """A 0 / 1 PDL switch's value as given (a string or an int, spaces ignored; empty: 0);
+    ValueError naming ``env`` otherwise (``one`` says what 1 does)."""
+    text = str(raw).strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{env}={raw!r}: expected 0 (plain launches) or 1{one}")
+    return int(text or 0)
+
+
+def pdl_switch(env: str, device: torch.device, value=None, one: str = "") -> int:
+    """A 0 / 1 PDL switch: ``value`` if given, else the environment variable ``env`` (read per
+    call; unset: 0), checked by :func:`parse_switch`; ValueError too for 1 where the device
+    cannot run PDL (:func:`pdl_able`)."""
+    mode = parse_switch(env, os.environ.get(env, "") if value is None else value, one)
+    if mode and not pdl_able(device):
+        raise ValueError(f"{env}=1 needs an sm_90+ GPU outside the Triton interpreter; "
+                         f"unset it (or 0) here")
+    return mode
+
+
 def num_sms(device: torch.device, off_gpu: int) -> int:
     """The device's SM count; ``off_gpu`` for the interpreter's CPU runs (a small "machine",
     so that the launch planners' splits are exercised by small test shapes)."""

@@ -37,14 +37,14 @@ tiles took a pipeline stage's shared memory) and was removed.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._device import BLOCK_RESERVE, arrival_counters, num_sms, portable
+from ._device import (BLOCK_RESERVE, arrival_counters, num_sms, parse_switch, pdl_switch,
+                      portable)
 from .moe_pdl import _pdl_wait
 
 MAX_M = 64  # token rows one launch takes (the MMA's N side)
@@ -191,25 +191,19 @@ def _sms(device: torch.device) -> int:
 PDL_ENV = "SGLANG_DDTREE_SKINNY_PDL"
 
 
+_PDL_ONE = " (each program waits for the launch before it first)"
+
+
 def parse_pdl(value) -> int:
-    """A PDL mode as given (``0`` / ``1``, a string or an int, spaces ignored; empty: 0);
-    ValueError naming the accepted values otherwise."""
-    v = str(value).strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}: expected 0 (plain launches) or 1 (each "
-                         "program waits for the launch before it first)")
-    return int(v or 0)
+    """A PDL mode as given (``0`` / ``1``; _device.parse_switch); ValueError otherwise."""
+    return parse_switch(PDL_ENV, value, _PDL_ONE)
 
 
 def pdl_mode(device: torch.device, mode=None) -> int:
     """A launch's PDL mode (module docstring): ``mode`` if given, else ``SGLANG_DDTREE_SKINNY_PDL``
-    (read per call), else 0 (:func:`parse_pdl`). Raises ValueError for another value, or for
-    mode 1 where the device cannot run it (the portable path, a GPU before sm_90)."""
-    mode = parse_pdl(os.environ.get(PDL_ENV, "") if mode is None else mode)
-    if mode and (portable(device) or torch.cuda.get_device_capability(device) < (9, 0)):
-        raise ValueError(f"{PDL_ENV}={mode} needs an sm_90+ GPU outside the Triton interpreter; "
-                         f"unset it (or 0) here")
-    return mode
+    (read per call), else 0. Raises ValueError for another value, or for mode 1 where the
+    device cannot run it (the portable path, a GPU before sm_90; _device.pdl_switch)."""
+    return pdl_switch(PDL_ENV, device, mode, _PDL_ONE)
 
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,

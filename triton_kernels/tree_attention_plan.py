@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ._device import BLOCK_RESERVE, num_sms, portable, shared_memory
+from ._device import BLOCK_RESERVE, num_sms, pdl_switch, portable, shared_memory
 
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
@@ -287,16 +287,7 @@ def twin_pdl(device: torch.device, value=None) -> bool:
     else ``SGLANG_DDTREE_MLA_TWIN_PDL``: ``0`` / unset off, ``1`` on): the twin lets the main
     launch start at once, and the main launch's programs wait for the twin before they end.
     ValueError for another value, or for ``1`` off an sm_90+ GPU (the interpreter included)."""
-    raw = os.environ.get(TWIN_PDL_ENV, "") if value is None else value
-    text = str(raw).strip()
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{TWIN_PDL_ENV}={raw!r}: expected 0 (plain launches) or 1")
-    if text != "1":
-        return False
-    if portable(device) or torch.cuda.get_device_capability(device) < (9, 0):
-        raise ValueError(f"{TWIN_PDL_ENV}=1 needs an sm_90+ GPU outside the Triton "
-                         f"interpreter; unset it (or 0) here")
-    return True
+    return bool(pdl_switch(TWIN_PDL_ENV, device, value))
 
 
 def _short_twin(dk: int, d_pe: int, dv: int, rows: int, groups: int, cfg: KernelConfig,
