@@ -252,9 +252,20 @@ def _mla_hopper_config(rows: int, groups: int) -> Optional[KernelConfig]:
 # of the 16-row tile with the same splits: its programs serve the requests whose prefix has at
 # most _MLA_SHORT_TWIN_KEYS keys and return at once for the others, the main launch's the
 # opposite (the kernel's GATE), so the choice is made on the GPU per request and per step, and
-# a CUDA graph holds both. SGLANG_DDTREE_MLA_SHORT_KEYS sets the bound (0: no twin); off by
-# default until the pair is timed (no GPU came in session 71): _MLA_SHORT_TWIN_KEYS is the bound
-# session 62's sweeps suggest, gpu_session.sh mlatwin times it.
+# a CUDA graph holds both. SGLANG_DDTREE_MLA_SHORT_KEYS sets the bound (0: no twin);
+# _MLA_SHORT_TWIN_KEYS is the bound session 62's sweeps suggested.
+# Timed in session 72 on an H100 (kernel alone, planned for 262,144 keys as the Kimi servers
+# are; bench_results/tv_mlatwin_ab_h100_s72.json, 2 interleaved rounds): SLOWER wherever it
+# serves, 1.21-1.36x the single launch at budgets 31 / 32 batch 1 and budget 15 batch 2 from 576
+# to 16,384 keys (23.9 -> 31.2 us at budget 31, batch 1, 576 keys), 1.12-1.29x under PDL, so it
+# stays OFF (_MLA_SHORT_TWIN_DEFAULT = 0). Why (tv_mlatwin_kt_*_h100_s72.json, the graphs'
+# kernels): the twin's own kernel took 23.9 us where the same tile alone took 18.3 us with its
+# reduce, because the twin inherits the main launch's 33 splits (528 programs, 5 splits live at
+# 576 keys) where the tile's own plan has 16 (256); the main launch's gated-off programs cost
+# 1.2 us. Masking the other launch's rows instead of returning (timed the same session:
+# tv_mlatwin_masked_kt_*_h100_s72.json) was slower still (the gated-off main launch 9.6 us, the
+# pair 38 us); not kept. Untried: a twin with its own split count (the reduce would then need
+# each request's count, or the twin to write the unused splits' -inf).
 _MLA_SHORT_TWIN_KEYS = 1024
 _MLA_SHORT_TWIN_DEFAULT = 0
 _MLA_SHORT_TWIN_MAX_BATCH_ROWS = 264
