@@ -335,6 +335,8 @@ def _tree_attn_fwd_kernel(
     TWIN_PDL: tl.constexpr = False,  # the twin pair under PDL: the twin (GATE 1) lets the main
                                      # launch start at once, whose programs wait for the twin's
                                      # completion before they end (so its completion implies it)
+    TREE_FIRST: tl.constexpr = False,  # programs of the tree tokens' split (the last) launch
+                                       # first, so the empty splits of a short prefix come last
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
     pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
@@ -343,6 +345,8 @@ def _tree_attn_fwd_kernel(
     pid_hs = pid_hs // DV_SPLIT
     kvh = pid_hs // num_splits
     split = pid_hs % num_splits
+    if TREE_FIRST:  # launch order: the split that holds the tree tokens, then splits 0, 1, ...
+        split = (split + num_splits - 1) % num_splits
     Hq = tl.num_programs(1) // DV_SPLIT // num_splits * G
     dv0 = dvp * BLOCK_DV
 
@@ -1003,8 +1007,8 @@ class TreeAttention:
                 USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
                 INTERPRET=_INTERPRET, DV_SPLIT=c.dv_split, DK_CHUNK=c.dk_chunk,
                 MIN_CHUNK=c.min_split_keys, MERGE_PREFIX=merge, ORDERED_MASK=self.ordered_mask,
-                TAIL_M=tail_m, GATE=gate, num_warps=c.num_warps, num_stages=c.num_stages,
-                **pdl,
+                TAIL_M=tail_m, GATE=gate, TREE_FIRST=gate == 1, num_warps=c.num_warps,
+                num_stages=c.num_stages, **pdl,
             )
 
         if twin is not None:  # requests of at most short_keys prefix keys: the twin's tile

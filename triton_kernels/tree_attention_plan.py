@@ -266,6 +266,11 @@ def _mla_hopper_config(rows: int, groups: int) -> Optional[KernelConfig]:
 # tv_mlatwin_masked_kt_*_h100_s72.json) was slower still (the gated-off main launch 9.6 us, the
 # pair 38 us); not kept. Untried: a twin with its own split count (the reduce would then need
 # each request's count, or the twin to write the unused splits' -inf).
+# Since then (untimed, no GPU left in session 72): the twin launches its tree tokens' split first
+# (the kernel's TREE_FIRST). An H100 / H200 SM holds two 16-row MLA programs
+# (mla_programs_per_sm), so the twin's 528 programs run in two waves, and the tree split, last in
+# launch order, started only in the second (at 576 keys 432 empty-split programs came before
+# it); first, it runs in the first wave beside the 5 live prefix splits and the empty ones trail.
 _MLA_SHORT_TWIN_KEYS = 1024
 _MLA_SHORT_TWIN_DEFAULT = 0
 _MLA_SHORT_TWIN_MAX_BATCH_ROWS = 264
