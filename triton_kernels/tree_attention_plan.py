@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ._device import BLOCK_RESERVE, num_sms, pdl_switch, portable, shared_memory
+from ._device import BLOCK_RESERVE, num_sms, pdl_switch, shared_memory
 
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
