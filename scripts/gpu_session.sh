@@ -306,7 +306,8 @@ for s in "$@"; do
              # rounds of no twin (SGLANG_DDTREE_MLA_SHORT_KEYS=0), the bound MLATWIN_KEYS (1024),
              # the same under PDL (SGLANG_DDTREE_MLA_TWIN_PDL=1) and the twin at every context
              # (the bound's crossover); MLATWIN_ROUNDS (default 2) rounds of MLATWIN_VARIANTS
-             # (default "off on pdl", then one of all)
+             # (default "off on pdl", then one of all); MLATWIN_ARGS adds bench arguments (session
+             # 72: --kernel-times, --sweep "16,64,4,2,1,0,128" for the tile on its own plan)
              for r in $(seq 1 ${MLATWIN_ROUNDS:-2}); do
                for v in ${MLATWIN_VARIANTS:-off on pdl} $([ $r = 1 ] && echo all); do
                  keys=$([ $v = off ] && echo 0 || { [ $v = all ] && echo 1000000000 || echo ${MLATWIN_KEYS:-1024}; })
@@ -316,7 +317,7 @@ for s in "$@"; do
                    python3 scripts/bench_tree_verify.py --kinds mla --no-baselines \
                    --batch-sizes ${MLATWIN_BS:-1,2} --budgets ${MLATWIN_BUDGETS:-15,31,32} \
                    --contexts ${MLATWIN_CONTEXTS:-576,1024,1536,2048,16384} \
-                   --plan-context 262144 --out "$OUT/tv_mlatwin_${v}_r${r}_h200.json"
+                   --plan-context 262144 ${MLATWIN_ARGS:-} --out "$OUT/tv_mlatwin_${v}_r${r}_h200.json"
                done
              done
              ab=()
