@@ -189,9 +189,7 @@ def _sms(device: torch.device) -> int:
 
 
 PDL_ENV = "SGLANG_DDTREE_SKINNY_PDL"
-
-
-_PDL_ONE = " (each program waits for the launch before it first)"
+_PDL_ONE = " (each program waits for the launch before it first)"  # what mode 1 does
 
 
 def parse_pdl(value) -> int:
