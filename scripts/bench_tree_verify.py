@@ -260,9 +260,6 @@ def merge_tile(attn, bs):
     return f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages},{c.dv_split}"
 
 
-LAST_PLAN: dict = {}  # bench_ours's last plan: its short-context twin, recorded per point
-
-
 def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=None,
                num_kv_splits=None):
     """Our kernel at point ``p`` (planned by ``plan_ours``). ``min_split_keys`` replaces the
@@ -282,12 +279,6 @@ def bench_ours(ta, mla, p, iters, flush, config, plan_context=0, min_split_keys=
         fn = lambda: attn.run(p.q, p.k_cache, p.layout.out_cache_loc, p.mask, out=out,  # noqa
                               validate=False, **p.layout.table_kwargs())
     us, _ = time_graph(fn, iters, flush)
-    # the short-context twin this plan launches at the point's batch size (session 71; None
-    # before it, or where the planner gives none)
-    twin = getattr(attn, "short_config_for", lambda bs: None)(p.bs)
-    LAST_PLAN["short_tile"] = None if twin is None else \
-        f"{twin.block_m},{twin.block_n},{twin.num_warps},{twin.num_stages},{twin.min_split_keys}"
-    LAST_PLAN["short_keys"] = getattr(attn, "short_keys", None)
     return us, out.clone(), attn.num_splits(p.bs)
 
 
@@ -689,9 +680,6 @@ def main(argv=None):
                                                   args.plan_context)
                     if args.kernel_times:
                         r["ours_kernels"] = KERNEL_TIMES["last"]
-                    if LAST_PLAN.get("short_tile"):
-                        r.update(short_tile=LAST_PLAN["short_tile"],
-                                 short_keys=LAST_PLAN["short_keys"])
                     r.update(ours_us=round(us, 2), num_splits=splits,
                              kv_GBps=round(p.kv_bytes / us / 1e3, 1),
                              TFLOPs=round(p.flops / us / 1e6, 1))

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28 kimiprofile61 mlatwin mlatwintests mlatwine2e
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28 kimiprofile61
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -301,49 +301,6 @@ for s in "$@"; do
                --methods ar,ddtree --budget ${KIMI_PROFILE_BUDGETS:-32,16,8} --steps 20 \
                --max-new-tokens 96 --server-env SGLANG_DDTREE_FUSED_MOE=1 \
                --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 ;;
-    mlatwin) # (session 71) MLA's short-context twin (tree_attention_plan._MLA_SHORT_TWIN_KEYS):
-             # the kernel alone, planned for 262,144 keys as the Kimi servers are, interleaved
-             # rounds of no twin (SGLANG_DDTREE_MLA_SHORT_KEYS=0), the bound MLATWIN_KEYS (1024),
-             # the same under PDL (SGLANG_DDTREE_MLA_TWIN_PDL=1) and the twin at every context
-             # (the bound's crossover); MLATWIN_ROUNDS (default 2) rounds of MLATWIN_VARIANTS
-             # (default "off on pdl", then one of all); MLATWIN_ARGS adds bench arguments (session
-             # 72: --kernel-times, --sweep "16,64,4,2,1,0,128" for the tile on its own plan)
-             for r in $(seq 1 ${MLATWIN_ROUNDS:-2}); do
-               for v in ${MLATWIN_VARIANTS:-off on pdl} $([ $r = 1 ] && echo all); do
-                 keys=$([ $v = off ] && echo 0 || { [ $v = all ] && echo 1000000000 || echo ${MLATWIN_KEYS:-1024}; })
-                 pdl=$([ $v = pdl ] && echo 1 || echo 0)
-                 step mlatwin-$v-$r ${MLATWIN_LIMIT:-150} env SGLANG_DDTREE_MLA_SHORT_KEYS=$keys \
-                   SGLANG_DDTREE_MLA_TWIN_PDL=$pdl \
-                   python3 scripts/bench_tree_verify.py --kinds mla --no-baselines \
-                   --batch-sizes ${MLATWIN_BS:-1,2} --budgets ${MLATWIN_BUDGETS:-15,31,32} \
-                   --contexts ${MLATWIN_CONTEXTS:-576,1024,1536,2048,16384} \
-                   --plan-context 262144 ${MLATWIN_ARGS:-} --out "$OUT/tv_mlatwin_${v}_r${r}_h200.json"
-               done
-             done
-             ab=()
-             for v in ${MLATWIN_VARIANTS:-off on pdl} all; do
-               files=$(ls "$OUT"/tv_mlatwin_${v}_r*_h200.json 2>/dev/null | paste -sd, -)
-               [ -n "$files" ] && ab+=(--ab "$v=$files")
-             done
-             step mlatwin-ab 60 python3 scripts/bench_tree_verify.py ${ab[@]+"${ab[@]}"} \
-               --out "$OUT/tv_mlatwin_ab_h200.json" ;;
-    mlatwintests) # (session 71) the short-context twin's GPU tests (against the fp32 reference,
-             # without the twin, graph against eager, with and without PDL) and the doctor's
-             # graph rows at budgets 15 / 31 / 32, prefixes either side of the bound
-             step mlatwin-tests ${MLATWIN_TESTS_LIMIT:-150} python3 -m pytest -q -x \
-               tests/gpu/test_tree_attention_gpu.py -k "twin or mla"
-             step mlatwin-doctor ${MLATWIN_DOCTOR_LIMIT:-150} env SGLANG_DDTREE_MLA_SHORT_KEYS=${MLATWIN_KEYS:-1024} \
-               python3 -m sglang_ddtree.cli doctor \
-               --graphs --kernels mla,mla_fp8 --budgets 15,31,32 --batch-sizes 1,2 \
-               --out "$OUT/doctor_mla_twin_h200.json" ;;
-    mlatwine2e) # (session 71) the short-context twin (bound MLATWIN_KEYS), token for token
-             # against AR on the 8-layer int4 Kimi rank: budgets 15 / 31 / 32 at batch 1 / 2 (the
-             # twin serves 31 / 32 at batch 1 and 15 at batch 2; short prompts: all of them)
-             step mlatwin-e2e ${MLATWIN_E2E_LIMIT:-200} env SGLANG_DDTREE_MLA_SHORT_KEYS=${MLATWIN_KEYS:-1024} \
-               python3 scripts/e2e_lossless.py \
-               --cases kimi_int4:15,31,32 --batch-sizes 1,2 --prompts 12 --eager-check= --speed= \
-               --deterministic= $card_serve_args \
-               --out "$OUT/e2e_lossless_kimi_int4_twin_h200.json" ;;
     kimiprofile61) # (session 70) profile on the 61-layer int4 Kimi rank with the rank's
              # vocabulary (the cost curves' model, whose weights do not fit L2 as the 8-layer
              # rank's partly do), batch 1, AR and DDTREE at KIMI_PROFILE_BUDGETS (default 31),

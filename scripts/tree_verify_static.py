@@ -136,8 +136,6 @@ def analyse(kind: str, cfg: list, arch: int, ptxas: str, merge_prefix: bool = Fa
     consts["MIN_CHUNK"] = min_split_keys or 256
     if "TAIL_M" in fn.arg_names:
         consts["TAIL_M"] = tail_m
-    if "GATE" in fn.arg_names:  # session 71's short-context twin gate (0: every request)
-        consts["GATE"] = 0
     ptrs = {"q_ptr": "*bf16", "qpe_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "kv_table_ptr": "*i32",
             "kv_row_ptr": "*i64", "seq_lens_ptr": "*i64", "tree_loc_ptr": "*i64",

@@ -858,48 +858,6 @@ def test_mla_verify_matches_reference(sgl, convention, kv_dtype):
     assert rel_err(out.view(ref.shape), ref) < TOL
 
 
-def test_mla_short_twin_reaches_the_served_plan(sgl, monkeypatch):
-    """SGLANG_DDTREE_MLA_SHORT_KEYS reaches the verify backend's MLA plans (session 71): with
-    the planner's rule giving a twin here (on the CPU it gives none: Hopper only), a verify
-    batch on the split convention launches the twin for the request of at most the bound's
-    prefix keys and the batch size's tile for the other, and the output matches the reference."""
-    ta = K.tree_attention
-    twin_tile = ta.KernelConfig(block_m=8, block_n=16, num_warps=1, num_stages=1)
-    monkeypatch.setattr(ta, "_short_twin", lambda dk, dpe, dv, rows, groups, cfg, device:
-                        ta.replace(twin_tile, min_split_keys=cfg.min_split_keys))
-    monkeypatch.setenv("SGLANG_DDTREE_MLA_SHORT_KEYS", "10")
-    n = 4
-    g, layout, mask, layer, prefill_path, pool = _mla_setup(11, torch.bfloat16, n=n)
-    mr = _runner(pool, layout.req_to_token, [layer, prefill_path], RecordingBackend(), mla=True)
-    w = verify_backend.install(mr, n, sgl, kernels=KERNELS)
-    plan = w._plans[verify_backend.layer_key(layer)]
-    assert plan.short_keys == 10 and plan.short_config_for(2).block_m == 8
-    gates = []
-    real = ta._tree_attn_verify_kernel
-
-    class Gates:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                gates.append(kw["GATE"])
-                real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(ta, "_tree_attn_verify_kernel", Gates())
-    tokens = layout.out_cache_loc.numel()
-    fb = _verify_batch(layout, mask, n)
-    q_nope, q_pe, k_nope, k_pe = _mla_split_parts(g, tokens)
-    w.init_forward_metadata(fb)
-    with _attn_context(w):
-        out = layer(q_nope, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe)
-    assert gates == [1, 2]  # prefixes of 5 and 19 keys: one request on each side of 10
-    cache = pool.get_key_buffer(0)
-    ref = REF.mla_tree_attention_reference(torch.cat([q_nope, q_pe], dim=-1), cache,
-                                           layout.out_cache_loc, mask, kv_lora_rank=RANK,
-                                           sm_scale=layer.scaling, **layout.table_kwargs())
-    assert not out.isnan().any()
-    assert rel_err(out.view(ref.shape), ref) < TOL
-
-
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_apply_rope_matches_sglang(is_neox):
     from sglang.srt.layers.rotary_embedding.utils import apply_rotary_emb

@@ -40,7 +40,6 @@ tile configs and split counts are chosen in ``tree_attention_plan.py``.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -56,12 +55,9 @@ from .tree_attention_plan import (
     _merge_config,
     _num_sms,
     _reduce_chunk,
-    _short_twin,
     mha_split_count,
     mla_programs_per_sm,
-    short_twin_keys,
     split_count,
-    twin_pdl,
 )
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, used by CI) mis-evaluates tl.dot on bf16 tiles
@@ -300,7 +296,6 @@ def _tree_attn_fwd_kernel(
     qk_scale,         # sm_scale * k_scale (* log2 e unless HAS_CAP)
     v_scale,
     logit_cap,
-    gate_keys,        # GATE > 0: the prefix length parting this launch's requests from its twin's
     stride_qt, stride_qh,
     qpe_ptr,          # [T, Hq, D_PE] rope part of the queries (D_PE > 0): q's last D_PE dims,
     stride_qpt, stride_qph,  # or a tensor of its own (MLA's split convention, no concat)
@@ -329,14 +324,6 @@ def _tree_attn_fwd_kernel(
     TAIL_M: tl.constexpr = 0,  # > 0: the TAIL_M rows after the last full block ride with it
                                # (the last program's; masked off in the others), so a tree of
                                # k x BLOCK_M + a few rows runs k programs, not k + 1
-    GATE: tl.constexpr = 0,  # 1: only requests of at most gate_keys prefix keys; 2: only longer
-                             # ones (a short-context twin launch and the launch it splits with,
-                             # same splits; the other launch's programs return at once); 0: all
-    TWIN_PDL: tl.constexpr = False,  # the twin pair under PDL: the twin (GATE 1) lets the main
-                                     # launch start at once, whose programs wait for the twin's
-                                     # completion before they end (so its completion implies it)
-    TREE_FIRST: tl.constexpr = False,  # programs of the tree tokens' split (the last) launch
-                                       # first, so the empty splits of a short prefix come last
 ):
     pid_m = tl.program_id(0)        # fastest: blocks sharing a KV chunk run together (L2 reuse)
     pid_hs = tl.program_id(1)       # (kv_head * num_splits + split) * DV_SPLIT + column part
@@ -345,8 +332,6 @@ def _tree_attn_fwd_kernel(
     pid_hs = pid_hs // DV_SPLIT
     kvh = pid_hs // num_splits
     split = pid_hs % num_splits
-    if TREE_FIRST:  # launch order: the split that holds the tree tokens, then splits 0, 1, ...
-        split = (split + num_splits - 1) % num_splits
     Hq = tl.num_programs(1) // DV_SPLIT // num_splits * G
     dv0 = dvp * BLOCK_DV
 
@@ -363,16 +348,6 @@ def _tree_attn_fwd_kernel(
     else:
         row_base = tl.load(kv_row_ptr + b).to(tl.int64) * stride_table
         prefix_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    if GATE == 1:
-        if TWIN_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        if prefix_len > gate_keys:
-            return
-    if GATE == 2:
-        if prefix_len <= gate_keys:
-            if TWIN_PDL:
-                tl.extra.cuda.gdc_wait()
-            return
 
     # this split's prefix chunk, BLOCK_N-aligned so only the last tile of the prefix is ragged,
     # and at least MIN_CHUNK keys: the split count is sized from the longest context the server
@@ -503,9 +478,6 @@ def _tree_attn_fwd_kernel(
                   split, dvp, dv0, Hq, num_splits, o_ptr, part_o_ptr, part_lse_ptr, v_scale,
                   stride_ot, stride_oh, pre_o_ptr, pre_lse_ptr, stride_pot, stride_poh,
                   stride_plb, stride_plh, stride_pln, DV, BLOCK_DV, SPLIT, MERGE_PREFIX)
-    if GATE == 2:
-        if TWIN_PDL:
-            tl.extra.cuda.gdc_wait()
 
 
 # The same kernel for tree verify, with N and the mask strides (N, N x N) not specialized, so
@@ -631,9 +603,7 @@ class TreeAttention:
                  max_context_len: int, device, sm_scale: float, logit_cap: float,
                  num_kv_splits: Optional[int], config: Optional[KernelConfig],
                  shared_kv: bool, ordered_mask: bool = True,
-                 merge_config: Optional[KernelConfig] = None,
-                 short_config: Optional[KernelConfig] = None,
-                 short_keys: Optional[int] = None):
+                 merge_config: Optional[KernelConfig] = None):
         self.device = torch.device(device)
         self.ordered_mask = bool(ordered_mask)
         self.max_batch_size = int(max_batch_size)
@@ -665,25 +635,11 @@ class TreeAttention:
                 self.head_dim, self.rope_dim, self.v_head_dim, rows, bs * self.num_kv_heads,
                 self.device)
             self._configs[bs] = chosen or self.config
-        # MLA's short-context twin per batch size (tree_attention_plan._MLA_SHORT_TWIN_KEYS):
-        # the plan's rule, or short_config for every batch size; none with an explicit config
-        self.short_keys = short_twin_keys(short_keys)
-        self.twin_pdl = twin_pdl(self.device)
-        self._twins = {}
-        if self.short_keys and (config is None or short_config is not None):
-            for bs, cfg in self._configs.items():
-                twin = (replace(short_config, min_split_keys=cfg.min_split_keys)
-                        if short_config else
-                        _short_twin(self.head_dim, self.rope_dim, self.v_head_dim, rows,
-                                    bs * self.num_kv_heads, cfg, self.device))
-                if twin is not None:
-                    self._twins[bs] = twin
         # the launch that attends the tree keys alone and merges a prefix part given by
         # another kernel (run(prefix_out=)): its own tile (_merge_config), not the full verify's
         self._merge_config = merge_config or _merge_config(
             self.head_dim, self.rope_dim, self.v_head_dim, self.device)
-        for cfg in (set(self._configs.values()) | set(self._twins.values())
-                    | ({self._merge_config} - {None})):
+        for cfg in set(self._configs.values()) | ({self._merge_config} - {None}):
             dvs = cfg.dv_split
             _check(dvs >= 1 and dvs & (dvs - 1) == 0
                    and triton.next_power_of_2(self.v_head_dim) % dvs == 0
@@ -754,12 +710,6 @@ class TreeAttention:
     def config_for(self, batch_size: int) -> KernelConfig:
         """The kernel config ``run`` launches for ``batch_size`` requests."""
         return self._configs.get(int(batch_size), self.config)
-
-    def short_config_for(self, batch_size: int) -> Optional[KernelConfig]:
-        """The tile of ``batch_size``'s short-context twin launch (it serves the requests of
-        at most ``short_keys`` prefix keys, the main launch the others), None where it has
-        none (see tree_attention_plan._MLA_SHORT_TWIN_KEYS)."""
-        return self._twins.get(int(batch_size))
 
     def merge_config_for(self, batch_size: int) -> KernelConfig:
         """The kernel config of a launch that merges a given prefix part
@@ -983,38 +933,27 @@ class TreeAttention:
             pl_strides = (prefix_lse.stride(0), prefix_lse.stride(1), prefix_lse.stride(2))
         qk_scale = self.sm_scale * float(k_scale) * (1.0 if has_cap else _LOG2E)
         part_o, part_lse = self.part_o, self.part_lse
+        grid = (self.num_blocks_m(bs, merge), self.num_kv_heads * splits * cfg.dv_split, bs)
         kernel = _tree_attn_verify_kernel if self.ordered_mask else _tree_attn_fwd_kernel
-        twin = None if merge else self.short_config_for(bs)
-
-        def launch(c: KernelConfig, blocks_m: int, tail_m: int, gate: int) -> None:
-            grid = (blocks_m, self.num_kv_heads * splits * c.dv_split, bs)
-            pdl = {}
-            if self.twin_pdl and gate:  # the main launch may start as the twin starts
-                pdl = {"TWIN_PDL": True, **({"launch_pdl": True} if gate == 2 else {})}
-            kernel[grid](
-                q, k_cache, v_cache, out, part_o, part_lse,
-                table, rows, lens, out_cache_loc, tree_mask,
-                n, splits, qk_scale, float(v_scale), self.logit_cap, self.short_keys,
-                q.stride(0), q.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
-                k_cache.stride(0), k_cache.stride(1),
-                v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-                stride_table, tree_mask.stride(0), tree_mask.stride(1),
-                prefix_out, prefix_lse, *po_strides, *pl_strides,
-                G=self.group, DK=self.head_dim, BLOCK_DK=triton.next_power_of_2(self.head_dim),
-                D_PE=self.rope_dim, DV=self.v_head_dim,
-                BLOCK_DV=triton.next_power_of_2(self.v_head_dim) // c.dv_split,
-                BLOCK_M=c.block_m, BLOCK_N=c.block_n, SPLIT=splits > 1,
-                USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
-                INTERPRET=_INTERPRET, DV_SPLIT=c.dv_split, DK_CHUNK=c.dk_chunk,
-                MIN_CHUNK=c.min_split_keys, MERGE_PREFIX=merge, ORDERED_MASK=self.ordered_mask,
-                TAIL_M=tail_m, GATE=gate, TREE_FIRST=gate == 1, num_warps=c.num_warps,
-                num_stages=c.num_stages, **pdl,
-            )
-
-        if twin is not None:  # requests of at most short_keys prefix keys: the twin's tile
-            launch(twin, triton.cdiv(self.num_tree_tokens * self.group, twin.block_m), 0, 1)
-        launch(cfg, self.num_blocks_m(bs, merge), self.tail_rows(bs, merge),
-               0 if twin is None else 2)
+        kernel[grid](
+            q, k_cache, v_cache, out, part_o, part_lse,
+            table, rows, lens, out_cache_loc, tree_mask,
+            n, splits, qk_scale, float(v_scale), self.logit_cap,
+            q.stride(0), q.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1),
+            k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+            stride_table, tree_mask.stride(0), tree_mask.stride(1),
+            prefix_out, prefix_lse, *po_strides, *pl_strides,
+            G=self.group, DK=self.head_dim, BLOCK_DK=triton.next_power_of_2(self.head_dim),
+            D_PE=self.rope_dim, DV=self.v_head_dim,
+            BLOCK_DV=triton.next_power_of_2(self.v_head_dim) // cfg.dv_split,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
+            USE_INDPTR=use_indptr, SHARED_KV=self.shared_kv, HAS_CAP=has_cap,
+            INTERPRET=_INTERPRET, DV_SPLIT=cfg.dv_split, DK_CHUNK=cfg.dk_chunk,
+            MIN_CHUNK=cfg.min_split_keys, MERGE_PREFIX=merge, ORDERED_MASK=self.ordered_mask,
+            TAIL_M=self.tail_rows(bs, merge), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
         if splits > 1:
             _tree_attn_reduce_kernel[(q.shape[0], self.num_q_heads)](
                 part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),

@@ -33,9 +33,7 @@ class TreeAttentionMLA(TreeAttention):
              max_context_len: int, device, sm_scale: float, kv_lora_rank: int = 512,
              rope_dim: int = 64, logit_cap: float = 0.0, num_kv_splits: Optional[int] = None,
              config: Optional[KernelConfig] = None,
-             merge_config: Optional[KernelConfig] = None,
-             short_config: Optional[KernelConfig] = None,
-             short_keys: Optional[int] = None) -> "TreeAttentionMLA":
+             merge_config: Optional[KernelConfig] = None) -> "TreeAttentionMLA":
         """Size and allocate everything for MLA tree verify (not graph-safe).
 
         Parameters
@@ -58,14 +56,6 @@ class TreeAttentionMLA(TreeAttention):
         merge_config : KernelConfig, optional
             Tile of the launches that merge a prefix part from another kernel (FlashMLA's);
             default: the plan's merge tile (``TreeAttention.merge_config_for``).
-        short_config : KernelConfig, optional
-            A short-context twin tile for every batch size (its split minimum taken from the
-            batch size's tile): requests of at most ``short_keys`` prefix keys run on it, the
-            others on the batch size's tile. Default: the planner's rule
-            (``tree_attention_plan._short_twin``; none where ``config`` is given).
-        short_keys : int, optional
-            The twin's bound (default ``SGLANG_DDTREE_MLA_SHORT_KEYS``, else
-            ``tree_attention_plan._MLA_SHORT_TWIN_KEYS``); 0: no twin.
         """
         _check(kv_lora_rank & (kv_lora_rank - 1) == 0 and kv_lora_rank >= 16, "kv_lora_rank",
                "a power of two >= 16", kv_lora_rank)
@@ -74,8 +64,7 @@ class TreeAttentionMLA(TreeAttention):
                    v_head_dim=kv_lora_rank, rope_dim=rope_dim, max_context_len=max_context_len,
                    device=device, sm_scale=sm_scale, logit_cap=logit_cap,
                    num_kv_splits=num_kv_splits, config=config, shared_kv=True,
-                   merge_config=merge_config, short_config=short_config,
-                   short_keys=short_keys)
+                   merge_config=merge_config)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, out_cache_loc: torch.Tensor,
             tree_mask: torch.Tensor, *, req_to_token: Optional[torch.Tensor] = None,

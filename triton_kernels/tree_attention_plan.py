@@ -7,14 +7,13 @@ functions, at plan time, which tile a batch size runs (:func:`_default_config`,
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Optional
 
 import torch
 
-from ._device import BLOCK_RESERVE, num_sms, pdl_switch, shared_memory
+from ._device import BLOCK_RESERVE, num_sms, shared_memory
 
 # fewest prefix keys a split covers: the host's split count assumes it (splits <= context / 256)
 # and the kernel enforces it against the actual prefix (MIN_CHUNK)
@@ -134,14 +133,9 @@ def _hopper(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-def _is_wgmma_tile(cfg: KernelConfig) -> bool:
-    """Whether ``cfg`` is the 8-warp 64-row MLA tile, whatever its split minimum."""
-    return replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) == _MLA_WGMMA_TILE
-
-
 def _mla_tile_smem(cfg: KernelConfig) -> Optional[int]:
     """Shared memory of a served MLA tile shape, None for other shapes."""
-    if _is_wgmma_tile(cfg):
+    if replace(cfg, min_split_keys=_MIN_SPLIT_KEYS) == _MLA_WGMMA_TILE:
         return _MLA_WGMMA_SMEM
     if (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.dv_split, cfg.dk_chunk) != (64, 4, 2, 1, 0):
         return None
@@ -241,83 +235,6 @@ def _mla_hopper_config(rows: int, groups: int) -> Optional[KernelConfig]:
     if rows >= _MLA_HOPPER_PADDED_MIN_ROWS and batch_rows <= _MLA_HOPPER_PADDED_MAX_BATCH_ROWS:
         return replace(_MLA_WGMMA_TILE, min_split_keys=_MLA_FEW_ROWS_MIN_SPLIT)
     return None
-
-
-# MLA's short-context twin (session 71). The 8-warp 64-row tile serves trees of 145-264 query
-# rows in a batch of at most 264 (Kimi TP8: budgets 18-32 at batch 1, 9-15 at batch 2, ...),
-# and at short prefixes it runs few programs: budget 31 at batch 1 with 576 keys is 4 row
-# blocks x 5 live 128-key splits. On an H100 (bench_results/tv_mla_sweep_h100_s62{b,c}.json,
-# kernel alone) the 16-row 4-warp tile took 18.9 us there against 23.7-24.3, and 19.7 against
-# 23.7 at budget 15 / batch 2, but 1.1-1.7x longer from 2,048 keys. The twin is a second launch
-# of the 16-row tile with the same splits: its programs serve the requests whose prefix has at
-# most _MLA_SHORT_TWIN_KEYS keys and return at once for the others, the main launch's the
-# opposite (the kernel's GATE), so the choice is made on the GPU per request and per step, and
-# a CUDA graph holds both. SGLANG_DDTREE_MLA_SHORT_KEYS sets the bound (0: no twin);
-# _MLA_SHORT_TWIN_KEYS is the bound session 62's sweeps suggested.
-# Timed in session 72 on an H100 (kernel alone, planned for 262,144 keys as the Kimi servers
-# are; bench_results/tv_mlatwin_ab_h100_s72.json, 2 interleaved rounds): SLOWER wherever it
-# serves, 1.21-1.36x the single launch at budgets 31 / 32 batch 1 and budget 15 batch 2 from 576
-# to 16,384 keys (23.9 -> 31.2 us at budget 31, batch 1, 576 keys), 1.12-1.29x under PDL, so it
-# stays OFF (_MLA_SHORT_TWIN_DEFAULT = 0). Why (tv_mlatwin_kt_*_h100_s72.json, the graphs'
-# kernels): the twin's own kernel took 23.9 us where the same tile alone took 18.3 us with its
-# reduce, because the twin inherits the main launch's 33 splits (528 programs, 5 splits live at
-# 576 keys) where the tile's own plan has 16 (256); the main launch's gated-off programs cost
-# 1.2 us. Masking the other launch's rows instead of returning (timed the same session:
-# tv_mlatwin_masked_kt_*_h100_s72.json) was slower still (the gated-off main launch 9.6 us, the
-# pair 38 us); not kept. Untried: a twin with its own split count (the reduce would then need
-# each request's count, or the twin to write the unused splits' -inf).
-# Since then (untimed, no GPU left in session 72): the twin launches its tree tokens' split first
-# (the kernel's TREE_FIRST). An H100 / H200 SM holds two 16-row MLA programs
-# (mla_programs_per_sm), so the twin's 528 programs run in two waves, and the tree split, last in
-# launch order, started only in the second (at 576 keys 432 empty-split programs came before
-# it); first, it runs in the first wave beside the 5 live prefix splits and the empty ones trail.
-_MLA_SHORT_TWIN_KEYS = 1024
-_MLA_SHORT_TWIN_DEFAULT = 0
-_MLA_SHORT_TWIN_MAX_BATCH_ROWS = 264
-SHORT_KEYS_ENV = "SGLANG_DDTREE_MLA_SHORT_KEYS"
-
-
-def short_twin_keys(value=None) -> int:
-    """The short-context twin's bound in prefix keys: ``value`` if given, else
-    ``SGLANG_DDTREE_MLA_SHORT_KEYS``, else _MLA_SHORT_TWIN_DEFAULT; 0 turns the twin off.
-    ValueError naming the variable for anything but a non-negative integer."""
-    raw = os.environ.get(SHORT_KEYS_ENV, "") if value is None else value
-    text = str(raw).strip()
-    if text == "":
-        return _MLA_SHORT_TWIN_DEFAULT
-    try:
-        keys = int(text)
-    except ValueError:
-        keys = -1
-    if keys < 0:
-        raise ValueError(f"{SHORT_KEYS_ENV}={raw!r}: expected a non-negative integer (prefix "
-                         f"keys up to which the 16-row MLA twin serves a request; 0: off)")
-    return keys
-
-
-TWIN_PDL_ENV = "SGLANG_DDTREE_MLA_TWIN_PDL"
-
-
-def twin_pdl(device: torch.device, value=None) -> bool:
-    """Whether the twin pair launches under programmatic dependent launch (``value`` if given,
-    else ``SGLANG_DDTREE_MLA_TWIN_PDL``: ``0`` / unset off, ``1`` on): the twin lets the main
-    launch start at once, and the main launch's programs wait for the twin before they end.
-    ValueError for another value, or for ``1`` off an sm_90+ GPU (the interpreter included)."""
-    return bool(pdl_switch(TWIN_PDL_ENV, device, value))
-
-
-def _short_twin(dk: int, d_pe: int, dv: int, rows: int, groups: int, cfg: KernelConfig,
-                device: torch.device) -> Optional[KernelConfig]:
-    """The short-context twin's tile for a batch size served by ``cfg`` (see
-    _MLA_SHORT_TWIN_KEYS), None where it has none: Hopper, MLA latent rows, ``cfg`` the 8-warp
-    64-row tile, at most _MLA_SHORT_TWIN_MAX_BATCH_ROWS rows in the batch. The twin keeps
-    ``cfg``'s split minimum, so both launches cut a prefix into the same splits."""
-    if (device.type != "cuda" or not _latent_rows(dk, d_pe, dv)
-            or groups * rows > _MLA_SHORT_TWIN_MAX_BATCH_ROWS
-            or not _is_wgmma_tile(cfg)
-            or not _hopper(device) or not _mla_fits(_MLA_SMALL_BATCH, device)):
-        return None
-    return replace(_MLA_SMALL_BATCH, min_split_keys=cfg.min_split_keys)
 
 
 # The launch that attends only the tree keys and merges a prefix part from another kernel

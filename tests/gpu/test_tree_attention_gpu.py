@@ -125,53 +125,6 @@ def test_mla_gpu(K, case):
     assert torch.equal(out, out_split)
 
 
-@pytest.mark.parametrize("seq_lens,n", [([700], 32), ([1024], 33), ([1025], 32),
-                                          ([1000, 3000], 16), ([5, 16000], 16)])
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_mla_short_twin_gpu(K, seq_lens, n, pdl, monkeypatch):
-    """MLA's short-context twin (session 71): on Hopper batch sizes of at most 264 query rows
-    on the 8-warp tile launch, with SGLANG_DDTREE_MLA_SHORT_KEYS=1024 (the plan's
-    short_keys here), a 16-row twin for the requests of at most 1,024 prefix keys
-    (the batch [1000, 3000] splits between the two launches). Output against the fp32
-    reference, and against the same plan without the twin; graph replay equals eager. With
-    SGLANG_DDTREE_MLA_TWIN_PDL=1 (Hopper) the pair launches under PDL."""
-    if pdl == "1" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90+")
-    monkeypatch.setenv("SGLANG_DDTREE_MLA_TWIN_PDL", pdl)
-    mla = K.tree_attention_mla
-    bs = len(seq_lens)
-    g, layout, mask = make_case(K, seq_lens, n, 16, seed=sum(seq_lens) + n)
-    cache = torch.randn(layout.num_slots, 1, 576, device="cuda").bfloat16()
-    poison_unused_(cache, layout)
-    q = torch.randn(bs * n, 8, 576, device="cuda", dtype=torch.bfloat16)
-    sm_scale = 192 ** -0.5
-    ref = K.reference.mla_tree_attention_reference(
-        q, cache, layout.out_cache_loc, mask, kv_lora_rank=512, sm_scale=sm_scale,
-        **layout.table_kwargs())
-    outs = {}
-    for keys in (1024, 0):
-        attn = mla.TreeAttentionMLA.plan(max_batch_size=bs, num_tree_tokens=n, num_heads=8,
-                                         max_context_len=262144, device="cuda",
-                                         sm_scale=sm_scale, short_keys=keys)
-        hopper = torch.cuda.get_device_capability()[0] == 9
-        assert (attn.short_config_for(bs) is not None) == (hopper and keys > 0)
-        out = torch.full((q.shape[0], 8, 512), float("nan"), device="cuda",
-                         dtype=torch.bfloat16)
-        attn.run(q, cache, layout.out_cache_loc, mask, out=out, **layout.table_kwargs())
-        assert not out.isnan().any()
-        assert rel_err(out, ref) < TOL[torch.bfloat16], (keys, rel_err(out, ref))
-        graph = torch.cuda.CUDAGraph()
-        replayed = torch.full_like(out, float("nan"))
-        with torch.cuda.graph(graph):
-            attn.run(q, cache, layout.out_cache_loc, mask, out=replayed,
-                     **layout.table_kwargs())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out), keys
-        outs[keys] = out
-    assert rel_err(outs[1024], outs[0].float()) < TOL[torch.bfloat16]
-
-
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("budget,bs", [(4, 1), (16, 8), (128, 2)])
 def test_graph_replay_matches_eager(K, kind, budget, bs):
