@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU work, in priority order, each step time-boxed, results in $OUT.
 # Run from the repo root on the H200 after the devkit chunks are installed into /tmp/site:
-#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28 kimiprofile61
+#   bash scripts/gpu_session.sh unit e2e   # steps: quick pytest unit cudaext treeclocks treebench moe moetune moeq jitbg jitwait moebench moee2e det syncs e2e e2e2gpu tp2 verify train benche2e costs profile memcheck memchecktree memcheckverify doctor commit bench fmla draftattn drafte2e draftfi draftab moegrid moegridmid moelive moelivetest skinny skinnyrouter skinnyserve skinnycosts kimifmla moedual kimiprofile moeprologue moealign moeserve moehalf mlareduce fa3 tvwide tvwidecheck fmlabatch tvncu tvtail fa3prefix prefixauto mlakt mergetile mergecheck mlagrid tvspec moencu moewave widemla widemlaserve widemlacosts mlahopper moebm8 moebm8wide moebm8check moedownwave moelivedown moem9 moesmall moewarps grammar grammarmla moestall moepar moewide moetableab moepdl moepdlab moeearly moerows moes60ab moem8pdl moem16split moegoal gemmlt gemmsmall gemmpdl moebm32 moem28 kimiprofile61 routercosts
 # Every step appends to $OUT/session.log; JSON results land in $OUT; logs are tarred at the end.
 set -u
 OUT=${OUT:-/tmp/ddtree_out}
@@ -917,6 +917,34 @@ for s in "$@"; do
                --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
                ${WIDEMLA_COSTS_MOE:+--server-env SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_costs.json} \
                ${WIDEMLA_COSTS_ARGS:-} ;;
+    routercosts) # (session 73, not yet run) budget 31's verify on the 61-layer int4 Kimi rank
+             # with the MoE router's GEMM on our skinny kernel under PDL (session 65's profile:
+             # the 32-row router runs cuBLAS with a split-K reduce, about 9 us a layer, where
+             # AR's one row takes SGLang's 3.9 us kernel), then the skinny kernel on every
+             # wide-K dense GEMM of 17-32 rows under PDL, against AR and the budget served as
+             # is in the same lease: three cost curves (AR + served, then each switch with no
+             # AR), ROUTERCOSTS_LIMIT seconds each (default 170; AR + served get twice that).
+             # ROUTERCOSTS_VARIANTS picks them (all three take about 600 s: one call for
+             # "served router_pdl", the next for skinny_pdl, on the same warm machine)
+             costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]
+               local name=$1 lim=${ROUTERCOSTS_LIMIT:-170}; shift
+               [ "$name" = served ] && lim=$((lim * 2))
+               step routercosts-$name $lim python3 scripts/bench_cost_curves.py \
+                 --out "$OUT/cost_curves_kimi_l61_b31_${name}_h200.json" \
+                 --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
+                 --timer-budgets ${ROUTERCOSTS_BUDGETS:-31} --concurrency 1 \
+                 --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 "$@"
+             }
+             for v in ${ROUTERCOSTS_VARIANTS:-served router_pdl skinny_pdl}; do
+               case $v in
+                 served) costs_b31 served ;;
+                 router_pdl) costs_b31 router_pdl --baselines= \
+                   --server-env SGLANG_DDTREE_ROUTER_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
+                 skinny_pdl) costs_b31 skinny_pdl --baselines= \
+                   --server-env SGLANG_DDTREE_SKINNY_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
+                 *) log "routercosts: unknown variant $v (served, router_pdl, skinny_pdl): not run" ;;
+               esac
+             done ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
              # N % 16 == 0 (before: budget 31 took 32.6 us a call in the Kimi profile, 32 took
              # 26.4): the old one rebuilt from this checkout with the twin's opt-out removed,

@@ -289,3 +289,33 @@ def test_costs_serve_the_variant_table_they_wrote(tmp_path, spec, served):
         assert (cfg.block_m, cfg.half_m) == (32, 1)
     else:
         assert "no band max_m=33" in log and "refused" in log, log
+
+
+def test_routercosts_runs_each_variant_with_its_switches(tmp_path):
+    """routercosts: AR + the served budget, then the router's GEMM and the skinny kernel under
+    PDL with no AR, each to its own JSON, in ROUTERCOSTS_VARIANTS' order; an unknown variant
+    is logged and skipped."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 143771\n")
+    (fake / "python3").write_text("#!/bin/sh\nexit 0\n")  # the cost curves only log themselves
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1",
+           "ROUTERCOSTS_VARIANTS": "served router_pdl bogus skinny_pdl"}
+    r = subprocess.run(["bash", str(SCRIPT), "routercosts"], cwd=ROOT, env=env,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    log = (out / "session.log").read_text()
+    calls = [ln for ln in log.splitlines() if "bench_cost_curves.py" in ln]
+    assert len(calls) == 3, log
+    for call, name in zip(calls, ("served", "router_pdl", "skinny_pdl")):
+        assert f"cost_curves_kimi_l61_b31_{name}_h200.json" in call, call
+        assert "--timer-budgets 31" in call and "SGLANG_DDTREE_FUSED_MOE=1" in call, call
+        assert ("--baselines=" in call) == (name != "served"), call
+        assert ("limit 340s" in call) == (name == "served"), call
+    assert "SGLANG_DDTREE_ROUTER_GEMM=1" in calls[1] and "SGLANG_DDTREE_SKINNY_PDL=1" in calls[1]
+    assert "SGLANG_DDTREE_SKINNY_GEMM=1" in calls[2] and "SGLANG_DDTREE_SKINNY_PDL=1" in calls[2]
+    assert "SGLANG_DDTREE_SKINNY" not in calls[0] and "ROUTER" not in calls[0]
+    assert "unknown variant bogus" in log, log
