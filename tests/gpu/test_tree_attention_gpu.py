@@ -7,7 +7,6 @@ Graph replays must equal an eager run of the same plan bit for bit.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
