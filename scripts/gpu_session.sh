@@ -40,6 +40,17 @@ moe_ab() {  # moe_ab NAME LIMIT ROUNDS "MS" STEM VARIANT...: whole fused-MoE cal
       --out "$OUT/${stem}_${routing/:/}_h200.json"
   done
 }
+kimi61_costs() {  # kimi61_costs NAME LIMIT BUDGETS STEM [ARG...]: AR decode and DDTREE's verify
+  # at BUDGETS on the 61-layer int4 Kimi rank (the rank's vocabulary, our fused MoE, dummy int4
+  # seed 1234), batch 1, JSON to $OUT/cost_curves_kimi_l61_STEM_h200.json; ARGs are added
+  # (--baselines= drops AR, --server-env K=V a switch on every server)
+  local name=$1 limit=$2 budgets=$3 stem=$4; shift 4
+  step $name $limit python3 scripts/bench_cost_curves.py \
+    --out "$OUT/cost_curves_kimi_l61_${stem}_h200.json" \
+    --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
+    --timer-budgets $budgets --concurrency 1 \
+    --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 "$@"
+}
 for s in "$@"; do
   case $s in
     quick)   step quick ${QUICK_LIMIT:-280} python3 -m pytest -q tests/gpu/test_cuda_ext_tree_gpu.py \
@@ -910,11 +921,8 @@ for s in "$@"; do
              # (scripts/moe_table_variant.py's SPECs), e.g. "32:block_m=32,half_m=1": session
              # 68's 32-row blocks for the M 17-32 band
              [ -z "${WIDEMLA_COSTS_MOE:-}" ] || python3 scripts/moe_table_variant.py "$OUT/moe_configs_costs.json" $WIDEMLA_COSTS_MOE >> "$OUT/session.log" 2>&1 || { log "widemlacosts: WIDEMLA_COSTS_MOE refused (above): not run"; continue; }
-             step widemla-costs ${COSTS_LIMIT:-560} python3 scripts/bench_cost_curves.py \
-               --out "$OUT/cost_curves_kimi_l61_${WIDEMLA_COSTS_NAME:-b31_b32}_h200.json" \
-               --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
-               --timer-budgets ${WIDEMLA_COSTS_BUDGETS:-31,32} --concurrency 1 \
-               --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 \
+             kimi61_costs widemla-costs ${COSTS_LIMIT:-560} ${WIDEMLA_COSTS_BUDGETS:-31,32} \
+               ${WIDEMLA_COSTS_NAME:-b31_b32} \
                ${WIDEMLA_COSTS_MOE:+--server-env SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_costs.json} \
                ${WIDEMLA_COSTS_ARGS:-} ;;
     routercosts) # (session 73, not yet run) budget 31's verify on the 61-layer int4 Kimi rank
@@ -929,11 +937,7 @@ for s in "$@"; do
              costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]
                local name=$1 lim=${ROUTERCOSTS_LIMIT:-170}; shift
                [ "$name" = served ] && lim=$((lim * 2))
-               step routercosts-$name $lim python3 scripts/bench_cost_curves.py \
-                 --out "$OUT/cost_curves_kimi_l61_b31_${name}_h200.json" \
-                 --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
-                 --timer-budgets ${ROUTERCOSTS_BUDGETS:-31} --concurrency 1 \
-                 --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 "$@"
+               kimi61_costs routercosts-$name $lim ${ROUTERCOSTS_BUDGETS:-31} b31_$name "$@"
              }
              for v in ${ROUTERCOSTS_VARIANTS:-served router_pdl skinny_pdl}; do
                case $v in
