@@ -11,6 +11,10 @@ wheels, largest first into the first part with room), then prints the calls in o
 
     python3 scripts/devkit_chunks.py --kit .devkit
 
+With most of ``bench_results/`` out of the working tree (``slim_checkout.py hide``, session 74:
+12.5 MiB instead of 25.8) each of the kit's own chunks fits one call; ``--recut`` drops the
+parts earlier runs cut and plans from ``w1`` / ``w2`` again (two calls instead of five).
+
 The last chunk's call also carries ``serve.sh`` and ``models`` and is the one to chain the
 device work onto (``&& bash scripts/device_call.sh ...``). Nothing is changed when every chunk
 fits (``--dry-run`` never changes anything).
@@ -20,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,10 +65,24 @@ def checkout_bytes(repo: Path) -> int:
     return total
 
 
-def chunk_dirs(kit: Path) -> list[Path]:
+def drop_cuts(kit: Path) -> list[str]:
+    """Remove the parts earlier runs cut (``w1a``, ``w2ab``: hard links to the wheels of
+    ``w1`` / ``w2``, which stay), so that the next plan starts from the kit's own chunks (after
+    the checkout shrank, e.g. ``slim_checkout.py hide``). -> the names removed."""
+    cut = sorted(p.name for p in kit.iterdir()
+                 if p.is_dir() and re.fullmatch(r"w\d+[a-z]+", p.name))
+    for name in cut:
+        shutil.rmtree(kit / name)
+    return cut
+
+
+def chunk_dirs(kit: Path, own: bool = False) -> list[Path]:
     """The kit's wheel chunks in install order: ``w1`` before ``w2``; a chunk already re-cut
-    (``w1a``, ``w1b``) stands for its parent, which is then left out."""
+    (``w1a``, ``w1b``) stands for its parent, which is then left out; ``own``: the kit's own
+    chunks only, whatever was cut."""
     names = sorted(p.name for p in kit.iterdir() if p.is_dir() and p.name.startswith("w"))
+    if own:
+        return [kit / n for n in names if re.fullmatch(r"w\d+", n)]
     recut = {n[:-1] for n in names if n[-1].isalpha() and n[:-1] in names}
     return [kit / n for n in names if n not in recut]
 
@@ -87,10 +107,12 @@ def pack(sizes: dict[str, int], room: int) -> list[list[str]]:
     return parts
 
 
-def plan(kit: Path, checkout: int, limit: int = LIMIT, margin: int = MARGIN) -> list[dict]:
+def plan(kit: Path, checkout: int, limit: int = LIMIT, margin: int = MARGIN,
+         own: bool = False) -> list[dict]:
     """Each chunk with the bytes its call carries and, where that passes ``limit``, the parts
-    to cut it into. The last chunk's call carries the kit's extras as well."""
-    chunks = chunk_dirs(kit)
+    to cut it into. The last chunk's call carries the kit's extras as well. ``own``: plan from
+    the kit's own chunks, not the parts earlier runs cut (``chunk_dirs``)."""
+    chunks = chunk_dirs(kit, own)
     if not chunks:
         raise SystemExit(f"devkit_chunks: no wheel chunks (w1, w2, ...) in {kit}")
     extras_last = sum(tree_bytes(kit / e) for e in LAST_CALL_EXTRAS if (kit / e).exists())
@@ -138,11 +160,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repo", default=".")
     ap.add_argument("--limit-mib", type=float, default=LIMIT / MIB)
     ap.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    ap.add_argument("--recut", action="store_true",
+                    help="drop the parts earlier runs cut and plan from the kit's own chunks "
+                         "(after the checkout shrank: scripts/slim_checkout.py hide)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     kit, limit = Path(args.kit), int(args.limit_mib * MIB)
     checkout = checkout_bytes(Path(args.repo))
-    entries = plan(kit, checkout, limit)
+    entries = plan(kit, checkout, limit, own=args.recut)
     if args.json:
         print(json.dumps({"checkout_bytes": checkout, "limit_bytes": limit, "chunks": entries},
                          indent=1))
@@ -154,6 +179,10 @@ def main(argv=None) -> int:
             print(f"  {e['chunk']}: {e['carried_bytes'] / MIB:.1f} MiB carried, {state}")
     if args.dry_run:
         return 0
+    if args.recut:
+        dropped = drop_cuts(kit)
+        if dropped:
+            print(f"dropped the parts earlier runs cut: {', '.join(dropped)}")
     calls = apply(kit, entries)
     k = kit.name
     print("calls, in order (the machine goes cold 30 s after each: make them all at once, one "

@@ -128,3 +128,41 @@ def test_files_count_in_whole_blocks(tmp_path):
     (entry,) = dc.plan(kit, checkout=dc.counted(5))
     assert entry["carried_bytes"] == 14 * dc.BLOCK
 
+
+
+def test_recut_plans_from_the_kit_own_chunks_once_the_checkout_shrank(tmp_path, capsys):
+    """Cut beside a 25 MiB checkout (w1 into two parts, w2 into three, one part cut again);
+    beside a slim one (scripts/slim_checkout.py hide) ``--recut`` drops those parts and each
+    of the kit's chunks takes one call."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    kit = _kit(tmp_path, {"w1": {"sglang.whl": 21.3, "kernel.whl": 17.4, "zstd.whl": 5.3},
+                          "w2": {"flashinfer.whl": 14.3, "transformers.whl": 10.6,
+                                 "jedi.whl": 4.7, "rest.whl": 13.0}})
+    assert [c for c, _ in dc.apply(kit, dc.plan(kit, checkout=25 * MIB))] != ["w1", "w2"]
+    for name, wheels in (("w2a", ["flashinfer.whl", "transformers.whl"]),  # a part cut again
+                         ("w2aa", ["flashinfer.whl"]), ("w2ab", ["transformers.whl"])):
+        (kit / name).mkdir(exist_ok=True)
+        for w in wheels:
+            if not (kit / name / w).exists():
+                os.link(kit / "w2" / w, kit / name / w)
+    assert [d.name for d in dc.chunk_dirs(kit, own=True)] == ["w1", "w2"]
+    entries = dc.plan(kit, checkout=12 * MIB, own=True)
+    assert [(e["chunk"], e["fits"]) for e in entries] == [("w1", True), ("w2", True)]
+    repo = tmp_path / "slim"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    assert dc.main(["--kit", str(kit), "--repo", str(repo), "--recut", "--dry-run"]) == 0
+    assert any(p.name == "w1a" for p in kit.iterdir())  # a dry run changes nothing
+    capsys.readouterr()
+    assert dc.main(["--kit", str(kit), "--repo", str(repo), "--recut"]) == 0
+    out = capsys.readouterr().out
+    assert "dropped the parts earlier runs cut: " in out
+    assert sorted(p.name for p in kit.iterdir() if p.name.startswith("w")) == ["w1", "w2"]
+    assert sorted(os.listdir(kit / "w2")) == ["flashinfer.whl", "jedi.whl", "rest.whl",
+                                              "transformers.whl"]  # the wheels stay
+    calls = [ln for ln in out.splitlines() if ln.startswith("  carry ")]
+    assert len(calls) == 2 and calls[-1].endswith('device_call.sh "STEPS"')
