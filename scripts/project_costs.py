@@ -2,7 +2,8 @@
 """A labelled *projection* from measured step costs: tokens/s = batch x accept length / step.
 
 Nothing here is measured. The step costs are (from ``scripts/bench_cost_curves.py`` JSONs, dummy
-weights on the H200):
+weights on the H200, and on an H100 for session 66's Kimi rank; each source's GPU is in the
+output):
 
 - AR and DFLASH: the speed servers' TPOT x their accept length (AR: 1), i.e. the step;
 - DDTREE per budget: the speed server's step where one ran, else the sum of the ``-timers``
@@ -48,6 +49,11 @@ DEFAULT_COSTS = {
         "all 61 layers, int4 experts on our fused MoE, one TP8 rank's 20,480-row vocabulary; "
         "SGLang's stock dummy fill (every token to the same experts: the cheapest verify); "
         "AR speed server and DDTREE b8 / b16 / b32 -timers servers, no DFLASH step",
+    "cost_curves_kimi_l61_b7_b32_split1_h100_s66.json":
+        "all 61 layers on an H100 (session 66), int4 experts on our fused MoE, the rank's "
+        "vocabulary, the MLA verify's split query / latent parts (served since session 64); "
+        "SGLang's stock dummy fill (every token to the same experts: the cheapest verify); AR "
+        "speed server and DDTREE b7 / b8 / b15 / b31 / b32 -timers servers, no DFLASH step",
     "cost_curves_qwen3_8b_dflash_h200_s16.json":
         "dense; dummy weights; AR and DFLASH speed servers (session 16; DFLASH's own accept "
         "length there is 1.02, the random drafter's) and the DDTREE b32 -timers server",
