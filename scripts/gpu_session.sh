@@ -43,12 +43,12 @@ moe_ab() {  # moe_ab NAME LIMIT ROUNDS "MS" STEM VARIANT...: whole fused-MoE cal
 kimi61_costs() {  # kimi61_costs NAME LIMIT BUDGETS STEM [ARG...]: AR decode and DDTREE's verify
   # at BUDGETS on the 61-layer int4 Kimi rank (the rank's vocabulary, our fused MoE, dummy int4
   # seed 1234), batch 1, JSON to $OUT/cost_curves_kimi_l61_STEM_h200.json; ARGs are added
-  # (--baselines= drops AR, --server-env K=V a switch on every server)
+  # (--baselines= drops AR, --server-env K=V a switch on every server); BUDGETS "" runs AR only
   local name=$1 limit=$2 budgets=$3 stem=$4; shift 4
   step $name $limit python3 scripts/bench_cost_curves.py \
     --out "$OUT/cost_curves_kimi_l61_${stem}_h200.json" \
     --models kimi-k2.6-tp8rank-l61-int4-rankvocab --baselines ar --budgets= \
-    --timer-budgets $budgets --concurrency 1 \
+    --timer-budgets "$budgets" --concurrency 1 \
     --server-env SGLANG_DDTREE_FUSED_MOE=1 --server-env SGLANG_DDTREE_MOE_DUMMY_INT4_SEED=1234 "$@"
 }
 for s in "$@"; do
@@ -925,28 +925,40 @@ for s in "$@"; do
                ${WIDEMLA_COSTS_NAME:-b31_b32} \
                ${WIDEMLA_COSTS_MOE:+--server-env SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_costs.json} \
                ${WIDEMLA_COSTS_ARGS:-} ;;
-    routercosts) # (session 73, not yet run) budget 31's verify on the 61-layer int4 Kimi rank
-             # with the MoE router's GEMM on our skinny kernel under PDL (session 65's profile:
-             # the 32-row router runs cuBLAS with a split-K reduce, about 9 us a layer, where
-             # AR's one row takes SGLang's 3.9 us kernel), then the skinny kernel on every
-             # wide-K dense GEMM of 17-32 rows under PDL, against AR and the budget served as
-             # is in the same lease: three cost curves (AR + served, then each switch with no
-             # AR), ROUTERCOSTS_LIMIT seconds each (default 170; AR + served get twice that).
-             # ROUTERCOSTS_VARIANTS picks them (all three take about 600 s: one call for
-             # "served router_pdl", the next for skinny_pdl, on the same warm machine)
+    routercosts) # budget 31's verify on the 61-layer int4 Kimi rank with the MoE router's GEMM
+             # on our skinny kernel under PDL (session 65's profile: the 32-row router runs
+             # cuBLAS with a split-K reduce where AR's one row takes SGLang's dsv3 kernel), or
+             # the skinny kernel on every wide-K dense GEMM of 17-32 rows under PDL, against the
+             # budget as served, in one lease. Variants (ROUTERCOSTS_VARIANTS, in order; a name
+             # may repeat, each run to its own JSON, ..._b31_NAME_rK): ar (AR's decode alone),
+             # served, router_pdl, skinny_pdl, each DDTREE one with no AR. ROUTERCOSTS_LIMIT
+             # seconds each (default 130; about 85 s a run on a warm H100 in session 74), plus
+             # ROUTERCOSTS_COLD (default 170) for ar and the call's first DDTREE run: on a fresh
+             # machine the first AR and DDTREE servers compile their kernels (session 74: AR
+             # started in 167 s, then the served run was cut at 330 s). Session 74 ran
+             # "served router_pdl" (then with AR), one call; next: "ar served router_pdl" in one
+             # call, "served router_pdl skinny_pdl served router_pdl" in the next
+             cold=${ROUTERCOSTS_COLD:-170} seen=" " first_tree=1
              costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]
-               local name=$1 lim=${ROUTERCOSTS_LIMIT:-170}; shift
-               [ "$name" = served ] && lim=$((lim * 2))
-               kimi61_costs routercosts-$name $lim ${ROUTERCOSTS_BUDGETS:-31} b31_$name "$@"
+               local name=$1 lim=${ROUTERCOSTS_LIMIT:-130} k=1 budgets=${ROUTERCOSTS_BUDGETS:-31}; shift
+               while [[ "$seen" == *" ${name}_r$k "* ]]; do k=$((k + 1)); done
+               seen="$seen${name}_r$k "
+               if [ "$name" = ar ]; then
+                 lim=$((lim + cold)); budgets=""
+               elif [ $first_tree = 1 ]; then
+                 lim=$((lim + cold)); first_tree=0
+               fi
+               kimi61_costs routercosts-${name}_r$k $lim "$budgets" b31_${name}_r$k "$@"
              }
-             for v in ${ROUTERCOSTS_VARIANTS:-served router_pdl skinny_pdl}; do
+             for v in ${ROUTERCOSTS_VARIANTS:-ar served router_pdl}; do
                case $v in
-                 served) costs_b31 served ;;
+                 ar) costs_b31 ar ;;
+                 served) costs_b31 served --baselines= ;;
                  router_pdl) costs_b31 router_pdl --baselines= \
                    --server-env SGLANG_DDTREE_ROUTER_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
                  skinny_pdl) costs_b31 skinny_pdl --baselines= \
                    --server-env SGLANG_DDTREE_SKINNY_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
-                 *) log "routercosts: unknown variant $v (served, router_pdl, skinny_pdl): not run" ;;
+                 *) log "routercosts: unknown variant $v (ar, served, router_pdl, skinny_pdl): not run" ;;
                esac
              done ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at
