@@ -938,11 +938,11 @@ for s in "$@"; do
              # started in 167 s, then the served run was cut at 330 s). Session 74 ran
              # "served router_pdl" (then with AR), one call; next: "ar served router_pdl" in one
              # call, "served router_pdl skinny_pdl served router_pdl" in the next
-             cold=${ROUTERCOSTS_COLD:-170} seen=" " first_tree=1
+             cold=${ROUTERCOSTS_COLD:-170} first_tree=1
+             declare -A runs=()  # runs of each variant so far
              costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]
-               local name=$1 lim=${ROUTERCOSTS_LIMIT:-130} k=1 budgets=${ROUTERCOSTS_BUDGETS:-31}; shift
-               while [[ "$seen" == *" ${name}_r$k "* ]]; do k=$((k + 1)); done
-               seen="$seen${name}_r$k "
+               local name=$1 lim=${ROUTERCOSTS_LIMIT:-130} budgets=${ROUTERCOSTS_BUDGETS:-31}; shift
+               local k=$(( ${runs[$name]:-0} + 1 )); runs[$name]=$k
                if [ "$name" = ar ]; then
                  lim=$((lim + cold)); budgets=""
                elif [ $first_tree = 1 ]; then

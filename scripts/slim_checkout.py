@@ -67,7 +67,7 @@ def script_refs(code: str, tracked: list[str]) -> set[str]:
     return out
 
 
-def test_refs(texts: list[str], tracked: list[str], elsewhere: set[str] = frozenset()) -> set[str]:
+def quoted_refs(texts: list[str], tracked: list[str], elsewhere: set[str] = frozenset()) -> set[str]:
     """Tracked results files whose name a test that mentions ``bench_results`` quotes (names in
     ``elsewhere``, which files outside the results also bear, e.g. README.md, do not count)."""
     texts = [t for t in texts if RESULTS in t]
@@ -82,7 +82,7 @@ def keep_list(repo: Path) -> list[str]:
     tests = [repo / t for t in _git(repo, "ls-files", "tests").split() if t.endswith(".py")]
     elsewhere = {Path(p).name for p in _git(repo, "ls-files").split()
                  if not p.startswith(RESULTS + "/")}
-    keep |= test_refs([t.read_text(errors="replace") for t in tests if t.is_file()], tracked,
+    keep |= quoted_refs([t.read_text(errors="replace") for t in tests if t.is_file()], tracked,
                       elsewhere)
     return sorted(keep)
 
