@@ -929,36 +929,43 @@ for s in "$@"; do
              # on our skinny kernel under PDL (session 65's profile: the 32-row router runs
              # cuBLAS with a split-K reduce where AR's one row takes SGLang's dsv3 kernel), or
              # the skinny kernel on every wide-K dense GEMM of 17-32 rows under PDL, against the
-             # budget as served, in one lease. Variants (ROUTERCOSTS_VARIANTS, in order; a name
-             # may repeat, each run to its own JSON, ..._b31_NAME_rK): ar (AR's decode alone),
-             # served, router_pdl, skinny_pdl, each DDTREE one with no AR. ROUTERCOSTS_LIMIT
+             # budget as served, in one lease (ROUTERCOSTS_BUDGETS: another budget). Variants
+             # (ROUTERCOSTS_VARIANTS, in order; a name may repeat, each run to its own JSON,
+             # ..._b31_NAME_rK, AR's ..._ar_rK): ar (AR's decode alone), served (since session
+             # 75 the router's GEMM on our kernel under PDL on sm_90: DDTREE's auto),
+             # router_off (SGLANG_DDTREE_ROUTER_GEMM=0: SGLang's router GEMMs), router_pdl
+             # (the switches given), skinny_pdl, each DDTREE one with no AR. ROUTERCOSTS_LIMIT
              # seconds each (default 130; about 85 s a run on a warm H100 in session 74), plus
              # ROUTERCOSTS_COLD (default 170) for ar and the call's first DDTREE run: on a fresh
              # machine the first AR and DDTREE servers compile their kernels (session 74: AR
-             # started in 167 s, then the served run was cut at 330 s). Session 74 ran
-             # "served router_pdl" (then with AR), one call; next: "ar served router_pdl" in one
-             # call, "served router_pdl skinny_pdl served router_pdl" in the next
+             # started in 167 s, then the served run was cut at 330 s). Sessions 74-75 ran
+             # "served router_pdl" (served then: SGLang's router GEMMs) and "skinny_pdl"
+             # (8.23 ms at budget 31, slower); next: "ar served router_off served router_off"
              cold=${ROUTERCOSTS_COLD:-170} first_tree=1
              declare -A runs=()  # runs of each variant so far
-             costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]
+             costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]; JSON stem
+               # ar_rK for AR, bBUDGETS_NAME_rK (ROUTERCOSTS_BUDGETS, default 31; commas -> _)
                local name=$1 lim=${ROUTERCOSTS_LIMIT:-130} budgets=${ROUTERCOSTS_BUDGETS:-31}; shift
                local k=$(( ${runs[$name]:-0} + 1 )); runs[$name]=$k
+               local stem=b${budgets//,/_}_${name}_r$k
                if [ "$name" = ar ]; then
-                 lim=$((lim + cold)); budgets=""
+                 lim=$((lim + cold)); budgets=""; stem=ar_r$k
                elif [ $first_tree = 1 ]; then
                  lim=$((lim + cold)); first_tree=0
                fi
-               kimi61_costs routercosts-${name}_r$k $lim "$budgets" b31_${name}_r$k "$@"
+               kimi61_costs routercosts-${name}_r$k $lim "$budgets" $stem "$@"
              }
-             for v in ${ROUTERCOSTS_VARIANTS:-ar served router_pdl}; do
+             for v in ${ROUTERCOSTS_VARIANTS:-ar served router_off}; do
                case $v in
                  ar) costs_b31 ar ;;
                  served) costs_b31 served --baselines= ;;
+                 router_off) costs_b31 router_off --baselines= \
+                   --server-env SGLANG_DDTREE_ROUTER_GEMM=0 ;;
                  router_pdl) costs_b31 router_pdl --baselines= \
                    --server-env SGLANG_DDTREE_ROUTER_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
                  skinny_pdl) costs_b31 skinny_pdl --baselines= \
                    --server-env SGLANG_DDTREE_SKINNY_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
-                 *) log "routercosts: unknown variant $v (ar, served, router_pdl, skinny_pdl): not run" ;;
+                 *) log "routercosts: unknown variant $v (ar, served, router_off, router_pdl, skinny_pdl): not run" ;;
                esac
              done ;;
     tvspec) # tree verify's unspecialized twin (session 31; timed in session 32, kept) against the kernel specialized at

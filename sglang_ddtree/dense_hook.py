@@ -1,5 +1,5 @@
-"""Opt-in: run SGLang's unquantized (bf16) linear layers on our skinny GEMM for verify-sized
-token counts.
+"""Run SGLang's unquantized (bf16) linear layers (opt-in) and the MoE router's GEMM (DDTREE's
+default on sm_90) on our skinny GEMM for verify-sized token counts.
 
 Switch: ``SGLANG_DDTREE_SKINNY_GEMM=<lo>-<hi>`` (e.g. ``17-32``: calls of 17 to 32 token rows;
 ``1`` means ``17-32``), read by :func:`maybe_install` in every process that builds the model.
@@ -41,9 +41,12 @@ call inside capture raises with the fix.
 
 A second, narrower switch puts only the MoE router's GEMM (``[N, K]`` = 384 x 7168 on the Kimi
 rank, fp32 logits) on the kernel: ``SGLANG_DDTREE_ROUTER_GEMM=<lo>-<hi>`` (``1`` means
-``DEFAULT_ROUTER_RANGE``). It patches both of SGLang's router GEMMs: the tiny one DeepseekV2's
-``MoEGate`` calls up to 16 rows (0.5.17: the dsv3 JIT ``dsv3_router_gemm``; 0.5.23:
-``tiny_gemm_bf16``; ``compat.<release>.ROUTER_TINY_GEMM``) and ``linear_bf16_fp32`` above.
+``DEFAULT_ROUTER_RANGE``; ``auto``, what a DDTREE server's schedulers get where it is unset
+(``spec_algo``): ``DEFAULT_ROUTER_RANGE`` under PDL on sm_90 GPUs, SGLang's GEMMs on other
+cards and where they are not found; ``0`` turns it off). It patches both of SGLang's router
+GEMMs: the tiny one DeepseekV2's ``MoEGate`` calls up to 16 rows (0.5.17: the dsv3 JIT
+``dsv3_router_gemm``; 0.5.23: ``tiny_gemm_bf16``; ``compat.<release>.ROUTER_TINY_GEMM``) and
+``linear_bf16_fp32`` above.
 Why: session 30's profile of the Kimi rank (8 layers, batch 1) had the dsv3 router GEMM at 3.3
 us a call for one token and 8.1 us for 16 (cuBLAS at 17 rows: 6.6 us plus a 2.6 us split-K
 reduce), about 5 us a layer of the verify's extra time over decode. Its tiles come from
@@ -55,7 +58,8 @@ within 0.2 us of the fastest, 16 x 128 on 2 warps, at 8 and 16).
 the kernel with programmatic dependent launch, as SGLang's own dsv3 kernels launch at up to 16
 tokens and cuBLAS does not: 0.25-0.35 us less a call on an H100 (session 68,
 ``bench_results/skinny_pdl_*_h100_s68.json``; the router at 32 rows 7.73 against 7.96 us,
-cuBLAS 8.01). Off by default, as the switches are: not served end to end.
+cuBLAS 8.01). Unset, it is 0, except under the router switch's ``auto``: PDL on the cards
+where ``auto`` takes the kernel, plain launches elsewhere.
 
 Measured (session 42, H200, ``bench_results/skinny_router_*_h200_s42.json``, CUDA graphs over
 256 MB of router weights, us per call at 1 / 2 / 8 / 16 rows): SGLang 0.5.17's dsv3 router
@@ -65,8 +69,16 @@ grows with the rows and crosses this one's near 12, hence ``DEFAULT_ROUTER_RANGE
 61-layer int4 Kimi rank at budget 15, batch 1 (one verify of 16 rows a step), range 2-32: verify
 7.452 ms against 7.476 without the switch (AR 6.235 ms: 1.195 against 1.199), a 0.3 % gain;
 DDTREE budgets 15 / 16 at batch 1 / 2 on the 8-layer int4 rank with the switch: 48 / 48
-identical to AR. Off by default. When both switches are set, the router switch alone decides the
+identical to AR. When both switches are set, the router switch alone decides the
 router's calls (one config and one set of arrival counters per weight).
+
+Why ``auto`` for DDTREE (sessions 74-75, H100, the 61-layer int4 Kimi rank, budget 31, batch 1,
+``bench_results/cost_curves_kimi_l61_b31_*_h100_s7[45].json``): the verify 7.801 / 7.811 /
+7.806 / 7.833 ms as before against 7.667 / 7.729 / 7.689 / 7.685 ms with ``1`` and PDL, the
+runs interleaved in session 75 (two leases; AR 6.097 / 6.125 ms: 1.275 -> 1.255 on session 75's
+medians); budget 15 6.736 / 6.732 against 6.676; 16 / 16 outputs identical to AR at budget 31
+(``e2e_lossless_kimi_int4_b31_router_pdl_h100_s7[45].json``). Not timed on other cards, so
+``auto`` leaves them SGLang's; AR and DFLASH servers are not touched.
 """
 from __future__ import annotations
 
@@ -84,6 +96,8 @@ DEFAULT_RANGE = (17, 32)
 ROUTER_ENV = "SGLANG_DDTREE_ROUTER_GEMM"
 ROUTER_CONFIG_ENV = "SGLANG_DDTREE_ROUTER_GEMM_CONFIG"
 DEFAULT_ROUTER_RANGE = (12, 32)  # below 12 rows SGLang's dsv3 router is faster (session 42)
+ROUTER_AUTO = "auto"  # the router switch DDTREE servers get when it is unset (spec_algo)
+AUTO_CAPABILITIES = ((9, 0),)  # where ``auto`` takes the kernel: the cards it was timed on
 ROUTER_CONFIG = (64, 128, 14, 4, 0)  # block_n, block_k, split_k, num_warps, num_stages
 WIDE_K = 2  # a weight [N, K] takes the kernel only when K >= WIDE_K * N (see above)
 _COUNTERS_PER_DEVICE = 1 << 20  # 4 MB of int32: N // 64 each for thousands of layers
@@ -107,8 +121,9 @@ def parse_range(value: str, env: str = ENV_SWITCH,
 
     if sep and lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi) <= MAX_M:
         return int(lo), int(hi)
+    auto = f", {ROUTER_AUTO} (DDTREE's default)" if env == ROUTER_ENV else ""
     raise SkinnyGemmHookError(f"{env}={value!r}: expected 0, 1 (= {default[0]}-"
-                              f"{default[1]}) or LO-HI "
+                              f"{default[1]}){auto} or LO-HI "
                               f"token rows with 1 <= LO <= HI <= {MAX_M}")
 
 
@@ -133,7 +148,26 @@ def parse_router_config(value: str):
 
 
 _state = {"range": None, "buffers": {}, "next": {}, "router": None, "router_range": None,
-          "router_config": None, "tiny": None, "pdl": None}
+          "router_config": None, "tiny": None, "pdl": None, "router_auto": False}
+_auto_devices: dict = {}  # CUDA device index -> whether ``auto`` takes the kernel there
+
+
+def auto_device(device: torch.device) -> bool:
+    """Whether the router switch's ``auto`` puts calls on ``device`` on the kernel (with PDL):
+    a GPU of ``AUTO_CAPABILITIES`` (sm_90: H100 / H200, where sessions 74-75 timed it) outside
+    the Triton interpreter. Asked once a device; other cards keep SGLang's router GEMMs."""
+    from .triton_kernels import _device
+
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _auto_devices.get(key)
+    if ok is None:
+        ok = (not _device.portable(device)
+              and torch.cuda.get_device_capability(key) in AUTO_CAPABILITIES)
+        _auto_devices[key] = ok
+        logger.info("sglang-ddtree: %s=%s on cuda:%d (sm_%d%d): the MoE router's GEMM %s",
+                    ROUTER_ENV, ROUTER_AUTO, key, *torch.cuda.get_device_capability(key),
+                    "takes the skinny Triton GEMM under PDL" if ok else "stays SGLang's")
+    return ok
 
 
 def _counters_for_layer(layer, device: torch.device, n_tiles: int):
@@ -194,8 +228,11 @@ def _skinny(holder, w: torch.Tensor, x: torch.Tensor, out=None, config=None):
     if cfg is None:  # per call site, once: its tiles, and so its counter count, stay fixed
         cfg = config or sg.default_config(w.shape[0], w.shape[1], sg._sms(x.device))
         holder._ddtree_skinny_config = cfg
+    pdl = _state["pdl"]
+    if pdl == ROUTER_AUTO:  # the router switch's auto with SGLANG_DDTREE_SKINNY_PDL unset
+        pdl = int(auto_device(x.device))
     return sg.skinny_gemm(x, w, out=out, config=cfg, counters=_counters_for_layer(
-        holder, x.device, w.shape[0] // cfg.block_n), pdl=_state["pdl"])
+        holder, x.device, w.shape[0] // cfg.block_n), pdl=pdl)
 
 
 def router_fits(w, x: torch.Tensor, lo: int, hi: int, cfg) -> bool:
@@ -213,6 +250,8 @@ def _router_call(x: torch.Tensor, weight: torch.Tensor, out_dtype):
     rng, cfg = _state["router_range"], _state["router_config"]
     if not x.is_cuda:
         return None
+    if rng is not None and _state["router_auto"] and not auto_device(x.device):
+        rng = cfg = None  # auto, off the cards it was timed on: as if the switch were unset
     if rng is not None:
         if not router_fits(weight, x, *rng, cfg):
             return None
@@ -318,10 +357,12 @@ def install_router(token_range: tuple[int, int] = DEFAULT_ROUTER_RANGE, config=N
     _state["router_config"] = config or parse_router_config("")
     patched = _patch("tiny", tiny_target, _router_tiny)
     patched = _patch("router", router_target, _router_linear) or patched
-    if patched:
-        logger.warning("sglang-ddtree: %s: the MoE router's GEMM runs the skinny Triton GEMM "
-                       "for %d-%d token rows (%s)", ROUTER_ENV, *token_range,
-                       _state["router_config"])
+    if patched:  # the default (auto) at info level, a value asked for as a warning
+        (logger.info if _state["router_auto"] else logger.warning)(
+            "sglang-ddtree: %s: the MoE router's GEMM runs the skinny Triton GEMM for %d-%d "
+            "token rows (%s)%s", ROUTER_ENV, *token_range, _state["router_config"],
+            f" on sm_90 GPUs ({ROUTER_AUTO}, DDTREE's default; 0 turns it off)"
+            if _state["router_auto"] else "")
     return patched
 
 
@@ -370,7 +411,7 @@ def uninstall(cls=None) -> None:
             mod, attr, original = _state[key]
             setattr(mod, attr, original)
     _state.update(range=None, buffers={}, next={}, router=None, router_range=None,
-                  router_config=None, tiny=None, pdl=None)
+                  router_config=None, tiny=None, pdl=None, router_auto=False)
 
 
 def check_pdl(environ, switched_on: bool) -> int:
@@ -394,16 +435,32 @@ def maybe_install(environ=os.environ) -> bool:
     """Install what ``SGLANG_DDTREE_SKINNY_GEMM`` and ``SGLANG_DDTREE_ROUTER_GEMM`` ask for
     (both values and ``SGLANG_DDTREE_SKINNY_PDL`` checked first); return whether either is
     on."""
+    from .triton_kernels import skinny_gemm as sg
+
     rng = parse_range(environ.get(ENV_SWITCH, ""))
-    router_rng = parse_range(environ.get(ROUTER_ENV, ""), ROUTER_ENV, DEFAULT_ROUTER_RANGE)
+    auto = environ.get(ROUTER_ENV, "").strip().lower() == ROUTER_AUTO
+    router_rng = DEFAULT_ROUTER_RANGE if auto else parse_range(
+        environ.get(ROUTER_ENV, ""), ROUTER_ENV, DEFAULT_ROUTER_RANGE)
     router_cfg = parse_router_config(environ.get(ROUTER_CONFIG_ENV, ""))
     pdl = check_pdl(environ, rng is not None or router_rng is not None)
+    if auto and not environ.get(sg.PDL_ENV, "").strip():
+        pdl = ROUTER_AUTO  # PDL where auto takes the kernel (sm_90), plain launches elsewhere
     _state["pdl"] = pdl  # every call's mode (install() / install_router() alone: the kernel's)
-    if pdl:
+    if pdl and pdl != ROUTER_AUTO:
         logger.warning("sglang-ddtree: SGLANG_DDTREE_SKINNY_PDL=%d: the skinny GEMM launches "
                        "with programmatic dependent launch", pdl)
     if rng is not None:
         install(rng)
-    if router_rng is not None:
+    if router_rng is not None and auto:
+        _state["router_auto"] = True
+        try:  # a default, not asked for: where SGLang's router GEMMs are not found, keep them
+            install_router(router_rng, router_cfg)
+        except Exception as exc:  # noqa: BLE001 (an import of SGLang's module may raise more)
+            logger.warning("sglang-ddtree: %s=%s: SGLang's MoE router GEMMs kept (%r)",
+                           ROUTER_ENV, ROUTER_AUTO, exc)
+            _state["router_auto"] = False
+            _state["pdl"] = check_pdl(environ, rng is not None)
+            router_rng = None
+    elif router_rng is not None:
         install_router(router_rng, router_cfg)
     return rng is not None or router_rng is not None

@@ -125,10 +125,11 @@ def _register() -> None:
 
 
 def _maybe_install_skinny_gemm() -> None:
-    """Opt-in (SGLANG_DDTREE_SKINNY_GEMM / SGLANG_DDTREE_ROUTER_GEMM, with
-    SGLANG_DDTREE_SKINNY_PDL, see dense_hook): in every
-    process, before the model runs. A bad value or an SGLang linear method or router GEMM that
-    does not fit raises SkinnyGemmHookError: no fallback."""
+    """SGLANG_DDTREE_SKINNY_GEMM / SGLANG_DDTREE_ROUTER_GEMM, with SGLANG_DDTREE_SKINNY_PDL (see
+    dense_hook; a DDTREE server's schedulers inherit SGLANG_DDTREE_ROUTER_GEMM=auto where it was
+    unset, spec_algo.export_router_default): in every process, before the model runs. A bad
+    value, or an SGLang linear method or router GEMM that does not fit a value asked for, raises
+    SkinnyGemmHookError: no fallback (auto keeps SGLang's router GEMMs, with a warning)."""
     import os
 
     if not (os.environ.get("SGLANG_DDTREE_SKINNY_GEMM")

@@ -181,6 +181,7 @@ def make_spec_class(base, handle_dflash_server_args):
                 os.environ[cfg.ENV_BUDGET] = str(tree_cfg.budget)
             else:  # schedulers must see 'auto' too (and the table, inherited with the env)
                 os.environ[cfg.ENV_BUDGET] = cfg.AUTO_BUDGET
+            export_router_default()
             logger.info(
                 "DDTREE: budget=%s topk=%d block_size=%d verify_width=%d "
                 "speculative_num_draft_tokens=%d",
@@ -196,6 +197,19 @@ def make_spec_class(base, handle_dflash_server_args):
 
     DDTreeSpecAlgo.__name__ = DDTreeSpecAlgo.__qualname__ = "DDTreeSpecAlgo"
     return DDTreeSpecAlgo
+
+
+def export_router_default(environ=os.environ) -> bool:
+    """DDTREE's default for the MoE router's GEMM: ``SGLANG_DDTREE_ROUTER_GEMM=auto`` where the
+    operator left it unset or empty, exported for the schedulers (they install it when the
+    plugin loads there; ``dense_hook``: our skinny GEMM under PDL for the verify's 12-32 rows on
+    sm_90 GPUs, SGLang's elsewhere). Returns whether it was set here; other values are kept."""
+    from .dense_hook import ROUTER_AUTO, ROUTER_ENV
+
+    if environ.get(ROUTER_ENV, "").strip():
+        return False
+    environ[ROUTER_ENV] = ROUTER_AUTO
+    return True
 
 
 def verify_widths(num_draft_tokens: int) -> tuple:

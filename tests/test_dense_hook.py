@@ -300,3 +300,114 @@ def test_the_installed_sglangs_tiny_router_gemm_is_named_in_moegate():
     assert f"logits = {attr}(" in inspect.getsource(dsv2.MoEGate.forward)
     assert f"import {attr}" in inspect.getsource(dsv2) or f"{attr} as {attr}" in \
         inspect.getsource(dsv2)
+
+
+def test_router_auto_installs_the_router_with_pdl_by_card(monkeypatch):
+    """SGLANG_DDTREE_ROUTER_GEMM=auto (what DDTREE servers get where it is unset): the router
+    switch's default range and tiles, PDL decided per card unless SGLANG_DDTREE_SKINNY_PDL is
+    set; where SGLang's router GEMMs are not found, a warning and SGLang's path, no error."""
+    dh.uninstall()
+    got = []
+    monkeypatch.setattr(dh, "install_router", lambda rng, cfg: got.append((rng, cfg)) or True)
+    try:
+        assert dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": " Auto "}) is True
+        assert got == [(dh.DEFAULT_ROUTER_RANGE, dh.parse_router_config(""))]
+        assert dh._state["router_auto"] is True and dh._state["pdl"] == dh.ROUTER_AUTO
+        dh.uninstall()
+        assert dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "auto",
+                                 "SGLANG_DDTREE_SKINNY_PDL": "0"}) is True
+        assert dh._state["pdl"] == 0
+    finally:
+        dh.uninstall()
+
+    def missing(*a, **kw):
+        raise dh.SkinnyGemmHookError("SGLANG_DDTREE_ROUTER_GEMM: cannot find it")
+
+    monkeypatch.setattr(dh, "install_router", missing)
+    try:
+        assert dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "auto"}) is False
+        assert dh._state["router_auto"] is False and dh._state["pdl"] == 0
+        with pytest.raises(dh.SkinnyGemmHookError, match="cannot find"):  # asked for: refused
+            dh.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "1"})
+    finally:
+        dh.uninstall()
+    with pytest.raises(dh.SkinnyGemmHookError, match="auto \\(DDTREE's default\\)"):
+        dh.parse_range("x", dh.ROUTER_ENV, dh.DEFAULT_ROUTER_RANGE)
+    with pytest.raises(dh.SkinnyGemmHookError, match="LO-HI"):  # the skinny switch has no auto
+        dh.maybe_install({"SGLANG_DDTREE_SKINNY_GEMM": "auto"})
+
+
+class _FakeCudaRows:
+    """Stands in for a CUDA bf16 activation of ``m`` rows (what _router_call reads of it)."""
+
+    is_cuda = True
+    dtype = torch.bfloat16
+    device = torch.device("cuda", 3)
+
+    def __init__(self, m, k):
+        self.shape = (m, k)
+
+    def dim(self):
+        return 2
+
+    def stride(self, i):
+        return (self.shape[1], 1)[i]
+
+
+def test_router_auto_takes_the_kernel_only_where_the_card_is_sm90(monkeypatch):
+    """Under auto the router's 12-32 rows take the kernel on cards auto_device accepts, and
+    keep SGLang's path (or the skinny switch's, where it is set) on others."""
+    dh.uninstall()
+    taken = []
+    monkeypatch.setattr(dh, "_skinny", lambda holder, w, x, out=None, config=None:
+                        taken.append((x.shape[0], config)) or "kernel")
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: None)  # no CUDA output buffer here
+    w = _w(384, 7168)
+    dh._state.update(router_range=dh.DEFAULT_ROUTER_RANGE, router_auto=True,
+                     router_config=dh.parse_router_config(""))
+    try:
+        for sm90 in (True, False):
+            monkeypatch.setattr(dh, "auto_device", lambda device, ok=sm90: ok)
+            assert dh._router_call(_FakeCudaRows(32, 7168), w, torch.float32) == (
+                "kernel" if sm90 else None)
+            assert dh._router_call(_FakeCudaRows(8, 7168), w, torch.float32) is None
+        assert taken == [(32, dh._state["router_config"])]
+        dh._state["range"] = (17, 32)  # the skinny switch too: it decides off sm_90
+        assert dh._router_call(_FakeCudaRows(32, 7168), w, torch.float32) == "kernel"
+        assert taken[-1] == (32, None)
+    finally:
+        dh.uninstall()
+
+
+def test_router_auto_pdl_follows_the_card(monkeypatch):
+    from sglang_ddtree.triton_kernels import skinny_gemm as sg
+
+    seen = []
+    monkeypatch.setattr(sg, "skinny_gemm", lambda *a, **kw: seen.append(kw["pdl"]))
+    layer = torch.nn.Linear(256, 128, bias=False)
+    layer._ddtree_skinny_counters = torch.zeros(2, dtype=torch.int32)
+    dh._state["pdl"] = dh.ROUTER_AUTO
+    try:
+        for sm90 in (True, False):
+            monkeypatch.setattr(dh, "auto_device", lambda device, ok=sm90: ok)
+            dh._skinny(layer, layer.weight, torch.zeros(3, 256))
+    finally:
+        dh.uninstall()
+    assert seen == [1, 0]
+
+
+def test_auto_device_asks_each_card_once(monkeypatch):
+    from sglang_ddtree.triton_kernels import _device
+
+    asked = []
+    caps = {0: (9, 0), 1: (10, 0), 2: (8, 0)}
+    monkeypatch.setattr(_device, "portable", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda i: asked.append(i) or caps[i])
+    monkeypatch.setattr(dh, "_auto_devices", {})
+    assert [dh.auto_device(torch.device("cuda", i)) for i in (0, 1, 2)] == [True, False, False]
+    n = len(asked)
+    assert dh.auto_device(torch.device("cuda", 0)) and len(asked) == n  # cached
+    monkeypatch.setattr(_device, "portable", lambda device: True)  # the interpreter: never
+    monkeypatch.setattr(dh, "_auto_devices", {})
+    assert not dh.auto_device(torch.device("cuda", 0))

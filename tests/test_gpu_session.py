@@ -292,10 +292,10 @@ def test_costs_serve_the_variant_table_they_wrote(tmp_path, spec, served):
 
 
 def test_routercosts_runs_each_variant_with_its_switches(tmp_path):
-    """routercosts: AR's decode alone, then DDTREE budget 31 as served and with the router's GEMM
-    or the skinny kernel under PDL, each with no AR and to its own JSON (a repeated variant to
-    _r2), in ROUTERCOSTS_VARIANTS' order; AR and the first DDTREE run get the cold-start time;
-    an unknown variant is logged and skipped."""
+    """routercosts: AR's decode alone, then DDTREE budget 31 as served, with the router's GEMM
+    or the skinny kernel under PDL, or with SGLang's router GEMMs, each with no AR and to its
+    own JSON (a repeated variant to _r2), in ROUTERCOSTS_VARIANTS' order; AR and the first
+    DDTREE run get the cold-start time; an unknown variant is logged and skipped."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 143771\n")
@@ -304,22 +304,48 @@ def test_routercosts_runs_each_variant_with_its_switches(tmp_path):
         f.chmod(0o755)
     out = tmp_path / "out"
     env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1",
-           "ROUTERCOSTS_VARIANTS": "ar served router_pdl bogus served skinny_pdl"}
+           "ROUTERCOSTS_VARIANTS": "ar served router_pdl bogus served skinny_pdl router_off"}
     r = subprocess.run(["bash", str(SCRIPT), "routercosts"], cwd=ROOT, env=env,
                        capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
     log = (out / "session.log").read_text()
     calls = [ln for ln in log.splitlines() if "bench_cost_curves.py" in ln]
-    names = ("ar_r1", "served_r1", "router_pdl_r1", "served_r2", "skinny_pdl_r1")
-    limits = (300, 300, 130, 130, 130)
+    names = ("ar_r1", "served_r1", "router_pdl_r1", "served_r2", "skinny_pdl_r1", "router_off_r1")
+    limits = (300, 300, 130, 130, 130, 130)
     assert len(calls) == len(names), log
     for call, name, limit in zip(calls, names, limits):
-        assert f"cost_curves_kimi_l61_b31_{name}_h200.json" in call, call
+        stem = name if name == "ar_r1" else f"b31_{name}"
+        assert f"cost_curves_kimi_l61_{stem}_h200.json" in call, call
         assert "SGLANG_DDTREE_FUSED_MOE=1" in call and f"(limit {limit}s)" in call, call
         assert ("--baselines=" in call) == (name != "ar_r1"), call
         assert ("--timer-budgets 31 " in call) == (name != "ar_r1"), call
     assert "--timer-budgets  --concurrency" in calls[0]  # AR alone: no DDTREE budget
     assert "SGLANG_DDTREE_ROUTER_GEMM=1" in calls[2] and "SGLANG_DDTREE_SKINNY_PDL=1" in calls[2]
     assert "SGLANG_DDTREE_SKINNY_GEMM=1" in calls[4] and "SGLANG_DDTREE_SKINNY_PDL=1" in calls[4]
+    assert "SGLANG_DDTREE_ROUTER_GEMM=0" in calls[5] and "SKINNY" not in calls[5]
     assert all("SGLANG_DDTREE_SKINNY" not in c and "ROUTER" not in c for c in calls[:2] + calls[3:4])
     assert "unknown variant bogus" in log, log
+
+
+def test_routercosts_names_files_by_budget(tmp_path):
+    """ROUTERCOSTS_BUDGETS=15 times budget 15 and names its JSON b15 (session 75's call named
+    budget 15's files b31); AR's file carries no budget."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 143771\n")
+    (fake / "python3").write_text("#!/bin/sh\nexit 0\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1",
+           "ROUTERCOSTS_VARIANTS": "ar served router_pdl", "ROUTERCOSTS_BUDGETS": "15"}
+    r = subprocess.run(["bash", str(SCRIPT), "routercosts"], cwd=ROOT, env=env,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = [ln for ln in (out / "session.log").read_text().splitlines()
+             if "bench_cost_curves.py" in ln]
+    assert len(calls) == 3, calls
+    assert "cost_curves_kimi_l61_ar_r1_h200.json" in calls[0], calls[0]
+    for call, name in zip(calls[1:], ("served_r1", "router_pdl_r1")):
+        assert f"cost_curves_kimi_l61_b15_{name}_h200.json" in call, call
+        assert "--timer-budgets 15 " in call and "b31" not in call, call

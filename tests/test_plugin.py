@@ -136,6 +136,7 @@ def test_handle_server_args_sets_widths(loaded, tmp_path, monkeypatch):
 
     algo = SpeculativeAlgorithm.from_string("DDTREE")
     monkeypatch.setenv(cfg.ENV_BUDGET, "40")
+    monkeypatch.setenv("SGLANG_DDTREE_ROUTER_GEMM", "")  # unset by the operator
     calls = []
     monkeypatch.setattr(type(algo), "handle_server_args", type(algo).handle_server_args)
     sa = _server_args(speculative_draft_model_path=_write_draft(tmp_path))
@@ -149,6 +150,19 @@ def test_handle_server_args_sets_widths(loaded, tmp_path, monkeypatch):
     assert sa.speculative_num_draft_tokens == 41  # max(40 + 1, 16)
     assert sa.speculative_draft_attention_backend == "triton"
     assert os.environ[cfg.ENV_BLOCK_SIZE] == "16"
+    assert os.environ["SGLANG_DDTREE_ROUTER_GEMM"] == "auto"  # restored after the test
+
+
+@pytest.mark.parametrize("value,want", [(None, "auto"), ("", "auto"), (" ", "auto"),
+                                        ("0", "0"), ("1", "1"), ("2-16", "2-16")])
+def test_ddtree_servers_get_the_router_default_unless_set(value, want):
+    """DDTREE's handler exports SGLANG_DDTREE_ROUTER_GEMM=auto for its schedulers where the
+    operator left it unset or empty; a value given is kept (0 turns the router's kernel off)."""
+    from sglang_ddtree import spec_algo
+
+    env = {} if value is None else {"SGLANG_DDTREE_ROUTER_GEMM": value}
+    assert spec_algo.export_router_default(env) is (want == "auto")
+    assert env == {"SGLANG_DDTREE_ROUTER_GEMM": want}
 
 
 @pytest.mark.parametrize("field", ["block_size", "num_hidden_layers"])
@@ -330,6 +344,7 @@ def test_handle_server_args_declares_on_the_0_5_23_record(loaded, tmp_path, monk
 
     monkeypatch.setenv(cfg.ENV_BUDGET, "40")
     monkeypatch.setenv(cfg.ENV_BLOCK_SIZE, "")  # restored after the test
+    monkeypatch.setenv("SGLANG_DDTREE_ROUTER_GEMM", "")
     record = ServerArgs(model_path="m", device="cuda", attention_backend="triton",
                         speculative_draft_model_path=_write_draft(tmp_path),
                         speculative_num_draft_tokens=7)

@@ -7,7 +7,7 @@ router's fp32-output GEMM (SGLang's ``linear_bf16_fp32``) likewise: fp32 out, wi
 SGLang's own (both sum in fp32), untouched outside the range. SGLANG_DDTREE_ROUTER_GEMM: both of
 SGLang's router GEMMs (the tiny one up to 16 rows, ``linear_bf16_fp32`` above) take the kernel in
 its range with the router's config, fp32 out within 1e-4 of the fp32 reference, and a captured
-graph replays them bit for bit."""
+graph replays them bit for bit; its ``auto`` takes the kernel on sm_90 only."""
 from __future__ import annotations
 
 import pytest
@@ -148,3 +148,30 @@ def test_router_switch_graph_replay_is_bitwise(router_hook):
     for _ in range(3):
         graph.replay()
         assert all(torch.equal(y, e) for y, e in zip(ys, eager))
+
+
+def test_router_auto_follows_the_card():
+    """SGLANG_DDTREE_ROUTER_GEMM=auto (DDTREE's default): on sm_90 the router's 12-32 rows take
+    the kernel under PDL, within 1e-4 of the fp32 reference, and fewer rows stay SGLang's bit for
+    bit; on other cards every call stays SGLang's bit for bit."""
+    hook = _dense_hook()
+    hook.uninstall()
+    try:
+        assert hook.maybe_install({"SGLANG_DDTREE_ROUTER_GEMM": "auto"}) is True
+        assert hook._state["router_auto"] and hook._state["pdl"] == hook.ROUTER_AUTO
+        lin_mod, lin_attr = hook._router_target()
+        lin, lin_orig = getattr(lin_mod, lin_attr), hook._state["router"][2]
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert hook.auto_device(torch.device("cuda", torch.cuda.current_device())) == hopper
+        w = _layer(384, 7168, 9).weight
+        for m in (8, 12, 32):
+            x = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+            got, want = lin(x, w), lin_orig(x, w)
+            if hopper and m >= 12:
+                ref = x.float() @ w.float().t()
+                assert ((got - ref).norm() / ref.norm()).item() <= 1e-4, m
+            else:
+                assert torch.equal(got, want), m
+        assert (getattr(w, "_ddtree_skinny_config", None) is not None) == hopper
+    finally:
+        hook.uninstall()
