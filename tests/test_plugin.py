@@ -361,6 +361,7 @@ def test_handle_server_args_declares_on_the_0_5_23_record(loaded, tmp_path, monk
                        "max_running_requests": 48}
     assert record.speculative_num_draft_tokens == 7  # the operator's input stays as given
     assert os.environ[cfg.ENV_BLOCK_SIZE] == "16"
+    assert os.environ["SGLANG_DDTREE_ROUTER_GEMM"] == "auto"
     # SGLang's own upper bound on the draft width follows the resolved value
     assert algo.resolve_max_speculative_num_draft_tokens(record) == 41
 
