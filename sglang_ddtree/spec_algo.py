@@ -203,10 +203,15 @@ def export_router_default(environ=os.environ) -> bool:
     """DDTREE's default for the MoE router's GEMM: ``SGLANG_DDTREE_ROUTER_GEMM=auto`` where the
     operator left it unset or empty, exported for the schedulers (they install it when the
     plugin loads there; ``dense_hook``: our skinny GEMM under PDL for the verify's 12-32 rows on
-    sm_90 GPUs, SGLang's elsewhere). Returns whether it was set here; other values are kept."""
-    from .dense_hook import ROUTER_AUTO, ROUTER_ENV
+    sm_90 GPUs, SGLang's elsewhere). Returns whether it was set here; a value given is kept,
+    checked here first so that a bad one stops the launcher (SkinnyGemmHookError naming the
+    accepted forms) before any scheduler starts."""
+    from .dense_hook import DEFAULT_ROUTER_RANGE, ROUTER_AUTO, ROUTER_ENV, parse_range
 
-    if environ.get(ROUTER_ENV, "").strip():
+    value = environ.get(ROUTER_ENV, "")
+    if value.strip():
+        if value.strip().lower() != ROUTER_AUTO:
+            parse_range(value, ROUTER_ENV, DEFAULT_ROUTER_RANGE)
         return False
     environ[ROUTER_ENV] = ROUTER_AUTO
     return True

@@ -165,6 +165,15 @@ def test_ddtree_servers_get_the_router_default_unless_set(value, want):
     assert env == {"SGLANG_DDTREE_ROUTER_GEMM": want}
 
 
+def test_a_bad_router_value_stops_the_launcher():
+    from sglang_ddtree import dense_hook, spec_algo
+
+    for value in ("bogus", "40-80", "ato"):
+        with pytest.raises(dense_hook.SkinnyGemmHookError, match="auto \\(DDTREE's default\\)"):
+            spec_algo.export_router_default({"SGLANG_DDTREE_ROUTER_GEMM": value})
+    assert spec_algo.export_router_default({"SGLANG_DDTREE_ROUTER_GEMM": "AUTO"}) is False
+
+
 @pytest.mark.parametrize("field", ["block_size", "num_hidden_layers"])
 def test_missing_drafter_fields_are_refused(tmp_path, field):
     from sglang_ddtree import spec_algo
