@@ -77,10 +77,27 @@ def collect_info() -> dict:
                                           config.read_mha_prefix_min_batch()),
             "draft_attention": config.read_draft_attention(),
             "tree_builder": os.environ.get("SGLANG_DDTREE_TREE_BACKEND", "auto"),
+            "router_gemm": router_gemm_setting(),
         }
     except config.DDTreeConfigError as e:  # a bad env value is what the user needs to see
         info["settings"] = {"error": str(e)}
     return info
+
+
+def router_gemm_setting() -> str:
+    """The MoE router's GEMM in DDTREE servers on this machine (``SGLANG_DDTREE_ROUTER_GEMM``,
+    DDTREE's ``auto`` where unset; dense_hook.describe_router)."""
+    from .dense_hook import ROUTER_ENV, describe_router
+
+    capability = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(0)
+    except ImportError:
+        pass
+    return describe_router(os.environ.get(ROUTER_ENV, ""), capability)
 
 
 def request_support() -> dict:

@@ -170,6 +170,29 @@ def auto_device(device: torch.device) -> bool:
     return ok
 
 
+def describe_router(value: str, capability: tuple[int, int] | None) -> str:
+    """What a DDTREE server's router GEMM does for ``SGLANG_DDTREE_ROUTER_GEMM=value`` (unset or
+    empty: DDTREE's ``auto``) on a GPU of ``capability`` (None: no GPU): ``sglang-ddtree
+    info``'s line. A bad value is described, not raised (a diagnostic)."""
+    v = value.strip().lower()
+    if v in ("", ROUTER_AUTO):
+        if capability is None:
+            return (f"{ROUTER_AUTO} (DDTREE's default): no GPU here; {DEFAULT_ROUTER_RANGE[0]}-"
+                    f"{DEFAULT_ROUTER_RANGE[1]} rows on the skinny Triton GEMM under PDL on sm_90")
+        arch = "sm_%d%d" % tuple(capability)
+        if tuple(capability) in AUTO_CAPABILITIES:
+            return (f"{ROUTER_AUTO} (DDTREE's default): {DEFAULT_ROUTER_RANGE[0]}-"
+                    f"{DEFAULT_ROUTER_RANGE[1]} rows on the skinny Triton GEMM under PDL ({arch})")
+        return f"{ROUTER_AUTO} (DDTREE's default): SGLang's router GEMMs ({arch}: not sm_90)"
+    try:
+        rng = parse_range(value, ROUTER_ENV, DEFAULT_ROUTER_RANGE)
+    except SkinnyGemmHookError as exc:
+        return f"error: {exc}"
+    if rng is None:
+        return "off: SGLang's router GEMMs"
+    return f"{rng[0]}-{rng[1]} rows on the skinny Triton GEMM (asked for, any card)"
+
+
 def _counters_for_layer(layer, device: torch.device, n_tiles: int):
     """The call site's own slice of its device's counter buffer (handed out once); ``layer``
     holds it: a module, or the router's weight tensor."""

@@ -411,3 +411,15 @@ def test_auto_device_asks_each_card_once(monkeypatch):
     monkeypatch.setattr(_device, "portable", lambda device: True)  # the interpreter: never
     monkeypatch.setattr(dh, "_auto_devices", {})
     assert not dh.auto_device(torch.device("cuda", 0))
+
+
+def test_describe_router_says_what_ddtree_servers_do():
+    assert dh.describe_router("", (9, 0)) == (
+        "auto (DDTREE's default): 12-32 rows on the skinny Triton GEMM under PDL (sm_90)")
+    assert dh.describe_router(" AUTO ", (10, 0)) == (
+        "auto (DDTREE's default): SGLang's router GEMMs (sm_100: not sm_90)")
+    assert dh.describe_router("", None).startswith("auto (DDTREE's default): no GPU here")
+    assert dh.describe_router("0", (9, 0)) == "off: SGLang's router GEMMs"
+    assert dh.describe_router("2-16", (8, 0)) == (
+        "2-16 rows on the skinny Triton GEMM (asked for, any card)")
+    assert dh.describe_router("bogus", (9, 0)).startswith("error: SGLANG_DDTREE_ROUTER_GEMM=")

@@ -248,6 +248,7 @@ def test_cli_info_reports_registration(loaded, capsys):
     assert "mha_prefix_fa3         not usable: device cpu" in out
     assert "'mla_prefix': 'auto'" in out and "'mha_prefix': 'auto'" in out  # the defaults
     assert "'draft_attention': 'auto'" in out  # SGLANG_DDTREE_DRAFT_ATTENTION's default
+    assert "'router_gemm': \"auto (DDTREE's default): no GPU here" in out
     # per-request features with this release: grammar served, logprobs where SGLang has them
     from sglang_ddtree import compat
 
