@@ -919,11 +919,15 @@ for s in "$@"; do
              # WIDEMLA_COSTS_ARGS adds arguments.) WIDEMLA_COSTS_MOE="SPEC ..." serves every
              # server a variant of the fused-MoE table, written here for this card
              # (scripts/moe_table_variant.py's SPECs), e.g. "32:block_m=32,half_m=1": session
-             # 68's 32-row blocks for the M 17-32 band
-             [ -z "${WIDEMLA_COSTS_MOE:-}" ] || python3 scripts/moe_table_variant.py "$OUT/moe_configs_costs.json" $WIDEMLA_COSTS_MOE >> "$OUT/session.log" 2>&1 || { log "widemlacosts: WIDEMLA_COSTS_MOE refused (above): not run"; continue; }
+             # 68's 32-row blocks for the M 17-32 band. WIDEMLA_COSTS_MOE_DEVICE="NAME" bases
+             # that table on another card's overrides (moe_table_variant.py --device), e.g.
+             # "NVIDIA H100 80GB HBM3" serves an H200 the H100's table (its M 28-32 band on
+             # 32-row blocks since session 70), with or without SPECs
+             COSTS_TABLE_ASKED="${WIDEMLA_COSTS_MOE:-}${WIDEMLA_COSTS_MOE_DEVICE:-}"
+             [ -z "$COSTS_TABLE_ASKED" ] || python3 scripts/moe_table_variant.py ${WIDEMLA_COSTS_MOE_DEVICE:+--device "$WIDEMLA_COSTS_MOE_DEVICE"} "$OUT/moe_configs_costs.json" ${WIDEMLA_COSTS_MOE:-} >> "$OUT/session.log" 2>&1 || { log "widemlacosts: WIDEMLA_COSTS_MOE / _DEVICE refused (above): not run"; continue; }
              kimi61_costs widemla-costs ${COSTS_LIMIT:-560} ${WIDEMLA_COSTS_BUDGETS:-31,32} \
                ${WIDEMLA_COSTS_NAME:-b31_b32} \
-               ${WIDEMLA_COSTS_MOE:+--server-env SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_costs.json} \
+               ${COSTS_TABLE_ASKED:+--server-env SGLANG_DDTREE_MOE_CONFIG=$OUT/moe_configs_costs.json} \
                ${WIDEMLA_COSTS_ARGS:-} ;;
     routercosts) # budget 31's verify on the 61-layer int4 Kimi rank with the MoE router's GEMM
              # on our skinny kernel under PDL (session 65's profile: the 32-row router runs

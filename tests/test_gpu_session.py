@@ -291,6 +291,34 @@ def test_costs_serve_the_variant_table_they_wrote(tmp_path, spec, served):
         assert "no band max_m=33" in log and "refused" in log, log
 
 
+@pytest.mark.parametrize("spec", ["", "48:gate_up.split_k=2"])
+def test_costs_serve_another_cards_table(tmp_path, spec):
+    """WIDEMLA_COSTS_MOE_DEVICE: the costs' table is that card's (here the H100's, whose M 28-32
+    band has 32-row blocks since session 70), with WIDEMLA_COSTS_MOE's SPECs on top if given,
+    and every server gets it; an unknown card's name gives the bands as written."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 143771\n")
+    (fake / "python3").write_text(
+        f'#!/bin/sh\ncase "$1" in scripts/bench_cost_curves.py) exit 0;; esac\n'
+        f'PYTHONPATH= exec {sys.executable} "$@"\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    from sglang_ddtree.triton_kernels import moe_config as mc
+    for device, block_m in (("NVIDIA H100 80GB HBM3", 32), ("NVIDIA H200", 16)):
+        out = tmp_path / f"out{block_m}"
+        env = {"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "DDTREE_SKIP_INSTALL": "1",
+               "WIDEMLA_COSTS_MOE_DEVICE": device, "WIDEMLA_COSTS_MOE": spec}
+        subprocess.run(["bash", str(SCRIPT), "widemlacosts"], cwd=ROOT, env=env,
+                       capture_output=True, timeout=300)
+        log = (out / "session.log").read_text()
+        table = out / "moe_configs_costs.json"
+        assert f"SGLANG_DDTREE_MOE_CONFIG={table}" in log, log
+        assert mc.select_config(30, str(table), None).block_m == block_m, device
+        if spec:
+            assert mc.select_config(48, str(table), None).gate_up.split_k == 2
+
+
 def test_routercosts_runs_each_variant_with_its_switches(tmp_path):
     """routercosts: AR's decode alone, then DDTREE budget 31 as served, with the router's GEMM
     or the skinny kernel under PDL, or with SGLang's router GEMMs, each with no AR and to its
