@@ -127,6 +127,15 @@ def parse_range(value: str, env: str = ENV_SWITCH,
                               f"token rows with 1 <= LO <= HI <= {MAX_M}")
 
 
+def parse_router(value: str):
+    """``SGLANG_DDTREE_ROUTER_GEMM``'s value: ``ROUTER_AUTO`` for ``auto`` (any case, spaces
+    ignored), else :func:`parse_range`'s (None for off, ``(lo, hi)``; raises naming the forms,
+    ``auto`` among them). Unset or empty is off here: DDTREE's launcher exports ``auto``."""
+    if value.strip().lower() == ROUTER_AUTO:
+        return ROUTER_AUTO
+    return parse_range(value, ROUTER_ENV, DEFAULT_ROUTER_RANGE)
+
+
 def parse_router_config(value: str):
     """``block_n,block_k,split_k[,num_warps[,num_stages]]`` (empty: ``ROUTER_CONFIG``) -> a
     SkinnyConfig; raises naming the form. Whether it tiles a router is checked at install."""
@@ -161,11 +170,11 @@ def auto_device(device: torch.device) -> bool:
     key = device.index if device.index is not None else torch.cuda.current_device()
     ok = _auto_devices.get(key)
     if ok is None:
-        ok = (not _device.portable(device)
-              and torch.cuda.get_device_capability(key) in AUTO_CAPABILITIES)
+        capability = torch.cuda.get_device_capability(key)
+        ok = not _device.portable(device) and capability in AUTO_CAPABILITIES
         _auto_devices[key] = ok
         logger.info("sglang-ddtree: %s=%s on cuda:%d (sm_%d%d): the MoE router's GEMM %s",
-                    ROUTER_ENV, ROUTER_AUTO, key, *torch.cuda.get_device_capability(key),
+                    ROUTER_ENV, ROUTER_AUTO, key, *capability,
                     "takes the skinny Triton GEMM under PDL" if ok else "stays SGLang's")
     return ok
 
@@ -174,8 +183,11 @@ def describe_router(value: str, capability: tuple[int, int] | None) -> str:
     """What a DDTREE server's router GEMM does for ``SGLANG_DDTREE_ROUTER_GEMM=value`` (unset or
     empty: DDTREE's ``auto``) on a GPU of ``capability`` (None: no GPU): ``sglang-ddtree
     info``'s line. A bad value is described, not raised (a diagnostic)."""
-    v = value.strip().lower()
-    if v in ("", ROUTER_AUTO):
+    try:
+        rng = parse_router(value) if value.strip() else ROUTER_AUTO
+    except SkinnyGemmHookError as exc:
+        return f"error: {exc}"
+    if rng == ROUTER_AUTO:
         if capability is None:
             return (f"{ROUTER_AUTO} (DDTREE's default): no GPU here; {DEFAULT_ROUTER_RANGE[0]}-"
                     f"{DEFAULT_ROUTER_RANGE[1]} rows on the skinny Triton GEMM under PDL on sm_90")
@@ -184,10 +196,6 @@ def describe_router(value: str, capability: tuple[int, int] | None) -> str:
             return (f"{ROUTER_AUTO} (DDTREE's default): {DEFAULT_ROUTER_RANGE[0]}-"
                     f"{DEFAULT_ROUTER_RANGE[1]} rows on the skinny Triton GEMM under PDL ({arch})")
         return f"{ROUTER_AUTO} (DDTREE's default): SGLang's router GEMMs ({arch}: not sm_90)"
-    try:
-        rng = parse_range(value, ROUTER_ENV, DEFAULT_ROUTER_RANGE)
-    except SkinnyGemmHookError as exc:
-        return f"error: {exc}"
     if rng is None:
         return "off: SGLang's router GEMMs"
     return f"{rng[0]}-{rng[1]} rows on the skinny Triton GEMM (asked for, any card)"
@@ -461,9 +469,10 @@ def maybe_install(environ=os.environ) -> bool:
     from .triton_kernels import skinny_gemm as sg
 
     rng = parse_range(environ.get(ENV_SWITCH, ""))
-    auto = environ.get(ROUTER_ENV, "").strip().lower() == ROUTER_AUTO
-    router_rng = DEFAULT_ROUTER_RANGE if auto else parse_range(
-        environ.get(ROUTER_ENV, ""), ROUTER_ENV, DEFAULT_ROUTER_RANGE)
+    router_rng = parse_router(environ.get(ROUTER_ENV, ""))
+    auto = router_rng == ROUTER_AUTO
+    if auto:
+        router_rng = DEFAULT_ROUTER_RANGE
     router_cfg = parse_router_config(environ.get(ROUTER_CONFIG_ENV, ""))
     pdl = check_pdl(environ, rng is not None or router_rng is not None)
     if auto and not environ.get(sg.PDL_ENV, "").strip():

@@ -206,12 +206,11 @@ def export_router_default(environ=os.environ) -> bool:
     sm_90 GPUs, SGLang's elsewhere). Returns whether it was set here; a value given is kept,
     checked here first so that a bad one stops the launcher (SkinnyGemmHookError naming the
     accepted forms) before any scheduler starts."""
-    from .dense_hook import DEFAULT_ROUTER_RANGE, ROUTER_AUTO, ROUTER_ENV, parse_range
+    from .dense_hook import ROUTER_AUTO, ROUTER_ENV, parse_router
 
     value = environ.get(ROUTER_ENV, "")
     if value.strip():
-        if value.strip().lower() != ROUTER_AUTO:
-            parse_range(value, ROUTER_ENV, DEFAULT_ROUTER_RANGE)
+        parse_router(value)
         return False
     environ[ROUTER_ENV] = ROUTER_AUTO
     return True
