@@ -947,7 +947,7 @@ for s in "$@"; do
              # (8.23 ms at budget 31, slower); next: "ar served router_off served router_off"
              cold=${ROUTERCOSTS_COLD:-170} first_tree=1
              declare -A runs=()  # runs of each variant so far
-             costs_b31() {  # costs_b31 NAME [--baselines= --server-env K=V ...]; JSON stem
+             router_costs() {  # router_costs NAME [--baselines= --server-env K=V ...]; JSON stem
                # ar_rK for AR, bBUDGETS_NAME_rK (ROUTERCOSTS_BUDGETS, default 31; commas -> _)
                local name=$1 lim=${ROUTERCOSTS_LIMIT:-130} budgets=${ROUTERCOSTS_BUDGETS:-31}; shift
                local k=$(( ${runs[$name]:-0} + 1 )); runs[$name]=$k
@@ -961,13 +961,13 @@ for s in "$@"; do
              }
              for v in ${ROUTERCOSTS_VARIANTS:-ar served router_off}; do
                case $v in
-                 ar) costs_b31 ar ;;
-                 served) costs_b31 served --baselines= ;;
-                 router_off) costs_b31 router_off --baselines= \
+                 ar) router_costs ar ;;
+                 served) router_costs served --baselines= ;;
+                 router_off) router_costs router_off --baselines= \
                    --server-env SGLANG_DDTREE_ROUTER_GEMM=0 ;;
-                 router_pdl) costs_b31 router_pdl --baselines= \
+                 router_pdl) router_costs router_pdl --baselines= \
                    --server-env SGLANG_DDTREE_ROUTER_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
-                 skinny_pdl) costs_b31 skinny_pdl --baselines= \
+                 skinny_pdl) router_costs skinny_pdl --baselines= \
                    --server-env SGLANG_DDTREE_SKINNY_GEMM=1 --server-env SGLANG_DDTREE_SKINNY_PDL=1 ;;
                  *) log "routercosts: unknown variant $v (ar, served, router_off, router_pdl, skinny_pdl): not run" ;;
                esac

@@ -28,15 +28,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _keep_router_switch():
-    """DDTREE's server-args handler exports SGLANG_DDTREE_ROUTER_GEMM=auto (for its schedulers);
-    a test that runs it must not leave it to the next test's plugin registration."""
-    before = os.environ.get("SGLANG_DDTREE_ROUTER_GEMM")
-    yield
-    if before is None:
-        os.environ.pop("SGLANG_DDTREE_ROUTER_GEMM", None)
-    else:
-        os.environ["SGLANG_DDTREE_ROUTER_GEMM"] = before
