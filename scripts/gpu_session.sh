@@ -318,7 +318,10 @@ for s in "$@"; do
              # one server at a time (it fills an 80 GB H100 alone). Session 70's call (400 s)
              # profiled AR only before its limit: KIMI_PROFILE_METHODS=ddtree profiles the
              # DDTREE server alone, for profile_step.py --compare against
-             # bench_results/profile_step_kimi_l61_ar_partial_h100_s70.json
+             # bench_results/profile_step_kimi_l61_ar_partial_h100_s70.json. Budgets 15 and 31
+             # in one call (KIMI_PROFILE_BUDGETS=15,31) give the kernels behind the step from
+             # a verify that meets the issue's 1.15 (budget 15 on an H100) to one that does not
+             # (--compare ... --pairs ddtree_b15:ddtree_b31)
              step kimi-profile61 ${PROFILE_LIMIT:-450} python3 scripts/profile_step.py \
                --out "$OUT/profile_step_kimi_l61_h200.json" --dummy --serial \
                --target bench_assets/model-configs/kimi-k2.6-tp8rank-l61-int4-rankvocab \
@@ -935,7 +938,7 @@ for s in "$@"; do
              # the skinny kernel on every wide-K dense GEMM of 17-32 rows under PDL, against the
              # budget as served, in one lease (ROUTERCOSTS_BUDGETS: another budget). Variants
              # (ROUTERCOSTS_VARIANTS, in order; a name may repeat, each run to its own JSON,
-             # ..._b31_NAME_rK, AR's ..._ar_rK): ar (AR's decode alone), served (since session
+             # ..._bBUDGETS_NAME_rK, AR's ..._ar_rK): ar (AR's decode alone), served (since session
              # 75 the router's GEMM on our kernel under PDL on sm_90: DDTREE's auto),
              # router_off (SGLANG_DDTREE_ROUTER_GEMM=0: SGLang's router GEMMs), router_pdl
              # (the switches given), skinny_pdl, each DDTREE one with no AR. ROUTERCOSTS_LIMIT
