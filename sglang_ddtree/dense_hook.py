@@ -188,14 +188,15 @@ def describe_router(value: str, capability: tuple[int, int] | None) -> str:
     except SkinnyGemmHookError as exc:
         return f"error: {exc}"
     if rng == ROUTER_AUTO:
+        head = f"{ROUTER_AUTO} (DDTREE's default)"
+        rows = (f"{DEFAULT_ROUTER_RANGE[0]}-{DEFAULT_ROUTER_RANGE[1]} rows on the skinny "
+                "Triton GEMM under PDL")
         if capability is None:
-            return (f"{ROUTER_AUTO} (DDTREE's default): no GPU here; {DEFAULT_ROUTER_RANGE[0]}-"
-                    f"{DEFAULT_ROUTER_RANGE[1]} rows on the skinny Triton GEMM under PDL on sm_90")
+            return f"{head}: no GPU here; {rows} on sm_90"
         arch = "sm_%d%d" % tuple(capability)
         if tuple(capability) in AUTO_CAPABILITIES:
-            return (f"{ROUTER_AUTO} (DDTREE's default): {DEFAULT_ROUTER_RANGE[0]}-"
-                    f"{DEFAULT_ROUTER_RANGE[1]} rows on the skinny Triton GEMM under PDL ({arch})")
-        return f"{ROUTER_AUTO} (DDTREE's default): SGLang's router GEMMs ({arch}: not sm_90)"
+            return f"{head}: {rows} ({arch})"
+        return f"{head}: SGLang's router GEMMs ({arch}: not sm_90)"
     if rng is None:
         return "off: SGLang's router GEMMs"
     return f"{rng[0]}-{rng[1]} rows on the skinny Triton GEMM (asked for, any card)"
